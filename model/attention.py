@@ -1,0 +1,216 @@
+"""Attention over a paged KV cache.
+
+The cache is a pool of fixed-size blocks per layer. A sequence owns an append-only list of
+block ids (its block table); token t of the sequence lives in slot
+`block_table[t // block_size] * block_size + t % block_size`. One forward runs a flattened
+batch of T new tokens from B sequences, each contributing `query_len` tokens (a prefill
+chunk, or 1 for a decode) on top of what it already has cached. AttentionMetadata carries
+everything attention needs about that batch; the model itself never sees the scheduler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from model.config import ModelConfig
+
+
+class PagedKVCache:
+    """K and V block pools for every layer: (2, n_layers, num_blocks, block_size, n_kv, d_head)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(
+                f"num_blocks and block_size must be > 0, got {num_blocks}, {block_size}"
+            )
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (2, cfg.n_layers, num_blocks, block_size, cfg.kv_heads, cfg.head_dim)
+        self.data = torch.zeros(shape, dtype=dtype, device=device)
+
+    def layer(self, i: int) -> tuple[Tensor, Tensor]:
+        return self.data[0, i], self.data[1, i]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    positions: Tensor  # (T,) absolute position of every new token
+    query_lens: list[int]  # new tokens per sequence, sums to T
+    seq_lens: list[int]  # context per sequence after this step (cached + new)
+    mask: Tensor  # (B, max_q, max_seq) bool: query i of seq b may see key j
+    q_pos: Tensor  # (B, max_q) absolute position of each (padded) query row
+    slot_mapping: Tensor | None = None  # (T,) flat cache slot of each new token
+    block_tables: Tensor | None = None  # (B, max_blocks) block ids, padded with 0
+    q_index: Tensor | None = None  # (T,) row in the padded (B * max_q) layout; None: no padding
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def max_query_len(self) -> int:
+        return self.mask.shape[1]
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.mask.shape[2]
+
+    @classmethod
+    def dense(cls, num_tokens: int, device: torch.device | str = "cpu") -> AttentionMetadata:
+        """One sequence of `num_tokens` new tokens, no cache: plain causal attention."""
+        return cls._build([0], [num_tokens], device)
+
+    @classmethod
+    def paged(
+        cls,
+        block_tables: Sequence[Sequence[int]],
+        cached_lens: Sequence[int],
+        query_lens: Sequence[int],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        """A batch over the paged cache: sequence b already has cached_lens[b] tokens and
+        adds query_lens[b] new ones; its block table must cover the new total."""
+        meta = cls._build(cached_lens, query_lens, device)
+        slots: list[int] = []
+        for table, start, n in zip(block_tables, cached_lens, query_lens, strict=True):
+            if (start + n + block_size - 1) // block_size > len(table):
+                raise ValueError(
+                    f"block table of {len(table)} blocks cannot hold {start + n} tokens"
+                )
+            slots.extend(
+                table[p // block_size] * block_size + p % block_size
+                for p in range(start, start + n)
+            )
+        width = max(len(t) for t in block_tables)
+        padded = [list(t) + [0] * (width - len(t)) for t in block_tables]
+        meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
+        meta.block_tables = torch.tensor(padded, dtype=torch.long, device=device)
+        return meta
+
+    @classmethod
+    def _build(
+        cls, cached_lens: Sequence[int], query_lens: Sequence[int], device: torch.device | str
+    ) -> AttentionMetadata:
+        if len(cached_lens) != len(query_lens) or not query_lens:
+            raise ValueError("need one cached length and one query length per sequence")
+        if min(query_lens) <= 0:
+            raise ValueError("every sequence needs at least one new token")
+        seq_lens = [c + q for c, q in zip(cached_lens, query_lens, strict=True)]
+        max_q, max_s = max(query_lens), max(seq_lens)
+        positions = torch.cat(
+            [
+                torch.arange(c, c + q, dtype=torch.long)
+                for c, q in zip(cached_lens, query_lens, strict=True)
+            ]
+        )
+        cached_t = torch.tensor(list(cached_lens), dtype=torch.long)
+        seq_t = torch.tensor(seq_lens, dtype=torch.long)
+        q_pos = cached_t[:, None] + torch.arange(max_q)[None, :]  # (B, max_q)
+        k_pos = torch.arange(max_s)
+        # Padded query rows (i >= query_len) still see every valid key, so no row is empty.
+        mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (
+            k_pos[None, None, :] < seq_t[:, None, None]
+        )
+        q_index = None
+        if min(query_lens) != max_q:
+            q_index = torch.cat(
+                [b * max_q + torch.arange(q, dtype=torch.long) for b, q in enumerate(query_lens)]
+            ).to(device)
+        return cls(
+            positions=positions.to(device),
+            query_lens=list(query_lens),
+            seq_lens=seq_lens,
+            mask=mask.to(device),
+            q_pos=q_pos.to(device),
+            q_index=q_index,
+        )
+
+
+def alibi_bias(meta: AttentionMetadata, slopes: Tensor) -> Tensor:
+    """(B, H, max_q, max_seq) additive bias: -slope * distance, -inf where masked."""
+    k_pos = torch.arange(meta.max_seq_len, device=meta.q_pos.device)
+    dist = (meta.q_pos[:, :, None] - k_pos[None, None, :]).float()  # (B, max_q, S)
+    bias = -slopes.to(dist.device)[None, :, None, None] * dist[:, None]
+    return bias.masked_fill(~meta.mask[:, None], float("-inf"))
+
+
+class Attention(nn.Module):
+    """Multi-head attention with grouped K/V heads (MHA, GQA, MQA), fused QKV projection."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.d_head = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        qkv_out = (self.n_heads + 2 * self.n_kv) * self.d_head
+        self.wqkv = nn.Linear(cfg.d_model, qkv_out, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(self.n_heads * self.d_head, cfg.d_model, bias=cfg.attn_out_bias)
+
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        t = x.shape[0]
+        q, k, v = self.wqkv(x).split(
+            [self.n_heads * self.d_head, self.n_kv * self.d_head, self.n_kv * self.d_head], dim=-1
+        )
+        return (
+            q.view(t, self.n_heads, self.d_head),  # (T, H, dh)
+            k.view(t, self.n_kv, self.d_head),  # (T, KV, dh)
+            v.view(t, self.n_kv, self.d_head),
+        )
+
+    def attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        meta: AttentionMetadata,
+        cache: tuple[Tensor, Tensor] | None,
+        bias: Tensor | None,
+    ) -> Tensor:
+        """q: (T, H, dh), k/v: (T, KV, dh) for the new tokens -> (T, H * dh)."""
+        b, max_q, group = meta.num_seqs, meta.max_query_len, self.n_heads // self.n_kv
+        if cache is None:
+            keys, values = k.unsqueeze(0), v.unsqueeze(0)  # (1, T, KV, dh)
+        else:
+            k_cache, v_cache = cache  # (num_blocks, block_size, KV, dh)
+            flat_k = k_cache.view(-1, self.n_kv, self.d_head)
+            flat_v = v_cache.view(-1, self.n_kv, self.d_head)
+            flat_k.index_copy_(0, meta.slot_mapping, k)
+            flat_v.index_copy_(0, meta.slot_mapping, v)
+            keys = k_cache[meta.block_tables].flatten(1, 2)[:, : meta.max_seq_len]  # (B, S, KV, dh)
+            values = v_cache[meta.block_tables].flatten(1, 2)[:, : meta.max_seq_len]
+        if meta.q_index is None:
+            qp = q.view(b, max_q, self.n_heads, self.d_head)
+        else:
+            qp = q.new_zeros(b * max_q, self.n_heads, self.d_head)
+            qp.index_copy_(0, meta.q_index, q)
+            qp = qp.view(b, max_q, self.n_heads, self.d_head)
+        # Fold the query heads that share a K/V head into the row axis, so K/V are never
+        # repeated: (B, max_q, KV*G, dh) -> (B, KV, G*max_q, dh).
+        qg = qp.view(b, max_q, self.n_kv, group, self.d_head).permute(0, 2, 3, 1, 4)
+        qg = qg.reshape(b, self.n_kv, group * max_q, self.d_head)
+        if bias is None:
+            mask = meta.mask[:, None, None].expand(b, 1, group, max_q, meta.max_seq_len)
+            mask = mask.reshape(b, 1, group * max_q, meta.max_seq_len)
+        else:  # (B, H, max_q, S) -> (B, KV, G*max_q, S)
+            mask = bias.to(q.dtype).reshape(b, self.n_kv, group * max_q, meta.max_seq_len)
+        out = F.scaled_dot_product_attention(
+            qg, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask
+        )  # (B, KV, G*max_q, dh)
+        out = out.view(b, self.n_kv, group, max_q, self.d_head).permute(0, 3, 1, 2, 4)
+        out = out.reshape(b * max_q, self.n_heads * self.d_head)
+        return out if meta.q_index is None else out.index_select(0, meta.q_index)

@@ -1,0 +1,129 @@
+"""Memory audit from a config alone: parameters by component, weight and KV-cache bytes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from model.config import ModelConfig
+
+DTYPE_BYTES = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8": 1,
+    "int8": 1,
+}
+
+
+def dtype_bytes(dtype: str) -> int:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+    return DTYPE_BYTES[name]
+
+
+@dataclass(frozen=True, slots=True)
+class ParamCounts:
+    embedding: int  # token embedding (+ learned position table)
+    attention: int  # all blocks
+    ffn: int  # all blocks
+    norms: int  # all blocks + final norm
+    head: int  # 0 when tied to the embedding
+    per_block: int
+    per_block_attention: int
+    per_block_ffn: int
+    per_block_norms: int
+    position_embedding: int
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.attention + self.ffn + self.norms + self.head
+
+    @property
+    def non_embedding(self) -> int:
+        """Everything but the token and position embeddings (an untied head counts)."""
+        return self.total - self.embedding
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "embedding": self.embedding,
+            "attention": self.attention,
+            "ffn": self.ffn,
+            "norms": self.norms,
+            "head": self.head,
+            "total": self.total,
+            "non_embedding": self.non_embedding,
+        }
+
+
+def count_params(cfg: ModelConfig) -> ParamCounts:
+    d, h, kv, dh = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
+    attn = d * (h + 2 * kv) * dh + h * dh * d
+    if cfg.qkv_bias:
+        attn += (h + 2 * kv) * dh
+    if cfg.attn_out_bias:
+        attn += d
+    gated = 2 if cfg.ffn == "swiglu" else 1
+    ffn = gated * d * cfg.d_ff + cfg.d_ff * d
+    if cfg.mlp_bias:
+        ffn += gated * cfg.d_ff + d
+    norm = d * (2 if cfg.norm == "layernorm" else 1)
+    block_norms = 2 * norm
+    pos = cfg.max_position * d if cfg.position == "learned" else 0
+    per_block = attn + ffn + block_norms
+    return ParamCounts(
+        embedding=cfg.vocab_size * d + pos,
+        attention=attn * cfg.n_layers,
+        ffn=ffn * cfg.n_layers,
+        norms=block_norms * cfg.n_layers + (norm if cfg.norm_placement == "pre" else 0),
+        head=0 if cfg.tie_embeddings else cfg.vocab_size * d,
+        per_block=per_block,
+        per_block_attention=attn,
+        per_block_ffn=ffn,
+        per_block_norms=block_norms,
+        position_embedding=pos,
+    )
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: str = "float16") -> int:
+    """K and V for one token across all layers."""
+    return 2 * cfg.kv_heads * cfg.head_dim * dtype_bytes(dtype) * cfg.n_layers
+
+
+def weight_bytes(cfg: ModelConfig, dtype: str) -> int:
+    return count_params(cfg).total * dtype_bytes(dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryAudit:
+    params: ParamCounts
+    dtype: str
+    weight_bytes: int
+    kv_bytes_per_token: int
+    kv_pool_bytes: int | None = None  # what the serving KV pool holds, when known
+
+    @property
+    def kv_pool_tokens(self) -> int | None:
+        if self.kv_pool_bytes is None:
+            return None
+        return self.kv_pool_bytes // self.kv_bytes_per_token
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "parameters": self.params.as_dict(),
+            "dtype": self.dtype,
+            "weight_bytes": self.weight_bytes,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "kv_pool_bytes": self.kv_pool_bytes,
+            "kv_pool_tokens": self.kv_pool_tokens,
+        }
+
+
+def audit(cfg: ModelConfig, dtype: str, kv_pool_bytes: int | None = None) -> MemoryAudit:
+    return MemoryAudit(
+        params=count_params(cfg),
+        dtype=dtype,
+        weight_bytes=weight_bytes(cfg, dtype),
+        kv_bytes_per_token=kv_bytes_per_token(cfg, dtype),
+        kv_pool_bytes=kv_pool_bytes,
+    )

@@ -1,0 +1,271 @@
+"""ModelConfig: every architectural choice of the decoder-only transformer.
+
+One frozen dataclass covers the Llama family (RMSNorm, RoPE, SwiGLU, GQA), Qwen2
+(q/k/v bias) and GPT-2 / 2017-style models (LayerNorm, learned or sinusoidal positions,
+GELU, biases, post-norm), plus ALiBi. `from_hf_config` reads transformers' config.json
+in both its 4.x (`torch_dtype`, `rope_theta`, `rope_scaling`) and 5.x (`dtype`,
+`rope_parameters`) forms.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+NORMS = ("rmsnorm", "layernorm")
+PLACEMENTS = ("pre", "post")
+FFNS = ("swiglu", "gelu", "gelu_tanh", "relu")
+POSITIONS = ("rope", "learned", "sinusoidal", "alibi")
+
+# transformers' activation names -> our FFN kinds (for non-gated MLPs)
+_HF_ACTIVATIONS = {
+    "gelu": "gelu",
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+    "relu": "relu",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """Llama-3 style frequency-dependent RoPE scaling."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.factor <= 0:
+            raise ValueError(f"rope_scaling.factor must be > 0, got {self.factor}")
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                "rope_scaling.high_freq_factor must exceed low_freq_factor, got "
+                f"{self.high_freq_factor} <= {self.low_freq_factor}"
+            )
+        if self.original_max_position <= 0:
+            raise ValueError("rope_scaling.original_max_position must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    d_ff: int
+    n_kv_heads: int | None = None  # None -> MHA (= n_heads); 1 -> MQA
+    d_head: int | None = None  # None -> d_model // n_heads
+    max_position: int = 2048  # the model's context length
+    norm: str = "rmsnorm"
+    norm_eps: float = 1e-5
+    norm_placement: str = "pre"
+    ffn: str = "swiglu"
+    position: str = "rope"
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    qkv_bias: bool = False
+    attn_out_bias: bool = False
+    mlp_bias: bool = False
+    tie_embeddings: bool = True
+    name: str = "kvserve-model"
+    architecture: str = "native"
+    torch_dtype: str = "float32"  # the dtype the checkpoint was saved in
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_position"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        _choice("norm", self.norm, NORMS)
+        _choice("norm_placement", self.norm_placement, PLACEMENTS)
+        _choice("ffn", self.ffn, FFNS)
+        _choice("position", self.position, POSITIONS)
+        if self.n_kv_heads is not None and (self.n_kv_heads <= 0 or self.n_heads % self.n_kv_heads):
+            raise ValueError(
+                f"n_kv_heads must divide n_heads ({self.n_heads}), got {self.n_kv_heads}"
+            )
+        if self.d_head is None and self.d_model % self.n_heads:
+            raise ValueError(
+                f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}) "
+                "unless d_head is given"
+            )
+        if self.d_head is not None and self.d_head <= 0:
+            raise ValueError(f"d_head must be > 0, got {self.d_head}")
+        if self.position == "rope" and self.head_dim % 2:
+            raise ValueError(f"d_head must be even for RoPE, got {self.head_dim}")
+        if self.position == "sinusoidal" and self.d_model % 2:
+            raise ValueError(f"d_model must be even for sinusoidal positions, got {self.d_model}")
+        if self.rope_theta <= 0:
+            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
+        if self.norm_eps <= 0:
+            raise ValueError(f"norm_eps must be > 0, got {self.norm_eps}")
+        for tok in self.eos_token_ids:
+            if not 0 <= tok < self.vocab_size:
+                raise ValueError(f"eos_token_ids: {tok} is outside the vocabulary")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_head if self.d_head is not None else self.d_model // self.n_heads
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["eos_token_ids"] = list(self.eos_token_ids)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        data = dict(data)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown config field(s): {', '.join(unknown)}")
+        if data.get("rope_scaling") is not None:
+            data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
+        data["eos_token_ids"] = tuple(data.get("eos_token_ids") or ())
+        return cls(**data)
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
+        """Build from a transformers config.json dict (4.x or 5.x form)."""
+        archs = hf.get("architectures") or []
+        arch = archs[0] if archs else hf.get("model_type", "")
+        reader = _HF_READERS.get(arch) or _HF_READERS.get(hf.get("model_type", ""))
+        if reader is None:
+            supported = ", ".join(sorted(k for k in _HF_READERS if k[0].isupper()))
+            raise ValueError(f"unknown architecture {arch!r}; supported: {supported}")
+        return reader(hf)
+
+
+def _choice(name: str, value: str, options: tuple[str, ...]) -> None:
+    if value not in options:
+        raise ValueError(f"{name} must be one of {options}, got {value!r}")
+
+
+def _require(hf: dict[str, Any], key: str) -> Any:
+    if key not in hf or hf[key] is None:
+        raise ValueError(f"config.json: missing field {key!r}")
+    return hf[key]
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _hf_dtype(hf: dict[str, Any]) -> str:
+    dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    return str(dtype).removeprefix("torch.")
+
+
+def _hf_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """RoPE theta and scaling from `rope_parameters` (5.x) or `rope_theta`/`rope_scaling` (4.x)."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or params
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if kind in (None, "default"):
+        return theta, None
+    if kind != "llama3":
+        raise ValueError(f"config.json: rope scaling type {kind!r} is not supported (llama3 is)")
+    return theta, RopeScaling(
+        factor=float(scaling["factor"]),
+        low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+        original_max_position=int(scaling.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _read_llama_like(hf: dict[str, Any], *, qkv_bias_default: bool) -> ModelConfig:
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"config.json: hidden_act {act!r} is not supported for gated MLPs")
+    theta, scaling = _hf_rope(hf)
+    attention_bias = bool(hf.get("attention_bias", qkv_bias_default))
+    return ModelConfig(
+        vocab_size=int(_require(hf, "vocab_size")),
+        d_model=int(_require(hf, "hidden_size")),
+        n_layers=int(_require(hf, "num_hidden_layers")),
+        n_heads=int(_require(hf, "num_attention_heads")),
+        n_kv_heads=int(hf.get("num_key_value_heads") or hf["num_attention_heads"]),
+        d_head=hf.get("head_dim"),
+        d_ff=int(_require(hf, "intermediate_size")),
+        max_position=int(hf.get("max_position_embeddings", 2048)),
+        norm="rmsnorm",
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        ffn="swiglu",
+        position="rope",
+        rope_theta=theta,
+        rope_scaling=scaling,
+        qkv_bias=attention_bias,
+        attn_out_bias=bool(hf.get("attention_bias", False)),
+        mlp_bias=bool(hf.get("mlp_bias", False)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        name=str(hf.get("_name_or_path") or hf.get("model_type", "model")),
+        architecture=(hf.get("architectures") or ["LlamaForCausalLM"])[0],
+        torch_dtype=_hf_dtype(hf),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=_eos_ids(hf.get("eos_token_id")),
+    )
+
+
+def _read_llama(hf: dict[str, Any]) -> ModelConfig:
+    return _read_llama_like(hf, qkv_bias_default=False)
+
+
+def _read_qwen2(hf: dict[str, Any]) -> ModelConfig:
+    # Qwen2 always has q/k/v biases and no output bias; it has no attention_bias field.
+    cfg = _read_llama_like({**hf, "attention_bias": False}, qkv_bias_default=False)
+    return cfg.replace(qkv_bias=True, architecture="Qwen2ForCausalLM")
+
+
+def _read_gpt2(hf: dict[str, Any]) -> ModelConfig:
+    act = hf.get("activation_function", "gelu_new")
+    if act not in _HF_ACTIVATIONS:
+        raise ValueError(f"config.json: activation_function {act!r} is not supported")
+    d_model = int(_require(hf, "n_embd"))
+    return ModelConfig(
+        vocab_size=int(_require(hf, "vocab_size")),
+        d_model=d_model,
+        n_layers=int(_require(hf, "n_layer")),
+        n_heads=int(_require(hf, "n_head")),
+        d_ff=int(hf.get("n_inner") or 4 * d_model),
+        max_position=int(hf.get("n_positions", 1024)),
+        norm="layernorm",
+        norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+        ffn=_HF_ACTIVATIONS[act],
+        position="learned",
+        qkv_bias=True,
+        attn_out_bias=True,
+        mlp_bias=True,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        name=str(hf.get("_name_or_path") or "gpt2"),
+        architecture="GPT2LMHeadModel",
+        torch_dtype=_hf_dtype(hf),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=_eos_ids(hf.get("eos_token_id")),
+    )
+
+
+_HF_READERS = {
+    "LlamaForCausalLM": _read_llama,
+    "Qwen2ForCausalLM": _read_qwen2,
+    "GPT2LMHeadModel": _read_gpt2,
+    "llama": _read_llama,
+    "qwen2": _read_qwen2,
+    "gpt2": _read_gpt2,
+}

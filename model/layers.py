@@ -1,0 +1,150 @@
+"""Norms, feed-forward blocks and position encodings."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from model.config import ModelConfig, RopeScaling
+
+
+class RMSNorm(nn.Module):
+    """x * rsqrt(mean(x^2) + eps) * gamma, computed in fp32 (eps inside the root)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with bias, computed in fp32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        w, b = self.weight.float(), self.bias.float()
+        return F.layer_norm(x.float(), (x.shape[-1],), w, b, self.eps).to(x.dtype)
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(cfg.d_model, cfg.norm_eps)
+    return LayerNorm(cfg.d_model, cfg.norm_eps)
+
+
+class SwiGLU(nn.Module):
+    """W_down(silu(W_gate x) * W_up x); gate and up are one fused matmul (gate | up)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.d_ff = cfg.d_ff
+        self.w_in = nn.Linear(cfg.d_model, 2 * cfg.d_ff, bias=cfg.mlp_bias)
+        self.w_out = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.mlp_bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w_in(x).split(self.d_ff, dim=-1)  # (T, d_ff) each
+        return self.w_out(F.silu(gate) * up)
+
+
+_ACTIVATIONS = {
+    "gelu": lambda x: F.gelu(x),
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+class MLP(nn.Module):
+    """Classic two-layer MLP with GELU or ReLU."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.act = _ACTIVATIONS[cfg.ffn]
+        self.w_in = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias)
+        self.w_out = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.mlp_bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w_out(self.act(self.w_in(x)))
+
+
+def make_ffn(cfg: ModelConfig) -> nn.Module:
+    return SwiGLU(cfg) if cfg.ffn == "swiglu" else MLP(cfg)
+
+
+# ---- positions -------------------------------------------------------------------------
+
+
+def rope_inv_freq(d_head: int, theta: float, scaling: RopeScaling | None) -> Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d_head, 2, dtype=torch.float64) / d_head))
+    if scaling is None:
+        return inv_freq.float()
+    # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
+    old = scaling.original_max_position
+    low_wavelen = old / scaling.low_freq_factor
+    high_wavelen = old / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    out = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, blended)
+    out = torch.where(wavelen < high_wavelen, inv_freq, out)
+    return out.float()
+
+
+def rope_tables(cfg: ModelConfig, device: torch.device) -> tuple[Tensor, Tensor]:
+    """cos and sin tables (max_position, d_head) in the HF "rotate half" layout, fp32."""
+    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
+    t = torch.arange(cfg.max_position, device=device, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq)  # (P, d_head/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (P, d_head)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: (T, heads, d_head); cos/sin: (T, d_head) already gathered at the tokens' positions."""
+    cos = cos.unsqueeze(1).to(x.dtype)
+    sin = sin.unsqueeze(1).to(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def sinusoidal_table(max_position: int, d_model: int, device: torch.device) -> Tensor:
+    """The 2017 Transformer's fixed table: sin on even, cos on odd channels."""
+    pos = torch.arange(max_position, dtype=torch.float64, device=device).unsqueeze(1)
+    div = torch.exp(
+        torch.arange(0, d_model, 2, dtype=torch.float64, device=device)
+        * (-math.log(10000.0) / d_model)
+    )
+    table = torch.zeros(max_position, d_model, dtype=torch.float64, device=device)
+    table[:, 0::2] = torch.sin(pos * div)
+    table[:, 1::2] = torch.cos(pos * div)
+    return table.float()
+
+
+def alibi_slopes(n_heads: int) -> Tensor:
+    """Per-head ALiBi slopes (Press et al.), including the non-power-of-two rule."""
+
+    def power_of_two(n: int) -> list[float]:
+        start = 2 ** (-(2 ** -(math.log2(n) - 3)))
+        return [start * start**i for i in range(n)]
+
+    if math.log2(n_heads).is_integer():
+        slopes = power_of_two(n_heads)
+    else:
+        closest = 2 ** math.floor(math.log2(n_heads))
+        slopes = power_of_two(closest) + power_of_two(2 * closest)[0::2][: n_heads - closest]
+    return torch.tensor(slopes, dtype=torch.float32)

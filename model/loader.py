@@ -1,0 +1,47 @@
+"""One call from a model path (or none: the demo model) to a model and its tokenizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from model.demo import DEMO_MODEL_ID, build_demo_model
+from model.tokenizer import Tokenizer, TokenizerError
+from model.transformer import Transformer
+from model.weights import CheckpointError, load_model
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    model: Transformer
+    tokenizer: Tokenizer
+    model_id: str
+
+
+def _has_tokenizer(root: Path) -> bool:
+    return any((root / f).exists() for f in TOKENIZER_FILES) or any(root.glob("*.tiktoken"))
+
+
+def load(model_path: str | Path | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    if model_path is None:
+        return LoadedModel(build_demo_model(dtype, device), Tokenizer.default(), DEMO_MODEL_ID)
+    root = Path(model_path)
+    model = load_model(root, dtype=dtype, device=device)
+    tokenizer = Tokenizer.from_dir(root) if _has_tokenizer(root) else Tokenizer.default()
+    vocab = model.cfg.vocab_size
+    if tokenizer.vocab_size > vocab:
+        source = "its tokenizer" if _has_tokenizer(root) else "the default cl100k_base tokenizer"
+        raise TokenizerError(
+            f"{root}: {source} has {tokenizer.vocab_size} tokens but the model's vocab_size "
+            f"is {vocab}"
+        )
+    if not tokenizer.eos_ids and model.cfg.eos_token_ids:
+        tokenizer.eos_ids = model.cfg.eos_token_ids
+    return LoadedModel(model, tokenizer, root.name)
+
+
+__all__ = ["CheckpointError", "LoadedModel", "TokenizerError", "load"]

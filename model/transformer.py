@@ -1,0 +1,132 @@
+"""Block and Transformer: forward(tokens, meta, kv_cache) -> logits."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from model.attention import Attention, AttentionMetadata, PagedKVCache, alibi_bias
+from model.config import ModelConfig
+from model.layers import (
+    alibi_slopes,
+    apply_rope,
+    make_ffn,
+    make_norm,
+    rope_tables,
+    sinusoidal_table,
+)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.pre_norm = cfg.norm_placement == "pre"
+        self.attn_norm = make_norm(cfg)
+        self.attn = Attention(cfg)
+        self.ffn_norm = make_norm(cfg)
+        self.ffn = make_ffn(cfg)
+
+    def forward(
+        self,
+        x: Tensor,
+        meta: AttentionMetadata,
+        rope: tuple[Tensor, Tensor] | None,
+        cache: tuple[Tensor, Tensor] | None,
+        bias: Tensor | None,
+    ) -> Tensor:
+        h = self.attn_norm(x) if self.pre_norm else x
+        q, k, v = self.attn.project(h)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        x = x + self.attn.wo(self.attn.attend(q, k, v, meta, cache, bias))
+        if not self.pre_norm:
+            x = self.attn_norm(x)
+        h = self.ffn_norm(x) if self.pre_norm else x
+        x = x + self.ffn(h)
+        return x if self.pre_norm else self.ffn_norm(x)
+
+
+class Transformer(nn.Module):
+    """Token embedding -> N blocks -> final norm (pre-norm only) -> LM head."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        if cfg.position == "learned":
+            self.pos_embed = nn.Embedding(cfg.max_position, cfg.d_model)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        if cfg.norm_placement == "pre":
+            self.norm = make_norm(cfg)
+        if not cfg.tie_embeddings:
+            self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.rebuild_tables(self.embed.weight.device)
+
+    def rebuild_tables(self, device: torch.device) -> None:
+        """(Re)compute the fixed position tables on `device` (they are not weights)."""
+        cfg = self.cfg
+        self._rope: tuple[Tensor, Tensor] | None = None
+        self._sinusoidal: Tensor | None = None
+        self._alibi: Tensor | None = None
+        if device.type == "meta":
+            return
+        if cfg.position == "rope":
+            self._rope = rope_tables(cfg, device)
+        elif cfg.position == "sinusoidal":
+            self._sinusoidal = sinusoidal_table(cfg.max_position, cfg.d_model, device)
+        elif cfg.position == "alibi":
+            self._alibi = alibi_slopes(cfg.n_heads).to(device)
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        # .to() / .cuda() move the weights; the position tables follow them.
+        out = super()._apply(fn, recurse)
+        self.rebuild_tables(self.embed.weight.device)
+        return out
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def head_weight(self) -> Tensor:
+        return self.embed.weight if self.cfg.tie_embeddings else self.lm_head.weight
+
+    def forward(
+        self,
+        tokens: Tensor,
+        meta: AttentionMetadata | None = None,
+        kv_cache: PagedKVCache | None = None,
+        logits_indices: Tensor | None = None,
+    ) -> Tensor:
+        """tokens: (T,) new tokens of a flattened batch. Without `meta` the tokens are one
+        sequence with no cache. Returns fp32 logits (T, V), or (len(logits_indices), V)."""
+        if meta is None:
+            meta = AttentionMetadata.dense(tokens.shape[0], tokens.device)
+        if kv_cache is not None and meta.slot_mapping is None:
+            raise ValueError("a KV cache needs paged metadata (slot mapping and block tables)")
+        positions = meta.positions
+        if int(meta.seq_lens and max(meta.seq_lens)) > self.cfg.max_position:
+            raise ValueError(
+                f"sequence of {max(meta.seq_lens)} tokens exceeds the context length "
+                f"{self.cfg.max_position}"
+            )
+        x = self.embed(tokens)  # (T, d)
+        if self.cfg.position == "learned":
+            x = x + self.pos_embed(positions)
+        elif self._sinusoidal is not None:
+            x = x + self._sinusoidal[positions].to(x.dtype)
+        rope = None
+        if self._rope is not None:
+            rope = (self._rope[0][positions], self._rope[1][positions])  # (T, dh) each
+        bias = alibi_bias(meta, self._alibi) if self._alibi is not None else None
+        for i, layer in enumerate(self.layers):
+            cache = kv_cache.layer(i) if kv_cache is not None else None
+            x = layer(x, meta, rope, cache, bias)
+        if self.cfg.norm_placement == "pre":
+            x = self.norm(x)
+        if logits_indices is not None:
+            x = x.index_select(0, logits_indices)
+        return (x @ self.head_weight().t()).float()  # (T, V)

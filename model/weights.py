@@ -1,0 +1,279 @@
+"""Checkpoint loading: Hugging Face model directories and kvserve's native format.
+
+Each supported family is a NameTable: for every parameter of ours, the checkpoint tensors
+it is made of (concatenated along dim 0: q|k|v into one fused projection, gate|up into
+one) and whether they are stored transposed (GPT-2's Conv1D). Weights are read one tensor
+at a time from the memory-mapped safetensors files and copied straight into a parameter
+of the target dtype and device, so no second full copy of the model is ever held.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from model.config import ModelConfig
+from model.transformer import Transformer
+
+NATIVE_CONFIG = "kvserve_config.json"
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+
+
+@dataclass(frozen=True, slots=True)
+class NameTable:
+    names: dict[str, tuple[str, ...]]  # our name ({i} = layer) -> checkpoint names, dim-0 concat
+    transposed: frozenset[str] = frozenset()  # our names whose sources are stored (in, out)
+    optional_prefixes: tuple[str, ...] = ()  # also accept checkpoint names without these
+
+
+def _llama_names() -> dict[str, tuple[str, ...]]:
+    layer = "model.layers.{i}."
+    attn = layer + "self_attn."
+    mlp = layer + "mlp."
+    return {
+        "embed.weight": ("model.embed_tokens.weight",),
+        "norm.weight": ("model.norm.weight",),
+        "lm_head.weight": ("lm_head.weight",),
+        "layers.{i}.attn_norm.weight": (layer + "input_layernorm.weight",),
+        "layers.{i}.ffn_norm.weight": (layer + "post_attention_layernorm.weight",),
+        "layers.{i}.attn.wqkv.weight": tuple(attn + p + "_proj.weight" for p in "qkv"),
+        "layers.{i}.attn.wqkv.bias": tuple(attn + p + "_proj.bias" for p in "qkv"),
+        "layers.{i}.attn.wo.weight": (attn + "o_proj.weight",),
+        "layers.{i}.attn.wo.bias": (attn + "o_proj.bias",),
+        "layers.{i}.ffn.w_in.weight": (mlp + "gate_proj.weight", mlp + "up_proj.weight"),
+        "layers.{i}.ffn.w_in.bias": (mlp + "gate_proj.bias", mlp + "up_proj.bias"),
+        "layers.{i}.ffn.w_out.weight": (mlp + "down_proj.weight",),
+        "layers.{i}.ffn.w_out.bias": (mlp + "down_proj.bias",),
+    }
+
+
+def _gpt2_names() -> dict[str, tuple[str, ...]]:
+    h = "transformer.h.{i}."
+    names = {
+        "embed.weight": ("transformer.wte.weight",),
+        "pos_embed.weight": ("transformer.wpe.weight",),
+        "norm.weight": ("transformer.ln_f.weight",),
+        "norm.bias": ("transformer.ln_f.bias",),
+        "lm_head.weight": ("lm_head.weight",),
+    }
+    for ours, theirs in (
+        ("attn_norm", "ln_1"),
+        ("ffn_norm", "ln_2"),
+        ("attn.wqkv", "attn.c_attn"),
+        ("attn.wo", "attn.c_proj"),
+        ("ffn.w_in", "mlp.c_fc"),
+        ("ffn.w_out", "mlp.c_proj"),
+    ):
+        for kind in ("weight", "bias"):
+            names[f"layers.{{i}}.{ours}.{kind}"] = (f"{h}{theirs}.{kind}",)
+    return names
+
+
+LLAMA = NameTable(names=_llama_names())
+GPT2 = NameTable(
+    names=_gpt2_names(),
+    transposed=frozenset(
+        f"layers.{{i}}.{n}.weight" for n in ("attn.wqkv", "attn.wo", "ffn.w_in", "ffn.w_out")
+    ),
+    optional_prefixes=("transformer.",),
+)
+
+NAME_TABLES: dict[str, NameTable] = {
+    "LlamaForCausalLM": LLAMA,
+    "Qwen2ForCausalLM": LLAMA,
+    "GPT2LMHeadModel": GPT2,
+}
+
+
+# Rows each checkpoint tensor contributes to one of our fused parameters.
+FUSED_ROWS: dict[str, Callable[[ModelConfig], list[int]]] = {
+    "attn.wqkv": lambda c: [
+        c.n_heads * c.head_dim,
+        c.kv_heads * c.head_dim,
+        c.kv_heads * c.head_dim,
+    ],
+    "ffn.w_in": lambda c: [c.d_ff, c.d_ff] if c.ffn == "swiglu" else [c.d_ff],
+}
+
+
+def _part_rows(cfg: ModelConfig, name: str, n_parts: int, total: int) -> list[int]:
+    for key, rows in FUSED_ROWS.items():
+        if f".{key}." in name and len(rows(cfg)) == n_parts:
+            return rows(cfg)
+    return [total] if n_parts == 1 else [total // n_parts] * n_parts
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the file and tensor."""
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return data
+
+
+def load_config(model_dir: str | Path) -> ModelConfig:
+    """ModelConfig of a model directory (native or Hugging Face), with generation eos ids."""
+    root = Path(model_dir)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: model directory not found")
+    native = root / NATIVE_CONFIG
+    try:
+        if native.exists():
+            return ModelConfig.from_dict(read_json(native))
+        cfg = ModelConfig.from_hf_config(read_json(root / "config.json"))
+    except CheckpointError:
+        raise
+    except (ValueError, TypeError, KeyError) as exc:
+        name = NATIVE_CONFIG if native.exists() else "config.json"
+        raise CheckpointError(f"{root / name}: {exc}") from None
+    gen = root / "generation_config.json"
+    if gen.exists():
+        eos = read_json(gen).get("eos_token_id")
+        if eos is not None:
+            ids = (eos,) if isinstance(eos, int) else tuple(eos)
+            cfg = cfg.replace(eos_token_ids=tuple(dict.fromkeys((*ids, *cfg.eos_token_ids))))
+    return cfg.replace(name=root.name)
+
+
+def _weight_files(root: Path) -> dict[str, Path]:
+    """Checkpoint tensor name -> the safetensors file that holds it."""
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: missing 'weight_map'")
+        return {name: root / fname for name, fname in weight_map.items()}
+    single = root / "model.safetensors"
+    if not single.exists():
+        raise CheckpointError(f"{root}: no model.safetensors or model.safetensors.index.json")
+    with _open(single) as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def _open(path: Path) -> Any:
+    if not path.exists():
+        raise CheckpointError(f"{path}: file not found")
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except Exception as exc:  # safetensors raises its own error types for a bad header
+        raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
+
+
+class _Reader:
+    """Resolves checkpoint names through a NameTable and reads tensors lazily."""
+
+    def __init__(self, table: NameTable, files: dict[str, Path], stack: ExitStack) -> None:
+        self.table, self.files, self.stack = table, files, stack
+        self.handles: dict[Path, Any] = {}
+
+    def resolve(self, name: str) -> str | None:
+        if name in self.files:
+            return name
+        for prefix in self.table.optional_prefixes:
+            if name.startswith(prefix) and name.removeprefix(prefix) in self.files:
+                return name.removeprefix(prefix)
+        return None
+
+    def read(self, name: str) -> torch.Tensor:
+        path = self.files[name]
+        if path not in self.handles:
+            self.handles[path] = self.stack.enter_context(_open(path))
+        try:
+            return self.handles[path].get_tensor(name)
+        except Exception as exc:
+            raise CheckpointError(f"{path}: cannot read tensor {name!r} ({exc})") from None
+
+
+def _fill(
+    target: torch.Tensor, rows: list[int], sources: list[str], reader: _Reader, transpose: bool
+) -> None:
+    """Copy the checkpoint tensors `sources` into consecutive row ranges of `target`."""
+    start = 0
+    for src, n in zip(sources, rows, strict=True):
+        part = reader.read(src)
+        if transpose:
+            part = part.t()
+        expected = (n, *target.shape[1:])
+        if tuple(part.shape) != expected:
+            stored = tuple(part.t().shape) if transpose else tuple(part.shape)
+            want = expected[::-1] if transpose else expected
+            raise CheckpointError(
+                f"{reader.files[src]}: tensor {src!r} has shape {stored}, expected {want}"
+            )
+        target[start : start + n].copy_(part)
+        start += n
+
+
+def _set_param(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name) if module_name else model
+    setattr(module, leaf, nn.Parameter(value, requires_grad=False))
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> Transformer:
+    """Load a native or Hugging Face (Llama, Qwen2, GPT-2) model directory."""
+    root = Path(model_dir)
+    cfg = load_config(root)
+    native = (root / NATIVE_CONFIG).exists()
+    table = None if native else NAME_TABLES.get(cfg.architecture)
+    if not native and table is None:
+        raise CheckpointError(f"{root / 'config.json'}: unknown architecture {cfg.architecture!r}")
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    files = _weight_files(root)
+    with ExitStack() as stack:
+        reader = _Reader(table or NameTable(names={}), files, stack)
+        for name, param in list(model.named_parameters()):
+            match = _LAYER.match(name)
+            key = _LAYER.sub("layers.{i}.", name) if match else name
+            i = match.group(1) if match else ""
+            templates = table.names.get(key) if table else (name,)
+            if templates is None:
+                raise CheckpointError(f"{root}: no checkpoint name known for parameter {name}")
+            sources = [reader.resolve(t.replace("{i}", i)) for t in templates]
+            missing = [
+                t.replace("{i}", i) for t, s in zip(templates, sources, strict=True) if s is None
+            ]
+            if missing:
+                raise CheckpointError(
+                    f"{root}: checkpoint has no tensor {missing[0]!r} (for {name})"
+                )
+            target = torch.empty(param.shape, dtype=dtype, device=device)
+            transpose = table is not None and key in table.transposed
+            rows = _part_rows(cfg, name, len(sources), target.shape[0])
+            _fill(target, rows, [s for s in sources if s is not None], reader, transpose)
+            _set_param(model, name, target)
+    model.rebuild_tables(device)
+    return model.eval()
+
+
+def save_native(model: Transformer, model_dir: str | Path) -> None:
+    """Write a model in kvserve's native format (any config, including post-norm/ALiBi)."""
+    root = Path(model_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / NATIVE_CONFIG).write_text(json.dumps(model.cfg.to_dict(), indent=2))
+    tensors = {n: p.detach().contiguous().cpu() for n, p in model.named_parameters()}
+    save_file(tensors, str(root / "model.safetensors"))

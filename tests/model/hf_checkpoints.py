@@ -1,0 +1,64 @@
+"""Random-weight Hugging Face checkpoints written by transformers itself (test-only)."""
+
+from pathlib import Path
+
+import torch
+
+TINY_LLAMA = dict(
+    vocab_size=384,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=3,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rope_theta=5000.0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def write_llama(path: Path, *, tied: bool, seed: int = 0, **extra: object) -> "object":
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    cfg = tf.LlamaConfig(**{**TINY_LLAMA, **extra}, tie_word_embeddings=tied)
+    model = tf.LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def write_qwen2(path: Path, seed: int = 0) -> "object":
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    cfg = tf.Qwen2Config(**TINY_LLAMA, tie_word_embeddings=True)
+    model = tf.Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():  # transformers inits biases to zero; make them matter
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    model.save_pretrained(path)
+    return model
+
+
+def write_gpt2(path: Path, seed: int = 0) -> "object":
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    cfg = tf.GPT2Config(
+        vocab_size=384,
+        n_embd=64,
+        n_layer=3,
+        n_head=4,
+        n_positions=128,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    model = tf.GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.1)
+    model.save_pretrained(path)
+    return model

@@ -1,0 +1,90 @@
+import torch
+
+from model.audit import audit, count_params, kv_bytes_per_token
+from model.config import ModelConfig
+from model.transformer import Transformer
+
+SPEC_123M = ModelConfig(
+    vocab_size=50257,
+    d_model=768,
+    n_layers=12,
+    n_heads=12,
+    d_ff=2048,
+    ffn="swiglu",
+    norm="rmsnorm",
+    position="rope",
+    tie_embeddings=True,
+)
+
+
+def test_spec_123m_figures() -> None:
+    p = count_params(SPEC_123M)
+    assert p.total == 123_551_232
+    assert p.non_embedding == 84_953_856
+    assert count_params(SPEC_123M.replace(tie_embeddings=False)).total == 162_148_608
+    assert p.per_block == 7_079_424
+    assert p.per_block_attention == 2_359_296
+    assert p.per_block_ffn == 4_718_592
+    assert p.per_block_norms == 1_536
+
+
+def test_byte_level_toy() -> None:
+    toy = ModelConfig(
+        vocab_size=256,
+        d_model=64,
+        n_heads=4,
+        n_layers=4,
+        d_ff=172,
+        position="learned",
+        max_position=128,
+        norm="rmsnorm",
+        ffn="swiglu",
+        tie_embeddings=True,
+    )
+    assert count_params(toy).total == 222_784
+
+
+def test_llama3_70b_kv_bytes_per_token() -> None:
+    cfg = ModelConfig(
+        vocab_size=128256,
+        d_model=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        d_ff=28672,
+        rope_theta=500000.0,
+        tie_embeddings=False,
+    )
+    assert cfg.head_dim == 128
+    assert kv_bytes_per_token(cfg, "float16") == 327_680
+    report = audit(cfg, "bfloat16", kv_pool_bytes=327_680 * 1000)
+    assert report.kv_pool_tokens == 1000
+    assert report.weight_bytes == count_params(cfg).total * 2
+
+
+def test_counts_match_real_modules() -> None:
+    """The audit's arithmetic equals the parameters the model actually allocates."""
+    for cfg in [
+        ModelConfig(
+            vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, qkv_bias=True
+        ),
+        ModelConfig(
+            vocab_size=97,
+            d_model=32,
+            n_layers=3,
+            n_heads=4,
+            d_ff=64,
+            norm="layernorm",
+            ffn="gelu_tanh",
+            position="learned",
+            qkv_bias=True,
+            attn_out_bias=True,
+            mlp_bias=True,
+            tie_embeddings=False,
+            norm_placement="post",
+            max_position=50,
+        ),
+    ]:
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        assert sum(p.numel() for p in model.parameters()) == count_params(cfg).total

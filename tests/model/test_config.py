@@ -1,0 +1,104 @@
+import pytest
+
+from model.config import ModelConfig, RopeScaling
+
+BASE = dict(vocab_size=100, d_model=64, n_layers=2, n_heads=4, d_ff=128)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("vocab_size", 0),
+        ("d_model", -1),
+        ("n_layers", 0),
+        ("n_heads", 0),
+        ("d_ff", 0),
+        ("max_position", 0),
+        ("norm", "batchnorm"),
+        ("norm_placement", "sandwich"),
+        ("ffn", "geglu2"),
+        ("position", "nope"),
+        ("n_kv_heads", 3),
+        ("rope_theta", 0.0),
+        ("norm_eps", 0.0),
+        ("d_head", 0),
+        ("eos_token_ids", (100,)),
+    ],
+)
+def test_invalid_config_names_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=field):
+        ModelConfig(**{**BASE, field: value})
+
+
+def test_indivisible_heads_and_odd_rope_dims() -> None:
+    with pytest.raises(ValueError, match="d_model"):
+        ModelConfig(**{**BASE, "n_heads": 5})
+    with pytest.raises(ValueError, match="d_head"):
+        ModelConfig(**{**BASE, "d_head": 7})
+    with pytest.raises(ValueError, match="rope_scaling"):
+        RopeScaling(low_freq_factor=4.0, high_freq_factor=1.0)
+
+
+def test_gqa_mqa_defaults() -> None:
+    assert ModelConfig(**BASE).kv_heads == 4
+    assert ModelConfig(**BASE, n_kv_heads=1).kv_heads == 1
+    assert ModelConfig(**BASE).head_dim == 16
+
+
+LLAMA_HF = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 128256,
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009],
+}
+LLAMA3_SCALING = {
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+    "rope_type": "llama3",
+}
+
+
+def test_hf_config_4x_and_5x_forms_agree() -> None:
+    v4 = {
+        **LLAMA_HF,
+        "torch_dtype": "bfloat16",
+        "rope_theta": 500000.0,
+        "rope_scaling": LLAMA3_SCALING,
+    }
+    v5 = {
+        **LLAMA_HF,
+        "dtype": "bfloat16",
+        "rope_parameters": {"rope_theta": 500000.0, **LLAMA3_SCALING},
+    }
+    a, b = ModelConfig.from_hf_config(v4), ModelConfig.from_hf_config(v5)
+    assert a == b
+    assert a.rope_theta == 500000.0 and a.torch_dtype == "bfloat16"
+    assert a.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 8192)
+    assert a.kv_heads == 8 and a.head_dim == 128 and a.eos_token_ids == (128001, 128008, 128009)
+
+
+def test_hf_config_errors_name_the_problem() -> None:
+    with pytest.raises(ValueError, match="unknown architecture 'MambaForCausalLM'"):
+        ModelConfig.from_hf_config({"architectures": ["MambaForCausalLM"]})
+    broken = {k: v for k, v in LLAMA_HF.items() if k != "hidden_size"}
+    with pytest.raises(ValueError, match="hidden_size"):
+        ModelConfig.from_hf_config(broken)
+    with pytest.raises(ValueError, match="yarn"):
+        ModelConfig.from_hf_config({**LLAMA_HF, "rope_scaling": {"rope_type": "yarn", "factor": 4}})
+
+
+def test_dict_roundtrip() -> None:
+    cfg = ModelConfig(**BASE, position="alibi", norm_placement="post", rope_scaling=RopeScaling())
+    assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match="bogus"):
+        ModelConfig.from_dict({**cfg.to_dict(), "bogus": 1})

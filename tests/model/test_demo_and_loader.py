@@ -1,0 +1,54 @@
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from model.demo import DEMO_MODEL_ID, build_demo_model
+from model.generate import generate
+from model.loader import load
+from model.tokenizer import TokenizerError
+from tests.model.hf_checkpoints import write_llama
+
+
+def test_demo_model_is_deterministic_and_fast() -> None:
+    t0 = time.perf_counter()
+    loaded = load(None, torch.float32, torch.device("cpu"))
+    assert time.perf_counter() - t0 < 30  # "starts in a few seconds" with a wide margin
+    assert loaded.model_id == DEMO_MODEL_ID and "random" in loaded.model_id
+    other = build_demo_model()
+    for (n, a), (_, b) in zip(loaded.model.named_parameters(), other.named_parameters()):
+        assert torch.equal(a, b), n
+    prompt = loaded.tokenizer.encode("The quick brown fox")
+    a = list(generate(loaded.model, prompt, 8))
+    assert a == list(generate(other, prompt, 8)) and len(a) == 8
+    s1 = list(generate(other, prompt, 8, temperature=1.0, seed=3))
+    assert s1 == list(generate(other, prompt, 8, temperature=1.0, seed=3))
+
+
+def test_tokenizer_larger_than_vocab_is_refused(tmp_path: Path) -> None:
+    write_llama(tmp_path, tied=True)  # vocab 384, no tokenizer files: default cl100k
+    with pytest.raises(TokenizerError, match="100277 tokens but the model's vocab_size is 384"):
+        load(tmp_path, torch.float32, torch.device("cpu"))
+
+
+def test_generate_rejects_overlong_requests() -> None:
+    model = build_demo_model()
+    with pytest.raises(ValueError, match="context length"):
+        list(generate(model, [1] * 4000, 200))
+    with pytest.raises(ValueError, match="at least one token"):
+        list(generate(model, [], 2))
+
+
+def test_cli_generate_and_audit(capsys: pytest.CaptureFixture[str]) -> None:
+    from service.cli import main
+
+    assert main(["generate", "--prompt", "Hello", "--max-tokens", "4"]) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("Hello") and "4 generated" in out.err
+    assert main(["audit"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["model"] == DEMO_MODEL_ID and report["kv_bytes_per_token"] == 2 * 2 * 64 * 4 * 4
+    assert main(["audit", "--model", "/nonexistent"]) == 2
+    assert "model directory not found" in capsys.readouterr().err

@@ -1,0 +1,104 @@
+"""Invariants of attention over the paged KV cache."""
+
+import itertools
+
+import pytest
+import torch
+
+from model.attention import AttentionMetadata, PagedKVCache
+from tests.model.helpers import tiny_model
+
+SCHEMES = [
+    dict(position="rope"),
+    dict(position="rope", rope_theta=500.0),
+    dict(
+        position="learned",
+        norm="layernorm",
+        ffn="gelu_tanh",
+        qkv_bias=True,
+        attn_out_bias=True,
+        mlp_bias=True,
+    ),
+    dict(position="sinusoidal", ffn="relu"),
+    dict(position="alibi", ffn="gelu"),
+]
+PLACEMENTS = ["pre", "post"]
+KV_HEADS = [4, 2, 1]  # MHA, GQA, MQA
+
+
+@pytest.mark.parametrize(
+    ("scheme", "placement", "kv_heads"), list(itertools.product(SCHEMES, PLACEMENTS, KV_HEADS))
+)
+@torch.no_grad()
+def test_token_by_token_equals_full_forward(scheme: dict, placement: str, kv_heads: int) -> None:
+    model = tiny_model(**scheme, norm_placement=placement, n_kv_heads=kv_heads)
+    tokens = torch.randint(0, 97, (40,))
+    full = model(tokens)  # (T, V), no cache
+    block_size = 4
+    cache = PagedKVCache(model.cfg, 16, block_size, torch.float32, "cpu")
+    table = [9, 2, 14, 0, 5, 11, 3, 7, 1, 12]  # scattered on purpose
+    outs = []
+    for pos in range(tokens.shape[0]):
+        meta = AttentionMetadata.paged([table], [pos], [1], block_size)
+        outs.append(model(tokens[pos : pos + 1], meta, cache))
+    assert torch.allclose(torch.cat(outs), full, atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
+def test_chunked_prefill_then_decode_equals_full_forward() -> None:
+    model = tiny_model(n_kv_heads=2)
+    tokens = torch.randint(0, 97, (37,))
+    full = model(tokens)
+    cache = PagedKVCache(model.cfg, 12, 8, torch.float32, "cpu")
+    table, start, outs = [4, 7, 1, 9, 2], 0, []
+    for n in [13, 8, 5, 1, 1, 9]:
+        meta = AttentionMetadata.paged([table], [start], [n], 8)
+        outs.append(model(tokens[start : start + n], meta, cache))
+        start += n
+    assert torch.allclose(torch.cat(outs), full, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@torch.no_grad()
+def test_mixed_batch_equals_each_sequence_alone(scheme: dict) -> None:
+    """One step mixing prefill chunks and decodes of different lengths gives every
+    sequence the logits it gets alone."""
+    model = tiny_model(**scheme, n_kv_heads=2)
+    block_size = 4
+    seqs = [torch.randint(0, 97, (n,)) for n in (23, 5, 17, 9)]
+    alone = [model(s) for s in seqs]
+    cache = PagedKVCache(model.cfg, 40, block_size, torch.float32, "cpu")
+    tables = [[0, 5, 10, 15, 20, 25], [1, 6], [2, 7, 12, 17, 22], [3, 8, 13]]
+    # step 1: prefill a prefix of each; step 2: mixed (a chunk, decodes, the rest)
+    first = [20, 4, 10, 8]
+    meta = AttentionMetadata.paged(tables, [0] * 4, first, block_size)
+    out1 = model(torch.cat([s[:n] for s, n in zip(seqs, first)]), meta, cache)
+    rest = [len(s) - n for s, n in zip(seqs, first)]
+    meta = AttentionMetadata.paged(tables, first, rest, block_size)
+    out2 = model(torch.cat([s[n:] for s, n in zip(seqs, first)]), meta, cache)
+    o1, o2 = out1.split(first), out2.split(rest)
+    for i, ref in enumerate(alone):
+        got = torch.cat([o1[i], o2[i]])
+        assert torch.allclose(got, ref, atol=1e-5, rtol=0), f"sequence {i}"
+
+
+@torch.no_grad()
+def test_paged_equals_dense_with_logits_indices() -> None:
+    model = tiny_model(n_kv_heads=1)
+    tokens = torch.randint(0, 97, (30,))
+    dense = model(tokens)
+    cache = PagedKVCache(model.cfg, 8, 16, torch.float32, "cpu")
+    meta = AttentionMetadata.paged([[6, 3]], [0], [30], 16)
+    last = model(tokens, meta, cache, logits_indices=torch.tensor([29]))
+    assert torch.allclose(last[0], dense[29], atol=1e-5, rtol=0)
+
+
+def test_block_table_too_short_is_rejected() -> None:
+    with pytest.raises(ValueError, match="cannot hold"):
+        AttentionMetadata.paged([[0]], [3], [2], 4)
+
+
+def test_context_length_enforced() -> None:
+    model = tiny_model(max_position=16)
+    with pytest.raises(ValueError, match="context length"):
+        model(torch.zeros(17, dtype=torch.long))
