@@ -1,0 +1,171 @@
+"""The async front: the engine steps in its own thread; callers await per-request queues.
+
+All engine state is touched by the engine thread alone. Callers talk to it through a
+command queue (add, abort) and receive deltas through their asyncio queue, fed with
+call_soon_threadsafe, so the event loop never waits on a forward pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from service.engine.engine import LLMEngine
+from service.engine.output import RequestOutput
+from service.engine.request import SamplingParams
+
+log = logging.getLogger("kvserve.engine")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped; no request can make progress."""
+
+
+@dataclass(slots=True)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[list[RequestOutput] | BaseException]
+    seq_ids: list[str]
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, stuck_after_s: float = 60.0) -> None:
+        self.engine = engine
+        self.stuck_after_s = stuck_after_s
+        self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+        self.error: BaseException | None = None
+        self.last_progress = time.monotonic()
+        self.busy = False  # the engine has unfinished work
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def healthy(self) -> bool:
+        """Alive, and making forward progress whenever it has work."""
+        if not self.alive:
+            return False
+        return not self.busy or time.monotonic() - self.last_progress < self.stuck_after_s
+
+    # ---- the caller side -------------------------------------------------------------
+
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[list[RequestOutput]]:
+        """Deltas for the request (and its n > 1 siblings) until all have finished.
+        Leaving the iterator early (client gone, cancelled) aborts the request."""
+        if not self.alive:
+            raise EngineDeadError(f"engine is not running: {self.error!r}")
+        self.engine.validate(prompt_ids, params)  # reads only fixed limits: thread-safe
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), [])
+        self._send(("add", request_id, prompt_ids, params, stream))
+        remaining = params.n
+        try:
+            while remaining:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                remaining -= sum(1 for o in item if o.finished)
+                yield item
+        finally:
+            if remaining:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    def _send(self, command: tuple) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    # ---- the engine thread -----------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_commands()
+                self.busy = self.engine.has_unfinished()
+                if not self.busy:
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    self.last_progress = time.monotonic()
+                    continue
+                outputs = self.engine.step()
+                self.last_progress = time.monotonic()
+                self._dispatch(outputs)
+        except BaseException as exc:  # the loop itself died: fail everyone, report unhealthy
+            log.exception("engine loop died")
+            self.error = exc
+            for rid in list(self._streams):
+                self._deliver(self._streams.pop(rid), EngineDeadError(f"engine loop died: {exc!r}"))
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                self._add(*command[1:])
+            else:
+                self._abort(command[1])
+
+    def _add(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, stream: _Stream
+    ) -> None:
+        try:
+            stream.seq_ids = self.engine.add_request(request_id, prompt_ids, params)
+        except ValueError as exc:
+            self._deliver(stream, exc)
+            return
+        self._streams[request_id] = stream
+
+    def _abort(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        outputs = [o for sid in stream.seq_ids if (o := self.engine.abort(sid)) is not None]
+        if outputs:
+            self._deliver(stream, outputs)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        grouped: dict[str, list[RequestOutput]] = {}
+        for out in outputs:
+            grouped.setdefault(self._parent_id(out.request_id), []).append(out)
+        for rid, outs in grouped.items():
+            stream = self._streams.get(rid)
+            if stream is None:
+                continue
+            self._deliver(stream, outs)
+            if all(self.engine.requests.get(sid) is None for sid in stream.seq_ids):
+                del self._streams[rid]
+
+    def _parent_id(self, seq_id: str) -> str:
+        if seq_id in self._streams:
+            return seq_id
+        return seq_id.rpartition(".")[0]
+
+    @staticmethod
+    def _deliver(stream: _Stream, item: list[RequestOutput] | BaseException) -> None:
+        with contextlib.suppress(RuntimeError):  # the caller's loop closed: nobody listens
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)

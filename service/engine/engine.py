@@ -1,0 +1,238 @@
+"""LLMEngine.step(): schedule -> run -> update. Synchronous, deterministic, testable."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from model.attention import PagedKVCache
+from model.audit import kv_bytes_per_token
+from model.device import dtype_name
+from model.tokenizer import Tokenizer
+from model.transformer import Transformer
+from service.engine.blocks import BlockManager
+from service.engine.output import RequestOutput, TextState, make_output
+from service.engine.request import FinishReason, ParamError, Request, SamplingParams, Status
+from service.engine.runner import ModelRunner
+from service.engine.scheduler import Scheduler, SchedulerOutput
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # default: the model's context length
+    kv_cache_bytes: int = 1 * GiB  # the CPU budget (and the GPU one if gpu_memory_fraction is None)
+    gpu_memory_fraction: float | None = 0.85  # of free GPU memory after a warm-up forward
+    num_blocks: int | None = None  # overrides both budgets (tests)
+    enable_prefix_caching: bool = True
+
+
+class ContextLengthError(ParamError):
+    """Prompt + max_tokens exceed the context (the API answers context_length_exceeded)."""
+
+
+@dataclass(slots=True)
+class EngineStats:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    preemptions: int = 0
+    steps: int = 0
+    finished: Counter[str] = field(default_factory=Counter)
+    last_step_tokens: int = 0
+    last_step_seconds: float = 0.0
+
+
+def kv_block_budget(model: Transformer, config: EngineConfig) -> int:
+    """Number of KV blocks: explicit, or from the memory budget of the model's device."""
+    if config.num_blocks is not None:
+        return config.num_blocks
+    per_block = config.block_size * kv_bytes_per_token(model.cfg, dtype_name(model.dtype))
+    budget = config.kv_cache_bytes
+    if model.device.type == "cuda" and config.gpu_memory_fraction is not None:
+        n = min(config.max_num_batched_tokens, model.cfg.max_position)
+        with torch.inference_mode():
+            model(torch.zeros(n, dtype=torch.long, device=model.device))  # peak activations
+        torch.cuda.synchronize(model.device)
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info(model.device)
+        budget = int(free * config.gpu_memory_fraction)
+    blocks = budget // per_block
+    if blocks < 1:
+        raise ValueError(
+            f"KV cache budget of {budget} bytes holds no block of {per_block} bytes "
+            f"({config.block_size} tokens)"
+        )
+    return blocks
+
+
+class LLMEngine:
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, config: EngineConfig) -> None:
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.max_model_len = min(
+            config.max_model_len or model.cfg.max_position, model.cfg.max_position
+        )
+        num_blocks = kv_block_budget(model, config)
+        self.kv_cache = PagedKVCache(
+            model.cfg, num_blocks, config.block_size, model.dtype, model.device
+        )
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.kv_cache)
+        self.requests: dict[str, Request] = {}
+        self.texts: dict[str, TextState] = {}
+        self.eos_ids = frozenset(tokenizer.eos_ids) | frozenset(model.cfg.eos_token_ids)
+        self.stats = EngineStats()
+        self.clock = time.monotonic
+
+    # ---- admission -------------------------------------------------------------------
+
+    @property
+    def block_bytes(self) -> int:
+        return self.kv_cache.nbytes // self.blocks.num_blocks
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise ParamError("prompt", "the prompt is empty")
+        vocab = self.model.cfg.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ParamError("prompt", f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ContextLengthError(
+                "max_tokens" if len(prompt_ids) < self.max_model_len else "prompt",
+                f"this model's maximum context length is {self.max_model_len} tokens; the "
+                f"request has {len(prompt_ids)} prompt tokens and max_tokens "
+                f"{params.max_tokens} ({total} in total)",
+            )
+        if self.blocks.blocks_for(total) > self.blocks.num_blocks:
+            capacity = self.blocks.num_blocks * self.blocks.block_size
+            raise ContextLengthError(
+                "max_tokens",
+                f"prompt + max_tokens ({total}) exceed the KV cache capacity of {capacity} tokens",
+            )
+
+    def add_request(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> list[str]:
+        """Queue a request; n > 1 adds n sequences `{id}.{i}` whose siblings wait for the
+        first one's prompt and then reuse its blocks through the prefix cache."""
+        self.validate(prompt_ids, params)
+        ids = [request_id] if params.n == 1 else [f"{request_id}.{i}" for i in range(params.n)]
+        if any(i in self.requests for i in ids):
+            raise ParamError("request_id", f"request {request_id!r} already exists")
+        first: Request | None = None
+        now = self.clock()
+        self.stats.prompt_tokens += len(prompt_ids)
+        for i, rid in enumerate(ids):
+            p = params
+            if params.seed is not None and i:
+                p = dataclasses.replace(params, seed=params.seed + i)
+            request = Request(rid, list(prompt_ids), p, now, index=i, wait_for=first)
+            first = first or request
+            self.requests[rid] = request
+            self.texts[rid] = TextState(self.tokenizer, p.stop, p.skip_special_tokens)
+            self.scheduler.add(request)
+        return ids
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self._finish(request, FinishReason.ABORT)
+        return self._emit(request, [], [])
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---- the step ----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        t0 = self.clock()
+        batch = self.scheduler.schedule()
+        self.stats.preemptions += len(batch.preempted)
+        self.stats.prefix_queried_tokens += batch.prefix_queried
+        self.stats.prefix_hit_tokens += batch.prefix_hits
+        if not batch.seqs:
+            return []
+        for seq in batch.seqs:
+            if seq.request.first_scheduled_time is None:
+                seq.request.first_scheduled_time = t0
+        try:
+            result = self.runner.run(batch)
+        except Exception as exc:  # a failed forward fails this batch's requests only
+            return self._fail_batch(batch, exc)
+        outputs = self._update(batch, result.token_ids, result.logprobs)
+        self.stats.steps += 1
+        self.stats.last_step_tokens = batch.num_tokens
+        self.stats.last_step_seconds = self.clock() - t0
+        return outputs
+
+    def _update(
+        self, batch: SchedulerOutput, tokens: list[int], logprobs: list
+    ) -> list[RequestOutput]:
+        now = self.clock()
+        outputs: list[RequestOutput] = []
+        k = 0
+        for seq in batch.seqs:
+            request = seq.request
+            request.num_computed += seq.num_new
+            self.blocks.cache_full_blocks(request)
+            if not seq.sample:
+                continue
+            token, lp = tokens[k], logprobs[k]
+            k += 1
+            request.output_ids.append(token)
+            self.stats.generation_tokens += 1
+            if request.first_token_time is None:
+                request.first_token_time = now
+            reason = self._stop_reason(request, token)
+            if reason is not None:
+                self._finish(request, reason)
+            outputs.append(self._emit(request, [token], [lp] if lp is not None else []))
+        return outputs
+
+    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
+        p = request.params
+        if token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos):
+            return FinishReason.STOP
+        if self.texts[request.request_id].push(token):
+            return FinishReason.STOP
+        if len(request.output_ids) >= p.max_tokens or request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
+        request.status = Status.FINISHED
+        request.finish_reason = reason
+        request.error = error
+        request.finish_time = self.clock()
+        self.scheduler.remove(request)
+        self.runner.release(request.request_id)
+        self.stats.finished[reason.value] += 1
+
+    def _emit(self, request: Request, tokens: list[int], logprobs: list) -> RequestOutput:
+        text_state = self.texts[request.request_id]
+        text = text_state.take(final=request.finished)
+        if request.finished:
+            del self.requests[request.request_id]
+            del self.texts[request.request_id]
+        return make_output(request, tokens, text, logprobs)
+
+    def _fail_batch(self, batch: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        message = f"generation failed: {type(exc).__name__}: {exc}"
+        outputs = []
+        for seq in batch.seqs:
+            self._finish(seq.request, FinishReason.ERROR, message)
+            outputs.append(self._emit(seq.request, [], []))
+        return outputs

@@ -1,0 +1,136 @@
+"""Request state and SamplingParams. A request stores counters; the rest is derived."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    seed: int | None = None
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N alternatives per generated token
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        """Raise ValueError naming the parameter (the API turns it into a 400)."""
+        _check(self.max_tokens >= 1, "max_tokens", "must be at least 1")
+        _check(
+            math.isfinite(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0"
+        )
+        _check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        _check(self.top_k >= -1, "top_k", "must be -1, 0 (off) or positive")
+        _check(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
+        _check(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]")
+        _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]")
+        _check(0 < self.repetition_penalty <= 10, "repetition_penalty", "must be in (0, 10]")
+        _check(1 <= self.n <= 16, "n", "must be between 1 and 16")
+        _check(
+            self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+            "logprobs",
+            f"must be between 0 and {MAX_LOGPROBS}",
+        )
+        _check(all(s for s in self.stop), "stop", "stop strings must not be empty")
+        _check(len(self.stop) <= 16, "stop", "at most 16 stop strings")
+        for _, bias in self.logit_bias:
+            _check(-100 <= bias <= 100, "logit_bias", "bias values must be in [-100, 100]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
+
+class ParamError(ValueError):
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+def _check(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise ParamError(param, message)
+
+
+@dataclass(slots=True)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    index: int = 0  # which of the n choices this sequence is
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    block_table: list[int] = field(default_factory=list)
+    num_cached_prompt: int = 0  # prompt tokens served by the prefix cache (first admission)
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    wait_for: Request | None = None  # an n>1 sibling waits for this one's prompt blocks
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    error: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def remaining(self) -> int:
+        """Tokens to compute before the next sample (prompt chunk(s), or 1 for a decode)."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < self.num_prompt
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def ready(self) -> bool:
+        """Schedulable: an n>1 sibling waits until the first one's prompt is cached."""
+        w = self.wait_for
+        return w is None or w.finished or w.num_computed >= w.num_prompt

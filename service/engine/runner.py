@@ -1,0 +1,66 @@
+"""Scheduled batch -> tensors -> one forward over the paged cache -> sampled tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from model.attention import AttentionMetadata, PagedKVCache
+from model.transformer import Transformer
+from service.engine.sampler import Sampler, SampleResult
+from service.engine.scheduler import SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, kv_cache: PagedKVCache) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = model.device
+        self.block_size = kv_cache.block_size
+        self.sampler = Sampler(model.cfg.vocab_size, self.device)
+        self.generators: dict[str, torch.Generator] = {}  # per seeded request
+        self._pin = self.device.type == "cuda"
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        t = torch.tensor(values, dtype=torch.long, pin_memory=self._pin)
+        return t.to(self.device, non_blocking=True)
+
+    def generator_for(self, request_id: str, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        gen = self.generators.get(request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(seed)
+            self.generators[request_id] = gen
+        return gen
+
+    def release(self, request_id: str) -> None:
+        self.generators.pop(request_id, None)
+
+    @torch.inference_mode()
+    def run(self, batch: SchedulerOutput) -> SampleResult:
+        """Forward every scheduled chunk; sample for the sequences whose chunk ends at
+        their last token. Results are in the order of those sequences in the batch."""
+        tokens: list[int] = []
+        logit_rows: list[int] = []
+        for seq in batch.seqs:
+            ids = seq.request.token_ids
+            tokens.extend(ids[seq.start : seq.start + seq.num_new])
+            if seq.sample:
+                logit_rows.append(len(tokens) - 1)
+        meta = AttentionMetadata.paged(
+            [s.request.block_table for s in batch.seqs],
+            [s.start for s in batch.seqs],
+            [s.num_new for s in batch.seqs],
+            self.block_size,
+            self.device,
+        )
+        if not logit_rows:
+            self.model(self._to_device(tokens), meta, self.kv_cache, self._to_device([0]))
+            return SampleResult([], [])
+        logits = self.model(
+            self._to_device(tokens), meta, self.kv_cache, self._to_device(logit_rows)
+        )  # (S, V)
+        sampled = [s.request for s in batch.seqs if s.sample]
+        gens = [self.generator_for(r.request_id, r.params.seed) for r in sampled]
+        return self.sampler.sample(logits, sampled, gens)

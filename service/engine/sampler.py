@@ -1,0 +1,164 @@
+"""Batched sampling with per-request parameters.
+
+Order of operations (as in vLLM): logit_bias, then penalties (repetition on prompt and
+output tokens; presence/frequency on output tokens, OpenAI's definition), then greedy
+argmax, or temperature, top_k, top_p, min_p and a draw. Draws use the exponential race
+(argmax of p / Exp(1) noise) so every seeded request gets noise from its own generator:
+the same seed gives the same tokens whatever else is in the batch. Logprobs are those of
+the model's raw distribution (log_softmax of the logits).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from service.engine.request import Request
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the N most likely tokens, most likely first
+
+
+@dataclass(slots=True)
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+def _column(values: Sequence[float], device: torch.device) -> Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)  # (B, 1)
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.default_generator = torch.Generator(device=device)
+        self.default_generator.seed()
+
+    def sample(
+        self,
+        logits: Tensor,
+        requests: Sequence[Request],
+        generators: Sequence[torch.Generator | None],
+    ) -> SampleResult:
+        """logits: (B, V) fp32, one row per request."""
+        raw = logits
+        params = [r.params for r in requests]
+        if any(p.logit_bias for p in params):
+            logits = self._apply_bias(logits.clone(), requests)
+        if any(p.needs_penalties for p in params):
+            logits = self._apply_penalties(
+                logits if logits is not raw else logits.clone(), requests
+            )
+        tokens = logits.argmax(dim=-1)  # (B,)
+        if not all(p.greedy for p in params):
+            sampled = self._draw(logits, requests, generators)
+            greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+            tokens = torch.where(greedy, tokens, sampled)
+        token_list = tokens.tolist()
+        return SampleResult(token_list, self._logprobs(raw, requests, token_list))
+
+    def _apply_bias(self, logits: Tensor, requests: Sequence[Request]) -> Tensor:
+        for i, r in enumerate(requests):
+            for token, bias in r.params.logit_bias:
+                if 0 <= token < logits.shape[1]:
+                    logits[i, token] += bias
+        return logits
+
+    def _apply_penalties(self, logits: Tensor, requests: Sequence[Request]) -> Tensor:
+        rows = [i for i, r in enumerate(requests) if r.params.needs_penalties]
+        idx = torch.tensor(rows, device=logits.device)
+        sub = logits[idx]  # (P, V)
+        v = sub.shape[1]
+        outputs = [requests[i].output_ids for i in rows]
+        width = max(1, max(len(o) for o in outputs))
+        out_ids = torch.full((len(rows), width), v, dtype=torch.long, device=logits.device)
+        for j, o in enumerate(outputs):
+            if o:
+                out_ids[j, : len(o)] = torch.tensor(o, device=logits.device)
+        counts = torch.zeros(len(rows), v + 1, device=logits.device)
+        counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=counts.dtype))
+        counts = counts[:, :v]  # (P, V) occurrences in the output
+        seen = counts > 0
+        rep = [requests[i].params.repetition_penalty for i in rows]
+        if any(r != 1 for r in rep):
+            prompt_seen = torch.zeros(len(rows), v + 1, dtype=torch.bool, device=logits.device)
+            for j, i in enumerate(rows):
+                ids = torch.tensor(requests[i].prompt_ids, device=logits.device).clamp_(0, v)
+                prompt_seen[j, ids] = True
+            any_seen = seen | prompt_seen[:, :v]
+            rp = _column(rep, logits.device)
+            sub = torch.where(any_seen, torch.where(sub > 0, sub / rp, sub * rp), sub)
+        freq = _column([requests[i].params.frequency_penalty for i in rows], logits.device)
+        pres = _column([requests[i].params.presence_penalty for i in rows], logits.device)
+        sub = sub - freq * counts - pres * seen.float()
+        logits[idx] = sub
+        return logits
+
+    def _draw(
+        self,
+        logits: Tensor,
+        requests: Sequence[Request],
+        generators: Sequence[torch.Generator | None],
+    ) -> Tensor:
+        params = [r.params for r in requests]
+        temps = _column(
+            [p.temperature if p.temperature > 0 else 1.0 for p in params], logits.device
+        )
+        logits = logits / temps
+        top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
+        if any(top_k):
+            k_max = min(max(top_k), logits.shape[1])
+            kth_vals = logits.topk(k_max, dim=-1).values  # (B, k_max)
+            ks = torch.tensor([min(k, k_max) if k else k_max for k in top_k], device=logits.device)
+            kth = kth_vals.gather(1, (ks - 1).unsqueeze(1))
+            active = torch.tensor([k > 0 for k in top_k], device=logits.device).unsqueeze(1)
+            logits = logits.masked_fill(active & (logits < kth), float("-inf"))
+        probs = torch.softmax(logits, dim=-1)  # (B, V)
+        if any(p.top_p < 1 for p in params):
+            probs = _top_p(probs, _column([p.top_p for p in params], logits.device))
+        if any(p.min_p > 0 for p in params):
+            min_p = _column([p.min_p for p in params], logits.device)
+            probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+        noise = torch.empty_like(probs)
+        if any(g is None for g in generators):
+            noise.exponential_(generator=self.default_generator)
+        for i, g in enumerate(generators):
+            if g is not None:
+                noise[i].exponential_(generator=g)
+        return (probs / noise).argmax(dim=-1)
+
+    def _logprobs(
+        self, raw: Tensor, requests: Sequence[Request], tokens: list[int]
+    ) -> list[TokenLogprobs | None]:
+        rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+        result: list[TokenLogprobs | None] = [None] * len(requests)
+        if not rows:
+            return result
+        idx = torch.tensor(rows, device=raw.device)
+        lp = torch.log_softmax(raw[idx], dim=-1)  # (R, V)
+        chosen = lp.gather(1, torch.tensor([tokens[i] for i in rows], device=raw.device)[:, None])
+        n_top = max(requests[i].params.logprobs or 0 for i in rows)
+        top_vals, top_ids = lp.topk(max(n_top, 1), dim=-1)
+        chosen_l, vals_l, ids_l = chosen[:, 0].tolist(), top_vals.tolist(), top_ids.tolist()
+        for j, i in enumerate(rows):
+            n = requests[i].params.logprobs or 0
+            top = list(zip(ids_l[j][:n], vals_l[j][:n], strict=True))
+            result[i] = TokenLogprobs(tokens[i], chosen_l[j], top)
+        return result
+
+
+def _top_p(probs: Tensor, top_p: Tensor) -> Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p (per row)."""
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    before = sorted_p.cumsum(dim=-1) - sorted_p  # mass strictly before each token
+    sorted_p = sorted_p.masked_fill(before >= top_p, 0.0)  # the top token always survives
+    return torch.zeros_like(probs).scatter_(1, order, sorted_p)

@@ -1,0 +1,134 @@
+"""Continuous batching under one token budget per step.
+
+Each step: running requests first (decodes, and prefills that are mid-chunk), then prefill
+chunks of waiting requests, FCFS, mixed into the same batch. When blocks run out the newest
+running request is preempted: its blocks are freed and it re-queues at the front, to be
+recomputed from its prompt plus what it has generated so far.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from service.engine.blocks import BlockManager
+from service.engine.request import Request, Status
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    request: Request
+    start: int  # tokens already cached before this step
+    num_new: int  # tokens computed this step
+    sample: bool  # the chunk reaches the last token: sample the next one
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    prefix_queried: int = 0  # prompt tokens looked up in the prefix cache this step
+    prefix_hits: int = 0  # ... and found there
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new for s in self.seqs)
+
+    @property
+    def num_decode(self) -> int:
+        return sum(1 for s in self.seqs if not s.request.in_prefill)
+
+
+class Scheduler:
+    def __init__(
+        self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int
+    ) -> None:
+        if max_num_seqs <= 0 or max_num_batched_tokens <= 0:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be > 0")
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last is the newest
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if not out.preempted:  # no room was found for running work: admit nothing new
+            budget = self._schedule_waiting(out, budget)
+        assert budget >= 0 and out.num_tokens <= self.max_num_batched_tokens
+        assert len(out.seqs) <= self.max_num_seqs and len(self.running) <= self.max_num_seqs
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.remaining, budget)
+            if not self._make_room(request, n, out):
+                break  # the request itself was preempted; everything after it too
+            self.blocks.append(request, n)
+            out.seqs.append(ScheduledSeq(request, request.num_computed, n, n == request.remaining))
+            budget -= n
+            i += 1
+        return budget
+
+    def _make_room(self, request: Request, n: int, out: SchedulerOutput) -> bool:
+        """Preempt the newest running requests until `request` can grow by n tokens."""
+        while not self.blocks.can_append(request, n):
+            victim = self.running.pop()
+            self.preempt(victim)
+            out.preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def preempt(self, request: Request) -> None:
+        self.blocks.free_request(request)
+        request.num_computed = 0
+        request.num_preemptions += 1
+        request.status = Status.WAITING
+        self.waiting.appendleft(request)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        while budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self._next_ready()
+            if request is None:
+                break
+            hits = self.blocks.lookup(request)
+            cached = len(hits) * self.blocks.block_size
+            n = min(request.num_tokens - cached, budget)
+            if not self.blocks.can_allocate(hits, cached + n):
+                break
+            self.blocks.allocate(request, hits, cached + n)
+            self.waiting.remove(request)
+            request.num_computed = cached
+            request.status = Status.RUNNING
+            if request.num_preemptions == 0:
+                request.num_cached_prompt = cached
+            out.prefix_queried += request.num_tokens
+            out.prefix_hits += cached
+            self.running.append(request)
+            out.seqs.append(ScheduledSeq(request, cached, n, n == request.num_tokens - cached))
+            budget -= n
+        return budget
+
+    def _next_ready(self) -> Request | None:
+        """First waiting request that may start (n>1 siblings wait for the first's prompt)."""
+        return next((r for r in self.waiting if r.ready), None)
+
+    def remove(self, request: Request) -> None:
+        """Take a finished or aborted request out of the queues and free its blocks."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.blocks.free_request(request)
+        self.blocks.forget(request)

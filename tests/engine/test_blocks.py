@@ -1,0 +1,90 @@
+"""Property test of the block pool: never double-allocate, always return every block."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from service.engine.blocks import BlockManager
+from service.engine.request import Request, SamplingParams
+
+PARAMS = SamplingParams()
+PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [7] * 12]
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("allocate"), st.integers(0, 2), st.integers(1, 20)),
+        st.tuples(st.just("append"), st.integers(0, 30), st.integers(1, 6)),
+        st.tuples(st.just("free"), st.integers(0, 30), st.just(0)),
+    ),
+    max_size=80,
+)
+
+
+def check_invariants(bm: BlockManager, live: list[Request]) -> None:
+    holders: dict[int, int] = {}
+    for r in live:
+        assert len(set(r.block_table)) == len(r.block_table)
+        for b in r.block_table:
+            holders[b] = holders.get(b, 0) + 1
+    for b in range(bm.num_blocks):
+        assert bm.ref_count[b] == holders.get(b, 0), f"block {b}"
+        assert (b in bm.free) == (bm.ref_count[b] == 0)
+        if holders.get(b, 0) > 1:  # shared only when it is a full, hashed prefix block
+            assert bm.block_hash[b] is not None
+    for h, b in bm.cached.items():
+        assert bm.block_hash[b] == h
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops, st.integers(4, 24))
+def test_random_operations_keep_the_pool_consistent(operations: list, num_blocks: int) -> None:
+    bm = BlockManager(num_blocks, 4)
+    live: list[Request] = []
+    counter = 0
+    for op, a, b in operations:
+        if op == "allocate":
+            counter += 1
+            prompt = PREFIXES[a] + list(range(100, 100 + b))
+            r = Request(f"r{counter}", prompt, PARAMS, 0.0)
+            hits = bm.lookup(r)
+            cached = len(hits) * bm.block_size
+            if bm.can_allocate(hits, r.num_tokens):
+                bm.allocate(r, hits, r.num_tokens)
+                r.num_computed = r.num_tokens
+                bm.cache_full_blocks(r)
+                live.append(r)
+                assert cached < r.num_tokens
+        elif op == "append" and live:
+            r = live[a % len(live)]
+            if bm.can_append(r, b):
+                bm.append(r, b)
+                r.output_ids.extend([5] * b)
+                r.num_computed = r.num_tokens
+                bm.cache_full_blocks(r)
+        elif op == "free" and live:
+            r = live.pop(a % len(live))
+            bm.free_request(r)
+            bm.forget(r)
+        check_invariants(bm, live)
+    for r in live:
+        bm.free_request(r)
+    assert bm.num_free == num_blocks and bm.num_used == 0
+    assert all(c == 0 for c in bm.ref_count)
+
+
+def test_prefix_hit_and_lru_eviction() -> None:
+    bm = BlockManager(4, 4)
+    a = Request("a", list(range(10)), PARAMS, 0.0)
+    bm.allocate(a, [], 10)
+    a.num_computed = 10
+    bm.cache_full_blocks(a)
+    bm.free_request(a)
+    b = Request("b", [*list(range(9)), 99], PARAMS, 0.0)
+    hits = bm.lookup(b)
+    assert len(hits) == 2 and bm.can_allocate(hits, 10)
+    # a full-cover hit leaves the last token to compute
+    c = Request("c", list(range(8)), PARAMS, 0.0)
+    assert len(bm.lookup(c)) == 1
+    # taking every block evicts the cached ones
+    d = Request("d", [50] * 16, PARAMS, 0.0)
+    bm.allocate(d, [], 16)
+    assert bm.cached == {} and bm.lookup(b) == []

@@ -1,0 +1,200 @@
+"""The engine end to end on small random models (CPU)."""
+
+import random
+
+import pytest
+import torch
+
+from model.generate import generate
+from service.engine.engine import ContextLengthError
+from service.engine.request import ParamError, SamplingParams
+from tests.engine.helpers import greedy, make_engine, run_all, small_model, tokens_of
+
+MODEL = small_model()
+
+
+def mixed_requests(n: int, seed: int = 0) -> dict[str, tuple[list[int], SamplingParams]]:
+    rng = random.Random(seed)
+    return {
+        f"r{i}": (
+            [rng.randrange(300) for _ in range(rng.randint(1, 70))],
+            greedy(rng.randint(1, 40)),
+        )
+        for i in range(n)
+    }
+
+
+def alone(requests: dict) -> dict[str, list[int]]:
+    return {
+        rid: list(generate(MODEL, p, params.max_tokens)) for rid, (p, params) in requests.items()
+    }
+
+
+def test_sixteen_mixed_requests_batched_equal_each_alone() -> None:
+    requests = mixed_requests(16)
+    engine = make_engine(MODEL)
+    steps = []
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    outputs: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        batch = engine.scheduler.schedule()
+        steps.append([(s.request.in_prefill, s.num_new) for s in batch.seqs])
+        result = engine.runner.run(batch)
+        for out in engine._update(batch, result.token_ids, result.logprobs):
+            outputs.setdefault(out.request_id, []).extend(out.token_ids)
+    assert outputs == alone(requests)
+    # budgets held, and prefill chunks were mixed with decodes in the same step
+    assert all(sum(n for _, n in s) <= 64 and len(s) <= 16 for s in steps)
+    assert any(any(p for p, _ in s) and any(not p for p, _ in s) for s in steps)
+    assert engine.blocks.num_used == 0
+
+
+def test_small_pool_preempts_and_outputs_are_unchanged() -> None:
+    requests = mixed_requests(16, seed=1)
+    engine = make_engine(MODEL, num_blocks=40)
+    outputs = run_all(engine, requests)
+    assert engine.stats.preemptions > 0
+    assert {rid: tokens_of(o) for rid, o in outputs.items()} == alone(requests)
+    assert engine.blocks.num_used == 0
+
+
+def test_shared_prefix_is_computed_once() -> None:
+    prefix = list(range(10, 18))  # two blocks of 4
+    a, b = [*prefix, 1, 2, 3], [*prefix, 4, 5]
+    engine = make_engine(MODEL)
+    first = run_all(engine, {"a": (a, greedy(6))})
+    assert engine.stats.prefix_hit_tokens == 0
+    second = run_all(engine, {"b": (b, greedy(6))})
+    assert engine.stats.prefix_hit_tokens == 8
+    assert second["b"][-1].num_cached_tokens == 8
+    cold = make_engine(MODEL, enable_prefix_caching=False)
+    ref = run_all(cold, {"a": (a, greedy(6)), "b": (b, greedy(6))})
+    assert tokens_of(first["a"]) == tokens_of(ref["a"])
+    assert tokens_of(second["b"]) == tokens_of(ref["b"])
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch() -> None:
+    params = SamplingParams(
+        max_tokens=20, temperature=0.9, top_p=0.95, top_k=50, seed=1234, ignore_eos=True
+    )
+    prompt = [5, 6, 7, 8, 9]
+    solo = tokens_of(run_all(make_engine(MODEL), {"s": (prompt, params)})["s"])
+    busy_requests = mixed_requests(10, seed=3)
+    busy_requests["s"] = (prompt, params)
+    busy_requests |= {
+        f"x{i}": ([1, 2, 3], SamplingParams(max_tokens=15, temperature=1.0)) for i in range(5)
+    }
+    busy = run_all(make_engine(MODEL, num_blocks=60), busy_requests)
+    assert tokens_of(busy["s"]) == solo
+    other_seed = SamplingParams(max_tokens=20, temperature=0.9, seed=99, ignore_eos=True)
+    assert tokens_of(run_all(make_engine(MODEL), {"s": (prompt, other_seed)})["s"]) != solo
+
+
+def test_logprobs_equal_log_softmax_of_a_full_forward() -> None:
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    out = run_all(make_engine(MODEL), {"l": (prompt, greedy(6, logprobs=5))})["l"]
+    generated = tokens_of(out)
+    with torch.no_grad():
+        full = torch.log_softmax(MODEL(torch.tensor(prompt + generated)), dim=-1)
+    lps = [lp for o in out for lp in o.logprobs]
+    assert len(lps) == 6
+    for i, lp in enumerate(lps):
+        row = full[len(prompt) - 1 + i]
+        assert abs(lp.logprob - row[lp.token_id].item()) < 1e-4
+        values, ids = row.topk(5)
+        assert [t for t, _ in lp.top] == ids.tolist()
+        assert all(abs(a - b) < 1e-4 for (_, a), b in zip(lp.top, values.tolist()))
+
+
+def test_stop_string_across_token_boundary() -> None:
+    model = small_model(vocab=100277, d_model=32)
+    engine = make_engine(model)
+    prompt = [791, 4062, 14198, 39935]
+    free_run = run_all(engine, {"f": (prompt, greedy(30))})["f"]
+    tokens = tokens_of(free_run)
+    tok = engine.tokenizer
+    pieces = [tok.decode([t]) for t in tokens]
+    full_text = "".join(o.text for o in free_run)
+    # a stop string made of the end of one token and the start of the next
+    k = next(
+        i
+        for i in range(3, len(pieces) - 1)
+        if len(pieces[i]) >= 2
+        and len(pieces[i + 1]) >= 2
+        and "\ufffd" not in pieces[i] + pieces[i + 1]
+    )
+    stop = pieces[k][-2:] + pieces[k + 1][:2]
+    expected = full_text[: full_text.find(stop)]
+    out = run_all(engine, {"s": (prompt, greedy(30, stop=(stop,)))})["s"]
+    assert "".join(o.text for o in out) == expected
+    assert out[-1].finish_reason.value == "stop"
+    assert engine.blocks.num_used == 0
+
+
+def test_abort_mid_generation_returns_every_block() -> None:
+    engine = make_engine(MODEL)
+    idle = engine.blocks.num_used
+    engine.add_request("a", list(range(30)), greedy(50))
+    engine.add_request("b", list(range(40, 60)), greedy(50))
+    for _ in range(5):
+        engine.step()
+    assert engine.blocks.num_used > idle
+    out = engine.abort("a")
+    assert out is not None and out.finished and out.finish_reason.value == "abort"
+    engine.abort("b")
+    assert engine.blocks.num_used == idle and not engine.has_unfinished()
+    assert engine.requests == {} and engine.texts == {}
+
+
+def test_n_siblings_share_prompt_blocks() -> None:
+    engine = make_engine(MODEL)
+    prompt = list(range(1, 22))  # 5 full blocks of 4
+    params = SamplingParams(max_tokens=8, temperature=1.0, n=3, seed=7, ignore_eos=True)
+    ids = engine.add_request("n", prompt, params)
+    assert ids == ["n.0", "n.1", "n.2"]
+    outputs = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outputs.setdefault(o.index, []).extend(o.token_ids)
+    assert sorted(outputs) == [0, 1, 2] and all(len(v) == 8 for v in outputs.values())
+    assert engine.stats.prefix_hit_tokens == 2 * 20  # two siblings reuse the 5 full blocks
+    assert len({tuple(v) for v in outputs.values()}) > 1
+
+
+def test_stop_eos_max_tokens_and_penalties() -> None:
+    engine = make_engine(MODEL)
+    free = tokens_of(run_all(engine, {"f": ([1, 2, 3], greedy(10))})["f"])
+    out = run_all(engine, {"t": ([1, 2, 3], greedy(10, stop_token_ids=(free[3],)))})["t"]
+    assert (
+        tokens_of(out) == free[: free.index(free[3]) + 1] and out[-1].finish_reason.value == "stop"
+    )
+    # logit_bias forces a token; a strong presence penalty forbids repeats
+    forced = run_all(engine, {"b": ([1, 2, 3], greedy(5, logit_bias=((42, 100.0),)))})["b"]
+    assert tokens_of(forced) == [42] * 5
+    params = SamplingParams(
+        max_tokens=5, temperature=0, presence_penalty=2.0, logit_bias=((42, 3.0),), ignore_eos=True
+    )
+    varied = tokens_of(run_all(engine, {"p": ([1, 2, 3], params)})["p"])
+    assert varied.count(42) <= 1
+    # top_k=1 sampling is greedy
+    topk1 = SamplingParams(max_tokens=10, temperature=1.5, top_k=1, ignore_eos=True)
+    assert tokens_of(run_all(engine, {"k": ([1, 2, 3], topk1)})["k"]) == free
+    assert run_all(engine, {"m": ([1, 2, 3], greedy(4))})["m"][-1].finish_reason.value == "length"
+
+
+def test_validation_names_the_parameter() -> None:
+    engine = make_engine(MODEL)
+    with pytest.raises(ContextLengthError, match="maximum context length is 512"):
+        engine.add_request("c", [1] * 500, greedy(20))
+    with pytest.raises(ParamError, match="outside the vocabulary"):
+        engine.add_request("v", [1, 300], greedy(2))
+    with pytest.raises(ParamError, match="prompt"):
+        engine.add_request("e", [], greedy(2))
+    with pytest.raises(ParamError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ParamError, match="top_p"):
+        SamplingParams(top_p=0)
+    small = make_engine(MODEL, num_blocks=4)
+    with pytest.raises(ContextLengthError, match="KV cache capacity of 16 tokens"):
+        small.add_request("k", [1] * 10, greedy(10))
