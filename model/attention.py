@@ -191,8 +191,13 @@ class Attention(nn.Module):
             flat_v = v_cache.view(-1, self.n_kv, self.d_head)
             flat_k.index_copy_(0, meta.slot_mapping, k)
             flat_v.index_copy_(0, meta.slot_mapping, v)
-            keys = k_cache[meta.block_tables].flatten(1, 2)[:, : meta.max_seq_len]  # (B, S, KV, dh)
-            values = v_cache[meta.block_tables].flatten(1, 2)[:, : meta.max_seq_len]
+            # Gather each sequence's blocks (index_select copies whole contiguous blocks).
+            flat = meta.block_tables.view(-1)
+            keys = k_cache.index_select(0, flat).view(
+                b, -1, self.n_kv, self.d_head
+            )  # (B, S', KV, dh)
+            values = v_cache.index_select(0, flat).view(b, -1, self.n_kv, self.d_head)
+            keys, values = keys[:, : meta.max_seq_len], values[:, : meta.max_seq_len]
         if meta.q_index is None:
             qp = q.view(b, max_q, self.n_heads, self.d_head)
         else:

@@ -1,0 +1,202 @@
+"""Offline throughput of the engine on a random-weight SmolLM2-135M-shaped checkpoint.
+
+64 requests of 128 random prompt tokens and 128 output tokens (ignore_eos), submitted at
+once; then one request alone (time to first token, decode ms/token next to the
+weight-bandwidth floor); then, when transformers is installed, HF `generate` at batch 8
+in the same dtype, in the same run. Prints a table and writes JSON.
+
+    python benchmarks/offline_throughput.py --dtype float32 bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from model.audit import weight_bytes
+from model.device import DTYPES, dtype_name
+from model.tokenizer import Tokenizer
+from model.weights import load_model
+from service.engine.engine import EngineConfig, LLMEngine
+from service.engine.request import SamplingParams
+
+OUT = Path(__file__).parent / "out"
+SMOLLM2_135M = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=2048,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    bos_token_id=0,
+    eos_token_id=0,
+)
+
+
+def checkpoint(path: Path) -> Path:
+    """Write (once) a random-weight checkpoint with transformers' own save_pretrained."""
+    if (path / "config.json").exists():
+        return path
+    import transformers as tf
+
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(**SMOLLM2_135M))
+    model.save_pretrained(path)
+    return path
+
+
+def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """Read bandwidth in bytes/s: the best of several full reductions over a large buffer."""
+    x = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best
+
+
+def run_batch(engine: LLMEngine, prompts: list[list[int]], out_len: int) -> dict[str, float]:
+    params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"b{i}-{time.monotonic_ns()}", p, params)
+    decode_times: list[float] = []
+    generated = 0
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        s0 = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - s0
+        generated += sum(len(o.token_ids) for o in outs)
+        if outs and engine.stats.last_step_tokens == len(outs):  # pure decode step
+            decode_times.append(dt)
+    total = time.perf_counter() - t0
+    return {
+        "requests": len(prompts),
+        "output_tokens": generated,
+        "seconds": total,
+        "output_tok_s": generated / total,
+        "mean_decode_step_ms": 1000 * sum(decode_times) / max(1, len(decode_times)),
+    }
+
+
+def run_single(engine: LLMEngine, prompt: list[int], out_len: int) -> dict[str, float]:
+    params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
+    engine.add_request(f"single-{time.monotonic_ns()}", prompt, params)
+    t0 = time.perf_counter()
+    first = None
+    n = 0
+    while engine.has_unfinished():
+        outs = engine.step()
+        n += sum(len(o.token_ids) for o in outs)
+        if first is None and n:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    assert first is not None
+    return {
+        "ttft_ms": 1000 * (first - t0),
+        "decode_ms_per_token": 1000 * (end - first) / max(1, n - 1),
+    }
+
+
+def run_hf(
+    path: Path, dtype: torch.dtype, prompts: list[list[int]], out_len: int
+) -> dict[str, float]:
+    import transformers as tf
+
+    model = tf.LlamaForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    ids = torch.tensor(prompts)
+    kwargs = dict(max_new_tokens=out_len, min_new_tokens=out_len, do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(ids[:, :8], max_new_tokens=4, do_sample=False, pad_token_id=0)  # warm-up
+        t0 = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        total = time.perf_counter() - t0
+    generated = (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    return {
+        "batch": ids.shape[0],
+        "output_tokens": generated,
+        "seconds": total,
+        "output_tok_s": generated / total,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--hf-batch", type=int, default=8)
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--json", type=Path, default=OUT / "offline_throughput.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    path = checkpoint(OUT / "smollm2-135m-random")
+    rng = random.Random(0)
+    prompts = [
+        [rng.randrange(1, 49152) for _ in range(args.prompt_len)] for _ in range(args.requests)
+    ]
+    bandwidth = memory_bandwidth()
+    results = {"threads": args.threads, "memory_bandwidth_gb_s": bandwidth / 1e9, "runs": []}
+    for name in args.dtype:
+        dtype = DTYPES[name]
+        model = load_model(path, dtype=dtype)
+        cfg = EngineConfig(
+            max_num_seqs=args.requests, max_num_batched_tokens=2048, kv_cache_bytes=2 << 30
+        )
+        engine = LLMEngine(model, Tokenizer.default(), cfg)
+        run_single(engine, prompts[0][:16], 4)  # warm-up
+        batch = run_batch(engine, prompts, args.output_len)
+        single = run_single(engine, prompts[1], args.output_len)
+        floor_ms = 1000 * weight_bytes(model.cfg, dtype_name(dtype)) / bandwidth
+        run = {"dtype": name, "batch": batch, "single": single, "bandwidth_floor_ms": floor_ms}
+        run["single"]["x_floor"] = single["decode_ms_per_token"] / floor_ms
+        if not args.no_hf:
+            try:
+                hf = run_hf(path, dtype, prompts[: args.hf_batch], args.output_len)
+            except ImportError:
+                hf = None
+            if hf:
+                run["hf"] = hf
+                run["x_hf"] = batch["output_tok_s"] / hf["output_tok_s"]
+        results["runs"].append(run)
+        del engine, model
+    print_table(results)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=2))
+    print(f"\nwrote {args.json}")
+
+
+def print_table(results: dict) -> None:
+    print(
+        f"threads {results['threads']}, memory read bandwidth {results['memory_bandwidth_gb_s']:.1f} GB/s"
+    )
+    head = f"{'dtype':9} {'tok/s (64x)':>11} {'step ms':>8} {'HF b8 tok/s':>11} {'x HF':>6} {'TTFT ms':>8} {'ms/tok':>7} {'floor ms':>8} {'x floor':>7}"
+    print(head)
+    print("-" * len(head))
+    for r in results["runs"]:
+        hf = r.get("hf", {}).get("output_tok_s", float("nan"))
+        print(
+            f"{r['dtype']:9} {r['batch']['output_tok_s']:11.1f} {r['batch']['mean_decode_step_ms']:8.1f} "
+            f"{hf:11.1f} {r.get('x_hf', float('nan')):6.2f} {r['single']['ttft_ms']:8.1f} "
+            f"{r['single']['decode_ms_per_token']:7.2f} {r['bandwidth_floor_ms']:8.2f} {r['single']['x_floor']:7.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
