@@ -18,10 +18,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.config import ModelConfig
+from model.kernels import paged_decode, paged_decode_supported
+from model.layers import Linear
 
 
 class PagedKVCache:
-    """K and V block pools for every layer: (2, n_layers, num_blocks, block_size, n_kv, d_head)."""
+    """K and V block pools for every layer.
+
+    Layouts per layer: K (num_blocks, KV, D, BS) and V (num_blocks, KV, BS, D). Keys are
+    stored channel-major inside a block so that the decode kernel scores a whole block of
+    tokens with one vector instruction per channel; values token-major so that it
+    accumulates them along the channel. Both hold KV * BS * D elements per block.
+    """
 
     def __init__(
         self,
@@ -37,11 +45,13 @@ class PagedKVCache:
             )
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (2, cfg.n_layers, num_blocks, block_size, cfg.kv_heads, cfg.head_dim)
+        self.n_kv, self.d_head = cfg.kv_heads, cfg.head_dim
+        shape = (2, cfg.n_layers, num_blocks, cfg.kv_heads, block_size * cfg.head_dim)
         self.data = torch.zeros(shape, dtype=dtype, device=device)
 
     def layer(self, i: int) -> tuple[Tensor, Tensor]:
-        return self.data[0, i], self.data[1, i]
+        nb, kv, bs, d = self.num_blocks, self.n_kv, self.block_size, self.d_head
+        return self.data[0, i].view(nb, kv, d, bs), self.data[1, i].view(nb, kv, bs, d)
 
     @property
     def nbytes(self) -> int:
@@ -56,8 +66,17 @@ class AttentionMetadata:
     mask: Tensor  # (B, max_q, max_seq) bool: query i of seq b may see key j
     q_pos: Tensor  # (B, max_q) absolute position of each (padded) query row
     slot_mapping: Tensor | None = None  # (T,) flat cache slot of each new token
+    slot_blocks: Tensor | None = None  # (T,) slot_mapping // block_size
+    slot_offsets: Tensor | None = None  # (T,) slot_mapping % block_size
     block_tables: Tensor | None = None  # (B, max_blocks) block ids, padded with 0
+    seq_lens_t: Tensor | None = None  # (B,) seq_lens as a tensor, for the decode kernel
     q_index: Tensor | None = None  # (T,) row in the padded (B * max_q) layout; None: no padding
+    _alibi: Tensor | None = None  # the ALiBi bias, built once per forward
+
+    def alibi(self, slopes: Tensor) -> Tensor:
+        if self._alibi is None:
+            self._alibi = alibi_bias(self, slopes)
+        return self._alibi
 
     @property
     def num_seqs(self) -> int:
@@ -101,7 +120,10 @@ class AttentionMetadata:
         width = max(len(t) for t in block_tables)
         padded = [list(t) + [0] * (width - len(t)) for t in block_tables]
         meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
+        meta.slot_blocks = meta.slot_mapping // block_size
+        meta.slot_offsets = meta.slot_mapping % block_size
         meta.block_tables = torch.tensor(padded, dtype=torch.long, device=device)
+        meta.seq_lens_t = torch.tensor(meta.seq_lens, dtype=torch.long, device=device)
         return meta
 
     @classmethod
@@ -158,8 +180,8 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv, self.d_head = cfg.n_heads, cfg.kv_heads, cfg.head_dim
         qkv_out = (self.n_heads + 2 * self.n_kv) * self.d_head
-        self.wqkv = nn.Linear(cfg.d_model, qkv_out, bias=cfg.qkv_bias)
-        self.wo = nn.Linear(self.n_heads * self.d_head, cfg.d_model, bias=cfg.attn_out_bias)
+        self.wqkv = Linear(cfg.d_model, qkv_out, bias=cfg.qkv_bias)
+        self.wo = Linear(self.n_heads * self.d_head, cfg.d_model, bias=cfg.attn_out_bias)
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         t = x.shape[0]
@@ -179,25 +201,28 @@ class Attention(nn.Module):
         v: Tensor,
         meta: AttentionMetadata,
         cache: tuple[Tensor, Tensor] | None,
-        bias: Tensor | None,
+        alibi_slopes: Tensor | None,
     ) -> Tensor:
         """q: (T, H, dh), k/v: (T, KV, dh) for the new tokens -> (T, H * dh)."""
         b, max_q, group = meta.num_seqs, meta.max_query_len, self.n_heads // self.n_kv
         if cache is None:
-            keys, values = k.unsqueeze(0), v.unsqueeze(0)  # (1, T, KV, dh)
+            keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         else:
-            k_cache, v_cache = cache  # (num_blocks, block_size, KV, dh)
-            flat_k = k_cache.view(-1, self.n_kv, self.d_head)
-            flat_v = v_cache.view(-1, self.n_kv, self.d_head)
-            flat_k.index_copy_(0, meta.slot_mapping, k)
-            flat_v.index_copy_(0, meta.slot_mapping, v)
-            # Gather each sequence's blocks (index_select copies whole contiguous blocks).
-            flat = meta.block_tables.view(-1)
-            keys = k_cache.index_select(0, flat).view(
-                b, -1, self.n_kv, self.d_head
-            )  # (B, S', KV, dh)
-            values = v_cache.index_select(0, flat).view(b, -1, self.n_kv, self.d_head)
-            keys, values = keys[:, : meta.max_seq_len], values[:, : meta.max_seq_len]
+            k_cache, v_cache = cache  # (num_blocks, KV, dh, BS), (num_blocks, KV, BS, dh)
+            k_cache[meta.slot_blocks, :, :, meta.slot_offsets] = k
+            v_cache[meta.slot_blocks, :, meta.slot_offsets, :] = v
+            if max_q == 1 and paged_decode_supported(k_cache, self.n_heads, self.n_kv, self.d_head):
+                out = paged_decode(
+                    q,
+                    k_cache,
+                    v_cache,
+                    meta.block_tables,
+                    meta.seq_lens_t,
+                    self.d_head**-0.5,
+                    alibi_slopes,
+                )  # (B, H, dh) fp32
+                return out.to(q.dtype).view(b, self.n_heads * self.d_head)
+            keys, values = _gather(k_cache, v_cache, meta)
         if meta.q_index is None:
             qp = q.view(b, max_q, self.n_heads, self.d_head)
         else:
@@ -208,14 +233,25 @@ class Attention(nn.Module):
         # repeated: (B, max_q, KV*G, dh) -> (B, KV, G*max_q, dh).
         qg = qp.view(b, max_q, self.n_kv, group, self.d_head).permute(0, 2, 3, 1, 4)
         qg = qg.reshape(b, self.n_kv, group * max_q, self.d_head)
+        bias = meta.alibi(alibi_slopes) if alibi_slopes is not None else None
         if bias is None:
             mask = meta.mask[:, None, None].expand(b, 1, group, max_q, meta.max_seq_len)
             mask = mask.reshape(b, 1, group * max_q, meta.max_seq_len)
         else:  # (B, H, max_q, S) -> (B, KV, G*max_q, S)
             mask = bias.to(q.dtype).reshape(b, self.n_kv, group * max_q, meta.max_seq_len)
         out = F.scaled_dot_product_attention(
-            qg, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask
+            qg, keys, values, attn_mask=mask
         )  # (B, KV, G*max_q, dh)
         out = out.view(b, self.n_kv, group, max_q, self.d_head).permute(0, 3, 1, 2, 4)
         out = out.reshape(b * max_q, self.n_heads * self.d_head)
         return out if meta.q_index is None else out.index_select(0, meta.q_index)
+
+
+def _gather(k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
+    """Each sequence's cached K and V, contiguous: (B, KV, max_seq_len, dh) each."""
+    b, s = meta.num_seqs, meta.max_seq_len
+    flat = meta.block_tables.view(-1)  # index_select copies whole contiguous blocks
+    _, kv, d, bs = k_cache.shape
+    keys = k_cache.index_select(0, flat).view(b, -1, kv, d, bs).permute(0, 2, 1, 4, 3)
+    values = v_cache.index_select(0, flat).view(b, -1, kv, bs, d).transpose(1, 2)
+    return keys.reshape(b, kv, -1, d)[:, :, :s], values.reshape(b, kv, -1, d)[:, :, :s]

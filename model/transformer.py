@@ -5,11 +5,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from model.attention import Attention, AttentionMetadata, PagedKVCache, alibi_bias
+from model.attention import Attention, AttentionMetadata, PagedKVCache
 from model.config import ModelConfig
 from model.layers import (
+    Linear,
     alibi_slopes,
     apply_rope,
+    can_pack,
     make_ffn,
     make_norm,
     rope_tables,
@@ -32,13 +34,13 @@ class Block(nn.Module):
         meta: AttentionMetadata,
         rope: tuple[Tensor, Tensor] | None,
         cache: tuple[Tensor, Tensor] | None,
-        bias: Tensor | None,
+        alibi_slopes: Tensor | None,
     ) -> Tensor:
         h = self.attn_norm(x) if self.pre_norm else x
         q, k, v = self.attn.project(h)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        x = x + self.attn.wo(self.attn.attend(q, k, v, meta, cache, bias))
+        x = x + self.attn.wo(self.attn.attend(q, k, v, meta, cache, alibi_slopes))
         if not self.pre_norm:
             x = self.attn_norm(x)
         h = self.ffn_norm(x) if self.pre_norm else x
@@ -59,7 +61,7 @@ class Transformer(nn.Module):
         if cfg.norm_placement == "pre":
             self.norm = make_norm(cfg)
         if not cfg.tie_embeddings:
-            self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.rebuild_tables(self.embed.weight.device)
 
     def rebuild_tables(self, device: torch.device) -> None:
@@ -83,6 +85,16 @@ class Transformer(nn.Module):
         self.rebuild_tables(self.embed.weight.device)
         return out
 
+    def pack_weights(self) -> bool:
+        """Prepack every linear weight for oneDNN where that is faster (CPU bf16).
+        The model cannot be moved or re-typed afterwards. Returns whether it packed."""
+        if not can_pack(self.device, self.dtype):
+            return False
+        for module in self.modules():
+            if isinstance(module, Linear) and module._packed is None:
+                module.pack()
+        return True
+
     @property
     def device(self) -> torch.device:
         return self.embed.weight.device
@@ -90,9 +102,6 @@ class Transformer(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
-
-    def head_weight(self) -> Tensor:
-        return self.embed.weight if self.cfg.tie_embeddings else self.lm_head.weight
 
     def forward(
         self,
@@ -121,12 +130,13 @@ class Transformer(nn.Module):
         rope = None
         if self._rope is not None:
             rope = (self._rope[0][positions], self._rope[1][positions])  # (T, dh) each
-        bias = alibi_bias(meta, self._alibi) if self._alibi is not None else None
         for i, layer in enumerate(self.layers):
             cache = kv_cache.layer(i) if kv_cache is not None else None
-            x = layer(x, meta, rope, cache, bias)
+            x = layer(x, meta, rope, cache, self._alibi)
         if self.cfg.norm_placement == "pre":
             x = self.norm(x)
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)
-        return (x @ self.head_weight().t()).float()  # (T, V)
+        if not self.cfg.tie_embeddings:
+            return self.lm_head(x).float()
+        return (x @ self.embed.weight.t()).float()  # (T, V)

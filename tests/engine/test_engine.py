@@ -198,3 +198,14 @@ def test_validation_names_the_parameter() -> None:
     small = make_engine(MODEL, num_blocks=4)
     with pytest.raises(ContextLengthError, match="KV cache capacity of 16 tokens"):
         small.add_request("k", [1] * 10, greedy(10))
+
+
+def test_bf16_packed_batch_equals_each_alone() -> None:
+    """In bf16 (oneDNN-packed weights, C decode kernel) batching still changes nothing."""
+    model = small_model(d_model=64).to(torch.bfloat16)
+    engine = make_engine(model)
+    assert engine.runner.packed == (model.device.type == "cpu")
+    requests = mixed_requests(12, seed=5)
+    batched = {k: tokens_of(v) for k, v in run_all(engine, requests).items()}
+    for rid, spec in requests.items():
+        assert tokens_of(run_all(engine, {rid + "-solo": spec})[rid + "-solo"]) == batched[rid]
