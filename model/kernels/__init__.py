@@ -41,16 +41,16 @@ def _cache_dir() -> Path:
 
 
 @functools.cache
-def _library(head_dim: int, block_size: int) -> ctypes.CDLL | None:
+def _library(head_dim: int, block_size: int, group: int) -> ctypes.CDLL | None:
     if os.environ.get("KVSERVE_DISABLE_KERNELS"):
         return None
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.warning("no C compiler found: paged decode attention uses the torch path")
         return None
-    flags = [*FLAGS, f"-DHEAD_DIM={head_dim}", f"-DBLOCK_SIZE={block_size}"]
+    flags = [*FLAGS, f"-DHEAD_DIM={head_dim}", f"-DBLOCK_SIZE={block_size}", f"-DGROUP={group}"]
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"paged_decode-d{head_dim}-bs{block_size}-{digest}.so"
+    target = _cache_dir() / f"paged_decode-d{head_dim}-bs{block_size}-g{group}-{digest}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
@@ -71,19 +71,22 @@ def _library(head_dim: int, block_size: int) -> ctypes.CDLL | None:
     for name in ("paged_decode_f32", "paged_decode_bf16"):
         fn = getattr(lib, name)
         fn.restype = None
+        # q, k, v, tables, lens, out; B, KV, max_blocks; scale; alibi; threads
         fn.argtypes = (
             [ctypes.c_void_p] * 6
-            + [ctypes.c_int] * 4
-            + [
-                ctypes.c_float,
-                ctypes.c_void_p,
-                ctypes.c_int,
-            ]
+            + [ctypes.c_int] * 3
+            + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
         )
     return lib
 
 
-MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 32, 256, 64
+MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 16, 256, 64
+
+
+def _is_power_of_two(n: int) -> bool:  # the kernel holds a block of scores in one vector
+    return n > 0 and n & (n - 1) == 0
+
+
 _KERNELS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
 
 
@@ -94,7 +97,8 @@ def paged_decode_supported(cache: torch.Tensor, n_heads: int, n_kv: int, d_head:
         and n_heads // n_kv <= MAX_GROUP
         and d_head <= MAX_HEAD_DIM
         and cache.shape[-1] <= MAX_BLOCK_SIZE  # k blocks are (KV, D, BS)
-        and _library(d_head, cache.shape[-1]) is not None
+        and _is_power_of_two(cache.shape[-1])
+        and _library(d_head, cache.shape[-1], n_heads // n_kv) is not None
     )
 
 
@@ -109,7 +113,7 @@ def paged_decode(
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its cached context -> (B, H, D) fp32."""
     b, h, d = q.shape
-    lib = _library(d, k_cache.shape[-1])
+    lib = _library(d, k_cache.shape[-1], h // k_cache.shape[1])
     assert lib is not None, "check paged_decode_supported() first"
     q = q.float().contiguous()
     tables = block_tables.contiguous()
@@ -124,7 +128,6 @@ def paged_decode(
         lens.data_ptr(),
         out.data_ptr(),
         b,
-        h,
         k_cache.shape[1],
         tables.shape[1],
         scale,
