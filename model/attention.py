@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from model.config import ModelConfig
 from model.kernels import paged_decode, paged_decode_supported
-from model.layers import Linear
+from model.layers import Linear, apply_rope
 
 
 class PagedKVCache:
@@ -183,16 +183,16 @@ class Attention(nn.Module):
         self.wqkv = Linear(cfg.d_model, qkv_out, bias=cfg.qkv_bias)
         self.wo = Linear(self.n_heads * self.d_head, cfg.d_model, bias=cfg.attn_out_bias)
 
-    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        t = x.shape[0]
-        q, k, v = self.wqkv(x).split(
-            [self.n_heads * self.d_head, self.n_kv * self.d_head, self.n_kv * self.d_head], dim=-1
-        )
-        return (
-            q.view(t, self.n_heads, self.d_head),  # (T, H, dh)
-            k.view(t, self.n_kv, self.d_head),  # (T, KV, dh)
-            v.view(t, self.n_kv, self.d_head),
-        )
+    def project(
+        self, x: Tensor, rope: tuple[Tensor, Tensor] | None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """x: (T, d) -> q (T, H, dh), k and v (T, KV, dh); RoPE applied to q and k."""
+        t, h, kv, dh = x.shape[0], self.n_heads, self.n_kv, self.d_head
+        qkv = self.wqkv(x).view(t, h + 2 * kv, dh)
+        qk, v = qkv[:, : h + kv], qkv[:, h + kv :]
+        if rope is not None:  # one rotation for the query and key heads together
+            qk = apply_rope(qk, *rope)
+        return qk[:, :h], qk[:, h:], v
 
     def attend(
         self,

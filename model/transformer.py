@@ -10,7 +10,6 @@ from model.config import ModelConfig
 from model.layers import (
     Linear,
     alibi_slopes,
-    apply_rope,
     can_pack,
     make_ffn,
     make_norm,
@@ -37,9 +36,7 @@ class Block(nn.Module):
         alibi_slopes: Tensor | None,
     ) -> Tensor:
         h = self.attn_norm(x) if self.pre_norm else x
-        q, k, v = self.attn.project(h)
-        if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k, v = self.attn.project(h, rope)
         x = x + self.attn.wo(self.attn.attend(q, k, v, meta, cache, alibi_slopes))
         if not self.pre_norm:
             x = self.attn_norm(x)
@@ -58,6 +55,7 @@ class Transformer(nn.Module):
         if cfg.position == "learned":
             self.pos_embed = nn.Embedding(cfg.max_position, cfg.d_model)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self._head: Linear | None = None  # packed copy of a tied head (pack_weights)
         if cfg.norm_placement == "pre":
             self.norm = make_norm(cfg)
         if not cfg.tie_embeddings:
@@ -72,8 +70,10 @@ class Transformer(nn.Module):
         self._alibi: Tensor | None = None
         if device.type == "meta":
             return
-        if cfg.position == "rope":
-            self._rope = rope_tables(cfg, device)
+        if cfg.position == "rope":  # computed in fp32, kept in the model's dtype (as HF)
+            dtype = self.embed.weight.dtype
+            cos, sin = rope_tables(cfg, device)
+            self._rope = (cos.to(dtype), sin.to(dtype))
         elif cfg.position == "sinusoidal":
             self._sinusoidal = sinusoidal_table(cfg.max_position, cfg.d_model, device)
         elif cfg.position == "alibi":
@@ -90,6 +90,13 @@ class Transformer(nn.Module):
         The model cannot be moved or re-typed afterwards. Returns whether it packed."""
         if not can_pack(self.device, self.dtype):
             return False
+        if self.cfg.tie_embeddings and self._head is None:
+            # The lookup keeps the plain table; the head gets a packed copy (vocab x d
+            # more bytes), which is ~1.7x faster at batch 64 (benchmarks/RESULTS.md).
+            head = Linear(self.cfg.d_model, self.cfg.vocab_size, bias=False, device="meta")
+            head.weight = nn.Parameter(self.embed.weight.detach(), requires_grad=False)
+            head.pack()
+            self._head = head
         for module in self.modules():
             if isinstance(module, Linear) and module._packed is None:
                 module.pack()
@@ -137,6 +144,8 @@ class Transformer(nn.Module):
             x = self.norm(x)
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)
+        if self._head is not None:
+            return self._head(x).float()
         if not self.cfg.tie_embeddings:
             return self.lm_head(x).float()
         return (x @ self.embed.weight.t()).float()  # (T, V)

@@ -58,7 +58,7 @@ class Sampler:
             logits = self._apply_penalties(
                 logits if logits is not raw else logits.clone(), requests
             )
-        tokens = logits.argmax(dim=-1)  # (B,)
+        tokens = logits.max(dim=-1).indices  # (B,); faster than argmax on the CPU
         if not all(p.greedy for p in params):
             sampled = self._draw(logits, requests, generators)
             greedy = torch.tensor([p.greedy for p in params], device=logits.device)
@@ -134,7 +134,7 @@ class Sampler:
         for i, g in enumerate(generators):
             if g is not None:
                 noise[i].exponential_(generator=g)
-        return (probs / noise).argmax(dim=-1)
+        return (probs / noise).max(dim=-1).indices
 
     def _logprobs(
         self, raw: Tensor, requests: Sequence[Request], tokens: list[int]
