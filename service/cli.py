@@ -70,9 +70,21 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from service.config import load_settings
+    from service.server import serve
+
+    return serve(load_settings(args))
+
+
 def main(argv: list[str] | None = None) -> int:
+    from service.config import add_arguments
+
     parser = argparse.ArgumentParser(prog="kvserve", description="kvserve: LLM inference service")
     sub = parser.add_subparsers(dest="command", required=True)
+    srv = sub.add_parser("serve", help="serve the OpenAI API (flags override KVSERVE_* variables)")
+    add_arguments(srv)
+    srv.set_defaults(func=_cmd_serve)
     gen = sub.add_parser("generate", help="run one prompt through the model and stream the text")
     _add_model_args(gen)
     gen.add_argument("--prompt", default="The quick brown fox")

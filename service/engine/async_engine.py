@@ -23,6 +23,21 @@ from service.engine.request import SamplingParams
 log = logging.getLogger("kvserve.engine")
 
 
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    running: int
+    waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_bytes_total: int
+    kv_bytes_used: int
+    block_size: int
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
 class EngineDeadError(RuntimeError):
     """The engine loop has stopped; no request can make progress."""
 
@@ -67,6 +82,29 @@ class AsyncEngine:
             return False
         return not self.busy or time.monotonic() - self.last_progress < self.stuck_after_s
 
+    # ---- read-only views for callers (plain ints and floats: safe across threads) ------
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ParamError / ContextLengthError now, before anything is queued."""
+        self.engine.validate(prompt_ids, params)
+
+    def snapshot(self) -> EngineSnapshot:
+        eng = self.engine
+        used, total = eng.blocks.num_used, eng.blocks.num_blocks
+        return EngineSnapshot(
+            running=len(eng.scheduler.running),
+            waiting=len(eng.scheduler.waiting),
+            kv_blocks_total=total,
+            kv_blocks_used=used,
+            kv_bytes_total=total * eng.block_bytes,
+            kv_bytes_used=used * eng.block_bytes,
+            block_size=eng.blocks.block_size,
+        )
+
     # ---- the caller side -------------------------------------------------------------
 
     async def generate(
@@ -76,7 +114,7 @@ class AsyncEngine:
         Leaving the iterator early (client gone, cancelled) aborts the request."""
         if not self.alive:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
-        self.engine.validate(prompt_ids, params)  # reads only fixed limits: thread-safe
+        self.validate(prompt_ids, params)  # reads only fixed limits: thread-safe
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), [])
         self._send(("add", request_id, prompt_ids, params, stream))
         remaining = params.n

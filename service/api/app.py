@@ -1,0 +1,342 @@
+"""create_app(settings): the FastAPI app; the lifespan loads the model and runs the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import FileResponse, JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.api import chat, completions
+from service.api.protocol import APIError, DetokenizeRequest, TokenizeRequest
+from service.api.serving import GenerationFailed, ServingState
+from service.config import Settings
+
+log = logging.getLogger("kvserve.api")
+STATIC = Path(__file__).with_name("static")
+OPEN_PATHS = ("/health", "/metrics", "/", "/favicon.ico")
+
+
+def build_state(settings: Settings) -> ServingState:
+    """Load the model, tokenizer and template and start the engine (blocking)."""
+    from model.audit import audit
+    from model.device import dtype_name, pick_device, pick_dtype
+    from model.loader import load
+    from service.api.chat_template import ChatTemplate
+    from service.engine.async_engine import AsyncEngine
+    from service.engine.engine import EngineConfig, LLMEngine
+
+    device = pick_device(settings.device)
+    dtype = pick_dtype(settings.dtype, device)
+    loaded = load(settings.model, dtype, device)
+    config = EngineConfig(
+        block_size=settings.block_size,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_model_len=settings.max_model_len,
+        kv_cache_bytes=settings.kv_cache_bytes,
+        gpu_memory_fraction=settings.gpu_memory_fraction,
+    )
+    engine = LLMEngine(loaded.model, loaded.tokenizer, config)
+    report = audit(
+        loaded.model.cfg, dtype_name(dtype), kv_pool_bytes=engine.kv_cache.nbytes
+    ).as_dict()
+    report |= {
+        "device": str(device),
+        "block_size": settings.block_size,
+        "kv_blocks": engine.blocks.num_blocks,
+    }
+    async_engine = AsyncEngine(engine, stuck_after_s=settings.stuck_after)
+    async_engine.start()
+    return ServingState(
+        settings=settings,
+        engine=async_engine,
+        tokenizer=loaded.tokenizer,
+        model_id=settings.served_model_name or loaded.model_id,
+        template=ChatTemplate.for_model(settings.model),
+        audit=report,
+    )
+
+
+class BodyLimit:
+    """413 for a body over the limit, by Content-Length or as it streams in."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await _send_error(
+                send, APIError(413, f"request body exceeds {self.limit} bytes")
+            )
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _TooLarge
+            return message
+
+        try:
+            await self.app(scope, limited, send)
+        except _TooLarge:
+            await _send_error(send, APIError(413, f"request body exceeds {self.limit} bytes"))
+
+
+class _TooLarge(Exception):
+    pass
+
+
+async def _send_error(send: Send, err: APIError) -> None:
+    response = JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+    await response({"type": "http"}, _no_receive, send)
+
+
+async def _no_receive() -> Message:
+    return {"type": "http.disconnect"}
+
+
+def create_app(
+    settings: Settings, state_factory: Callable[[Settings], ServingState] = build_state
+) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.serving = None
+        app.state.load_error = None
+
+        async def load_and_watch() -> None:
+            try:
+                app.state.serving = await asyncio.to_thread(state_factory, settings)
+                log.info("model loaded", extra={"model": app.state.serving.model_id})
+            except Exception as exc:  # /health says "failed"; the process exits non-zero
+                log.error("model failed to load: %s", exc)
+                app.state.load_error = exc
+                _stop(app)
+                return
+            while app.state.serving.engine.alive:  # a dead engine loop ends the process
+                await asyncio.sleep(0.25)
+            log.error("engine loop died: %r", app.state.serving.engine.error)
+            _stop(app)
+
+        watcher = asyncio.ensure_future(load_and_watch())
+        yield
+        watcher.cancel()
+        if app.state.serving is not None:
+            app.state.serving.engine.shutdown()
+
+    app = FastAPI(title="kvserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    _install_errors(app)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    if settings.cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.cors_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
+
+    app.add_middleware(Gate, settings=settings)
+    app.include_router(completions.router)
+    app.include_router(chat.router)
+    _install_routes(app)
+    return app
+
+
+class Gate:
+    """Request id, API keys, 503 while loading, and one structured log line per request."""
+
+    def __init__(self, app: ASGIApp, settings: Settings) -> None:
+        self.app, self.settings = app, settings
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers") or []}
+        request_id = headers.get("x-request-id") or uuid.uuid4().hex[:16]
+        scope.setdefault("state", {})["request_id"] = request_id
+        start, status = time.perf_counter(), 0
+
+        async def tagged(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message.setdefault("headers", []).append((b"x-request-id", request_id.encode()))
+            await send(message)
+
+        path = scope["path"]
+        app_state = scope["app"].state
+        try:
+            if path not in OPEN_PATHS:
+                _authorize(self.settings, headers.get("authorization", ""))
+                if app_state.serving is None:
+                    failed = app_state.load_error is not None
+                    raise APIError(
+                        503, "The model failed to load" if failed else "The model is still loading"
+                    )
+        except APIError as exc:
+            await _send_error(tagged, exc)
+        else:
+            await self.app(scope, receive, tagged)
+        log.info(
+            "request",
+            extra={
+                "request_id": request_id,
+                "method": scope["method"],
+                "path": path,
+                "status": status,
+                "ms": round(1000 * (time.perf_counter() - start), 1),
+            },
+        )
+
+
+def _stop(app: FastAPI) -> None:
+    """Ask the hosting server (service.server) to exit; it then exits non-zero."""
+    stop = getattr(app.state, "stop_server", None)
+    if stop is not None:
+        stop()
+
+
+def _authorize(settings: Settings, header: str) -> None:
+    if not settings.api_keys:
+        return
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        raise APIError(
+            401, "Missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+        )
+    matches = [hmac.compare_digest(token.encode(), key.encode()) for key in settings.api_keys]
+    if not any(matches):
+        raise APIError(401, "Incorrect API key provided", code="invalid_api_key")
+
+
+def _install_errors(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        message = first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid" or not loc:
+            message = f"Invalid request body: {message}"
+        else:
+            message = f"{param}: {message}"
+        return JSONResponse(APIError(400, message, param=param).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        status = exc.status_code
+        message = "Not found" if status == 404 else str(exc.detail)
+        err = APIError(status, message, code="not_found" if status == 404 else None)
+        return JSONResponse(err.body(), status_code=status)
+
+    @app.exception_handler(GenerationFailed)
+    async def failed(_: Request, exc: GenerationFailed) -> JSONResponse:
+        return JSONResponse(APIError(500, str(exc)).body(), status_code=500)
+
+
+def _serving(request: Request) -> ServingState:
+    state = request.app.state.serving
+    if state is None:
+        raise APIError(503, "The model is still loading")
+    return state
+
+
+def _install_routes(app: FastAPI) -> None:
+    @app.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        state: ServingState | None = request.app.state.serving
+        if state is None:
+            status = "failed" if request.app.state.load_error is not None else "loading"
+            return JSONResponse({"status": status}, status_code=503)
+        snap = state.engine.snapshot()
+        ok = state.engine.healthy() and not state.draining
+        status = "draining" if state.draining else ("ok" if ok else "unhealthy")
+        body = {
+            "status": status,
+            "model": state.model_id,
+            "running": snap.running,
+            "waiting": snap.waiting,
+            "kv_cache": {
+                "blocks_total": snap.kv_blocks_total,
+                "blocks_used": snap.kv_blocks_used,
+                "bytes_total": snap.kv_bytes_total,
+                "bytes_used": snap.kv_bytes_used,
+                "usage": snap.kv_usage,
+            },
+        }
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    def model_card(state: ServingState, detail: bool) -> dict[str, Any]:
+        card: dict[str, Any] = {
+            "id": state.model_id,
+            "object": "model",
+            "created": int(state.started),
+            "owned_by": "kvserve",
+            "max_model_len": state.max_model_len,
+        }
+        if detail:
+            card["memory"] = state.audit
+        return card
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [model_card(_serving(request), False)]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> JSONResponse:
+        state = _serving(request)
+        state.check_model(model_id)
+        return JSONResponse(model_card(state, True))
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest, request: Request) -> JSONResponse:
+        state = _serving(request)
+        state.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+        if req.prompt is not None:
+            tokens = state.tokenizer.encode(
+                req.prompt, add_bos=None if req.add_special_tokens else False
+            )
+        else:
+            messages = [{"role": m.role, "content": m.text()} for m in req.messages or []]
+            tokens = state.tokenizer.encode(state.template.render(messages), add_bos=False)
+        return JSONResponse(
+            {"tokens": tokens, "count": len(tokens), "max_model_len": state.max_model_len}
+        )
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest, request: Request) -> JSONResponse:
+        state = _serving(request)
+        state.check_model(req.model)
+        bad = next((t for t in req.tokens if not state.tokenizer.valid_id(t)), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is not in the vocabulary", param="tokens")
+        return JSONResponse({"prompt": state.tokenizer.decode(req.tokens)})
+
+    @app.get("/")
+    async def index() -> FileResponse:
+        return FileResponse(STATIC / "index.html", media_type="text/html")

@@ -1,0 +1,169 @@
+"""POST /v1/chat/completions: a thin route over the serving logic."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from service.api.chat_template import ChatTemplateError
+from service.api.protocol import APIError, ChatCompletionRequest
+from service.api.serving import (
+    SSE_DONE,
+    ClientDisconnected,
+    ServingState,
+    check_stream_options,
+    collect,
+    generate,
+    new_id,
+    raise_if_failed,
+    sampling_params,
+    sse,
+    sse_error,
+    until_disconnect,
+    usage,
+    validate_prompt,
+)
+from service.engine.sampler import TokenLogprobs
+
+router = APIRouter()
+
+
+def render_prompt(state: ServingState, req: ChatCompletionRequest) -> list[int]:
+    messages = [
+        {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+        for m in req.messages
+    ]
+    try:
+        text = state.template.render(messages, add_generation_prompt=req.add_generation_prompt)
+    except ChatTemplateError as exc:
+        raise APIError(400, str(exc), param="messages") from None
+    # the template writes any BOS itself; special tokens in it are real special tokens
+    return state.tokenizer.encode(text, add_bos=False)
+
+
+def _entry(state: ServingState, token_id: int, logprob: float) -> dict[str, Any]:
+    raw = state.tokenizer.decode_bytes([token_id])
+    return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+
+def _logprobs(state: ServingState, lps: list[TokenLogprobs]) -> dict[str, Any]:
+    return {
+        "content": [
+            {
+                **_entry(state, lp.token_id, lp.logprob),
+                "top_logprobs": [_entry(state, t, v) for t, v in lp.top],
+            }
+            for lp in lps
+        ]
+    }
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+    state: ServingState = request.app.state.serving
+    state.check_model(req.model)
+    if req.tools:
+        raise APIError(400, "tools are not supported by this server", param="tools")
+    if req.response_format and req.response_format.get("type") not in (None, "text"):
+        raise APIError(
+            400, "only response_format {'type': 'text'} is supported", param="response_format"
+        )
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
+    include_usage = check_stream_options(req)
+    prompt = render_prompt(state, req)
+    max_tokens = (
+        req.max_completion_tokens or req.max_tokens or max(1, state.max_model_len - len(prompt))
+    )
+    params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+    validate_prompt(state, prompt, params)
+    admission = state.admit(req.n)
+    rid, created = new_id("chatcmpl"), int(time.time())
+    if req.stream:
+        head = {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": state.model_id,
+        }
+        body = _stream(state, req, prompt, params, head, include_usage, admission.release)
+        return StreamingResponse(
+            body, media_type="text/event-stream", background=BackgroundTask(admission.release)
+        )
+    try:
+        choices = await until_disconnect(request, collect(state, rid, prompt, params))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    finally:
+        admission.release()
+    raise_if_failed(choices)
+    body = {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": state.model_id,
+        "choices": [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": _logprobs(state, c.logprobs) if req.logprobs else None,
+                "finish_reason": c.finish_reason,
+            }
+            for i, c in enumerate(choices)
+        ],
+        "usage": usage(len(prompt), sum(len(c.token_ids) for c in choices), choices[0].cached),
+    }
+    return JSONResponse(body)
+
+
+async def _stream(
+    state: ServingState,
+    req: ChatCompletionRequest,
+    prompt: list[int],
+    params: Any,
+    head: dict[str, Any],
+    include_usage: bool,
+    release: Any,
+) -> AsyncIterator[bytes]:
+    completion, cached = 0, 0
+    try:
+        for i in range(req.n):  # the first chunk of each choice names the role
+            delta = {"role": "assistant", "content": ""}
+            yield sse(
+                {
+                    **head,
+                    "choices": [
+                        {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
+                    ],
+                }
+            )
+        async for outs in generate(state, head["id"], prompt, params):
+            for out in outs:
+                if out.finished and out.error:
+                    raise APIError(500, out.error)
+                completion += len(out.token_ids)
+                cached = out.num_cached_tokens
+                reason = out.finish_reason.value if out.finished and out.finish_reason else None
+                if not out.text and reason is None:
+                    continue
+                delta = {"content": out.text} if out.text else {}
+                lp = _logprobs(state, out.logprobs) if req.logprobs else None
+                choice = {
+                    "index": out.index,
+                    "delta": delta,
+                    "logprobs": lp,
+                    "finish_reason": reason,
+                }
+                yield sse({**head, "choices": [choice]})
+        if include_usage:
+            yield sse({**head, "choices": [], "usage": usage(len(prompt), completion, cached)})
+    except Exception as exc:  # the 200 is already sent: the error goes inside the stream
+        yield sse_error(exc)
+    finally:
+        release()
+    yield SSE_DONE

@@ -1,0 +1,189 @@
+"""POST /v1/completions: a thin route over the serving logic."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from service.api.protocol import APIError, CompletionRequest
+from service.api.serving import (
+    SSE_DONE,
+    Choice,
+    ClientDisconnected,
+    ServingState,
+    check_stream_options,
+    collect,
+    generate,
+    merged,
+    new_id,
+    raise_if_failed,
+    sampling_params,
+    sse,
+    sse_error,
+    token_text,
+    until_disconnect,
+    usage,
+    validate_prompt,
+)
+from service.engine.sampler import TokenLogprobs
+
+router = APIRouter()
+
+
+def _prompts(state: ServingState, req: CompletionRequest) -> list[list[int]]:
+    p = req.prompt
+    if isinstance(p, str):
+        return [state.tokenizer.encode(p)]
+    if not p:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    if all(isinstance(x, str) for x in p):
+        return [state.tokenizer.encode(x) for x in p]  # type: ignore[arg-type]
+    if all(isinstance(x, int) for x in p):
+        return [list(p)]  # type: ignore[arg-type]
+    if all(isinstance(x, list) for x in p):
+        return [list(x) for x in p]  # type: ignore[arg-type]
+    raise APIError(400, "prompt must be a string, a list of strings, or token ids", param="prompt")
+
+
+def _logprobs(state: ServingState, lps: list[TokenLogprobs], offset: int) -> dict[str, Any]:
+    tokens, values, tops, offsets = [], [], [], []
+    for lp in lps:
+        text = token_text(state.tokenizer, lp.token_id)
+        tokens.append(text)
+        values.append(lp.logprob)
+        tops.append({token_text(state.tokenizer, t): v for t, v in lp.top})
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": values,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+@router.post("/v1/completions")
+async def completions(req: CompletionRequest, request: Request) -> Response:
+    state: ServingState = request.app.state.serving
+    state.check_model(req.model)
+    if req.suffix is not None:
+        raise APIError(400, "suffix is not supported", param="suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError(
+            400, "best_of must equal n (other values are not supported)", param="best_of"
+        )
+    if req.echo and req.logprobs is not None:
+        raise APIError(400, "echo together with logprobs is not supported", param="echo")
+    include_usage = check_stream_options(req)
+    prompts = _prompts(state, req)
+    params = sampling_params(req, req.max_tokens or 16, req.logprobs)
+    for ids in prompts:
+        validate_prompt(state, ids, params)
+    admission = state.admit(len(prompts) * req.n)
+    rid, created = new_id("cmpl"), int(time.time())
+    head = {"id": rid, "object": "text_completion", "created": created, "model": state.model_id}
+    if req.stream:
+        body = _stream(state, req, prompts, params, head, include_usage, admission.release)
+        return StreamingResponse(
+            body, media_type="text/event-stream", background=BackgroundTask(admission.release)
+        )
+    try:
+        work = asyncio.gather(
+            *(collect(state, f"{rid}-{i}", ids, params) for i, ids in enumerate(prompts))
+        )
+        results: list[list[Choice]] = await until_disconnect(request, work)
+    except ClientDisconnected:
+        return Response(status_code=499)
+    finally:
+        admission.release()
+    for choices in results:
+        raise_if_failed(choices)
+    out_choices = []
+    for i, (ids, choices) in enumerate(zip(prompts, results, strict=True)):
+        echo = state.tokenizer.decode(ids) if req.echo else ""
+        for j, c in enumerate(choices):
+            lp = _logprobs(state, c.logprobs, len(echo)) if req.logprobs is not None else None
+            out_choices.append(
+                {
+                    "index": i * req.n + j,
+                    "text": echo + c.text,
+                    "logprobs": lp,
+                    "finish_reason": c.finish_reason,
+                }
+            )
+    completion = sum(len(c.token_ids) for cs in results for c in cs)
+    cached = sum(cs[0].cached for cs in results)
+    body = {
+        **head,
+        "choices": out_choices,
+        "usage": usage(sum(map(len, prompts)), completion, cached),
+    }
+    return JSONResponse(body)
+
+
+async def _stream(
+    state: ServingState,
+    req: CompletionRequest,
+    prompts: list[list[int]],
+    params: Any,
+    head: dict[str, Any],
+    include_usage: bool,
+    release: Any,
+) -> AsyncIterator[bytes]:
+    rid = head["id"]
+    completion, cached, offsets = 0, {}, {}
+    try:
+        if req.echo:
+            for i, ids in enumerate(prompts):
+                for j in range(req.n):
+                    text = state.tokenizer.decode(ids)
+                    offsets[i * req.n + j] = len(text)
+                    yield sse(
+                        {
+                            **head,
+                            "choices": [
+                                {
+                                    "index": i * req.n + j,
+                                    "text": text,
+                                    "logprobs": None,
+                                    "finish_reason": None,
+                                }
+                            ],
+                        }
+                    )
+        streams = [generate(state, f"{rid}-{i}", ids, params) for i, ids in enumerate(prompts)]
+        async for i, outs in merged(streams):
+            for out in outs:
+                if out.finished and out.error:
+                    raise APIError(500, out.error)
+                index = i * req.n + out.index
+                completion += len(out.token_ids)
+                cached[i] = out.num_cached_tokens
+                reason = out.finish_reason.value if out.finished and out.finish_reason else None
+                if not out.text and reason is None:
+                    continue  # empty deltas are not sent
+                lp = None
+                if req.logprobs is not None:
+                    lp = _logprobs(state, out.logprobs, offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + len(out.text)
+                choice = {"index": index, "text": out.text, "logprobs": lp, "finish_reason": reason}
+                yield sse({**head, "choices": [choice]})
+        if include_usage:
+            yield sse(
+                {
+                    **head,
+                    "choices": [],
+                    "usage": usage(sum(map(len, prompts)), completion, sum(cached.values())),
+                }
+            )
+    except Exception as exc:  # the 200 is already sent: the error goes inside the stream
+        yield sse_error(exc)
+    finally:
+        release()
+    yield SSE_DONE

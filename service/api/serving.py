@@ -1,0 +1,282 @@
+"""Serving logic shared by the completion and chat routes: admission and backpressure,
+request -> SamplingParams, running generations, and the SSE wire format."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import Request
+
+from model.tokenizer import Tokenizer
+from service.api.chat_template import ChatTemplate
+from service.api.protocol import APIError, SamplingFields
+from service.config import Settings
+from service.engine.async_engine import AsyncEngine, EngineDeadError
+from service.engine.engine import ContextLengthError
+from service.engine.output import RequestOutput
+from service.engine.request import ParamError, SamplingParams
+
+log = logging.getLogger("kvserve.api")
+T = TypeVar("T")
+
+
+@dataclass
+class ServingState:
+    settings: Settings
+    engine: AsyncEngine
+    tokenizer: Tokenizer
+    model_id: str
+    template: ChatTemplate
+    audit: dict[str, Any]
+    inflight: int = 0  # admitted sequences not yet finished
+    draining: bool = False
+    started: float = field(default_factory=time.time)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_id:
+            raise APIError(
+                404,
+                f"The model '{name}' does not exist; this server serves '{self.model_id}'",
+                param="model",
+                code="model_not_found",
+            )
+
+    def admit(self, n_seqs: int) -> Admission:
+        """Take n sequences in, or answer 503 (draining) / 429 (waiting queue full)."""
+        if self.draining:
+            raise APIError(503, "The server is shutting down and accepts no new requests")
+        if not self.engine.alive:
+            raise APIError(503, "The engine is not running")
+        waiting = max(0, self.inflight + n_seqs - self.settings.max_num_seqs)
+        if waiting > self.settings.max_queue:
+            raise APIError(
+                429,
+                f"The server is at capacity ({self.inflight} sequences in flight, "
+                f"waiting queue cap {self.settings.max_queue}); retry shortly",
+                code="queue_full",
+                headers={"Retry-After": "1"},
+            )
+        self.inflight += n_seqs
+        return Admission(self, n_seqs)
+
+
+class Admission:
+    """Releases its sequences exactly once, whichever way the request ends."""
+
+    def __init__(self, state: ServingState, n: int) -> None:
+        self.state, self.n = state, n
+
+    def release(self) -> None:
+        if self.n:
+            self.state.inflight -= self.n
+            self.n = 0
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    bias = []
+    for key, value in (req.logit_bias or {}).items():
+        try:
+            bias.append((int(key), float(value)))
+        except ValueError:
+            raise APIError(
+                400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
+            ) from None
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            min_p=req.min_p,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            logit_bias=tuple(bias),
+            seed=req.seed,
+            n=req.n,
+            stop=stop,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+        )
+    except ParamError as exc:
+        raise APIError(400, str(exc), param=exc.param) from None
+
+
+def validate_prompt(state: ServingState, prompt_ids: list[int], params: SamplingParams) -> None:
+    try:
+        state.engine.validate(prompt_ids, params)
+    except ContextLengthError as exc:
+        raise APIError(
+            400, str(exc).split(": ", 1)[-1], param=exc.param, code="context_length_exceeded"
+        ) from None
+    except ParamError as exc:
+        raise APIError(400, str(exc), param=exc.param) from None
+
+
+def check_stream_options(req: SamplingFields) -> bool:
+    if req.stream_options is not None and not req.stream:
+        raise APIError(
+            400, "stream_options is only allowed when stream is true", param="stream_options"
+        )
+    return bool(req.stream and req.stream_options and req.stream_options.include_usage)
+
+
+@dataclass
+class Choice:
+    """Everything generated for one choice, accumulated from the deltas."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)
+    finish_reason: str | None = None
+    cached: int = 0
+    error: str | None = None
+
+
+async def collect(
+    state: ServingState, request_id: str, prompt_ids: list[int], params: SamplingParams
+) -> list[Choice]:
+    choices = [Choice() for _ in range(params.n)]
+    async for outs in generate(state, request_id, prompt_ids, params):
+        for out in outs:
+            c = choices[out.index]
+            c.text += out.text
+            c.token_ids += out.token_ids
+            c.logprobs += out.logprobs
+            c.cached = out.num_cached_tokens
+            if out.finished:
+                c.finish_reason = out.finish_reason.value if out.finish_reason else None
+                c.error = out.error
+    return choices
+
+
+async def generate(
+    state: ServingState, request_id: str, prompt_ids: list[int], params: SamplingParams
+) -> AsyncIterator[list[RequestOutput]]:
+    try:
+        async for outs in state.engine.generate(request_id, prompt_ids, params):
+            yield outs
+    except EngineDeadError as exc:
+        raise APIError(503, f"The engine stopped: {exc}") from None
+    except ContextLengthError as exc:
+        raise APIError(400, str(exc), param=exc.param, code="context_length_exceeded") from None
+    except ParamError as exc:
+        raise APIError(400, str(exc), param=exc.param) from None
+
+
+def raise_if_failed(choices: list[Choice]) -> None:
+    failed = next((c for c in choices if c.finish_reason == "error"), None)
+    if failed is not None:
+        raise GenerationFailed(failed.error or "generation failed")
+
+
+class GenerationFailed(Exception):
+    """The engine failed this request after admitting it (answered 500, others unaffected)."""
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (which aborts its generations) if the client leaves."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise ClientDisconnected
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def merged(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Interleave several async iterators as their items arrive; cancel all on exit."""
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, it: AsyncIterator[T]) -> None:
+        try:
+            async for item in it:
+                await queue.put((i, item))
+            await queue.put((i, done))
+        except BaseException as exc:  # delivered to the consumer, re-raised there
+            await queue.put((i, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    payload = (
+        data
+        if isinstance(data, str)
+        else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    )
+    return f"data: {payload}\n\n".encode()
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse_error(exc: BaseException) -> bytes:
+    if isinstance(exc, APIError):
+        return sse(exc.body())
+    message = str(exc) or type(exc).__name__
+    return sse(APIError(500, message).body())
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    return tokenizer.decode_bytes([token_id]).decode("utf-8", errors="replace")

@@ -1,0 +1,132 @@
+"""One settings object: CLI flags over KVSERVE_* environment variables over defaults."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    model: str | None = field(
+        default=None, metadata={"help": "model directory (default: the random demo model)"}
+    )
+    served_model_name: str | None = field(
+        default=None, metadata={"help": "model id in the API (default: the directory name)"}
+    )
+    host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
+    port: int = field(default=8000, metadata={"help": "port to bind"})
+    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, cuda:N"})
+    dtype: str = field(
+        default="auto",
+        metadata={"help": "auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16"},
+    )
+    kv_cache_gib: float = field(default=1.0, metadata={"help": "KV cache budget on the CPU, GiB"})
+    gpu_memory_fraction: float = field(
+        default=0.85, metadata={"help": "share of free GPU memory for the KV cache"}
+    )
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
+    max_num_seqs: int = field(default=64, metadata={"help": "sequences per engine step"})
+    max_num_batched_tokens: int = field(default=2048, metadata={"help": "tokens per engine step"})
+    max_model_len: int | None = field(
+        default=None, metadata={"help": "context length cap (default: the model's)"}
+    )
+    max_queue: int = field(default=256, metadata={"help": "waiting requests before 429"})
+    max_body_bytes: int = field(
+        default=4 << 20, metadata={"help": "request body limit (413 above)"}
+    )
+    api_keys: tuple[str, ...] = field(
+        default=(), metadata={"help": "comma-separated bearer keys (none: open)"}
+    )
+    cors_origins: tuple[str, ...] = field(
+        default=(), metadata={"help": "comma-separated allowed origins"}
+    )
+    log_level: str = field(default="info", metadata={"help": "debug, info, warning, error"})
+    shutdown_timeout: float = field(
+        default=30.0, metadata={"help": "seconds to finish in-flight requests on SIGTERM"}
+    )
+    stuck_after: float = field(
+        default=60.0, metadata={"help": "seconds without engine progress before /health is 503"}
+    )
+
+    def __post_init__(self) -> None:
+        positive = (
+            "port",
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_body_bytes",
+        )
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.kv_cache_gib <= 0:
+            raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
+        if not 0 < self.gpu_memory_fraction <= 1:
+            raise ValueError(
+                f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}"
+            )
+        if self.log_level not in ("debug", "info", "warning", "error"):
+            raise ValueError(
+                f"log_level must be debug, info, warning or error, got {self.log_level!r}"
+            )
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return int(self.kv_cache_gib * GiB)
+
+    def replace(self, **changes: Any) -> Settings:
+        return dataclasses.replace(self, **changes)
+
+
+def _parse(f: dataclasses.Field, raw: str) -> Any:
+    kind = str(f.type)
+    if "tuple" in kind:
+        return tuple(s.strip() for s in raw.split(",") if s.strip())
+    if kind.startswith("int"):
+        return int(raw)
+    if kind.startswith("float"):
+        return float(raw)
+    if raw == "" and "None" in kind:
+        return None
+    return raw
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    for f in fields(Settings):
+        flag = "--" + f.name.replace("_", "-")
+        env = "KVSERVE_" + f.name.upper()
+        parser.add_argument(flag, dest=f.name, default=None, help=f"{f.metadata['help']} [{env}]")
+
+
+def load_settings(
+    args: argparse.Namespace | None = None, env: Mapping[str, str] | None = None
+) -> Settings:
+    """Flags win over KVSERVE_* variables, which win over the defaults."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    for f in fields(Settings):
+        raw = getattr(args, f.name, None) if args is not None else None
+        if raw is None:
+            raw = env.get("KVSERVE_" + f.name.upper())
+        if raw is None:
+            continue
+        try:
+            values[f.name] = _parse(f, raw) if isinstance(raw, str) else raw
+        except ValueError:
+            raise ValueError(f"{f.name}: cannot parse {raw!r}") from None
+    return Settings(**values)
+
+
+def settings_from_argv(argv: Sequence[str]) -> Settings:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return load_settings(parser.parse_args(list(argv)))

@@ -1,0 +1,98 @@
+"""`kvserve serve`: uvicorn with JSON logs and a graceful SIGTERM.
+
+On SIGTERM (or Ctrl-C) the server stops admitting work (new requests get 503 and /health
+turns 503), lets in-flight requests finish for up to `shutdown_timeout` seconds, then
+exits with status 0. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import threading
+import time
+from typing import Any
+
+import uvicorn
+
+from service.api.app import create_app
+from service.config import Settings
+
+_STANDARD = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
+
+
+class JSONFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        entry |= {k: v for k, v in record.__dict__.items() if k not in _STANDARD}
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+def configure_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JSONFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    for name in ("uvicorn", "uvicorn.error"):
+        logging.getLogger(name).handlers[:] = []
+        logging.getLogger(name).propagate = True
+    logging.getLogger("uvicorn.access").disabled = True  # kvserve logs each request itself
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, timeout: float) -> None:
+        super().__init__(config)
+        self.timeout = timeout
+        self._draining = False
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self._draining:
+            return super().handle_exit(sig, frame)  # second signal: stop now
+        self._draining = True
+        threading.Thread(target=self._drain, name="kvserve-drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        app = self.config.loaded_app
+        state = getattr(getattr(app, "state", None), "serving", None)
+        log = logging.getLogger("kvserve.server")
+        if state is not None:
+            state.draining = True
+            deadline = time.monotonic() + self.timeout
+            log.info("draining", extra={"inflight": state.inflight, "timeout_s": self.timeout})
+            while state.inflight > 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            log.info("drained", extra={"inflight": state.inflight})
+        self.should_exit = True
+
+
+def serve(settings: Settings) -> int:
+    configure_logging(settings.log_level)
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_config=None,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=5,
+    )
+    server = DrainingServer(config, settings.shutdown_timeout)
+    app.state.stop_server = lambda: setattr(server, "should_exit", True)
+    server.run()
+    load_error = getattr(app.state, "load_error", None)
+    if load_error is not None:
+        print(f"kvserve: error: {load_error}", file=sys.stderr)
+        return 1
+    engine_error = getattr(getattr(app.state, "serving", None), "engine", None)
+    if engine_error is not None and engine_error.error is not None:
+        return 1
+    return 0
