@@ -49,9 +49,9 @@ def configure_logging(level: str) -> None:
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, timeout: float) -> None:
+    def __init__(self, config: uvicorn.Config, app: Any, timeout: float) -> None:
         super().__init__(config)
-        self.timeout = timeout
+        self.app, self.timeout = app, timeout
         self._draining = False
 
     def handle_exit(self, sig: int, frame: Any) -> None:
@@ -61,8 +61,7 @@ class DrainingServer(uvicorn.Server):
         threading.Thread(target=self._drain, name="kvserve-drain", daemon=True).start()
 
     def _drain(self) -> None:
-        app = self.config.loaded_app
-        state = getattr(getattr(app, "state", None), "serving", None)
+        state = getattr(self.app.state, "serving", None)
         log = logging.getLogger("kvserve.server")
         if state is not None:
             state.draining = True
@@ -85,7 +84,7 @@ def serve(settings: Settings) -> int:
         log_level=settings.log_level,
         timeout_graceful_shutdown=5,
     )
-    server = DrainingServer(config, settings.shutdown_timeout)
+    server = DrainingServer(config, app, settings.shutdown_timeout)
     app.state.stop_server = lambda: setattr(server, "should_exit", True)
     server.run()
     load_error = getattr(app.state, "load_error", None)

@@ -1,0 +1,98 @@
+"""A real `kvserve serve` process on 127.0.0.1 with a random free port."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    url: str
+    log_path: str
+
+    def client(self, **kw: object) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=60, **kw)
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=10).json()
+
+    def wait_idle(self, timeout: float = 10.0) -> dict:
+        """Wait until no request runs or waits and no KV block is in use."""
+        deadline = time.monotonic() + timeout
+        while True:
+            h = self.health()
+            if (h["running"], h["waiting"], h["kv_cache"]["blocks_used"]) == (
+                0,
+                0,
+                0,
+            ) or time.monotonic() > deadline:
+                return h
+            time.sleep(0.05)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def start_server(tmp_dir: str, *args: str, wait: bool = True) -> Server:
+    port = free_port()
+    log_path = os.path.join(tmp_dir, f"server-{port}.log")
+    cmd = [
+        sys.executable,
+        "-m",
+        "service.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--kv-cache-gib",
+        "0.25",
+        *args,
+    ]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    server = Server(proc, f"http://127.0.0.1:{port}", log_path)
+    if wait:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited: {open(log_path).read()[-2000:]}")
+            try:
+                if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+                    return server
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        server.stop()
+        raise RuntimeError(f"server did not become healthy: {open(log_path).read()[-2000:]}")
+    return server
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    srv = start_server(str(tmp_path_factory.mktemp("srv")), "--max-num-seqs", "32")
+    yield srv
+    srv.stop()

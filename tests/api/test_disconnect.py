@@ -1,0 +1,65 @@
+"""Clients that leave mid-stream free their KV blocks; the others finish intact."""
+
+import asyncio
+import json
+
+import httpx
+
+from tests.api.conftest import Server
+
+
+async def stream(
+    client: httpx.AsyncClient, prompt: str, max_tokens: int, drop_after: int | None
+) -> str | None:
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    text, seen = "", 0
+    async with client.stream("POST", "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            seen += 1
+            text += json.loads(line[6:])["choices"][0]["text"]
+            if drop_after is not None and seen >= drop_after:
+                return None  # leaving the block closes the connection mid-stream
+    return text
+
+
+def test_dropped_streams_release_blocks(server: Server) -> None:
+    idle = server.wait_idle()["kv_cache"]["blocks_used"]
+    prompts = [f"Request number {i} asks for a long answer" for i in range(20)]
+
+    async def main() -> tuple[list, list]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            jobs = [
+                stream(client, p, 120, drop_after=(3 + i if i % 2 else None))
+                for i, p in enumerate(prompts)
+            ]
+            results = await asyncio.gather(*jobs)
+            # the survivors, each alone on a quiet server, give the same greedy text
+            alone = [await stream(client, p, 120, None) for p in prompts[::2]]
+            return results, alone
+
+    results, alone = asyncio.run(main())
+    assert [r for r in results[1::2]] == [None] * 10
+    assert results[::2] == alone
+    assert all(len(t) > 0 for t in alone)
+    after = server.wait_idle()
+    assert after["kv_cache"]["blocks_used"] == idle
+    assert after["running"] == 0 and after["waiting"] == 0
+
+
+def test_non_streaming_disconnect_aborts(server: Server) -> None:
+    idle = server.wait_idle()["kv_cache"]["blocks_used"]
+    body = {"prompt": "Take your time", "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
+    try:
+        httpx.post(server.url + "/v1/completions", json=body, timeout=1.0)
+    except httpx.ReadTimeout:
+        pass  # the client gave up: the server must abort the request
+    assert server.wait_idle(timeout=10)["kv_cache"]["blocks_used"] == idle

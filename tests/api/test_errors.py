@@ -1,0 +1,155 @@
+"""Every error status in OpenAI's shape, and none of them disturbs other requests."""
+
+import concurrent.futures
+import json
+
+import httpx
+import pytest
+
+from tests.api.conftest import Server, start_server
+
+
+def assert_error(
+    resp: httpx.Response, status: int, param: str | None = None, code: str | None = None
+) -> dict:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    if param is not None:
+        assert body["error"]["param"] == param
+    if code is not None:
+        assert body["error"]["code"] == code
+    return body["error"]
+
+
+def stream_text(server: Server, prompt: str, n: int) -> str:
+    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True}
+    text = ""
+    with server.client() as c, c.stream("POST", "/v1/completions", json=body) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                text += json.loads(line[6:])["choices"][0]["text"]
+    return text
+
+
+def test_error_matrix_leaves_others_untouched(server: Server) -> None:
+    reference = stream_text(server, "A steady request", 40)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        busy = pool.submit(stream_text, server, "A steady request", 40)
+        with server.client() as c:
+            post = c.post
+            assert_error(
+                post("/v1/completions", json={"prompt": "x", "temperature": 5}), 400, "temperature"
+            )
+            assert_error(
+                post("/v1/completions", json={"prompt": "x", "max_tokens": 0}), 400, "max_tokens"
+            )
+            assert_error(post("/v1/completions", json={"prompt": "x", "n": 99}), 400, "n")
+            assert_error(post("/v1/completions", json={"temperature": 1}), 400, "prompt")
+            assert_error(post("/v1/completions", json={"prompt": []}), 400, "prompt")
+            assert_error(post("/v1/completions", json={"prompt": [1, 10**9]}), 400, "prompt")
+            assert_error(
+                post("/v1/completions", json={"prompt": "x", "suffix": "y"}), 400, "suffix"
+            )
+            assert_error(
+                post(
+                    "/v1/completions",
+                    json={"prompt": "x", "stream_options": {"include_usage": True}},
+                ),
+                400,
+                "stream_options",
+            )
+            assert_error(
+                post("/v1/completions", json={"prompt": "x", "logit_bias": {"abc": 1}}),
+                400,
+                "logit_bias",
+            )
+            assert_error(
+                post(
+                    "/v1/completions",
+                    content=b"{not json",
+                    headers={"content-type": "application/json"},
+                ),
+                400,
+            )
+            long = assert_error(
+                post("/v1/completions", json={"prompt": "hi " * 5000, "max_tokens": 10}),
+                400,
+                code="context_length_exceeded",
+            )
+            assert "4096" in long["message"] and "5" in long["message"]
+            over = assert_error(
+                post("/v1/completions", json={"prompt": "hi", "max_tokens": 5000}),
+                400,
+                code="context_length_exceeded",
+            )
+            assert "max_tokens" in over["message"]
+            assert_error(post("/v1/chat/completions", json={"messages": []}), 400, "messages")
+            assert_error(
+                post(
+                    "/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "x"}]}
+                ),
+                400,
+            )
+            assert_error(
+                post(
+                    "/v1/chat/completions",
+                    json={
+                        "messages": [{"role": "user", "content": "x"}],
+                        "tools": [{"type": "function"}],
+                    },
+                ),
+                400,
+                "tools",
+            )
+            assert_error(
+                post("/v1/completions", json={"model": "gpt-9", "prompt": "x"}),
+                404,
+                "model",
+                "model_not_found",
+            )
+            assert_error(c.get("/v1/models/gpt-9"), 404, "model")
+            assert_error(c.get("/v1/nothing-here"), 404)
+            assert_error(post("/detokenize", json={"tokens": [-1]}), 400, "tokens")
+            assert_error(
+                post(
+                    "/v1/completions",
+                    content=b"x" * (5 << 20),
+                    headers={"content-type": "application/json"},
+                ),
+                413,
+            )
+        assert busy.result(timeout=60) == reference
+    assert server.health()["status"] == "ok"
+    assert server.wait_idle()["kv_cache"]["blocks_used"] == 0
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory: pytest.TempPathFactory):
+    srv = start_server(str(tmp_path_factory.mktemp("auth")), "--api-keys", "key-one,key-two")
+    yield srv
+    srv.stop()
+
+
+def test_api_keys(keyed: Server) -> None:
+    with keyed.client() as c:
+        assert_error(
+            c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}),
+            401,
+            code="invalid_api_key",
+        )
+        bad = {"Authorization": "Bearer nope"}
+        assert_error(
+            c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers=bad), 401
+        )
+        assert_error(c.get("/v1/models", headers={"Authorization": "Basic key-one"}), 401)
+        for key in ("key-one", "key-two"):
+            ok = c.post(
+                "/v1/completions",
+                json={"prompt": "x", "max_tokens": 1},
+                headers={"Authorization": f"Bearer {key}"},
+            )
+            assert ok.status_code == 200
+        assert c.get("/health").status_code == 200  # open by default
+        assert c.get("/").status_code == 200

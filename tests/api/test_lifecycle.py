@@ -1,0 +1,76 @@
+"""Backpressure (429 + Retry-After) and graceful SIGTERM (503, finish, exit 0)."""
+
+import asyncio
+import json
+import signal
+import time
+
+import httpx
+
+from tests.api.conftest import start_server
+
+
+def test_queue_cap_answers_429_and_admitted_requests_complete(tmp_path) -> None:
+    server = start_server(str(tmp_path), "--max-num-seqs", "2", "--max-queue", "3")
+    try:
+
+        async def one(client: httpx.AsyncClient, i: int) -> httpx.Response:
+            body = {
+                "prompt": f"request {i}",
+                "max_tokens": 40,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+            return await client.post("/v1/completions", json=body)
+
+        async def main() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+                return await asyncio.gather(*(one(client, i) for i in range(12)))
+
+        responses = asyncio.run(main())
+        ok = [r for r in responses if r.status_code == 200]
+        rejected = [r for r in responses if r.status_code == 429]
+        assert len(ok) + len(rejected) == 12
+        assert len(ok) == 5  # 2 running + 3 waiting
+        for r in rejected:
+            assert r.headers["retry-after"] == "1"
+            assert r.json()["error"]["type"] == "rate_limit_error"
+        assert all(r.json()["usage"]["completion_tokens"] == 40 for r in ok)
+        assert server.wait_idle()["kv_cache"]["blocks_used"] == 0
+    finally:
+        server.stop()
+
+
+def test_sigterm_drains_then_exits_zero(tmp_path) -> None:
+    server = start_server(str(tmp_path))
+    body = {
+        "prompt": "long",
+        "max_tokens": 300,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    text, chunks, last = "", 0, ""
+    with (
+        httpx.Client(base_url=server.url, timeout=60) as client,
+        client.stream("POST", "/v1/completions", json=body) as resp,
+    ):
+        for line in resp.iter_lines():
+            last = line or last
+            if not line.startswith("data: {"):
+                continue
+            chunks += 1
+            text += json.loads(line[6:])["choices"][0]["text"]
+            if chunks == 2:
+                server.proc.send_signal(signal.SIGTERM)
+                time.sleep(0.3)
+                late = httpx.post(
+                    server.url + "/v1/completions",
+                    json={"prompt": "x", "max_tokens": 1},
+                    timeout=10,
+                )
+                assert late.status_code == 503
+                assert httpx.get(server.url + "/health", timeout=10).status_code == 503
+        assert last == "data: [DONE]"
+    assert server.proc.wait(30) == 0
+    assert text and chunks >= 250  # the in-flight stream finished in full

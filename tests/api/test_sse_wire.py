@@ -1,0 +1,62 @@
+"""The SSE stream byte by byte, as a raw HTTP client sees it."""
+
+import json
+
+from tests.api.conftest import Server
+
+
+def raw_events(server: Server, path: str, body: dict) -> tuple[bytes, list[bytes]]:
+    with server.client() as c, c.stream("POST", path, json=body) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        data = b"".join(resp.iter_bytes())
+    assert data.endswith(b"\n\n")
+    return data, data[:-2].split(b"\n\n")
+
+
+def test_completion_stream_wire_format(server: Server) -> None:
+    body = {
+        "prompt": "The quick brown fox",
+        "max_tokens": 10,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    data, events = raw_events(server, "/v1/completions", body)
+    assert all(e.startswith(b"data: ") and b"\n" not in e for e in events)
+    assert events[-1] == b"data: [DONE]" and data.endswith(b"data: [DONE]\n\n")
+    assert data.count(b"[DONE]") == 1
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    *deltas, usage_chunk = chunks
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 10
+    assert usage_chunk["usage"]["total_tokens"] == usage_chunk["usage"]["prompt_tokens"] + 10
+    ids = {c["id"] for c in chunks}
+    assert len(ids) == 1 and ids.pop().startswith("cmpl-")
+    for c in deltas:
+        assert c["object"] == "text_completion" and c["model"] == "kvserve-demo-random"
+        (choice,) = c["choices"]
+        assert set(choice) == {"index", "text", "logprobs", "finish_reason"}
+        assert choice["text"] or choice["finish_reason"]  # empty deltas are skipped
+    assert deltas[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in deltas[:-1])
+    assert "usage" not in deltas[0]
+
+
+def test_stream_without_usage_and_chat_chunks(server: Server) -> None:
+    _, events = raw_events(
+        server, "/v1/completions", {"prompt": "Hi", "max_tokens": 3, "stream": True}
+    )
+    assert events[-1] == b"data: [DONE]"
+    assert all("usage" not in json.loads(e[6:]) for e in events[:-1])
+    body = {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 4,
+        "stream": True,
+        "temperature": 0,
+    }
+    _, events = raw_events(server, "/v1/chat/completions", body)
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert events[-1] == b"data: [DONE]"
