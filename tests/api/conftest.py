@@ -57,6 +57,11 @@ class Server:
         return self.proc.returncode
 
 
+def _tail(path: str) -> str:
+    with open(path) as f:
+        return f.read()[-2000:]
+
+
 def start_server(tmp_dir: str, *args: str, wait: bool = True) -> Server:
     port = free_port()
     log_path = os.path.join(tmp_dir, f"server-{port}.log")
@@ -79,7 +84,7 @@ def start_server(tmp_dir: str, *args: str, wait: bool = True) -> Server:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError(f"server exited: {open(log_path).read()[-2000:]}")
+                raise RuntimeError(f"server exited: {_tail(log_path)}")
             try:
                 if httpx.get(server.url + "/health", timeout=2).status_code == 200:
                     return server
@@ -87,7 +92,7 @@ def start_server(tmp_dir: str, *args: str, wait: bool = True) -> Server:
                 pass
             time.sleep(0.1)
         server.stop()
-        raise RuntimeError(f"server did not become healthy: {open(log_path).read()[-2000:]}")
+        raise RuntimeError(f"server did not become healthy: {_tail(log_path)}")
     return server
 
 
