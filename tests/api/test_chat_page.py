@@ -1,0 +1,64 @@
+"""The built-in chat page in real headless Chromium (Debian's, driven by Playwright)."""
+
+import os
+import shutil
+
+import pytest
+
+from tests.api.conftest import Server
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+pytestmark = pytest.mark.skipif(
+    not os.path.exists(CHROMIUM), reason="Debian chromium is not installed"
+)
+ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+@pytest.fixture
+def page(tmp_path):
+    playwright = pytest.importorskip("playwright.sync_api")
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        page = browser.new_page()
+        yield page
+        browser.close()
+
+
+def test_chat_page_streams_and_stops(server: Server, page, tmp_path) -> None:
+    page.goto(server.url + "/")
+    page.wait_for_function("document.getElementById('kv').textContent.includes('%')")
+    assert page.text_content("#model") == "kvserve-demo-random"
+    page.fill("#max_tokens", "24")
+    page.fill("#input", "Hello there")
+    page.press("#input", "Enter")
+    page.wait_for_function(
+        "document.querySelectorAll('.assistant').length === 1 && document.getElementById('send').disabled === false",
+        timeout=30000,
+    )
+    reply = page.text_content(".assistant")
+    assert reply and len(reply) > 0
+    assert page.text_content(".user") == "Hello there"
+    assert page.text_content("#ttft").endswith("ms")
+    assert float(page.text_content("#tps")) > 0
+    page.screenshot(path=str(tmp_path / "chat.png"))
+    # a long answer, stopped from the page: the request is aborted on the server
+    page.fill("#max_tokens", "4000")
+    page.fill("#temperature", "1.0")
+    page.fill("#input", "Tell me everything")
+    page.press("#input", "Enter")
+    page.wait_for_function(
+        "document.querySelectorAll('.assistant')[1].textContent.length > 20", timeout=30000
+    )
+    page.click("#stop")
+    page.wait_for_function("document.getElementById('send').disabled === false", timeout=10000)
+    assert server.wait_idle()["kv_cache"]["blocks_used"] == 0
+    assert not page.query_selector(".error")
