@@ -74,3 +74,10 @@ def test_sigterm_drains_then_exits_zero(tmp_path) -> None:
         assert last == "data: [DONE]"
     assert server.proc.wait(30) == 0
     assert text and chunks >= 250  # the in-flight stream finished in full
+
+
+def test_bad_model_directory_exits_non_zero(tmp_path) -> None:
+    server = start_server(str(tmp_path), "--model", str(tmp_path / "missing"), wait=False)
+    assert server.proc.wait(60) != 0
+    with open(server.log_path) as f:
+        assert "model directory not found" in f.read()

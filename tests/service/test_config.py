@@ -1,0 +1,37 @@
+import pytest
+
+from service.config import Settings, add_arguments, load_settings, settings_from_argv
+
+
+def test_flags_override_env_override_defaults() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    env = {
+        "KVSERVE_PORT": "9001",
+        "KVSERVE_MAX_QUEUE": "7",
+        "KVSERVE_API_KEYS": "a, b",
+        "KVSERVE_KV_CACHE_GIB": "0.5",
+    }
+    s = load_settings(parser.parse_args(["--port", "9002"]), env)
+    assert s.port == 9002 and s.max_queue == 7 and s.api_keys == ("a", "b")
+    assert s.kv_cache_bytes == 1 << 29
+    assert load_settings(parser.parse_args([]), {}) == Settings()
+
+
+def test_invalid_settings_name_the_field() -> None:
+    with pytest.raises(ValueError, match="port"):
+        settings_from_argv(["--port", "0"])
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        settings_from_argv(["--max-num-seqs", "abc"])
+    with pytest.raises(ValueError, match="log_level"):
+        Settings(log_level="loud")
+    with pytest.raises(dataclass_frozen_error()):
+        Settings().port = 1  # type: ignore[misc]
+
+
+def dataclass_frozen_error() -> type[Exception]:
+    import dataclasses
+
+    return dataclasses.FrozenInstanceError
