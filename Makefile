@@ -18,12 +18,17 @@ $(STAMP): pyproject.toml constraints.txt
 serve: $(STAMP)
 	$(VENV)/bin/kvserve serve $(ARGS)
 
-# System packages the tests drive for real: Debian's chromium (the chat page test).
+# System packages the tests drive for real: Debian's chromium (the chat page test) and
+# Debian's prometheus/promtool, unpacked into .venv/prometheus without starting a service.
 SYSDEPS := $(VENV)/.sysdeps
 
 $(SYSDEPS): $(STAMP)
 	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \
 		|| echo "warning: could not install chromium; the browser test will be skipped"
+	@test -x $(VENV)/prometheus/usr/bin/promtool || ( \
+		cd $(VENV) && (apt-get download prometheus >/dev/null 2>&1 || (apt-get update -qq && apt-get download prometheus >/dev/null 2>&1)) \
+		&& dpkg -x prometheus_*.deb prometheus && rm -f prometheus_*.deb ) \
+		|| echo "warning: could not fetch prometheus; the Prometheus tests will be skipped"
 	touch $(SYSDEPS)
 
 test: $(STAMP) $(SYSDEPS)

@@ -1,5 +1,9 @@
+from collections.abc import Iterator
+
 import pytest
 import torch
+
+from tests.live_server import Server, start_server
 
 
 @pytest.fixture(autouse=True)
@@ -14,3 +18,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One live `kvserve serve` (demo model) shared by the API and deploy tests."""
+    srv = start_server(str(tmp_path_factory.mktemp("srv")), "--max-num-seqs", "32")
+    yield srv
+    srv.stop()

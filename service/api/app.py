@@ -15,11 +15,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse, JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api import chat, completions
+from service.api.metrics import Metrics
 from service.api.protocol import APIError, DetokenizeRequest, TokenizeRequest
 from service.api.serving import GenerationFailed, ServingState
 from service.config import Settings
@@ -41,6 +43,8 @@ def build_state(settings: Settings) -> ServingState:
     device = pick_device(settings.device)
     dtype = pick_dtype(settings.dtype, device)
     loaded = load(settings.model, dtype, device)
+    model_id = settings.served_model_name or loaded.model_id
+    metrics = Metrics(model_id)
     config = EngineConfig(
         block_size=settings.block_size,
         max_num_seqs=settings.max_num_seqs,
@@ -49,7 +53,7 @@ def build_state(settings: Settings) -> ServingState:
         kv_cache_bytes=settings.kv_cache_bytes,
         gpu_memory_fraction=settings.gpu_memory_fraction,
     )
-    engine = LLMEngine(loaded.model, loaded.tokenizer, config)
+    engine = LLMEngine(loaded.model, loaded.tokenizer, config, observer=metrics)
     report = audit(
         loaded.model.cfg, dtype_name(dtype), kv_pool_bytes=engine.kv_cache.nbytes
     ).as_dict()
@@ -59,15 +63,56 @@ def build_state(settings: Settings) -> ServingState:
         "kv_blocks": engine.blocks.num_blocks,
     }
     async_engine = AsyncEngine(engine, stuck_after_s=settings.stuck_after)
+    info = {
+        "dtype": dtype_name(dtype),
+        "device": device.type,
+        "block_size": str(settings.block_size),
+        "max_model_len": str(engine.max_model_len),
+    }
+    metrics.attach_engine(async_engine.snapshot, async_engine.stats, info, _cuda_memory(device))
     async_engine.start()
     return ServingState(
         settings=settings,
         engine=async_engine,
         tokenizer=loaded.tokenizer,
-        model_id=settings.served_model_name or loaded.model_id,
+        model_id=model_id,
         template=ChatTemplate.for_model(settings.model),
         audit=report,
+        metrics=metrics,
     )
+
+
+def _cuda_memory(device: Any) -> Callable[[], tuple[int, int] | None]:
+    def read() -> tuple[int, int] | None:
+        if device.type != "cuda":
+            return None
+        import torch
+
+        return torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+
+    return read
+
+
+REJECT_REASONS = {
+    400: "invalid_request",
+    401: "unauthorized",
+    404: "not_found",
+    413: "too_large",
+    429: "queue_full",
+    503: "unavailable",
+}
+
+
+def count_rejection(app_state: Any, err: APIError) -> None:
+    serving = getattr(app_state, "serving", None)
+    if serving is None or (err.status >= 500 and err.status != 503):
+        return
+    reason = (
+        err.code
+        if err.code == "context_length_exceeded"
+        else REJECT_REASONS.get(err.status, str(err.status))
+    )
+    serving.metrics.on_rejected(reason)
 
 
 class BodyLimit:
@@ -81,10 +126,10 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
         declared = headers.get(b"content-length")
+        too_large = APIError(413, f"request body exceeds {self.limit} bytes")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await _send_error(
-                send, APIError(413, f"request body exceeds {self.limit} bytes")
-            )
+            count_rejection(scope["app"].state, too_large)
+            return await _send_error(send, too_large)
         seen = 0
 
         async def limited() -> Message:
@@ -99,7 +144,8 @@ class BodyLimit:
         try:
             await self.app(scope, limited, send)
         except _TooLarge:
-            await _send_error(send, APIError(413, f"request body exceeds {self.limit} bytes"))
+            count_rejection(scope["app"].state, too_large)
+            await _send_error(send, too_large)
 
 
 class _TooLarge(Exception):
@@ -193,9 +239,12 @@ class Gate:
                         503, "The model failed to load" if failed else "The model is still loading"
                     )
         except APIError as exc:
+            count_rejection(app_state, exc)
             await _send_error(tagged, exc)
         else:
             await self.app(scope, receive, tagged)
+        if app_state.serving is not None:
+            app_state.serving.metrics.on_http(path, status)
         log.info(
             "request",
             extra={
@@ -230,11 +279,12 @@ def _authorize(settings: Settings, header: str) -> None:
 
 def _install_errors(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        count_rejection(request.app.state, exc)
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = ".".join(loc) or None
@@ -243,7 +293,9 @@ def _install_errors(app: FastAPI) -> None:
             message = f"Invalid request body: {message}"
         else:
             message = f"{param}: {message}"
-        return JSONResponse(APIError(400, message, param=param).body(), status_code=400)
+        err = APIError(400, message, param=param)
+        count_rejection(request.app.state, err)
+        return JSONResponse(err.body(), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -336,6 +388,11 @@ def _install_routes(app: FastAPI) -> None:
         if bad is not None:
             raise APIError(400, f"token id {bad} is not in the vocabulary", param="tokens")
         return JSONResponse({"prompt": state.tokenizer.decode(req.tokens)})
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        state = _serving(request)
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/")
     async def index() -> FileResponse:

@@ -16,6 +16,7 @@ from fastapi import Request
 
 from model.tokenizer import Tokenizer
 from service.api.chat_template import ChatTemplate
+from service.api.metrics import Metrics
 from service.api.protocol import APIError, SamplingFields
 from service.config import Settings
 from service.engine.async_engine import AsyncEngine, EngineDeadError
@@ -35,6 +36,7 @@ class ServingState:
     model_id: str
     template: ChatTemplate
     audit: dict[str, Any]
+    metrics: Metrics
     inflight: int = 0  # admitted sequences not yet finished
     draining: bool = False
     started: float = field(default_factory=time.time)

@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from service.engine.engine import LLMEngine
+from service.engine.engine import EngineStats, LLMEngine
 from service.engine.output import RequestOutput
 from service.engine.request import SamplingParams
 
@@ -91,6 +91,9 @@ class AsyncEngine:
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise ParamError / ContextLengthError now, before anything is queued."""
         self.engine.validate(prompt_ids, params)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats
 
     def snapshot(self) -> EngineSnapshot:
         eng = self.engine

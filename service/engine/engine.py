@@ -6,6 +6,7 @@ import dataclasses
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -33,6 +34,14 @@ class EngineConfig:
     gpu_memory_fraction: float | None = 0.85  # of free GPU memory after a warm-up forward
     num_blocks: int | None = None  # overrides both budgets (tests)
     enable_prefix_caching: bool = True
+
+
+class EngineObserver(Protocol):
+    """Receives measurements from the engine thread (service.api.metrics implements it)."""
+
+    def on_step(self, seconds: float, num_tokens: int, num_seqs: int) -> None: ...
+    def on_token_intervals(self, seconds: list[float]) -> None: ...
+    def on_finished(self, output: RequestOutput) -> None: ...
 
 
 class ContextLengthError(ParamError):
@@ -76,8 +85,15 @@ def kv_block_budget(model: Transformer, config: EngineConfig) -> int:
 
 
 class LLMEngine:
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, config: EngineConfig) -> None:
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        config: EngineConfig,
+        observer: EngineObserver | None = None,
+    ) -> None:
         self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.observer = observer
         self.max_model_len = min(
             config.max_model_len or model.cfg.max_position, model.cfg.max_position
         )
@@ -176,6 +192,8 @@ class LLMEngine:
         self.stats.steps += 1
         self.stats.last_step_tokens = batch.num_tokens
         self.stats.last_step_seconds = self.clock() - t0
+        if self.observer is not None:
+            self.observer.on_step(self.stats.last_step_seconds, batch.num_tokens, len(batch.seqs))
         return outputs
 
     def _update(
@@ -183,6 +201,7 @@ class LLMEngine:
     ) -> list[RequestOutput]:
         now = self.clock()
         outputs: list[RequestOutput] = []
+        intervals: list[float] = []
         k = 0
         for seq in batch.seqs:
             request = seq.request
@@ -196,10 +215,15 @@ class LLMEngine:
             self.stats.generation_tokens += 1
             if request.first_token_time is None:
                 request.first_token_time = now
+            else:
+                intervals.append(now - request.last_token_time)  # type: ignore[operator]
+            request.last_token_time = now
             reason = self._stop_reason(request, token)
             if reason is not None:
                 self._finish(request, reason)
             outputs.append(self._emit(request, [token], [lp] if lp is not None else []))
+        if self.observer is not None and intervals:
+            self.observer.on_token_intervals(intervals)
         return outputs
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
@@ -224,10 +248,13 @@ class LLMEngine:
     def _emit(self, request: Request, tokens: list[int], logprobs: list) -> RequestOutput:
         text_state = self.texts[request.request_id]
         text = text_state.take(final=request.finished)
+        output = make_output(request, tokens, text, logprobs)
         if request.finished:
             del self.requests[request.request_id]
             del self.texts[request.request_id]
-        return make_output(request, tokens, text, logprobs)
+            if self.observer is not None:
+                self.observer.on_finished(output)
+        return output
 
     def _fail_batch(self, batch: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         message = f"generation failed: {type(exc).__name__}: {exc}"

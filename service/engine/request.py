@@ -101,6 +101,7 @@ class Request:
     wait_for: Request | None = None  # an n>1 sibling waits for this one's prompt blocks
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None
     finish_time: float | None = None
     error: str | None = None
 

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from tests.api.conftest import Server
+from tests.live_server import Server
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 pytestmark = pytest.mark.skipif(

@@ -6,7 +6,7 @@ import json
 
 import httpx
 
-from tests.api.conftest import Server
+from tests.live_server import Server
 
 
 async def stream(

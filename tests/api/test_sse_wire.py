@@ -2,7 +2,7 @@
 
 import json
 
-from tests.api.conftest import Server
+from tests.live_server import Server
 
 
 def raw_events(server: Server, path: str, body: dict) -> tuple[bytes, list[bytes]]:

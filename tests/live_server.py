@@ -8,11 +8,9 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
-import pytest
 
 
 def free_port() -> int:
@@ -94,10 +92,3 @@ def start_server(tmp_dir: str, *args: str, wait: bool = True) -> Server:
         server.stop()
         raise RuntimeError(f"server did not become healthy: {_tail(log_path)}")
     return server
-
-
-@pytest.fixture(scope="session")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_server(str(tmp_path_factory.mktemp("srv")), "--max-num-seqs", "32")
-    yield srv
-    srv.stop()

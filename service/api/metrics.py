@@ -1,0 +1,294 @@
+"""Every Prometheus metric kvserve exports, defined in one place (prefix kvserve_).
+
+Histograms are fed as things happen: the engine thread reports steps, inter-token
+intervals and finished requests (with the engine's own timestamps, so TTFT, queue,
+prefill and decode times are exact per request) through the EngineObserver interface;
+the HTTP layer reports requests and rejections. Gauges and the engine's counters are
+read at scrape time. Renaming a metric is a breaking change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from service.engine.async_engine import EngineSnapshot
+from service.engine.engine import EngineStats
+from service.engine.output import RequestOutput
+
+# 1 ms .. ~5 min: a CPU's seconds-long TTFT and a GPU's milliseconds both resolve.
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.08,
+    0.16,
+    0.32,
+    0.64,
+    1.28,
+    2.56,
+    5.12,
+    10.24,
+    20.48,
+    40.96,
+    81.92,
+    163.84,
+    327.68,
+)
+# 1 ms .. ~10 s, finer at the low end: per-token times.
+TOKEN_BUCKETS = (
+    0.001,
+    0.002,
+    0.004,
+    0.006,
+    0.008,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+COUNT_BUCKETS = tuple(float(2**i) for i in range(16))  # 1 .. 32768 tokens
+
+ROUTES = frozenset(
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/tokenize",
+        "/detokenize",
+        "/health",
+        "/metrics",
+        "/",
+    }
+)
+
+
+class Metrics:
+    """Owns the registry; implements the engine's EngineObserver."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.registry = CollectorRegistry(auto_describe=True)
+        r, m = self.registry, ["model"]
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, m, buckets=buckets, registry=r)
+
+        self.ttft = hist(
+            "kvserve_time_to_first_token_seconds", "Arrival to first output token.", LATENCY_BUCKETS
+        )
+        self.itl = hist(
+            "kvserve_inter_token_latency_seconds",
+            "Time between consecutive output tokens of a request.",
+            TOKEN_BUCKETS,
+        )
+        self.tpot = hist(
+            "kvserve_time_per_output_token_seconds",
+            "Decode time divided by output tokens after the first, per request.",
+            TOKEN_BUCKETS,
+        )
+        self.e2e = hist(
+            "kvserve_e2e_request_latency_seconds",
+            "Arrival to finish, per request.",
+            LATENCY_BUCKETS,
+        )
+        self.queue = hist(
+            "kvserve_request_queue_time_seconds", "Arrival to first scheduling.", LATENCY_BUCKETS
+        )
+        self.prefill = hist(
+            "kvserve_request_prefill_time_seconds",
+            "First scheduling to first output token.",
+            LATENCY_BUCKETS,
+        )
+        self.decode = hist(
+            "kvserve_request_decode_time_seconds", "First output token to finish.", LATENCY_BUCKETS
+        )
+        self.step = hist(
+            "kvserve_engine_step_duration_seconds",
+            "Duration of one engine step (schedule, forward, sample).",
+            TOKEN_BUCKETS,
+        )
+        self.prompt_len = hist(
+            "kvserve_request_prompt_tokens", "Prompt tokens per request.", COUNT_BUCKETS
+        )
+        self.output_len = hist(
+            "kvserve_request_generation_tokens", "Generated tokens per request.", COUNT_BUCKETS
+        )
+        self.step_tokens = hist(
+            "kvserve_engine_step_tokens", "Tokens computed per engine step.", COUNT_BUCKETS
+        )
+        self.rejected = Counter(
+            "kvserve_requests_rejected_total",
+            "Requests turned away before generation, by reason.",
+            ["model", "reason"],
+            registry=r,
+        )
+        self.http = Counter(
+            "kvserve_http_requests_total",
+            "HTTP requests by route and status.",
+            ["route", "status"],
+            registry=r,
+        )
+        for name, h in (
+            ("ttft", self.ttft),
+            ("itl", self.itl),
+            ("tpot", self.tpot),
+            ("e2e", self.e2e),
+            ("queue", self.queue),
+            ("prefill", self.prefill),
+            ("decode", self.decode),
+            ("step", self.step),
+            ("prompt", self.prompt_len),
+            ("output", self.output_len),
+            ("step_tokens", self.step_tokens),
+        ):
+            setattr(self, f"_{name}", h.labels(model))
+
+    def attach_engine(
+        self,
+        snapshot: Callable[[], EngineSnapshot],
+        stats: Callable[[], EngineStats],
+        info: dict[str, str],
+        device_memory: Callable[[], tuple[int, int] | None],
+    ) -> None:
+        self.registry.register(_EngineCollector(self.model, snapshot, stats, info, device_memory))
+
+    # ---- EngineObserver (called from the engine thread) -------------------------------
+
+    def on_step(self, seconds: float, num_tokens: int, num_seqs: int) -> None:
+        self._step.observe(seconds)
+        self._step_tokens.observe(num_tokens)
+
+    def on_token_intervals(self, seconds: list[float]) -> None:
+        for s in seconds:
+            self._itl.observe(s)
+
+    def on_finished(self, out: RequestOutput) -> None:
+        self._prompt.observe(out.num_prompt_tokens)
+        self._output.observe(out.num_output_tokens)
+        if out.finish_time is not None:
+            self._e2e.observe(out.finish_time - out.arrival_time)
+        if out.first_scheduled_time is not None:
+            self._queue.observe(out.first_scheduled_time - out.arrival_time)
+        if out.first_token_time is None or out.first_scheduled_time is None:
+            return
+        self._ttft.observe(out.first_token_time - out.arrival_time)
+        self._prefill.observe(out.first_token_time - out.first_scheduled_time)
+        if out.finish_time is not None:
+            decode = out.finish_time - out.first_token_time
+            self._decode.observe(decode)
+            if out.num_output_tokens > 1:
+                self._tpot.observe(decode / (out.num_output_tokens - 1))
+
+    # ---- the HTTP layer ------------------------------------------------------------------
+
+    def on_http(self, path: str, status: int) -> None:
+        route = path if path in ROUTES or path.startswith("/v1/models/") else "other"
+        if route.startswith("/v1/models/"):
+            route = "/v1/models/{id}"
+        self.http.labels(route, str(status)).inc()
+
+    def on_rejected(self, reason: str) -> None:
+        self.rejected.labels(self.model, reason).inc()
+
+
+class _EngineCollector(Collector):
+    """Gauges and engine counters, read at scrape time from the engine's own numbers."""
+
+    def __init__(
+        self,
+        model: str,
+        snapshot: Callable[[], EngineSnapshot],
+        stats: Callable[[], EngineStats],
+        info: dict[str, str],
+        device_memory: Callable[[], tuple[int, int] | None],
+    ) -> None:
+        self.model, self.snapshot, self.stats, self.info = model, snapshot, stats, info
+        self.device_memory = device_memory
+
+    def collect(self) -> Iterator[Metric]:
+        snap, stats, m = self.snapshot(), self.stats(), [self.model]
+        info = GaugeMetricFamily(
+            "kvserve_model_info", "The served model (value 1).", labels=["model", *self.info]
+        )
+        info.add_metric([self.model, *self.info.values()], 1)
+        yield info
+        for name, doc, value in (
+            ("kvserve_requests_running", "Sequences being computed.", snap.running),
+            ("kvserve_requests_waiting", "Sequences waiting to be scheduled.", snap.waiting),
+            (
+                "kvserve_kv_cache_capacity_blocks",
+                "KV cache blocks in the pool.",
+                snap.kv_blocks_total,
+            ),
+            (
+                "kvserve_kv_cache_used_blocks",
+                "KV cache blocks held by requests.",
+                snap.kv_blocks_used,
+            ),
+            (
+                "kvserve_kv_cache_capacity_bytes",
+                "KV cache pool size in bytes.",
+                snap.kv_bytes_total,
+            ),
+            ("kvserve_kv_cache_used_bytes", "KV cache bytes held by requests.", snap.kv_bytes_used),
+            ("kvserve_kv_cache_usage_ratio", "Share of KV blocks in use (0-1).", snap.kv_usage),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=["model"])
+            g.add_metric(m, value)
+            yield g
+        memory = self.device_memory()
+        if memory is not None:
+            for name, value in zip(("allocated", "reserved"), memory, strict=True):
+                g = GaugeMetricFamily(
+                    f"kvserve_cuda_memory_{name}_bytes",
+                    f"CUDA memory {name} by PyTorch.",
+                    labels=["model"],
+                )
+                g.add_metric(m, value)
+                yield g
+        for name, doc, value in (
+            ("kvserve_prompt_tokens", "Prompt tokens received.", stats.prompt_tokens),
+            ("kvserve_generation_tokens", "Tokens generated.", stats.generation_tokens),
+            (
+                "kvserve_prefix_cache_queried_tokens",
+                "Prompt tokens looked up in the prefix cache.",
+                stats.prefix_queried_tokens,
+            ),
+            (
+                "kvserve_prefix_cache_hit_tokens",
+                "Prompt tokens served by the prefix cache.",
+                stats.prefix_hit_tokens,
+            ),
+            ("kvserve_preemptions", "Requests preempted to free KV blocks.", stats.preemptions),
+        ):
+            c = CounterMetricFamily(name, doc, labels=["model"])
+            c.add_metric(m, value)
+            yield c
+        finished = CounterMetricFamily(
+            "kvserve_requests_finished",
+            "Finished sequences by finish reason.",
+            labels=["model", "finish_reason"],
+        )
+        for reason in ("stop", "length", "abort", "error"):
+            finished.add_metric([self.model, reason], stats.finished.get(reason, 0))
+        yield finished

@@ -1,0 +1,88 @@
+"""A real Prometheus scrapes a live kvserve; every query of the Grafana dashboard is
+evaluated through Prometheus' HTTP API and must be valid and return data."""
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.deploy.tools import prometheus
+from tests.live_server import Server, free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+DASHBOARD = ROOT / "deploy/grafana/dashboards/kvserve.json"
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    dash = json.loads(DASHBOARD.read_text())
+    return [(p["title"], t["expr"]) for p in dash["panels"] for t in p["targets"]]
+
+
+@pytest.fixture
+def prom(server: Server, tmp_path: Path):
+    binary = prometheus()
+    port = free_port()
+    target = server.url.removeprefix("http://")
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+        f"scrape_configs:\n  - job_name: kvserve\n    static_configs:\n      - targets: ['{target}']\n"
+    )
+    log = open(tmp_path / "prometheus.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [
+            binary,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/-/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        log.close()
+
+
+def traffic(server: Server) -> None:
+    with server.client() as c:
+        for i in range(3):
+            r = c.post(
+                "/v1/completions", json={"prompt": f"prometheus traffic {i} " * 8, "max_tokens": 12}
+            )
+            assert r.status_code == 200
+        assert c.post("/v1/completions", json={"prompt": "x", "top_p": 0}).status_code == 400
+
+
+def test_every_dashboard_query_returns_data(server: Server, prom: str) -> None:
+    traffic(server)
+    time.sleep(3)  # several scrapes
+    traffic(server)
+    time.sleep(3)
+    up = httpx.get(prom + "/api/v1/query", params={"query": "up"}, timeout=10).json()
+    assert up["data"]["result"] and up["data"]["result"][0]["value"][1] == "1"
+    queries = dashboard_queries()
+    assert len(queries) >= 20
+    empty = []
+    for title, expr in queries:
+        query = expr.replace("$__rate_interval", "30s")
+        resp = httpx.get(prom + "/api/v1/query", params={"query": query}, timeout=10)
+        body = resp.json()
+        assert resp.status_code == 200 and body["status"] == "success", f"{title}: {query}: {body}"
+        if not body["data"]["result"]:
+            empty.append(f"{title}: {query}")
+    assert not empty, "queries without data:\n" + "\n".join(empty)
