@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.config import ModelConfig
-from model.kernels import paged_decode, paged_decode_supported
+from model.kernels import fused_supported, paged_decode, paged_decode_supported, rope_store
 from model.layers import Linear, apply_rope
 
 
@@ -183,16 +183,29 @@ class Attention(nn.Module):
         self.wqkv = Linear(cfg.d_model, qkv_out, bias=cfg.qkv_bias)
         self.wo = Linear(self.n_heads * self.d_head, cfg.d_model, bias=cfg.attn_out_bias)
 
-    def project(
-        self, x: Tensor, rope: tuple[Tensor, Tensor] | None
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """x: (T, d) -> q (T, H, dh), k and v (T, KV, dh); RoPE applied to q and k."""
+    def forward(
+        self,
+        x: Tensor,
+        meta: AttentionMetadata,
+        rope: tuple[Tensor, Tensor] | None,
+        cache: tuple[Tensor, Tensor] | None,
+        alibi_slopes: Tensor | None,
+    ) -> Tensor:
+        """x: (T, d) -> (T, d). RoPE is applied to q and k; new K/V are written to the cache."""
         t, h, kv, dh = x.shape[0], self.n_heads, self.n_kv, self.d_head
-        qkv = self.wqkv(x).view(t, h + 2 * kv, dh)
-        qk, v = qkv[:, : h + kv], qkv[:, h + kv :]
-        if rope is not None:  # one rotation for the query and key heads together
-            qk = apply_rope(qk, *rope)
-        return qk[:, :h], qk[:, h:], v
+        qkv = self.wqkv(x)  # (T, (H + 2KV) * dh)
+        stored = fused_supported(qkv) and (cache is None or meta.slot_blocks is not None)
+        if stored:  # one pass: rotate q and k in place, write k and v into their slots
+            rope_store(qkv, rope, h, kv, dh, cache, meta.slot_blocks, meta.slot_offsets)
+            qkv = qkv.view(t, h + 2 * kv, dh)
+            q, k, v = qkv[:, :h], qkv[:, h : h + kv], qkv[:, h + kv :]
+        else:
+            qkv = qkv.view(t, h + 2 * kv, dh)
+            qk, v = qkv[:, : h + kv], qkv[:, h + kv :]
+            if rope is not None:  # one rotation for the query and key heads together
+                qk = apply_rope(qk, *rope)
+            q, k = qk[:, :h], qk[:, h:]
+        return self.wo(self.attend(q, k, v, meta, cache, alibi_slopes, stored))
 
     def attend(
         self,
@@ -202,15 +215,18 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         cache: tuple[Tensor, Tensor] | None,
         alibi_slopes: Tensor | None,
+        stored: bool = False,
     ) -> Tensor:
-        """q: (T, H, dh), k/v: (T, KV, dh) for the new tokens -> (T, H * dh)."""
+        """q: (T, H, dh), k/v: (T, KV, dh) for the new tokens -> (T, H * dh).
+        Writes k and v into the cache unless `stored` says that is done."""
         b, max_q, group = meta.num_seqs, meta.max_query_len, self.n_heads // self.n_kv
         if cache is None:
             keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         else:
             k_cache, v_cache = cache  # (num_blocks, KV, dh, BS), (num_blocks, KV, BS, dh)
-            k_cache[meta.slot_blocks, :, :, meta.slot_offsets] = k
-            v_cache[meta.slot_blocks, :, meta.slot_offsets, :] = v
+            if not stored:
+                k_cache[meta.slot_blocks, :, :, meta.slot_offsets] = k
+                v_cache[meta.slot_blocks, :, meta.slot_offsets, :] = v
             if max_q == 1 and paged_decode_supported(k_cache, self.n_heads, self.n_kv, self.d_head):
                 out = paged_decode(
                     q,

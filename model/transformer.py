@@ -9,6 +9,7 @@ from model.attention import Attention, AttentionMetadata, PagedKVCache
 from model.config import ModelConfig
 from model.layers import (
     Linear,
+    add_norm,
     alibi_slopes,
     can_pack,
     make_ffn,
@@ -30,19 +31,20 @@ class Block(nn.Module):
     def forward(
         self,
         x: Tensor,
+        delta: Tensor | None,
         meta: AttentionMetadata,
         rope: tuple[Tensor, Tensor] | None,
         cache: tuple[Tensor, Tensor] | None,
         alibi_slopes: Tensor | None,
-    ) -> Tensor:
-        h = self.attn_norm(x) if self.pre_norm else x
-        q, k, v = self.attn.project(h, rope)
-        x = x + self.attn.wo(self.attn.attend(q, k, v, meta, cache, alibi_slopes))
-        if not self.pre_norm:
-            x = self.attn_norm(x)
-        h = self.ffn_norm(x) if self.pre_norm else x
-        x = x + self.ffn(h)
-        return x if self.pre_norm else self.ffn_norm(x)
+    ) -> tuple[Tensor, Tensor | None]:
+        """Pre-norm blocks pass their FFN output on as `delta`, so the next residual add
+        is fused with the next norm; post-norm blocks return a finished x."""
+        if self.pre_norm:
+            x, h = add_norm(self.attn_norm, x, delta)
+            x, h = add_norm(self.ffn_norm, x, self.attn(h, meta, rope, cache, alibi_slopes))
+            return x, self.ffn(h)
+        x = self.attn_norm(x + self.attn(x, meta, rope, cache, alibi_slopes))
+        return self.ffn_norm(x + self.ffn(x)), None
 
 
 class Transformer(nn.Module):
@@ -137,11 +139,12 @@ class Transformer(nn.Module):
         rope = None
         if self._rope is not None:
             rope = (self._rope[0][positions], self._rope[1][positions])  # (T, dh) each
+        delta = None
         for i, layer in enumerate(self.layers):
             cache = kv_cache.layer(i) if kv_cache is not None else None
-            x = layer(x, meta, rope, cache, self._alibi)
+            x, delta = layer(x, delta, meta, rope, cache, self._alibi)
         if self.cfg.norm_placement == "pre":
-            x = self.norm(x)
+            _, x = add_norm(self.norm, x, delta)
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)
         if self._head is not None:

@@ -21,17 +21,18 @@ import torch
 
 log = logging.getLogger("kvserve.kernels")
 
-SOURCE = Path(__file__).with_name("paged_decode.c")
-# -ffast-math lets gcc vectorize the reductions and call glibc's vector expf; the kernel
-# uses no infinities or NaNs (the running max starts at -1e30).
-FLAGS = [
-    "-O3",
-    "-march=native",
-    "-mprefer-vector-width=512",
-    "-ffast-math",
-    "-fopenmp",
-    "-shared",
-    "-fPIC",
+HERE = Path(__file__).parent
+BASE_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC"]
+# The decode kernel uses no infinities or NaNs (its running max starts at -1e30), so
+# -ffast-math may vectorize its reductions and call glibc's vector expf.
+DECODE_FLAGS = [*BASE_FLAGS, "-ffast-math"]
+# The fused elementwise kernels keep IEEE semantics (a NaN stays a NaN) but may reorder sums.
+FUSED_FLAGS = [
+    *BASE_FLAGS,
+    "-fno-math-errno",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
 ]
 
 
@@ -41,33 +42,45 @@ def _cache_dir() -> Path:
 
 
 @functools.cache
-def _library(head_dim: int, block_size: int, group: int) -> ctypes.CDLL | None:
+def _build(source: str, flags: tuple[str, ...], tag: str) -> ctypes.CDLL | None:
+    """Compile HERE/source with flags once per machine (cached by hash) and load it."""
     if os.environ.get("KVSERVE_DISABLE_KERNELS"):
         return None
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        log.warning("no C compiler found: paged decode attention uses the torch path")
+        log.warning("no C compiler found: %s runs as torch ops", source)
         return None
-    flags = [*FLAGS, f"-DHEAD_DIM={head_dim}", f"-DBLOCK_SIZE={block_size}", f"-DGROUP={group}"]
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"paged_decode-d{head_dim}-bs{block_size}-g{group}-{digest}.so"
+    path = HERE / source
+    digest = hashlib.sha256(path.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"{path.stem}-{tag}-{digest}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
             proc = subprocess.run(
-                [compiler, *flags, str(SOURCE), "-o", str(out), "-lm"],
+                [compiler, *flags, str(path), "-o", str(out), "-lm"],
                 capture_output=True,
                 text=True,
                 check=False,
             )
             if proc.returncode != 0:
-                log.warning(
-                    "building %s failed, using the torch path:\n%s", SOURCE.name, proc.stderr
-                )
+                log.warning("building %s failed, using torch ops:\n%s", source, proc.stderr)
                 return None
             os.replace(out, target)
-    lib = ctypes.CDLL(str(target))
+    return ctypes.CDLL(str(target))
+
+
+@functools.cache
+def _library(head_dim: int, block_size: int, group: int) -> ctypes.CDLL | None:
+    flags = (
+        *DECODE_FLAGS,
+        f"-DHEAD_DIM={head_dim}",
+        f"-DBLOCK_SIZE={block_size}",
+        f"-DGROUP={group}",
+    )
+    lib = _build("paged_decode.c", flags, f"d{head_dim}-bs{block_size}-g{group}")
+    if lib is None:
+        return None
     for name in ("paged_decode_f32", "paged_decode_bf16"):
         fn = getattr(lib, name)
         fn.restype = None
@@ -135,3 +148,85 @@ def paged_decode(
         torch.get_num_threads(),
     )
     return out
+
+
+# ---- fused elementwise kernels (model/kernels/fused.c) ---------------------------------
+
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+
+@functools.cache
+def _fused() -> ctypes.CDLL | None:
+    lib = _build("fused.c", tuple(FUSED_FLAGS), "all")
+    if lib is None:
+        return None
+    for sfx in _SUFFIX.values():
+        for name, args in (
+            ("add_rms_norm", [_P, _P, _P, _P, _I, _I, _F, _I]),
+            ("rope_store", [_P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I]),
+        ):
+            fn = getattr(lib, f"{name}_{sfx}")
+            fn.restype, fn.argtypes = None, args
+    return lib
+
+
+def fused_supported(x: torch.Tensor) -> bool:
+    return (
+        x.device.type == "cpu" and x.dtype in _SUFFIX and x.is_contiguous() and _fused() is not None
+    )
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """x (rows, d) += delta in place (when given); returns weight * rmsnorm(x)."""
+    rows, d = x.shape
+    out = torch.empty_like(x)
+    delta = delta.contiguous() if delta is not None else None
+    fn = getattr(_fused(), f"add_rms_norm_{_SUFFIX[x.dtype]}")
+    fn(
+        x.data_ptr(),
+        _ptr(delta),
+        weight.contiguous().data_ptr(),
+        out.data_ptr(),
+        rows,
+        d,
+        eps,
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def rope_store(
+    qkv: torch.Tensor,  # (T, (H + 2KV) * D), rotated in place
+    rope: tuple[torch.Tensor, torch.Tensor] | None,  # cos, sin (T, D) in qkv's dtype
+    n_heads: int,
+    n_kv: int,
+    d_head: int,
+    cache: tuple[torch.Tensor, torch.Tensor] | None,  # K (nb, KV, D, BS), V (nb, KV, BS, D)
+    slot_blocks: torch.Tensor | None,
+    slot_offsets: torch.Tensor | None,
+) -> None:
+    cos, sin = (rope[0].contiguous(), rope[1].contiguous()) if rope is not None else (None, None)
+    k_cache, v_cache = cache if cache is not None else (None, None)
+    block_size = k_cache.shape[-1] if k_cache is not None else 0
+    getattr(_fused(), f"rope_store_{_SUFFIX[qkv.dtype]}")(
+        qkv.data_ptr(),
+        _ptr(cos),
+        _ptr(sin),
+        qkv.shape[0],
+        n_heads,
+        n_kv,
+        d_head,
+        _ptr(k_cache),
+        _ptr(v_cache),
+        _ptr(slot_blocks),
+        _ptr(slot_offsets),
+        block_size,
+        torch.get_num_threads(),
+    )

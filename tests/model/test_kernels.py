@@ -1,5 +1,6 @@
 """The C paged-decode kernel against torch's attention on gathered K/V."""
 
+import os
 import shutil
 
 import pytest
@@ -9,7 +10,10 @@ import torch.nn.functional as F
 from model.kernels import paged_decode, paged_decode_supported
 from model.layers import alibi_slopes
 
-pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+pytestmark = pytest.mark.skipif(
+    shutil.which("cc") is None or bool(os.environ.get("KVSERVE_DISABLE_KERNELS")),
+    reason="no C compiler, or kernels disabled",
+)
 
 
 def reference(q, k_cache, v_cache, tables, lens, scale, slopes):

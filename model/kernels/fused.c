@@ -1,0 +1,97 @@
+/* Fused elementwise kernels for the CPU: each replaces several PyTorch ops (and their
+ * per-op dispatch) with one pass over memory. float32 and bfloat16 (uint16 bits)
+ * variants; math is done in float32 and rounded once (round-to-nearest-even) on store.
+ * Built and loaded by model/kernels/__init__.py. (A fused SiLU-multiply was measured
+ * slower than PyTorch's own vectorized ops, so SwiGLU stays in PyTorch.)
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_load(uint16_t h) {
+    uint32_t u = ((uint32_t)h) << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t bf16_store(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float f32_load(float f) { return f; }
+static inline float f32_store(float f) { return f; }
+
+#define PARALLEL(work) _Pragma("omp parallel for schedule(static) num_threads(nthreads) if (work > 65536)")
+
+/* x <- x + delta (when delta is given); out <- weight * round(x * rsqrt(mean(x^2) + eps)).
+ * The norm is computed in float32 from the stored (rounded) x, as HF's RMSNorm does. */
+#define DEFINE_ADD_RMS_NORM(NAME, T, LOAD, STORE)                                        \
+void NAME(T *x, const T *delta, const T *weight, T *out, int rows, int d, float eps,     \
+          int nthreads) {                                                                \
+    const long work = (long)rows * d;                                                    \
+    PARALLEL(work)                                                                       \
+    for (int r = 0; r < rows; ++r) {                                                     \
+        T *xr = x + (long)r * d;                                                         \
+        float ss = 0.f;                                                                  \
+        if (delta) {                                                                     \
+            const T *dr = delta + (long)r * d;                                           \
+            for (int i = 0; i < d; ++i) {                                                \
+                const T s = STORE(LOAD(xr[i]) + LOAD(dr[i]));                            \
+                xr[i] = s;                                                               \
+                const float v = LOAD(s);                                                 \
+                ss += v * v;                                                             \
+            }                                                                            \
+        } else {                                                                         \
+            for (int i = 0; i < d; ++i) { const float v = LOAD(xr[i]); ss += v * v; }    \
+        }                                                                                \
+        const float inv = 1.f / sqrtf(ss / (float)d + eps);                              \
+        T *o = out + (long)r * d;                                                        \
+        for (int i = 0; i < d; ++i)                                                      \
+            o[i] = STORE(LOAD(weight[i]) * LOAD(STORE(LOAD(xr[i]) * inv)));              \
+    }                                                                                    \
+}
+
+/* RoPE in place on the query and key heads of each row of the fused qkv projection
+ * (rows of (H + 2 KV) heads), HF "rotate half" layout; then the row's key and value heads
+ * are written into the paged cache (K blocks (KV, D, BS), V blocks (KV, BS, D)).
+ * cos/sin: (rows, D) in the model dtype, already at each token's position; NULL: no RoPE. */
+#define DEFINE_ROPE_STORE(NAME, T, LOAD, STORE)                                          \
+void NAME(T *qkv, const T *cos_t, const T *sin_t, int rows, int H, int KV, int D,        \
+          T *k_cache, T *v_cache, const int64_t *slot_blocks, const int64_t *slot_offsets, \
+          int BS, int nthreads) {                                                        \
+    const int half = D / 2, width = (H + 2 * KV) * D;                                    \
+    const long work = (long)rows * width;                                                \
+    PARALLEL(work)                                                                       \
+    for (int r = 0; r < rows; ++r) {                                                     \
+        T *row = qkv + (long)r * width;                                                  \
+        if (cos_t) {                                                                     \
+            const T *c = cos_t + (long)r * D, *s = sin_t + (long)r * D;                  \
+            for (int h = 0; h < H + KV; ++h) {                                           \
+                T *x = row + h * D;                                                      \
+                for (int i = 0; i < half; ++i) {                                         \
+                    const float x1 = LOAD(x[i]), x2 = LOAD(x[i + half]);                 \
+                    x[i] = STORE(x1 * LOAD(c[i]) - x2 * LOAD(s[i]));                     \
+                    x[i + half] = STORE(x2 * LOAD(c[i + half]) + x1 * LOAD(s[i + half])); \
+                }                                                                        \
+            }                                                                            \
+        }                                                                                \
+        if (!k_cache) continue;                                                          \
+        const int64_t blk = slot_blocks[r], off = slot_offsets[r];                       \
+        for (int h = 0; h < KV; ++h) {                                                   \
+            const T *k = row + (H + h) * D, *v = row + (H + KV + h) * D;                 \
+            T *kb = k_cache + ((blk * KV + h) * (int64_t)D) * BS + off;                  \
+            T *vb = v_cache + ((blk * KV + h) * (int64_t)BS + off) * D;                  \
+            for (int i = 0; i < D; ++i) kb[(int64_t)i * BS] = k[i];                      \
+            memcpy(vb, v, sizeof(T) * D);                                                \
+        }                                                                                \
+    }                                                                                    \
+}
+
+DEFINE_ADD_RMS_NORM(add_rms_norm_f32, float, f32_load, f32_store)
+DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, uint16_t, bf16_load, bf16_store)
+DEFINE_ROPE_STORE(rope_store_f32, float, f32_load, f32_store)
+DEFINE_ROPE_STORE(rope_store_bf16, uint16_t, bf16_load, bf16_store)
