@@ -42,7 +42,7 @@ def generate(
     for _ in range(max_new_tokens):
         meta = AttentionMetadata.paged(table, [cached], [tokens.shape[0]], block_size, model.device)
         last = torch.tensor([tokens.shape[0] - 1], device=model.device)
-        logits = model(tokens, meta, cache, logits_indices=last)[0]  # (V,)
+        logits = model(tokens, meta, cache, logits_indices=last)[0].float()  # (V,)
         cached += tokens.shape[0]
         if temperature <= 0:
             next_id = int(logits.argmax())

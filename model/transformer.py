@@ -120,7 +120,8 @@ class Transformer(nn.Module):
         logits_indices: Tensor | None = None,
     ) -> Tensor:
         """tokens: (T,) new tokens of a flattened batch. Without `meta` the tokens are one
-        sequence with no cache. Returns fp32 logits (T, V), or (len(logits_indices), V)."""
+        sequence with no cache. Returns logits (T, V), or (len(logits_indices), V), in the
+        model's dtype (the head computes in it; callers that need fp32 convert)."""
         if meta is None:
             meta = AttentionMetadata.dense(tokens.shape[0], tokens.device)
         if kv_cache is not None and meta.slot_mapping is None:
@@ -148,7 +149,7 @@ class Transformer(nn.Module):
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)
         if self._head is not None:
-            return self._head(x).float()
+            return self._head(x)
         if not self.cfg.tie_embeddings:
-            return self.lm_head(x).float()
-        return (x @ self.embed.weight.t()).float()  # (T, V)
+            return self.lm_head(x)
+        return x @ self.embed.weight.t()  # (T, V)

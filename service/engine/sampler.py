@@ -49,9 +49,16 @@ class Sampler:
         requests: Sequence[Request],
         generators: Sequence[torch.Generator | None],
     ) -> SampleResult:
-        """logits: (B, V) fp32, one row per request."""
-        raw = logits
+        """logits: (B, V) in the model's dtype, one row per request."""
         params = [r.params for r in requests]
+        simple = all(
+            p.greedy and not p.logit_bias and not p.needs_penalties and p.logprobs is None
+            for p in params
+        )
+        if simple:  # argmax needs no fp32 copy of the logits
+            return SampleResult(logits.max(dim=-1).indices.tolist(), [None] * len(requests))
+        logits = logits.float()
+        raw = logits
         if any(p.logit_bias for p in params):
             logits = self._apply_bias(logits.clone(), requests)
         if any(p.needs_penalties for p in params):
