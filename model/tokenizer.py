@@ -151,7 +151,7 @@ class Tokenizer:
         if self._rank_to_id is None:
             try:
                 return self.encoding.decode_single_token_bytes(token_id)
-            except KeyError:
+            except (KeyError, OverflowError):
                 raise ValueError(f"token id {token_id} is not in the vocabulary") from None
         try:
             return self._id_bytes[token_id]
@@ -162,19 +162,28 @@ class Tokenizer:
         return token_id in self._special_id_set
 
     def decode_bytes(self, ids: Iterable[int], *, skip_special: bool = False) -> bytes:
-        return b"".join(
-            self.token_bytes(i) for i in ids if not (skip_special and i in self._special_id_set)
-        )
+        """Bytes of the ids. Ids the tokenizer does not define (a model's vocabulary can be
+        larger: padding, unassigned ranks) decode to nothing, as in HF tokenizers."""
+        out = []
+        for i in ids:
+            if skip_special and i in self._special_id_set:
+                continue
+            try:
+                out.append(self.token_bytes(i))
+            except ValueError:
+                continue
+        return b"".join(out)
 
     def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
         return self.decode_bytes(ids, skip_special=skip_special).decode("utf-8", errors="replace")
 
     def valid_id(self, token_id: int) -> bool:
-        if self._rank_to_id is None:
-            return 0 <= token_id <= self.encoding.max_token_value and (
-                token_id in self._special_id_set or token_id < self.encoding.n_vocab
-            )
-        return token_id in self._id_bytes
+        """Whether the tokenizer defines this id (a regular token or a special one)."""
+        try:
+            self.token_bytes(token_id)
+        except (ValueError, OverflowError):
+            return False
+        return True
 
     def detokenizer(self, *, skip_special: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, skip_special=skip_special)

@@ -112,6 +112,7 @@ def test_error_matrix_leaves_others_untouched(server: Server) -> None:
             assert_error(c.get("/v1/models/gpt-9"), 404, "model")
             assert_error(c.get("/v1/nothing-here"), 404)
             assert_error(post("/detokenize", json={"tokens": [-1]}), 400, "tokens")
+            assert_error(post("/detokenize", json={"tokens": [791, 100256]}), 400, "tokens")
             assert_error(
                 post(
                     "/v1/completions",

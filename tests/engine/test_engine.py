@@ -209,3 +209,15 @@ def test_bf16_packed_batch_equals_each_alone() -> None:
     batched = {k: tokens_of(v) for k, v in run_all(engine, requests).items()}
     for rid, spec in requests.items():
         assert tokens_of(run_all(engine, {rid + "-solo": spec})[rid + "-solo"]) == batched[rid]
+
+
+def test_sampled_id_the_tokenizer_does_not_define() -> None:
+    """cl100k leaves ids below its vocabulary size unassigned; a model that samples one
+    gets no text for it, and the engine carries on."""
+    model = small_model(vocab=100277, d_model=32)
+    engine = make_engine(model)
+    params = greedy(4, logit_bias=((100256, 100.0),))
+    out = run_all(engine, {"u": ([791, 4062], params)})["u"]
+    assert tokens_of(out) == [100256] * 4 and "".join(o.text for o in out) == ""
+    assert out[-1].finish_reason.value == "length"
+    assert tokens_of(run_all(engine, {"v": ([791], greedy(3))})["v"])  # still serving

@@ -46,7 +46,11 @@ def test_cl100k_pinned_ids() -> None:
     assert tok.eos_ids == (100257,) and tok.vocab_size == 100277
     assert tok.decode([791, 4062, 14198, 39935]) == "The quick brown fox"
     with pytest.raises(ValueError, match="not in the vocabulary"):
-        tok.decode([100270])
+        tok.token_bytes(100270)
+    # ids the vocabulary leaves unassigned decode to nothing (a model may sample them)
+    assert tok.decode([791, 100256, 100270, 4062]) == "The quick"
+    assert not tok.valid_id(100256) and not tok.valid_id(100270) and not tok.valid_id(-1)
+    assert tok.valid_id(100257) and tok.valid_id(0) and not tok.valid_id(10**12)
 
 
 def test_cl100k_file_is_the_official_one() -> None:
