@@ -91,7 +91,7 @@ def serve(settings: Settings) -> int:
     if load_error is not None:
         print(f"kvserve: error: {load_error}", file=sys.stderr)
         return 1
-    engine_error = getattr(getattr(app.state, "serving", None), "engine", None)
-    if engine_error is not None and engine_error.error is not None:
-        return 1
+    serving = getattr(app.state, "serving", None)
+    if serving is not None and serving.engine.error is not None:
+        return 1  # the engine loop died: a supervisor should restart the process
     return 0

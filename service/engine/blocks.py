@@ -39,6 +39,7 @@ class BlockManager:
         self.cached: dict[int, int] = {}  # hash -> block id
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU first
         self._hashes: dict[str, list[int]] = {}  # request id -> chained hashes of its full blocks
+        self._registered: dict[str, int] = {}  # request id -> leading blocks already registered
 
     # ---- accounting -------------------------------------------------------------------
 
@@ -83,8 +84,12 @@ class BlockManager:
         if not self.prefix_caching:
             return
         n_full = min(request.num_computed // self.block_size, len(request.block_table))
+        start = self._registered.get(request.request_id, 0)
+        if start >= n_full:  # the common decode step: no block filled up
+            return
+        self._registered[request.request_id] = n_full
         hashes = self._request_hashes(request)
-        for i in range(n_full):
+        for i in range(start, n_full):
             block = request.block_table[i]
             if self.block_hash[block] is not None:
                 continue
@@ -107,6 +112,7 @@ class BlockManager:
                 del self.free[b]
             self.ref_count[b] += 1
         request.block_table = list(hits)
+        self._registered[request.request_id] = len(hits)  # hits are registered already
         self._grow(request, num_tokens)
 
     def can_append(self, request: Request, num_new: int) -> bool:
@@ -143,6 +149,7 @@ class BlockManager:
             if self.ref_count[block] == 0:
                 self.free[block] = None
         request.block_table = []
+        self._registered.pop(request.request_id, None)
 
     def forget(self, request: Request) -> None:
         """Drop the per-request hash memo once the request is gone for good."""
