@@ -1,0 +1,149 @@
+"""ASGI middleware of the API: body limit (413), API keys (401), 503 while loading,
+a request id and one structured log line per request, rejection counting."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+import uuid
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.api.protocol import APIError
+from service.config import Settings
+
+log = logging.getLogger("kvserve.api")
+OPEN_PATHS = ("/health", "/metrics", "/", "/favicon.ico")
+
+REJECT_REASONS = {
+    400: "invalid_request",
+    401: "unauthorized",
+    404: "not_found",
+    413: "too_large",
+    429: "queue_full",
+    503: "unavailable",
+}
+
+
+def count_rejection(app_state: Any, err: APIError) -> None:
+    serving = getattr(app_state, "serving", None)
+    if serving is None or (err.status >= 500 and err.status != 503):
+        return
+    reason = (
+        err.code
+        if err.code == "context_length_exceeded"
+        else REJECT_REASONS.get(err.status, str(err.status))
+    )
+    serving.metrics.on_rejected(reason)
+
+
+class BodyLimit:
+    """413 for a body over the limit, by Content-Length or as it streams in."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
+        too_large = APIError(413, f"request body exceeds {self.limit} bytes")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            count_rejection(scope["app"].state, too_large)
+            return await _send_error(send, too_large)
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _TooLarge
+            return message
+
+        try:
+            await self.app(scope, limited, send)
+        except _TooLarge:
+            count_rejection(scope["app"].state, too_large)
+            await _send_error(send, too_large)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+async def _send_error(send: Send, err: APIError) -> None:
+    response = JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+    await response({"type": "http"}, _no_receive, send)
+
+
+async def _no_receive() -> Message:
+    return {"type": "http.disconnect"}
+
+
+class Gate:
+    """Request id, API keys, 503 while loading, and one structured log line per request."""
+
+    def __init__(self, app: ASGIApp, settings: Settings) -> None:
+        self.app, self.settings = app, settings
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers") or []}
+        request_id = headers.get("x-request-id") or uuid.uuid4().hex[:16]
+        scope.setdefault("state", {})["request_id"] = request_id
+        start, status = time.perf_counter(), 0
+
+        async def tagged(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message.setdefault("headers", []).append((b"x-request-id", request_id.encode()))
+            await send(message)
+
+        path = scope["path"]
+        app_state = scope["app"].state
+        try:
+            if path not in OPEN_PATHS:
+                _authorize(self.settings, headers.get("authorization", ""))
+                if app_state.serving is None:
+                    failed = app_state.load_error is not None
+                    raise APIError(
+                        503, "The model failed to load" if failed else "The model is still loading"
+                    )
+        except APIError as exc:
+            count_rejection(app_state, exc)
+            await _send_error(tagged, exc)
+        else:
+            await self.app(scope, receive, tagged)
+        if app_state.serving is not None:
+            app_state.serving.metrics.on_http(path, status)
+        log.info(
+            "request",
+            extra={
+                "request_id": request_id,
+                "method": scope["method"],
+                "path": path,
+                "status": status,
+                "ms": round(1000 * (time.perf_counter() - start), 1),
+            },
+        )
+
+
+def _authorize(settings: Settings, header: str) -> None:
+    if not settings.api_keys:
+        return
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        raise APIError(
+            401, "Missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+        )
+    matches = [hmac.compare_digest(token.encode(), key.encode()) for key in settings.api_keys]
+    if not any(matches):
+        raise APIError(401, "Incorrect API key provided", code="invalid_api_key")
