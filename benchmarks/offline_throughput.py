@@ -20,6 +20,7 @@ import torch
 
 from model.audit import weight_bytes
 from model.device import DTYPES, dtype_name
+from model.hardware import memory_bandwidth
 from model.tokenizer import Tokenizer
 from model.weights import load_model
 from service.engine.engine import EngineConfig, LLMEngine
@@ -52,18 +53,6 @@ def checkpoint(path: Path) -> Path:
     model = tf.LlamaForCausalLM(tf.LlamaConfig(**SMOLLM2_135M))
     model.save_pretrained(path)
     return path
-
-
-def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
-    """Read bandwidth in bytes/s: the best of several full reductions over a large buffer."""
-    x = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
-    x.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t0)
-    return x.numel() * 4 / best
 
 
 def run_batch(engine: LLMEngine, prompts: list[list[int]], out_len: int) -> dict[str, float]:
@@ -151,7 +140,7 @@ def main() -> None:
     prompts = [
         [rng.randrange(1, 49152) for _ in range(args.prompt_len)] for _ in range(args.requests)
     ]
-    bandwidth = memory_bandwidth()
+    bandwidth = memory_bandwidth(mib=1024)
     results = {"threads": args.threads, "memory_bandwidth_gb_s": bandwidth / 1e9, "runs": []}
     for name in args.dtype:
         dtype = DTYPES[name]

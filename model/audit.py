@@ -127,3 +127,34 @@ def audit(cfg: ModelConfig, dtype: str, kv_pool_bytes: int | None = None) -> Mem
         kv_bytes_per_token=kv_bytes_per_token(cfg, dtype),
         kv_pool_bytes=kv_pool_bytes,
     )
+
+
+def plan(
+    cfg: ModelConfig,
+    dtype: str,
+    memory_bytes: int,
+    seq_len: int,
+    bandwidth: float | None = None,
+    matmul_flops: float | None = None,
+) -> dict[str, object]:
+    """What fits in `memory_bytes` next to the weights, and the physical floors."""
+    report = audit(cfg, dtype).as_dict()
+    weights = weight_bytes(cfg, dtype)
+    per_token = kv_bytes_per_token(cfg, dtype)
+    kv_room = max(0, memory_bytes - weights)
+    tokens = kv_room // per_token
+    report |= {
+        "memory_bytes": memory_bytes,
+        "kv_room_bytes": kv_room,
+        "kv_tokens": tokens,
+        "seq_len": seq_len,
+        "sequences_of_seq_len": tokens // seq_len,
+        "fits": weights < memory_bytes,
+    }
+    if bandwidth:
+        report["bandwidth_gb_s"] = bandwidth / 1e9
+        report["decode_floor_ms_per_token"] = 1000 * weights / bandwidth
+    if matmul_flops:
+        report["matmul_tflops"] = matmul_flops / 1e12
+        report["prefill_ceiling_tokens_per_s"] = matmul_flops / (2 * count_params(cfg).total)
+    return report

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -70,6 +72,66 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from model.config import ModelConfig
+    from model.demo import demo_config
+    from model.weights import load_config, read_json
+
+    if args.config:
+        data = read_json(Path(args.config))
+        return (
+            ModelConfig.from_hf_config(data)
+            if "architectures" in data or "model_type" in data
+            else ModelConfig.from_dict(data)
+        )
+    return load_config(args.model) if args.model else demo_config()
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from model.audit import plan
+    from model.hardware import Machine
+
+    cfg = _plan_config(args)
+    device = pick_device(args.device)
+    dtype = pick_dtype(args.dtype, device)
+    if args.memory_gib is not None:
+        memory = int(args.memory_gib * (1 << 30))
+    elif device.type == "cuda":
+        memory = torch.cuda.get_device_properties(device).total_memory
+    else:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    machine = None if args.no_measure else Machine.measure(dtype, device)
+    report = plan(
+        cfg,
+        dtype_name(dtype),
+        memory,
+        args.seq_len or cfg.max_position,
+        machine.bandwidth if machine else None,
+        machine.matmul_flops if machine else None,
+    )
+    report = {"model": cfg.name, "device": str(device), **report}
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    p = report["parameters"]
+    gib = 1 << 30
+    lines = [
+        f"model {cfg.name}: {p['total']:,} parameters ({dtype_name(dtype)}, {report['weight_bytes'] / gib:.2f} GiB of weights)",
+        f"  embedding {p['embedding']:,}  attention {p['attention']:,}  ffn {p['ffn']:,}  norms {p['norms']:,}  head {p['head']:,}",
+        f"KV cache: {report['kv_bytes_per_token']:,} bytes per token",
+        f"memory {memory / gib:.1f} GiB: {report['kv_room_bytes'] / gib:.2f} GiB left for KV = {report['kv_tokens']:,} tokens"
+        f" = {report['sequences_of_seq_len']:,} sequences of {report['seq_len']:,} tokens",
+    ]
+    if machine:
+        lines += [
+            f"this {device.type}: read bandwidth {report['bandwidth_gb_s']:.1f} GB/s, matmul {report['matmul_tflops']:.2f} TFLOP/s",
+            f"  decode floor {report['decode_floor_ms_per_token']:.2f} ms/token (weights / bandwidth)",
+            f"  prefill ceiling {report['prefill_ceiling_tokens_per_s']:,.0f} tokens/s (matmul / 2 x parameters)",
+        ]
+    print("\n".join(lines))
+    return 0
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from service.config import load_settings
     from service.server import serve
@@ -95,6 +157,20 @@ def main(argv: list[str] | None = None) -> int:
     aud = sub.add_parser("audit", help="memory audit: parameters by component, weight and KV bytes")
     _add_model_args(aud)
     aud.set_defaults(func=_cmd_audit)
+    pl = sub.add_parser(
+        "plan", help="capacity plan: what fits in memory, and this machine's floors"
+    )
+    pl.add_argument(
+        "--model", default=None, help="model directory (config only; weights are not read)"
+    )
+    pl.add_argument("--config", default=None, help="a config.json (HF) or kvserve_config.json")
+    pl.add_argument("--device", default="auto")
+    pl.add_argument("--dtype", default="auto")
+    pl.add_argument("--memory-gib", type=float, default=None, help="default: this device's memory")
+    pl.add_argument("--seq-len", type=int, default=None, help="default: the model's context length")
+    pl.add_argument("--no-measure", action="store_true", help="skip measuring bandwidth and matmul")
+    pl.add_argument("--json", action="store_true", help="print JSON")
+    pl.set_defaults(func=_cmd_plan)
     args = parser.parse_args(argv)
     try:
         with torch.inference_mode():

@@ -27,10 +27,19 @@ log = logging.getLogger("kvserve.api")
 STATIC = Path(__file__).with_name("static")
 
 
+FLOOR_KEYS = (
+    "bandwidth_gb_s",
+    "decode_floor_ms_per_token",
+    "matmul_tflops",
+    "prefill_ceiling_tokens_per_s",
+)
+
+
 def build_state(settings: Settings) -> ServingState:
     """Load the model, tokenizer and template and start the engine (blocking)."""
-    from model.audit import audit
+    from model.audit import audit, plan
     from model.device import dtype_name, pick_device, pick_dtype
+    from model.hardware import matmul_throughput, memory_bandwidth
     from model.loader import load
     from service.api.chat_template import ChatTemplate
     from service.engine.async_engine import AsyncEngine
@@ -50,13 +59,18 @@ def build_state(settings: Settings) -> ServingState:
         gpu_memory_fraction=settings.gpu_memory_fraction,
     )
     engine = LLMEngine(loaded.model, loaded.tokenizer, config, observer=metrics)
-    report = audit(
-        loaded.model.cfg, dtype_name(dtype), kv_pool_bytes=engine.kv_cache.nbytes
-    ).as_dict()
+    cfg, name = loaded.model.cfg, dtype_name(dtype)
+    # this machine's floors for the model, measured once (small buffers: ~0.5 s)
+    bandwidth = memory_bandwidth(device, mib=256)
+    flops = matmul_throughput(dtype, device, n=1024)
+    floors = plan(cfg, name, 0, 1, bandwidth, flops)
+    report = audit(cfg, name, kv_pool_bytes=engine.kv_cache.nbytes).as_dict()
     report |= {
         "device": str(device),
         "block_size": settings.block_size,
         "kv_blocks": engine.blocks.num_blocks,
+        "kv_pool_sequences_of_max_len": report["kv_pool_tokens"] // engine.max_model_len,
+        "floors": {k: floors[k] for k in FLOOR_KEYS},
     }
     async_engine = AsyncEngine(engine, stuck_after_s=settings.stuck_after)
     info = {

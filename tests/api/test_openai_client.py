@@ -28,7 +28,10 @@ def test_models(client: openai.OpenAI) -> None:
     card = client.models.retrieve(MODEL)
     memory = card.model_extra["memory"]
     assert memory["parameters"]["total"] > 0 and memory["kv_bytes_per_token"] > 0
-    assert memory["kv_pool_tokens"] > 0
+    assert memory["kv_pool_tokens"] > 0 and memory["kv_pool_sequences_of_max_len"] >= 1
+    floors = memory["floors"]
+    assert floors["bandwidth_gb_s"] > 0 and floors["decode_floor_ms_per_token"] > 0
+    assert floors["prefill_ceiling_tokens_per_s"] > 0
 
 
 def test_completion_plain_and_usage(client: openai.OpenAI) -> None:

@@ -52,3 +52,64 @@ def test_cli_generate_and_audit(capsys: pytest.CaptureFixture[str]) -> None:
     assert report["model"] == DEMO_MODEL_ID and report["kv_bytes_per_token"] == 2 * 2 * 64 * 4 * 4
     assert main(["audit", "--model", "/nonexistent"]) == 2
     assert "model directory not found" in capsys.readouterr().err
+
+
+def test_cli_plan(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from model.audit import kv_bytes_per_token, weight_bytes
+    from model.demo import demo_config
+    from service.cli import main
+
+    assert (
+        main(
+            [
+                "plan",
+                "--no-measure",
+                "--json",
+                "--memory-gib",
+                "1",
+                "--dtype",
+                "float32",
+                "--seq-len",
+                "1000",
+            ]
+        )
+        == 0
+    )
+    report = json.loads(capsys.readouterr().out)
+    cfg = demo_config()
+    room = (1 << 30) - weight_bytes(cfg, "float32")
+    assert report["kv_tokens"] == room // kv_bytes_per_token(cfg, "float32")
+    assert report["sequences_of_seq_len"] == report["kv_tokens"] // 1000
+    # a Llama-3-70B-class config.json: 327,680 KV bytes per token in fp16, and it does not fit 24 GiB
+    hf = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 128256,
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 8192,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    assert (
+        main(
+            [
+                "plan",
+                "--config",
+                str(tmp_path / "config.json"),
+                "--no-measure",
+                "--json",
+                "--memory-gib",
+                "24",
+                "--dtype",
+                "float16",
+            ]
+        )
+        == 0
+    )
+    big = json.loads(capsys.readouterr().out)
+    assert big["kv_bytes_per_token"] == 327_680 and big["fits"] is False and big["kv_tokens"] == 0
+    assert main(["plan", "--dtype", "float32", "--memory-gib", "2"]) == 0
+    assert "decode floor" in capsys.readouterr().out
