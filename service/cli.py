@@ -171,6 +171,13 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--no-measure", action="store_true", help="skip measuring bandwidth and matmul")
     pl.add_argument("--json", action="store_true", help="print JSON")
     pl.set_defaults(func=_cmd_plan)
+    from service import bench
+
+    bn = sub.add_parser(
+        "bench", help="serving benchmark against a running server (see service/bench.py)"
+    )
+    bench.add_arguments(bn)
+    bn.set_defaults(func=bench.run_cli)
     args = parser.parse_args(argv)
     try:
         with torch.inference_mode():

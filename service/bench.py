@@ -1,0 +1,349 @@
+"""Serving benchmark: an async HTTP client against a running kvserve (or any OpenAI-style
+server), as `kvserve bench` and benchmarks/serve_bench.py.
+
+Workloads: fixed lengths of random token-id prompts, or a synthetic chat-like mix of
+lengths. Closed loop at a concurrency, or open loop at a Poisson request rate; bounded
+in request count and time. Each run reports request throughput, output and total
+tokens/s, TTFT, inter-token latency, time per output token and end-to-end latency
+(mean, p50, p90, p99) and errors; results go to JSON, and a sweep over concurrency can
+be plotted (matplotlib, optional).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+
+@dataclass
+class Result:
+    ok: bool
+    prompt_tokens: int
+    output_tokens: int = 0
+    ttft: float | None = None
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def tpot(self) -> float | None:
+        if self.ttft is None or self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+def workload(
+    kind: str, n: int, prompt_len: int, output_len: int, vocab: int, seed: int
+) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        if kind == "fixed":
+            p, o = prompt_len, output_len
+        else:  # chat-like: long-tailed prompt and answer lengths around the given means
+            p = int(min(max(rng.lognormvariate(0, 0.8) * prompt_len, 8), 8 * prompt_len))
+            o = int(min(max(rng.lognormvariate(0, 0.6) * output_len, 4), 4 * output_len))
+        out.append(([rng.randrange(1000, vocab) for _ in range(p)], o))
+    return out
+
+
+async def one(
+    client: httpx.AsyncClient, prompt: list[int], max_tokens: int, model: str | None
+) -> Result:
+    body: dict[str, Any] = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if model:
+        body["model"] = model
+    result = Result(ok=False, prompt_tokens=len(prompt))
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                result.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return result
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    result.error = chunk["error"].get("message", "error")
+                    return result
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                    continue
+                now = time.perf_counter()
+                if result.ttft is None:
+                    result.ttft = now - start
+                else:
+                    result.itl.append(now - last)
+                last = now
+        result.ok = True
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        result.e2e = time.perf_counter() - start
+    return result
+
+
+async def run(
+    url: str,
+    requests: list[tuple[list[int], int]],
+    concurrency: int | None,
+    rate: float | None,
+    max_seconds: float,
+    model: str | None,
+    api_key: str | None,
+    seed: int,
+) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=max(concurrency or 0, 256))
+    results: list[Result] = []
+    async with httpx.AsyncClient(
+        base_url=url, timeout=600, headers=headers, limits=limits
+    ) as client:
+        start = time.perf_counter()
+        deadline = start + max_seconds
+        if (
+            rate is None
+        ):  # closed loop: `concurrency` clients, each sends its next request when done
+            queue = list(reversed(requests))
+
+            async def worker() -> None:
+                while queue and time.perf_counter() < deadline:
+                    prompt, n = queue.pop()
+                    results.append(await one(client, prompt, n, model))
+
+            await asyncio.gather(*(worker() for _ in range(concurrency or 1)))
+        else:  # open loop: Poisson arrivals at `rate` requests/s
+            rng = random.Random(seed + 1)
+            tasks = []
+            for prompt, n in requests:
+                if time.perf_counter() >= deadline:
+                    break
+                tasks.append(asyncio.ensure_future(one(client, prompt, n, model)))
+                await asyncio.sleep(rng.expovariate(rate))
+            results = list(await asyncio.gather(*tasks))
+        duration = time.perf_counter() - start
+    return summarize(results, duration) | {"concurrency": concurrency, "request_rate": rate}
+
+
+def _stats(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    ordered = sorted(values)
+
+    def pct(p: float) -> float:
+        return 1000 * ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))]
+
+    return {
+        "mean": 1000 * statistics.fmean(ordered),
+        "p50": pct(50),
+        "p90": pct(90),
+        "p99": pct(99),
+    }
+
+
+def summarize(results: list[Result], duration: float) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    return {
+        "requests": len(results),
+        "completed": len(ok),
+        "errors": len(results) - len(ok),
+        "error_examples": [r.error for r in results if not r.ok][:3],
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
+        "output_tok_s": out_tokens / duration,
+        "total_tok_s": (out_tokens + sum(r.prompt_tokens for r in ok)) / duration,
+        "ttft_ms": _stats([r.ttft for r in ok if r.ttft is not None]),
+        "itl_ms": _stats([x for r in ok for x in r.itl]),
+        "tpot_ms": _stats([r.tpot for r in ok if r.tpot is not None]),
+        "e2e_ms": _stats([r.e2e for r in ok]),
+    }
+
+
+def print_table(runs: list[dict[str, Any]]) -> None:
+    head = (
+        f"{'conc':>5} {'rate':>6} {'ok/err':>8} {'req/s':>7} {'out tok/s':>10} {'tot tok/s':>10} "
+        f"{'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>7} {'TPOT p50':>9} {'e2e p50':>9} {'p99':>9}"
+    )
+    print(head)
+    print("-" * len(head))
+
+    def f(v: float | None, w: int) -> str:
+        return f"{v:{w}.1f}" if v is not None else " " * (w - 1) + "-"
+
+    for r in runs:
+        print(
+            f"{r['concurrency'] or '-':>5} {r['request_rate'] or '-':>6} {r['completed']:>4}/{r['errors']:<3} "
+            f"{r['request_throughput']:7.2f} {r['output_tok_s']:10.1f} {r['total_tok_s']:10.1f} "
+            f"{f(r['ttft_ms']['p50'], 9)} {f(r['ttft_ms']['p99'], 8)} {f(r['itl_ms']['p50'], 8)} {f(r['itl_ms']['p99'], 7)} "
+            f"{f(r['tpot_ms']['p50'], 9)} {f(r['e2e_ms']['p50'], 9)} {f(r['e2e_ms']['p99'], 9)}"
+        )
+
+
+def plot(runs: list[dict[str, Any]], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(
+            "matplotlib is not installed (pip install 'kvserve[bench]'): no plot", file=sys.stderr
+        )
+        return False
+    conc = [r["concurrency"] for r in runs]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    a.plot(conc, [r["output_tok_s"] for r in runs], "o-", label="output tokens/s")
+    a.set_xscale("log", base=2)
+    a.set_xlabel("concurrency")
+    a.set_ylabel("tokens/s")
+    a.set_title("throughput")
+    a.grid(alpha=0.3)
+    for key, label in (("ttft_ms", "TTFT"), ("itl_ms", "inter-token"), ("e2e_ms", "end-to-end")):
+        b.plot(conc, [r[key]["p50"] for r in runs], "o-", label=f"{label} p50")
+        b.plot(conc, [r[key]["p99"] for r in runs], "x--", label=f"{label} p99")
+    b.set_xscale("log", base=2)
+    b.set_yscale("log")
+    b.set_xlabel("concurrency")
+    b.set_ylabel("ms")
+    b.set_title("latency")
+    b.grid(alpha=0.3)
+    b.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def spawn(args: str) -> tuple[subprocess.Popen, str]:
+    """Start `kvserve serve ARGS` on a free port and wait until it is healthy."""
+    import shlex
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service.cli", "serve", "--port", str(port), *shlex.split(args)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"kvserve serve {args} exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit("the spawned server did not become healthy")
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--url", default="http://127.0.0.1:8000")
+    ap.add_argument(
+        "--spawn",
+        metavar="ARGS",
+        default=None,
+        help="start `kvserve serve ARGS` locally and benchmark it",
+    )
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--workload", choices=["fixed", "chat"], default="fixed")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument(
+        "--vocab-size", type=int, default=32000, help="prompt token ids are drawn below this"
+    )
+    ap.add_argument(
+        "--concurrency", type=int, nargs="+", default=[8], help="closed loop; several values sweep"
+    )
+    ap.add_argument(
+        "--request-rate", type=float, default=None, help="open loop: Poisson arrivals per second"
+    )
+    ap.add_argument(
+        "--num-requests",
+        type=int,
+        default=None,
+        help="per run (default: 4 x concurrency, at least 16)",
+    )
+    ap.add_argument(
+        "--max-seconds", type=float, default=300.0, help="stop sending new requests after this"
+    )
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, default=Path("benchmarks/out/serve_bench.json"))
+    ap.add_argument(
+        "--plot", type=Path, default=None, help="PNG of latency and throughput against concurrency"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="kvserve bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(ap)
+    return run_cli(ap.parse_args(argv))
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    proc, url = spawn(args.spawn) if args.spawn else (None, args.url)
+    runs = []
+    try:
+        points = [None] if args.request_rate else args.concurrency
+        for conc in points:
+            n = args.num_requests or max(16, 4 * (conc or 4))
+            reqs = workload(
+                args.workload, n, args.prompt_len, args.output_len, args.vocab_size, args.seed
+            )
+            runs.append(
+                asyncio.run(
+                    run(
+                        url,
+                        reqs,
+                        conc,
+                        args.request_rate,
+                        args.max_seconds,
+                        args.model,
+                        args.api_key,
+                        args.seed,
+                    )
+                )
+            )
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(60)
+    print_table(runs)
+    config = {
+        k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"config": config, "runs": runs}, indent=2))
+    print(f"wrote {args.json}")
+    if args.plot and len(runs) > 1 and plot(runs, args.plot):
+        print(f"wrote {args.plot}")
+    return 1 if any(r["errors"] for r in runs) else 0
