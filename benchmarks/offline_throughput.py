@@ -44,15 +44,47 @@ SMOLLM2_135M = dict(
 
 
 def checkpoint(path: Path) -> Path:
-    """Write (once) a random-weight checkpoint with transformers' own save_pretrained."""
-    if (path / "config.json").exists():
-        return path
-    import transformers as tf
+    """Write (once) a random-weight checkpoint with transformers' own save_pretrained, and
+    a byte-level BPE tokenizer.json trained here on Python's sources to the model's
+    vocabulary size, so that `kvserve serve` can serve the directory."""
+    if not (path / "config.json").exists():
+        import transformers as tf
 
-    torch.manual_seed(0)
-    model = tf.LlamaForCausalLM(tf.LlamaConfig(**SMOLLM2_135M))
-    model.save_pretrained(path)
+        torch.manual_seed(0)
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**SMOLLM2_135M))
+        model.save_pretrained(path)
+    if not (path / "tokenizer.json").exists():
+        write_tokenizer(path)
     return path
+
+
+def _utf8(path: Path) -> bool:
+    try:
+        path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def write_tokenizer(path: Path, vocab_size: int = SMOLLM2_135M["vocab_size"]) -> None:
+    import sysconfig
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    # the whole standard library: enough text for one merge per vocabulary id, so that
+    # every id the random model samples decodes to text
+    files = [f for f in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")) if _utf8(f)]
+    tok.train([str(f) for f in files], trainer)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
 
 
 def run_batch(engine: LLMEngine, prompts: list[list[int]], out_len: int) -> dict[str, float]:

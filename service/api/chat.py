@@ -149,8 +149,8 @@ async def _stream(
                 completion += len(out.token_ids)
                 cached = out.num_cached_tokens
                 reason = out.finish_reason.value if out.finished and out.finish_reason else None
-                if not out.text and reason is None:
-                    continue
+                if not out.text and reason is None and not (req.logprobs and out.logprobs):
+                    continue  # empty deltas are skipped, unless they carry logprobs
                 delta = {"content": out.text} if out.text else {}
                 lp = _logprobs(state, out.logprobs) if req.logprobs else None
                 choice = {

@@ -166,8 +166,12 @@ async def _stream(
                 completion += len(out.token_ids)
                 cached[i] = out.num_cached_tokens
                 reason = out.finish_reason.value if out.finished and out.finish_reason else None
-                if not out.text and reason is None:
-                    continue  # empty deltas are not sent
+                if (
+                    not out.text
+                    and reason is None
+                    and not (req.logprobs is not None and out.logprobs)
+                ):
+                    continue  # empty deltas are skipped, unless they carry logprobs
                 lp = None
                 if req.logprobs is not None:
                     lp = _logprobs(state, out.logprobs, offsets.get(index, 0))

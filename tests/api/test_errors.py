@@ -134,6 +134,24 @@ def keyed(tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_api_keys(keyed: Server) -> None:
+    good = {"Authorization": "Bearer key-one"}
+    body = {"prompt": "A keyed request", "max_tokens": 40, "temperature": 0, "stream": True}
+
+    def stream() -> str:
+        text = ""
+        with (
+            keyed.client() as c,
+            c.stream("POST", "/v1/completions", json=body, headers=good) as resp,
+        ):
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        return text
+
+    reference = stream()
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    busy = pool.submit(stream)
     with keyed.client() as c:
         assert_error(
             c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}),
@@ -154,3 +172,6 @@ def test_api_keys(keyed: Server) -> None:
             assert ok.status_code == 200
         assert c.get("/health").status_code == 200  # open by default
         assert c.get("/").status_code == 200
+    assert busy.result(timeout=60) == reference  # the 401s did not disturb it
+    pool.shutdown()
+    assert keyed.health()["status"] == "ok"

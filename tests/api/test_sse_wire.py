@@ -60,3 +60,38 @@ def test_stream_without_usage_and_chat_chunks(server: Server) -> None:
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert events[-1] == b"data: [DONE]"
+
+
+def test_streamed_logprobs_cover_every_token(server: Server) -> None:
+    """A token whose text is held back (half a UTF-8 character, or an id with no text)
+    still has its logprob sent."""
+    body = {
+        "prompt": "日本語のテキスト 🙂",
+        "max_tokens": 40,
+        "temperature": 1.0,
+        "seed": 3,
+        "logprobs": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    _, events = raw_events(server, "/v1/completions", body)
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    tokens = sum(len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks if c["choices"])
+    assert tokens == chunks[-1]["usage"]["completion_tokens"] == 40
+    chat = {
+        "messages": [{"role": "user", "content": "🙂"}],
+        "max_tokens": 25,
+        "logprobs": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "seed": 4,
+        "temperature": 1.0,
+    }
+    _, events = raw_events(server, "/v1/chat/completions", chat)
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    entries = sum(
+        len(c["choices"][0]["logprobs"]["content"])
+        for c in chunks
+        if c["choices"] and c["choices"][0]["logprobs"]
+    )
+    assert entries == chunks[-1]["usage"]["completion_tokens"] == 25

@@ -10,12 +10,31 @@ def test_closed_and_open_loop(server: Server, tmp_path) -> None:
     reqs = workload("fixed", 6, 20, 8, 30000, seed=1)
     closed = asyncio.run(run(server.url, reqs, 3, None, 60, None, None, 0))
     assert closed["completed"] == 6 and closed["errors"] == 0
-    assert closed["output_tok_s"] > 0 and closed["ttft_ms"]["p50"] > 0 and closed["itl_ms"]["p99"] > 0
+    assert (
+        closed["output_tok_s"] > 0 and closed["ttft_ms"]["p50"] > 0 and closed["itl_ms"]["p99"] > 0
+    )
     assert abs(closed["output_tok_s"] * closed["duration_s"] - 6 * 8) < 1e-6
     chat = workload("chat", 5, 20, 8, 30000, seed=2)
     assert len({len(p) for p, _ in chat}) > 1
     opened = asyncio.run(run(server.url, chat, None, 20.0, 60, None, None, 0))
     assert opened["completed"] == 5 and opened["request_rate"] == 20.0
     out = tmp_path / "bench.json"
-    assert main(["--url", server.url, "--concurrency", "1", "2", "--num-requests", "2", "--output-len", "4", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--url",
+                server.url,
+                "--concurrency",
+                "1",
+                "2",
+                "--num-requests",
+                "2",
+                "--output-len",
+                "4",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert out.exists()
