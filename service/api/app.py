@@ -36,13 +36,38 @@ FLOOR_KEYS = (
 
 
 def build_state(settings: Settings) -> ServingState:
-    """Load the model, tokenizer and template and start the engine (blocking)."""
+    """Start the engine (its thread loads the model) and assemble the serving state.
+    Blocking; every torch op happens in the engine thread (see AsyncEngine)."""
+    from service.api.chat_template import ChatTemplate
+    from service.engine.async_engine import AsyncEngine
+
+    built: dict[str, Any] = {}
+    async_engine = AsyncEngine(
+        lambda: _build_engine(settings, built), stuck_after_s=settings.stuck_after
+    )
+    async_engine.start()
+    metrics: Metrics = built["metrics"]
+    metrics.attach_engine(
+        async_engine.snapshot, async_engine.stats, built["info"], built["device_memory"]
+    )
+    return ServingState(
+        settings=settings,
+        engine=async_engine,
+        tokenizer=built["tokenizer"],
+        model_id=built["model_id"],
+        template=ChatTemplate.for_model(settings.model),
+        audit=built["audit"],
+        metrics=metrics,
+    )
+
+
+def _build_engine(settings: Settings, built: dict[str, Any]) -> Any:
+    """Runs in the engine thread: load the model, size the KV pool, measure this
+    machine's floors; what the API needs besides the engine goes into `built`."""
     from model.audit import audit, plan
     from model.device import dtype_name, pick_device, pick_dtype
     from model.hardware import matmul_throughput, memory_bandwidth
     from model.loader import load
-    from service.api.chat_template import ChatTemplate
-    from service.engine.async_engine import AsyncEngine
     from service.engine.engine import EngineConfig, LLMEngine
 
     device = pick_device(settings.device)
@@ -61,9 +86,9 @@ def build_state(settings: Settings) -> ServingState:
     engine = LLMEngine(loaded.model, loaded.tokenizer, config, observer=metrics)
     cfg, name = loaded.model.cfg, dtype_name(dtype)
     # this machine's floors for the model, measured once (small buffers: ~0.5 s)
-    bandwidth = memory_bandwidth(device, mib=256)
-    flops = matmul_throughput(dtype, device, n=1024)
-    floors = plan(cfg, name, 0, 1, bandwidth, flops)
+    floors = plan(
+        cfg, name, 0, 1, memory_bandwidth(device, mib=256), matmul_throughput(dtype, device, n=1024)
+    )
     report = audit(cfg, name, kv_pool_bytes=engine.kv_cache.nbytes).as_dict()
     report |= {
         "device": str(device),
@@ -72,24 +97,20 @@ def build_state(settings: Settings) -> ServingState:
         "kv_pool_sequences_of_max_len": report["kv_pool_tokens"] // engine.max_model_len,
         "floors": {k: floors[k] for k in FLOOR_KEYS},
     }
-    async_engine = AsyncEngine(engine, stuck_after_s=settings.stuck_after)
-    info = {
-        "dtype": dtype_name(dtype),
-        "device": device.type,
-        "block_size": str(settings.block_size),
-        "max_model_len": str(engine.max_model_len),
-    }
-    metrics.attach_engine(async_engine.snapshot, async_engine.stats, info, _cuda_memory(device))
-    async_engine.start()
-    return ServingState(
-        settings=settings,
-        engine=async_engine,
+    built.update(
+        metrics=metrics,
         tokenizer=loaded.tokenizer,
         model_id=model_id,
-        template=ChatTemplate.for_model(settings.model),
         audit=report,
-        metrics=metrics,
+        device_memory=_cuda_memory(device),
+        info={
+            "dtype": name,
+            "device": device.type,
+            "block_size": str(settings.block_size),
+            "max_model_len": str(engine.max_model_len),
+        },
     )
+    return engine
 
 
 def _cuda_memory(device: Any) -> Callable[[], tuple[int, int] | None]:

@@ -14,7 +14,7 @@ MODEL = small_model()
 
 @pytest.fixture
 def engine():
-    eng = AsyncEngine(make_engine(MODEL))
+    eng = AsyncEngine(lambda: make_engine(MODEL))
     eng.start()
     yield eng
     eng.shutdown()
@@ -77,12 +77,16 @@ def test_invalid_request_fails_alone(engine: AsyncEngine) -> None:
 
 
 def test_dead_loop_reports_unhealthy() -> None:
-    eng = AsyncEngine(make_engine(MODEL))
+    def build():
+        engine = make_engine(MODEL)
 
-    def boom() -> list:
-        raise RuntimeError("simulated engine fault")
+        def boom() -> list:
+            raise RuntimeError("simulated engine fault")
 
-    eng.engine.step = boom  # the loop itself dies at its next step
+        engine.step = boom  # the loop itself dies at its next step
+        return engine
+
+    eng = AsyncEngine(build)
     eng.start()
 
     async def main() -> None:
@@ -92,3 +96,13 @@ def test_dead_loop_reports_unhealthy() -> None:
     asyncio.run(main())
     assert not eng.healthy() and isinstance(eng.error, RuntimeError)
     eng.shutdown()
+
+
+def test_build_failure_is_raised_by_start() -> None:
+    def build():
+        raise ValueError("cannot load this model")
+
+    eng = AsyncEngine(build)
+    with pytest.raises(ValueError, match="cannot load"):
+        eng.start()
+    assert not eng.alive
