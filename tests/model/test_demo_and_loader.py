@@ -10,6 +10,7 @@ from model.generate import generate
 from model.loader import load
 from model.tokenizer import TokenizerError
 from tests.model.hf_checkpoints import write_llama
+from tests.model.test_config import LLAMA_HF
 
 
 def test_demo_model_is_deterministic_and_fast() -> None:
@@ -81,17 +82,7 @@ def test_cli_plan(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert report["kv_tokens"] == room // kv_bytes_per_token(cfg, "float32")
     assert report["sequences_of_seq_len"] == report["kv_tokens"] // 1000
     # a Llama-3-70B-class config.json: 327,680 KV bytes per token in fp16, and it does not fit 24 GiB
-    hf = {
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": 128256,
-        "hidden_size": 8192,
-        "intermediate_size": 28672,
-        "num_hidden_layers": 80,
-        "num_attention_heads": 64,
-        "num_key_value_heads": 8,
-        "rope_theta": 500000.0,
-        "max_position_embeddings": 8192,
-    }
+    hf = {**LLAMA_HF, "max_position_embeddings": 8192}
     (tmp_path / "config.json").write_text(json.dumps(hf))
     assert (
         main(
