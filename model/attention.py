@@ -46,16 +46,28 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.n_kv, self.d_head = cfg.kv_heads, cfg.head_dim
-        shape = (2, cfg.n_layers, num_blocks, cfg.kv_heads, block_size * cfg.head_dim)
+        # one more block than asked: the null block, always zero and never handed out,
+        # pads block tables so padding never reads another request's K/V
+        shape = (2, cfg.n_layers, num_blocks + 1, cfg.kv_heads, block_size * cfg.head_dim)
         self.data = torch.zeros(shape, dtype=dtype, device=device)
 
+    @property
+    def null_block(self) -> int:
+        return self.num_blocks
+
     def layer(self, i: int) -> tuple[Tensor, Tensor]:
-        nb, kv, bs, d = self.num_blocks, self.n_kv, self.block_size, self.d_head
+        nb, kv, bs, d = self.num_blocks + 1, self.n_kv, self.block_size, self.d_head
         return self.data[0, i].view(nb, kv, d, bs), self.data[1, i].view(nb, kv, bs, d)
 
     @property
+    def block_nbytes(self) -> int:
+        """K and V of one block across all layers."""
+        return self.data[:, :, 0].numel() * self.data.element_size()
+
+    @property
     def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
+        """The pool that requests can use (the null block not counted)."""
+        return self.num_blocks * self.block_nbytes
 
 
 @dataclass(slots=True)
@@ -103,9 +115,11 @@ class AttentionMetadata:
         query_lens: Sequence[int],
         block_size: int,
         device: torch.device | str = "cpu",
+        pad_block: int = 0,
     ) -> AttentionMetadata:
         """A batch over the paged cache: sequence b already has cached_lens[b] tokens and
-        adds query_lens[b] new ones; its block table must cover the new total."""
+        adds query_lens[b] new ones; its block table must cover the new total. Shorter
+        tables are padded with `pad_block` (PagedKVCache.null_block when serving)."""
         meta = cls._build(cached_lens, query_lens, device)
         slots: list[int] = []
         for table, start, n in zip(block_tables, cached_lens, query_lens, strict=True):
@@ -118,7 +132,7 @@ class AttentionMetadata:
                 for p in range(start, start + n)
             )
         width = max(len(t) for t in block_tables)
-        padded = [list(t) + [0] * (width - len(t)) for t in block_tables]
+        padded = [list(t) + [pad_block] * (width - len(t)) for t in block_tables]
         meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
         meta.slot_blocks = meta.slot_mapping // block_size
         meta.slot_offsets = meta.slot_mapping % block_size

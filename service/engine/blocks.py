@@ -151,6 +151,18 @@ class BlockManager:
         request.block_table = []
         self._registered.pop(request.request_id, None)
 
+    def uncache_owned(self, request: Request) -> list[int]:
+        """Drop the prefix-cache entries of the blocks only this request holds, and
+        return them (for a request whose K/V cannot be trusted, e.g. non-finite values).
+        Blocks shared with other requests are left alone."""
+        owned = [b for b in request.block_table if self.ref_count[b] == 1]
+        for block in owned:
+            h = self.block_hash[block]
+            if h is not None and self.cached.get(h) == block:
+                del self.cached[h]
+            self.block_hash[block] = None
+        return owned
+
     def forget(self, request: Request) -> None:
         """Drop the per-request hash memo once the request is gone for good."""
         self._hashes.pop(request.request_id, None)

@@ -19,6 +19,7 @@ from service.engine.blocks import BlockManager
 from service.engine.output import RequestOutput, TextState, make_output
 from service.engine.request import FinishReason, ParamError, Request, SamplingParams, Status
 from service.engine.runner import ModelRunner
+from service.engine.sampler import NON_FINITE
 from service.engine.scheduler import Scheduler, SchedulerOutput
 
 GiB = 1 << 30
@@ -114,7 +115,7 @@ class LLMEngine:
 
     @property
     def block_bytes(self) -> int:
-        return self.kv_cache.nbytes // self.blocks.num_blocks
+        return self.kv_cache.block_nbytes
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
@@ -211,6 +212,12 @@ class LLMEngine:
                 continue
             token, lp = tokens[k], logprobs[k]
             k += 1
+            if token == NON_FINITE:  # this request alone fails; its K/V are not kept
+                self.runner.clear_blocks(self.blocks.uncache_owned(request))
+                message = "generation failed: the model produced non-finite logits (NaN or inf)"
+                self._finish(request, FinishReason.ERROR, message)
+                outputs.append(self._emit(request, [], []))
+                continue
             request.output_ids.append(token)
             self.stats.generation_tokens += 1
             if request.first_token_time is None:

@@ -35,6 +35,12 @@ class ModelRunner:
             self.generators[request_id] = gen
         return gen
 
+    def clear_blocks(self, blocks: list[int]) -> None:
+        """Zero these blocks' K and V in every layer."""
+        if blocks:
+            index = torch.tensor(blocks, dtype=torch.long, device=self.device)
+            self.kv_cache.data.index_fill_(2, index, 0)
+
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
 
@@ -55,6 +61,7 @@ class ModelRunner:
             [s.num_new for s in batch.seqs],
             self.block_size,
             self.device,
+            pad_block=self.kv_cache.null_block,
         )
         if not logit_rows:
             self.model(self._to_device(tokens), meta, self.kv_cache, self._to_device([0]))

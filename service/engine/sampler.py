@@ -56,7 +56,9 @@ class Sampler:
             for p in params
         )
         if simple:  # argmax needs no fp32 copy of the logits
-            return SampleResult(logits.max(dim=-1).indices.tolist(), [None] * len(requests))
+            best = logits.max(dim=-1)
+            tokens = _flag_non_finite(best.indices, best.values)
+            return SampleResult(tokens, [None] * len(requests))
         logits = logits.float()
         raw = logits
         if any(p.logit_bias for p in params):
@@ -70,7 +72,7 @@ class Sampler:
             sampled = self._draw(logits, requests, generators)
             greedy = torch.tensor([p.greedy for p in params], device=logits.device)
             tokens = torch.where(greedy, tokens, sampled)
-        token_list = tokens.tolist()
+        token_list = _flag_non_finite(tokens, raw.max(dim=-1).values)
         return SampleResult(token_list, self._logprobs(raw, requests, token_list))
 
     def _apply_bias(self, logits: Tensor, requests: Sequence[Request]) -> Tensor:
@@ -146,7 +148,9 @@ class Sampler:
     def _logprobs(
         self, raw: Tensor, requests: Sequence[Request], tokens: list[int]
     ) -> list[TokenLogprobs | None]:
-        rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+        rows = [
+            i for i, r in enumerate(requests) if r.params.logprobs is not None and tokens[i] >= 0
+        ]
         result: list[TokenLogprobs | None] = [None] * len(requests)
         if not rows:
             return result
@@ -161,6 +165,18 @@ class Sampler:
             top = list(zip(ids_l[j][:n], vals_l[j][:n], strict=True))
             result[i] = TokenLogprobs(tokens[i], chosen_l[j], top)
         return result
+
+
+NON_FINITE = -1  # the token of a row whose logits were not all finite
+
+
+def _flag_non_finite(tokens: Tensor, row_max: Tensor) -> list[int]:
+    """A NaN or +inf anywhere in a row shows in its max (NaN propagates through max):
+    such rows get NON_FINITE instead of a token, so the engine fails just them."""
+    finite = torch.isfinite(row_max)
+    if bool(finite.all()):
+        return tokens.tolist()
+    return torch.where(finite, tokens, torch.full_like(tokens, NON_FINITE)).tolist()
 
 
 def _top_p(probs: Tensor, top_p: Tensor) -> Tensor:

@@ -221,3 +221,30 @@ def test_sampled_id_the_tokenizer_does_not_define() -> None:
     assert tokens_of(out) == [100256] * 4 and "".join(o.text for o in out) == ""
     assert out[-1].finish_reason.value == "length"
     assert tokens_of(run_all(engine, {"v": ([791], greedy(3))})["v"])  # still serving
+
+
+def test_non_finite_logits_fail_that_request_alone() -> None:
+    """A NaN in the model's path for one request fails it with an error; the others in
+    the same batch get exactly their clean outputs, and its blocks leave nothing behind.
+    (Untied head: a NaN embedding row then touches only sequences containing that token.)"""
+    model = small_model(tie_embeddings=False)
+    requests = {k: v for k, v in mixed_requests(8, seed=7).items() if 13 not in v[0]}
+    clean = {
+        rid: list(generate(model, p, params.max_tokens)) for rid, (p, params) in requests.items()
+    }
+    with torch.no_grad():
+        model.embed.weight[13] = float("nan")
+    requests["bad"] = ([5, 13, 7, 9] * 5, greedy(10))
+    engine = make_engine(model)
+    outputs = run_all(engine, requests)
+    bad = outputs["bad"][-1]
+    assert bad.finished and bad.finish_reason.value == "error" and "non-finite" in bad.error
+    assert {rid: tokens_of(outputs[rid]) for rid in clean} == clean
+    assert engine.blocks.num_used == 0
+    assert torch.isfinite(engine.kv_cache.data).all()  # its blocks were cleared
+    assert engine.stats.finished["error"] == 1
+    # and the engine serves the clean prompts again, identically
+    again = run_all(
+        engine, {rid + "-again": spec for rid, spec in requests.items() if rid != "bad"}
+    )
+    assert {rid.removesuffix("-again"): tokens_of(o) for rid, o in again.items()} == clean
