@@ -151,10 +151,19 @@ def plan(
         "sequences_of_seq_len": tokens // seq_len,
         "fits": weights < memory_bytes,
     }
+    return report | floors(cfg, dtype, bandwidth, matmul_flops)
+
+
+def floors(
+    cfg: ModelConfig, dtype: str, bandwidth: float | None, matmul_flops: float | None
+) -> dict[str, float]:
+    """The physical limits on a machine: decode reads every weight once per step, prefill
+    does 2 x parameters FLOPs per token."""
+    out: dict[str, float] = {}
     if bandwidth:
-        report["bandwidth_gb_s"] = bandwidth / 1e9
-        report["decode_floor_ms_per_token"] = 1000 * weights / bandwidth
+        out["bandwidth_gb_s"] = bandwidth / 1e9
+        out["decode_floor_ms_per_token"] = 1000 * weight_bytes(cfg, dtype) / bandwidth
     if matmul_flops:
-        report["matmul_tflops"] = matmul_flops / 1e12
-        report["prefill_ceiling_tokens_per_s"] = matmul_flops / (2 * count_params(cfg).total)
-    return report
+        out["matmul_tflops"] = matmul_flops / 1e12
+        out["prefill_ceiling_tokens_per_s"] = matmul_flops / (2 * count_params(cfg).total)
+    return out

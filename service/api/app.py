@@ -20,19 +20,11 @@ from service.api import chat, completions
 from service.api.metrics import Metrics
 from service.api.middleware import BodyLimit, Gate, count_rejection
 from service.api.protocol import APIError, DetokenizeRequest, TokenizeRequest
-from service.api.serving import GenerationFailed, ServingState
+from service.api.serving import GenerationFailed, ServingState, encode_messages
 from service.config import Settings
 
 log = logging.getLogger("kvserve.api")
 STATIC = Path(__file__).with_name("static")
-
-
-FLOOR_KEYS = (
-    "bandwidth_gb_s",
-    "decode_floor_ms_per_token",
-    "matmul_tflops",
-    "prefill_ceiling_tokens_per_s",
-)
 
 
 def build_state(settings: Settings) -> ServingState:
@@ -64,7 +56,7 @@ def build_state(settings: Settings) -> ServingState:
 def _build_engine(settings: Settings, built: dict[str, Any]) -> Any:
     """Runs in the engine thread: load the model, size the KV pool, measure this
     machine's floors; what the API needs besides the engine goes into `built`."""
-    from model.audit import audit, plan
+    from model.audit import audit, floors
     from model.device import dtype_name, pick_device, pick_dtype
     from model.hardware import matmul_throughput, memory_bandwidth
     from model.loader import load
@@ -86,8 +78,8 @@ def _build_engine(settings: Settings, built: dict[str, Any]) -> Any:
     engine = LLMEngine(loaded.model, loaded.tokenizer, config, observer=metrics)
     cfg, name = loaded.model.cfg, dtype_name(dtype)
     # this machine's floors for the model, measured once (small buffers: ~0.5 s)
-    floors = plan(
-        cfg, name, 0, 1, memory_bandwidth(device, mib=256), matmul_throughput(dtype, device, n=1024)
+    limits = floors(
+        cfg, name, memory_bandwidth(device, mib=256), matmul_throughput(dtype, device, n=1024)
     )
     report = audit(cfg, name, kv_pool_bytes=engine.kv_cache.nbytes).as_dict()
     report |= {
@@ -95,7 +87,7 @@ def _build_engine(settings: Settings, built: dict[str, Any]) -> Any:
         "block_size": settings.block_size,
         "kv_blocks": engine.blocks.num_blocks,
         "kv_pool_sequences_of_max_len": report["kv_pool_tokens"] // engine.max_model_len,
-        "floors": {k: floors[k] for k in FLOOR_KEYS},
+        "floors": limits,
     }
     built.update(
         metrics=metrics,
@@ -274,8 +266,7 @@ def _install_routes(app: FastAPI) -> None:
                 req.prompt, add_bos=None if req.add_special_tokens else False
             )
         else:
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages or []]
-            tokens = state.tokenizer.encode(state.template.render(messages), add_bos=False)
+            tokens = encode_messages(state, req.messages or [], add_generation_prompt=True)
         return JSONResponse(
             {"tokens": tokens, "count": len(tokens), "max_model_len": state.max_model_len}
         )

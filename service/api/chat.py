@@ -10,7 +10,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from service.api.chat_template import ChatTemplateError
 from service.api.protocol import APIError, ChatCompletionRequest
 from service.api.serving import (
     SSE_DONE,
@@ -18,6 +17,7 @@ from service.api.serving import (
     ServingState,
     check_stream_options,
     collect,
+    encode_messages,
     generate,
     new_id,
     raise_if_failed,
@@ -31,19 +31,6 @@ from service.api.serving import (
 from service.engine.sampler import TokenLogprobs
 
 router = APIRouter()
-
-
-def render_prompt(state: ServingState, req: ChatCompletionRequest) -> list[int]:
-    messages = [
-        {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-        for m in req.messages
-    ]
-    try:
-        text = state.template.render(messages, add_generation_prompt=req.add_generation_prompt)
-    except ChatTemplateError as exc:
-        raise APIError(400, str(exc), param="messages") from None
-    # the template writes any BOS itself; special tokens in it are real special tokens
-    return state.tokenizer.encode(text, add_bos=False)
 
 
 def _entry(state: ServingState, token_id: int, logprob: float) -> dict[str, Any]:
@@ -76,7 +63,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
     include_usage = check_stream_options(req)
-    prompt = render_prompt(state, req)
+    prompt = encode_messages(state, req.messages, req.add_generation_prompt)
     max_tokens = (
         req.max_completion_tokens or req.max_tokens or max(1, state.max_model_len - len(prompt))
     )

@@ -141,8 +141,8 @@ async def _stream(
     try:
         if req.echo:
             for i, ids in enumerate(prompts):
+                text = state.tokenizer.decode(ids)
                 for j in range(req.n):
-                    text = state.tokenizer.decode(ids)
                     offsets[i * req.n + j] = len(text)
                     yield sse(
                         {

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 
 from model.tokenizer import Tokenizer
-from service.api.chat_template import ChatTemplate
+from service.api.chat_template import ChatTemplate, ChatTemplateError
 from service.api.metrics import Metrics
 from service.api.protocol import APIError, SamplingFields
 from service.config import Settings
@@ -119,18 +119,38 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None) 
             skip_special_tokens=req.skip_special_tokens,
         )
     except ParamError as exc:
-        raise APIError(400, str(exc), param=exc.param) from None
+        raise bad_request(exc) from None
+
+
+def bad_request(exc: ParamError) -> APIError:
+    """The engine's parameter errors as 400s naming the parameter."""
+    if isinstance(exc, ContextLengthError):
+        message = str(exc).split(": ", 1)[-1]  # the message states the limit and counts
+        return APIError(400, message, param=exc.param, code="context_length_exceeded")
+    return APIError(400, str(exc), param=exc.param)
 
 
 def validate_prompt(state: ServingState, prompt_ids: list[int], params: SamplingParams) -> None:
     try:
         state.engine.validate(prompt_ids, params)
-    except ContextLengthError as exc:
-        raise APIError(
-            400, str(exc).split(": ", 1)[-1], param=exc.param, code="context_length_exceeded"
-        ) from None
     except ParamError as exc:
-        raise APIError(400, str(exc), param=exc.param) from None
+        raise bad_request(exc) from None
+
+
+def encode_messages(
+    state: ServingState, messages: list[Any], add_generation_prompt: bool
+) -> list[int]:
+    """Chat messages rendered with the model's template, as token ids."""
+    rendered = [
+        {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+        for m in messages
+    ]
+    try:
+        text = state.template.render(rendered, add_generation_prompt=add_generation_prompt)
+    except ChatTemplateError as exc:
+        raise APIError(400, str(exc), param="messages") from None
+    # the template writes any BOS itself; special tokens in it are real special tokens
+    return state.tokenizer.encode(text, add_bos=False)
 
 
 def check_stream_options(req: SamplingFields) -> bool:
@@ -178,10 +198,8 @@ async def generate(
             yield outs
     except EngineDeadError as exc:
         raise APIError(503, f"The engine stopped: {exc}") from None
-    except ContextLengthError as exc:
-        raise APIError(400, str(exc), param=exc.param, code="context_length_exceeded") from None
     except ParamError as exc:
-        raise APIError(400, str(exc), param=exc.param) from None
+        raise bad_request(exc) from None
 
 
 def raise_if_failed(choices: list[Choice]) -> None:

@@ -129,7 +129,6 @@ class AsyncEngine:
         Leaving the iterator early (client gone, cancelled) aborts the request."""
         if not self.alive:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
-        self.validate(prompt_ids, params)  # reads only fixed limits: thread-safe
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), [])
         self._send(("add", request_id, prompt_ids, params, stream))
         remaining = params.n

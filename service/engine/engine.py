@@ -215,8 +215,7 @@ class LLMEngine:
             if token == NON_FINITE:  # this request alone fails; its K/V are not kept
                 self.runner.clear_blocks(self.blocks.uncache_owned(request))
                 message = "generation failed: the model produced non-finite logits (NaN or inf)"
-                self._finish(request, FinishReason.ERROR, message)
-                outputs.append(self._emit(request, [], []))
+                outputs.append(self._fail(request, message))
                 continue
             request.output_ids.append(token)
             self.stats.generation_tokens += 1
@@ -265,8 +264,8 @@ class LLMEngine:
 
     def _fail_batch(self, batch: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         message = f"generation failed: {type(exc).__name__}: {exc}"
-        outputs = []
-        for seq in batch.seqs:
-            self._finish(seq.request, FinishReason.ERROR, message)
-            outputs.append(self._emit(seq.request, [], []))
-        return outputs
+        return [self._fail(seq.request, message) for seq in batch.seqs]
+
+    def _fail(self, request: Request, message: str) -> RequestOutput:
+        self._finish(request, FinishReason.ERROR, message)
+        return self._emit(request, [], [])

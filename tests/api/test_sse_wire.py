@@ -95,3 +95,19 @@ def test_streamed_logprobs_cover_every_token(server: Server) -> None:
         if c["choices"] and c["choices"][0]["logprobs"]
     )
     assert entries == chunks[-1]["usage"]["completion_tokens"] == 25
+
+
+def test_tokenize_matches_what_generation_uses(server: Server) -> None:
+    messages = [{"role": "user", "content": "Hi"}]
+    with server.client() as c:
+        tok = c.post("/tokenize", json={"prompt": "The quick brown fox"}).json()
+        assert tok["tokens"] == [791, 4062, 14198, 39935] and tok["count"] == 4
+        assert (
+            c.post("/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"]
+            == "The quick brown fox"
+        )
+        chat_ids = c.post("/tokenize", json={"messages": messages}).json()
+        chat = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).json()
+        assert chat_ids["count"] == chat["usage"]["prompt_tokens"]
+        both = c.post("/tokenize", json={"prompt": "x", "messages": messages})
+        assert both.status_code == 400 and both.json()["error"]["param"] == "prompt"
