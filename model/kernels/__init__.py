@@ -22,7 +22,10 @@ import torch
 log = logging.getLogger("kvserve.kernels")
 
 HERE = Path(__file__).parent
-BASE_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC"]
+BASE_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC"]
+# Linked in a separate step without the math flags: linking with -ffast-math would add
+# crtfastmath.o, whose constructor sets flush-to-zero for the whole process on load.
+LINK_FLAGS = ["-shared", "-fopenmp"]
 # The decode kernel uses no infinities or NaNs (its running max starts at -1e30), so
 # -ffast-math may vectorize its reductions and call glibc's vector expf.
 DECODE_FLAGS = [*BASE_FLAGS, "-ffast-math"]
@@ -51,21 +54,21 @@ def _build(source: str, flags: tuple[str, ...], tag: str) -> ctypes.CDLL | None:
         log.warning("no C compiler found: %s runs as torch ops", source)
         return None
     path = HERE / source
-    digest = hashlib.sha256(path.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    recipe = " ".join([*flags, "|", *LINK_FLAGS]).encode()
+    digest = hashlib.sha256(path.read_bytes() + recipe).hexdigest()[:16]
     target = _cache_dir() / f"{path.stem}-{tag}-{digest}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            out = Path(tmp) / target.name
-            proc = subprocess.run(
-                [compiler, *flags, str(path), "-o", str(out), "-lm"],
-                capture_output=True,
-                text=True,
-                check=False,
-            )
-            if proc.returncode != 0:
-                log.warning("building %s failed, using torch ops:\n%s", source, proc.stderr)
-                return None
+            obj, out = Path(tmp) / f"{path.stem}.o", Path(tmp) / target.name
+            for cmd in (
+                [compiler, *flags, "-c", str(path), "-o", str(obj)],
+                [compiler, *LINK_FLAGS, str(obj), "-o", str(out), "-lm"],
+            ):
+                proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+                if proc.returncode != 0:
+                    log.warning("building %s failed, using torch ops:\n%s", source, proc.stderr)
+                    return None
             os.replace(out, target)
     return ctypes.CDLL(str(target))
 

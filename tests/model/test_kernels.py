@@ -2,6 +2,8 @@
 
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -55,3 +57,17 @@ def test_kernel_matches_torch(dtype, heads, kv_heads, d, bs, alibi) -> None:
     got = paged_decode(q, k_cache, v_cache, tables, lens, d**-0.5, slopes)
     want = reference(q, k_cache, v_cache, tables, lens, d**-0.5, slopes)
     assert (got - want).abs().max().item() < 1e-5
+
+
+def test_loading_the_kernels_keeps_subnormal_floats() -> None:
+    """A library linked with -ffast-math would set flush-to-zero for the whole process
+    (crtfastmath.o); our kernels must not change how the rest of kvserve computes."""
+    code = (
+        "import torch\n"
+        "from model.kernels import _fused, _library\n"
+        "assert _library(64, 16, 3) is not None and _fused() is not None\n"
+        "tiny = torch.tensor([1e-40], dtype=torch.float32)\n"
+        "print(5e-324 * 1.0 > 0, bool((tiny * 1.0 > 0).all()))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "True"]
