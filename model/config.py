@@ -10,6 +10,7 @@ in both its 4.x (`torch_dtype`, `rope_theta`, `rope_scaling`) and 5.x (`dtype`,
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,6 +117,13 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.d_head if self.d_head is not None else self.d_model // self.n_heads
 
+    def describe(self, *fields: str) -> str:
+        """`fields` with their values, under the names config.json uses for this
+        architecture ("num_attention_heads=8, head_dim=64"), for error messages."""
+        names = _NAMES_BY_ARCH.get(self.architecture, {})
+        values = {"n_kv_heads": self.kv_heads, "d_head": self.head_dim}
+        return ", ".join(f"{names.get(f, f)}={values.get(f, getattr(self, f))}" for f in fields)
+
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
@@ -145,7 +153,11 @@ class ModelConfig:
         if reader is None:
             supported = ", ".join(sorted(k for k in _HF_READERS if k[0].isupper()))
             raise ValueError(f"unknown architecture {arch!r}; supported: {supported}")
-        return reader(hf)
+        try:
+            return reader(hf)
+        except ValueError as exc:  # say it in config.json's words, not ModelConfig's
+            names = _HF_NAMES[reader]
+            raise ValueError(_FIELD.sub(lambda m: names.get(m[0], m[0]), str(exc))) from None
 
 
 def _choice(name: str, value: str, options: tuple[str, ...]) -> None:
@@ -155,7 +167,7 @@ def _choice(name: str, value: str, options: tuple[str, ...]) -> None:
 
 def _require(hf: dict[str, Any], key: str) -> Any:
     if key not in hf or hf[key] is None:
-        raise ValueError(f"config.json: missing field {key!r}")
+        raise ValueError(f"missing field {key!r}")
     return hf[key]
 
 
@@ -181,7 +193,7 @@ def _hf_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     if kind in (None, "default"):
         return theta, None
     if kind != "llama3":
-        raise ValueError(f"config.json: rope scaling type {kind!r} is not supported (llama3 is)")
+        raise ValueError(f"rope_scaling: type {kind!r} is not supported (llama3 is)")
     return theta, RopeScaling(
         factor=float(scaling["factor"]),
         low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
@@ -193,7 +205,7 @@ def _hf_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
 def _read_llama_like(hf: dict[str, Any], *, qkv_bias_default: bool) -> ModelConfig:
     act = hf.get("hidden_act", "silu")
     if act != "silu":
-        raise ValueError(f"config.json: hidden_act {act!r} is not supported for gated MLPs")
+        raise ValueError(f"hidden_act {act!r} is not supported for gated MLPs")
     theta, scaling = _hf_rope(hf)
     attention_bias = bool(hf.get("attention_bias", qkv_bias_default))
     return ModelConfig(
@@ -236,7 +248,7 @@ def _read_qwen2(hf: dict[str, Any]) -> ModelConfig:
 def _read_gpt2(hf: dict[str, Any]) -> ModelConfig:
     act = hf.get("activation_function", "gelu_new")
     if act not in _HF_ACTIVATIONS:
-        raise ValueError(f"config.json: activation_function {act!r} is not supported")
+        raise ValueError(f"activation_function {act!r} is not supported")
     d_model = int(_require(hf, "n_embd"))
     return ModelConfig(
         vocab_size=int(_require(hf, "vocab_size")),
@@ -260,6 +272,37 @@ def _read_gpt2(hf: dict[str, Any]) -> ModelConfig:
         eos_token_ids=_eos_ids(hf.get("eos_token_id")),
     )
 
+
+# ModelConfig field -> the config.json key it was read from, for error messages
+_LLAMA_NAMES = {
+    "d_model": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "d_head": "head_dim",
+    "d_ff": "intermediate_size",
+    "max_position": "max_position_embeddings",
+    "norm_eps": "rms_norm_eps",
+    "eos_token_ids": "eos_token_id",
+}
+_GPT2_NAMES = {
+    "d_model": "n_embd",
+    "n_layers": "n_layer",
+    "n_heads": "n_head",
+    "d_ff": "n_inner",
+    "max_position": "n_positions",
+    "norm_eps": "layer_norm_epsilon",
+    "eos_token_ids": "eos_token_id",
+}
+_HF_NAMES = {_read_llama: _LLAMA_NAMES, _read_qwen2: _LLAMA_NAMES, _read_gpt2: _GPT2_NAMES}
+_NAMES_BY_ARCH = {
+    "LlamaForCausalLM": _LLAMA_NAMES,
+    "Qwen2ForCausalLM": _LLAMA_NAMES,
+    "GPT2LMHeadModel": _GPT2_NAMES,
+}
+_FIELD = re.compile(
+    r"\b(" + "|".join(sorted(_LLAMA_NAMES | _GPT2_NAMES, key=len, reverse=True)) + r")\b"
+)
 
 _HF_READERS = {
     "LlamaForCausalLM": _read_llama,

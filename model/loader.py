@@ -10,7 +10,7 @@ import torch
 from model.demo import DEMO_MODEL_ID, build_demo_model
 from model.tokenizer import Tokenizer, TokenizerError
 from model.transformer import Transformer
-from model.weights import CheckpointError, load_model
+from model.weights import NATIVE_CONFIG, CheckpointError, load_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
@@ -22,8 +22,10 @@ class LoadedModel:
     model_id: str
 
 
-def _has_tokenizer(root: Path) -> bool:
-    return any((root / f).exists() for f in TOKENIZER_FILES) or any(root.glob("*.tiktoken"))
+def _tokenizer_file(root: Path) -> Path | None:
+    """The file Tokenizer.from_dir reads, if the directory has one."""
+    found = [root / f for f in TOKENIZER_FILES if (root / f).exists()]
+    return (found or sorted(root.glob("*.tiktoken")) or [None])[0]
 
 
 def load(model_path: str | Path | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
@@ -31,13 +33,15 @@ def load(model_path: str | Path | None, dtype: torch.dtype, device: torch.device
         return LoadedModel(build_demo_model(dtype, device), Tokenizer.default(), DEMO_MODEL_ID)
     root = Path(model_path)
     model = load_model(root, dtype=dtype, device=device)
-    tokenizer = Tokenizer.from_dir(root) if _has_tokenizer(root) else Tokenizer.default()
+    source = _tokenizer_file(root)
+    tokenizer = Tokenizer.from_dir(root) if source else Tokenizer.default()
     vocab = model.cfg.vocab_size
     if tokenizer.vocab_size > vocab:
-        source = "its tokenizer" if _has_tokenizer(root) else "the default cl100k_base tokenizer"
+        config = NATIVE_CONFIG if (root / NATIVE_CONFIG).exists() else "config.json"
+        where = source or f"{root} (no tokenizer file: the default cl100k_base)"
         raise TokenizerError(
-            f"{root}: {source} has {tokenizer.vocab_size} tokens but the model's vocab_size "
-            f"is {vocab}"
+            f"{where}: the tokenizer has {tokenizer.vocab_size} tokens but {config} "
+            f"vocab_size is {vocab}"
         )
     if not tokenizer.eos_ids and model.cfg.eos_token_ids:
         tokenizer.eos_ids = model.cfg.eos_token_ids

@@ -202,8 +202,29 @@ class _Reader:
             raise CheckpointError(f"{path}: cannot read tensor {name!r} ({exc})") from None
 
 
+# the config fields that set a parameter's shape, by a piece of its name
+_SHAPE_FIELDS = (
+    ("wqkv", ("n_heads", "n_kv_heads", "d_head", "d_model")),
+    ("wo", ("n_heads", "d_head", "d_model")),
+    ("ffn", ("d_ff", "d_model")),
+    ("embed", ("vocab_size", "d_model")),
+    ("lm_head", ("vocab_size", "d_model")),
+    ("pos_embed", ("max_position", "d_model")),
+)
+
+
+def _shape_fields(cfg: ModelConfig, name: str) -> str:
+    fields = next((f for key, f in _SHAPE_FIELDS if key in name), ("d_model",))
+    return cfg.describe(*fields)
+
+
 def _fill(
-    target: torch.Tensor, rows: list[int], sources: list[str], reader: _Reader, transpose: bool
+    target: torch.Tensor,
+    rows: list[int],
+    sources: list[str],
+    reader: _Reader,
+    transpose: bool,
+    hint: str,
 ) -> None:
     """Copy the checkpoint tensors `sources` into consecutive row ranges of `target`."""
     start = 0
@@ -216,7 +237,8 @@ def _fill(
             stored = tuple(part.t().shape) if transpose else tuple(part.shape)
             want = expected[::-1] if transpose else expected
             raise CheckpointError(
-                f"{reader.files[src]}: tensor {src!r} has shape {stored}, expected {want}"
+                f"{reader.files[src]}: tensor {src!r} has shape {stored}, expected {want} "
+                f"from config.json ({hint})"
             )
         target[start : start + n].copy_(part)
         start += n
@@ -264,7 +286,8 @@ def load_model(
             target = torch.empty(param.shape, dtype=dtype, device=device)
             transpose = table is not None and key in table.transposed
             rows = _part_rows(cfg, name, len(sources), target.shape[0])
-            _fill(target, rows, [s for s in sources if s is not None], reader, transpose)
+            hint = _shape_fields(cfg, name)
+            _fill(target, rows, [s for s in sources if s is not None], reader, transpose, hint)
             _set_param(model, name, target)
     model.rebuild_tables(device)
     return model.eval()

@@ -77,10 +77,15 @@ def kv_block_budget(model: Transformer, config: EngineConfig) -> int:
         free, _ = torch.cuda.mem_get_info(model.device)
         budget = int(free * config.gpu_memory_fraction)
     blocks = budget // per_block
-    if blocks < 1:
+    max_len = min(config.max_model_len or model.cfg.max_position, model.cfg.max_position)
+    need = -(-max_len // config.block_size)
+    if blocks < need:
+        gpu = model.device.type == "cuda" and config.gpu_memory_fraction is not None
+        source = "gpu_memory_fraction" if gpu else "kv_cache_gib"
         raise ValueError(
-            f"KV cache budget of {budget} bytes holds no block of {per_block} bytes "
-            f"({config.block_size} tokens)"
+            f"{source}: a KV cache budget of {budget} bytes holds {blocks * config.block_size} "
+            f"tokens, fewer than one sequence of max_model_len {max_len} "
+            f"({need * per_block} bytes); raise {source} or lower max_model_len"
         )
     return blocks
 

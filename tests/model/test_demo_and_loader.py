@@ -30,7 +30,7 @@ def test_demo_model_is_deterministic_and_fast() -> None:
 
 def test_tokenizer_larger_than_vocab_is_refused(tmp_path: Path) -> None:
     write_llama(tmp_path, tied=True)  # vocab 384, no tokenizer files: default cl100k
-    with pytest.raises(TokenizerError, match="100277 tokens but the model's vocab_size is 384"):
+    with pytest.raises(TokenizerError, match="100277 tokens but config.json vocab_size is 384"):
         load(tmp_path, torch.float32, torch.device("cpu"))
 
 
