@@ -169,9 +169,8 @@ class AsyncEngine:
                     self._wake.clear()
                     self.last_progress = time.monotonic()
                     continue
-                outputs = self.engine.step()
+                self._dispatch(self.engine.step())  # no local keeps the last outputs alive
                 self.last_progress = time.monotonic()
-                self._dispatch(outputs)
         except BaseException as exc:  # the loop itself died: fail everyone, report unhealthy
             log.exception("engine loop died")
             self.error = exc
