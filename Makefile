@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test test-fast lint clean
+.PHONY: serve test test-fast reliability lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,11 @@ $(SYSDEPS): $(STAMP)
 
 test: $(STAMP) $(SYSDEPS)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The reliability scenarios alone, rewriting their table in tests/RELIABILITY.md
+# (KVSERVE_SOAK_SECONDS=600 for a longer soak).
+reliability: $(STAMP) $(SYSDEPS)
+	KVSERVE_RELIABILITY_REPORT=tests/RELIABILITY.md $(PY) -m pytest -q tests/reliability $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)

@@ -60,13 +60,21 @@ def _tail(path: str) -> str:
         return f.read()[-2000:]
 
 
-def start_server(tmp_dir: str, *args: str, wait: bool = True) -> Server:
+def start_server(
+    tmp_dir: str,
+    *args: str,
+    wait: bool = True,
+    module: str = "service.cli",
+    env: dict[str, str] | None = None,
+) -> Server:
+    """`python -m <module> serve --port <free> ...`; `module` may be a launcher that wraps
+    the real CLI (tests.reliability.harness), `env` adds environment variables."""
     port = free_port()
     log_path = os.path.join(tmp_dir, f"server-{port}.log")
     cmd = [
         sys.executable,
         "-m",
-        "service.cli",
+        module,
         "serve",
         "--port",
         str(port),
@@ -74,9 +82,9 @@ def start_server(tmp_dir: str, *args: str, wait: bool = True) -> Server:
         "0.25",
         *args,
     ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
     server = Server(proc, f"http://127.0.0.1:{port}", log_path)
     if wait:
         deadline = time.monotonic() + 120

@@ -1,0 +1,108 @@
+"""The reliability scenarios share one table: each test fills a row (its load, what it
+measured) and the outcome is added from pytest's report. With KVSERVE_RELIABILITY_REPORT
+set (`make reliability`), the table is written there as markdown at the end of the run."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from tests.live_server import Server, start_server
+
+ROWS: list[Row] = []
+
+
+@dataclass
+class Row:
+    scenario: str
+    load: str = ""
+    measured: list[str] = field(default_factory=list)
+    outcome: str = "not run"
+    seconds: float = 0.0
+
+    def add(self, text: str) -> None:
+        self.measured.append(text)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator:
+    report = yield
+    if report.when == "call":
+        item.stash[_OUTCOME] = report.outcome
+    return report
+
+
+_OUTCOME = pytest.StashKey[str]()
+
+
+@pytest.fixture
+def row(request: pytest.FixtureRequest) -> Iterator[Row]:
+    doc = (request.function.__doc__ or request.function.__name__).strip().splitlines()[0]
+    entry = Row(scenario=doc)
+    start = time.monotonic()
+    yield entry
+    entry.seconds = time.monotonic() - start
+    entry.outcome = request.node.stash.get(_OUTCOME, "error")
+    ROWS.append(entry)
+
+
+# the issue's order: input, disconnects, load, time, start-up, faults
+ORDER = ("Fuzzing", "Disconnect", "Overload", "Soak", "Bad checkpoints", "Non-finite", "Engine")
+
+
+def harness(tmp_dir: object, *args: str, fault: str | None = None) -> Server:
+    """A live `kvserve serve` through tests.reliability.harness (its /debug/state, and the
+    fault `fault` injected)."""
+    env = {"KVSERVE_TEST_FAULT": fault} if fault else None
+    return start_server(str(tmp_dir), *args, module="tests.reliability.harness", env=env)
+
+
+def _git(*args: str) -> str:
+    try:
+        out = subprocess.run(["git", *args], capture_output=True, text=True, check=True)
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+
+
+def _commit() -> str:
+    commit = _git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    return f"{commit} with uncommitted changes" if dirty else commit
+
+
+def _rank(row: Row) -> int:
+    return next((i for i, p in enumerate(ORDER) if row.scenario.startswith(p)), len(ORDER))
+
+
+def render(rows: list[Row]) -> str:
+    lines = [
+        "# Reliability",
+        "",
+        "Each scenario runs against a real `kvserve serve` process (the random-weight demo",
+        "model on the CPU) in `tests/reliability/`. Regenerate this file with",
+        "`make reliability` (longer soak: `KVSERVE_SOAK_SECONDS=600 make reliability`).",
+        "",
+        f"Last run: {time.strftime('%Y-%m-%d %H:%M')} · commit {_commit()} · "
+        f"{platform.machine()}, {os.cpu_count()} cores",
+        "",
+        "| Scenario | Load | Measured | Result |",
+        "|---|---|---|---|",
+    ]
+    for r in sorted(rows, key=_rank):
+        measured = "<br>".join(r.measured) or "—"
+        lines.append(f"| {r.scenario} | {r.load} | {measured} | {r.outcome} ({r.seconds:.0f} s) |")
+    return "\n".join(lines) + "\n"
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    path = os.environ.get("KVSERVE_RELIABILITY_REPORT")
+    if path and ROWS:
+        with open(path, "w") as f:
+            f.write(render(ROWS))

@@ -1,0 +1,105 @@
+"""`python -m tests.reliability.harness serve ...`: the real `kvserve serve`, plus what the
+reliability tests need to look inside and to break it on purpose.
+
+- GET /debug/state: process RSS, Python objects tracked by the garbage collector (total
+  and per kvserve class), and the engine's and API's per-request tables.
+- KVSERVE_TEST_FAULT=nan-token:ID  turns the embedding of token ID into NaN, so
+  any request whose prompt holds ID gets non-finite logits.
+- KVSERVE_TEST_FAULT=die-on-token:ID  makes the engine loop raise as soon as a request
+  whose prompt holds ID is running: the loop itself dies.
+"""
+
+from __future__ import annotations
+
+import collections
+import gc
+import os
+import sys
+from typing import Any
+
+import model.loader
+import service.server
+from service.cli import main
+from service.engine.engine import LLMEngine
+
+# kvserve's per-request objects, by qualified name
+TRACKED = (
+    "service.engine.request.Request",
+    "service.engine.output.RequestOutput",
+    "service.engine.output.TextState",
+    "service.engine.async_engine._Stream",
+    "service.api.serving.Admission",
+)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _debug_state(app: Any) -> dict[str, Any]:
+    gc.collect()
+    objects = gc.get_objects()
+    by_type = collections.Counter(f"{type(o).__module__}.{type(o).__qualname__}" for o in objects)
+    state = app.state.serving
+    engine = state.engine
+    return {
+        "rss_bytes": _rss_bytes(),
+        "gc_objects": len(objects),
+        "tracked": {name.rpartition(".")[2]: by_type.get(name, 0) for name in TRACKED},
+        "engine_requests": len(engine.engine.requests),
+        "engine_streams": len(engine._streams),
+        "inflight": state.inflight,
+        "waiting": len(engine.engine.scheduler.waiting),
+        "running": len(engine.engine.scheduler.running),
+        "blocks_used": engine.engine.blocks.num_used,
+    }
+
+
+def _with_debug_route(create_app: Any) -> Any:
+    def create(settings: Any) -> Any:
+        app = create_app(settings)
+
+        @app.get("/debug/state")
+        async def debug_state() -> dict[str, Any]:
+            return _debug_state(app)
+
+        return app
+
+    return create
+
+
+def _install_fault(spec: str) -> None:
+    kind, _, arg = spec.partition(":")
+    token = int(arg)
+    if kind == "nan-token":
+        load = model.loader.load
+
+        def poison(module: Any, inputs: tuple, out: Any) -> Any:
+            # the looked-up rows only: the weight itself is also the (tied) output head
+            return out.masked_fill((inputs[0] == token)[..., None], float("nan"))
+
+        def poisoned(*args: Any, **kwargs: Any) -> Any:
+            loaded = load(*args, **kwargs)
+            loaded.model.embed.register_forward_hook(poison)
+            return loaded
+
+        model.loader.load = poisoned
+    elif kind == "die-on-token":
+        step = LLMEngine.step
+
+        def dying(self: LLMEngine) -> Any:
+            if any(token in r.prompt_ids for r in self.scheduler.running):
+                raise RuntimeError(f"injected engine fault (token {token})")
+            return step(self)
+
+        LLMEngine.step = dying  # type: ignore[method-assign]
+    else:
+        raise SystemExit(f"unknown KVSERVE_TEST_FAULT {spec!r}")
+
+
+if __name__ == "__main__":
+    if fault := os.environ.get("KVSERVE_TEST_FAULT"):
+        _install_fault(fault)
+    service.server.create_app = _with_debug_route(service.server.create_app)
+    sys.exit(main(sys.argv[1:]))

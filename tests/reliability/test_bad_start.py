@@ -1,0 +1,166 @@
+"""Bad checkpoints and settings stop start-up: one clear line naming the file and the
+field, and a non-zero exit status."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.live_server import free_port
+from tests.model.hf_checkpoints import write_llama
+from tests.reliability.conftest import Row
+
+
+def _edit_config(root: Path, change: Callable[[dict], None]) -> None:
+    cfg = json.loads((root / "config.json").read_text())
+    change(cfg)
+    (root / "config.json").write_text(json.dumps(cfg))
+
+
+def _truncate(root: Path) -> None:
+    f = root / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def _corrupt_header(root: Path) -> None:
+    f = root / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[8:40] = b"\x00garbage, not a JSON header\xff\xfe\x00\x01"
+    f.write_bytes(bytes(data))
+
+
+def _write_tokenizer(root: Path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator([Path(json.__file__).read_text()] * 4, trainer)
+    tok.save(str(root / "tokenizer.json"))
+    assert tok.get_vocab_size() == vocab_size
+
+
+def _del(key: str) -> Callable[[dict], None]:
+    return lambda cfg: cfg.pop(key)
+
+
+def _set(**values: object) -> Callable[[dict], None]:
+    return lambda cfg: cfg.update(values)
+
+
+# name, how to break a good checkpoint, extra flags, what the error line must contain
+CASES: list[tuple[str, Callable[[Path], None] | None, list[str], list[str]]] = [
+    ("truncated safetensors", _truncate, [], ["model.safetensors"]),
+    ("corrupt safetensors header", _corrupt_header, [], ["model.safetensors", "header"]),
+    (
+        "missing weights file",
+        lambda r: (r / "model.safetensors").unlink(),
+        [],
+        ["model.safetensors"],
+    ),
+    (
+        "config.json not JSON",
+        lambda r: (r / "config.json").write_text("{nope"),
+        [],
+        ["config.json"],
+    ),
+    (
+        "config.json missing hidden_size",
+        lambda r: _edit_config(r, _del("hidden_size")),
+        [],
+        ["config.json", "hidden_size"],
+    ),
+    (
+        "num_attention_heads contradicts the weights",
+        lambda r: _edit_config(r, _set(num_attention_heads=6)),
+        [],
+        ["config.json", "num_attention_heads"],
+    ),
+    (
+        "KV heads do not divide heads",
+        lambda r: _edit_config(r, _set(num_key_value_heads=3)),
+        [],
+        ["config.json", "num_key_value_heads"],
+    ),
+    (
+        "config contradicts the weights",
+        lambda r: _edit_config(r, _set(intermediate_size=96)),
+        [],
+        ["model.safetensors", "mlp"],
+    ),
+    (
+        "unknown architecture",
+        lambda r: _edit_config(r, _set(architectures=["MambaForCausalLM"])),
+        [],
+        ["config.json", "MambaForCausalLM"],
+    ),
+    (
+        "tokenizer larger than vocab_size",
+        lambda r: _write_tokenizer(r, 500),
+        [],
+        ["tokenizer.json", "vocab_size"],
+    ),
+    (
+        "KV budget below one sequence",
+        None,
+        ["--kv-cache-gib", "0.00001"],
+        ["kv_cache_gib", "max_model_len"],
+    ),
+    ("KV budget not a number", None, ["--kv-cache-gib", "lots"], ["kv_cache_gib", "lots"]),
+    ("negative max_num_seqs", None, ["--max-num-seqs", "-1"], ["max_num_seqs"]),
+]
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("good")
+    write_llama(root, tied=True)  # vocab_size 384
+    _write_tokenizer(root, 300)
+    return root
+
+
+def test_bad_checkpoints_and_settings_stop_startup(good: Path, tmp_path: Path, row: Row) -> None:
+    """Bad checkpoints and settings at start-up"""
+    procs = []
+    for i, (_, breaker, flags, _) in enumerate(CASES):
+        root = tmp_path / f"case{i}"
+        shutil.copytree(good, root)
+        if breaker is not None:
+            breaker(root)
+        cmd = [sys.executable, "-m", "service.cli", "serve", "--port", str(free_port())]
+        cmd += ["--model", str(root), *flags]
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                stderr=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                text=True,
+                env={**os.environ, "KVSERVE_LOG_LEVEL": "error"},
+            )
+        )
+    failures = []
+    for (name, _, _, needles), proc in zip(CASES, procs):
+        try:
+            _, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+            err += "\n(still running after 120 s: it started)"
+        last = err.strip().splitlines()[-1] if err.strip() else ""
+        ok = proc.returncode != 0 and last.startswith("kvserve") and all(n in last for n in needles)
+        shown = last.replace(f"{tmp_path}/", "").removeprefix("kvserve: error: ")
+        row.add(f"{name}: exit {proc.returncode}, `{shown[:200]}`")
+        if not ok:
+            failures.append(f"{name}: exit {proc.returncode}: {err[-1500:]}")
+    row.load = f"{len(CASES)} broken checkpoints or settings, each a fresh `kvserve serve`"
+    assert failures == [], "\n\n".join(failures)

@@ -1,0 +1,117 @@
+"""Engine faults: non-finite logits fail one request only; a dead engine loop turns
+/health 503 at once and ends the process with a non-zero status."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+
+from tests.reliability.conftest import Row, harness
+
+POISON, FATAL = 77777, 88888  # token ids the fault injection reacts to
+
+
+async def complete(
+    client: httpx.AsyncClient, prompt: list[int] | str, stream: bool, max_tokens: int = 40
+) -> dict:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    if not stream:
+        resp = await client.post("/v1/completions", json=body)
+        return {"status": resp.status_code, "body": resp.json()}
+    text, error = "", None
+    async with client.stream("POST", "/v1/completions", json=body | {"stream": True}) as resp:
+        async for line in resp.aiter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                if "error" in event:
+                    error = event["error"]
+                else:
+                    text += event["choices"][0]["text"]
+    return {"status": resp.status_code, "text": text, "error": error}
+
+
+def test_non_finite_logits_fail_only_that_request(tmp_path, row: Row) -> None:
+    """Non-finite logits in one request"""
+    server = harness(tmp_path, fault=f"nan-token:{POISON}")
+    try:
+        prompts = [f"Healthy request {i} goes on" for i in range(8)]
+
+        async def main() -> tuple[list[dict], list[dict], list[dict]]:
+            async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+                busy = await asyncio.gather(
+                    *(complete(client, p, stream=True) for p in prompts),
+                    complete(client, [100, POISON, 200], stream=False),
+                    complete(client, [300, POISON], stream=True),
+                )
+                quiet = [await complete(client, p, stream=True) for p in prompts]
+                again = [await complete(client, [POISON], stream=False)]
+                return list(busy), quiet, again
+
+        busy, quiet, again = asyncio.run(main())
+        health = server.wait_idle()
+    finally:
+        server.stop()
+    healthy, bad_plain, bad_stream = busy[:8], busy[8], busy[9]
+    row.load = "8 streaming requests with 2 poisoned ones (NaN embedding) in the same batch"
+    row.add(
+        f"poisoned: {bad_plain['status']} `{bad_plain['body']['error']['message']}`; "
+        f"streamed: error event `{(bad_stream['error'] or {}).get('message')}`"
+    )
+    same = sum(a["text"] == b["text"] for a, b in zip(healthy, quiet))
+    row.add(f"{same}/8 others complete, equal to a quiet run; /health {health['status']} after")
+    assert bad_plain["status"] == 500 and "non-finite" in bad_plain["body"]["error"]["message"]
+    assert bad_stream["error"] is not None and "non-finite" in bad_stream["error"]["message"]
+    assert again[0]["status"] == 500  # and again, alone: the server is not wedged
+    assert all(r["status"] == 200 and r["error"] is None and r["text"] for r in healthy), healthy
+    assert same == 8
+    assert health["status"] == "ok" and health["kv_cache"]["blocks_used"] == 0
+
+
+def test_engine_death_fails_health_and_exits_non_zero(tmp_path, row: Row) -> None:
+    """Engine loop dies"""
+    server = harness(tmp_path, fault=f"die-on-token:{FATAL}")
+    try:
+
+        async def main() -> tuple[dict, float | None, list[int]]:
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+                inflight = asyncio.ensure_future(complete(client, "A long answer", True, 3000))
+                await asyncio.sleep(0.3)  # it is decoding
+                t0 = time.perf_counter()
+                trigger = asyncio.ensure_future(complete(client, [FATAL], stream=False))
+                statuses, turned = [], None
+                while time.perf_counter() - t0 < 5:
+                    try:
+                        statuses.append((await client.get("/health", timeout=1)).status_code)
+                    except httpx.TransportError:
+                        statuses.append(0)  # the process has gone
+                    if statuses[-1] != 200:
+                        turned = time.perf_counter() - t0
+                        break
+                    await asyncio.sleep(0.02)
+                await asyncio.gather(trigger, return_exceptions=True)
+                result = await inflight
+                return result, turned, statuses
+
+        inflight, turned, statuses = asyncio.run(main())
+        code = server.proc.wait(30)
+    finally:
+        server.stop()
+    with open(server.log_path) as f:
+        log = f.read()
+    row.load = "a request whose prompt kills the engine loop, while another streams"
+    row.add(
+        f"/health turned {statuses[-1]} {turned * 1000:.0f} ms after the fatal request"
+        if turned is not None
+        else "/health never turned"
+    )
+    row.add(
+        f"the in-flight stream ended with an error event: "
+        f"`{(inflight['error'] or {}).get('message', '')[:80]}`; process exit status {code}"
+    )
+    assert turned is not None and turned < 1.0 and statuses[-1] == 503
+    assert inflight["error"] is not None
+    assert code not in (0, None)
+    assert "engine loop died" in log
