@@ -207,9 +207,9 @@ _SHAPE_FIELDS = (
     ("wqkv", ("n_heads", "n_kv_heads", "d_head", "d_model")),
     ("wo", ("n_heads", "d_head", "d_model")),
     ("ffn", ("d_ff", "d_model")),
+    ("pos_embed", ("max_position", "d_model")),  # before "embed": a substring of it
     ("embed", ("vocab_size", "d_model")),
     ("lm_head", ("vocab_size", "d_model")),
-    ("pos_embed", ("max_position", "d_model")),
 )
 
 
@@ -238,7 +238,7 @@ def _fill(
             want = expected[::-1] if transpose else expected
             raise CheckpointError(
                 f"{reader.files[src]}: tensor {src!r} has shape {stored}, expected {want} "
-                f"from config.json ({hint})"
+                f"from {hint}"
             )
         target[start : start + n].copy_(part)
         start += n
@@ -286,7 +286,7 @@ def load_model(
             target = torch.empty(param.shape, dtype=dtype, device=device)
             transpose = table is not None and key in table.transposed
             rows = _part_rows(cfg, name, len(sources), target.shape[0])
-            hint = _shape_fields(cfg, name)
+            hint = f"{NATIVE_CONFIG if native else 'config.json'} ({_shape_fields(cfg, name)})"
             _fill(target, rows, [s for s in sources if s is not None], reader, transpose, hint)
             _set_param(model, name, target)
     model.rebuild_tables(device)
