@@ -12,8 +12,6 @@ from model.tokenizer import Tokenizer, TokenizerError
 from model.transformer import Transformer
 from model.weights import NATIVE_CONFIG, CheckpointError, load_model
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
-
 
 @dataclass(frozen=True, slots=True)
 class LoadedModel:
@@ -22,18 +20,12 @@ class LoadedModel:
     model_id: str
 
 
-def _tokenizer_file(root: Path) -> Path | None:
-    """The file Tokenizer.from_dir reads, if the directory has one."""
-    found = [root / f for f in TOKENIZER_FILES if (root / f).exists()]
-    return (found or sorted(root.glob("*.tiktoken")) or [None])[0]
-
-
 def load(model_path: str | Path | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
     if model_path is None:
         return LoadedModel(build_demo_model(dtype, device), Tokenizer.default(), DEMO_MODEL_ID)
     root = Path(model_path)
     model = load_model(root, dtype=dtype, device=device)
-    source = _tokenizer_file(root)
+    source = Tokenizer.file_in(root)
     tokenizer = Tokenizer.from_dir(root) if source else Tokenizer.default()
     vocab = model.cfg.vocab_size
     if tokenizer.vocab_size > vocab:

@@ -121,17 +121,25 @@ class Tokenizer:
         eot = enc._special_tokens["<|endoftext|>"]
         return cls(enc, eos_ids=(eot,), name="cl100k_base")
 
+    @staticmethod
+    def file_in(model_dir: str | Path) -> Path | None:
+        """The tokenizer file from_dir reads in this directory, if it has one."""
+        root = Path(model_dir)
+        candidates = [root / "tokenizer.json", root / "tokenizer.model"]
+        return next(
+            (p for p in [*candidates, *sorted(root.glob("*.tiktoken"))] if p.exists()), None
+        )
+
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
         root = Path(model_dir)
+        path = cls.file_in(root)
+        if path is None:
+            raise TokenizerError(f"{root}: no tokenizer.json, tokenizer.model or *.tiktoken file")
         config = _read_optional_json(root / "tokenizer_config.json")
-        if (root / "tokenizer.json").exists():
-            return from_tokenizer_json(root / "tokenizer.json", config)
-        candidates = [root / "tokenizer.model", *sorted(root.glob("*.tiktoken"))]
-        for path in candidates:
-            if path.exists():
-                return from_tiktoken_file(path, config)
-        raise TokenizerError(f"{root}: no tokenizer.json, tokenizer.model or *.tiktoken file")
+        if path.name == "tokenizer.json":
+            return from_tokenizer_json(path, config)
+        return from_tiktoken_file(path, config)
 
     # ---- use ---------------------------------------------------------------------
 
