@@ -9,28 +9,49 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.config import ModelConfig, RopeScaling
-from model.kernels import add_rms_norm, fused_supported
+from model.kernels import (
+    add_rms_norm,
+    fused_supported,
+    tile_layout,
+    tile_linear,
+    tile_linear_supported,
+)
 
 
 class Linear(nn.Linear):
-    """nn.Linear that can hand its weight to oneDNN in a prepacked layout.
+    """nn.Linear that can hand its weight to a CPU matmul kernel in a prepacked layout.
 
-    On CPUs, bf16 matmuls through oneDNN with a prepacked weight read memory about twice
-    as fast as the default path (benchmarks/RESULTS.md). pack() keeps only the packed copy
-    (the parameter becomes a meta tensor that still reports the shape), so it is the last
-    thing done to a loaded model.
+    bf16 on the CPU: where the CPU has AMX tiles and the shape allows (out features a
+    multiple of 64, in features of 32), the weight is rearranged for kvserve's own tile
+    kernel (model/kernels/linear_bf16.c), which reads it at about the memory bandwidth at
+    batch 1 and computes each row the same way whatever the batch; otherwise oneDNN gets
+    its own prepacked layout, which reads memory about twice as fast as the default path
+    (benchmarks/RESULTS.md). pack() keeps only the packed copy (the parameter becomes a
+    meta tensor that still reports the shape), so it is the last thing done to a model.
     """
 
-    _packed: Tensor | None = None
+    _packed: Tensor | None = None  # oneDNN's layout
+    _tiles: Tensor | None = None  # tile_layout()
+    _bias32: Tensor | None = None
 
     def pack(self) -> None:
         w = self.weight.detach()
-        self._packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        if tile_linear_supported(w):
+            self._tiles = tile_layout(w)
+            self._bias32 = self.bias.detach().float() if self.bias is not None else None
+        else:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
         self.weight = nn.Parameter(
             torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False
         )
 
+    @property
+    def packed(self) -> bool:
+        return self._tiles is not None or self._packed is not None
+
     def forward(self, x: Tensor) -> Tensor:
+        if self._tiles is not None:
+            return tile_linear(x.to(torch.bfloat16), self._tiles, self._bias32)
         if self._packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")

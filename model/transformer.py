@@ -100,7 +100,7 @@ class Transformer(nn.Module):
             head.pack()
             self._head = head
         for module in self.modules():
-            if isinstance(module, Linear) and module._packed is None:
+            if isinstance(module, Linear) and not module.packed:
                 module.pack()
         return True
 

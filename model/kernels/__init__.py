@@ -233,3 +233,59 @@ def rope_store(
         block_size,
         torch.get_num_threads(),
     )
+
+
+# ---- bf16 linear layers on AMX (model/kernels/linear_bf16.c) ---------------------------
+
+TILE_N, TILE_K = 64, 32  # the weight layout's feature block; k per tile
+
+
+@functools.cache
+def _tiles() -> ctypes.CDLL | None:
+    lib = _build("linear_bf16.c", tuple(BASE_FLAGS), "all")
+    if lib is None:
+        return None
+    lib.linear_bf16_init.restype, lib.linear_bf16_init.argtypes = ctypes.c_int, []
+    lib.linear_bf16.restype = None
+    lib.linear_bf16.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I]
+    if not lib.linear_bf16_init():  # built without AMX, or the OS refuses the tile state
+        log.info("no AMX tiles on this CPU: bf16 linears use oneDNN")
+        return None
+    return lib
+
+
+def tile_linear_supported(weight: torch.Tensor) -> bool:
+    n, k = weight.shape
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and n % TILE_N == 0
+        and k % TILE_K == 0
+        and _tiles() is not None
+    )
+
+
+def tile_layout(weight: torch.Tensor) -> torch.Tensor:
+    """(N, K) -> (N/64, K/2, 64, 2): the layout linear_bf16.c reads."""
+    n, k = weight.shape
+    return weight.reshape(n // TILE_N, TILE_N, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def tile_linear(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (..., K) bf16 @ W^T + bias -> (..., N) bf16, W in tile_layout; bias fp32 or None."""
+    blocks, half_k, _, _ = tiles.shape
+    n, k = blocks * TILE_N, half_k * 2
+    flat = x.reshape(-1, k).contiguous()
+    out = torch.empty((flat.shape[0], n), dtype=torch.bfloat16)
+    if flat.shape[0]:
+        _tiles().linear_bf16(
+            flat.data_ptr(),
+            tiles.data_ptr(),
+            _ptr(bias),
+            out.data_ptr(),
+            flat.shape[0],
+            n,
+            k,
+            torch.get_num_threads(),
+        )
+    return out.view(*x.shape[:-1], n)

@@ -1,0 +1,206 @@
+/* bf16 linear layers for CPUs with AMX: out (M, N) = x (M, K) @ W^T + bias, accumulated in
+ * float32 and rounded once (round-to-nearest-even) on store.
+ *
+ * W is kept in one blocked layout, (N/64, K/2, 64, 2): for each block of 64 output
+ * features, K/2 rows of 64 (feature, k-pair) bf16 pairs. That is the tile unit's "VNNI"
+ * B operand, so a B tile is 16 k-pair rows at a stride of 256 bytes, and one weight
+ * block streams through contiguously.
+ *
+ * Every M runs on the tile unit, one row included: at batch 1 it still reads the weight
+ * faster than oneDNN's prepacked matmul (benchmarks/RESULTS.md), and each output element
+ * is the same sequence of tile dot products whatever M is and whichever rows share its
+ * tile, so a request's logits do not depend on what else is in the batch.
+ * Built and loaded by model/kernels/__init__.py.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define NB 64          /* output features per block */
+#define KSTEP 32       /* k per AMX tile */
+#define M_CHUNK 256
+#ifndef TILE_ORDER_ROWS
+#define TILE_ORDER_ROWS 128
+#endif    /* rows of x kept hot in L2 while the weight blocks pass */
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* Ask the kernel for the AMX register state (once per process). 1 when usable. */
+int linear_bf16_init(void) {
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+typedef struct {
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Tiles are 64 bytes a row: rows x 16 floats for C, rows x 32 bf16 for A, 16 k-pairs x
+ * 16 features x 2 for B. The 1x4 kernel uses tmm0-3 (C), tmm4 (A), tmm5-7 (B), with
+ * `rows` rows in C and A; the 2x2 kernel runs with rows = 16 throughout. */
+static void configure(int rows) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = t < 5 ? (uint8_t)rows : 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* The float32 results of one C block wait in acc until the next block's dot products
+ * are issued: rounding and storing them then overlaps with the tile unit's work instead
+ * of stalling on it (a third of the time at large M when done in place). */
+typedef struct {
+    float acc[2][32 * NB] __attribute__((aligned(64)));
+    int cur;       /* which acc the next block stores into */
+    int rows, width; /* of the waiting block; rows 0 when none waits */
+    const float *bias;
+    uint16_t *out;
+} epilogue;
+
+static void flush(epilogue *e, int n) {
+    const float *acc = e->acc[e->cur ^ 1];
+    for (int r = 0; r < e->rows; ++r)
+        for (int j = 0; j < e->width; j += 16) {
+            __m512 v = _mm512_load_ps(acc + r * e->width + j);
+            if (e->bias) v = _mm512_add_ps(v, _mm512_loadu_ps(e->bias + j));
+            _mm256_storeu_si256((__m256i *)(e->out + (long)r * n + j),
+                                (__m256i)_mm512_cvtneps_pbh(v));
+        }
+    e->rows = 0;
+}
+
+/* Flush the previous block, then store tiles 0-3 (a rows x width block) for later. */
+#define HAND_OVER(e, n, rows_, width_, bias_, out_, STORE_TILES)                            \
+    do {                                                                                 \
+        flush(e, n);                                                                     \
+        float *acc = (e)->acc[(e)->cur];                                                 \
+        STORE_TILES;                                                                     \
+        (e)->rows = rows_, (e)->width = width_, (e)->bias = bias_, (e)->out = out_;      \
+        (e)->cur ^= 1;                                                                   \
+    } while (0)
+
+static inline void zero_c(void) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+}
+
+/* Up to 16 rows of x (row-major, k columns) against one 64-feature block. */
+static void amx_1x4(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
+                    int rows, int n, int k, epilogue *e) {
+    zero_c();
+    for (int kk = 0; kk < k; kk += KSTEP) {
+        const uint16_t *b = w + (long)(kk / 2) * (2 * NB);
+        _tile_loadd(4, x + kk, k * 2);
+        _tile_loadd(5, b, 4 * NB);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, b + 32, 4 * NB);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(7, b + 64, 4 * NB);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_loadd(5, b + 96, 4 * NB);
+        _tile_dpbf16ps(3, 4, 5);
+    }
+    HAND_OVER(e, n, rows, NB, bias, out, {
+        _tile_stored(0, acc, NB * 4);
+        _tile_stored(1, acc + 16, NB * 4);
+        _tile_stored(2, acc + 32, NB * 4);
+        _tile_stored(3, acc + 48, NB * 4);
+    });
+}
+
+/* 32 rows of x against 32 features (half of a block): tmm0-3 C (2 x 2), tmm4-5 A,
+ * tmm6-7 B. Each B tile serves two A tiles and each A tile two B tiles. */
+static void amx_2x2(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
+                    int n, int k, epilogue *e) {
+    zero_c();
+    for (int kk = 0; kk < k; kk += KSTEP) {
+        const uint16_t *b = w + (long)(kk / 2) * (2 * NB);
+        _tile_loadd(4, x + kk, k * 2);
+        _tile_loadd(6, b, 4 * NB);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(7, b + 32, 4 * NB);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(5, x + 16L * k + kk, k * 2);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    HAND_OVER(e, n, 32, 32, bias, out, {
+        _tile_stored(0, acc, 128);
+        _tile_stored(1, acc + 16, 128);
+        _tile_stored(2, acc + 16 * 32, 128);
+        _tile_stored(3, acc + 16 * 32 + 16, 128);
+    });
+}
+
+/* Rows m0..m1 of x against one 64-feature block; *configured tracks the tile shape.
+ * Pairs of 16-row tiles go one half-block at a time, so the half-block's weights (32
+ * features x K) stay in L1 while the rows pass; the last < 32 rows take the 1x4 path. */
+static void amx_rows(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
+                     int m0, int m1, int n, int k, int *configured, epilogue *e) {
+    const int pairs_end = m0 + (m1 - m0) / 32 * 32;
+    if (pairs_end > m0 && *configured != 16) configure(*configured = 16);
+    for (int half = 0; half < 2; ++half)
+        for (int r = m0; r < pairs_end; r += 32)
+            amx_2x2(x + (long)r * k, w + half * 64, bias ? bias + half * 32 : 0,
+                    out + (long)r * n + half * 32, n, k, e);
+    for (int r = pairs_end; r < m1; r += 16) {
+        const int rows = m1 - r < 16 ? m1 - r : 16;
+        if (*configured != rows) configure(*configured = rows);
+        amx_1x4(x + (long)r * k, w, bias, out + (long)r * n, rows, n, k, e);
+    }
+}
+
+void linear_bf16(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out, int m,
+                 int n, int k, int nthreads) {
+    const int blocks = n / NB;
+    const long block_elems = (long)k * NB;
+    if (nthreads > blocks) nthreads = blocks;
+#pragma omp parallel num_threads(nthreads)
+    {
+        int t = 0, nt = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        const int b0 = (int)((long)blocks * t / nt), b1 = (int)((long)blocks * (t + 1) / nt);
+        int configured = 0;
+        epilogue e;
+        e.cur = 0;
+        e.rows = 0;
+        for (int m0 = 0; m0 < m; m0 += M_CHUNK) {
+            const int m1 = m0 + M_CHUNK < m ? m0 + M_CHUNK : m;
+            for (int b = b0; b < b1; ++b)
+                amx_rows(x, w + b * block_elems, bias ? bias + b * NB : 0, out + b * NB, m0, m1,
+                         n, k, &configured, &e);
+        }
+        flush(&e, n);
+        if (configured) _tile_release();
+    }
+}
+
+#else
+
+int linear_bf16_init(void) { return 0; }
+
+void linear_bf16(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out, int m,
+                 int n, int k, int nthreads) {
+    (void)x, (void)w, (void)bias, (void)out, (void)m, (void)n, (void)k, (void)nthreads;
+}
+
+#endif
