@@ -9,7 +9,8 @@
  * Every M runs on the tile unit, one row included: at batch 1 it still reads the weight
  * faster than oneDNN's prepacked matmul (benchmarks/RESULTS.md), and each output element
  * is the same sequence of tile dot products whatever M is and whichever rows share its
- * tile, so a request's logits do not depend on what else is in the batch.
+ * tile, so a row's output does not depend on what else is in the batch. (That is the
+ * linears' share: in bf16 the attention paths still vary with the batch's shape.)
  * Built and loaded by model/kernels/__init__.py.
  */
 #include <immintrin.h>
