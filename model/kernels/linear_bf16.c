@@ -24,10 +24,7 @@
 
 #define NB 64          /* output features per block */
 #define KSTEP 32       /* k per AMX tile */
-#define M_CHUNK 256
-#ifndef TILE_ORDER_ROWS
-#define TILE_ORDER_ROWS 128
-#endif    /* rows of x kept hot in L2 while the weight blocks pass */
+#define M_CHUNK 256    /* rows of x kept hot in L2 while the weight blocks pass */
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 
