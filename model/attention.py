@@ -18,17 +18,25 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.config import ModelConfig
-from model.kernels import fused_supported, paged_decode, paged_decode_supported, rope_store
+from model.kernels import (
+    fused_supported,
+    paged_attention,
+    paged_attention_supported,
+    rope_store,
+)
 from model.layers import Linear, apply_rope
 
 
 class PagedKVCache:
     """K and V block pools for every layer.
 
-    Layouts per layer: K (num_blocks, KV, D, BS) and V (num_blocks, KV, BS, D). Keys are
-    stored channel-major inside a block so that the decode kernel scores a whole block of
-    tokens with one vector instruction per channel; values token-major so that it
-    accumulates them along the channel. Both hold KV * BS * D elements per block.
+    Layouts per layer, with P = 1 for float32 and 2 for bfloat16 (elements per 32-bit
+    lane): K (num_blocks, KV, D / P, BS, P) and V (num_blocks, KV, BS / P, D, P). Keys are
+    stored channel-major inside a block so that the attention kernel scores a whole block
+    of tokens with one vector instruction per channel; values token-major so that it
+    accumulates them along the channel. In bfloat16, pairs of channels (K) and of tokens
+    (V) share a lane: that is the AMX tile unit's B operand for q.k and p.v. Both hold
+    KV * BS * D elements per block.
     """
 
     def __init__(
@@ -43,6 +51,12 @@ class PagedKVCache:
             raise ValueError(
                 f"num_blocks and block_size must be > 0, got {num_blocks}, {block_size}"
             )
+        self.pair = 2 if dtype.itemsize == 2 else 1
+        if block_size % self.pair or cfg.head_dim % self.pair:
+            raise ValueError(
+                f"a {dtype} KV cache needs an even block size and head size, "
+                f"got {block_size} and {cfg.head_dim}"
+            )
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.n_kv, self.d_head = cfg.kv_heads, cfg.head_dim
@@ -56,8 +70,11 @@ class PagedKVCache:
         return self.num_blocks
 
     def layer(self, i: int) -> tuple[Tensor, Tensor]:
-        nb, kv, bs, d = self.num_blocks + 1, self.n_kv, self.block_size, self.d_head
-        return self.data[0, i].view(nb, kv, d, bs), self.data[1, i].view(nb, kv, bs, d)
+        nb, kv, bs, d, p = self.num_blocks + 1, self.n_kv, self.block_size, self.d_head, self.pair
+        return (
+            self.data[0, i].view(nb, kv, d // p, bs, p),
+            self.data[1, i].view(nb, kv, bs // p, d, p),
+        )
 
     @property
     def block_nbytes(self) -> int:
@@ -81,7 +98,8 @@ class AttentionMetadata:
     slot_blocks: Tensor | None = None  # (T,) slot_mapping // block_size
     slot_offsets: Tensor | None = None  # (T,) slot_mapping % block_size
     block_tables: Tensor | None = None  # (B, max_blocks) block ids, padded with 0
-    seq_lens_t: Tensor | None = None  # (B,) seq_lens as a tensor, for the decode kernel
+    row_lens: Tensor | None = None  # (T,) keys each new token sees: its position + 1
+    row_seq: Tensor | None = None  # (T,) sequence of each new token; None: one per sequence
     q_index: Tensor | None = None  # (T,) row in the padded (B * max_q) layout; None: no padding
     _alibi: Tensor | None = None  # the ALiBi bias, built once per forward
 
@@ -137,7 +155,12 @@ class AttentionMetadata:
         meta.slot_blocks = meta.slot_mapping // block_size
         meta.slot_offsets = meta.slot_mapping % block_size
         meta.block_tables = torch.tensor(padded, dtype=torch.long, device=device)
-        meta.seq_lens_t = torch.tensor(meta.seq_lens, dtype=torch.long, device=device)
+        meta.row_lens = meta.positions + 1
+        if meta.max_query_len > 1:
+            meta.row_seq = torch.repeat_interleave(
+                torch.arange(len(query_lens), device=device),
+                torch.tensor(list(query_lens), device=device),
+            )
         return meta
 
     @classmethod
@@ -237,21 +260,25 @@ class Attention(nn.Module):
         if cache is None:
             keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         else:
-            k_cache, v_cache = cache  # (num_blocks, KV, dh, BS), (num_blocks, KV, BS, dh)
+            k_cache, v_cache = cache  # (nb, KV, dh / P, BS, P), (nb, KV, BS / P, dh, P)
             if not stored:
-                k_cache[meta.slot_blocks, :, :, meta.slot_offsets] = k
-                v_cache[meta.slot_blocks, :, meta.slot_offsets, :] = v
-            if max_q == 1 and paged_decode_supported(k_cache, self.n_heads, self.n_kv, self.d_head):
-                out = paged_decode(
+                pair, blocks, offsets = k_cache.shape[-1], meta.slot_blocks, meta.slot_offsets
+                k_cache[blocks, :, :, offsets, :] = k.reshape(
+                    -1, self.n_kv, self.d_head // pair, pair
+                )
+                v_cache[blocks, :, offsets // pair, :, offsets % pair] = v
+            if paged_attention_supported(k_cache, self.n_heads, self.n_kv, self.d_head):
+                out = paged_attention(
                     q,
                     k_cache,
                     v_cache,
                     meta.block_tables,
-                    meta.seq_lens_t,
+                    meta.row_lens,
                     self.d_head**-0.5,
                     alibi_slopes,
-                )  # (B, H, dh) fp32
-                return out.to(q.dtype).view(b, self.n_heads * self.d_head)
+                    meta.row_seq,
+                )  # (T, H, dh) in the cache's dtype
+                return out.to(q.dtype).view(q.shape[0], self.n_heads * self.d_head)
             keys, values = _gather(k_cache, v_cache, meta)
         if meta.q_index is None:
             qp = q.view(b, max_q, self.n_heads, self.d_head)
@@ -281,7 +308,11 @@ def _gather(k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata) -> tuple[
     """Each sequence's cached K and V, contiguous: (B, KV, max_seq_len, dh) each."""
     b, s = meta.num_seqs, meta.max_seq_len
     flat = meta.block_tables.view(-1)  # index_select copies whole contiguous blocks
-    _, kv, d, bs = k_cache.shape
-    keys = k_cache.index_select(0, flat).view(b, -1, kv, d, bs).permute(0, 2, 1, 4, 3)
-    values = v_cache.index_select(0, flat).view(b, -1, kv, bs, d).transpose(1, 2)
+    _, kv, dp, bs, p = k_cache.shape
+    d = dp * p
+    # K (B, nblk, KV, D/P, BS, P) -> (B, KV, nblk, BS, D/P, P); V (B, nblk, KV, BS/P, D, P)
+    # -> (B, KV, nblk, BS/P, P, D)
+    keys = k_cache.index_select(0, flat).view(b, -1, kv, dp, bs, p).permute(0, 2, 1, 4, 3, 5)
+    values = v_cache.index_select(0, flat).view(b, -1, kv, bs // p, d, p)
+    values = values.permute(0, 2, 1, 3, 5, 4)
     return keys.reshape(b, kv, -1, d)[:, :, :s], values.reshape(b, kv, -1, d)[:, :, :s]

@@ -26,8 +26,8 @@ BASE_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "
 # Linked in a separate step without the math flags: linking with -ffast-math would add
 # crtfastmath.o, whose constructor sets flush-to-zero for the whole process on load.
 LINK_FLAGS = ["-shared", "-fopenmp"]
-# The decode kernel uses no infinities or NaNs (its running max starts at -1e30), so
-# -ffast-math may vectorize its reductions and call glibc's vector expf.
+# The attention kernels use no infinities or NaNs (the running max starts at -1e30), so
+# -ffast-math may vectorize their reductions and call glibc's vector expf.
 DECODE_FLAGS = [*BASE_FLAGS, "-ffast-math"]
 # The fused elementwise kernels keep IEEE semantics (a NaN stays a NaN) but may reorder sums.
 FUSED_FLAGS = [
@@ -81,82 +81,92 @@ def _library(head_dim: int, block_size: int, group: int) -> ctypes.CDLL | None:
         f"-DBLOCK_SIZE={block_size}",
         f"-DGROUP={group}",
     )
-    lib = _build("paged_decode.c", flags, f"d{head_dim}-bs{block_size}-g{group}")
+    lib = _build("paged_attention.c", flags, f"d{head_dim}-bs{block_size}-g{group}")
     if lib is None:
         return None
-    for name in ("paged_decode_f32", "paged_decode_bf16"):
+    for name in (*_KERNELS.values(), "paged_attention_amx"):
         fn = getattr(lib, name)
         fn.restype = None
-        # q, k, v, tables, lens, out; B, KV, max_blocks; scale; alibi; threads
-        fn.argtypes = (
-            [ctypes.c_void_p] * 6
-            + [ctypes.c_int] * 3
-            + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
-        )
+        # q, k, v, tables, row_seq, lens, out; rows, KV, max_blocks; scale; alibi; threads
+        fn.argtypes = [_P] * 7 + [_I] * 3 + [_F, _P, _I]
+    lib.paged_attention_amx_init.restype, lib.paged_attention_amx_init.argtypes = _I, []
+    lib.amx = bool(lib.paged_attention_amx_init())  # built with AMX, and the OS allows it
     return lib
 
 
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 16, 256, 64
+_KERNELS = {torch.float32: "paged_attention_f32", torch.bfloat16: "paged_attention_bf16"}
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
 def _is_power_of_two(n: int) -> bool:  # the kernel holds a block of scores in one vector
     return n > 0 and n & (n - 1) == 0
 
 
-_KERNELS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
-
-
-def paged_decode_supported(cache: torch.Tensor, n_heads: int, n_kv: int, d_head: int) -> bool:
+def paged_attention_supported(cache: torch.Tensor, n_heads: int, n_kv: int, d_head: int) -> bool:
+    """`cache`: a layer's K pool, (num_blocks, KV, D / P, BS, P) as PagedKVCache lays it out."""
+    block_size = cache.shape[-2]
     return (
         cache.device.type == "cpu"
         and cache.dtype in _KERNELS
         and n_heads // n_kv <= MAX_GROUP
         and d_head <= MAX_HEAD_DIM
-        and cache.shape[-1] <= MAX_BLOCK_SIZE  # k blocks are (KV, D, BS)
-        and _is_power_of_two(cache.shape[-1])
-        and _library(d_head, cache.shape[-1], n_heads // n_kv) is not None
+        and d_head % 2 == 0
+        and 2 <= block_size <= MAX_BLOCK_SIZE
+        and _is_power_of_two(block_size)
+        and _library(d_head, block_size, n_heads // n_kv) is not None
     )
 
 
-def paged_decode(
-    q: torch.Tensor,  # (B, H, D) any float dtype
-    k_cache: torch.Tensor,  # (num_blocks, KV, D, BS)
-    v_cache: torch.Tensor,  # (num_blocks, KV, BS, D)
-    block_tables: torch.Tensor,  # (B, max_blocks) int64
-    seq_lens: torch.Tensor,  # (B,) int64, including the new token
+def paged_attention(
+    q: torch.Tensor,  # (R, H, D) any float dtype, one row per query token
+    k_cache: torch.Tensor,  # (num_blocks, KV, D / P, BS, P)
+    v_cache: torch.Tensor,  # (num_blocks, KV, BS / P, D, P)
+    block_tables: torch.Tensor,  # (B, max_blocks) int64, one per sequence
+    lens: torch.Tensor,  # (R,) int64: keys each row sees (its position + 1)
     scale: float,
     alibi: torch.Tensor | None = None,  # (H,) float32
+    row_seq: torch.Tensor | None = None,  # (R,) int64 sequence of each row; None: row r -> r
+    use_amx: bool = True,
 ) -> torch.Tensor:
-    """Attention of one new token per sequence over its cached context -> (B, H, D) fp32."""
-    b, h, d = q.shape
-    lib = _library(d, k_cache.shape[-1], h // k_cache.shape[1])
-    assert lib is not None, "check paged_decode_supported() first"
-    q = q.float().contiguous()
-    tables = block_tables.contiguous()
-    lens = seq_lens.contiguous()
-    out = torch.empty((b, h, d), dtype=torch.float32)
+    """Attention of each query row over the first lens[row] cached tokens of its sequence
+    (its own K/V must already be in the cache) -> (R, H, D) in the cache's dtype. bf16
+    caches go to the tile unit where the CPU has AMX (and use_amx), else vector code."""
+    r, h, d = q.shape
+    kv, block_size = k_cache.shape[1], k_cache.shape[-2]
+    lib = _library(d, block_size, h // kv)
+    assert lib is not None, "check paged_attention_supported() first"
+    amx = use_amx and lib.amx and k_cache.dtype == torch.bfloat16
+    amx = amx and block_size == AMX_BLOCK_SIZE and d % 32 == 0
+    q = q.to(torch.bfloat16 if amx else torch.float32).contiguous()
+    out = torch.empty((r, h, d), dtype=q.dtype)
+    rows = row_seq.contiguous() if row_seq is not None else None
     slopes = alibi.float().contiguous() if alibi is not None else None
-    getattr(lib, _KERNELS[k_cache.dtype])(
+    name = "paged_attention_amx" if amx else _KERNELS[k_cache.dtype]
+    getattr(lib, name)(
         q.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
-        tables.data_ptr(),
-        lens.data_ptr(),
+        block_tables.contiguous().data_ptr(),
+        _ptr(rows),
+        lens.contiguous().data_ptr(),
         out.data_ptr(),
-        b,
-        k_cache.shape[1],
-        tables.shape[1],
+        r,
+        kv,
+        block_tables.shape[1],
         scale,
-        slopes.data_ptr() if slopes is not None else None,
+        _ptr(slopes),
         torch.get_num_threads(),
     )
-    return out
+    return out.to(k_cache.dtype)
+
+
+AMX_BLOCK_SIZE = 16  # the AMX attention kernel's block: one 16 x 16 tile of scores
 
 
 # ---- fused elementwise kernels (model/kernels/fused.c) ---------------------------------
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
 @functools.cache
@@ -211,13 +221,13 @@ def rope_store(
     n_heads: int,
     n_kv: int,
     d_head: int,
-    cache: tuple[torch.Tensor, torch.Tensor] | None,  # K (nb, KV, D, BS), V (nb, KV, BS, D)
+    cache: tuple[torch.Tensor, torch.Tensor] | None,  # K, V as PagedKVCache.layer() gives
     slot_blocks: torch.Tensor | None,
     slot_offsets: torch.Tensor | None,
 ) -> None:
     cos, sin = (rope[0].contiguous(), rope[1].contiguous()) if rope is not None else (None, None)
     k_cache, v_cache = cache if cache is not None else (None, None)
-    block_size = k_cache.shape[-1] if k_cache is not None else 0
+    block_size = k_cache.shape[-2] if k_cache is not None else 0
     getattr(_fused(), f"rope_store_{_SUFFIX[qkv.dtype]}")(
         qkv.data_ptr(),
         _ptr(cos),

@@ -57,7 +57,8 @@ void NAME(T *x, const T *delta, const T *weight, T *out, int rows, int d, float 
 
 /* RoPE in place on the query and key heads of each row of the fused qkv projection
  * (rows of (H + 2 KV) heads), HF "rotate half" layout; then the row's key and value heads
- * are written into the paged cache (K blocks (KV, D, BS), V blocks (KV, BS, D)).
+ * are written into the paged cache: K blocks (KV, D/P, BS, P), V blocks (KV, BS/P, D, P),
+ * P = 1 for float32 and 2 for bfloat16 (see model/kernels/paged_attention.c).
  * cos/sin: (rows, D) in the model dtype, already at each token's position; NULL: no RoPE. */
 #define DEFINE_ROPE_STORE(NAME, T, LOAD, STORE)                                          \
 void NAME(T *qkv, const T *cos_t, const T *sin_t, int rows, int H, int KV, int D,        \
@@ -81,12 +82,13 @@ void NAME(T *qkv, const T *cos_t, const T *sin_t, int rows, int H, int KV, int D
         }                                                                                \
         if (!k_cache) continue;                                                          \
         const int64_t blk = slot_blocks[r], off = slot_offsets[r];                       \
+        const int P = 4 / (int)sizeof(T);  /* elements per 32-bit lane */               \
         for (int h = 0; h < KV; ++h) {                                                   \
             const T *k = row + (H + h) * D, *v = row + (H + KV + h) * D;                 \
-            T *kb = k_cache + ((blk * KV + h) * (int64_t)D) * BS + off;                  \
-            T *vb = v_cache + ((blk * KV + h) * (int64_t)BS + off) * D;                  \
-            for (int i = 0; i < D; ++i) kb[(int64_t)i * BS] = k[i];                      \
-            memcpy(vb, v, sizeof(T) * D);                                                \
+            T *kb = k_cache + (blk * KV + h) * (int64_t)D * BS + off * P;                \
+            T *vb = v_cache + (blk * KV + h) * (int64_t)D * BS + (off / P) * D * P + off % P; \
+            for (int i = 0; i < D; ++i) kb[(i / P) * BS * P + i % P] = k[i];             \
+            for (int i = 0; i < D; ++i) vb[i * P] = v[i];                                \
         }                                                                                \
     }                                                                                    \
 }

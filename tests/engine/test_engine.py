@@ -200,15 +200,22 @@ def test_validation_names_the_parameter() -> None:
         small.add_request("k", [1] * 10, greedy(10))
 
 
-def test_bf16_packed_batch_equals_each_alone() -> None:
-    """In bf16 (oneDNN-packed weights, C decode kernel) batching still changes nothing."""
-    model = small_model(d_model=64).to(torch.bfloat16)
-    engine = make_engine(model)
-    assert engine.runner.packed == (model.device.type == "cpu")
+@pytest.mark.parametrize("block_size", [4, 16])  # 16 with head size 32: AMX where the CPU has it
+def test_bf16_batched_chunked_and_preempted_equal_each_alone(block_size: int) -> None:
+    """In bf16 (packed weights, C attention kernel) a request's tokens do not depend on
+    what it is batched with, how its prompt is chunked, or whether it was preempted and
+    recomputed: every row is computed the same way (tile linears, one attention kernel)."""
+    model = small_model(vocab=320, d_model=128, d_ff=128).to(torch.bfloat16)
     requests = mixed_requests(12, seed=5)
-    batched = {k: tokens_of(v) for k, v in run_all(engine, requests).items()}
-    for rid, spec in requests.items():
-        assert tokens_of(run_all(engine, {rid + "-solo": spec})[rid + "-solo"]) == batched[rid]
+    solo = make_engine(model, block_size=block_size)
+    assert solo.runner.packed == (model.device.type == "cpu")
+    alone = {rid: tokens_of(run_all(solo, {rid: spec})[rid]) for rid, spec in requests.items()}
+    batched = run_all(make_engine(model, block_size=block_size), requests)
+    assert {rid: tokens_of(out) for rid, out in batched.items()} == alone
+    tight = make_engine(model, block_size=block_size, num_blocks=160 // block_size)
+    preempted = run_all(tight, requests)
+    assert tight.stats.preemptions > 0
+    assert {rid: tokens_of(out) for rid, out in preempted.items()} == alone
 
 
 def test_sampled_id_the_tokenizer_does_not_define() -> None:

@@ -1,4 +1,4 @@
-"""The C paged-decode kernel against torch's attention on gathered K/V."""
+"""The C paged-attention kernels against torch's attention on gathered K/V."""
 
 import os
 import shutil
@@ -9,7 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model.kernels import paged_decode, paged_decode_supported
+from model.attention import PagedKVCache
+from model.config import ModelConfig
+from model.kernels import _library, paged_attention, paged_attention_supported
 from model.layers import alibi_slopes
 
 pytestmark = pytest.mark.skipif(
@@ -18,15 +20,33 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def reference(q, k_cache, v_cache, tables, lens, scale, slopes):
-    b, h, d = q.shape
-    kv = k_cache.shape[1]
+def random_cache(heads, kv_heads, d, bs, dtype, nb=64):
+    """A one-layer PagedKVCache filled with random K/V through its own layout, and the
+    same K (nb, KV, BS, D) and V (nb, KV, BS, D) token-major for the reference."""
+    cfg = ModelConfig(
+        vocab_size=8, d_model=heads * d, n_layers=1, n_heads=heads, n_kv_heads=kv_heads, d_ff=8
+    )
+    cache = PagedKVCache(cfg, nb, bs, dtype, "cpu")
+    k_ref = torch.randn(nb + 1, kv_heads, bs, d).to(dtype)
+    v_ref = torch.randn(nb + 1, kv_heads, bs, d).to(dtype)
+    k_cache, v_cache = cache.layer(0)
+    p = cache.pair
+    # K (nb, KV, D/P, BS, P): element (d, t) at [d // P, t, d % P]
+    k_cache.copy_(k_ref.view(nb + 1, kv_heads, bs, d // p, p).permute(0, 1, 3, 2, 4))
+    # V (nb, KV, BS/P, D, P): element (t, d) at [t // P, d, t % P]
+    v_cache.copy_(v_ref.view(nb + 1, kv_heads, bs // p, p, d).permute(0, 1, 2, 4, 3))
+    return k_cache, v_cache, k_ref, v_ref
+
+
+def reference(q, k_ref, v_ref, tables, row_seq, lens, scale, slopes):
+    r, h, d = q.shape
+    kv, bs = k_ref.shape[1], k_ref.shape[2]
     outs = []
-    for i in range(b):
+    for i in range(r):
         n = int(lens[i])
-        blocks = tables[i, : -(-n // k_cache.shape[-1])]
-        keys = k_cache[blocks].permute(1, 0, 3, 2).reshape(kv, -1, d)[:, :n].float()
-        values = v_cache[blocks].transpose(0, 1).reshape(kv, -1, d)[:, :n].float()
+        blocks = tables[int(row_seq[i]), : -(-n // bs)]
+        keys = k_ref[blocks].transpose(0, 1).reshape(kv, -1, d)[:, :n].float()
+        values = v_ref[blocks].transpose(0, 1).reshape(kv, -1, d)[:, :n].float()
         keys = keys.repeat_interleave(h // kv, 0)
         values = values.repeat_interleave(h // kv, 0)
         mask = None
@@ -34,29 +54,117 @@ def reference(q, k_cache, v_cache, tables, lens, scale, slopes):
             dist = (n - 1 - torch.arange(n)).float()
             mask = (-slopes[:, None] * dist[None, :])[:, None, :]  # (H, 1, n)
         out = F.scaled_dot_product_attention(
-            q[i][:, None], keys, values, attn_mask=mask, scale=scale
+            q[i].float()[:, None], keys, values, attn_mask=mask, scale=scale
         )
         outs.append(out[:, 0])
     return torch.stack(outs)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def amx_available(d: int, bs: int, group: int) -> bool:
+    lib = _library(d, bs, group)
+    return lib is not None and lib.amx and bs == 16 and d % 32 == 0
+
+
+# (rows of sequence 0, 1, 2 as (cached, new)): decodes, prefill chunks, a mix
+BATCHES = {
+    "decodes": [(0, 1), (15, 1), (16, 1), (76, 1), (111, 1)],
+    "prefills": [(0, 37), (16, 20), (3, 1)],
+    "mixed": [(40, 1), (0, 9), (70, 41), (17, 1)],
+}
+
+
+def rows_of(batch):
+    row_seq, lens = [], []
+    for b, (cached, new) in enumerate(batch):
+        row_seq += [b] * new
+        lens += list(range(cached + 1, cached + new + 1))
+    return torch.tensor(row_seq), torch.tensor(lens)
+
+
+KERNELS = [
+    (torch.float32, False),
+    (torch.bfloat16, False),  # vector code on bf16 caches
+    (torch.bfloat16, True),  # the tile unit, where the CPU has AMX
+]
+
+
+@pytest.mark.parametrize(("dtype", "amx"), KERNELS)
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "d", "bs"), [(9, 3, 64, 16), (4, 4, 16, 8), (8, 1, 32, 16)]
+    ("heads", "kv_heads", "d", "bs"),
+    [(9, 3, 64, 16), (4, 4, 16, 8), (8, 1, 32, 16), (8, 2, 128, 16), (6, 2, 32, 32)],
 )
 @pytest.mark.parametrize("alibi", [False, True])
-def test_kernel_matches_torch(dtype, heads, kv_heads, d, bs, alibi) -> None:
-    nb = 64
-    k_cache = torch.randn(nb, kv_heads, d, bs).to(dtype)
-    v_cache = torch.randn(nb, kv_heads, bs, d).to(dtype)
-    assert paged_decode_supported(k_cache, heads, kv_heads, d)
-    lens = torch.tensor([1, bs, bs + 1, 5 * bs - 3, 7 * bs])
-    tables = torch.randperm(nb)[: 5 * 7].view(5, 7)
-    q = torch.randn(5, heads, d)
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_kernel_matches_torch(dtype, amx, heads, kv_heads, d, bs, alibi, batch) -> None:
+    torch.manual_seed(0)
+    if amx and not amx_available(d, bs, heads // kv_heads):
+        pytest.skip("no AMX on this CPU, or a shape the tile kernel does not take")
+    k_cache, v_cache, k_ref, v_ref = random_cache(heads, kv_heads, d, bs, dtype)
+    assert paged_attention_supported(k_cache, heads, kv_heads, d)
+    row_seq, lens = rows_of(BATCHES[batch])
+    width = -(-int(lens.max()) // bs)  # each sequence's blocks, drawn independently
+    tables = torch.stack([torch.randperm(64)[:width] for _ in BATCHES[batch]])
+    q = torch.randn(len(lens), heads, d).to(dtype)
     slopes = alibi_slopes(heads) if alibi else None
-    got = paged_decode(q, k_cache, v_cache, tables, lens, d**-0.5, slopes)
-    want = reference(q, k_cache, v_cache, tables, lens, d**-0.5, slopes)
-    assert (got - want).abs().max().item() < 1e-5
+    got = paged_attention(q, k_cache, v_cache, tables, lens, d**-0.5, slopes, row_seq, amx)
+    assert got.dtype == dtype
+    want = reference(q, k_ref, v_ref, tables, row_seq, lens, d**-0.5, slopes)
+    # fp32: exact math; bf16: the output is rounded to bf16 (and on AMX the probabilities)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (got.float() - want).abs().max().item() < tol
+
+
+@pytest.mark.parametrize(("dtype", "amx"), KERNELS)
+def test_a_row_gets_the_same_bits_however_it_is_batched(dtype, amx) -> None:
+    """A query row's result depends on the row alone: the same bits as a decode on its
+    own, as one token of a prefill chunk, and beside other sequences' rows."""
+    heads, kv_heads, d, bs = 9, 3, 64, 16
+    if amx and not amx_available(d, bs, 3):
+        pytest.skip("no AMX on this CPU")
+    torch.manual_seed(1)
+    k_cache, v_cache, _, _ = random_cache(heads, kv_heads, d, bs, dtype)
+    tables = torch.randperm(64)[:16].view(2, 8)
+    q = torch.randn(120, heads, d).to(dtype)  # query of sequence 0 at each position
+
+    other = torch.randn(7, heads, d).to(dtype)  # rows of sequence 1
+
+    def run(parts):  # (table, cached tokens, query rows) per sequence
+        row_seq, lens = rows_of([(cached, len(rows)) for _, cached, rows in parts])
+        return paged_attention(
+            torch.cat([rows for *_, rows in parts]),
+            k_cache,
+            v_cache,
+            tables[[table for table, _, _ in parts]],
+            lens,
+            0.125,
+            None,
+            row_seq,
+            amx,
+        )
+
+    alone = torch.cat(  # each position as a decode on its own (no row_seq)
+        [
+            paged_attention(
+                q[p : p + 1],
+                k_cache,
+                v_cache,
+                tables[:1],
+                torch.tensor([p + 1]),
+                0.125,
+                use_amx=amx,
+            )
+            for p in range(120)
+        ]
+    )
+    got, start = [], 0
+    for n in (37, 1, 50, 32):  # chunks of sequence 0, each batched with sequence 1
+        mine = (0, start, q[start : start + n])
+        if n == 1:
+            got.append(run([mine, (1, 90, other[:1])])[:1])
+        else:
+            got.append(run([(1, 5, other), mine])[len(other) :])
+        start += n
+    assert torch.equal(torch.cat(got), alone)
 
 
 def test_loading_the_kernels_keeps_subnormal_floats() -> None:

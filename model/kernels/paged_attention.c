@@ -1,0 +1,392 @@
+/* Paged attention on the CPU for any mix of prefill chunks and decodes: every query row
+ * attends to the first lens[row] tokens of its sequence, K/V read straight from the block
+ * pool (no gather), online softmax, GQA by sharing each K/V head across its group of query
+ * heads. A row's result is computed the same way whatever rows share the call (a decode
+ * alone, beside other decodes, or one token of a prefill chunk), so outputs do not depend
+ * on how requests are batched or chunked. Built and loaded by model/kernels/__init__.py, once per
+ * (HEAD_DIM, BLOCK_SIZE, GROUP): constant sizes keep every accumulator in a register.
+ *
+ * Cache layouts (one layer), P = 1 for float32 and 2 for bfloat16 (a 32-bit lane):
+ *   k: (num_blocks, KV, HEAD_DIM / P, BLOCK_SIZE, P)  channel-major: one vector FMA adds
+ *      one channel's contribution to the scores of a whole block of tokens
+ *   v: (num_blocks, KV, BLOCK_SIZE / P, HEAD_DIM, P)
+ * In bfloat16 these are the tile unit's B operands for q.k and p.v (the AMX kernel at the
+ * end of this file).
+ * q: (R, KV * GROUP, HEAD_DIM) float32, one row per query token; out: same shape, float32
+ * k/v: float32 or bfloat16 (uint16 bits); tables: (B, max_blocks) int64, one per sequence;
+ * row_seq: (R,) int64 sequence of each row, or NULL for row r -> sequence r;
+ * lens: (R,) int64 keys each row sees (its position + 1); alibi: (H,) slopes or NULL.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if !defined(HEAD_DIM) || !defined(BLOCK_SIZE) || !defined(GROUP)
+#error "build with -DHEAD_DIM=... -DBLOCK_SIZE=... -DGROUP=..."
+#endif
+
+#define D HEAD_DIM
+#define BS BLOCK_SIZE
+#define G GROUP
+#define DV (D < 16 ? D : 16)
+#if D % DV || D % 2 || BS % 2
+#error "HEAD_DIM must be a multiple of 16 or a power of two below it; BLOCK_SIZE even"
+#endif
+
+typedef float vblk __attribute__((vector_size(BS * 4)));   /* scores of BS tokens */
+typedef int32_t iblk __attribute__((vector_size(BS * 4)));
+typedef float vch __attribute__((vector_size(DV * 4)));    /* DV channels */
+typedef uint32_t uch __attribute__((vector_size(DV * 4)));
+typedef uint32_t ublk __attribute__((vector_size(BS * 4)));
+
+/* exp(x) for x <= 0 on a vector: 2^(x log2 e) = 2^i * 2^f with i the nearest integer
+ * and f in [-0.5, 0.5]; 2^f by a degree-6 minimax polynomial (relative error ~1e-7,
+ * float32 rounding included). Underflows to ~1e-38 below -87. */
+static inline vblk vexp(vblk x) {
+    const vblk lo = (vblk){0} - 87.f;
+    const iblk under = x < lo;
+    x = (vblk)(((iblk)lo & under) | ((iblk)x & ~under));
+    const vblk t = x * 1.44269504f;
+    const vblk u = t + 0.5f;
+    iblk i = __builtin_convertvector(u, iblk);           /* truncation toward zero */
+    i += (iblk)(__builtin_convertvector(i, vblk) > u);   /* -> floor(t + 0.5) */
+    const vblk f = t - __builtin_convertvector(i, vblk);
+    vblk p = f * 1.53337387e-4f + 1.33951858e-3f;
+    p = p * f + 9.61849187e-3f;
+    p = p * f + 5.55034131e-2f;
+    p = p * f + 2.40226477e-1f;
+    p = p * f + 6.93147182e-1f;
+    p = p * f + 1.f;
+    const iblk bits = (i + 127) << 23;
+    return p * (vblk)bits;
+}
+
+/* Two channels (d, d + 1; d even) of a K block, BS keys each. float32 blocks are
+ * (D, BS); bfloat16 blocks (D/2, BS, 2), channel pairs interleaved the way the tile
+ * unit's B operand wants them, so one 32-bit lane holds both channels of a key. */
+static inline void keys2_f32(const float *kb, int d, vblk *a, vblk *b) {
+    memcpy(a, kb + d * BS, sizeof *a);
+    memcpy(b, kb + (d + 1) * BS, sizeof *b);
+}
+static inline void keys2_bf16(const uint16_t *kb, int d, vblk *a, vblk *b) {
+    ublk u;
+    memcpy(&u, kb + d * BS, sizeof u);
+    const ublk lo = u << 16, hi = u & 0xFFFF0000u;
+    memcpy(a, &lo, sizeof *a);
+    memcpy(b, &hi, sizeof *b);
+}
+/* Channels c * DV .. c * DV + DV - 1 of two tokens (t, t + 1; t even) of a V block.
+ * float32 blocks are (BS, D); bfloat16 blocks (BS/2, D, 2), token pairs interleaved. */
+static inline void vals2_f32(const float *vb, int t, int c, vch *a, vch *b) {
+    memcpy(a, vb + t * D + c * DV, sizeof *a);
+    memcpy(b, vb + (t + 1) * D + c * DV, sizeof *b);
+}
+static inline void vals2_bf16(const uint16_t *vb, int t, int c, vch *a, vch *b) {
+    uch u;
+    memcpy(&u, vb + t * D + 2 * c * DV, sizeof u);
+    const uch lo = u << 16, hi = u & 0xFFFF0000u;
+    memcpy(a, &lo, sizeof *a);
+    memcpy(b, &hi, sizeof *b);
+}
+
+static inline float hmax(vblk v) {
+    float a[BS], m;
+    memcpy(a, &v, sizeof a);
+    m = a[0];
+    for (int t = 1; t < BS; ++t) m = a[t] > m ? a[t] : m;
+    return m;
+}
+
+static inline float hsum(vblk v) {
+    float a[BS], s = 0.f;
+    memcpy(a, &v, sizeof a);
+    for (int t = 0; t < BS; ++t) s += a[t];
+    return s;
+}
+
+#define DEFINE_KERNEL(NAME, T, KEYS, VALS)                                                \
+void NAME(const float *q, const T *k, const T *v, const int64_t *tables,                  \
+          const int64_t *row_seq, const int64_t *lens, float *out, int R, int KV,         \
+          int max_blocks, float scale, const float *alibi, int nthreads) {                \
+    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(nthreads)")                \
+    for (int task = 0; task < R * KV; ++task) {                                           \
+        const int b = task / KV, kvh = task % KV, H = KV * G;                             \
+        const int64_t S = lens[b], seq = row_seq ? row_seq[b] : b;                        \
+        float qs[G][D], m[G], l[G];                                                       \
+        vch acc[G][D / DV];                                                               \
+        for (int g = 0; g < G; ++g) {                                                     \
+            const float *qh = q + ((int64_t)b * H + kvh * G + g) * D;                     \
+            for (int d = 0; d < D; ++d) qs[g][d] = qh[d] * scale;                         \
+            for (int c = 0; c < D / DV; ++c) acc[g][c] = (vch){0};                        \
+            m[g] = -1e30f;                                                                \
+            l[g] = 0.f;                                                                   \
+        }                                                                                 \
+        const int nblk = (int)((S + BS - 1) / BS);                                        \
+        for (int j = 0; j < nblk; ++j) {                                                  \
+            const int64_t blk = tables[seq * max_blocks + j];                      \
+            const int64_t rest = S - (int64_t)j * BS;                                     \
+            const int n = rest < BS ? (int)rest : BS;                                     \
+            const T *kb = k + (blk * KV + kvh) * (int64_t)(D * BS);                       \
+            const T *vb = v + (blk * KV + kvh) * (int64_t)(D * BS);                       \
+            if (j + 1 < nblk) {  /* blocks are scattered: fetch the next one meanwhile */ \
+                const int64_t nxt = tables[seq * max_blocks + j + 1];              \
+                const char *pk = (const char *)(k + (nxt * KV + kvh) * (int64_t)(D * BS)); \
+                const char *pv = (const char *)(v + (nxt * KV + kvh) * (int64_t)(D * BS)); \
+                for (int off = 0; off < (int)(D * BS * sizeof(T)); off += 64) {           \
+                    __builtin_prefetch(pk + off);                                         \
+                    __builtin_prefetch(pv + off);                                         \
+                }                                                                         \
+            }                                                                             \
+            vblk sc[G];                                                                   \
+            for (int g = 0; g < G; ++g) sc[g] = (vblk){0};                                \
+            for (int d = 0; d < D; d += 2) {  /* one key vector feeds G FMAs */           \
+                vblk k0, k1;                                                              \
+                KEYS(kb, d, &k0, &k1);                                                    \
+                for (int g = 0; g < G; ++g) sc[g] += qs[g][d] * k0;                       \
+                for (int g = 0; g < G; ++g) sc[g] += qs[g][d + 1] * k1;                   \
+            }                                                                             \
+            float p[G][BS];                                                               \
+            for (int g = 0; g < G; ++g) {                                                 \
+                float s[BS];                                                              \
+                memcpy(s, &sc[g], sizeof s);                                              \
+                if (alibi) {                                                              \
+                    const float slope = alibi[kvh * G + g];                               \
+                    for (int t = 0; t < BS; ++t)                                          \
+                        s[t] -= slope * (float)(S - 1 - ((int64_t)j * BS + t));           \
+                }                                                                         \
+                for (int t = n; t < BS; ++t) s[t] = -1e30f;  /* past the context */       \
+                memcpy(&sc[g], s, sizeof s);                                              \
+                const float bmax = fmaxf(m[g], hmax(sc[g]));                              \
+                const vblk e = vexp(sc[g] - bmax);                                        \
+                const float corr = expf(m[g] - bmax);                                     \
+                l[g] = l[g] * corr + hsum(e);                                             \
+                m[g] = bmax;                                                              \
+                memcpy(p[g], &e, sizeof e);                                               \
+                for (int c = 0; c < D / DV; ++c) acc[g][c] *= corr;                       \
+            }                                                                             \
+            for (int t = 0; t < n; t += 2) {  /* one value vector feeds G FMAs */         \
+                for (int c = 0; c < D / DV; ++c) {                                        \
+                    vch v0, v1;                                                           \
+                    VALS(vb, t, c, &v0, &v1);                                             \
+                    for (int g = 0; g < G; ++g) acc[g][c] += p[g][t] * v0;                \
+                    if (t + 1 < n)                                                        \
+                        for (int g = 0; g < G; ++g) acc[g][c] += p[g][t + 1] * v1;        \
+                }                                                                         \
+            }                                                                             \
+        }                                                                                 \
+        for (int g = 0; g < G; ++g) {                                                     \
+            float *o = out + ((int64_t)b * H + kvh * G + g) * D;                          \
+            const float inv = 1.f / l[g];                                                 \
+            for (int c = 0; c < D / DV; ++c) {                                            \
+                const vch r = acc[g][c] * inv;                                            \
+                memcpy(o + c * DV, &r, sizeof r);                                         \
+            }                                                                             \
+        }                                                                                 \
+    }                                                                                     \
+}
+
+DEFINE_KERNEL(paged_attention_f32, float, keys2_f32, vals2_f32)
+DEFINE_KERNEL(paged_attention_bf16, uint16_t, keys2_bf16, vals2_bf16)
+
+/* ---- bfloat16 on the AMX tile unit ------------------------------------------------------
+ * The same attention for bfloat16 caches on CPUs with AMX, BLOCK_SIZE 16 and HEAD_DIM a
+ * multiple of 32. A task is one K/V head and up to TOK consecutive tokens of a sequence:
+ * their TOK * G query rows (token-major, then head) form one 16-row tile. For each block
+ * of 16 keys the tile unit computes the rows' scores (q.k accumulated in float32); the
+ * online softmax runs per row in float32 vectors; the probabilities are rounded to
+ * bfloat16 and the tile unit computes p.v into a fresh float32 tile, which is added to the
+ * row's accumulator (o = o * correction + p.v). Each row only takes the blocks up to its
+ * own position, and every step is a function of that row alone (tile dot products are per
+ * element), so the result is the same bits whether the row is a decode, one token of a
+ * prefill chunk, or a recomputed token after preemption, and whatever else is batched. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && BS == 16 && \
+    D % 32 == 0
+#include <immintrin.h>
+#include <stdlib.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define TOK (16 / G)  /* tokens per task */
+
+/* Ask the kernel for the AMX register state (once per process). 1 when usable. */
+int paged_attention_amx_init(void) { return syscall(SYS_arch_prctl, 0x1023, 18) == 0; }
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* tmm0: scores (16 rows x 16 keys fp32); tmm1: 32 channels of q (16 x 32 bf16); tmm2: 32
+ * channels of K (16 channel pairs x 16 keys x 2); tmm3: p.v (16 rows x 16 channels fp32);
+ * tmm4: 16 channels of V (8 key pairs x 16 x 2); tmm5: p (16 rows x 16 keys bf16). */
+static void configure_attention(void) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 6; ++t) c.rows[t] = 16, c.colsb[t] = 64;
+    c.rows[4] = BS / 2;
+    c.colsb[5] = BS * 2;
+    _tile_loadconfig(&c);
+}
+
+typedef struct {
+    uint16_t q[16 * D] __attribute__((aligned(64)));
+    float s[16 * BS] __attribute__((aligned(64)));
+    uint16_t p[16 * BS] __attribute__((aligned(64)));
+    float pv[16 * 16] __attribute__((aligned(64)));
+    float o[16 * D] __attribute__((aligned(64)));
+    float m[16] __attribute__((aligned(64)));
+    float l[16] __attribute__((aligned(64)));
+    float corr[16] __attribute__((aligned(64)));
+    int64_t pos[16];
+    __mmask16 active;  /* rows that see any key of the current block */
+} group_state;
+
+/* Scores of block j -> probabilities in st->p, running max/sum and correction per row.
+ * The per-row reductions run one row at a time; the corrections and running sums of all
+ * 16 rows are one vector each (lane i belongs to row i alone). */
+static void softmax_block(group_state *st, int j, int kvh, float scale, const float *alibi) {
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    float bmax[16] __attribute__((aligned(64))), rowsum[16] __attribute__((aligned(64)));
+    __mmask16 active = 0;
+    for (int i = 0; i < 16; ++i) {
+        bmax[i] = st->m[i], rowsum[i] = 0.f;
+        if (st->pos[i] < (int64_t)j * BS) {  /* the row ends before this block */
+            memset(st->p + i * BS, 0, BS * 2);
+            continue;
+        }
+        active |= (__mmask16)(1u << i);
+        const int64_t last = st->pos[i] - (int64_t)j * BS;  /* last key this row sees */
+        const __mmask16 keep =
+            _mm512_cmple_epi32_mask(lane, _mm512_set1_epi32(last < 15 ? (int)last : 15));
+        __m512 sc = _mm512_mul_ps(_mm512_load_ps(st->s + i * BS), _mm512_set1_ps(scale));
+        if (alibi) {  /* -slope * distance, distance = pos - key position */
+            const __m512 dist =
+                _mm512_sub_ps(_mm512_set1_ps((float)last), _mm512_cvtepi32_ps(lane));
+            sc = _mm512_fnmadd_ps(_mm512_set1_ps(alibi[kvh * G + i % G]), dist, sc);
+        }
+        sc = _mm512_mask_blend_ps(keep, _mm512_set1_ps(-1e30f), sc);
+        bmax[i] = fmaxf(st->m[i], _mm512_reduce_max_ps(sc));
+        __m512 ev = _mm512_sub_ps(sc, _mm512_set1_ps(bmax[i]));
+        vblk e;
+        memcpy(&e, &ev, sizeof e);
+        e = vexp(e);
+        memcpy(&ev, &e, sizeof ev);
+        const __m256bh pb = _mm512_cvtneps_pbh(_mm512_maskz_mov_ps(keep, ev));
+        _mm256_store_si256((__m256i *)(st->p + i * BS), (__m256i)pb);
+        rowsum[i] = _mm512_reduce_add_ps(_mm512_cvtpbh_ps(pb));  /* the weights p.v uses */
+    }
+    const __m512 m = _mm512_load_ps(st->m), bm = _mm512_load_ps(bmax);
+    vblk d;
+    const __m512 diff = _mm512_sub_ps(m, bm);
+    memcpy(&d, &diff, sizeof d);
+    d = vexp(d);
+    __m512 corr;
+    memcpy(&corr, &d, sizeof corr);
+    corr = _mm512_mask_blend_ps(active, _mm512_set1_ps(1.f), corr);
+    _mm512_store_ps(st->corr, corr);
+    const __m512 l = _mm512_fmadd_ps(_mm512_load_ps(st->l), corr, _mm512_load_ps(rowsum));
+    _mm512_store_ps(st->l, _mm512_mask_blend_ps(active, _mm512_load_ps(st->l), l));
+    _mm512_store_ps(st->m, bm);
+    st->active = active;
+}
+
+static void attend_group(const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                         const int64_t *tables, const int64_t *lens, uint16_t *out, int r0,
+                         int ntok, int64_t seq, int kvh, int KV, int max_blocks, float scale,
+                         const float *alibi) {
+    group_state st;
+    const int H = KV * G, nr = ntok * G;
+    memset(st.q, 0, sizeof st.q);
+    memset(st.o, 0, sizeof st.o);
+    for (int i = 0; i < 16; ++i) {
+        st.m[i] = -1e30f, st.l[i] = 0.f, st.pos[i] = -1;
+        if (i >= nr) continue;
+        const int64_t row = r0 + i / G;
+        memcpy(st.q + i * D, q + (row * H + kvh * G + i % G) * D, D * 2);
+        st.pos[i] = lens[row] - 1;
+    }
+    const int nblk = (int)(st.pos[nr - 1] / BS) + 1;
+    for (int j = 0; j < nblk; ++j) {
+        const int64_t blk = tables[seq * max_blocks + j];
+        const uint16_t *kb = k + (blk * KV + kvh) * (int64_t)(D * BS);
+        const uint16_t *vb = v + (blk * KV + kvh) * (int64_t)(D * BS);
+        if (j + 1 < nblk) {  /* blocks are scattered: fetch the next one meanwhile */
+            const int64_t nxt = tables[seq * max_blocks + j + 1];
+            const char *pk = (const char *)(k + (nxt * KV + kvh) * (int64_t)(D * BS));
+            const char *pv = (const char *)(v + (nxt * KV + kvh) * (int64_t)(D * BS));
+            for (int off = 0; off < D * BS * 2; off += 64) {
+                __builtin_prefetch(pk + off);
+                __builtin_prefetch(pv + off);
+            }
+        }
+        _tile_zero(0);
+        for (int c = 0; c < D; c += 32) {
+            _tile_loadd(1, st.q + c, D * 2);
+            _tile_loadd(2, kb + c * BS, 64);
+            _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, st.s, BS * 4);
+        softmax_block(&st, j, kvh, scale, alibi);
+        _tile_loadd(5, st.p, BS * 2);
+        for (int c = 0; c < D; c += 16) {
+            _tile_zero(3);
+            _tile_loadd(4, vb + 2 * c, D * 4);
+            _tile_dpbf16ps(3, 5, 4);
+            _tile_stored(3, st.pv, 64);
+            for (int i = 0; i < nr; ++i) {
+                if (!(st.active >> i & 1)) continue;
+                float *o = st.o + i * D + c;
+                _mm512_store_ps(o, _mm512_fmadd_ps(_mm512_load_ps(o), _mm512_set1_ps(st.corr[i]),
+                                                   _mm512_load_ps(st.pv + i * 16)));
+            }
+        }
+    }
+    for (int i = 0; i < nr; ++i) {
+        const __m512 inv = _mm512_set1_ps(1.f / st.l[i]);
+        uint16_t *dst = out + ((r0 + i / G) * (int64_t)H + kvh * G + i % G) * D;
+        for (int c = 0; c < D; c += 16)
+            _mm256_storeu_si256((__m256i *)(dst + c),
+                                (__m256i)_mm512_cvtneps_pbh(
+                                    _mm512_mul_ps(_mm512_load_ps(st.o + i * D + c), inv)));
+    }
+}
+
+/* q, out: (R, KV * G, D) bfloat16; the rest as for paged_attention_bf16. */
+void paged_attention_amx(const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                         const int64_t *tables, const int64_t *row_seq, const int64_t *lens,
+                         uint16_t *out, int R, int KV, int max_blocks, float scale,
+                         const float *alibi, int nthreads) {
+    int *starts = malloc(sizeof(int) * (R + 1)), ng = 0;
+    for (int r = 0; r < R; ++r)  /* runs of up to TOK rows of one sequence */
+        if (!row_seq || r == 0 || row_seq[r] != row_seq[r - 1] || r - starts[ng - 1] == TOK)
+            starts[ng++] = r;
+    starts[ng] = R;
+#pragma omp parallel num_threads(nthreads)
+    {
+        configure_attention();
+#pragma omp for schedule(dynamic, 1)
+        for (int task = 0; task < ng * KV; ++task) {
+            const int grp = task / KV, r0 = starts[grp];
+            attend_group(q, k, v, tables, lens, out, r0, starts[grp + 1] - r0,
+                         row_seq ? row_seq[r0] : r0, task % KV, KV, max_blocks, scale, alibi);
+        }
+        _tile_release();
+    }
+    free(starts);
+}
+
+#else
+
+int paged_attention_amx_init(void) { return 0; }
+
+void paged_attention_amx(const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                         const int64_t *tables, const int64_t *row_seq, const int64_t *lens,
+                         uint16_t *out, int R, int KV, int max_blocks, float scale,
+                         const float *alibi, int nthreads) {
+    (void)q, (void)k, (void)v, (void)tables, (void)row_seq, (void)lens, (void)out, (void)R;
+    (void)KV, (void)max_blocks, (void)scale, (void)alibi, (void)nthreads;
+}
+
+#endif
