@@ -12,9 +12,11 @@ from model.config import ModelConfig, RopeScaling
 from model.kernels import (
     add_rms_norm,
     fused_supported,
+    swiglu_layout,
     tile_layout,
     tile_linear,
     tile_linear_supported,
+    tile_swiglu,
 )
 
 
@@ -33,16 +35,22 @@ class Linear(nn.Linear):
     _packed: Tensor | None = None  # oneDNN's layout
     _tiles: Tensor | None = None  # tile_layout()
     _bias32: Tensor | None = None
+    gated = False  # packed as a fused SwiGLU (pack(swiglu=True)): forward gives silu(g) * u
 
-    def pack(self) -> None:
+    def pack(self, swiglu: bool = False) -> None:
+        """swiglu: this is the (gate | up) projection of a SwiGLU; where the tile kernel
+        takes it, forward then returns silu(gate) * up in one pass (see `gated`)."""
         w = self.weight.detach()
         if tile_linear_supported(w):
-            self._tiles = tile_layout(w)
-            self._bias32 = self.bias.detach().float() if self.bias is not None else None
+            b = self.bias.detach().float() if self.bias is not None else None
+            self.gated = swiglu and w.shape[0] % 128 == 0
+            if self.gated:
+                w, b = swiglu_layout(w), swiglu_layout(b) if b is not None else None
+            self._tiles, self._bias32 = tile_layout(w), b
         else:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
         self.weight = nn.Parameter(
-            torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False
+            torch.empty(self.weight.shape, dtype=w.dtype, device="meta"), requires_grad=False
         )
 
     @property
@@ -50,6 +58,8 @@ class Linear(nn.Linear):
         return self._tiles is not None or self._packed is not None
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.gated:
+            return tile_swiglu(x.to(torch.bfloat16), self._tiles, self._bias32)
         if self._tiles is not None:
             return tile_linear(x.to(torch.bfloat16), self._tiles, self._bias32)
         if self._packed is None:
@@ -117,7 +127,13 @@ class SwiGLU(nn.Module):
         self.w_in = Linear(cfg.d_model, 2 * cfg.d_ff, bias=cfg.mlp_bias)
         self.w_out = Linear(cfg.d_ff, cfg.d_model, bias=cfg.mlp_bias)
 
+    def pack(self) -> None:
+        self.w_in.pack(swiglu=True)
+        self.w_out.pack()
+
     def forward(self, x: Tensor) -> Tensor:
+        if self.w_in.gated:  # the tile kernel applied silu(gate) * up already
+            return self.w_out(self.w_in(x))
         gate, up = self.w_in(x).split(self.d_ff, dim=-1)  # (T, d_ff) each
         return self.w_out(F.silu(gate) * up)
 

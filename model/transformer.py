@@ -9,6 +9,7 @@ from model.attention import Attention, AttentionMetadata, PagedKVCache
 from model.config import ModelConfig
 from model.layers import (
     Linear,
+    SwiGLU,
     add_norm,
     alibi_slopes,
     can_pack,
@@ -99,8 +100,9 @@ class Transformer(nn.Module):
             head.weight = nn.Parameter(self.embed.weight.detach(), requires_grad=False)
             head.pack()
             self._head = head
-        for module in self.modules():
-            if isinstance(module, Linear) and not module.packed:
+        for module in self.modules():  # a SwiGLU comes before its linears and packs both
+            ffn = isinstance(module, SwiGLU) and not module.w_in.packed
+            if ffn or (isinstance(module, Linear) and not module.packed):
                 module.pack()
         return True
 

@@ -258,6 +258,8 @@ def _tiles() -> ctypes.CDLL | None:
     lib.linear_bf16_init.restype, lib.linear_bf16_init.argtypes = ctypes.c_int, []
     lib.linear_bf16.restype = None
     lib.linear_bf16.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I]
+    lib.swiglu_bf16.restype = None
+    lib.swiglu_bf16.argtypes = [_P, _P, _P, _P, _P, _I, _I, _I, _I]
     if not lib.linear_bf16_init():  # built without AMX, or the OS refuses the tile state
         log.info("no AMX tiles on this CPU: bf16 linears use oneDNN")
         return None
@@ -279,6 +281,37 @@ def tile_layout(weight: torch.Tensor) -> torch.Tensor:
     """(N, K) -> (N/64, K/2, 64, 2): the layout linear_bf16.c reads."""
     n, k = weight.shape
     return weight.reshape(n // TILE_N, TILE_N, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def swiglu_layout(weight: torch.Tensor) -> torch.Tensor:
+    """Rows of a fused (gate | up) weight (2F, ...) or bias (2F,) reordered so that its
+    64-row blocks alternate gate, up: the order swiglu_bf16 reads (F a multiple of 64)."""
+    f = weight.shape[0] // 2
+    blocks = weight.reshape(2, f // TILE_N, TILE_N, *weight.shape[1:]).transpose(0, 1)
+    return blocks.reshape(weight.shape)
+
+
+def tile_swiglu(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """silu(x @ Wg^T + bg) * (x @ Wu^T + bu) -> (..., F) bf16 in one pass, (Wg | Wu) given
+    as tile_layout(swiglu_layout(W)) and bias as swiglu_layout(b) in fp32 (or None)."""
+    blocks, half_k, _, _ = tiles.shape
+    n, k = blocks * TILE_N, half_k * 2
+    flat = x.reshape(-1, k).contiguous()
+    out = torch.empty((flat.shape[0], n // 2), dtype=torch.bfloat16)
+    if flat.shape[0]:
+        scratch = torch.empty_like(out)
+        _tiles().swiglu_bf16(
+            flat.data_ptr(),
+            tiles.data_ptr(),
+            _ptr(bias),
+            out.data_ptr(),
+            scratch.data_ptr(),
+            flat.shape[0],
+            n,
+            k,
+            torch.get_num_threads(),
+        )
+    return out.view(*x.shape[:-1], n // 2)
 
 
 def tile_linear(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -24,6 +24,10 @@
 
 #define NB 64          /* output features per block */
 #define KSTEP 32       /* k per AMX tile */
+/* The 1x4 kernel streams its weight block from memory (few rows: nothing to reuse); it
+ * asks for the next k step's B tiles (4 KB) while this one's dot products run. 2 KB or
+ * 8-16 KB ahead measured slower (benchmarks/linear_kernels.py, 1-16 rows). */
+#define PREFETCH_AHEAD 4096
 #define M_CHUNK 256    /* rows of x kept hot in L2 while the weight blocks pass */
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -67,14 +71,43 @@ typedef struct {
     int rows, width; /* of the waiting block; rows 0 when none waits */
     const float *bias;
     uint16_t *out;
+    const uint16_t *gate; /* SwiGLU: the rounded gate block this (up) block multiplies */
 } epilogue;
 
+/* exp(x) in float32: 2^(x log2 e) = 2^n * 2^f, n the nearest integer, 2^f by a degree-6
+ * minimax polynomial on [-0.5, 0.5]; scalef saturates to 0 and inf. */
+static inline __m512 exp512(__m512 x) {
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.53337387e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.33951858e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.61849187e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.55034131e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40226477e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93147182e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __m512 round_bf16(__m512 v) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v)); }
+
+/* Round the waiting block (+ bias) to bf16 and store it; for an up block of a SwiGLU,
+ * store silu(gate) * up instead, rounded step by step as the unfused bf16 ops do. */
 static void flush(epilogue *e, int n) {
     const float *acc = e->acc[e->cur ^ 1];
     for (int r = 0; r < e->rows; ++r)
         for (int j = 0; j < e->width; j += 16) {
             __m512 v = _mm512_load_ps(acc + r * e->width + j);
             if (e->bias) v = _mm512_add_ps(v, _mm512_loadu_ps(e->bias + j));
+            if (e->gate) {
+                const __m512 g = _mm512_cvtpbh_ps(
+                    (__m256bh)_mm256_loadu_si256((const __m256i *)(e->gate + (long)r * n + j)));
+                const __m512 one = _mm512_set1_ps(1.f);
+                const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp512(
+                                                          _mm512_sub_ps(_mm512_setzero_ps(), g))));
+                v = _mm512_mul_ps(round_bf16(silu), round_bf16(v));
+            }
             _mm256_storeu_si256((__m256i *)(e->out + (long)r * n + j),
                                 (__m256i)_mm512_cvtneps_pbh(v));
         }
@@ -82,12 +115,13 @@ static void flush(epilogue *e, int n) {
 }
 
 /* Flush the previous block, then store tiles 0-3 (a rows x width block) for later. */
-#define HAND_OVER(e, n, rows_, width_, bias_, out_, STORE_TILES)                            \
+#define HAND_OVER(e, n, rows_, width_, bias_, out_, gate_, STORE_TILES)                     \
     do {                                                                                 \
         flush(e, n);                                                                     \
         float *acc = (e)->acc[(e)->cur];                                                 \
         STORE_TILES;                                                                     \
         (e)->rows = rows_, (e)->width = width_, (e)->bias = bias_, (e)->out = out_;      \
+        (e)->gate = gate_;                                                               \
         (e)->cur ^= 1;                                                                   \
     } while (0)
 
@@ -100,10 +134,12 @@ static inline void zero_c(void) {
 
 /* Up to 16 rows of x (row-major, k columns) against one 64-feature block. */
 static void amx_1x4(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
-                    int rows, int n, int k, epilogue *e) {
+                    const uint16_t *gate, int rows, int n, int k, epilogue *e) {
     zero_c();
     for (int kk = 0; kk < k; kk += KSTEP) {
         const uint16_t *b = w + (long)(kk / 2) * (2 * NB);
+        for (int off = 0; off < KSTEP / 2 * NB * 4; off += 64)
+            _mm_prefetch((const char *)b + PREFETCH_AHEAD + off, _MM_HINT_T0);
         _tile_loadd(4, x + kk, k * 2);
         _tile_loadd(5, b, 4 * NB);
         _tile_dpbf16ps(0, 4, 5);
@@ -114,7 +150,7 @@ static void amx_1x4(const uint16_t *x, const uint16_t *w, const float *bias, uin
         _tile_loadd(5, b + 96, 4 * NB);
         _tile_dpbf16ps(3, 4, 5);
     }
-    HAND_OVER(e, n, rows, NB, bias, out, {
+    HAND_OVER(e, n, rows, NB, bias, out, gate, {
         _tile_stored(0, acc, NB * 4);
         _tile_stored(1, acc + 16, NB * 4);
         _tile_stored(2, acc + 32, NB * 4);
@@ -125,7 +161,7 @@ static void amx_1x4(const uint16_t *x, const uint16_t *w, const float *bias, uin
 /* 32 rows of x against 32 features (half of a block): tmm0-3 C (2 x 2), tmm4-5 A,
  * tmm6-7 B. Each B tile serves two A tiles and each A tile two B tiles. */
 static void amx_2x2(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
-                    int n, int k, epilogue *e) {
+                    const uint16_t *gate, int n, int k, epilogue *e) {
     zero_c();
     for (int kk = 0; kk < k; kk += KSTEP) {
         const uint16_t *b = w + (long)(kk / 2) * (2 * NB);
@@ -138,7 +174,7 @@ static void amx_2x2(const uint16_t *x, const uint16_t *w, const float *bias, uin
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
     }
-    HAND_OVER(e, n, 32, 32, bias, out, {
+    HAND_OVER(e, n, 32, 32, bias, out, gate, {
         _tile_stored(0, acc, 128);
         _tile_stored(1, acc + 16, 128);
         _tile_stored(2, acc + 16 * 32, 128);
@@ -150,25 +186,57 @@ static void amx_2x2(const uint16_t *x, const uint16_t *w, const float *bias, uin
  * Pairs of 16-row tiles go one half-block at a time, so the half-block's weights (32
  * features x K) stay in L1 while the rows pass; the last < 32 rows take the 1x4 path. */
 static void amx_rows(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
-                     int m0, int m1, int n, int k, int *configured, epilogue *e) {
+                     const uint16_t *gate, int m0, int m1, int n, int k, int *configured,
+                     epilogue *e) {
     const int pairs_end = m0 + (m1 - m0) / 32 * 32;
     if (pairs_end > m0 && *configured != 16) configure(*configured = 16);
     for (int half = 0; half < 2; ++half)
         for (int r = m0; r < pairs_end; r += 32)
             amx_2x2(x + (long)r * k, w + half * 64, bias ? bias + half * 32 : 0,
-                    out + (long)r * n + half * 32, n, k, e);
+                    out + (long)r * n + half * 32, gate ? gate + (long)r * n + half * 32 : 0, n,
+                    k, e);
     for (int r = pairs_end; r < m1; r += 16) {
         const int rows = m1 - r < 16 ? m1 - r : 16;
         if (*configured != rows) configure(*configured = rows);
-        amx_1x4(x + (long)r * k, w, bias, out + (long)r * n, rows, n, k, e);
+        amx_1x4(x + (long)r * k, w, bias, out + (long)r * n, gate ? gate + (long)r * n : 0, rows,
+                n, k, e);
     }
 }
 
-void linear_bf16(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out, int m,
-                 int n, int k, int nthreads) {
-    const int blocks = n / NB;
+/* Blocks [b0, b1) of one thread. Plain: block b -> columns b * NB of out (row stride n).
+ * SwiGLU (w's blocks alternate gate, up): gate block 2i is rounded into scratch, then up
+ * block 2i + 1 writes silu(gate) * up to columns i * NB of out (both row stride n / 2).
+ * A thread's blocks come in whole pairs, so the gate is always stored first. */
+static void run_blocks(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
+                       uint16_t *scratch, int m, int n, int k, int b0, int b1) {
     const long block_elems = (long)k * NB;
-    if (nthreads > blocks) nthreads = blocks;
+    const int stride = scratch ? n / 2 : n;
+    int configured = 0;
+    epilogue e;
+    e.cur = 0;
+    e.rows = 0;
+    for (int m0 = 0; m0 < m; m0 += M_CHUNK) {
+        const int m1 = m0 + M_CHUNK < m ? m0 + M_CHUNK : m;
+        for (int b = b0; b < b1; ++b) {
+            uint16_t *dst = out + b * NB;
+            const uint16_t *gate = 0;
+            if (scratch) {
+                dst = (b % 2 ? out : scratch) + b / 2 * NB;
+                gate = b % 2 ? scratch + b / 2 * NB : 0;
+            }
+            amx_rows(x, w + b * block_elems, bias ? bias + b * NB : 0, dst, gate, m0, m1, stride,
+                     k, &configured, &e);
+        }
+    }
+    flush(&e, stride);
+    if (configured) _tile_release();
+}
+
+static void run(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
+                uint16_t *scratch, int m, int n, int k, int nthreads) {
+    const int unit = scratch ? 2 : 1;  /* blocks that must stay on one thread */
+    const int units = n / NB / unit;
+    if (nthreads > units) nthreads = units;
 #pragma omp parallel num_threads(nthreads)
     {
         int t = 0, nt = 1;
@@ -176,20 +244,22 @@ void linear_bf16(const uint16_t *x, const uint16_t *w, const float *bias, uint16
         t = omp_get_thread_num();
         nt = omp_get_num_threads();
 #endif
-        const int b0 = (int)((long)blocks * t / nt), b1 = (int)((long)blocks * (t + 1) / nt);
-        int configured = 0;
-        epilogue e;
-        e.cur = 0;
-        e.rows = 0;
-        for (int m0 = 0; m0 < m; m0 += M_CHUNK) {
-            const int m1 = m0 + M_CHUNK < m ? m0 + M_CHUNK : m;
-            for (int b = b0; b < b1; ++b)
-                amx_rows(x, w + b * block_elems, bias ? bias + b * NB : 0, out + b * NB, m0, m1,
-                         n, k, &configured, &e);
-        }
-        flush(&e, n);
-        if (configured) _tile_release();
+        const int u0 = (int)((long)units * t / nt), u1 = (int)((long)units * (t + 1) / nt);
+        run_blocks(x, w, bias, out, scratch, m, n, k, u0 * unit, u1 * unit);
     }
+}
+
+void linear_bf16(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out, int m,
+                 int n, int k, int nthreads) {
+    run(x, w, bias, out, 0, m, n, k, nthreads);
+}
+
+/* out (m, n/2) = silu(x @ Wg^T + bg) * (x @ Wu^T + bu) with the gate and up projections
+ * as one weight whose 64-feature blocks alternate gate, up (swiglu_layout in
+ * model/kernels/__init__.py); scratch: (m, n/2) bf16 for the rounded gate. */
+void swiglu_bf16(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
+                 uint16_t *scratch, int m, int n, int k, int nthreads) {
+    run(x, w, bias, out, scratch, m, n, k, nthreads);
 }
 
 #else
@@ -199,6 +269,12 @@ int linear_bf16_init(void) { return 0; }
 void linear_bf16(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out, int m,
                  int n, int k, int nthreads) {
     (void)x, (void)w, (void)bias, (void)out, (void)m, (void)n, (void)k, (void)nthreads;
+}
+
+void swiglu_bf16(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
+                 uint16_t *scratch, int m, int n, int k, int nthreads) {
+    (void)x, (void)w, (void)bias, (void)out, (void)scratch, (void)m, (void)n, (void)k;
+    (void)nthreads;
 }
 
 #endif

@@ -1,12 +1,20 @@
 """The AMX tile kernel for bf16 linears (model/kernels/linear_bf16.c) against fp32 matmul,
-and its promise that a row's result does not depend on the rows beside it."""
+and its promise that a row's result does not depend on the rows beside it; its fused
+SwiGLU against the unfused ops."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from model.kernels import tile_layout, tile_linear, tile_linear_supported
-from model.layers import Linear
+from model.config import ModelConfig
+from model.kernels import (
+    swiglu_layout,
+    tile_layout,
+    tile_linear,
+    tile_linear_supported,
+    tile_swiglu,
+)
+from model.layers import Linear, SwiGLU
 
 pytestmark = pytest.mark.skipif(
     not tile_linear_supported(torch.empty(64, 32, dtype=torch.bfloat16)),
@@ -72,3 +80,41 @@ def test_linear_packs_into_tiles_where_the_shape_allows() -> None:
     for layer, want in zip((fits, odd), before):
         assert layer.packed and layer.weight.device.type == "meta"
         torch.testing.assert_close(layer(x).float(), want, rtol=8e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize(("f", "k"), [(64, 32), (192, 96), (1536, 576)])
+@pytest.mark.parametrize("rows", [1, 16, 45, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fused_swiglu_matches_the_unfused_bf16_ops(
+    f: int, k: int, rows: int, with_bias: bool
+) -> None:
+    w, bias = weights(2 * f, k, seed=2)
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    b = bias if with_bias else None
+    got = tile_swiglu(x, tile_layout(swiglu_layout(w)), swiglu_layout(b) if b is not None else None)
+    gate, up = tile_linear(x, tile_layout(w), b).split(f, dim=-1)
+    want = F.silu(gate) * up  # what SwiGLU computes without the fused kernel
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, f)
+    # the same roundings; silu's exp differs from torch's in the last float32 bits, which
+    # can move a result by one bf16 ulp
+    torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=1e-3)
+    assert (got == want).float().mean().item() > 0.97
+    assert torch.equal(
+        tile_swiglu(x[-1:], tile_layout(swiglu_layout(w)), None),
+        tile_swiglu(x, tile_layout(swiglu_layout(w)), None)[-1:],
+    )
+
+
+def test_swiglu_module_packs_fused_where_the_shape_allows() -> None:
+    cfg = ModelConfig(vocab_size=8, d_model=64, n_layers=1, n_heads=2, d_ff=192)
+    torch.manual_seed(0)
+    ffn = SwiGLU(cfg).to(torch.bfloat16)
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        want = ffn(x)
+        ffn.pack()
+        assert ffn.w_in.gated and ffn.w_out.packed
+        torch.testing.assert_close(ffn(x).float(), want.float(), rtol=2e-2, atol=2e-3)
+    odd = SwiGLU(ModelConfig(vocab_size=8, d_model=64, n_layers=1, n_heads=2, d_ff=96))
+    odd.to(torch.bfloat16).pack()  # 2 x 96 rows: no whole gate/up block pairs
+    assert not odd.w_in.gated and odd.w_in.packed
