@@ -102,3 +102,27 @@ def test_context_length_enforced() -> None:
     model = tiny_model(max_position=16)
     with pytest.raises(ValueError, match="context length"):
         model(torch.zeros(17, dtype=torch.long))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@torch.no_grad()
+def test_torch_attention_path_reads_the_paired_layout(monkeypatch, dtype) -> None:
+    """Where no C kernel applies (CUDA, no compiler, float16) K/V are written with index_put
+    and gathered for SDPA; bf16 and fp16 blocks interleave pairs (PagedKVCache), which this
+    path must undo: chunked prefill then decodes equal one full forward."""
+    import model.attention as attention
+
+    monkeypatch.setattr(attention, "fused_supported", lambda x: False)
+    monkeypatch.setattr(attention, "paged_attention_supported", lambda *a: False)
+    model = tiny_model(n_kv_heads=2).to(dtype)
+    tokens = torch.randint(0, 97, (37,))
+    full = model(tokens).float()
+    cache = PagedKVCache(model.cfg, 12, 8, dtype, "cpu")
+    assert cache.pair == (1 if dtype == torch.float32 else 2)
+    table, start, outs = [4, 7, 1, 9, 2], 0, []
+    for n in [13, 8, 5, 1, 1, 9]:
+        meta = AttentionMetadata.paged([table], [start], [n], 8)
+        outs.append(model(tokens[start : start + n], meta, cache).float())
+        start += n
+    atol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(torch.cat(outs), full, atol=atol, rtol=0)
