@@ -110,12 +110,12 @@ void NAME(const float *q, const T *k, const T *v, const int64_t *tables,        
           int max_blocks, float scale, const float *alibi, int nthreads) {                \
     _Pragma("omp parallel for schedule(dynamic, 1) num_threads(nthreads)")                \
     for (int task = 0; task < R * KV; ++task) {                                           \
-        const int b = task / KV, kvh = task % KV, H = KV * G;                             \
-        const int64_t S = lens[b], seq = row_seq ? row_seq[b] : b;                        \
+        const int row = task / KV, kvh = task % KV, H = KV * G;                           \
+        const int64_t S = lens[row], seq = row_seq ? row_seq[row] : row;                  \
         float qs[G][D], m[G], l[G];                                                       \
         vch acc[G][D / DV];                                                               \
         for (int g = 0; g < G; ++g) {                                                     \
-            const float *qh = q + ((int64_t)b * H + kvh * G + g) * D;                     \
+            const float *qh = q + ((int64_t)row * H + kvh * G + g) * D;                   \
             for (int d = 0; d < D; ++d) qs[g][d] = qh[d] * scale;                         \
             for (int c = 0; c < D / DV; ++c) acc[g][c] = (vch){0};                        \
             m[g] = -1e30f;                                                                \
@@ -123,13 +123,13 @@ void NAME(const float *q, const T *k, const T *v, const int64_t *tables,        
         }                                                                                 \
         const int nblk = (int)((S + BS - 1) / BS);                                        \
         for (int j = 0; j < nblk; ++j) {                                                  \
-            const int64_t blk = tables[seq * max_blocks + j];                      \
+            const int64_t blk = tables[seq * max_blocks + j];                             \
             const int64_t rest = S - (int64_t)j * BS;                                     \
             const int n = rest < BS ? (int)rest : BS;                                     \
             const T *kb = k + (blk * KV + kvh) * (int64_t)(D * BS);                       \
             const T *vb = v + (blk * KV + kvh) * (int64_t)(D * BS);                       \
             if (j + 1 < nblk) {  /* blocks are scattered: fetch the next one meanwhile */ \
-                const int64_t nxt = tables[seq * max_blocks + j + 1];              \
+                const int64_t nxt = tables[seq * max_blocks + j + 1];                     \
                 const char *pk = (const char *)(k + (nxt * KV + kvh) * (int64_t)(D * BS)); \
                 const char *pv = (const char *)(v + (nxt * KV + kvh) * (int64_t)(D * BS)); \
                 for (int off = 0; off < (int)(D * BS * sizeof(T)); off += 64) {           \
@@ -175,7 +175,7 @@ void NAME(const float *q, const T *k, const T *v, const int64_t *tables,        
             }                                                                             \
         }                                                                                 \
         for (int g = 0; g < G; ++g) {                                                     \
-            float *o = out + ((int64_t)b * H + kvh * G + g) * D;                          \
+            float *o = out + ((int64_t)row * H + kvh * G + g) * D;                        \
             const float inv = 1.f / l[g];                                                 \
             for (int c = 0; c < D / DV; ++c) {                                            \
                 const vch r = acc[g][c] * inv;                                            \
