@@ -23,7 +23,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model directory (default: the random demo model)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument(
-        "--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16"
+        "--dtype",
+        default="auto",
+        help="auto (bf16 on CUDA and on CPUs with AMX, else fp32), float32, bfloat16",
     )
 
 

@@ -25,7 +25,9 @@ class Settings:
     device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, cuda:N"})
     dtype: str = field(
         default="auto",
-        metadata={"help": "auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16"},
+        metadata={
+            "help": "auto (bf16 on CUDA and on CPUs with AMX, else fp32), float32, bfloat16, float16"
+        },
     )
     kv_cache_gib: float = field(default=1.0, metadata={"help": "KV cache budget on the CPU, GiB"})
     gpu_memory_fraction: float = field(

@@ -5,8 +5,10 @@ import subprocess
 import threading
 
 import httpx
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from model.device import dtype_name, pick_dtype
 from tests.deploy.tools import promtool
 from tests.live_server import Server
 
@@ -83,4 +85,5 @@ def test_metrics_lint_and_count_traffic(server: Server) -> None:
     )
     assert after["kvserve_kv_cache_capacity_bytes{}"] > 0
     info = [k for k in after if k.startswith("kvserve_model_info")]
-    assert info and "dtype=float32" in info[0] and "device=cpu" in info[0]
+    auto = dtype_name(pick_dtype("auto", torch.device("cpu")))  # bf16 where the CPU has AMX
+    assert info and f"dtype={auto}" in info[0] and "device=cpu" in info[0]

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from model.demo import DEMO_MODEL_ID, build_demo_model
+from model.device import pick_dtype
 from model.generate import generate
 from model.loader import load
 from model.tokenizer import TokenizerError
@@ -50,7 +51,9 @@ def test_cli_generate_and_audit(capsys: pytest.CaptureFixture[str]) -> None:
     assert out.out.startswith("Hello") and "4 generated" in out.err
     assert main(["audit"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["model"] == DEMO_MODEL_ID and report["kv_bytes_per_token"] == 2 * 2 * 64 * 4 * 4
+    itemsize = pick_dtype("auto", torch.device("cpu")).itemsize  # bf16 where the CPU has AMX
+    assert report["model"] == DEMO_MODEL_ID
+    assert report["kv_bytes_per_token"] == 2 * 2 * 64 * 4 * itemsize
     assert main(["audit", "--model", "/nonexistent"]) == 2
     assert "model directory not found" in capsys.readouterr().err
 
@@ -104,3 +107,16 @@ def test_cli_plan(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert big["kv_bytes_per_token"] == 327_680 and big["fits"] is False and big["kv_tokens"] == 0
     assert main(["plan", "--dtype", "float32", "--memory-gib", "2"]) == 0
     assert "decode floor" in capsys.readouterr().out
+
+
+def test_auto_dtype_is_bf16_on_cuda_and_on_cpus_with_amx(monkeypatch: pytest.MonkeyPatch) -> None:
+    import model.device as device
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(device, "cpu_has_amx", lambda: False)
+    assert pick_dtype("auto", cpu) == torch.float32 and pick_dtype("auto", cuda) == torch.bfloat16
+    monkeypatch.setattr(device, "cpu_has_amx", lambda: True)
+    assert pick_dtype("auto", cpu) == torch.bfloat16
+    assert pick_dtype("float32", cpu) == torch.float32
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        pick_dtype("float8", cpu)
