@@ -217,73 +217,89 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
-/* tmm0: scores (16 rows x 16 keys fp32); tmm1: 32 channels of q (16 x 32 bf16); tmm2: 32
- * channels of K (16 channel pairs x 16 keys x 2); tmm3: p.v (16 rows x 16 channels fp32);
- * tmm4: 16 channels of V (8 key pairs x 16 x 2); tmm5: p (16 rows x 16 keys bf16). */
+#define SPAN (2 * BS)  /* keys per softmax step: blocks 2i and 2i + 1 */
+
+/* tmm0, tmm6: scores of the two blocks (16 rows x 16 keys fp32); tmm1: 32 channels of q
+ * (16 x 32 bf16); tmm2: 32 channels of K (16 channel pairs x 16 keys x 2); tmm3: p.v
+ * (16 rows x 16 channels fp32); tmm4: 16 channels of V (8 key pairs x 16 x 2); tmm5,
+ * tmm7: p of the two blocks (16 rows x 16 keys bf16). */
 static void configure_attention(void) {
     tile_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    for (int t = 0; t < 6; ++t) c.rows[t] = 16, c.colsb[t] = 64;
+    for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
     c.rows[4] = BS / 2;
-    c.colsb[5] = BS * 2;
+    c.colsb[5] = c.colsb[7] = BS * 2;
     _tile_loadconfig(&c);
 }
 
 typedef struct {
     uint16_t q[16 * D] __attribute__((aligned(64)));
-    float s[16 * BS] __attribute__((aligned(64)));
-    uint16_t p[16 * BS] __attribute__((aligned(64)));
+    float s[16 * SPAN] __attribute__((aligned(64)));
+    uint16_t p[16 * SPAN] __attribute__((aligned(64)));
     float pv[16 * 16] __attribute__((aligned(64)));
     float o[16 * D] __attribute__((aligned(64)));
     float m[16] __attribute__((aligned(64)));
     float l[16] __attribute__((aligned(64)));
     float corr[16] __attribute__((aligned(64)));
     int64_t pos[16];
-    __mmask16 active;  /* rows that see any key of the current block */
+    __mmask16 active;  /* rows that see any key of the current step */
 } group_state;
 
-/* Scores of block j -> probabilities in st->p, running max/sum and correction per row.
- * The per-row reductions run one row at a time; the corrections and running sums of all
- * 16 rows are one vector each (lane i belongs to row i alone). */
-static void softmax_block(group_state *st, int j, int kvh, float scale, const float *alibi) {
+/* Lanes first .. first + 15 of a step that a row may see, `last` its last key there. */
+static inline __mmask16 visible(int64_t last, int first) {
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const int64_t lim = last - first;
+    if (lim < 0) return 0;
+    return _mm512_cmple_epi32_mask(lane, _mm512_set1_epi32(lim < 15 ? (int)lim : 15));
+}
+
+static inline __m512 exp_masked(__m512 x, __mmask16 keep) {
+    vblk e;
+    memcpy(&e, &x, sizeof e);
+    e = vexp(e);
+    memcpy(&x, &e, sizeof x);
+    return _mm512_maskz_mov_ps(keep, x);
+}
+
+/* Scores of the step's keys k0 .. k0 + SPAN - 1 -> probabilities in st->p, running max
+ * and sum and the correction per row. A row's keys past its position (or past the
+ * sequence's blocks) get probability 0. The per-row reductions run one row at a time; the
+ * corrections and running sums of all 16 rows are one vector each (lane i: row i). */
+static void softmax_step(group_state *st, int64_t k0, int kvh, float scale, const float *alibi) {
+    const __m512 lane = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     float bmax[16] __attribute__((aligned(64))), rowsum[16] __attribute__((aligned(64)));
     __mmask16 active = 0;
     for (int i = 0; i < 16; ++i) {
         bmax[i] = st->m[i], rowsum[i] = 0.f;
-        if (st->pos[i] < (int64_t)j * BS) {  /* the row ends before this block */
-            memset(st->p + i * BS, 0, BS * 2);
+        if (st->pos[i] < k0) {  /* the row ends before this step */
+            memset(st->p + i * SPAN, 0, SPAN * 2);
             continue;
         }
         active |= (__mmask16)(1u << i);
-        const int64_t last = st->pos[i] - (int64_t)j * BS;  /* last key this row sees */
-        const __mmask16 keep =
-            _mm512_cmple_epi32_mask(lane, _mm512_set1_epi32(last < 15 ? (int)last : 15));
-        __m512 sc = _mm512_mul_ps(_mm512_load_ps(st->s + i * BS), _mm512_set1_ps(scale));
+        const int64_t last = st->pos[i] - k0;  /* the last key this row sees, from k0 */
+        const __mmask16 keep0 = visible(last, 0), keep1 = visible(last, BS);
+        __m512 s0 = _mm512_mul_ps(_mm512_load_ps(st->s + i * SPAN), _mm512_set1_ps(scale));
+        __m512 s1 = _mm512_mul_ps(_mm512_load_ps(st->s + i * SPAN + BS), _mm512_set1_ps(scale));
         if (alibi) {  /* -slope * distance, distance = pos - key position */
-            const __m512 dist =
-                _mm512_sub_ps(_mm512_set1_ps((float)last), _mm512_cvtepi32_ps(lane));
-            sc = _mm512_fnmadd_ps(_mm512_set1_ps(alibi[kvh * G + i % G]), dist, sc);
+            const __m512 slope = _mm512_set1_ps(alibi[kvh * G + i % G]);
+            const __m512 d0 = _mm512_sub_ps(_mm512_set1_ps((float)last), lane);
+            s0 = _mm512_fnmadd_ps(slope, d0, s0);
+            s1 = _mm512_fnmadd_ps(slope, _mm512_sub_ps(d0, _mm512_set1_ps((float)BS)), s1);
         }
-        sc = _mm512_mask_blend_ps(keep, _mm512_set1_ps(-1e30f), sc);
-        bmax[i] = fmaxf(st->m[i], _mm512_reduce_max_ps(sc));
-        __m512 ev = _mm512_sub_ps(sc, _mm512_set1_ps(bmax[i]));
-        vblk e;
-        memcpy(&e, &ev, sizeof e);
-        e = vexp(e);
-        memcpy(&ev, &e, sizeof ev);
-        const __m256bh pb = _mm512_cvtneps_pbh(_mm512_maskz_mov_ps(keep, ev));
-        _mm256_store_si256((__m256i *)(st->p + i * BS), (__m256i)pb);
-        rowsum[i] = _mm512_reduce_add_ps(_mm512_cvtpbh_ps(pb));  /* the weights p.v uses */
+        s0 = _mm512_mask_blend_ps(keep0, _mm512_set1_ps(-1e30f), s0);
+        s1 = _mm512_mask_blend_ps(keep1, _mm512_set1_ps(-1e30f), s1);
+        bmax[i] = fmaxf(st->m[i], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
+        const __m512 top = _mm512_set1_ps(bmax[i]);
+        const __m256bh p0 = _mm512_cvtneps_pbh(exp_masked(_mm512_sub_ps(s0, top), keep0));
+        const __m256bh p1 = _mm512_cvtneps_pbh(exp_masked(_mm512_sub_ps(s1, top), keep1));
+        _mm256_store_si256((__m256i *)(st->p + i * SPAN), (__m256i)p0);
+        _mm256_store_si256((__m256i *)(st->p + i * SPAN + BS), (__m256i)p1);
+        /* the running sum adds the rounded weights that p.v uses */
+        rowsum[i] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_cvtpbh_ps(p0), _mm512_cvtpbh_ps(p1)));
     }
-    const __m512 m = _mm512_load_ps(st->m), bm = _mm512_load_ps(bmax);
-    vblk d;
-    const __m512 diff = _mm512_sub_ps(m, bm);
-    memcpy(&d, &diff, sizeof d);
-    d = vexp(d);
-    __m512 corr;
-    memcpy(&corr, &d, sizeof corr);
+    const __m512 bm = _mm512_load_ps(bmax);
+    __m512 corr = exp_masked(_mm512_sub_ps(_mm512_load_ps(st->m), bm), active);
     corr = _mm512_mask_blend_ps(active, _mm512_set1_ps(1.f), corr);
     _mm512_store_ps(st->corr, corr);
     const __m512 l = _mm512_fmadd_ps(_mm512_load_ps(st->l), corr, _mm512_load_ps(rowsum));
@@ -292,13 +308,25 @@ static void softmax_block(group_state *st, int j, int kvh, float scale, const fl
     st->active = active;
 }
 
+static inline void prefetch_block(const uint16_t *k, const uint16_t *v, int64_t blk, int KV,
+                                  int kvh) {
+    const char *pk = (const char *)(k + (blk * KV + kvh) * (int64_t)(D * BS));
+    const char *pv = (const char *)(v + (blk * KV + kvh) * (int64_t)(D * BS));
+    for (int off = 0; off < D * BS * 2; off += 64) {
+        __builtin_prefetch(pk + off);
+        __builtin_prefetch(pv + off);
+    }
+}
+
 static void attend_group(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                          const int64_t *tables, const int64_t *lens, uint16_t *out, int r0,
                          int ntok, int64_t seq, int kvh, int KV, int max_blocks, float scale,
                          const float *alibi) {
     group_state st;
     const int H = KV * G, nr = ntok * G;
+    const int64_t *table = tables + seq * max_blocks;
     memset(st.q, 0, sizeof st.q);
+    memset(st.s, 0, sizeof st.s);
     memset(st.o, 0, sizeof st.o);
     for (int i = 0; i < 16; ++i) {
         st.m[i] = -1e30f, st.l[i] = 0.f, st.pos[i] = -1;
@@ -308,32 +336,36 @@ static void attend_group(const uint16_t *q, const uint16_t *k, const uint16_t *v
         st.pos[i] = lens[row] - 1;
     }
     const int nblk = (int)(st.pos[nr - 1] / BS) + 1;
-    for (int j = 0; j < nblk; ++j) {
-        const int64_t blk = tables[seq * max_blocks + j];
-        const uint16_t *kb = k + (blk * KV + kvh) * (int64_t)(D * BS);
-        const uint16_t *vb = v + (blk * KV + kvh) * (int64_t)(D * BS);
-        if (j + 1 < nblk) {  /* blocks are scattered: fetch the next one meanwhile */
-            const int64_t nxt = tables[seq * max_blocks + j + 1];
-            const char *pk = (const char *)(k + (nxt * KV + kvh) * (int64_t)(D * BS));
-            const char *pv = (const char *)(v + (nxt * KV + kvh) * (int64_t)(D * BS));
-            for (int off = 0; off < D * BS * 2; off += 64) {
-                __builtin_prefetch(pk + off);
-                __builtin_prefetch(pv + off);
-            }
-        }
+    for (int j = 0; j < nblk; j += 2) {  /* a step is blocks j and j + 1 (when it exists) */
+        const int two = j + 1 < nblk;
+        const int64_t off0 = (table[j] * KV + kvh) * (int64_t)(D * BS);
+        const int64_t off1 = two ? (table[j + 1] * KV + kvh) * (int64_t)(D * BS) : 0;
+        for (int n = j + 2; n < j + 4 && n < nblk; ++n)  /* scattered blocks: fetch ahead */
+            prefetch_block(k, v, table[n], KV, kvh);
         _tile_zero(0);
+        _tile_zero(6);
         for (int c = 0; c < D; c += 32) {
             _tile_loadd(1, st.q + c, D * 2);
-            _tile_loadd(2, kb + c * BS, 64);
+            _tile_loadd(2, k + off0 + c * BS, 64);
             _tile_dpbf16ps(0, 1, 2);
+            if (two) {
+                _tile_loadd(2, k + off1 + c * BS, 64);
+                _tile_dpbf16ps(6, 1, 2);
+            }
         }
-        _tile_stored(0, st.s, BS * 4);
-        softmax_block(&st, j, kvh, scale, alibi);
-        _tile_loadd(5, st.p, BS * 2);
+        _tile_stored(0, st.s, SPAN * 4);
+        _tile_stored(6, st.s + BS, SPAN * 4);
+        softmax_step(&st, (int64_t)j * BS, kvh, scale, alibi);
+        _tile_loadd(5, st.p, SPAN * 2);
+        _tile_loadd(7, st.p + BS, SPAN * 2);
         for (int c = 0; c < D; c += 16) {
             _tile_zero(3);
-            _tile_loadd(4, vb + 2 * c, D * 4);
+            _tile_loadd(4, v + off0 + 2 * c, D * 4);
             _tile_dpbf16ps(3, 5, 4);
+            if (two) {
+                _tile_loadd(4, v + off1 + 2 * c, D * 4);
+                _tile_dpbf16ps(3, 7, 4);
+            }
             _tile_stored(3, st.pv, 64);
             for (int i = 0; i < nr; ++i) {
                 if (!(st.active >> i & 1)) continue;
