@@ -64,17 +64,22 @@ class PagedKVCache:
         # pads block tables so padding never reads another request's K/V
         shape = (2, cfg.n_layers, num_blocks + 1, cfg.kv_heads, block_size * cfg.head_dim)
         self.data = torch.zeros(shape, dtype=dtype, device=device)
+        nb, kv, bs, d, p = num_blocks + 1, cfg.kv_heads, block_size, cfg.head_dim, self.pair
+        self._layers = [  # views made once: a decode step asks for each layer's
+            (
+                self.data[0, i].view(nb, kv, d // p, bs, p),
+                self.data[1, i].view(nb, kv, bs // p, d, p),
+            )
+            for i in range(cfg.n_layers)
+        ]
 
     @property
     def null_block(self) -> int:
         return self.num_blocks
 
     def layer(self, i: int) -> tuple[Tensor, Tensor]:
-        nb, kv, bs, d, p = self.num_blocks + 1, self.n_kv, self.block_size, self.d_head, self.pair
-        return (
-            self.data[0, i].view(nb, kv, d // p, bs, p),
-            self.data[1, i].view(nb, kv, bs // p, d, p),
-        )
+        """Layer i's K (nb, KV, D / P, BS, P) and V (nb, KV, BS / P, D, P) views of `data`."""
+        return self._layers[i]
 
     @property
     def block_nbytes(self) -> int:

@@ -105,10 +105,18 @@ def _is_power_of_two(n: int) -> bool:  # the kernel holds a block of scores in o
 
 def paged_attention_supported(cache: torch.Tensor, n_heads: int, n_kv: int, d_head: int) -> bool:
     """`cache`: a layer's K pool, (num_blocks, KV, D / P, BS, P) as PagedKVCache lays it out."""
-    block_size = cache.shape[-2]
+    return _attention_supported(
+        cache.device.type, cache.dtype, cache.shape[-2], n_heads, n_kv, d_head
+    )
+
+
+@functools.cache  # asked once per layer and step: the answer depends on these alone
+def _attention_supported(
+    device: str, dtype: torch.dtype, block_size: int, n_heads: int, n_kv: int, d_head: int
+) -> bool:
     return (
-        cache.device.type == "cpu"
-        and cache.dtype in _KERNELS
+        device == "cpu"
+        and dtype in _KERNELS
         and n_heads // n_kv <= MAX_GROUP
         and d_head <= MAX_HEAD_DIM
         and d_head % 2 == 0
