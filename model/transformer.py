@@ -89,13 +89,15 @@ class Transformer(nn.Module):
         return out
 
     def pack_weights(self) -> bool:
-        """Prepack every linear weight for oneDNN where that is faster (CPU bf16).
-        The model cannot be moved or re-typed afterwards. Returns whether it packed."""
+        """Prepack every linear weight (CPU bf16): the AMX tile layout where the CPU and
+        the shape allow (a SwiGLU's gate and up fused), oneDNN's elsewhere. The model
+        cannot be moved or re-typed afterwards. Returns whether it packed."""
         if not can_pack(self.device, self.dtype):
             return False
         if self.cfg.tie_embeddings and self._head is None:
             # The lookup keeps the plain table; the head gets a packed copy (vocab x d
-            # more bytes), which is ~1.7x faster at batch 64 (benchmarks/RESULTS.md).
+            # more bytes): with oneDNN's layout it measured ~1.7x faster at batch 64
+            # (benchmarks/RESULTS.md); on AMX CPUs the copy is in the tile layout.
             head = Linear(self.cfg.d_model, self.cfg.vocab_size, bias=False, device="meta")
             head.weight = nn.Parameter(self.embed.weight.detach(), requires_grad=False)
             head.pack()

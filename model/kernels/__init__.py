@@ -28,7 +28,7 @@ BASE_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "
 LINK_FLAGS = ["-shared", "-fopenmp"]
 # The attention kernels use no infinities or NaNs (the running max starts at -1e30), so
 # -ffast-math may vectorize their reductions and call glibc's vector expf.
-DECODE_FLAGS = [*BASE_FLAGS, "-ffast-math"]
+ATTENTION_FLAGS = [*BASE_FLAGS, "-ffast-math"]
 # The fused elementwise kernels keep IEEE semantics (a NaN stays a NaN) but may reorder sums.
 FUSED_FLAGS = [
     *BASE_FLAGS,
@@ -76,7 +76,7 @@ def _build(source: str, flags: tuple[str, ...], tag: str) -> ctypes.CDLL | None:
 @functools.cache
 def _library(head_dim: int, block_size: int, group: int) -> ctypes.CDLL | None:
     flags = (
-        *DECODE_FLAGS,
+        *ATTENTION_FLAGS,
         f"-DHEAD_DIM={head_dim}",
         f"-DBLOCK_SIZE={block_size}",
         f"-DGROUP={group}",

@@ -9,8 +9,10 @@
  * Every M runs on the tile unit, one row included: at batch 1 it still reads the weight
  * faster than oneDNN's prepacked matmul (benchmarks/RESULTS.md), and each output element
  * is the same sequence of tile dot products whatever M is and whichever rows share its
- * tile, so a row's output does not depend on what else is in the batch. (That is the
- * linears' share: in bf16 the attention paths still vary with the batch's shape.)
+ * tile, so a row's output does not depend on what else is in the batch (the attention
+ * kernel, model/kernels/paged_attention.c, gives the same promise for its part).
+ * A SwiGLU's gate and up projections can run as one weight whose blocks alternate gate,
+ * up (swiglu_bf16): the up block's epilogue stores silu(gate) * up.
  * Built and loaded by model/kernels/__init__.py.
  */
 #include <immintrin.h>

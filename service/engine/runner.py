@@ -13,7 +13,7 @@ from service.engine.scheduler import SchedulerOutput
 class ModelRunner:
     def __init__(self, model: Transformer, kv_cache: PagedKVCache) -> None:
         self.model = model
-        self.packed = model.pack_weights()  # oneDNN layouts where faster (CPU bf16)
+        self.packed = model.pack_weights()  # tile / oneDNN layouts (CPU bf16)
         self.kv_cache = kv_cache
         self.device = model.device
         self.block_size = kv_cache.block_size
