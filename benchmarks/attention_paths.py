@@ -3,11 +3,10 @@ attention path kvserve has for the paged cache, on the step shapes the scheduler
 
 - `tiles`:  model/kernels/paged_attention.c on the AMX tile unit (bf16, block size 16)
 - `vector`: the same kernel's vector code (CPUs without AMX, float32 caches)
-- `gather`: gather each sequence's blocks and run padded SDPA (where no kernel applies:
-  CUDA, no C compiler); every sequence is padded to the step's longest query
+- `gather`: gather the blocks and run SDPA (where no kernel applies: CUDA, no C compiler);
+  queries are padded within groups (the decodes together, each longer query alone)
 
-Times one forward (best of --repeats; the padded SDPA of a long chunk beside decodes runs
-once). Prints a table and writes JSON.
+Times one forward (best of --repeats). Prints a table and writes JSON.
 
     python benchmarks/attention_paths.py
 """
@@ -81,8 +80,7 @@ def main() -> None:
         row = {"step": label, "tokens": sum(new)}
         for name, (fn, check) in paths.items():
             attention.paged_attention, attention.paged_attention_supported = fn, check
-            slow = name == "gather" and max(new) > 1 and min(new) == 1 and len(new) > 32
-            row[f"{name}_ms"] = step_ms(model, cache, cached, new, 1 if slow else args.repeats)
+            row[f"{name}_ms"] = step_ms(model, cache, cached, new, args.repeats)
         attention.paged_attention, attention.paged_attention_supported = kernel, supported
         rows.append(row)
         print(

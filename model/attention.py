@@ -107,11 +107,42 @@ class AttentionMetadata:
     row_seq: Tensor | None = None  # (T,) sequence of each new token; None: one per sequence
     q_index: Tensor | None = None  # (T,) row in the padded (B * max_q) layout; None: no padding
     _alibi: Tensor | None = None  # the ALiBi bias, built once per forward
+    _groups: list[tuple[Tensor, AttentionMetadata]] | None = None  # see groups()
 
     def alibi(self, slopes: Tensor) -> Tensor:
         if self._alibi is None:
             self._alibi = alibi_bias(self, slopes)
         return self._alibi
+
+    def groups(self, block_size: int) -> list[tuple[Tensor, AttentionMetadata]]:
+        """The batch split so that padding stays small: the decodes together, each longer
+        query alone. (token rows, metadata of those sequences) per group, built once per
+        forward. For the attention path that pads queries (no C kernel: CUDA, no compiler)."""
+        if self._groups is None:
+            starts = [0]
+            for n in self.query_lens:
+                starts.append(starts[-1] + n)
+            decodes = [i for i, n in enumerate(self.query_lens) if n == 1]
+            longer = [[i] for i, n in enumerate(self.query_lens) if n > 1]
+            self._groups = []
+            for seqs in ([decodes] if decodes else []) + longer:
+                rows = [r for i in seqs for r in range(starts[i], starts[i + 1])]
+                self._groups.append(
+                    (torch.tensor(rows, device=self.mask.device), self.select(seqs, block_size))
+                )
+        return self._groups
+
+    def select(self, seqs: list[int], block_size: int) -> AttentionMetadata:
+        """Attention metadata of some of the batch's sequences (their block tables cut to
+        the blocks they use)."""
+        query = [self.query_lens[i] for i in seqs]
+        cached = [self.seq_lens[i] - n for i, n in zip(seqs, query, strict=True)]
+        sub = AttentionMetadata._build(cached, query, self.mask.device)
+        assert self.block_tables is not None, "select() needs paged metadata"
+        width = -(-sub.max_seq_len // block_size)
+        index = torch.tensor(seqs, device=self.block_tables.device)
+        sub.block_tables = self.block_tables.index_select(0, index)[:, :width].contiguous()
+        return sub
 
     @property
     def num_seqs(self) -> int:
@@ -261,7 +292,6 @@ class Attention(nn.Module):
     ) -> Tensor:
         """q: (T, H, dh), k/v: (T, KV, dh) for the new tokens -> (T, H * dh).
         Writes k and v into the cache unless `stored` says that is done."""
-        b, max_q, group = meta.num_seqs, meta.max_query_len, self.n_heads // self.n_kv
         if cache is None:
             keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         else:
@@ -284,7 +314,26 @@ class Attention(nn.Module):
                     meta.row_seq,
                 )  # (T, H, dh) in the cache's dtype
                 return out.to(q.dtype).view(q.shape[0], self.n_heads * self.d_head)
+            if meta.q_index is not None:  # mixed query lengths: pad within groups only
+                out = q.new_empty(q.shape[0], self.n_heads * self.d_head)
+                for rows, sub in meta.groups(k_cache.shape[-2]):
+                    keys, values = _gather(k_cache, v_cache, sub)
+                    out[rows] = self._sdpa(q.index_select(0, rows), keys, values, sub, alibi_slopes)
+                return out
             keys, values = _gather(k_cache, v_cache, meta)
+        return self._sdpa(q, keys, values, meta, alibi_slopes)
+
+    def _sdpa(
+        self,
+        q: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        meta: AttentionMetadata,
+        alibi_slopes: Tensor | None,
+    ) -> Tensor:
+        """q (T, H, dh) of meta's sequences, padded to its longest query, against keys and
+        values (B, KV, max_seq_len, dh) -> (T, H * dh)."""
+        b, max_q, group = meta.num_seqs, meta.max_query_len, self.n_heads // self.n_kv
         if meta.q_index is None:
             qp = q.view(b, max_q, self.n_heads, self.d_head)
         else:

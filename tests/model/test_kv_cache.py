@@ -58,11 +58,23 @@ def test_chunked_prefill_then_decode_equals_full_forward() -> None:
     assert torch.allclose(torch.cat(outs), full, atol=1e-5, rtol=0)
 
 
+def use_torch_attention(monkeypatch) -> None:
+    """The path for where no C kernel applies (CUDA, no compiler, float16)."""
+    import model.attention as attention
+
+    monkeypatch.setattr(attention, "fused_supported", lambda x: False)
+    monkeypatch.setattr(attention, "paged_attention_supported", lambda *a: False)
+
+
 @pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("path", ["kernel", "torch"])
 @torch.no_grad()
-def test_mixed_batch_equals_each_sequence_alone(scheme: dict) -> None:
+def test_mixed_batch_equals_each_sequence_alone(monkeypatch, scheme: dict, path: str) -> None:
     """One step mixing prefill chunks and decodes of different lengths gives every
-    sequence the logits it gets alone."""
+    sequence the logits it gets alone (the torch path pads the decodes together and each
+    longer query alone, never every sequence to the longest query)."""
+    if path == "torch":
+        use_torch_attention(monkeypatch)
     model = tiny_model(**scheme, n_kv_heads=2)
     block_size = 4
     seqs = [torch.randint(0, 97, (n,)) for n in (23, 5, 17, 9)]
@@ -76,6 +88,8 @@ def test_mixed_batch_equals_each_sequence_alone(scheme: dict) -> None:
     rest = [len(s) - n for s, n in zip(seqs, first)]
     meta = AttentionMetadata.paged(tables, first, rest, block_size)
     out2 = model(torch.cat([s[n:] for s, n in zip(seqs, first)]), meta, cache)
+    if path == "torch":  # rest = [3, 1, 7, 1]: the two decodes, then each chunk
+        assert [sub.query_lens for _, sub in meta.groups(block_size)] == [[1, 1], [3], [7]]
     o1, o2 = out1.split(first), out2.split(rest)
     for i, ref in enumerate(alone):
         got = torch.cat([o1[i], o2[i]])
@@ -110,10 +124,7 @@ def test_torch_attention_path_reads_the_paired_layout(monkeypatch, dtype) -> Non
     """Where no C kernel applies (CUDA, no compiler, float16) K/V are written with index_put
     and gathered for SDPA; bf16 and fp16 blocks interleave pairs (PagedKVCache), which this
     path must undo: chunked prefill then decodes equal one full forward."""
-    import model.attention as attention
-
-    monkeypatch.setattr(attention, "fused_supported", lambda x: False)
-    monkeypatch.setattr(attention, "paged_attention_supported", lambda *a: False)
+    use_torch_attention(monkeypatch)
     model = tiny_model(n_kv_heads=2).to(dtype)
     tokens = torch.randint(0, 97, (37,))
     full = model(tokens).float()
