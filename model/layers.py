@@ -16,7 +16,6 @@ from model.kernels import (
     tile_layout,
     tile_linear,
     tile_linear_supported,
-    tile_swiglu,
 )
 
 
@@ -58,10 +57,8 @@ class Linear(nn.Linear):
         return self._tiles is not None or self._packed is not None
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.gated:
-            return tile_swiglu(x.to(torch.bfloat16), self._tiles, self._bias32)
         if self._tiles is not None:
-            return tile_linear(x.to(torch.bfloat16), self._tiles, self._bias32)
+            return tile_linear(x.to(torch.bfloat16), self._tiles, self._bias32, self.gated)
         if self._packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")

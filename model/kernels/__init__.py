@@ -265,9 +265,7 @@ def _tiles() -> ctypes.CDLL | None:
         return None
     lib.linear_bf16_init.restype, lib.linear_bf16_init.argtypes = ctypes.c_int, []
     lib.linear_bf16.restype = None
-    lib.linear_bf16.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I]
-    lib.swiglu_bf16.restype = None
-    lib.swiglu_bf16.argtypes = [_P, _P, _P, _P, _P, _I, _I, _I, _I]
+    lib.linear_bf16.argtypes = [_P, _P, _P, _P, _P, _I, _I, _I, _I]
     if not lib.linear_bf16_init():  # built without AMX, or the OS refuses the tile state
         log.info("no AMX tiles on this CPU: bf16 linears use oneDNN")
         return None
@@ -293,50 +291,35 @@ def tile_layout(weight: torch.Tensor) -> torch.Tensor:
 
 def swiglu_layout(weight: torch.Tensor) -> torch.Tensor:
     """Rows of a fused (gate | up) weight (2F, ...) or bias (2F,) reordered so that its
-    64-row blocks alternate gate, up: the order swiglu_bf16 reads (F a multiple of 64)."""
+    64-row blocks alternate gate, up: the order tile_linear(swiglu=True) reads (F a
+    multiple of 64)."""
     f = weight.shape[0] // 2
     blocks = weight.reshape(2, f // TILE_N, TILE_N, *weight.shape[1:]).transpose(0, 1)
     return blocks.reshape(weight.shape)
 
 
-def tile_swiglu(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """silu(x @ Wg^T + bg) * (x @ Wu^T + bu) -> (..., F) bf16 in one pass, (Wg | Wu) given
-    as tile_layout(swiglu_layout(W)) and bias as swiglu_layout(b) in fp32 (or None)."""
+def tile_linear(
+    x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None, swiglu: bool = False
+) -> torch.Tensor:
+    """x (..., K) bf16 @ W^T + bias -> (..., N) bf16, W in tile_layout; bias fp32 or None.
+    swiglu: W and bias are a SwiGLU's (gate | up) in swiglu_layout, and the result is
+    silu(x @ Wg^T + bg) * (x @ Wu^T + bu), (..., N/2), in the same pass."""
     blocks, half_k, _, _ = tiles.shape
     n, k = blocks * TILE_N, half_k * 2
+    width = n // 2 if swiglu else n
     flat = x.reshape(-1, k).contiguous()
-    out = torch.empty((flat.shape[0], n // 2), dtype=torch.bfloat16)
+    out = torch.empty((flat.shape[0], width), dtype=torch.bfloat16)
     if flat.shape[0]:
-        scratch = torch.empty_like(out)
-        _tiles().swiglu_bf16(
-            flat.data_ptr(),
-            tiles.data_ptr(),
-            _ptr(bias),
-            out.data_ptr(),
-            scratch.data_ptr(),
-            flat.shape[0],
-            n,
-            k,
-            torch.get_num_threads(),
-        )
-    return out.view(*x.shape[:-1], n // 2)
-
-
-def tile_linear(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (..., K) bf16 @ W^T + bias -> (..., N) bf16, W in tile_layout; bias fp32 or None."""
-    blocks, half_k, _, _ = tiles.shape
-    n, k = blocks * TILE_N, half_k * 2
-    flat = x.reshape(-1, k).contiguous()
-    out = torch.empty((flat.shape[0], n), dtype=torch.bfloat16)
-    if flat.shape[0]:
+        scratch = torch.empty_like(out) if swiglu else None  # the rounded gate
         _tiles().linear_bf16(
             flat.data_ptr(),
             tiles.data_ptr(),
             _ptr(bias),
             out.data_ptr(),
+            _ptr(scratch),
             flat.shape[0],
             n,
             k,
             torch.get_num_threads(),
         )
-    return out.view(*x.shape[:-1], n)
+    return out.view(*x.shape[:-1], width)

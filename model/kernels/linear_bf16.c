@@ -12,7 +12,7 @@
  * tile, so a row's output does not depend on what else is in the batch (the attention
  * kernel, model/kernels/paged_attention.c, gives the same promise for its part).
  * A SwiGLU's gate and up projections can run as one weight whose blocks alternate gate,
- * up (swiglu_bf16): the up block's epilogue stores silu(gate) * up.
+ * up (linear_bf16 with a scratch buffer): the up block's epilogue stores silu(gate) * up.
  * Built and loaded by model/kernels/__init__.py.
  */
 #include <immintrin.h>
@@ -234,8 +234,12 @@ static void run_blocks(const uint16_t *x, const uint16_t *w, const float *bias, 
     if (configured) _tile_release();
 }
 
-static void run(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
-                uint16_t *scratch, int m, int n, int k, int nthreads) {
+/* out = x @ W^T + bias, (m, n). With scratch (m, n/2) bf16, W is a SwiGLU's gate and up
+ * projections as one weight whose 64-feature blocks alternate gate, up (swiglu_layout in
+ * model/kernels/__init__.py): out (m, n/2) = silu(x @ Wg^T + bg) * (x @ Wu^T + bu), the
+ * rounded gate waiting in scratch. */
+void linear_bf16(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
+                 uint16_t *scratch, int m, int n, int k, int nthreads) {
     const int unit = scratch ? 2 : 1;  /* blocks that must stay on one thread */
     const int units = n / NB / unit;
     if (nthreads > units) nthreads = units;
@@ -251,29 +255,11 @@ static void run(const uint16_t *x, const uint16_t *w, const float *bias, uint16_
     }
 }
 
-void linear_bf16(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out, int m,
-                 int n, int k, int nthreads) {
-    run(x, w, bias, out, 0, m, n, k, nthreads);
-}
-
-/* out (m, n/2) = silu(x @ Wg^T + bg) * (x @ Wu^T + bu) with the gate and up projections
- * as one weight whose 64-feature blocks alternate gate, up (swiglu_layout in
- * model/kernels/__init__.py); scratch: (m, n/2) bf16 for the rounded gate. */
-void swiglu_bf16(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
-                 uint16_t *scratch, int m, int n, int k, int nthreads) {
-    run(x, w, bias, out, scratch, m, n, k, nthreads);
-}
-
 #else
 
 int linear_bf16_init(void) { return 0; }
 
-void linear_bf16(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out, int m,
-                 int n, int k, int nthreads) {
-    (void)x, (void)w, (void)bias, (void)out, (void)m, (void)n, (void)k, (void)nthreads;
-}
-
-void swiglu_bf16(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
+void linear_bf16(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
                  uint16_t *scratch, int m, int n, int k, int nthreads) {
     (void)x, (void)w, (void)bias, (void)out, (void)scratch, (void)m, (void)n, (void)k;
     (void)nthreads;

@@ -12,7 +12,6 @@ from model.kernels import (
     tile_layout,
     tile_linear,
     tile_linear_supported,
-    tile_swiglu,
 )
 from model.layers import Linear, SwiGLU
 
@@ -91,7 +90,8 @@ def test_fused_swiglu_matches_the_unfused_bf16_ops(
     w, bias = weights(2 * f, k, seed=2)
     x = torch.randn(rows, k).to(torch.bfloat16)
     b = bias if with_bias else None
-    got = tile_swiglu(x, tile_layout(swiglu_layout(w)), swiglu_layout(b) if b is not None else None)
+    fused = tile_layout(swiglu_layout(w))
+    got = tile_linear(x, fused, swiglu_layout(b) if b is not None else None, swiglu=True)
     gate, up = tile_linear(x, tile_layout(w), b).split(f, dim=-1)
     want = F.silu(gate) * up  # what SwiGLU computes without the fused kernel
     assert got.dtype == torch.bfloat16 and got.shape == (rows, f)
@@ -100,8 +100,8 @@ def test_fused_swiglu_matches_the_unfused_bf16_ops(
     torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=1e-3)
     assert (got == want).float().mean().item() > 0.97
     assert torch.equal(
-        tile_swiglu(x[-1:], tile_layout(swiglu_layout(w)), None),
-        tile_swiglu(x, tile_layout(swiglu_layout(w)), None)[-1:],
+        tile_linear(x[-1:], fused, None, swiglu=True),
+        tile_linear(x, fused, None, swiglu=True)[-1:],
     )
 
 
