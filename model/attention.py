@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -119,9 +120,7 @@ class AttentionMetadata:
         query alone. (token rows, metadata of those sequences) per group, built once per
         forward. For the attention path that pads queries (no C kernel: CUDA, no compiler)."""
         if self._groups is None:
-            starts = [0]
-            for n in self.query_lens:
-                starts.append(starts[-1] + n)
+            starts = [0, *accumulate(self.query_lens)]
             decodes = [i for i, n in enumerate(self.query_lens) if n == 1]
             longer = [[i] for i, n in enumerate(self.query_lens) if n > 1]
             self._groups = []
