@@ -18,6 +18,7 @@ from model.layers import (
     rope_tables,
     sinusoidal_table,
 )
+from model.stack import DecoderStack
 
 
 class Block(nn.Module):
@@ -59,6 +60,7 @@ class Transformer(nn.Module):
             self.pos_embed = nn.Embedding(cfg.max_position, cfg.d_model)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self._head: Linear | None = None  # packed copy of a tied head (pack_weights)
+        self._stack: DecoderStack | None = None  # the layers as one C call (pack_weights)
         if cfg.norm_placement == "pre":
             self.norm = make_norm(cfg)
         if not cfg.tie_embeddings:
@@ -106,6 +108,8 @@ class Transformer(nn.Module):
             ffn = isinstance(module, SwiGLU) and not module.w_in.packed
             if ffn or (isinstance(module, Linear) and not module.packed):
                 module.pack()
+        if self.device.type == "cpu":
+            self._stack = DecoderStack.build(self.cfg, self.layers, getattr(self, "norm", None))
         return True
 
     @property
@@ -144,12 +148,15 @@ class Transformer(nn.Module):
         rope = None
         if self._rope is not None:
             rope = (self._rope[0][positions], self._rope[1][positions])  # (T, dh) each
-        delta = None
-        for i, layer in enumerate(self.layers):
-            cache = kv_cache.layer(i) if kv_cache is not None else None
-            x, delta = layer(x, delta, meta, rope, cache, self._alibi)
-        if self.cfg.norm_placement == "pre":
-            _, x = add_norm(self.norm, x, delta)
+        if self._stack is not None and self._stack.takes(kv_cache, meta):
+            x = self._stack.forward(x, meta, rope)  # the layers and the final norm
+        else:
+            delta = None
+            for i, layer in enumerate(self.layers):
+                cache = kv_cache.layer(i) if kv_cache is not None else None
+                x, delta = layer(x, delta, meta, rope, cache, self._alibi)
+            if self.cfg.norm_placement == "pre":
+                _, x = add_norm(self.norm, x, delta)
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)
         if self._head is not None:

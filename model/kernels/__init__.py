@@ -87,8 +87,9 @@ def _library(head_dim: int, block_size: int, group: int) -> ctypes.CDLL | None:
     for name in (*_KERNELS.values(), "paged_attention_amx"):
         fn = getattr(lib, name)
         fn.restype = None
-        # q, k, v, tables, row_seq, lens, out; rows, KV, max_blocks; scale; alibi; threads
-        fn.argtypes = [_P] * 7 + [_I] * 3 + [_F, _P, _I]
+        # q, k, v, tables, row_seq, lens, out; rows, q_stride, KV, max_blocks; scale;
+        # alibi; threads
+        fn.argtypes = [_P] * 7 + [_I] * 4 + [_F, _P, _I]
     lib.paged_attention_amx_init.restype, lib.paged_attention_amx_init.argtypes = _I, []
     lib.amx = bool(lib.paged_attention_amx_init())  # built with AMX, and the OS allows it
     return lib
@@ -127,7 +128,8 @@ def _attention_supported(
 
 
 def paged_attention(
-    q: torch.Tensor,  # (R, H, D) any float dtype, one row per query token
+    q: torch.Tensor,  # (R, H, D) any float dtype, one row per query token; rows may be
+    # strided (a view of the fused qkv projection)
     k_cache: torch.Tensor,  # (num_blocks, KV, D / P, BS, P)
     v_cache: torch.Tensor,  # (num_blocks, KV, BS / P, D, P)
     block_tables: torch.Tensor,  # (B, max_blocks) int64, one per sequence
@@ -146,7 +148,9 @@ def paged_attention(
     assert lib is not None, "check paged_attention_supported() first"
     amx = use_amx and lib.amx and k_cache.dtype == torch.bfloat16
     amx = amx and block_size == AMX_BLOCK_SIZE and d % 32 == 0
-    q = q.to(torch.bfloat16 if amx else torch.float32).contiguous()
+    q = q.to(torch.bfloat16 if amx else torch.float32)
+    if q.stride(2) != 1 or q.stride(1) != d:
+        q = q.contiguous()
     out = torch.empty((r, h, d), dtype=q.dtype)
     rows = row_seq.contiguous() if row_seq is not None else None
     slopes = alibi.float().contiguous() if alibi is not None else None
@@ -160,6 +164,7 @@ def paged_attention(
         lens.contiguous().data_ptr(),
         out.data_ptr(),
         r,
+        q.stride(0),
         kv,
         block_tables.shape[1],
         scale,
@@ -323,3 +328,39 @@ def tile_linear(
             torch.get_num_threads(),
         )
     return out.view(*x.shape[:-1], width)
+
+
+# ---- a decoder stack as one call (model/kernels/stack.c) -------------------------------
+
+
+@functools.cache
+def _stack() -> ctypes.CDLL | None:
+    lib = _build("stack.c", tuple(BASE_FLAGS), "all")
+    if lib is not None:
+        lib.stack_forward.restype, lib.stack_forward.argtypes = None, [_P]
+    return lib
+
+
+def stack_kernels(d_head: int, block_size: int, group: int) -> dict[str, int] | None:
+    """Addresses of the kernels model/kernels/stack.c calls for a bf16 model whose
+    attention has this shape, or None unless all of them (AMX tiles included) are here."""
+    attention, fused, tiles = _library(d_head, block_size, group), _fused(), _tiles()
+    if attention is None or fused is None or tiles is None or _stack() is None:
+        return None
+    if not (attention.amx and block_size == AMX_BLOCK_SIZE and d_head % 32 == 0):
+        return None
+
+    def address(fn: object) -> int:
+        return ctypes.cast(fn, ctypes.c_void_p).value
+
+    return {
+        "norm": address(fused.add_rms_norm_bf16),
+        "linear": address(tiles.linear_bf16),
+        "rope": address(fused.rope_store_bf16),
+        "attend": address(attention.paged_attention_amx),
+    }
+
+
+def stack_forward(args: ctypes.Structure) -> None:
+    """Run model/kernels/stack.c on a filled-in stack_args (model/stack.py)."""
+    _stack().stack_forward(ctypes.addressof(args))

@@ -12,7 +12,8 @@
  *   v: (num_blocks, KV, BLOCK_SIZE / P, HEAD_DIM, P)
  * In bfloat16 these are the tile unit's B operands for q.k and p.v (the AMX kernel at the
  * end of this file).
- * q: (R, KV * GROUP, HEAD_DIM) float32, one row per query token; out: same shape, float32
+ * q: (R, KV * GROUP, HEAD_DIM) float32, one row per query token, rows q_stride elements
+ *    apart (a view of a fused qkv projection); out: (R, KV * GROUP, HEAD_DIM) float32
  * k/v: float32 or bfloat16 (uint16 bits); tables: (B, max_blocks) int64, one per sequence;
  * row_seq: (R,) int64 sequence of each row, or NULL for row r -> sequence r;
  * lens: (R,) int64 keys each row sees (its position + 1); alibi: (H,) slopes or NULL.
@@ -106,8 +107,8 @@ static inline float hsum(vblk v) {
 
 #define DEFINE_KERNEL(NAME, T, KEYS, VALS)                                                \
 void NAME(const float *q, const T *k, const T *v, const int64_t *tables,                  \
-          const int64_t *row_seq, const int64_t *lens, float *out, int R, int KV,         \
-          int max_blocks, float scale, const float *alibi, int nthreads) {                \
+          const int64_t *row_seq, const int64_t *lens, float *out, int R, int q_stride,   \
+          int KV, int max_blocks, float scale, const float *alibi, int nthreads) {        \
     _Pragma("omp parallel for schedule(dynamic, 1) num_threads(nthreads)")                \
     for (int task = 0; task < R * KV; ++task) {                                           \
         const int row = task / KV, kvh = task % KV, H = KV * G;                           \
@@ -115,7 +116,7 @@ void NAME(const float *q, const T *k, const T *v, const int64_t *tables,        
         float qs[G][D], m[G], l[G];                                                       \
         vch acc[G][D / DV];                                                               \
         for (int g = 0; g < G; ++g) {                                                     \
-            const float *qh = q + ((int64_t)row * H + kvh * G + g) * D;                   \
+            const float *qh = q + (int64_t)row * q_stride + (kvh * G + g) * D;            \
             for (int d = 0; d < D; ++d) qs[g][d] = qh[d] * scale;                         \
             for (int c = 0; c < D / DV; ++c) acc[g][c] = (vch){0};                        \
             m[g] = -1e30f;                                                                \
@@ -318,7 +319,7 @@ static inline void prefetch_block(const uint16_t *k, const uint16_t *v, int64_t 
     }
 }
 
-static void attend_group(const uint16_t *q, const uint16_t *k, const uint16_t *v,
+static void attend_group(const uint16_t *q, int q_stride, const uint16_t *k, const uint16_t *v,
                          const int64_t *tables, const int64_t *lens, uint16_t *out, int r0,
                          int ntok, int64_t seq, int kvh, int KV, int max_blocks, float scale,
                          const float *alibi) {
@@ -332,7 +333,7 @@ static void attend_group(const uint16_t *q, const uint16_t *k, const uint16_t *v
         st.m[i] = -1e30f, st.l[i] = 0.f, st.pos[i] = -1;
         if (i >= nr) continue;
         const int64_t row = r0 + i / G;
-        memcpy(st.q + i * D, q + (row * H + kvh * G + i % G) * D, D * 2);
+        memcpy(st.q + i * D, q + row * q_stride + (kvh * G + i % G) * D, D * 2);
         st.pos[i] = lens[row] - 1;
     }
     const int nblk = (int)(st.pos[nr - 1] / BS) + 1;
@@ -385,10 +386,11 @@ static void attend_group(const uint16_t *q, const uint16_t *k, const uint16_t *v
     }
 }
 
-/* q, out: (R, KV * G, D) bfloat16; the rest as for paged_attention_bf16. */
+/* q, out: (R, KV * G, D) bfloat16 (q's rows q_stride apart); the rest as for
+ * paged_attention_bf16. */
 void paged_attention_amx(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                          const int64_t *tables, const int64_t *row_seq, const int64_t *lens,
-                         uint16_t *out, int R, int KV, int max_blocks, float scale,
+                         uint16_t *out, int R, int q_stride, int KV, int max_blocks, float scale,
                          const float *alibi, int nthreads) {
     int *starts = malloc(sizeof(int) * (R + 1)), ng = 0;
     for (int r = 0; r < R; ++r)  /* runs of up to TOK rows of one sequence */
@@ -401,7 +403,7 @@ void paged_attention_amx(const uint16_t *q, const uint16_t *k, const uint16_t *v
 #pragma omp for schedule(dynamic, 1)
         for (int task = 0; task < ng * KV; ++task) {
             const int grp = task / KV, r0 = starts[grp];
-            attend_group(q, k, v, tables, lens, out, r0, starts[grp + 1] - r0,
+            attend_group(q, q_stride, k, v, tables, lens, out, r0, starts[grp + 1] - r0,
                          row_seq ? row_seq[r0] : r0, task % KV, KV, max_blocks, scale, alibi);
         }
         _tile_release();
@@ -415,9 +417,10 @@ int paged_attention_amx_init(void) { return 0; }
 
 void paged_attention_amx(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                          const int64_t *tables, const int64_t *row_seq, const int64_t *lens,
-                         uint16_t *out, int R, int KV, int max_blocks, float scale,
+                         uint16_t *out, int R, int q_stride, int KV, int max_blocks, float scale,
                          const float *alibi, int nthreads) {
     (void)q, (void)k, (void)v, (void)tables, (void)row_seq, (void)lens, (void)out, (void)R;
+    (void)q_stride;
     (void)KV, (void)max_blocks, (void)scale, (void)alibi, (void)nthreads;
 }
 

@@ -1,0 +1,78 @@
+/* A whole stack of pre-norm Llama decoder layers (RMSNorm, RoPE, paged attention, SwiGLU)
+ * in bf16 as one call, for CPUs where every part runs as kvserve's own kernel: the AMX
+ * tile linears (linear_bf16.c), the fused norm and RoPE-and-store (fused.c) and the AMX
+ * paged attention (paged_attention.c). It computes exactly what Block.forward does with
+ * those kernels, in the same order on the same buffers, so the bits are the same; what it
+ * saves is the interpreter between them: about seven Python calls, their argument
+ * conversions and output allocations per layer, a sixth of a batch-1 decode step.
+ *
+ * The kernels live in their own libraries (the attention one is built per head size), so
+ * they come in as function pointers. Each keeps its own OpenMP parallel regions. Built and
+ * loaded by model/kernels/__init__.py; model/stack.py fills in the arguments.
+ */
+#include <stddef.h>
+#include <stdint.h>
+
+typedef void (*norm_fn)(uint16_t *x, const uint16_t *delta, const uint16_t *weight,
+                        uint16_t *out, int rows, int d, float eps, int nthreads);
+typedef void (*linear_fn)(const uint16_t *x, const uint16_t *w, const float *bias,
+                          uint16_t *out, uint16_t *scratch, int m, int n, int k, int nthreads);
+typedef void (*rope_fn)(uint16_t *qkv, const uint16_t *cos_t, const uint16_t *sin_t,
+                        int rows, int H, int KV, int D, uint16_t *k_cache, uint16_t *v_cache,
+                        const int64_t *slot_blocks, const int64_t *slot_offsets,
+                        int block_size, int nthreads);
+typedef void (*attention_fn)(const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                             const int64_t *tables, const int64_t *row_seq,
+                             const int64_t *lens, uint16_t *out, int R, int q_stride, int KV,
+                             int max_blocks, float scale, const float *alibi, int nthreads);
+
+/* One layer's weights in the kernels' layouts; biases are float32 or NULL. */
+typedef struct {
+    const uint16_t *attn_norm;
+    const uint16_t *wqkv;
+    const float *bqkv;
+    const uint16_t *wo;
+    const float *bo;
+    const uint16_t *ffn_norm;
+    const uint16_t *w_in; /* (gate | up) in swiglu_layout: the linear stores silu(g) * u */
+    const float *b_in;
+    const uint16_t *w_out;
+    const float *b_out;
+    uint16_t *k_cache, *v_cache;
+} layer_args;
+
+typedef struct {
+    norm_fn norm;
+    linear_fn linear;
+    rope_fn rope;
+    attention_fn attend;
+    int layers, rows, d, heads, kv, head_dim, ff, block_size, max_blocks, nthreads;
+    float eps, scale;
+    const layer_args *w;
+    const uint16_t *final_norm;
+    /* this step: (rows, head_dim) rotations, slots of the new tokens, the attention rows */
+    const uint16_t *cos_t, *sin_t;
+    const int64_t *slot_blocks, *slot_offsets, *tables, *row_seq, *lens;
+    /* (rows, width) buffers: x the residual stream (the embeddings on entry), h the normed
+     * input of each sublayer and on return the final norm's output */
+    uint16_t *x, *h, *qkv, *attn, *o, *act, *gate, *delta;
+} stack_args;
+
+void stack_forward(const stack_args *a) {
+    const int T = a->rows, d = a->d, H = a->heads, KV = a->kv, D = a->head_dim;
+    const int nqkv = (H + 2 * KV) * D, nt = a->nthreads;
+    for (int l = 0; l < a->layers; ++l) {
+        const layer_args *w = a->w + l;
+        a->norm(a->x, l ? a->delta : NULL, w->attn_norm, a->h, T, d, a->eps, nt);
+        a->linear(a->h, w->wqkv, w->bqkv, a->qkv, NULL, T, nqkv, d, nt);
+        a->rope(a->qkv, a->cos_t, a->sin_t, T, H, KV, D, w->k_cache, w->v_cache,
+                a->slot_blocks, a->slot_offsets, a->block_size, nt);
+        a->attend(a->qkv, w->k_cache, w->v_cache, a->tables, a->row_seq, a->lens, a->attn, T,
+                  nqkv, KV, a->max_blocks, a->scale, NULL, nt);
+        a->linear(a->attn, w->wo, w->bo, a->o, NULL, T, d, H * D, nt);
+        a->norm(a->x, a->o, w->ffn_norm, a->h, T, d, a->eps, nt);
+        a->linear(a->h, w->w_in, w->b_in, a->act, a->gate, T, 2 * a->ff, d, nt);
+        a->linear(a->act, w->w_out, w->b_out, a->delta, NULL, T, d, a->ff, nt);
+    }
+    a->norm(a->x, a->layers ? a->delta : NULL, a->final_norm, a->h, T, d, a->eps, nt);
+}

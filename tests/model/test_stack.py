@@ -1,0 +1,77 @@
+"""The decoder stack as one C call (model/stack.py) gives the module path's bits."""
+
+import pytest
+import torch
+
+from model.attention import AttentionMetadata, PagedKVCache
+from model.kernels import stack_kernels
+from tests.model.helpers import tiny_model
+
+# tile-friendly: linears in multiples of 64 features, head size 32, GQA groups of 3
+SHAPE = dict(vocab_size=256, d_model=192, n_heads=6, n_kv_heads=2, d_ff=128, max_position=256)
+
+
+def stack_model(**overrides: object):
+    model = tiny_model(seed=3, n_layers=3, **{**SHAPE, **overrides}).to(torch.bfloat16)
+    model.pack_weights()
+    return model
+
+
+needs_stack = pytest.mark.skipif(
+    stack_kernels(32, 16, 3) is None, reason="no AMX tiles (or no C compiler) on this CPU"
+)
+
+
+def run_steps(model, cache: PagedKVCache, tokens: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Two sequences through whole-prompt, mixed (decode + chunk) and decode-only steps."""
+    tables = [[5, 0, 9, 2, 7], [3, 8, 1, 6, 4]]
+    steps = [  # (start, count) per sequence; count 0 leaves it out of the step
+        [(0, 21), (0, 9)],
+        [(21, 1), (9, 30)],
+        [(22, 1), (39, 1)],
+        [(23, 1), (40, 1)],
+    ]
+    outs = []
+    for step in steps:
+        seqs = [(i, s, n) for i, (s, n) in enumerate(step) if n]
+        meta = AttentionMetadata.paged(
+            [tables[i] for i, _, _ in seqs], [s for _, s, _ in seqs], [n for _, _, n in seqs], 16
+        )
+        ids = torch.cat([tokens[i][s : s + n] for i, s, n in seqs])
+        outs.append(model(ids, meta, cache))
+    return outs
+
+
+@needs_stack
+@pytest.mark.parametrize("bias", [False, True])
+@torch.no_grad()
+def test_one_call_gives_the_bits_of_the_modules(bias: bool) -> None:
+    model = stack_model(qkv_bias=bias, attn_out_bias=bias, mlp_bias=bias)
+    assert model._stack is not None
+    gen = torch.Generator().manual_seed(0)
+    tokens = [torch.randint(0, 256, (41,), generator=gen) for _ in range(2)]
+    fast_cache = PagedKVCache(model.cfg, 10, 16, torch.bfloat16, "cpu")
+    fast = run_steps(model, fast_cache, tokens)
+    stack, model._stack = model._stack, None
+    slow_cache = PagedKVCache(model.cfg, 10, 16, torch.bfloat16, "cpu")
+    slow = run_steps(model, slow_cache, tokens)
+    model._stack = stack
+    for a, b in zip(fast, slow, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(fast_cache.data, slow_cache.data)
+    assert fast[0].isfinite().all() and fast[0].std() > 0
+
+
+@needs_stack
+@torch.no_grad()
+def test_models_and_steps_it_does_not_take_run_as_modules() -> None:
+    assert stack_model(norm="layernorm")._stack is None
+    assert stack_model(position="alibi")._stack is None
+    assert stack_model(norm_placement="post")._stack is None
+    model = stack_model()
+    fp32_cache = PagedKVCache(model.cfg, 4, 16, torch.float32, "cpu")
+    small_blocks = PagedKVCache(model.cfg, 4, 8, torch.bfloat16, "cpu")
+    meta = AttentionMetadata.paged([[0]], [0], [3], 16)
+    assert not model._stack.takes(fp32_cache, meta)
+    assert not model._stack.takes(small_blocks, AttentionMetadata.paged([[0]], [0], [3], 8))
+    assert not model._stack.takes(None, AttentionMetadata.dense(3, "cpu"))
