@@ -163,10 +163,13 @@ static void amx_1x4(const uint16_t *x, const uint16_t *w, const float *bias, uin
 /* 32 rows of x against 32 features (half of a block): tmm0-3 C (2 x 2), tmm4-5 A,
  * tmm6-7 B. Each B tile serves two A tiles and each A tile two B tiles. */
 static void amx_2x2(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
-                    const uint16_t *gate, int n, int k, epilogue *e) {
+                    const uint16_t *gate, int n, int k, const char *pf, int pf_step,
+                    epilogue *e) {
     zero_c();
     for (int kk = 0; kk < k; kk += KSTEP) {
         const uint16_t *b = w + (long)(kk / 2) * (2 * NB);
+        for (int off = 0; off < pf_step; off += 64) _mm_prefetch(pf + off, _MM_HINT_T1);
+        pf += pf_step;
         _tile_loadd(4, x + kk, k * 2);
         _tile_loadd(6, b, 4 * NB);
         _tile_dpbf16ps(0, 4, 6);
@@ -192,11 +195,20 @@ static void amx_rows(const uint16_t *x, const uint16_t *w, const float *bias, ui
                      epilogue *e) {
     const int pairs_end = m0 + (m1 - m0) / 32 * 32;
     if (pairs_end > m0 && *configured != 16) configure(*configured = 16);
+    /* The 2x2 kernel reads its half-blocks from cache: the next weight block is fetched
+     * into L2 while this one computes, a share of it at each k step (one block ahead
+     * measured 10-15% faster at 32-128 rows than none, two blocks slower). */
+    const int steps = (pairs_end - m0) / 32 * 2 * (k / KSTEP);
+    const long block_bytes = (long)k * NB * 2;
+    const int pf_step = steps ? (int)((block_bytes / steps + 63) / 64 * 64) : 0;
+    const char *pf = (const char *)(w + (long)k * NB);
     for (int half = 0; half < 2; ++half)
-        for (int r = m0; r < pairs_end; r += 32)
+        for (int r = m0; r < pairs_end; r += 32) {
             amx_2x2(x + (long)r * k, w + half * 64, bias ? bias + half * 32 : 0,
                     out + (long)r * n + half * 32, gate ? gate + (long)r * n + half * 32 : 0, n,
-                    k, e);
+                    k, pf, pf_step, e);
+            pf += (long)pf_step * (k / KSTEP);
+        }
     for (int r = pairs_end; r < m1; r += 16) {
         const int rows = m1 - r < 16 ? m1 - r : 16;
         if (*configured != rows) configure(*configured = rows);
