@@ -191,6 +191,7 @@ def _fused() -> ctypes.CDLL | None:
         for name, args in (
             ("add_rms_norm", [_P, _P, _P, _P, _I, _I, _F, _I]),
             ("rope_store", [_P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I]),
+            ("greedy", [_P, _I, _I, _P, _I]),
         ):
             fn = getattr(lib, f"{name}_{sfx}")
             fn.restype, fn.argtypes = None, args
@@ -256,6 +257,17 @@ def rope_store(
         block_size,
         torch.get_num_threads(),
     )
+
+
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """(B, V) logits (fused_supported) -> each row's first argmax, or -1 for a row whose
+    maximum is not finite (a NaN or +inf in it, or nothing above -inf)."""
+    rows, n = logits.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    getattr(_fused(), f"greedy_{_SUFFIX[logits.dtype]}")(
+        logits.data_ptr(), rows, n, out.data_ptr(), torch.get_num_threads()
+    )
+    return out.tolist()
 
 
 # ---- bf16 linear layers on AMX (model/kernels/linear_bf16.c) ---------------------------

@@ -97,3 +97,67 @@ DEFINE_ADD_RMS_NORM(add_rms_norm_f32, float, f32_load, f32_store)
 DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, uint16_t, bf16_load, bf16_store)
 DEFINE_ROPE_STORE(rope_store_f32, float, f32_load, f32_store)
 DEFINE_ROPE_STORE(rope_store_bf16, uint16_t, bf16_load, bf16_store)
+
+/* Greedy decoding over rows of logits: out[r] = the first index of row r's maximum, or -1
+ * where that maximum is not finite (a NaN or +inf anywhere, or every value -inf): what
+ * torch.max(dim=-1) followed by isfinite() says, in one read of the logits (torch's bf16
+ * max reduction measured 2 ms for 64 rows of a 49k vocabulary). */
+#define DEFINE_GREEDY(NAME, T, LOAD)                                                     \
+void NAME(const T *x, int rows, int n, int64_t *out, int nthreads) {                     \
+    const long work = (long)rows * n;                                                    \
+    PARALLEL(work)                                                                       \
+    for (int r = 0; r < rows; ++r) {                                                     \
+        const T *xr = x + (long)r * n;                                                   \
+        float best = -INFINITY;                                                          \
+        long at = 0;                                                                     \
+        int bad = 0;                                                                     \
+        int i = 0;                                                                       \
+        GREEDY_LANES(T)                                                                  \
+        for (; i < n; ++i) {                                                             \
+            const float v = LOAD(xr[i]);                                                 \
+            if (v != v) bad = 1;                                                         \
+            else if (v > best) best = v, at = i;                                         \
+        }                                                                                \
+        out[r] = bad || !isfinite(best) ? -1 : at;                                       \
+    }                                                                                    \
+}
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+static inline __m512 lanes_load_bf16(const uint16_t *p) {
+    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline __m512 lanes_load_f32(const float *p) { return _mm512_loadu_ps(p); }
+#define LANES_LOAD(T) _Generic((T *)0, uint16_t *: lanes_load_bf16, float *: lanes_load_f32)
+/* 16 running maxima (strictly greater: each lane keeps its first), then the lowest index
+ * among the lanes that hold the overall maximum. */
+#define GREEDY_LANES(T)                                                                  \
+    if (n >= 16) {                                                                       \
+        __m512 vbest = _mm512_set1_ps(-INFINITY);                                        \
+        __m512i vat = _mm512_setzero_si512();                                            \
+        __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); \
+        __mmask16 nan = 0;                                                               \
+        for (; i + 16 <= n; i += 16) {                                                   \
+            const __m512 v = LANES_LOAD(T)(xr + i);                                      \
+            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);                               \
+            const __mmask16 gt = _mm512_cmp_ps_mask(v, vbest, _CMP_GT_OQ);               \
+            vbest = _mm512_mask_mov_ps(vbest, gt, v);                                    \
+            vat = _mm512_mask_mov_epi32(vat, gt, idx);                                   \
+            idx = _mm512_add_epi32(idx, _mm512_set1_epi32(16));                          \
+        }                                                                                \
+        float lb[16];                                                                    \
+        int la[16];                                                                      \
+        _mm512_storeu_ps(lb, vbest);                                                     \
+        _mm512_storeu_si512(la, vat);                                                    \
+        at = n;                                                                          \
+        for (int l = 0; l < 16; ++l)                                                     \
+            if (lb[l] > best || (lb[l] == best && la[l] < at)) best = lb[l], at = la[l]; \
+        bad = nan != 0;                                                                  \
+    }
+#else
+#define GREEDY_LANES(T)
+#endif
+
+DEFINE_GREEDY(greedy_f32, float, f32_load)
+DEFINE_GREEDY(greedy_bf16, uint16_t, bf16_load)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from model.kernels import fused_supported, greedy_tokens
 from service.engine.request import Request
 
 
@@ -55,6 +56,8 @@ class Sampler:
             p.greedy and not p.logit_bias and not p.needs_penalties and p.logprobs is None
             for p in params
         )
+        if simple and fused_supported(logits) and logits.dim() == 2:
+            return SampleResult(greedy_tokens(logits), [None] * len(requests))
         if simple:  # argmax needs no fp32 copy of the logits
             best = logits.max(dim=-1)
             tokens = _flag_non_finite(best.indices, best.values)
@@ -167,7 +170,7 @@ class Sampler:
         return result
 
 
-NON_FINITE = -1  # the token of a row whose logits were not all finite
+NON_FINITE = -1  # the token of a row whose logits were not all finite (as greedy_tokens gives)
 
 
 def _flag_non_finite(tokens: Tensor, row_max: Tensor) -> list[int]:

@@ -11,7 +11,13 @@ import torch.nn.functional as F
 
 from model.attention import PagedKVCache
 from model.config import ModelConfig
-from model.kernels import _library, paged_attention, paged_attention_supported
+from model.kernels import (
+    _library,
+    fused_supported,
+    greedy_tokens,
+    paged_attention,
+    paged_attention_supported,
+)
 from model.layers import alibi_slopes
 
 pytestmark = pytest.mark.skipif(
@@ -179,3 +185,26 @@ def test_loading_the_kernels_keeps_subnormal_floats() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["True", "True"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [7, 16, 49152 + 5])
+def test_greedy_tokens_are_torch_max_and_isfinite(dtype, n) -> None:
+    if not fused_supported(torch.empty(1, dtype=dtype)):
+        pytest.skip("no C compiler")
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(9, n, generator=gen).to(dtype)
+    x[1] = x[1].round()  # ties: the first maximum wins, wherever it sits among the lanes
+    x[1, n // 2] = x[1].max()
+    x[2, n - 1] = 100.0  # the maximum in the tail
+    x[3, n // 3] = float("nan")
+    x[4, 0] = float("inf")
+    x[5] = float("-inf")
+    x[6, : n // 2] = float("-inf")
+    x[7] = 0.0
+    x[8, n // 2] = float("nan")
+    x[8, 0] = float("inf")
+    best = x.max(dim=-1)
+    want = torch.where(best.values.isfinite(), best.indices, -1).tolist()
+    assert greedy_tokens(x) == want
+    assert want[3] == want[4] == want[5] == want[8] == -1 and want[7] == 0
