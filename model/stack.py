@@ -1,13 +1,14 @@
 """The decoder layers as one C call, for the case this CPU path is built around: a
 pre-norm RoPE/RMSNorm/SwiGLU model in bf16 whose linears all took the AMX tile layout,
 over a bf16 paged cache of 16-token blocks (model/kernels/stack.c). Same kernels, same
-order, same bits as the modules; it drops the per-layer Python between them (about a sixth
-of a batch-1 decode step) and holds no GIL while the layers run.
+order, same bits as the modules; it drops the per-layer Python between them (over a
+quarter of a batch-1 decode step here) and holds no GIL while the layers run.
 """
 
 from __future__ import annotations
 
 import ctypes
+import weakref
 
 import torch
 from torch import Tensor, nn
@@ -69,7 +70,10 @@ class DecoderStack:
         self.cfg = cfg
         self.layers = layers
         self.final_norm = final_norm
-        self._cache: PagedKVCache | None = None
+        # the cache the layer arguments point into; weak, so a model outliving its engine
+        # does not keep the engine's KV pool alive
+        self._cache: weakref.ref[PagedKVCache] | None = None
+        self._block_size = 0
         self._weights: ctypes.Array[_Layer] | None = None
         self._kernels: dict[str, int] | None = None
 
@@ -100,12 +104,12 @@ class DecoderStack:
             return False
         if kv_cache.data.dtype != torch.bfloat16 or kv_cache.data.device.type != "cpu":
             return False
-        if self._cache is not kv_cache:
+        if self._cache is None or self._cache() is not kv_cache:
             cfg = self.cfg
             group = cfg.n_heads // cfg.kv_heads
             self._kernels = stack_kernels(cfg.head_dim, kv_cache.block_size, group)
             self._weights = self._layer_args(kv_cache) if self._kernels else None
-            self._cache = kv_cache
+            self._cache, self._block_size = weakref.ref(kv_cache), kv_cache.block_size
         return self._kernels is not None
 
     def _layer_args(self, kv_cache: PagedKVCache) -> ctypes.Array[_Layer]:
@@ -135,7 +139,8 @@ class DecoderStack:
         meta: AttentionMetadata,
         rope: tuple[Tensor, Tensor],  # cos, sin (T, head_dim) at the tokens' positions
     ) -> Tensor:
-        """-> the final norm's output (T, d), as the module path's add_norm gives it."""
+        """-> the final norm's output (T, d), as the module path's add_norm gives it.
+        Call takes() with this step's cache first."""
         cfg, t = self.cfg, x.shape[0]
         h, kv, dh = cfg.n_heads, cfg.kv_heads, cfg.head_dim
 
@@ -165,7 +170,7 @@ class DecoderStack:
         dims = (len(self.layers), t, cfg.d_model, h, kv, dh, cfg.d_ff)
         args = _Args(
             **self._kernels,
-            **dict(zip(_DIMS, (*dims, self._cache.block_size, tables.shape[1]), strict=True)),
+            **dict(zip(_DIMS, (*dims, self._block_size, tables.shape[1]), strict=True)),
             nthreads=torch.get_num_threads(),
             eps=cfg.norm_eps,
             scale=dh**-0.5,

@@ -1,5 +1,7 @@
 """The decoder stack as one C call (model/stack.py) gives the module path's bits."""
 
+import weakref
+
 import pytest
 import torch
 
@@ -75,3 +77,8 @@ def test_models_and_steps_it_does_not_take_run_as_modules() -> None:
     assert not model._stack.takes(fp32_cache, meta)
     assert not model._stack.takes(small_blocks, AttentionMetadata.paged([[0]], [0], [3], 8))
     assert not model._stack.takes(None, AttentionMetadata.dense(3, "cpu"))
+    cache = PagedKVCache(model.cfg, 4, 16, torch.bfloat16, "cpu")
+    assert model._stack.takes(cache, meta)
+    gone = weakref.ref(cache)
+    del cache  # the model outlives its engine's cache without keeping it
+    assert gone() is None
