@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from model.attention import AttentionMetadata, PagedKVCache
 from model.config import ModelConfig
-from model.kernels import stack_forward, stack_kernels
+from model.kernels import data_ptr, stack_forward, stack_kernels
 from model.layers import Linear, RMSNorm, SwiGLU
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -56,10 +56,6 @@ class _Args(ctypes.Structure):
         ("final_norm", _P),
         *[(name, _P) for name in (*_STEP, *_BUFFERS)],
     ]
-
-
-def _ptr(t: Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
 
 
 class DecoderStack:
@@ -120,14 +116,14 @@ class DecoderStack:
             out[i] = _Layer(
                 block.attn_norm.weight.data_ptr(),
                 attn.wqkv._tiles.data_ptr(),
-                _ptr(attn.wqkv._bias32),
+                data_ptr(attn.wqkv._bias32),
                 attn.wo._tiles.data_ptr(),
-                _ptr(attn.wo._bias32),
+                data_ptr(attn.wo._bias32),
                 block.ffn_norm.weight.data_ptr(),
                 ffn.w_in._tiles.data_ptr(),
-                _ptr(ffn.w_in._bias32),
+                data_ptr(ffn.w_in._bias32),
                 ffn.w_out._tiles.data_ptr(),
-                _ptr(ffn.w_out._bias32),
+                data_ptr(ffn.w_out._bias32),
                 k_cache.data_ptr(),
                 v_cache.data_ptr(),
             )
@@ -176,7 +172,7 @@ class DecoderStack:
             scale=dh**-0.5,
             w=self._weights,
             final_norm=self.final_norm.weight.data_ptr(),
-            **{k: _ptr(v) for k, v in step.items()},
+            **{k: data_ptr(v) for k, v in step.items()},
             **{k: v.data_ptr() for k, v in buffers.items()},
         )
         stack_forward(args)

@@ -108,8 +108,7 @@ class Transformer(nn.Module):
             ffn = isinstance(module, SwiGLU) and not module.w_in.packed
             if ffn or (isinstance(module, Linear) and not module.packed):
                 module.pack()
-        if self.device.type == "cpu":
-            self._stack = DecoderStack.build(self.cfg, self.layers, getattr(self, "norm", None))
+        self._stack = DecoderStack.build(self.cfg, self.layers, getattr(self, "norm", None))
         return True
 
     @property

@@ -146,8 +146,7 @@ def paged_attention(
     kv, block_size = k_cache.shape[1], k_cache.shape[-2]
     lib = _library(d, block_size, h // kv)
     assert lib is not None, "check paged_attention_supported() first"
-    amx = use_amx and lib.amx and k_cache.dtype == torch.bfloat16
-    amx = amx and block_size == AMX_BLOCK_SIZE and d % 32 == 0
+    amx = use_amx and k_cache.dtype == torch.bfloat16 and _amx_attention(lib, d, block_size)
     q = q.to(torch.bfloat16 if amx else torch.float32)
     if q.stride(2) != 1 or q.stride(1) != d:
         q = q.contiguous()
@@ -160,7 +159,7 @@ def paged_attention(
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         block_tables.contiguous().data_ptr(),
-        _ptr(rows),
+        data_ptr(rows),
         lens.contiguous().data_ptr(),
         out.data_ptr(),
         r,
@@ -168,13 +167,18 @@ def paged_attention(
         kv,
         block_tables.shape[1],
         scale,
-        _ptr(slopes),
+        data_ptr(slopes),
         torch.get_num_threads(),
     )
     return out.to(k_cache.dtype)
 
 
 AMX_BLOCK_SIZE = 16  # the AMX attention kernel's block: one 16 x 16 tile of scores
+
+
+def _amx_attention(lib: ctypes.CDLL, d_head: int, block_size: int) -> bool:
+    """Whether paged_attention_amx in `lib` runs bf16 attention of this shape."""
+    return lib.amx and block_size == AMX_BLOCK_SIZE and d_head % 32 == 0
 
 
 # ---- fused elementwise kernels (model/kernels/fused.c) ---------------------------------
@@ -204,7 +208,8 @@ def fused_supported(x: torch.Tensor) -> bool:
     )
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
+def data_ptr(t: torch.Tensor | None) -> int | None:
+    """A tensor's address for a kernel argument; None (NULL) for no tensor."""
     return None if t is None else t.data_ptr()
 
 
@@ -218,7 +223,7 @@ def add_rms_norm(
     fn = getattr(_fused(), f"add_rms_norm_{_SUFFIX[x.dtype]}")
     fn(
         x.data_ptr(),
-        _ptr(delta),
+        data_ptr(delta),
         weight.contiguous().data_ptr(),
         out.data_ptr(),
         rows,
@@ -244,16 +249,16 @@ def rope_store(
     block_size = k_cache.shape[-2] if k_cache is not None else 0
     getattr(_fused(), f"rope_store_{_SUFFIX[qkv.dtype]}")(
         qkv.data_ptr(),
-        _ptr(cos),
-        _ptr(sin),
+        data_ptr(cos),
+        data_ptr(sin),
         qkv.shape[0],
         n_heads,
         n_kv,
         d_head,
-        _ptr(k_cache),
-        _ptr(v_cache),
-        _ptr(slot_blocks),
-        _ptr(slot_offsets),
+        data_ptr(k_cache),
+        data_ptr(v_cache),
+        data_ptr(slot_blocks),
+        data_ptr(slot_offsets),
         block_size,
         torch.get_num_threads(),
     )
@@ -331,9 +336,9 @@ def tile_linear(
         _tiles().linear_bf16(
             flat.data_ptr(),
             tiles.data_ptr(),
-            _ptr(bias),
+            data_ptr(bias),
             out.data_ptr(),
-            _ptr(scratch),
+            data_ptr(scratch),
             flat.shape[0],
             n,
             k,
@@ -356,10 +361,12 @@ def _stack() -> ctypes.CDLL | None:
 def stack_kernels(d_head: int, block_size: int, group: int) -> dict[str, int] | None:
     """Addresses of the kernels model/kernels/stack.c calls for a bf16 model whose
     attention has this shape, or None unless all of them (AMX tiles included) are here."""
+    if block_size != AMX_BLOCK_SIZE:  # answered before building anything for it
+        return None
     attention, fused, tiles = _library(d_head, block_size, group), _fused(), _tiles()
     if attention is None or fused is None or tiles is None or _stack() is None:
         return None
-    if not (attention.amx and block_size == AMX_BLOCK_SIZE and d_head % 32 == 0):
+    if not _amx_attention(attention, d_head, block_size):
         return None
 
     def address(fn: object) -> int:
