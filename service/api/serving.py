@@ -4,6 +4,7 @@ request -> SamplingParams, running generations, and the SSE wire format."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -241,7 +242,13 @@ async def _disconnected(request: Request) -> None:
 
 
 async def merged(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
-    """Interleave several async iterators as their items arrive; cancel all on exit."""
+    """Interleave several async iterators as their items arrive; cancel all on exit.
+    A single iterator is passed through without the pump task and queue."""
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]) as only:  # type: ignore[type-var]
+            async for item in only:
+                yield 0, item
+        return
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
     done = object()
 
@@ -270,12 +277,11 @@ async def merged(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+_to_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
 def sse(data: dict[str, Any] | str) -> bytes:
-    payload = (
-        data
-        if isinstance(data, str)
-        else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    )
+    payload = data if isinstance(data, str) else _to_json(data)
     return f"data: {payload}\n\n".encode()
 
 

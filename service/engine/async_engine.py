@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from service.engine.engine import EngineStats, LLMEngine
 from service.engine.output import RequestOutput
@@ -210,13 +211,19 @@ class AsyncEngine:
         grouped: dict[str, list[RequestOutput]] = {}
         for out in outputs:
             grouped.setdefault(self._parent_id(out.request_id), []).append(out)
+        # one wake-up per event loop per step, not one per stream (each
+        # call_soon_threadsafe writes to the loop's self-pipe)
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
         for rid, outs in grouped.items():
             stream = self._streams.get(rid)
             if stream is None:
                 continue
-            self._deliver(stream, outs)
+            batches.setdefault(stream.loop, []).append((stream.queue, outs))
             if all(self.engine.requests.get(sid) is None for sid in stream.seq_ids):
                 del self._streams[rid]
+        for loop, items in batches.items():
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody listens
+                loop.call_soon_threadsafe(_put_all, items)
 
     def _parent_id(self, seq_id: str) -> str:
         if seq_id in self._streams:
@@ -227,3 +234,8 @@ class AsyncEngine:
     def _deliver(stream: _Stream, item: list[RequestOutput] | BaseException) -> None:
         with contextlib.suppress(RuntimeError):  # the caller's loop closed: nobody listens
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
