@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -24,6 +25,29 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+
+class SSEData:
+    """The `data:` payloads of a server-sent event stream, fed as the bytes arrive (any
+    split, any of the three line endings); `[DONE]` is dropped. Splitting bytes here
+    costs the client less CPU per event than httpx's text-then-lines iterators, and on
+    a machine shared with the server that CPU is taken from the server being measured."""
+
+    _line_end = re.compile(rb"\r\n|\r|\n")
+
+    def __init__(self) -> None:
+        self._pending = b""
+
+    def feed(self, data: bytes) -> list[bytes]:
+        self._pending += data
+        if b"\n" not in data and b"\r" not in data:
+            return []
+        *lines, self._pending = self._line_end.split(self._pending)
+        return [
+            line[5:]
+            for line in lines
+            if line.startswith(b"data:") and line[5:].strip() != b"[DONE]"
+        ]
 
 
 @dataclass
@@ -78,22 +102,22 @@ async def one(
             if resp.status_code != 200:
                 result.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
                 return result
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    result.error = chunk["error"].get("message", "error")
-                    return result
-                if chunk.get("usage"):
-                    result.output_tokens = chunk["usage"]["completion_tokens"]
-                    continue
-                now = time.perf_counter()
-                if result.ttft is None:
-                    result.ttft = now - start
-                else:
-                    result.itl.append(now - last)
-                last = now
+            events = SSEData()
+            async for data in resp.aiter_bytes():
+                for payload in events.feed(data):
+                    chunk = json.loads(payload)
+                    if "error" in chunk:
+                        result.error = chunk["error"].get("message", "error")
+                        return result
+                    if chunk.get("usage"):
+                        result.output_tokens = chunk["usage"]["completion_tokens"]
+                        continue
+                    now = time.perf_counter()
+                    if result.ttft is None:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
         result.ok = True
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
@@ -309,6 +333,16 @@ def main(argv: list[str] | None = None) -> int:
     return run_cli(ap.parse_args(argv))
 
 
+def _runner() -> asyncio.Runner:
+    """uvloop where installed (as the server uses it): on a machine shared with the
+    server, a cheaper client leaves more CPU to the server it measures."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.Runner()
+    return asyncio.Runner(loop_factory=uvloop.new_event_loop)
+
+
 def run_cli(args: argparse.Namespace) -> int:
     proc, url = spawn(args.spawn) if args.spawn else (None, args.url)
     runs = []
@@ -319,20 +353,18 @@ def run_cli(args: argparse.Namespace) -> int:
             reqs = workload(
                 args.workload, n, args.prompt_len, args.output_len, args.vocab_size, args.seed
             )
-            runs.append(
-                asyncio.run(
-                    run(
-                        url,
-                        reqs,
-                        conc,
-                        args.request_rate,
-                        args.max_seconds,
-                        args.model,
-                        args.api_key,
-                        args.seed,
-                    )
-                )
+            work = run(
+                url,
+                reqs,
+                conc,
+                args.request_rate,
+                args.max_seconds,
+                args.model,
+                args.api_key,
+                args.seed,
             )
+            with _runner() as runner:
+                runs.append(runner.run(work))
     finally:
         if proc is not None:
             proc.terminate()

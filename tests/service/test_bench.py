@@ -1,8 +1,9 @@
 """The serving benchmark client against a live server."""
 
 import asyncio
+import json
 
-from service.bench import main, run, workload
+from service.bench import SSEData, main, run, workload
 from tests.live_server import Server
 
 
@@ -38,3 +39,27 @@ def test_closed_and_open_loop(server: Server, tmp_path) -> None:
         == 0
     )
     assert out.exists()
+
+
+def test_sse_data_survives_any_split_and_line_ending() -> None:
+    for end in (b"\n", b"\r\n", b"\r"):
+        stream = (
+            end.join(
+                [
+                    b'data: {"a":1}',
+                    b"",
+                    b": comment",
+                    b'data:{"b":"x y"}',
+                    b"",
+                    b"data: [DONE]",
+                    b"",
+                ]
+            )
+            + end
+        )
+        for cut in range(len(stream) + 1):
+            sse = SSEData()
+            got = sse.feed(stream[:cut]) + sse.feed(stream[cut:])
+            assert [json.loads(p) for p in got] == [{"a": 1}, {"b": "x y"}], (end, cut)
+    sse = SSEData()
+    assert [json.loads(p) for b in b'data: {"c":2}\n\n' for p in sse.feed(bytes([b]))] == [{"c": 2}]
