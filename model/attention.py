@@ -191,11 +191,6 @@ class AttentionMetadata:
         meta.slot_offsets = meta.slot_mapping % block_size
         meta.block_tables = torch.tensor(padded, dtype=torch.long, device=device)
         meta.row_lens = meta.positions + 1
-        if meta.max_query_len > 1:
-            meta.row_seq = torch.repeat_interleave(
-                torch.arange(len(query_lens), device=device),
-                torch.tensor(list(query_lens), device=device),
-            )
         return meta
 
     @classmethod
@@ -212,13 +207,14 @@ class AttentionMetadata:
         # decode step's metadata took 259 us with those, 162 us without
         cached_t = torch.tensor(list(cached_lens), dtype=torch.long)
         seq_t = torch.tensor(seq_lens, dtype=torch.long)
+        row_seq = None
         if max_q == 1:
             positions = cached_t.clone()
         else:
             q_t = torch.tensor(list(query_lens), dtype=torch.long)
+            row_seq = torch.repeat_interleave(torch.arange(len(query_lens)), q_t)
             # token i of sequence b sits at cached_b + (i - first_b)
-            shift = torch.repeat_interleave(cached_t - (torch.cumsum(q_t, 0) - q_t), q_t)
-            positions = torch.arange(int(q_t.sum())) + shift
+            positions = torch.arange(len(row_seq)) + (cached_t - (q_t.cumsum(0) - q_t))[row_seq]
         q_pos = cached_t[:, None] + torch.arange(max_q)[None, :]  # (B, max_q)
         k_pos = torch.arange(max_s)
         # Padded query rows (i >= query_len) still see every valid key, so no row is empty.
@@ -238,6 +234,7 @@ class AttentionMetadata:
             mask=mask.to(device),
             q_pos=q_pos.to(device),
             q_index=q_index,
+            row_seq=row_seq.to(device) if row_seq is not None else None,
         )
 
 
