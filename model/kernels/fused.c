@@ -65,7 +65,8 @@ void NAME(T *qkv, const T *cos_t, const T *sin_t, int rows, int H, int KV, int D
           T *k_cache, T *v_cache, const int64_t *slot_blocks, const int64_t *slot_offsets, \
           int BS, int nthreads) {                                                        \
     const int half = D / 2, width = (H + 2 * KV) * D;                                    \
-    const long work = (long)rows * width;                                                \
+    /* a row's cache write touches D / P + 1 lines per head, mostly not in cache */     \
+    const long work = (long)rows * width * (k_cache ? 16 : 1);                           \
     PARALLEL(work)                                                                       \
     for (int r = 0; r < rows; ++r) {                                                     \
         T *row = qkv + (long)r * width;                                                  \
@@ -83,6 +84,15 @@ void NAME(T *qkv, const T *cos_t, const T *sin_t, int rows, int H, int KV, int D
         if (!k_cache) continue;                                                          \
         const int64_t blk = slot_blocks[r], off = slot_offsets[r];                       \
         const int P = 4 / (int)sizeof(T);  /* elements per 32-bit lane */               \
+        if (r + 1 < rows) /* the next row's cache lines: fetch while this row is stored */ \
+            for (int h = 0; h < KV; ++h) {                                               \
+                const int64_t nb = slot_blocks[r + 1], no = slot_offsets[r + 1];         \
+                const T *kn = k_cache + (nb * KV + h) * (int64_t)D * BS + no * P;         \
+                const T *vn = v_cache + (nb * KV + h) * (int64_t)D * BS + (no / P) * D * P; \
+                for (int i = 0; i < D / P; ++i) __builtin_prefetch(kn + i * BS * P, 1);  \
+                for (int i = 0; i < D * P * (int)sizeof(T); i += 64)                     \
+                    __builtin_prefetch((const char *)vn + i, 1);                         \
+            }                                                                            \
         for (int h = 0; h < KV; ++h) {                                                   \
             const T *k = row + (H + h) * D, *v = row + (H + KV + h) * D;                 \
             T *kb = k_cache + (blk * KV + h) * (int64_t)D * BS + off * P;                \
