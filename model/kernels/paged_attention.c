@@ -220,15 +220,18 @@ typedef struct {
 
 #define SPAN (2 * BS)  /* keys per softmax step: blocks 2i and 2i + 1 */
 
-/* tmm0, tmm6: scores of the two blocks (16 rows x 16 keys fp32); tmm1: 32 channels of q
- * (16 x 32 bf16); tmm2: 32 channels of K (16 channel pairs x 16 keys x 2); tmm3: p.v
- * (16 rows x 16 channels fp32); tmm4: 16 channels of V (8 key pairs x 16 x 2); tmm5,
- * tmm7: p of the two blocks (16 rows x 16 keys bf16). */
-static void configure_attention(void) {
+/* tmm0, tmm6: scores of the two blocks (rows x 16 keys fp32); tmm1: 32 channels of q
+ * (rows x 32 bf16); tmm2: 32 channels of K (16 channel pairs x 16 keys x 2); tmm3: p.v
+ * (rows x 16 channels fp32); tmm4: 16 channels of V (8 key pairs x 16 x 2); tmm5, tmm7: p
+ * of the two blocks (rows x 16 keys bf16). `rows`: the query rows of a task (up to 16).
+ * The tile unit takes about a cycle per row of A, so a decode task (GROUP rows) runs its
+ * tiles at that height rather than 16: each row's arithmetic is the same either way. */
+static void configure_attention(int rows) {
     tile_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
+    for (int t = 0; t < 8; ++t) c.rows[t] = (uint8_t)rows, c.colsb[t] = 64;
+    c.rows[2] = 16;
     c.rows[4] = BS / 2;
     c.colsb[5] = c.colsb[7] = BS * 2;
     _tile_loadconfig(&c);
@@ -267,12 +270,13 @@ static inline __m512 exp_masked(__m512 x, __mmask16 keep) {
  * and sum and the correction per row. A row's keys past its position (or past the
  * sequence's blocks) get probability 0. The per-row reductions run one row at a time; the
  * corrections and running sums of all 16 rows are one vector each (lane i: row i). */
-static void softmax_step(group_state *st, int64_t k0, int kvh, float scale, const float *alibi) {
+static void softmax_step(group_state *st, int nr, int64_t k0, int kvh, float scale,
+                         const float *alibi) {
     const __m512 lane = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     float bmax[16] __attribute__((aligned(64))), rowsum[16] __attribute__((aligned(64)));
     __mmask16 active = 0;
-    for (int i = 0; i < 16; ++i) {
-        bmax[i] = st->m[i], rowsum[i] = 0.f;
+    for (int i = 0; i < 16; ++i) bmax[i] = st->m[i], rowsum[i] = 0.f;
+    for (int i = 0; i < nr; ++i) {
         if (st->pos[i] < k0) {  /* the row ends before this step */
             memset(st->p + i * SPAN, 0, SPAN * 2);
             continue;
@@ -319,16 +323,20 @@ static inline void prefetch_block(const uint16_t *k, const uint16_t *v, int64_t 
     }
 }
 
+/* The blocks of one pass over a K/V head: its sequence's block table and block count. */
+typedef struct {
+    const int64_t *table;
+    int nblk, kvh;
+} pass_blocks;
+
 static void attend_group(const uint16_t *q, int q_stride, const uint16_t *k, const uint16_t *v,
                          const int64_t *tables, const int64_t *lens, uint16_t *out, int r0,
                          int ntok, int64_t seq, int kvh, int KV, int max_blocks, float scale,
-                         const float *alibi) {
+                         const float *alibi, const pass_blocks *next) {
     group_state st;
     const int H = KV * G, nr = ntok * G;
     const int64_t *table = tables + seq * max_blocks;
-    memset(st.q, 0, sizeof st.q);
-    memset(st.s, 0, sizeof st.s);
-    memset(st.o, 0, sizeof st.o);
+    memset(st.o, 0, sizeof(float) * D * nr);
     for (int i = 0; i < 16; ++i) {
         st.m[i] = -1e30f, st.l[i] = 0.f, st.pos[i] = -1;
         if (i >= nr) continue;
@@ -341,8 +349,11 @@ static void attend_group(const uint16_t *q, int q_stride, const uint16_t *k, con
         const int two = j + 1 < nblk;
         const int64_t off0 = (table[j] * KV + kvh) * (int64_t)(D * BS);
         const int64_t off1 = two ? (table[j + 1] * KV + kvh) * (int64_t)(D * BS) : 0;
-        for (int n = j + 2; n < j + 4 && n < nblk; ++n)  /* scattered blocks: fetch ahead */
-            prefetch_block(k, v, table[n], KV, kvh);
+        for (int n = j + 2; n < j + 4; ++n)  /* scattered blocks: fetch ahead */
+            if (n < nblk)
+                prefetch_block(k, v, table[n], KV, kvh);
+            else if (next && n - nblk < next->nblk)  /* into the thread's next pass */
+                prefetch_block(k, v, next->table[n - nblk], KV, next->kvh);
         _tile_zero(0);
         _tile_zero(6);
         for (int c = 0; c < D; c += 32) {
@@ -356,7 +367,7 @@ static void attend_group(const uint16_t *q, int q_stride, const uint16_t *k, con
         }
         _tile_stored(0, st.s, SPAN * 4);
         _tile_stored(6, st.s + BS, SPAN * 4);
-        softmax_step(&st, (int64_t)j * BS, kvh, scale, alibi);
+        softmax_step(&st, nr, (int64_t)j * BS, kvh, scale, alibi);
         _tile_loadd(5, st.p, SPAN * 2);
         _tile_loadd(7, st.p + BS, SPAN * 2);
         for (int c = 0; c < D; c += 16) {
@@ -386,6 +397,16 @@ static void attend_group(const uint16_t *q, int q_stride, const uint16_t *k, con
     }
 }
 
+/* The blocks of task `task` (groups of rows x runs of `per_task` K/V heads), first head. */
+static pass_blocks task_blocks(const int *starts, int task, int per_task, int KV,
+                               const int64_t *tables, const int64_t *row_seq,
+                               const int64_t *lens, int max_blocks) {
+    const int r = starts[task / (KV / per_task) + 1] - 1;  /* the group's last row sees most */
+    pass_blocks p = {tables + (row_seq ? row_seq[r] : r) * max_blocks,
+                     (int)((lens[r] - 1) / BS) + 1, task % (KV / per_task) * per_task};
+    return p;
+}
+
 /* q, out: (R, KV * G, D) bfloat16 (q's rows q_stride apart); the rest as for
  * paged_attention_bf16. */
 void paged_attention_amx(const uint16_t *q, const uint16_t *k, const uint16_t *v,
@@ -397,16 +418,38 @@ void paged_attention_amx(const uint16_t *q, const uint16_t *k, const uint16_t *v
         if (!row_seq || r == 0 || row_seq[r] != row_seq[r - 1] || r - starts[ng - 1] == TOK)
             starts[ng++] = r;
     starts[ng] = R;
+    /* A task is a group of rows over all K/V heads in turn where there are groups enough
+     * to keep the threads busy (the heads of a block are adjacent in the pool: measured
+     * faster than spreading a group's heads over the threads), else over one head. */
+    const int per_task = ng >= 4 * nthreads ? KV : 1, ntasks = ng * (KV / per_task);
+    int claimed = 0;  /* tasks handed out so far */
 #pragma omp parallel num_threads(nthreads)
     {
-        configure_attention();
-#pragma omp for schedule(dynamic, 1)
-        for (int task = 0; task < ng * KV; ++task) {
-            const int grp = task / KV, r0 = starts[grp];
-            attend_group(q, q_stride, k, v, tables, lens, out, r0, starts[grp + 1] - r0,
-                         row_seq ? row_seq[r0] : r0, task % KV, KV, max_blocks, scale, alibi);
+        int rows = 0;  /* the tile height configured */
+        /* Each thread claims its next task before it runs the current one, so that each
+         * pass's last softmax step can fetch the first blocks of the pass that follows. */
+        int task = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+        while (task < ntasks) {
+            const int next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+            const int grp = task / (KV / per_task), h0 = task % (KV / per_task) * per_task;
+            const int r0 = starts[grp], nr = (starts[grp + 1] - r0) * G;
+            if (nr != rows) configure_attention(rows = nr);
+            pass_blocks ahead = {0};
+            for (int kvh = h0; kvh < h0 + per_task; ++kvh) {
+                const int last = kvh + 1 == h0 + per_task;
+                if (!last)
+                    ahead = task_blocks(starts, task, per_task, KV, tables, row_seq, lens,
+                                        max_blocks), ahead.kvh = kvh + 1;
+                else if (next < ntasks)
+                    ahead = task_blocks(starts, next, per_task, KV, tables, row_seq, lens,
+                                        max_blocks);
+                attend_group(q, q_stride, k, v, tables, lens, out, r0, starts[grp + 1] - r0,
+                             row_seq ? row_seq[r0] : r0, kvh, KV, max_blocks, scale, alibi,
+                             !last || next < ntasks ? &ahead : NULL);
+            }
+            task = next;
         }
-        _tile_release();
+        if (rows) _tile_release();
     }
     free(starts);
 }
