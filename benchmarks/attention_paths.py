@@ -1,8 +1,10 @@
 """One engine step of the SmolLM2-135M-shaped checkpoint (bf16, packed weights) with each
 attention path kvserve has for the paged cache, on the step shapes the scheduler makes:
 
-- `tiles`:  model/kernels/paged_attention.c on the AMX tile unit (bf16, block size 16)
-- `vector`: the same kernel's vector code (CPUs without AMX, float32 caches)
+- `tiles`:  model/kernels/paged_attention.c on the AMX tile unit (bf16, block size 16),
+  with the layers as one C call (model/kernels/stack.c), as the engine runs them here
+- `vector`: the same kernel's vector code (CPUs without AMX, float32 caches), layer by
+  layer through the modules
 - `gather`: gather the blocks and run SDPA (where no kernel applies: CUDA, no C compiler);
   queries are padded within groups (the decodes together, each longer query alone)
 
@@ -69,19 +71,22 @@ def main() -> None:
     model.pack_weights()
     cache = PagedKVCache(model.cfg, 2048, BLOCK, torch.bfloat16, "cpu")
     kernel, supported = attention.paged_attention, attention.paged_attention_supported
+    stack = model._stack  # the one-call layers run the tile kernel only
     paths = {
-        "tiles": (kernel, supported),
-        "vector": (functools.partial(kernel, use_amx=False), supported),
-        "gather": (kernel, lambda *a: False),
+        "tiles": (kernel, supported, stack),
+        "vector": (functools.partial(kernel, use_amx=False), supported, None),
+        "gather": (kernel, lambda *a: False, None),
     }
     rows = []
     print(f"{'step':36s} {'tiles ms':>10s} {'vector ms':>10s} {'gather ms':>10s}")
     for label, cached, new in STEPS:
         row = {"step": label, "tokens": sum(new)}
-        for name, (fn, check) in paths.items():
+        for name, (fn, check, layers) in paths.items():
             attention.paged_attention, attention.paged_attention_supported = fn, check
+            model._stack = layers
             row[f"{name}_ms"] = step_ms(model, cache, cached, new, args.repeats)
         attention.paged_attention, attention.paged_attention_supported = kernel, supported
+        model._stack = stack
         rows.append(row)
         print(
             f"{label:36s} {row['tiles_ms']:10.1f} {row['vector_ms']:10.1f} {row['gather_ms']:10.1f}"
