@@ -224,8 +224,9 @@ typedef struct {
  * (rows x 32 bf16); tmm2: 32 channels of K (16 channel pairs x 16 keys x 2); tmm3: p.v
  * (rows x 16 channels fp32); tmm4: 16 channels of V (8 key pairs x 16 x 2); tmm5, tmm7: p
  * of the two blocks (rows x 16 keys bf16). `rows`: the query rows of a task (up to 16).
- * The tile unit takes about a cycle per row of A, so a decode task (GROUP rows) runs its
- * tiles at that height rather than 16: each row's arithmetic is the same either way. */
+ * Tile loads, stores and dot products cost by the row, so a decode task (GROUP rows)
+ * runs its tiles at that height rather than 16 (30 layers of 64 decodes at 192 tokens:
+ * 15.1 -> 13.1-13.5 ms); each row's arithmetic is the same at any height. */
 static void configure_attention(int rows) {
     tile_config c;
     memset(&c, 0, sizeof c);
