@@ -324,7 +324,8 @@ static inline void prefetch_block(const uint16_t *k, const uint16_t *v, int64_t 
     }
 }
 
-/* The blocks of one pass over a K/V head: its sequence's block table and block count. */
+/* The blocks of one pass over a K/V head: its sequence's block table and block count
+ * (0 where no pass follows). */
 typedef struct {
     const int64_t *table;
     int nblk, kvh;
@@ -353,7 +354,7 @@ static void attend_group(const uint16_t *q, int q_stride, const uint16_t *k, con
         for (int n = j + 2; n < j + 4; ++n)  /* scattered blocks: fetch ahead */
             if (n < nblk)
                 prefetch_block(k, v, table[n], KV, kvh);
-            else if (next && n - nblk < next->nblk)  /* into the thread's next pass */
+            else if (n - nblk < next->nblk)  /* into the thread's next pass */
                 prefetch_block(k, v, next->table[n - nblk], KV, next->kvh);
         _tile_zero(0);
         _tile_zero(6);
@@ -398,13 +399,13 @@ static void attend_group(const uint16_t *q, int q_stride, const uint16_t *k, con
     }
 }
 
-/* The blocks of task `task` (groups of rows x runs of `per_task` K/V heads), first head. */
-static pass_blocks task_blocks(const int *starts, int task, int per_task, int KV,
+/* The blocks of task `task` (a group of rows x `per_group` runs of heads), first head. */
+static pass_blocks task_blocks(const int *starts, int task, int per_group, int per_task,
                                const int64_t *tables, const int64_t *row_seq,
                                const int64_t *lens, int max_blocks) {
-    const int r = starts[task / (KV / per_task) + 1] - 1;  /* the group's last row sees most */
+    const int r = starts[task / per_group + 1] - 1;  /* the group's last row sees the most */
     pass_blocks p = {tables + (row_seq ? row_seq[r] : r) * max_blocks,
-                     (int)((lens[r] - 1) / BS) + 1, task % (KV / per_task) * per_task};
+                     (int)((lens[r] - 1) / BS) + 1, task % per_group * per_task};
     return p;
 }
 
@@ -422,7 +423,8 @@ void paged_attention_amx(const uint16_t *q, const uint16_t *k, const uint16_t *v
     /* A task is a group of rows over all K/V heads in turn where there are groups enough
      * to keep the threads busy (the heads of a block are adjacent in the pool: measured
      * faster than spreading a group's heads over the threads), else over one head. */
-    const int per_task = ng >= 4 * nthreads ? KV : 1, ntasks = ng * (KV / per_task);
+    const int per_task = ng >= 4 * nthreads ? KV : 1, per_group = KV / per_task;
+    const int ntasks = ng * per_group;
     int claimed = 0;  /* tasks handed out so far */
 #pragma omp parallel num_threads(nthreads)
     {
@@ -432,21 +434,20 @@ void paged_attention_amx(const uint16_t *q, const uint16_t *k, const uint16_t *v
         int task = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
         while (task < ntasks) {
             const int next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
-            const int grp = task / (KV / per_task), h0 = task % (KV / per_task) * per_task;
-            const int r0 = starts[grp], nr = (starts[grp + 1] - r0) * G;
+            const int grp = task / per_group, r0 = starts[grp], nr = (starts[grp + 1] - r0) * G;
             if (nr != rows) configure_attention(rows = nr);
-            pass_blocks ahead = {0};
-            for (int kvh = h0; kvh < h0 + per_task; ++kvh) {
-                const int last = kvh + 1 == h0 + per_task;
-                if (!last)
-                    ahead = task_blocks(starts, task, per_task, KV, tables, row_seq, lens,
-                                        max_blocks), ahead.kvh = kvh + 1;
-                else if (next < ntasks)
-                    ahead = task_blocks(starts, next, per_task, KV, tables, row_seq, lens,
-                                        max_blocks);
+            const pass_blocks cur = task_blocks(starts, task, per_group, per_task, tables,
+                                                row_seq, lens, max_blocks);
+            const pass_blocks after = next < ntasks ? task_blocks(starts, next, per_group,
+                                                                  per_task, tables, row_seq,
+                                                                  lens, max_blocks)
+                                                    : (pass_blocks){NULL, 0, 0};
+            for (int kvh = cur.kvh; kvh < cur.kvh + per_task; ++kvh) {
+                pass_blocks same = cur;  /* the group's next head */
+                same.kvh = kvh + 1;
                 attend_group(q, q_stride, k, v, tables, lens, out, r0, starts[grp + 1] - r0,
                              row_seq ? row_seq[r0] : r0, kvh, KV, max_blocks, scale, alibi,
-                             !last || next < ntasks ? &ahead : NULL);
+                             kvh + 1 < cur.kvh + per_task ? &same : &after);
             }
             task = next;
         }
