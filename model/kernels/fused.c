@@ -84,15 +84,16 @@ void NAME(T *qkv, const T *cos_t, const T *sin_t, int rows, int H, int KV, int D
         if (!k_cache) continue;                                                          \
         const int64_t blk = slot_blocks[r], off = slot_offsets[r];                       \
         const int P = 4 / (int)sizeof(T);  /* elements per 32-bit lane */               \
-        if (r + 1 < rows) /* the next row's cache lines: fetch while this row is stored */ \
+        if (r + 1 < rows) { /* the next row's cache lines: fetch while this one is stored */ \
+            const int64_t nb = slot_blocks[r + 1], no = slot_offsets[r + 1];             \
             for (int h = 0; h < KV; ++h) {                                               \
-                const int64_t nb = slot_blocks[r + 1], no = slot_offsets[r + 1];         \
                 const T *kn = k_cache + (nb * KV + h) * (int64_t)D * BS + no * P;         \
                 const T *vn = v_cache + (nb * KV + h) * (int64_t)D * BS + (no / P) * D * P; \
                 for (int i = 0; i < D / P; ++i) __builtin_prefetch(kn + i * BS * P, 1);  \
                 for (int i = 0; i < D * P * (int)sizeof(T); i += 64)                     \
                     __builtin_prefetch((const char *)vn + i, 1);                         \
             }                                                                            \
+        }                                                                                \
         for (int h = 0; h < KV; ++h) {                                                   \
             const T *k = row + (H + h) * D, *v = row + (H + KV + h) * D;                 \
             T *kb = k_cache + (blk * KV + h) * (int64_t)D * BS + off * P;                \
