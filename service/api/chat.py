@@ -80,7 +80,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
         }
         body = _stream(state, req, prompt, params, head, include_usage, admission.release)
         return StreamingResponse(
-            body, media_type="text/event-stream", background=BackgroundTask(admission.release)
+            body, media_type="text/event-stream", background=BackgroundTask(admission.arelease)
         )
     try:
         choices = await until_disconnect(request, collect(state, rid, prompt, params))

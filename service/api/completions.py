@@ -91,7 +91,7 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
     if req.stream:
         body = _stream(state, req, prompts, params, head, include_usage, admission.release)
         return StreamingResponse(
-            body, media_type="text/event-stream", background=BackgroundTask(admission.release)
+            body, media_type="text/event-stream", background=BackgroundTask(admission.arelease)
         )
     try:
         work = asyncio.gather(

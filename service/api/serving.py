@@ -85,6 +85,11 @@ class Admission:
             self.state.inflight -= self.n
             self.n = 0
 
+    async def arelease(self) -> None:
+        """release() as a response's background task: Starlette runs a sync one in a worker
+        thread, where `inflight -= n` would race the event loop's `+=`."""
+        self.release()
+
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
