@@ -83,7 +83,11 @@ def workload(
 
 
 async def one(
-    client: httpx.AsyncClient, prompt: list[int], max_tokens: int, model: str | None
+    client: httpx.AsyncClient,
+    prompt: list[int],
+    max_tokens: int,
+    model: str | None,
+    errors: tuple[type[BaseException], ...] = (httpx.HTTPError,),
 ) -> Result:
     body: dict[str, Any] = {
         "prompt": prompt,
@@ -119,7 +123,7 @@ async def one(
                         result.itl.append(now - last)
                     last = now
         result.ok = True
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+    except (*errors, json.JSONDecodeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     finally:
         result.e2e = time.perf_counter() - start
@@ -138,11 +142,12 @@ async def run(
 ) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=max(concurrency or 0, 256))
+    transport, errors, transport_name = client_transport(limits)
     results: list[Result] = []
     async with httpx.AsyncClient(
-        base_url=url, timeout=600, headers=headers, limits=limits
+        base_url=url, timeout=600, headers=headers, limits=limits, transport=transport
     ) as client:
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         deadline = start + max_seconds
         if (
             rate is None
@@ -152,7 +157,7 @@ async def run(
             async def worker() -> None:
                 while queue and time.perf_counter() < deadline:
                     prompt, n = queue.pop()
-                    results.append(await one(client, prompt, n, model))
+                    results.append(await one(client, prompt, n, model, errors))
 
             await asyncio.gather(*(worker() for _ in range(concurrency or 1)))
         else:  # open loop: Poisson arrivals at `rate` requests/s
@@ -161,11 +166,35 @@ async def run(
             for prompt, n in requests:
                 if time.perf_counter() >= deadline:
                     break
-                tasks.append(asyncio.ensure_future(one(client, prompt, n, model)))
+                tasks.append(asyncio.ensure_future(one(client, prompt, n, model, errors)))
                 await asyncio.sleep(rng.expovariate(rate))
             results = list(await asyncio.gather(*tasks))
         duration = time.perf_counter() - start
-    return summarize(results, duration) | {"concurrency": concurrency, "request_rate": rate}
+        client_cpu = time.process_time() - cpu_start
+    return summarize(results, duration) | {
+        "concurrency": concurrency,
+        "request_rate": rate,
+        # what measuring cost: on a machine shared with the server, this CPU was not the server's
+        "client_transport": transport_name,
+        "client_cpu_s": client_cpu,
+    }
+
+
+def client_transport(
+    limits: httpx.Limits,
+) -> tuple[httpx.AsyncBaseTransport | None, tuple[type[BaseException], ...], str]:
+    """The httpx client's transport: aiohttp's (httpx-aiohttp, the `bench` extra) where
+    installed, else httpx's own. Per streamed event the aiohttp transport costs the client
+    about a third of the CPU (16,384 events: 0.37 s against 1.0 s, benchmarks/RESULTS.md),
+    and on a machine shared with the server that CPU is taken from the server measured.
+    Returns the transport (None: httpx's default), the errors a request may raise through
+    it, and its name for the report."""
+    try:
+        import aiohttp
+        from httpx_aiohttp import AiohttpTransport
+    except ImportError:
+        return None, (httpx.HTTPError,), "httpx"
+    return AiohttpTransport(limits=limits), (httpx.HTTPError, aiohttp.ClientError), "httpx+aiohttp"
 
 
 def _stats(values: list[float]) -> dict[str, float | None]:
@@ -221,6 +250,9 @@ def print_table(runs: list[dict[str, Any]]) -> None:
             f"{f(r['ttft_ms']['p50'], 9)} {f(r['ttft_ms']['p99'], 8)} {f(r['itl_ms']['p50'], 8)} {f(r['itl_ms']['p99'], 7)} "
             f"{f(r['tpot_ms']['p50'], 9)} {f(r['e2e_ms']['p50'], 9)} {f(r['e2e_ms']['p99'], 9)}"
         )
+    if runs:
+        cpu = ", ".join(f"{r['client_cpu_s']:.2f}" for r in runs)
+        print(f"client: {runs[0]['client_transport']} transport, CPU seconds per run: {cpu}")
 
 
 def plot(runs: list[dict[str, Any]], path: Path) -> bool:
