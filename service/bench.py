@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     return run_cli(ap.parse_args(argv))
 
 
-def _runner() -> asyncio.Runner:
+def event_loop() -> asyncio.Runner:
     """uvloop where installed (as the server uses it): on a machine shared with the
     server, a cheaper client leaves more CPU to the server it measures."""
     try:
@@ -395,7 +395,7 @@ def run_cli(args: argparse.Namespace) -> int:
                 args.api_key,
                 args.seed,
             )
-            with _runner() as runner:
+            with event_loop() as runner:
                 runs.append(runner.run(work))
     finally:
         if proc is not None:

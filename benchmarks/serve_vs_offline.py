@@ -1,0 +1,130 @@
+"""Serving over HTTP against the offline engine, alternated in one sitting (issue #6's 90%).
+
+Starts `kvserve serve` on the checkpoint, loads the same checkpoint (same tokenizer, same
+dtype) into an engine in this process, and alternates: a closed-loop streaming HTTP run
+at the concurrency (service/bench.py's client), and the offline engine through the same
+waves (the same number of requests, `max_num_seqs` = the concurrency, submitted at once).
+Pairs take turns going first, so a drift in the machine's speed falls on both sides; each
+run draws fresh prompts, so no run finds the last one's prefixes cached. On a shared VM
+two commands minutes apart differ by 10% on their own; this measures both sides within
+seconds of each other. Prints every pair and the medians; writes JSON.
+
+    python benchmarks/serve_vs_offline.py --concurrency 32 --pairs 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shlex
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from offline_throughput import OUT, checkpoint, run_batch
+
+from model.device import pick_device, pick_dtype
+from model.loader import load
+from service import bench
+from service.engine.engine import EngineConfig, LLMEngine
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", type=Path, default=None, help="default: the SmolLM2-135M shape")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=None, help="per run (default 4 x conc.)")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--pairs", type=int, default=6)
+    ap.add_argument("--kv-cache-gib", type=float, default=2.0)
+    ap.add_argument("--json", type=Path, default=OUT / "serve_vs_offline.json")
+    args = ap.parse_args()
+    path = args.model or checkpoint(OUT / "smollm2-135m-random")
+    conc, n = args.concurrency, args.requests or 4 * args.concurrency
+
+    serve_args = (
+        f"--model {shlex.quote(str(path))} --dtype {args.dtype} --max-num-seqs {max(64, conc)} "
+        f"--kv-cache-gib {args.kv_cache_gib}"
+    )
+    proc, url = bench.spawn(serve_args)
+    try:
+        device = pick_device("auto")
+        loaded = load(path, pick_dtype(args.dtype, device), device)
+        cfg = EngineConfig(max_num_seqs=conc, kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)))
+        engine = LLMEngine(loaded.model, loaded.tokenizer, cfg)
+        vocab = loaded.model.cfg.vocab_size
+        gc.freeze()  # the model and engine stay out of the HTTP client's collections
+
+        def prompts(seed: int) -> list[tuple[list[int], int]]:
+            return bench.workload("fixed", n, args.prompt_len, args.output_len, vocab, seed)
+
+        def offline(seed: int) -> float:
+            reqs = prompts(seed)
+            return run_batch(engine, [p for p, _ in reqs], args.output_len)["output_tok_s"]
+
+        def http(seed: int) -> dict:
+            work = bench.run(url, prompts(seed), conc, None, 600, None, None, seed)
+            with bench.event_loop() as runner:
+                return runner.run(work)
+
+        offline(10_000)  # warm-up of both sides, not counted
+        http(10_001)
+        pairs = []
+        for i in range(args.pairs):
+            seed = 2 * i + 1
+            if i % 2:
+                off = offline(seed)
+                served = http(seed + 1)
+            else:
+                served = http(seed + 1)
+                off = offline(seed)
+            pairs.append({"http": served, "offline_tok_s": off})
+            print_pair(i, pairs[-1], conc)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+    ratios = [p["http"]["output_tok_s"] / p["offline_tok_s"] for p in pairs]
+    http_med = statistics.median(p["http"]["output_tok_s"] for p in pairs)
+    off_med = statistics.median(p["offline_tok_s"] for p in pairs)
+    print(
+        f"median of ratios {100 * statistics.median(ratios):.1f}% (range "
+        f"{100 * min(ratios):.1f}-{100 * max(ratios):.1f}%); medians {http_med:.1f} / "
+        f"{off_med:.1f} = {100 * http_med / off_med:.1f}%; "
+        f"errors {sum(p['http']['errors'] for p in pairs)}"
+    )
+    result = {
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "threads": torch.get_num_threads(),
+        "pairs": pairs,
+        "median_ratio": statistics.median(ratios),
+        "ratio_of_medians": http_med / off_med,
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.json}")
+    if any(p["http"]["errors"] for p in pairs):
+        sys.exit(1)
+
+
+def print_pair(i: int, pair: dict, conc: int) -> None:
+    h = pair["http"]
+    itl = h["itl_ms"]
+    print(
+        f"pair {i + 1} ({'offline' if i % 2 else 'HTTP'} first): c{conc} HTTP "
+        f"{h['output_tok_s']:.1f} tok/s, offline {pair['offline_tok_s']:.1f} = "
+        f"{100 * h['output_tok_s'] / pair['offline_tok_s']:.1f}%; ITL p50 {itl['p50']:.1f} "
+        f"p99 {itl['p99']:.1f} ms ({itl['p99'] / itl['p50']:.2f}x); "
+        f"{h['completed']} ok / {h['errors']} errors; client CPU {h['client_cpu_s']:.2f} s",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()
