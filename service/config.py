@@ -10,6 +10,12 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 GiB = 1 << 30
+# On the CPU a prompt token costs about what a decode row does in a step of 32 decodes
+# (a 2048-token prefill step ~350 ms against a ~22 ms decode step, SmolLM2-135M shape,
+# bf16): a step that also decodes takes at most this many prompt tokens, so running streams
+# wait ~2 decode steps for a new prompt instead of ~16 (benchmarks/RESULTS.md). On CUDA a
+# prefill chunk is short next to the step's fixed cost and there is no cap.
+CPU_MIXED_PREFILL_TOKENS = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +42,13 @@ class Settings:
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
     max_num_seqs: int = field(default=64, metadata={"help": "sequences per engine step"})
     max_num_batched_tokens: int = field(default=2048, metadata={"help": "tokens per engine step"})
+    mixed_prefill_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "prompt tokens at most in a step that also decodes, 0: no cap "
+            f"(default: {CPU_MIXED_PREFILL_TOKENS} on the CPU, no cap on CUDA)"
+        },
+    )
     max_model_len: int | None = field(
         default=None, metadata={"help": "context length cap (default: the model's)"}
     )
@@ -68,6 +81,8 @@ class Settings:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.mixed_prefill_tokens is not None and self.mixed_prefill_tokens < 0:
+            raise ValueError(f"mixed_prefill_tokens must be >= 0, got {self.mixed_prefill_tokens}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.kv_cache_gib <= 0:
@@ -84,6 +99,12 @@ class Settings:
     @property
     def kv_cache_bytes(self) -> int:
         return int(self.kv_cache_gib * GiB)
+
+    def mixed_prefill_cap(self, device_type: str) -> int | None:
+        """The engine's cap on prompt tokens in a step with decodes (None: no cap)."""
+        if self.mixed_prefill_tokens is None:
+            return CPU_MIXED_PREFILL_TOKENS if device_type == "cpu" else None
+        return self.mixed_prefill_tokens or None
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)

@@ -71,6 +71,7 @@ def _build_engine(settings: Settings, built: dict[str, Any]) -> Any:
         block_size=settings.block_size,
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
+        mixed_prefill_tokens=settings.mixed_prefill_cap(device.type),
         max_model_len=settings.max_model_len,
         kv_cache_bytes=settings.kv_cache_bytes,
         gpu_memory_fraction=settings.gpu_memory_fraction,

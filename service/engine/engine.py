@@ -30,6 +30,7 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    mixed_prefill_tokens: int | None = None  # prompt tokens in a step with decodes (None: no cap)
     max_model_len: int | None = None  # default: the model's context length
     kv_cache_bytes: int = 1 * GiB  # the CPU budget (and the GPU one if gpu_memory_fraction is None)
     gpu_memory_fraction: float | None = 0.85  # of free GPU memory after a warm-up forward
@@ -108,7 +109,12 @@ class LLMEngine:
             model.cfg, num_blocks, config.block_size, model.dtype, model.device
         )
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.blocks,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.mixed_prefill_tokens,
+        )
         self.runner = ModelRunner(model, self.kv_cache)
         self.requests: dict[str, Request] = {}
         self.texts: dict[str, TextState] = {}

@@ -1,9 +1,11 @@
 """Continuous batching under one token budget per step.
 
 Each step: running requests first (decodes, and prefills that are mid-chunk), then prefill
-chunks of waiting requests, FCFS, mixed into the same batch. When blocks run out the newest
-running request is preempted: its blocks are freed and it re-queues at the front, to be
-recomputed from its prompt plus what it has generated so far.
+chunks of waiting requests, FCFS, mixed into the same batch. A step that carries decodes
+computes at most `mixed_prefill_tokens` prompt tokens besides them (when set), so running
+streams wait one short step for a new prompt, not one step of the whole token budget.
+When blocks run out the newest running request is preempted: its blocks are freed and it
+re-queues at the front, to be recomputed from its prompt plus what it has generated.
 """
 
 from __future__ import annotations
@@ -41,13 +43,20 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int
+        self,
+        blocks: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        mixed_prefill_tokens: int | None = None,
     ) -> None:
         if max_num_seqs <= 0 or max_num_batched_tokens <= 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be > 0")
+        if mixed_prefill_tokens is not None and mixed_prefill_tokens <= 0:
+            raise ValueError("mixed_prefill_tokens must be > 0 (or None: no cap)")
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.mixed_prefill_tokens = mixed_prefill_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last is the newest
 
@@ -60,25 +69,37 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        budget = prefill = self.max_num_batched_tokens
+        cap = self.mixed_prefill_tokens
+        if cap is not None and any(r.remaining == 1 for r in self.running):
+            prefill = min(prefill, cap)  # decodes ride in this step: keep it short
+        budget, prefill = self._schedule_running(out, budget, prefill)
         if not out.preempted:  # no room was found for running work: admit nothing new
-            budget = self._schedule_waiting(out, budget)
+            allowed = min(budget, prefill)
+            budget -= allowed - self._schedule_waiting(out, allowed)
         assert budget >= 0 and out.num_tokens <= self.max_num_batched_tokens
         assert len(out.seqs) <= self.max_num_seqs and len(self.running) <= self.max_num_seqs
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int, prefill: int) -> tuple[int, int]:
+        """Decodes and mid-prompt chunks; `prefill` caps the chunks (more than one token).
+        Returns what is left of both budgets."""
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.remaining, budget)
+            chunk = request.remaining > 1
+            n = min(request.remaining, budget, prefill if chunk else budget)
+            if n == 0:  # no prefill allowance left this step: it continues next step
+                i += 1
+                continue
             if not self._make_room(request, n, out):
                 break  # the request itself was preempted; everything after it too
             self.blocks.append(request, n)
             out.seqs.append(ScheduledSeq(request, request.num_computed, n, n == request.remaining))
             budget -= n
+            prefill -= n if chunk else 0
             i += 1
-        return budget
+        return budget, prefill
 
     def _make_room(self, request: Request, n: int, out: SchedulerOutput) -> bool:
         """Preempt the newest running requests until `request` can grow by n tokens."""

@@ -50,6 +50,36 @@ def test_sixteen_mixed_requests_batched_equal_each_alone() -> None:
     assert engine.blocks.num_used == 0
 
 
+def test_steps_with_decodes_cap_their_prompt_tokens() -> None:
+    """With mixed_prefill_tokens, a step that carries decodes computes at most that many
+    prompt tokens (new prompts and mid-prompt chunks alike); a step without decodes still
+    fills the whole budget; the tokens are those of each request alone."""
+    requests = mixed_requests(16, seed=2)
+    engine = make_engine(MODEL, mixed_prefill_tokens=8)
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    outputs: dict[str, list[int]] = {}
+    mixed = prefill_only = 0
+    while engine.has_unfinished():
+        batch = engine.scheduler.schedule()
+        decodes = [s for s in batch.seqs if not s.request.in_prefill and s.num_new == 1]
+        chunks = sum(s.num_new for s in batch.seqs if s.num_new > 1)
+        assert batch.num_tokens <= 64
+        if decodes:
+            assert chunks <= 8, [(s.request.request_id, s.num_new) for s in batch.seqs]
+            mixed += bool(chunks)
+        elif chunks > 8:
+            prefill_only += 1
+        result = engine.runner.run(batch)
+        for out in engine._update(batch, result.token_ids, result.logprobs):
+            outputs.setdefault(out.request_id, []).extend(out.token_ids)
+    assert mixed and prefill_only  # both kinds of step happened
+    assert outputs == alone(requests)
+    assert engine.blocks.num_used == 0
+    with pytest.raises(ValueError, match="mixed_prefill_tokens"):
+        make_engine(MODEL, mixed_prefill_tokens=0)
+
+
 def test_small_pool_preempts_and_outputs_are_unchanged() -> None:
     requests = mixed_requests(16, seed=1)
     engine = make_engine(MODEL, num_blocks=40)

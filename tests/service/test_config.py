@@ -1,6 +1,12 @@
 import pytest
 
-from service.config import Settings, add_arguments, load_settings, settings_from_argv
+from service.config import (
+    CPU_MIXED_PREFILL_TOKENS,
+    Settings,
+    add_arguments,
+    load_settings,
+    settings_from_argv,
+)
 
 
 def test_flags_override_env_override_defaults() -> None:
@@ -27,6 +33,17 @@ def test_invalid_settings_name_the_field() -> None:
         settings_from_argv(["--max-num-seqs", "abc"])
     with pytest.raises(ValueError, match="log_level"):
         Settings(log_level="loud")
+    with pytest.raises(ValueError, match="mixed_prefill_tokens"):
+        settings_from_argv(["--mixed-prefill-tokens", "-1"])
+
+
+def test_mixed_prefill_cap_by_device_and_flag() -> None:
+    assert Settings().mixed_prefill_cap("cpu") == CPU_MIXED_PREFILL_TOKENS
+    assert Settings().mixed_prefill_cap("cuda") is None
+    none = settings_from_argv(["--mixed-prefill-tokens", "0"])
+    assert none.mixed_prefill_cap("cpu") is None and none.mixed_prefill_cap("cuda") is None
+    cap = settings_from_argv(["--mixed-prefill-tokens", "256"])
+    assert cap.mixed_prefill_cap("cpu") == cap.mixed_prefill_cap("cuda") == 256
     with pytest.raises(dataclass_frozen_error()):
         Settings().port = 1  # type: ignore[misc]
 
