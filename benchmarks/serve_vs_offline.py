@@ -3,7 +3,8 @@
 Starts `kvserve serve` on the checkpoint, loads the same checkpoint (same tokenizer, same
 dtype) into an engine in this process, and alternates: a closed-loop streaming HTTP run
 at the concurrency (service/bench.py's client), and the offline engine through the same
-waves (the same number of requests, `max_num_seqs` = the concurrency, submitted at once).
+waves (the same number of requests, `max_num_seqs` = the concurrency, submitted at once,
+and the server's cap on prompt tokens in a step with decodes).
 Pairs take turns going first, so a drift in the machine's speed falls on both sides; each
 run draws fresh prompts, so no run finds the last one's prefixes cached. On a shared VM
 two commands minutes apart differ by 10% on their own; this measures both sides within
@@ -28,6 +29,7 @@ from offline_throughput import OUT, checkpoint, run_batch
 from model.device import pick_device, pick_dtype
 from model.loader import load
 from service import bench
+from service.config import Settings
 from service.engine.engine import EngineConfig, LLMEngine
 
 
@@ -43,6 +45,12 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--pairs", type=int, default=6)
     ap.add_argument("--kv-cache-gib", type=float, default=2.0)
+    ap.add_argument(
+        "--mixed-prefill-tokens",
+        type=int,
+        default=None,
+        help="both sides; 0: no cap (default: the server's default for the device)",
+    )
     ap.add_argument("--json", type=Path, default=OUT / "serve_vs_offline.json")
     args = ap.parse_args()
     path = args.model or checkpoint(OUT / "smollm2-135m-random")
@@ -52,11 +60,21 @@ def main() -> None:
         f"--model {shlex.quote(str(path))} --dtype {args.dtype} --max-num-seqs {max(64, conc)} "
         f"--kv-cache-gib {args.kv_cache_gib}"
     )
+    if args.mixed_prefill_tokens is not None:
+        serve_args += f" --mixed-prefill-tokens {args.mixed_prefill_tokens}"
     proc, url = bench.spawn(serve_args)
     try:
         device = pick_device("auto")
         loaded = load(path, pick_dtype(args.dtype, device), device)
-        cfg = EngineConfig(max_num_seqs=conc, kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)))
+        cap = Settings(mixed_prefill_tokens=args.mixed_prefill_tokens).mixed_prefill_cap(
+            device.type
+        )
+        print(f"prompt tokens in a step with decodes, both sides: {cap or 'no cap'}")
+        cfg = EngineConfig(
+            max_num_seqs=conc,
+            kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
+            mixed_prefill_tokens=cap,
+        )
         engine = LLMEngine(loaded.model, loaded.tokenizer, cfg)
         vocab = loaded.model.cfg.vocab_size
         gc.freeze()  # the model and engine stay out of the HTTP client's collections
@@ -105,6 +123,7 @@ def main() -> None:
         "pairs": pairs,
         "median_ratio": statistics.median(ratios),
         "ratio_of_medians": http_med / off_med,
+        "mixed_prefill_tokens": cap,
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
@@ -116,11 +135,12 @@ def main() -> None:
 def print_pair(i: int, pair: dict, conc: int) -> None:
     h = pair["http"]
     itl = h["itl_ms"]
+    tail = f"{itl['p99'] / itl['p50']:.2f}x" if itl["p50"] else "-"
     print(
         f"pair {i + 1} ({'offline' if i % 2 else 'HTTP'} first): c{conc} HTTP "
         f"{h['output_tok_s']:.1f} tok/s, offline {pair['offline_tok_s']:.1f} = "
-        f"{100 * h['output_tok_s'] / pair['offline_tok_s']:.1f}%; ITL p50 {itl['p50']:.1f} "
-        f"p99 {itl['p99']:.1f} ms ({itl['p99'] / itl['p50']:.2f}x); "
+        f"{100 * h['output_tok_s'] / pair['offline_tok_s']:.1f}%; ITL p50 {itl['p50'] or 0:.1f} "
+        f"p99 {itl['p99'] or 0:.1f} ms ({tail}); "
         f"{h['completed']} ok / {h['errors']} errors; client CPU {h['client_cpu_s']:.2f} s",
         flush=True,
     )
