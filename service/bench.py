@@ -174,8 +174,8 @@ async def run(
     return summarize(results, duration) | {
         "concurrency": concurrency,
         "request_rate": rate,
-        # what measuring cost: on a machine shared with the server, this CPU was not the server's
         "client_transport": transport_name,
+        # what measuring cost: on a machine shared with the server, this CPU was not the server's
         "client_cpu_s": client_cpu,
     }
 
