@@ -10,11 +10,11 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 GiB = 1 << 30
-# On the CPU a prompt token costs about what a decode row does in a step of 32 decodes
-# (a 2048-token prefill step ~350 ms against a ~22 ms decode step, SmolLM2-135M shape,
-# bf16): a step that also decodes takes at most this many prompt tokens, so running streams
-# wait ~2 decode steps for a new prompt instead of ~16 (benchmarks/RESULTS.md). On CUDA a
-# prefill chunk is short next to the step's fixed cost and there is no cap.
+# On the CPU a 2048-token prefill step takes ~350 ms against ~22 ms for a step of 32
+# decodes (SmolLM2-135M shape, bf16), so 128 prompt tokens add about one decode step: a
+# step that also decodes takes at most this many, and running streams wait ~2 decode steps
+# for a new prompt instead of ~16 (benchmarks/RESULTS.md). On CUDA a prefill chunk is short
+# next to a step's fixed cost and there is no cap.
 CPU_MIXED_PREFILL_TOKENS = 128
 
 
