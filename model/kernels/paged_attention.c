@@ -332,12 +332,12 @@ typedef struct {
 } pass_blocks;
 
 static void attend_group(const uint16_t *q, int q_stride, const uint16_t *k, const uint16_t *v,
-                         const int64_t *tables, const int64_t *lens, uint16_t *out, int r0,
-                         int ntok, int64_t seq, int kvh, int KV, int max_blocks, float scale,
-                         const float *alibi, const pass_blocks *next) {
+                         const pass_blocks *cur, const int64_t *lens, uint16_t *out, int r0,
+                         int ntok, int kvh, int KV, float scale, const float *alibi,
+                         const pass_blocks *next) {
     group_state st;
-    const int H = KV * G, nr = ntok * G;
-    const int64_t *table = tables + seq * max_blocks;
+    const int H = KV * G, nr = ntok * G, nblk = cur->nblk;
+    const int64_t *table = cur->table;
     memset(st.o, 0, sizeof(float) * D * nr);
     for (int i = 0; i < 16; ++i) {
         st.m[i] = -1e30f, st.l[i] = 0.f, st.pos[i] = -1;
@@ -346,7 +346,6 @@ static void attend_group(const uint16_t *q, int q_stride, const uint16_t *k, con
         memcpy(st.q + i * D, q + row * q_stride + (kvh * G + i % G) * D, D * 2);
         st.pos[i] = lens[row] - 1;
     }
-    const int nblk = (int)(st.pos[nr - 1] / BS) + 1;
     for (int j = 0; j < nblk; j += 2) {  /* a step is blocks j and j + 1 (when it exists) */
         const int two = j + 1 < nblk;
         const int64_t off0 = (table[j] * KV + kvh) * (int64_t)(D * BS);
@@ -445,8 +444,8 @@ void paged_attention_amx(const uint16_t *q, const uint16_t *k, const uint16_t *v
             for (int kvh = cur.kvh; kvh < cur.kvh + per_task; ++kvh) {
                 pass_blocks same = cur;  /* the group's next head */
                 same.kvh = kvh + 1;
-                attend_group(q, q_stride, k, v, tables, lens, out, r0, starts[grp + 1] - r0,
-                             row_seq ? row_seq[r0] : r0, kvh, KV, max_blocks, scale, alibi,
+                attend_group(q, q_stride, k, v, &cur, lens, out, r0, starts[grp + 1] - r0, kvh,
+                             KV, scale, alibi,
                              kvh + 1 < cur.kvh + per_task ? &same : &after);
             }
             task = next;
