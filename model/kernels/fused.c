@@ -60,6 +60,11 @@ void NAME(T *x, const T *delta, const T *weight, T *out, int rows, int d, float 
  * are written into the paged cache: K blocks (KV, D/P, BS, P), V blocks (KV, BS/P, D, P),
  * P = 1 for float32 and 2 for bfloat16 (see model/kernels/paged_attention.c).
  * cos/sin: (rows, D) in the model dtype, already at each token's position; NULL: no RoPE. */
+/* Head h's K slot of token `off` in block `blk` (its first element), and the start of the
+ * V rows that hold it (the token is at + off % P); KV, D, BS and P as in the function. */
+#define K_SLOT(cache, blk, h, off) ((cache) + ((blk) * KV + (h)) * (int64_t)D * BS + (off) * P)
+#define V_ROWS(cache, blk, h, off) \
+    ((cache) + ((blk) * KV + (h)) * (int64_t)D * BS + ((off) / P) * D * P)
 #define DEFINE_ROPE_STORE(NAME, T, LOAD, STORE)                                          \
 void NAME(T *qkv, const T *cos_t, const T *sin_t, int rows, int H, int KV, int D,        \
           T *k_cache, T *v_cache, const int64_t *slot_blocks, const int64_t *slot_offsets, \
@@ -87,8 +92,7 @@ void NAME(T *qkv, const T *cos_t, const T *sin_t, int rows, int H, int KV, int D
         if (r + 1 < rows) { /* the next row's cache lines: fetch while this one is stored */ \
             const int64_t nb = slot_blocks[r + 1], no = slot_offsets[r + 1];             \
             for (int h = 0; h < KV; ++h) {                                               \
-                const T *kn = k_cache + (nb * KV + h) * (int64_t)D * BS + no * P;         \
-                const T *vn = v_cache + (nb * KV + h) * (int64_t)D * BS + (no / P) * D * P; \
+                const T *kn = K_SLOT(k_cache, nb, h, no), *vn = V_ROWS(v_cache, nb, h, no); \
                 for (int i = 0; i < D / P; ++i) __builtin_prefetch(kn + i * BS * P, 1);  \
                 for (int i = 0; i < D * P * (int)sizeof(T); i += 64)                     \
                     __builtin_prefetch((const char *)vn + i, 1);                         \
@@ -96,8 +100,7 @@ void NAME(T *qkv, const T *cos_t, const T *sin_t, int rows, int H, int KV, int D
         }                                                                                \
         for (int h = 0; h < KV; ++h) {                                                   \
             const T *k = row + (H + h) * D, *v = row + (H + KV + h) * D;                 \
-            T *kb = k_cache + (blk * KV + h) * (int64_t)D * BS + off * P;                \
-            T *vb = v_cache + (blk * KV + h) * (int64_t)D * BS + (off / P) * D * P + off % P; \
+            T *kb = K_SLOT(k_cache, blk, h, off), *vb = V_ROWS(v_cache, blk, h, off) + off % P; \
             for (int i = 0; i < D; ++i) kb[(i / P) * BS * P + i % P] = k[i];             \
             for (int i = 0; i < D; ++i) vb[i * P] = v[i];                                \
         }                                                                                \
