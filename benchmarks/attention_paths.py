@@ -1,12 +1,11 @@
 """One engine step of the SmolLM2-135M-shaped checkpoint (bf16, packed weights) with each
-attention path kvserve has for the paged cache, on the step shapes the scheduler makes:
+CPU execution backend (model/backends), on the step shapes the scheduler makes:
 
-- `tiles`:  model/kernels/paged_attention.c on the AMX tile unit (bf16, block size 16),
-  with the layers as one C call (model/kernels/stack.c), as the engine runs them here
-- `vector`: the same kernel's vector code (CPUs without AMX, float32 caches), layer by
-  layer through the modules
-- `gather`: gather the blocks and run SDPA (where no kernel applies: CUDA, no C compiler);
-  queries are padded within groups (the decodes together, each longer query alone)
+- `cpu`: the C kernels (the ISA they chose is printed), with the layers as one C call
+  (model/kernels/stack.c) where it takes the model (AMX), as the engine runs them
+- `cpu_layers`: the same kernels layer by layer through the modules
+- `torch`: the reference backend: gather the blocks and run SDPA; queries are padded
+  within groups (the decodes together, each longer query alone)
 
 Times one forward (best of --repeats). Prints a table and writes JSON.
 
@@ -16,15 +15,14 @@ Times one forward (best of --repeats). Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import time
 from pathlib import Path
 
 import torch
 
-import model.attention as attention
-from model.attention import AttentionMetadata, PagedKVCache
+from model.attention import PagedKVCache
+from model.backends import select_backend
 from model.weights import load_model
 
 OUT = Path(__file__).parent / "out"
@@ -49,7 +47,7 @@ def step_ms(model, cache, cached, new, repeats: int) -> float:
     tokens = torch.randint(0, model.cfg.vocab_size, (sum(new),))
     best = float("inf")
     for _ in range(repeats):
-        meta = AttentionMetadata.paged(tables, cached, new, BLOCK, pad_block=cache.null_block)
+        meta = cache.backend.metadata(tables, cached, new, BLOCK, "cpu", cache.null_block)
         start = time.perf_counter()
         with torch.inference_mode():
             model(tokens, meta, cache, torch.tensor([0]))
@@ -68,31 +66,34 @@ def main() -> None:
     if not (args.model / "config.json").exists():
         raise SystemExit(f"{args.model}: run benchmarks/offline_throughput.py once to write it")
     model = load_model(args.model, dtype=torch.bfloat16)
-    model.pack_weights()
-    cache = PagedKVCache(model.cfg, 2048, BLOCK, torch.bfloat16, "cpu")
-    kernel, supported = attention.paged_attention, attention.paged_attention_supported
-    stack = model._stack  # the one-call layers run the tile kernel only
-    paths = {
-        "tiles": (kernel, supported, stack),
-        "vector": (functools.partial(kernel, use_amx=False), supported, None),
-        "gather": (kernel, lambda *a: False, None),
+    cpu = select_backend("cpu", torch.device("cpu"), torch.bfloat16, model.cfg, BLOCK)
+    cpu.prepare(model)  # packed weights, and the one-call stack where it takes the model
+    stack = model._stack
+    caches = {
+        name: PagedKVCache(model.cfg, 2048, BLOCK, torch.bfloat16, "cpu", backend)
+        for name, backend in (
+            ("cpu", cpu),
+            ("cpu_layers", cpu),
+            (
+                "torch",
+                select_backend("torch", torch.device("cpu"), torch.bfloat16, model.cfg, BLOCK),
+            ),
+        )
     }
+    print(f"cpu backend: {cpu.describe()}")
     rows = []
-    print(f"{'step':36s} {'tiles ms':>10s} {'vector ms':>10s} {'gather ms':>10s}")
+    print(f"{'step':36s} " + " ".join(f"{name + ' ms':>14s}" for name in caches))
     for label, cached, new in STEPS:
         row = {"step": label, "tokens": sum(new)}
-        for name, (fn, check, layers) in paths.items():
-            attention.paged_attention, attention.paged_attention_supported = fn, check
-            model._stack = layers
+        for name, cache in caches.items():
+            model._stack = stack if name == "cpu" else None
             row[f"{name}_ms"] = step_ms(model, cache, cached, new, args.repeats)
-        attention.paged_attention, attention.paged_attention_supported = kernel, supported
         model._stack = stack
         rows.append(row)
-        print(
-            f"{label:36s} {row['tiles_ms']:10.1f} {row['vector_ms']:10.1f} {row['gather_ms']:10.1f}"
-        )
+        print(f"{label:36s} " + " ".join(f"{row[name + '_ms']:14.1f}" for name in caches))
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"threads": torch.get_num_threads(), "steps": rows}, indent=2))
+    report = {"threads": torch.get_num_threads(), "cpu_backend": cpu.describe(), "steps": rows}
+    args.json.write_text(json.dumps(report, indent=2))
     print(f"\nwrote {args.json}")
 
 

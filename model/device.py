@@ -21,14 +21,30 @@ def pick_device(name: str = "auto") -> torch.device:
 
 
 @functools.cache
-def cpu_has_amx() -> bool:
-    """Whether the CPU (as Linux reports it) has the AMX tile unit with bf16 support."""
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux reports them (empty where it does not)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    flags = next((line.split() for line in text.splitlines() if line.startswith("flags")), [])
-    return "amx_tile" in flags and "amx_bf16" in flags
+        return frozenset()
+    return frozenset(
+        next((line.split() for line in text.splitlines() if line.startswith("flags")), [])
+    )
+
+
+def cpu_has_amx() -> bool:
+    """Whether the CPU has the AMX tile unit with bf16 support."""
+    return {"amx_tile", "amx_bf16"} <= cpu_flags()
+
+
+def cpu_vector_isa() -> str:
+    """The widest vector instruction set the C kernels' -march=native build uses here."""
+    flags = cpu_flags()
+    if "avx512_bf16" in flags:
+        return "avx512-bf16"
+    if "avx512f" in flags:
+        return "avx512f"
+    return "avx2" if "avx2" in flags else "baseline"
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -10,8 +10,6 @@ from torch import Tensor, nn
 
 from model.config import ModelConfig, RopeScaling
 from model.kernels import (
-    add_rms_norm,
-    fused_supported,
     swiglu_layout,
     tile_layout,
     tile_linear,
@@ -93,20 +91,6 @@ class LayerNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         w, b = self.weight.float(), self.bias.float()
         return F.layer_norm(x.float(), (x.shape[-1],), w, b, self.eps).to(x.dtype)
-
-
-def add_norm(norm: nn.Module, x: Tensor, delta: Tensor | None) -> tuple[Tensor, Tensor]:
-    """The pre-norm residual step: x + delta (the residual stream) and its norm.
-    On the CPU, RMSNorm runs as one fused kernel that updates x in place."""
-    if (
-        isinstance(norm, RMSNorm)
-        and fused_supported(x)
-        and (delta is None or delta.dtype == x.dtype)
-    ):
-        return x, add_rms_norm(x, delta, norm.weight, norm.eps)
-    if delta is not None:
-        x = x + delta
-    return x, norm(x)
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:

@@ -96,7 +96,7 @@ class DecoderStack:
         return cls(cfg, layers, final_norm)
 
     def takes(self, kv_cache: PagedKVCache | None, meta: AttentionMetadata) -> bool:
-        if kv_cache is None or meta.slot_blocks is None:
+        if kv_cache is None or kv_cache.backend.name != "cpu" or meta.slot_blocks is None:
             return False
         if kv_cache.data.dtype != torch.bfloat16 or kv_cache.data.device.type != "cpu":
             return False

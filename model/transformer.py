@@ -6,11 +6,11 @@ import torch
 from torch import Tensor, nn
 
 from model.attention import Attention, AttentionMetadata, PagedKVCache
+from model.backends import REFERENCE, Backend
 from model.config import ModelConfig
 from model.layers import (
     Linear,
     SwiGLU,
-    add_norm,
     alibi_slopes,
     can_pack,
     make_ffn,
@@ -38,14 +38,16 @@ class Block(nn.Module):
         rope: tuple[Tensor, Tensor] | None,
         cache: tuple[Tensor, Tensor] | None,
         alibi_slopes: Tensor | None,
+        backend: Backend,
     ) -> tuple[Tensor, Tensor | None]:
         """Pre-norm blocks pass their FFN output on as `delta`, so the next residual add
         is fused with the next norm; post-norm blocks return a finished x."""
         if self.pre_norm:
-            x, h = add_norm(self.attn_norm, x, delta)
-            x, h = add_norm(self.ffn_norm, x, self.attn(h, meta, rope, cache, alibi_slopes))
+            x, h = backend.add_norm(self.attn_norm, x, delta)
+            attn = self.attn(h, meta, rope, cache, alibi_slopes, backend)
+            x, h = backend.add_norm(self.ffn_norm, x, attn)
             return x, self.ffn(h)
-        x = self.attn_norm(x + self.attn(x, meta, rope, cache, alibi_slopes))
+        x = self.attn_norm(x + self.attn(x, meta, rope, cache, alibi_slopes, backend))
         return self.ffn_norm(x + self.ffn(x)), None
 
 
@@ -128,7 +130,8 @@ class Transformer(nn.Module):
     ) -> Tensor:
         """tokens: (T,) new tokens of a flattened batch. Without `meta` the tokens are one
         sequence with no cache. Returns logits (T, V), or (len(logits_indices), V), in the
-        model's dtype (the head computes in it; callers that need fp32 convert)."""
+        model's dtype (the head computes in it; callers that need fp32 convert). The KV
+        cache's backend runs attention (the torch reference without a cache)."""
         if meta is None:
             meta = AttentionMetadata.dense(tokens.shape[0], tokens.device)
         if kv_cache is not None and meta.slot_mapping is None:
@@ -147,15 +150,16 @@ class Transformer(nn.Module):
         rope = None
         if self._rope is not None:
             rope = (self._rope[0][positions], self._rope[1][positions])  # (T, dh) each
+        backend = kv_cache.backend if kv_cache is not None else REFERENCE
         if self._stack is not None and self._stack.takes(kv_cache, meta):
             x = self._stack.forward(x, meta, rope)  # the layers and the final norm
         else:
             delta = None
             for i, layer in enumerate(self.layers):
                 cache = kv_cache.layer(i) if kv_cache is not None else None
-                x, delta = layer(x, delta, meta, rope, cache, self._alibi)
+                x, delta = layer(x, delta, meta, rope, cache, self._alibi, backend)
             if self.cfg.norm_placement == "pre":
-                _, x = add_norm(self.norm, x, delta)
+                _, x = backend.add_norm(self.norm, x, delta)
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)
         if self._head is not None:

@@ -1,9 +1,15 @@
+import os
 from collections.abc import Iterator
 
 import pytest
 import torch
 
 from tests.live_server import Server, start_server
+
+if not torch.cuda.is_available():
+    # the Triton kernels run in Triton's interpreter; it is chosen when they are defined,
+    # so before any test imports them
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

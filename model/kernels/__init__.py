@@ -176,6 +176,17 @@ def paged_attention(
 AMX_BLOCK_SIZE = 16  # the AMX attention kernel's block: one 16 x 16 tile of scores
 
 
+def attention_isa(d_head: int, block_size: int, group: int, dtype: torch.dtype) -> str:
+    """Which code paged_attention runs for this shape and dtype here: 'amx' (tiles) or
+    the vector code at the CPU's widest vector ISA."""
+    from model.device import cpu_vector_isa
+
+    lib = _library(d_head, block_size, group)
+    if lib is not None and dtype == torch.bfloat16 and _amx_attention(lib, d_head, block_size):
+        return "amx"
+    return cpu_vector_isa()
+
+
 def _amx_attention(lib: ctypes.CDLL, d_head: int, block_size: int) -> bool:
     """Whether paged_attention_amx in `lib` runs bf16 attention of this shape."""
     return lib.amx and block_size == AMX_BLOCK_SIZE and d_head % 32 == 0

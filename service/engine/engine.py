@@ -12,6 +12,7 @@ import torch
 
 from model.attention import PagedKVCache
 from model.audit import kv_bytes_per_token
+from model.backends import select_backend
 from model.device import dtype_name
 from model.tokenizer import Tokenizer
 from model.transformer import Transformer
@@ -36,6 +37,7 @@ class EngineConfig:
     gpu_memory_fraction: float | None = 0.85  # of free GPU memory after a warm-up forward
     num_blocks: int | None = None  # overrides both budgets (tests)
     enable_prefix_caching: bool = True
+    attention_backend: str = "auto"  # model/backends: auto, cpu, triton, torch
 
 
 class EngineObserver(Protocol):
@@ -104,9 +106,12 @@ class LLMEngine:
         self.max_model_len = min(
             config.max_model_len or model.cfg.max_position, model.cfg.max_position
         )
+        self.backend = select_backend(
+            config.attention_backend, model.device, model.dtype, model.cfg, config.block_size
+        )
         num_blocks = kv_block_budget(model, config)
         self.kv_cache = PagedKVCache(
-            model.cfg, num_blocks, config.block_size, model.dtype, model.device
+            model.cfg, num_blocks, config.block_size, model.dtype, model.device, self.backend
         )
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(

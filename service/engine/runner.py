@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from model.attention import AttentionMetadata, PagedKVCache
+from model.attention import PagedKVCache
 from model.transformer import Transformer
 from service.engine.sampler import Sampler, SampleResult
 from service.engine.scheduler import SchedulerOutput
@@ -13,7 +13,8 @@ from service.engine.scheduler import SchedulerOutput
 class ModelRunner:
     def __init__(self, model: Transformer, kv_cache: PagedKVCache) -> None:
         self.model = model
-        self.packed = model.pack_weights()  # tile / oneDNN layouts (CPU bf16)
+        self.backend = kv_cache.backend
+        self.packed = self.backend.prepare(model)  # the weight layouts its linears read
         self.kv_cache = kv_cache
         self.device = model.device
         self.block_size = kv_cache.block_size
@@ -55,13 +56,13 @@ class ModelRunner:
             tokens.extend(ids[seq.start : seq.start + seq.num_new])
             if seq.sample:
                 logit_rows.append(len(tokens) - 1)
-        meta = AttentionMetadata.paged(
+        meta = self.backend.metadata(
             [s.request.block_table for s in batch.seqs],
             [s.start for s in batch.seqs],
             [s.num_new for s in batch.seqs],
             self.block_size,
             self.device,
-            pad_block=self.kv_cache.null_block,
+            self.kv_cache.null_block,
         )
         if not logit_rows:
             self.model(self._to_device(tokens), meta, self.kv_cache, self._to_device([0]))

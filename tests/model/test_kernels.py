@@ -36,7 +36,7 @@ def random_cache(heads, kv_heads, d, bs, dtype, nb=64):
     k_ref = torch.randn(nb + 1, kv_heads, bs, d).to(dtype)
     v_ref = torch.randn(nb + 1, kv_heads, bs, d).to(dtype)
     k_cache, v_cache = cache.layer(0)
-    p = cache.pair
+    p = 2 if dtype.itemsize == 2 else 1  # the cpu backend's pair of lanes
     # K (nb, KV, D/P, BS, P): element (d, t) at [d // P, t, d % P]
     k_cache.copy_(k_ref.view(nb + 1, kv_heads, bs, d // p, p).permute(0, 1, 3, 2, 4))
     # V (nb, KV, BS/P, D, P): element (t, d) at [t // P, d, t % P]

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from model.attention import AttentionMetadata, PagedKVCache
+from tests.model.backends import BACKENDS, block_size_for, make_backend
 from tests.model.helpers import tiny_model
 
 SCHEMES = [
@@ -26,70 +27,80 @@ PLACEMENTS = ["pre", "post"]
 KV_HEADS = [4, 2, 1]  # MHA, GQA, MQA
 
 
-@pytest.mark.parametrize(
-    ("scheme", "placement", "kv_heads"), list(itertools.product(SCHEMES, PLACEMENTS, KV_HEADS))
-)
+def paged_cache(name: str, model, num_blocks: int, block_size: int, dtype=torch.float32):
+    """(cache, block size, backend) for backend `name` (the size it takes, if it needs more)."""
+    block_size = block_size_for(name, block_size)
+    backend = make_backend(name, model.cfg, block_size, dtype)
+    return PagedKVCache(model.cfg, num_blocks, block_size, dtype, "cpu", backend), backend
+
+
+# every combination on the compiled backends; in Triton's interpreter (seconds a case)
+# every scheme and placement with GQA, and MHA and MQA once each
+CASES = [
+    (name, *case)
+    for name in BACKENDS
+    for case in itertools.product(SCHEMES, PLACEMENTS, KV_HEADS)
+    if name != "triton" or case[2] == 2 or case[:2] == (SCHEMES[0], "pre")
+]
+
+
+@pytest.mark.parametrize(("name", "scheme", "placement", "kv_heads"), CASES)
 @torch.no_grad()
-def test_token_by_token_equals_full_forward(scheme: dict, placement: str, kv_heads: int) -> None:
+def test_token_by_token_equals_full_forward(
+    name: str, scheme: dict, placement: str, kv_heads: int
+) -> None:
     model = tiny_model(**scheme, norm_placement=placement, n_kv_heads=kv_heads)
     tokens = torch.randint(0, 97, (40,))
     full = model(tokens)  # (T, V), no cache
-    block_size = 4
-    cache = PagedKVCache(model.cfg, 16, block_size, torch.float32, "cpu")
-    table = [9, 2, 14, 0, 5, 11, 3, 7, 1, 12]  # scattered on purpose
+    cache, backend = paged_cache(name, model, 16, 4)
+    bs = cache.block_size
+    table = [9, 2, 14, 0, 5, 11, 3, 7, 1, 12][: -(-40 // bs)]  # scattered on purpose
     outs = []
     for pos in range(tokens.shape[0]):
-        meta = AttentionMetadata.paged([table], [pos], [1], block_size)
+        meta = backend.metadata([table], [pos], [1], bs, "cpu", cache.null_block)
         outs.append(model(tokens[pos : pos + 1], meta, cache))
     assert torch.allclose(torch.cat(outs), full, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("name", BACKENDS)
 @torch.no_grad()
-def test_chunked_prefill_then_decode_equals_full_forward() -> None:
+def test_chunked_prefill_then_decode_equals_full_forward(name: str) -> None:
     model = tiny_model(n_kv_heads=2)
     tokens = torch.randint(0, 97, (37,))
     full = model(tokens)
-    cache = PagedKVCache(model.cfg, 12, 8, torch.float32, "cpu")
+    cache, backend = paged_cache(name, model, 12, 8)
     table, start, outs = [4, 7, 1, 9, 2], 0, []
     for n in [13, 8, 5, 1, 1, 9]:
-        meta = AttentionMetadata.paged([table], [start], [n], 8)
+        meta = backend.metadata([table], [start], [n], cache.block_size, "cpu", cache.null_block)
         outs.append(model(tokens[start : start + n], meta, cache))
         start += n
     assert torch.allclose(torch.cat(outs), full, atol=1e-5, rtol=0)
 
 
-def use_torch_attention(monkeypatch) -> None:
-    """The path for where no C kernel applies (CUDA, no compiler, float16)."""
-    import model.attention as attention
-
-    monkeypatch.setattr(attention, "fused_supported", lambda x: False)
-    monkeypatch.setattr(attention, "paged_attention_supported", lambda *a: False)
-
-
 @pytest.mark.parametrize("scheme", SCHEMES)
-@pytest.mark.parametrize("path", ["kernel", "torch"])
+@pytest.mark.parametrize("name", BACKENDS)
 @torch.no_grad()
-def test_mixed_batch_equals_each_sequence_alone(monkeypatch, scheme: dict, path: str) -> None:
+def test_mixed_batch_equals_each_sequence_alone(name: str, scheme: dict) -> None:
     """One step mixing prefill chunks and decodes of different lengths gives every
     sequence the logits it gets alone (the torch path pads the decodes together and each
     longer query alone, never every sequence to the longest query)."""
-    if path == "torch":
-        use_torch_attention(monkeypatch)
     model = tiny_model(**scheme, n_kv_heads=2)
-    block_size = 4
     seqs = [torch.randint(0, 97, (n,)) for n in (23, 5, 17, 9)]
     alone = [model(s) for s in seqs]
-    cache = PagedKVCache(model.cfg, 40, block_size, torch.float32, "cpu")
+    cache, backend = paged_cache(name, model, 40, 4)
+    block_size = cache.block_size
     tables = [[0, 5, 10, 15, 20, 25], [1, 6], [2, 7, 12, 17, 22], [3, 8, 13]]
     # step 1: prefill a prefix of each; step 2: mixed (a chunk, decodes, the rest)
     first = [20, 4, 10, 8]
-    meta = AttentionMetadata.paged(tables, [0] * 4, first, block_size)
+    meta = backend.metadata(tables, [0] * 4, first, block_size, "cpu", cache.null_block)
     out1 = model(torch.cat([s[:n] for s, n in zip(seqs, first)]), meta, cache)
     rest = [len(s) - n for s, n in zip(seqs, first)]
-    meta = AttentionMetadata.paged(tables, first, rest, block_size)
+    meta = backend.metadata(tables, first, rest, block_size, "cpu", cache.null_block)
     out2 = model(torch.cat([s[n:] for s, n in zip(seqs, first)]), meta, cache)
-    if path == "torch":  # rest = [3, 1, 7, 1]: the two decodes, then each chunk
+    if name == "torch":  # rest = [3, 1, 7, 1]: the two decodes, then each chunk
         assert [sub.query_lens for _, sub in meta.groups(block_size)] == [[1, 1], [3], [7]]
+    else:  # the kernels read lengths and positions: no dense mask was built
+        assert meta._dense is None
     o1, o2 = out1.split(first), out2.split(rest)
     for i, ref in enumerate(alone):
         got = torch.cat([o1[i], o2[i]])
@@ -119,20 +130,18 @@ def test_context_length_enforced() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", BACKENDS)
 @torch.no_grad()
-def test_torch_attention_path_reads_the_paired_layout(monkeypatch, dtype) -> None:
-    """Where no C kernel applies (CUDA, no compiler, float16) K/V are written with index_put
-    and gathered for SDPA; bf16 and fp16 blocks interleave pairs (PagedKVCache), which this
-    path must undo: chunked prefill then decodes equal one full forward."""
-    use_torch_attention(monkeypatch)
+def test_each_backend_reads_its_layout_in_each_dtype(name: str, dtype) -> None:
+    """Each backend writes K/V in its own layout (the cpu one interleaves pairs in 16-bit
+    dtypes) and reads them back: chunked prefill then decodes equal one full forward."""
     model = tiny_model(n_kv_heads=2).to(dtype)
     tokens = torch.randint(0, 97, (37,))
     full = model(tokens).float()
-    cache = PagedKVCache(model.cfg, 12, 8, dtype, "cpu")
-    assert cache.pair == (1 if dtype == torch.float32 else 2)
+    cache, backend = paged_cache(name, model, 12, 8, dtype)
     table, start, outs = [4, 7, 1, 9, 2], 0, []
     for n in [13, 8, 5, 1, 1, 9]:
-        meta = AttentionMetadata.paged([table], [start], [n], 8)
+        meta = backend.metadata([table], [start], [n], cache.block_size, "cpu", cache.null_block)
         outs.append(model(tokens[start : start + n], meta, cache).float())
         start += n
     atol = 1e-5 if dtype == torch.float32 else 3e-2

@@ -1,0 +1,118 @@
+"""The `cpu` backend: kvserve's C kernels (model/kernels), compiled for this CPU on first
+use; the instruction set (AMX tiles, AVX-512, AVX2) is chosen inside them.
+
+Its KV layout, per layer, with P = 1 for float32 and 2 for bfloat16 (elements per 32-bit
+lane): K (num_blocks, KV, D / P, BS, P) and V (num_blocks, KV, BS / P, D, P). Keys are
+channel-major inside a block so that the attention kernel scores a whole block of tokens
+with one vector instruction per channel; values token-major so that it accumulates them
+along the channel. In bfloat16, pairs of channels (K) and of tokens (V) share a lane:
+that is the AMX tile unit's B operand for q.k and p.v.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from model.attention import AttentionMetadata
+from model.backends.reference import TorchBackend
+from model.config import ModelConfig
+from model.kernels import (
+    add_rms_norm,
+    attention_isa,
+    fused_supported,
+    paged_attention,
+    paged_attention_supported,
+    rope_store,
+)
+from model.layers import RMSNorm
+
+
+def unsupported(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> str | None:
+    """Why the C kernels cannot run this model on this machine, or None if they can."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"the C kernels compute in float32 or bfloat16, not {dtype}"
+    if not fused_supported(torch.empty(1, dtype=dtype)):
+        return "the C kernels did not build (no C compiler, or KVSERVE_DISABLE_KERNELS)"
+    k = torch.empty(1, cfg.kv_heads, 1, block_size, 1, dtype=dtype)  # only shape and dtype
+    if not paged_attention_supported(k, cfg.n_heads, cfg.kv_heads, cfg.head_dim):
+        return (
+            f"no C attention kernel for head_dim {cfg.head_dim}, block_size {block_size}, "
+            f"{cfg.n_heads // cfg.kv_heads} query heads per K/V head"
+        )
+    return None
+
+
+class CpuBackend(TorchBackend):
+    name = "cpu"
+
+    def __init__(self, cfg: ModelConfig, block_size: int, dtype: torch.dtype, reason: str = ""):
+        super().__init__("cpu", reason)
+        self.isa = attention_isa(cfg.head_dim, block_size, cfg.n_heads // cfg.kv_heads, dtype)
+
+    def describe(self) -> dict[str, Any]:
+        layout = "K (blocks, kv_heads, head_dim/P, block_size, P), V (blocks, kv_heads, block_size/P, head_dim, P)"
+        return {"name": self.name, "kv_layout": layout, "isa": self.isa}
+
+    def check_cache(self, cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> None:
+        pair = 2 if dtype.itemsize == 2 else 1
+        if block_size % pair or cfg.head_dim % pair:
+            raise ValueError(
+                f"a {dtype} KV cache needs an even block size and head size, "
+                f"got {block_size} and {cfg.head_dim}"
+            )
+
+    def kv_views(
+        self, data: Tensor, cfg: ModelConfig, num_blocks: int, block_size: int
+    ) -> list[tuple[Tensor, Tensor]]:
+        nb, kv, bs, d = num_blocks, cfg.kv_heads, block_size, cfg.head_dim
+        p = 2 if data.dtype.itemsize == 2 else 1
+        return [
+            (data[0, i].view(nb, kv, d // p, bs, p), data[1, i].view(nb, kv, bs // p, d, p))
+            for i in range(cfg.n_layers)
+        ]
+
+    def prepare(self, model: nn.Module) -> bool:
+        return model.pack_weights()  # the tile / oneDNN layouts (bf16), the one-call stack
+
+    def add_norm(self, norm: nn.Module, x: Tensor, delta: Tensor | None) -> tuple[Tensor, Tensor]:
+        fused = isinstance(norm, RMSNorm) and x.is_contiguous()
+        if fused and (delta is None or delta.dtype == x.dtype):  # x updated in place
+            return x, add_rms_norm(x, delta, norm.weight, norm.eps)
+        return super().add_norm(norm, x, delta)
+
+    def rope_store(
+        self,
+        qkv: Tensor,
+        rope: tuple[Tensor, Tensor] | None,
+        n_heads: int,
+        n_kv: int,
+        d_head: int,
+        cache: tuple[Tensor, Tensor] | None,
+        meta: AttentionMetadata,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        if cache is not None and meta.slot_blocks is None:
+            raise ValueError("a KV cache needs paged metadata")
+        # one pass: rotate q and k in place, write k and v into their slots
+        rope_store(qkv, rope, n_heads, n_kv, d_head, cache, meta.slot_blocks, meta.slot_offsets)
+        qkv = qkv.view(qkv.shape[0], n_heads + 2 * n_kv, d_head)
+        return qkv[:, :n_heads], qkv[:, n_heads : n_heads + n_kv], qkv[:, n_heads + n_kv :]
+
+    def attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        cache: tuple[Tensor, Tensor] | None,
+        meta: AttentionMetadata,
+        scale: float,
+        alibi: Tensor | None,
+    ) -> Tensor:
+        if cache is None:
+            return super().attend(q, k, v, cache, meta, scale, alibi)
+        out = paged_attention(
+            q, *cache, meta.block_tables, meta.row_lens, scale, alibi, meta.row_seq
+        )  # (T, H, dh) in the cache's dtype
+        return out.to(q.dtype).view(q.shape[0], q.shape[1] * q.shape[2])

@@ -1,0 +1,158 @@
+"""The `torch` backend: plain PyTorch ops, the readable reference every other backend is
+tested against. Its KV layout is the one GPU paged kernels read, per layer K and V of
+(num_blocks, block_size, KV, D); attention gathers each sequence's blocks and runs SDPA
+with a dense mask. It is also the base class: a backend overrides what it does faster.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from model.attention import AttentionMetadata
+from model.config import ModelConfig
+from model.layers import apply_rope
+
+
+class TorchBackend:
+    name = "torch"
+
+    def __init__(self, device: torch.device | str = "cpu", reason: str = "") -> None:
+        self.device = torch.device(device)
+        self.reason = reason  # why it was chosen, for the start-up log
+
+    def describe(self) -> dict[str, Any]:
+        """What /v1/models/{id} and the start-up log line report."""
+        return {"name": self.name, "kv_layout": "blocks, block_size, kv_heads, head_dim"}
+
+    # ---- set-up ----------------------------------------------------------------------
+
+    def check_cache(self, cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> None:
+        """Raise ValueError if this backend's cache cannot take this shape."""
+
+    def kv_views(
+        self, data: Tensor, cfg: ModelConfig, num_blocks: int, block_size: int
+    ) -> list[tuple[Tensor, Tensor]]:
+        """Per layer K and V views of the pool `data` (2, layers, num_blocks, elements)."""
+        shape = (num_blocks, block_size, cfg.kv_heads, cfg.head_dim)
+        return [(data[0, i].view(shape), data[1, i].view(shape)) for i in range(cfg.n_layers)]
+
+    def prepare(self, model: nn.Module) -> bool:
+        """Put the weights in the layouts this backend's linears read (none here);
+        whether it repacked them."""
+        return False
+
+    # ---- per step --------------------------------------------------------------------
+
+    def metadata(
+        self,
+        block_tables: Sequence[Sequence[int]],
+        cached_lens: Sequence[int],
+        query_lens: Sequence[int],
+        block_size: int,
+        device: torch.device | str,
+        pad_block: int,
+    ) -> AttentionMetadata:
+        return AttentionMetadata.paged(
+            block_tables, cached_lens, query_lens, block_size, device, pad_block=pad_block
+        )
+
+    def add_norm(self, norm: nn.Module, x: Tensor, delta: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The pre-norm residual step: x + delta (the residual stream) and its norm."""
+        if delta is not None:
+            x = x + delta
+        return x, norm(x)
+
+    def rope_store(
+        self,
+        qkv: Tensor,  # (T, (H + 2KV) * dh)
+        rope: tuple[Tensor, Tensor] | None,
+        n_heads: int,
+        n_kv: int,
+        d_head: int,
+        cache: tuple[Tensor, Tensor] | None,
+        meta: AttentionMetadata,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Rotate q and k, write the new K/V into their cache slots -> q (T, H, dh),
+        k and v (T, KV, dh)."""
+        t, h, kv = qkv.shape[0], n_heads, n_kv
+        qkv = qkv.view(t, h + 2 * kv, d_head)
+        qk, v = qkv[:, : h + kv], qkv[:, h + kv :]
+        if rope is not None:  # one rotation for the query and key heads together
+            qk = apply_rope(qk, *rope)
+        q, k = qk[:, :h], qk[:, h:]
+        if cache is not None:
+            keep = meta.slot_mapping >= 0  # -1: a padding row stores nothing
+            slots = meta.slot_mapping[keep]
+            cache[0].view(-1, kv, d_head)[slots] = k[keep]
+            cache[1].view(-1, kv, d_head)[slots] = v[keep]
+        return q, k, v
+
+    def attend(
+        self,
+        q: Tensor,  # (T, H, dh)
+        k: Tensor,  # (T, KV, dh) the new tokens' keys (read only without a cache)
+        v: Tensor,
+        cache: tuple[Tensor, Tensor] | None,
+        meta: AttentionMetadata,
+        scale: float,
+        alibi: Tensor | None,
+    ) -> Tensor:
+        """-> (T, H * dh)."""
+        if cache is None:
+            keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+            return _sdpa(q, keys, values, meta, alibi)
+        if meta.q_index is not None:  # mixed query lengths: pad within groups only
+            out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+            for rows, sub in meta.groups(cache[0].shape[1]):
+                keys, values = _gather(*cache, sub)
+                out[rows] = _sdpa(q.index_select(0, rows), keys, values, sub, alibi)
+            return out
+        return _sdpa(q, *_gather(*cache, meta), meta, alibi)
+
+
+def _gather(k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
+    """Each sequence's cached K and V, contiguous: (B, KV, max_seq_len, dh) each."""
+    b, s = meta.num_seqs, meta.max_seq_len
+    kv, d = k_cache.shape[2:]
+    flat = meta.block_tables.view(-1)  # index_select copies whole contiguous blocks
+    keys = k_cache.index_select(0, flat).view(b, -1, kv, d)[:, :s]  # (B, S, KV, dh)
+    values = v_cache.index_select(0, flat).view(b, -1, kv, d)[:, :s]
+    return keys.transpose(1, 2), values.transpose(1, 2)
+
+
+def _sdpa(
+    q: Tensor, keys: Tensor, values: Tensor, meta: AttentionMetadata, alibi: Tensor | None
+) -> Tensor:
+    """q (T, H, dh) of meta's sequences, padded to its longest query, against keys and
+    values (B, KV, max_seq_len, dh) -> (T, H * dh)."""
+    h, dh = q.shape[1], q.shape[2]
+    n_kv = keys.shape[1]
+    b, max_q, group = meta.num_seqs, meta.max_query_len, h // n_kv
+    if meta.q_index is None:
+        qp = q.reshape(b, max_q, h, dh)
+    else:
+        qp = q.new_zeros(b * max_q, h, dh)
+        qp.index_copy_(0, meta.q_index, q)
+        qp = qp.view(b, max_q, h, dh)
+    # Fold the query heads that share a K/V head into the row axis, so K/V are never
+    # repeated: (B, max_q, KV*G, dh) -> (B, KV, G*max_q, dh).
+    qg = qp.view(b, max_q, n_kv, group, dh).permute(0, 2, 3, 1, 4)
+    qg = qg.reshape(b, n_kv, group * max_q, dh)
+    if alibi is None:
+        mask = meta.mask[:, None, None].expand(b, 1, group, max_q, meta.max_seq_len)
+        mask = mask.reshape(b, 1, group * max_q, meta.max_seq_len)
+    else:  # (B, H, max_q, S) -> (B, KV, G*max_q, S)
+        bias = meta.alibi(alibi).to(q.dtype)
+        mask = bias.reshape(b, n_kv, group * max_q, meta.max_seq_len)
+    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)  # (B, KV, G*max_q, dh)
+    out = out.view(b, n_kv, group, max_q, dh).permute(0, 3, 1, 2, 4)
+    out = out.reshape(b * max_q, h * dh)
+    return out if meta.q_index is None else out.index_select(0, meta.q_index)
+
+
+REFERENCE = TorchBackend()  # a forward with no cache (one sequence, plain causal) uses it

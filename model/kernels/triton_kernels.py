@@ -1,0 +1,245 @@
+"""kvserve's Triton kernels for the GPU backend (model/backends/triton.py).
+
+They read the paged KV cache in the layout every GPU paged kernel reads: per layer
+K and V of (num_blocks, block_size, KV, D). On a machine without a GPU they run in
+Triton's interpreter (TRITON_INTERPRET=1, set before this module is imported), which is
+how the tests prove them against the torch reference. Two interpreter catches shape the
+code: `tl.dot` on bf16 operands is wrong there (UPCAST makes it fp32), and loads are not
+bounds-checked (every load is masked).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _rope_store_kernel(
+    qkv_ptr,  # (T, (H + 2KV) * D), rotated in place
+    cos_ptr,  # (T, D) at each token's position (HF rotate-half layout)
+    sin_ptr,
+    k_cache_ptr,  # (NB, BS, KV, D)
+    v_cache_ptr,
+    slot_ptr,  # (T,) flat slot (block * BS + offset), -1: do not store
+    stride_t,
+    H: tl.constexpr,
+    KV: tl.constexpr,
+    D: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    HAS_ROPE: tl.constexpr,
+    HAS_CACHE: tl.constexpr,
+):
+    # one program per (token, head) over the query and key heads; a key head also
+    # stores its value head
+    t = tl.program_id(0)
+    head = tl.program_id(1)
+    half = D // 2
+    i = tl.arange(0, HALF_PAD)
+    m = i < half
+    row = qkv_ptr + t.to(tl.int64) * stride_t + head * D
+    x1 = tl.load(row + i, mask=m, other=0.0)
+    x2 = tl.load(row + half + i, mask=m, other=0.0)
+    if HAS_ROPE:
+        c1 = tl.load(cos_ptr + t * D + i, mask=m, other=0.0).to(tl.float32)
+        c2 = tl.load(cos_ptr + t * D + half + i, mask=m, other=0.0).to(tl.float32)
+        s1 = tl.load(sin_ptr + t * D + i, mask=m, other=0.0).to(tl.float32)
+        s2 = tl.load(sin_ptr + t * D + half + i, mask=m, other=0.0).to(tl.float32)
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        x1 = (f1 * c1 - f2 * s1).to(x1.dtype)
+        x2 = (f2 * c2 + f1 * s2).to(x2.dtype)
+        tl.store(row + i, x1, mask=m)
+        tl.store(row + half + i, x2, mask=m)
+    if HAS_CACHE:  # noqa: SIM102 (a compile-time branch around a run-time one)
+        if head >= H:
+            slot = tl.load(slot_ptr + t).to(tl.int64)
+            if slot >= 0:
+                kv = head - H
+                dst = slot * (KV * D) + kv * D
+                tl.store(k_cache_ptr + dst + i, x1, mask=m)
+                tl.store(k_cache_ptr + dst + half + i, x2, mask=m)
+                v_row = row + KV * D  # value head kv sits KV heads after key head kv
+                v1 = tl.load(v_row + i, mask=m, other=0.0)
+                v2 = tl.load(v_row + half + i, mask=m, other=0.0)
+                tl.store(v_cache_ptr + dst + i, v1, mask=m)
+                tl.store(v_cache_ptr + dst + half + i, v2, mask=m)
+
+
+def rope_store(
+    qkv: torch.Tensor,  # (T, (H + 2KV) * D) contiguous, rotated in place
+    rope: tuple[torch.Tensor, torch.Tensor] | None,  # cos, sin (T, D)
+    n_heads: int,
+    n_kv: int,
+    d_head: int,
+    cache: tuple[torch.Tensor, torch.Tensor] | None,  # K, V (NB, BS, KV, D)
+    slot_mapping: torch.Tensor | None,  # (T,) int, -1 skips a row
+) -> None:
+    t = qkv.shape[0]
+    if t == 0 or (rope is None and cache is None):
+        return
+    cos, sin = (rope[0].contiguous(), rope[1].contiguous()) if rope is not None else (qkv, qkv)
+    k_cache, v_cache = cache if cache is not None else (qkv, qkv)
+    _rope_store_kernel[(t, n_heads + n_kv)](
+        qkv,
+        cos,
+        sin,
+        k_cache,
+        v_cache,
+        slot_mapping if slot_mapping is not None else qkv,
+        qkv.stride(0),
+        H=n_heads,
+        KV=n_kv,
+        D=d_head,
+        HALF_PAD=triton.next_power_of_2(d_head // 2),
+        HAS_ROPE=rope is not None,
+        HAS_CACHE=cache is not None,
+    )
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,  # (T, H, D), rows may be strided
+    k_cache_ptr,  # (NB, BS, KV, D)
+    v_cache_ptr,
+    out_ptr,  # (T, H, D) contiguous
+    block_tables_ptr,  # (B, W) int32
+    seq_lens_ptr,  # (B,) int32: keys of each sequence after this step (cached + new)
+    query_start_ptr,  # (B + 1,) int32: first row of each sequence
+    alibi_ptr,  # (H,) fp32
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_bt,
+    G: tl.constexpr,  # query heads per K/V head
+    KV: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_G: tl.constexpr,  # G padded to a power of two
+    BLOCK_Q: tl.constexpr,  # query tokens per program; BLOCK_Q * BLOCK_G rows
+    HAS_ALIBI: tl.constexpr,
+    UPCAST: tl.constexpr,  # dot products in fp32 (the interpreter's bf16 dot is wrong)
+    PRECISION: tl.constexpr,  # "ieee" for fp32 operands (no TF32), else the default
+):
+    # program (b, qb, kv): query tokens qb * BLOCK_Q ... of sequence b, with the G query
+    # heads that share K/V head kv packed into the rows; causality from positions
+    b = tl.program_id(0)
+    qb = tl.program_id(1)
+    kv = tl.program_id(2)
+    q_start = tl.load(query_start_ptr + b)
+    q_len = tl.load(query_start_ptr + b + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + b)
+    if qb * BLOCK_Q < q_len:
+        cached = seq_len - q_len
+        rows = tl.arange(0, BLOCK_Q * BLOCK_G)
+        tok = qb * BLOCK_Q + rows // BLOCK_G  # query token within the sequence
+        g = rows % BLOCK_G
+        row_ok = (tok < q_len) & (g < G)
+        head = kv * G + g
+        q_pos = cached + tl.minimum(tok, q_len - 1)  # padded rows see what the last does
+        d = tl.arange(0, D_PAD)
+        d_ok = d < D
+        q_rows = (q_start + tok).to(tl.int64) * stride_qt + head * stride_qh
+        q = tl.load(
+            q_ptr + q_rows[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0
+        )
+        if UPCAST:
+            q = q.to(tl.float32)
+        if HAS_ALIBI:
+            slope = tl.load(alibi_ptr + head, mask=row_ok, other=0.0)
+        m_i = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_Q * BLOCK_G, D_PAD], tl.float32)
+        last = tl.minimum(seq_len, cached + tl.minimum((qb + 1) * BLOCK_Q, q_len))
+        offs = tl.arange(0, BS)
+        for j in range(0, tl.cdiv(last, BS)):
+            block = tl.load(block_tables_ptr + b.to(tl.int64) * stride_bt + j).to(tl.int64)
+            k_pos = j * BS + offs
+            kv_rows = (block * BS + offs) * (KV * D) + kv * D
+            kv_mask = (k_pos < seq_len)[:, None] & d_ok[None, :]
+            k = tl.load(k_cache_ptr + kv_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_cache_ptr + kv_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (rows, BS) fp32
+            if HAS_ALIBI:
+                s += slope[:, None] * (k_pos[None, :] - q_pos[:, None]).to(tl.float32)
+            visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos < seq_len)[None, :]
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            if UPCAST:
+                acc += tl.dot(p, v, input_precision=PRECISION)
+            else:
+                acc += tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_rows = (q_start + tok).to(tl.int64) * (KV * G * D) + head * D
+        tl.store(
+            out_ptr + o_rows[:, None] + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+
+
+def paged_attention(
+    q: torch.Tensor,  # (T, H, D), rows may be strided (a view of the fused qkv)
+    k_cache: torch.Tensor,  # (NB, BS, KV, D)
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # (B, W) int32
+    seq_lens: torch.Tensor,  # (B,) int32
+    query_start: torch.Tensor,  # (B + 1,) int32
+    max_query_len: int,
+    scale: float,
+    alibi: torch.Tensor | None = None,  # (H,) fp32
+) -> torch.Tensor:
+    """Attention of a flattened batch of decodes and prefill chunks over the paged cache
+    (the new tokens' K/V already stored) -> (T, H, D) in q's dtype. One launch for the
+    whole batch; a sequence of seq_len 0 (a padding row) gives zeros."""
+    t, h, d = q.shape
+    bs, kv = k_cache.shape[1], k_cache.shape[2]
+    group = h // kv
+    block_g = triton.next_power_of_2(group)
+    # rows per program: at least 16 (tl.dot's smallest tile), up to 64 for a prompt chunk
+    block_q = max(1, (16 if max_query_len == 1 else 64) // block_g)
+    block_q = min(block_q, triton.next_power_of_2(max_query_len))
+    block_q = max(block_q, max(1, 16 // block_g))
+    out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
+    if t == 0:
+        return out
+    upcast = INTERPRET or q.dtype == torch.float32
+    grid = (seq_lens.shape[0], triton.cdiv(max_query_len, block_q), kv)
+    _paged_attention_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        seq_lens,
+        query_start,
+        alibi if alibi is not None else q,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        block_tables.stride(0),
+        G=group,
+        KV=kv,
+        D=d,
+        D_PAD=max(16, triton.next_power_of_2(d)),
+        BS=bs,
+        BLOCK_G=block_g,
+        BLOCK_Q=block_q,
+        HAS_ALIBI=alibi is not None,
+        UPCAST=upcast,
+        PRECISION="ieee" if upcast else "tf32",
+    )
+    return out

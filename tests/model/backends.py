@@ -1,0 +1,37 @@
+"""The execution backends this machine runs, for tests that run the same case on each.
+
+A backend named in KVSERVE_REQUIRE (comma-separated; CI sets it) that cannot run here
+fails the test instead of skipping it, so missing coverage is never silent.
+"""
+
+import os
+
+import pytest
+import torch
+
+from model.backends import Backend, select_backend
+from model.config import ModelConfig
+
+BACKENDS = ("cpu", "torch", "triton")
+
+
+def required() -> set[str]:
+    return {s.strip() for s in os.environ.get("KVSERVE_REQUIRE", "").split(",") if s.strip()}
+
+
+def make_backend(
+    name: str, cfg: ModelConfig, block_size: int = 16, dtype: torch.dtype = torch.float32
+) -> Backend:
+    """The backend on the CPU, or skip (fail where KVSERVE_REQUIRE names it) saying why
+    it cannot run here."""
+    try:
+        return select_backend(name, torch.device("cpu"), dtype, cfg, block_size)
+    except ValueError as e:
+        if name in required():
+            pytest.fail(f"backend {name} is required (KVSERVE_REQUIRE) but cannot run: {e}")
+        pytest.skip(f"backend {name} cannot run here: {e}")
+
+
+def block_size_for(name: str, wanted: int) -> int:
+    """The Triton kernels take power-of-two blocks of at least 16 tokens."""
+    return max(wanted, 16) if name == "triton" else wanted

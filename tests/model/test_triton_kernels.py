@@ -1,0 +1,144 @@
+"""kvserve's Triton kernels against the torch reference backend, on the same cache layout.
+
+Without a GPU they run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET
+before any kernel import); the interpreter does not check bounds, so every block a
+sequence does not use is filled with NaN: a stray read shows up in the output.
+"""
+
+import pytest
+import torch
+
+from model.attention import AttentionMetadata, PagedKVCache
+from model.backends.reference import TorchBackend
+from model.config import ModelConfig
+from model.layers import alibi_slopes
+from tests.model.backends import make_backend
+
+# (H, KV, head_dim, block_size): GQA groups 1, 3, 4, 8; head sizes 64, 80, 128
+SHAPES = [(4, 4, 64, 16), (6, 2, 80, 16), (8, 2, 128, 32), (8, 1, 64, 32), (12, 4, 80, 32)]
+# (cached, new) per sequence
+BATCHES = {
+    "decodes": [(0, 1), (15, 1), (16, 1), (76, 1), (111, 1)],
+    "fresh_prompts": [(0, 37), (0, 5), (0, 16)],
+    "chunks_after_prefix": [(32, 20), (16, 33), (3, 1)],
+    "mixed": [(40, 1), (0, 9), (70, 41), (17, 1)],
+}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def setup(shape, batch, dtype, nb=64):
+    h, kv, d, bs = shape
+    cfg = ModelConfig(vocab_size=8, d_model=h * d, n_layers=1, n_heads=h, n_kv_heads=kv, d_ff=8)
+    triton = make_backend("triton", cfg, bs, dtype)
+    cache = PagedKVCache(cfg, nb, bs, dtype, "cpu", triton)
+    cached = [c for c, _ in batch]
+    new = [n for _, n in batch]
+    perm = torch.randperm(nb).tolist()  # scattered blocks
+    tables, used = [], torch.zeros(nb + 1, bs, dtype=torch.bool)
+    for c, n in batch:
+        need = -(-(c + n) // bs)
+        tables.append(perm[:need])
+        perm = perm[need:]
+        for p in range(c + n):
+            used[tables[-1][p // bs], p % bs] = True
+    k_cache, v_cache = cache.layer(0)  # (NB, BS, KV, D)
+    k_cache.copy_(torch.randn(k_cache.shape).to(dtype))
+    v_cache.copy_(torch.randn(v_cache.shape).to(dtype))
+    q = torch.randn(sum(new), h, d).to(dtype)
+    return cfg, cache, triton, tables, cached, new, used, q
+
+
+def poison(cache: PagedKVCache, used: torch.Tensor) -> None:
+    """NaN in every slot no sequence uses (the null block included)."""
+    for t in cache.layer(0):
+        t[~used] = float("nan")
+
+
+# every shape, batch and dtype causal; ALiBi on one shape (its bias does not depend on it)
+CASES = [
+    (shape, batch, dtype, alibi)
+    for shape in SHAPES
+    for batch in BATCHES
+    for dtype in DTYPES
+    for alibi in (False, True)
+    if not alibi or shape == SHAPES[1]
+]
+
+
+@pytest.mark.parametrize(("shape", "batch", "dtype", "alibi"), CASES, ids=str)
+def test_paged_attention_matches_reference(shape, batch, dtype, alibi) -> None:
+    cfg, cache, triton, tables, cached, new, used, q = setup(shape, BATCHES[batch], dtype)
+    slopes = alibi_slopes(cfg.n_heads) if alibi else None
+    scale = cfg.head_dim**-0.5
+    ref_meta = AttentionMetadata.paged(tables, cached, new, cache.block_size)
+    ref = TorchBackend().attend(q, q, q, cache.layer(0), ref_meta, scale, slopes).float()
+    poison(cache, used)
+    meta = triton.metadata(tables, cached, new, cache.block_size, "cpu", cache.null_block)
+    out = triton.attend(q, q, q, cache.layer(0), meta, scale, slopes).float()
+    assert torch.isfinite(out).all()
+    atol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the output's own rounding
+    torch.testing.assert_close(out, ref, atol=atol, rtol=0)
+    assert meta._dense is None  # no mask built for it
+
+
+def test_padding_rows_give_zeros_and_leave_real_rows_alone() -> None:
+    """A CUDA graph pads a decode batch with rows of no context (seq_len 0, slot -1): they
+    read nothing and give zeros, and the real rows are what they are without them."""
+    shape, batch = SHAPES[1], BATCHES["decodes"]
+    cfg, cache, triton, tables, cached, new, used, q = setup(shape, batch, torch.float32)
+    poison(cache, used)
+    scale = cfg.head_dim**-0.5
+    meta = triton.metadata(tables, cached, new, cache.block_size, "cpu", cache.null_block)
+    alone = triton.attend(q, q, q, cache.layer(0), meta, scale, None)
+    pad = 3
+    qp = torch.cat([q, torch.randn(pad, *q.shape[1:])])
+    tables_p = meta.block_tables.new_full((len(batch) + pad, meta.block_tables.shape[1]), 64)
+    tables_p[: len(batch)] = meta.block_tables
+    padded = AttentionMetadata(
+        positions=torch.cat([meta.positions, torch.zeros(pad, dtype=torch.long)]),
+        query_lens=[1] * (len(batch) + pad),
+        seq_lens=[*meta.seq_lens, *[0] * pad],
+        slot_mapping=torch.cat([meta.slot_mapping, torch.full((pad,), -1, dtype=torch.int32)]),
+        block_tables=tables_p,
+        query_start=torch.arange(len(batch) + pad + 1, dtype=torch.int32),
+        seq_lens_t=torch.cat([meta.seq_lens_t, torch.zeros(pad, dtype=torch.int32)]),
+    )
+    out = triton.attend(qp, qp, qp, cache.layer(0), padded, scale, None)
+    torch.testing.assert_close(out[: len(batch)], alone, atol=0, rtol=0)
+    assert (out[len(batch) :] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES[:3], ids=lambda s: "h{}-kv{}-d{}-bs{}".format(*s))
+@pytest.mark.parametrize("rope", [True, False], ids=["rope", "no-rope"])
+def test_rope_store_matches_reference(dtype, shape, rope) -> None:
+    """Rotation of q and k in place and the K/V stores; a slot of -1 stores nothing."""
+    h, kv, d, bs = shape
+    cfg, cache, triton, *_ = setup(shape, BATCHES["decodes"], dtype)
+    t = 9
+    qkv = torch.randn(t, (h + 2 * kv) * d).to(dtype)
+    angles = torch.rand(t, d // 2) * 6
+    cos = torch.cat([angles.cos()] * 2, -1).to(dtype)
+    sin = torch.cat([angles.sin()] * 2, -1).to(dtype)
+    tables = [[5, 9]]
+    meta = triton.metadata(tables, [0], [t], bs, "cpu", cache.null_block)
+    meta.slot_mapping[3] = -1  # a padding row
+    ref_cache = PagedKVCache(cfg, 64, bs, dtype, "cpu", TorchBackend())
+    args = (h, kv, d)
+    rot = (cos, sin) if rope else None
+    q_ref, k_ref, v_ref = TorchBackend().rope_store(
+        qkv.clone(), rot, *args, ref_cache.layer(0), meta
+    )
+    q, k, v = triton.rope_store(qkv.clone(), rot, *args, cache.layer(0), meta)
+    tol = dict(atol=0, rtol=0) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    if not rope or dtype == torch.float32:
+        tol = dict(atol=1e-6, rtol=1e-6)
+    for got, want in ((q, q_ref), (k, k_ref), (v, v_ref)):
+        torch.testing.assert_close(got.float(), want.float(), **tol)
+    for got, want in zip(cache.layer(0), ref_cache.layer(0)):
+        # the reference wrote the same slots; untouched slots are the random fill
+        stored = want.view(-1, kv, d)[meta.slot_mapping[meta.slot_mapping >= 0].long()]
+        mine = got.view(-1, kv, d)[meta.slot_mapping[meta.slot_mapping >= 0].long()]
+        torch.testing.assert_close(mine.float(), stored.float(), **tol)
+    skipped = 5 * bs + 3  # row 3's slot: block 5, offset 3
+    assert not torch.equal(cache.layer(0)[0].view(-1, kv, d)[skipped], k[3])
