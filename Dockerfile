@@ -1,26 +1,39 @@
-# kvserve image. GPU (default): CUDA PyTorch base. CPU: docker build --build-arg VARIANT=cpu .
-# Model weights are never baked in: mount a model directory and set KVSERVE_MODEL.
+# kvserve image. GPU (default): PyPI's CUDA build of the pinned torch. CPU:
+#   docker build --build-arg VARIANT=cpu .
+# Both install torch from constraints.txt's pin. The GPU image needs an NVIDIA driver for
+# CUDA 13.0 (torch 2.13.0's PyPI build: driver 580 or newer) and the NVIDIA container
+# runtime. Model weights are never baked in: mount a model directory and set KVSERVE_MODEL.
 ARG VARIANT=gpu
 
-FROM pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime AS base-gpu
-
-FROM python:3.11-slim-bookworm AS base-cpu
-RUN pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
-
-# hadolint ignore=DL3006
-FROM base-${VARIANT} AS runtime
-# A C compiler builds kvserve's CPU decode-attention kernel on first use.
+FROM python:3.11-slim-bookworm AS base
+# A C compiler at run time: the CPU kernels compile on first use, and Triton builds its
+# launcher for the GPU kernels the first time they run.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/* \
     && useradd --create-home --uid 10001 kvserve
 WORKDIR /app
+COPY constraints.txt ./
+
+# PyPI's torch for Linux x86-64 is the CUDA build: it brings the CUDA libraries and
+# Triton as wheels, so the base needs no CUDA toolkit.
+FROM base AS torch-gpu
+RUN pip install --no-cache-dir -c constraints.txt torch==2.13.0
+
+FROM base AS torch-cpu
+RUN pip install --no-cache-dir -c constraints.txt torch==2.13.0 \
+    --index-url https://download.pytorch.org/whl/cpu
+
+# hadolint ignore=DL3006
+FROM torch-${VARIANT} AS runtime
+WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY model ./model
 COPY service ./service
+# constraints.txt keeps the torch installed above
 # hadolint ignore=DL3013
-RUN pip install --no-cache-dir .
+RUN pip install --no-cache-dir -c constraints.txt .
 USER 10001
 ENV KVSERVE_HOST=0.0.0.0 \
     KVSERVE_PORT=8000 \

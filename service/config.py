@@ -16,6 +16,10 @@ GiB = 1 << 30
 # for a new prompt instead of ~16 (benchmarks/RESULTS.md). On CUDA a prefill chunk is short
 # next to a step's fixed cost and there is no cap.
 CPU_MIXED_PREFILL_TOKENS = 128
+# sequences a step may carry: a GPU is far from its compute bound at 64 decodes (vLLM
+# defaults to 256); two CPU cores are not
+CPU_MAX_NUM_SEQS, CUDA_MAX_NUM_SEQS = 64, 256
+ATTENTION_BACKENDS = ("auto", "cpu", "triton", "torch")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,11 +40,31 @@ class Settings:
         },
     )
     kv_cache_gib: float = field(default=1.0, metadata={"help": "KV cache budget on the CPU, GiB"})
-    gpu_memory_fraction: float = field(
-        default=0.85, metadata={"help": "share of free GPU memory for the KV cache"}
+    gpu_memory_utilization: float = field(
+        default=0.9,
+        metadata={
+            "help": "share of the GPU's total memory kvserve may use: weights, the measured "
+            "peak of a worst-case step, and the KV cache in the rest"
+        },
     )
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
-    max_num_seqs: int = field(default=64, metadata={"help": "sequences per engine step"})
+    attention_backend: str = field(
+        default="auto",
+        metadata={
+            "help": "auto (triton on CUDA, the C kernels on the CPU), cpu, triton, torch "
+            "(model/backends)"
+        },
+    )
+    enforce_eager: bool = field(
+        default=False, metadata={"help": "no CUDA graphs: run every step eagerly"}
+    )
+    max_num_seqs: int | None = field(
+        default=None,
+        metadata={
+            "help": f"sequences per engine step (default: {CPU_MAX_NUM_SEQS} on the CPU, "
+            f"{CUDA_MAX_NUM_SEQS} on CUDA)"
+        },
+    )
     max_num_batched_tokens: int = field(default=2048, metadata={"help": "tokens per engine step"})
     mixed_prefill_tokens: int | None = field(
         default=None,
@@ -79,17 +103,23 @@ class Settings:
             "max_body_bytes",
         )
         for name in positive:
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, "
+                f"got {self.attention_backend!r}"
+            )
         if self.mixed_prefill_tokens is not None and self.mixed_prefill_tokens < 0:
             raise ValueError(f"mixed_prefill_tokens must be >= 0, got {self.mixed_prefill_tokens}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.kv_cache_gib <= 0:
             raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
-        if not 0 < self.gpu_memory_fraction <= 1:
+        if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
-                f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}"
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ValueError(
@@ -99,6 +129,12 @@ class Settings:
     @property
     def kv_cache_bytes(self) -> int:
         return int(self.kv_cache_gib * GiB)
+
+    def seqs_per_step(self, device_type: str) -> int:
+        """max_num_seqs, or the device's default."""
+        if self.max_num_seqs is not None:
+            return self.max_num_seqs
+        return CUDA_MAX_NUM_SEQS if device_type == "cuda" else CPU_MAX_NUM_SEQS
 
     def mixed_prefill_cap(self, device_type: str) -> int | None:
         """The engine's cap on prompt tokens in a step with decodes (None: no cap)."""
@@ -114,6 +150,12 @@ def _parse(f: dataclasses.Field, raw: str) -> Any:
     kind = str(f.type)
     if "tuple" in kind:
         return tuple(s.strip() for s in raw.split(",") if s.strip())
+    if kind.startswith("bool"):
+        if raw.lower() in ("1", "true", "yes", "on", ""):
+            return True
+        if raw.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(raw)
     if kind.startswith("int"):
         return int(raw)
     if kind.startswith("float"):
@@ -127,7 +169,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for f in fields(Settings):
         flag = "--" + f.name.replace("_", "-")
         env = "KVSERVE_" + f.name.upper()
-        parser.add_argument(flag, dest=f.name, default=None, help=f"{f.metadata['help']} [{env}]")
+        help_text = f"{f.metadata['help']} [{env}]"
+        if str(f.type).startswith("bool"):  # a switch: --enforce-eager
+            parser.add_argument(flag, dest=f.name, action="store_const", const=True, help=help_text)
+        else:
+            parser.add_argument(flag, dest=f.name, default=None, help=help_text)
 
 
 def load_settings(

@@ -43,7 +43,7 @@ def build_state(settings: Settings) -> ServingState:
         async_engine.snapshot, async_engine.stats, built["info"], built["device_memory"]
     )
     return ServingState(
-        settings=settings,
+        settings=settings.replace(max_num_seqs=built["max_num_seqs"]),
         engine=async_engine,
         tokenizer=built["tokenizer"],
         model_id=built["model_id"],
@@ -69,12 +69,14 @@ def _build_engine(settings: Settings, built: dict[str, Any]) -> Any:
     metrics = Metrics(model_id)
     config = EngineConfig(
         block_size=settings.block_size,
-        max_num_seqs=settings.max_num_seqs,
+        max_num_seqs=settings.seqs_per_step(device.type),
         max_num_batched_tokens=settings.max_num_batched_tokens,
         mixed_prefill_tokens=settings.mixed_prefill_cap(device.type),
         max_model_len=settings.max_model_len,
         kv_cache_bytes=settings.kv_cache_bytes,
-        gpu_memory_fraction=settings.gpu_memory_fraction,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        attention_backend=settings.attention_backend,
+        cuda_graphs=not settings.enforce_eager,
     )
     engine = LLMEngine(loaded.model, loaded.tokenizer, config, observer=metrics)
     cfg, name = loaded.model.cfg, dtype_name(dtype)
@@ -83,14 +85,31 @@ def _build_engine(settings: Settings, built: dict[str, Any]) -> Any:
         cfg, name, memory_bandwidth(device, mib=256), matmul_throughput(dtype, device, n=1024)
     )
     report = audit(cfg, name, kv_pool_bytes=engine.kv_cache.nbytes).as_dict()
+    backend = engine.backend.describe()
     report |= {
         "device": str(device),
+        "attention_backend": backend,
+        "cuda_graphs": engine.runner.graphs is not None,
         "block_size": settings.block_size,
         "kv_blocks": engine.blocks.num_blocks,
         "kv_pool_sequences_of_max_len": report["kv_pool_tokens"] // engine.max_model_len,
         "floors": limits,
     }
+    log.info(
+        "engine ready: device %s, dtype %s, attention backend %s%s, CUDA graphs %s, "
+        "%d KV blocks of %d tokens (%.1f MiB), max_model_len %d",
+        device,
+        name,
+        backend["name"],
+        f" (ISA {backend['isa']})" if "isa" in backend else "",
+        "on" if engine.runner.graphs is not None else "off",
+        engine.blocks.num_blocks,
+        settings.block_size,
+        engine.kv_cache.nbytes / (1 << 20),
+        engine.max_model_len,
+    )
     built.update(
+        max_num_seqs=config.max_num_seqs,
         metrics=metrics,
         tokenizer=loaded.tokenizer,
         model_id=model_id,
@@ -99,6 +118,7 @@ def _build_engine(settings: Settings, built: dict[str, Any]) -> Any:
         info={
             "dtype": name,
             "device": device.type,
+            "attention_backend": backend["name"],
             "block_size": str(settings.block_size),
             "max_model_len": str(engine.max_model_len),
         },

@@ -8,15 +8,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import torch
-
 from model.attention import PagedKVCache
-from model.audit import kv_bytes_per_token
 from model.backends import select_backend
-from model.device import dtype_name
 from model.tokenizer import Tokenizer
 from model.transformer import Transformer
 from service.engine.blocks import BlockManager
+from service.engine.cuda_graphs import decode_graphs
+from service.engine.memory import kv_block_budget
 from service.engine.output import RequestOutput, TextState, make_output
 from service.engine.request import FinishReason, ParamError, Request, SamplingParams, Status
 from service.engine.runner import ModelRunner
@@ -33,11 +31,12 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     mixed_prefill_tokens: int | None = None  # prompt tokens in a step with decodes (None: no cap)
     max_model_len: int | None = None  # default: the model's context length
-    kv_cache_bytes: int = 1 * GiB  # the CPU budget (and the GPU one if gpu_memory_fraction is None)
-    gpu_memory_fraction: float | None = 0.85  # of free GPU memory after a warm-up forward
+    kv_cache_bytes: int = 1 * GiB  # the CPU budget (and the GPU one if the next is None)
+    gpu_memory_utilization: float | None = 0.9  # of total GPU memory (service/engine/memory.py)
     num_blocks: int | None = None  # overrides both budgets (tests)
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # model/backends: auto, cpu, triton, torch
+    cuda_graphs: bool = True  # decode steps replay CUDA graphs (triton backend on CUDA)
 
 
 class EngineObserver(Protocol):
@@ -63,34 +62,6 @@ class EngineStats:
     finished: Counter[str] = field(default_factory=Counter)
     last_step_tokens: int = 0
     last_step_seconds: float = 0.0
-
-
-def kv_block_budget(model: Transformer, config: EngineConfig) -> int:
-    """Number of KV blocks: explicit, or from the memory budget of the model's device."""
-    if config.num_blocks is not None:
-        return config.num_blocks
-    per_block = config.block_size * kv_bytes_per_token(model.cfg, dtype_name(model.dtype))
-    budget = config.kv_cache_bytes
-    if model.device.type == "cuda" and config.gpu_memory_fraction is not None:
-        n = min(config.max_num_batched_tokens, model.cfg.max_position)
-        with torch.inference_mode():
-            model(torch.zeros(n, dtype=torch.long, device=model.device))  # peak activations
-        torch.cuda.synchronize(model.device)
-        torch.cuda.empty_cache()
-        free, _ = torch.cuda.mem_get_info(model.device)
-        budget = int(free * config.gpu_memory_fraction)
-    blocks = budget // per_block
-    max_len = min(config.max_model_len or model.cfg.max_position, model.cfg.max_position)
-    need = -(-max_len // config.block_size)
-    if blocks < need:
-        gpu = model.device.type == "cuda" and config.gpu_memory_fraction is not None
-        source = "gpu_memory_fraction" if gpu else "kv_cache_gib"
-        raise ValueError(
-            f"{source}: a KV cache budget of {budget} bytes holds {blocks * config.block_size} "
-            f"tokens, fewer than one sequence of max_model_len {max_len} "
-            f"({need * per_block} bytes); raise {source} or lower max_model_len"
-        )
-    return blocks
 
 
 class LLMEngine:
@@ -120,7 +91,14 @@ class LLMEngine:
             config.max_num_batched_tokens,
             config.mixed_prefill_tokens,
         )
-        self.runner = ModelRunner(model, self.kv_cache)
+        graphs = config.cuda_graphs and self.backend.name == "triton"
+        self.runner = ModelRunner(
+            model,
+            self.kv_cache,
+            decode_graphs(model, self.kv_cache, config.max_num_seqs, self.max_model_len)
+            if graphs and model.device.type == "cuda"
+            else None,
+        )
         self.requests: dict[str, Request] = {}
         self.texts: dict[str, TextState] = {}
         self.eos_ids = frozenset(tokenizer.eos_ids) | frozenset(model.cfg.eos_token_ids)

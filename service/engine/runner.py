@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from model.attention import PagedKVCache
 from model.transformer import Transformer
+from service.engine.cuda_graphs import DecodeGraphs
 from service.engine.sampler import Sampler, SampleResult
 from service.engine.scheduler import SchedulerOutput
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, kv_cache: PagedKVCache) -> None:
+    def __init__(
+        self,
+        model: Transformer,
+        kv_cache: PagedKVCache,
+        graphs: Callable[[], DecodeGraphs] | None = None,
+    ) -> None:
+        """graphs: builds the CUDA graphs of decode steps (after the weights are
+        prepared); None runs every step eagerly."""
         self.model = model
         self.backend = kv_cache.backend
         self.packed = self.backend.prepare(model)  # the weight layouts its linears read
@@ -21,6 +31,7 @@ class ModelRunner:
         self.sampler = Sampler(model.cfg.vocab_size, self.device)
         self.generators: dict[str, torch.Generator] = {}  # per seeded request
         self._pin = self.device.type == "cuda"
+        self.graphs = graphs() if graphs is not None else None
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
         t = torch.tensor(values, dtype=torch.long, pin_memory=self._pin)
@@ -39,8 +50,7 @@ class ModelRunner:
     def clear_blocks(self, blocks: list[int]) -> None:
         """Zero these blocks' K and V in every layer."""
         if blocks:
-            index = torch.tensor(blocks, dtype=torch.long, device=self.device)
-            self.kv_cache.data.index_fill_(2, index, 0)
+            self.kv_cache.data.index_fill_(2, self._to_device(blocks), 0)
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
@@ -67,9 +77,13 @@ class ModelRunner:
         if not logit_rows:
             self.model(self._to_device(tokens), meta, self.kv_cache, self._to_device([0]))
             return SampleResult([], [])
-        logits = self.model(
-            self._to_device(tokens), meta, self.kv_cache, self._to_device(logit_rows)
-        )  # (S, V)
+        decodes = len(logit_rows) == len(tokens)  # every sequence adds one token and samples
+        if decodes and self.graphs is not None and self.graphs.bucket(len(tokens)):
+            logits = self.graphs.run(self._to_device(tokens), meta)  # (S, V)
+        else:
+            logits = self.model(
+                self._to_device(tokens), meta, self.kv_cache, self._to_device(logit_rows)
+            )  # (S, V)
         sampled = [s.request for s in batch.seqs if s.sample]
         gens = [self.generator_for(r.request_id, r.params.seed) for r in sampled]
         return self.sampler.sample(logits, sampled, gens)

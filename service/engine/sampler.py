@@ -176,10 +176,8 @@ NON_FINITE = -1  # the token of a row whose logits were not all finite (as greed
 def _flag_non_finite(tokens: Tensor, row_max: Tensor) -> list[int]:
     """A NaN or +inf anywhere in a row shows in its max (NaN propagates through max):
     such rows get NON_FINITE instead of a token, so the engine fails just them."""
-    finite = torch.isfinite(row_max)
-    if bool(finite.all()):
-        return tokens.tolist()
-    return torch.where(finite, tokens, torch.full_like(tokens, NON_FINITE)).tolist()
+    # flagged on the device: the token ids are the step's one device -> host transfer
+    return torch.where(torch.isfinite(row_max), tokens, NON_FINITE).tolist()
 
 
 def _top_p(probs: Tensor, top_p: Tensor) -> Tensor:

@@ -31,6 +31,28 @@ def test_hadolint_dockerfile() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_both_images_install_the_pinned_torch_and_copy_what_exists() -> None:
+    """Each variant's torch comes from constraints.txt's pin (the GPU one PyPI's CUDA
+    build, not a base image's own torch), kvserve is installed under the same
+    constraints, and every path the Dockerfile copies is in the repository."""
+    text = (ROOT / "Dockerfile").read_text()
+    pin = (ROOT / "constraints.txt").read_text()
+    assert "torch==2.13.0" in pin
+    stages = text.split("\nFROM ")
+    gpu = next(s for s in stages if s.startswith("base AS torch-gpu"))
+    cpu = next(s for s in stages if s.startswith("base AS torch-cpu"))
+    for stage in (gpu, cpu):
+        assert "pip install --no-cache-dir -c constraints.txt torch==2.13.0" in stage
+    assert "download.pytorch.org/whl/cpu" in cpu and "whl/cpu" not in gpu
+    assert "pytorch/pytorch" not in text  # no base image with a torch of its own
+    assert "pip install --no-cache-dir -c constraints.txt ." in text
+    assert "gcc" in text  # the C kernels and Triton's launcher compile at run time
+    for line in text.splitlines():
+        if line.startswith("COPY "):
+            for src in line.split()[1:-1]:
+                assert (ROOT / src).exists(), f"Dockerfile copies {src}, which is missing"
+
+
 def test_promtool_check_config() -> None:
     result = run(promtool(), "check", "config", "deploy/prometheus/prometheus.yml")
     assert result.returncode == 0, result.stdout + result.stderr

@@ -62,3 +62,20 @@ def write_gpt2(path: Path, seed: int = 0) -> "object":
                 p.normal_(0, 0.1)
     model.save_pretrained(path)
     return model
+
+
+def write_tokenizer(path: Path, vocab_size: int = 300) -> None:
+    """A byte-level BPE of vocab_size tokens (the 256 bytes, merges, two specials) trained
+    by `tokenizers` on a little text, so a small checkpoint can be served."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    hf = Tokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|bos|>", "<|eos|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    hf.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 50, trainer)
+    hf.save(str(path / "tokenizer.json"))

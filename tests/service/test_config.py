@@ -52,3 +52,21 @@ def dataclass_frozen_error() -> type[Exception]:
     import dataclasses
 
     return dataclasses.FrozenInstanceError
+
+
+def test_backend_graphs_and_seqs_per_step() -> None:
+    assert Settings().attention_backend == "auto" and not Settings().enforce_eager
+    s = settings_from_argv(["--attention-backend", "triton", "--enforce-eager"])
+    assert s.attention_backend == "triton" and s.enforce_eager
+    env = {"KVSERVE_ATTENTION_BACKEND": "torch", "KVSERVE_ENFORCE_EAGER": "1"}
+    s = load_settings(None, env)
+    assert s.attention_backend == "torch" and s.enforce_eager
+    assert not load_settings(None, {"KVSERVE_ENFORCE_EAGER": "false"}).enforce_eager
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        settings_from_argv(["--attention-backend", "cuda"])
+    with pytest.raises(ValueError, match="enforce_eager"):
+        load_settings(None, {"KVSERVE_ENFORCE_EAGER": "maybe"})
+    assert Settings().seqs_per_step("cpu") == 64 and Settings().seqs_per_step("cuda") == 256
+    assert settings_from_argv(["--max-num-seqs", "8"]).seqs_per_step("cuda") == 8
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        settings_from_argv(["--gpu-memory-utilization", "1.5"])

@@ -1,0 +1,211 @@
+"""The GPU path measured in one command (fits one 10-minute device call on an H100).
+
+Random-weight checkpoints of the Llama-3.2-1B shape and the SmolLM2-135M shape, bf16,
+written by transformers; for each, in the same run:
+
+- single-stream decode (128 prompt tokens, 256 out), ms/token with CUDA graphs and
+  eagerly, against the weight-bandwidth floor (weight bytes / device copy bandwidth
+  measured here);
+- offline throughput of 256 requests x (512 in, 256 out) against transformers
+  `generate` at its best batch size;
+- prefill of 8 x 2048 tokens, tokens/s against the roofline (measured bf16 matmul
+  FLOP/s / 2 x parameters);
+- HTTP streaming at concurrency 64 against the offline engine on the same requests.
+
+Prints a table and writes JSON. `--smoke` runs the same code on tiny shapes (the CPU, in
+seconds) so that the script itself is tested where there is no GPU.
+
+    PYTHONPATH=. python benchmarks/gpu_bench.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import time
+from pathlib import Path
+
+import torch
+from offline_throughput import OUT, SMOLLM2_135M, run_batch, run_single, write_tokenizer
+
+from model.audit import count_params, weight_bytes
+from model.hardware import matmul_throughput
+from model.loader import load
+from service import bench
+from service.engine.engine import EngineConfig, LLMEngine
+
+LLAMA_32_1B = dict(
+    vocab_size=128256,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=4096,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    bos_token_id=0,
+    eos_token_id=0,
+)
+SMOKE = dict(SMOLLM2_135M, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, vocab_size=512)  # fmt: skip
+SHAPES = {"llama-3.2-1b": LLAMA_32_1B, "smollm2-135m": SMOLLM2_135M}
+
+
+def copy_bandwidth(device: torch.device, mib: int = 1024) -> float:
+    """Device copy bandwidth, bytes/s read + written counted as read (a decode reads)."""
+    x = torch.empty(mib << 18, dtype=torch.float32, device=device)
+    y = torch.empty_like(x)
+    best = float("inf")
+    for _ in range(5):
+        sync(device)
+        t0 = time.perf_counter()
+        y.copy_(x)
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * x.numel() * 4 / best
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def checkpoint(path: Path, shape: dict, dtype: torch.dtype) -> Path:
+    if not (path / "config.json").exists():
+        import transformers as tf
+
+        torch.manual_seed(0)
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**shape)).to(dtype)
+        model.save_pretrained(path)
+    if not (path / "tokenizer.json").exists():
+        write_tokenizer(path, shape["vocab_size"])
+    return path
+
+
+def engine_for(path: Path, device: torch.device, dtype: torch.dtype, **config) -> LLMEngine:
+    loaded = load(path, dtype, device)
+    return LLMEngine(loaded.model, loaded.tokenizer, EngineConfig(**config))
+
+
+def hf_best(path, device, dtype, prompts, out_len, batches) -> dict:
+    import transformers as tf
+
+    model = tf.LlamaForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    kw = dict(max_new_tokens=out_len, min_new_tokens=out_len, do_sample=False, pad_token_id=0)
+    best: dict = {}
+    with torch.inference_mode():
+        for b in batches:
+            ids = torch.tensor(prompts[:b], device=device)
+            model.generate(ids[:, :8], max_new_tokens=2, do_sample=False, pad_token_id=0)
+            sync(device)
+            t0 = time.perf_counter()
+            model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+            sync(device)
+            tok_s = b * out_len / (time.perf_counter() - t0)
+            print(f"  transformers generate batch {b}: {tok_s:.1f} tok/s")
+            if tok_s > best.get("output_tok_s", 0):
+                best = {"batch": b, "output_tok_s": tok_s}
+    del model
+    return best
+
+
+def prefill(engine: LLMEngine, n: int, length: int, vocab: int, device: torch.device) -> float:
+    prompts = [torch.randint(0, vocab, (length,)).tolist() for _ in range(n)]
+    run_batch(engine, prompts[:1], 1)  # warm-up
+    sync(device)
+    t0 = time.perf_counter()
+    run_batch(engine, prompts, 1)
+    sync(device)
+    return n * length / (time.perf_counter() - t0)
+
+
+def http_vs_offline(path, engine, args, n, vocab) -> dict:
+    reqs = bench.workload("fixed", n, args.prompt_len, args.output_len, vocab, 7)
+    offline = run_batch(engine, [p for p, _ in reqs], args.output_len)["output_tok_s"]
+    serve = f"--model {shlex.quote(str(path))} --dtype bfloat16 --max-num-seqs {args.concurrency}"
+    proc, url = bench.spawn(serve)
+    try:
+        with bench.event_loop() as runner:
+            runner.run(
+                bench.run(url, reqs[: args.concurrency], args.concurrency, None, 600, None, None, 1)
+            )
+            served = runner.run(bench.run(url, reqs, args.concurrency, None, 600, None, None, 7))
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    return {"offline_tok_s": offline, "http_tok_s": served["output_tok_s"],
+            "ratio": served["output_tok_s"] / offline, "errors": served["errors"]}  # fmt: skip
+
+
+def measure(name: str, shape: dict, args, device: torch.device) -> dict:
+    dtype = torch.bfloat16
+    path = checkpoint(args.out / f"{name}-random", shape, dtype)
+    print(f"{name}: {path}")
+    eng = engine_for(path, device, dtype, max_num_seqs=args.concurrency)
+    cfg, vocab = eng.model.cfg, eng.model.cfg.vocab_size
+    floor_ms = 1000 * weight_bytes(cfg, "bfloat16") / copy_bandwidth(device)
+    flops = matmul_throughput(dtype, device, n=1024 if args.smoke else 8192)
+    # prefill computes the head for one row a sequence: the layers' weights are the work
+    roofline = flops / (2 * count_params(cfg).non_embedding)
+    prompt = torch.randint(0, vocab, (args.prompt_len,)).tolist()
+    run_single(eng, prompt, 8)  # warm-up
+    graphs = run_single(eng, prompt, args.output_len)
+    eager_eng = engine_for(path, device, dtype, max_num_seqs=args.concurrency, cuda_graphs=False)
+    eager = run_single(eager_eng, prompt, args.output_len)
+    del eager_eng
+    prompts = [torch.randint(0, vocab, (args.offline_in,)).tolist() for _ in range(args.requests)]
+    big = engine_for(path, device, dtype, max_num_seqs=256)
+    run_batch(big, prompts[:4], 4)  # warm-up
+    offline = run_batch(big, prompts, args.offline_out)
+    pre = prefill(big, 8, args.prefill_len, vocab, device)
+    del big
+    hf = hf_best(path, device, dtype, prompts, args.offline_out, args.hf_batches)
+    http = http_vs_offline(path, eng, args, 4 * args.concurrency, vocab)
+    return {
+        "backend": eng.backend.describe(),
+        "cuda_graphs": eng.runner.graphs is not None,
+        "floor_ms_per_token": floor_ms,
+        "decode_ms_graphs": graphs["decode_ms_per_token"],
+        "decode_ms_eager": eager["decode_ms_per_token"],
+        "decode_vs_floor": graphs["decode_ms_per_token"] / floor_ms,
+        "offline_tok_s": offline["output_tok_s"],
+        "hf": hf,
+        "offline_vs_hf": offline["output_tok_s"] / hf["output_tok_s"],
+        "prefill_tok_s": pre,
+        "prefill_roofline_tok_s": roofline,
+        "prefill_vs_roofline": pre / roofline,
+        "http": http,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, seconds, any device")
+    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--json", type=Path, default=OUT / "gpu_bench.json")
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    shapes = {"smoke": SMOKE} if args.smoke else SHAPES
+    sizes = (16, 16, 8, 4, 4, 16, [2, 4], 4) if args.smoke else (128, 256, 256, 512, 256, 2048, [32, 64, 128], 64)  # fmt: skip
+    (args.prompt_len, args.output_len, args.requests, args.offline_in, args.offline_out,
+     args.prefill_len, args.hf_batches, args.concurrency) = sizes  # fmt: skip
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    results = {name: measure(name, shape, args, device) for name, shape in shapes.items()}
+    print(f"\ndevice: {gpu}, torch {torch.__version__}")
+    print(f"{'model':14s} {'floor ms':>9s} {'graphs ms':>10s} {'eager ms':>9s} {'x floor':>8s} "
+          f"{'offline t/s':>12s} {'x HF':>6s} {'prefill t/s':>12s} {'x roof':>7s} {'HTTP/off':>9s}")  # fmt: skip
+    for name, r in results.items():
+        print(f"{name:14s} {r['floor_ms_per_token']:9.2f} {r['decode_ms_graphs']:10.2f} "
+              f"{r['decode_ms_eager']:9.2f} {r['decode_vs_floor']:8.2f} {r['offline_tok_s']:12.1f} "
+              f"{r['offline_vs_hf']:6.1f} {r['prefill_tok_s']:12.0f} {r['prefill_vs_roofline']:7.2f} "
+              f"{100 * r['http']['ratio']:8.1f}%")  # fmt: skip
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"device": gpu, "torch": torch.__version__, "results": results}, indent=2))  # fmt: skip
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

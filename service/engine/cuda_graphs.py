@@ -1,0 +1,115 @@
+"""CUDA graphs of the decode-only forward, at bucketed batch sizes.
+
+A decode step's launches (embedding, every layer's linears and Triton kernels, the head)
+are captured once per bucket and replayed: one launch from the host instead of hundreds.
+Everything the graph reads lives in static buffers sized for the largest bucket; a step
+of n decodes is copied into the first n rows and padded to its bucket with rows that
+have no context (seq_len 0), store nothing (slot -1) and read only the null block; their
+logits are dropped. Mixed and prefill steps run eagerly.
+
+Built only for a backend whose forward never reads a device value on the host (triton).
+With capture=False (the CPU tests) a bucket's "graph" is the same function called
+eagerly on the same static buffers, so the padding and bucketing logic is tested without
+a GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from model.attention import AttentionMetadata, PagedKVCache
+from model.transformer import Transformer
+
+
+def bucket_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to max_num_seqs (vLLM's spacing), max_num_seqs last."""
+    sizes = [b for b in (1, 2, 4) if b < max_num_seqs]
+    sizes += list(range(8, max_num_seqs, 8))
+    return [*sizes, max_num_seqs]
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: Transformer,
+        kv_cache: PagedKVCache,
+        max_num_seqs: int,
+        max_model_len: int,
+        capture: bool = True,
+    ) -> None:
+        self.model, self.kv_cache = model, kv_cache
+        self.buckets = bucket_sizes(max_num_seqs)
+        n, dev = self.buckets[-1], model.device
+        width = -(-max_model_len // kv_cache.block_size)
+        self.tokens = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.slots = torch.full((n,), -1, dtype=torch.int32, device=dev)
+        self.tables = torch.full((n, width), kv_cache.null_block, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.query_start = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self._runs: dict[int, Callable[[], Tensor]] = {}
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        for size in reversed(self.buckets):  # largest first: the others reuse its pool
+            self._runs[size] = self._capture(size) if capture else self._eager(size)
+
+    def _meta(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            positions=self.positions[:size],
+            query_lens=[1] * size,
+            seq_lens=[0] * size,  # host copies are read only for shapes: one token each
+            slot_mapping=self.slots[:size],
+            block_tables=self.tables[:size],
+            query_start=self.query_start[: size + 1],
+            seq_lens_t=self.seq_lens[:size],
+        )
+
+    def _forward(self, size: int) -> Tensor:
+        return self.model(self.tokens[:size], self._meta(size), self.kv_cache)  # (size, V)
+
+    def _eager(self, size: int) -> Callable[[], Tensor]:
+        return lambda: self._forward(size)
+
+    def _capture(self, size: int) -> Callable[[], Tensor]:
+        with torch.inference_mode():
+            self._forward(size)  # warm-up: Triton compiles, allocators settle
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = self._forward(size)
+
+        def replay() -> Tensor:
+            graph.replay()
+            return out
+
+        return replay
+
+    def bucket(self, n: int) -> int | None:
+        """The smallest bucket that holds n decodes, or None (run eagerly)."""
+        return next((b for b in self.buckets if b >= n), None)
+
+    def run(self, tokens: Tensor, meta: AttentionMetadata) -> Tensor:
+        """n decodes (tokens (n,), the backend's metadata for them) -> logits (n, V)."""
+        n = tokens.shape[0]
+        size = self.bucket(n)
+        if size is None or meta.max_query_len != 1:
+            raise ValueError(f"a CUDA graph runs up to {self.buckets[-1]} decodes, got {n}")
+        width = meta.block_tables.shape[1]
+        self.tokens[:n].copy_(tokens, non_blocking=True)
+        self.positions[:n].copy_(meta.positions, non_blocking=True)
+        self.slots[:n].copy_(meta.slot_mapping, non_blocking=True)
+        self.tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
+        self.seq_lens[:n].copy_(meta.seq_lens_t, non_blocking=True)
+        if size > n:  # padding rows: no context, no store
+            self.slots[n:size].fill_(-1)
+            self.seq_lens[n:size].fill_(0)
+        return self._runs[size]()[:n]
+
+
+def decode_graphs(
+    model: Transformer, kv_cache: PagedKVCache, max_num_seqs: int, max_model_len: int
+) -> Callable[[], DecodeGraphs]:
+    """The runner calls this after it prepared the weights: capture then."""
+    return lambda: DecodeGraphs(model, kv_cache, max_num_seqs, max_model_len)

@@ -1,0 +1,61 @@
+"""How many KV blocks the engine's pool gets.
+
+On the CPU the budget is a size in bytes (--kv-cache-gib). On CUDA it is what vLLM does:
+the device's total memory times --gpu-memory-utilization, less the peak a worst-case
+step measures (the weights, activations of max_num_batched_tokens tokens, the logits of
+max_num_seqs rows), less what other processes hold, less a reserve for the sampler's
+working copies of the logits and the CUDA graphs' pool (captured after the pool exists).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from model.audit import kv_bytes_per_token
+from model.device import dtype_name
+from model.transformer import Transformer
+
+if TYPE_CHECKING:
+    from service.engine.engine import EngineConfig
+
+
+def cuda_kv_budget(model: Transformer, config: EngineConfig) -> int:
+    """Bytes the KV pool may take on the model's GPU."""
+    device = model.device
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()  # before measuring: what others hold, not our cached blocks
+    free, total = torch.cuda.mem_get_info(device)
+    others = total - free - torch.cuda.memory_reserved(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    n = min(config.max_num_batched_tokens, model.cfg.max_position)
+    rows = torch.arange(min(n, config.max_num_seqs), device=device)
+    with torch.inference_mode():  # the worst-case step, kept as the peak
+        model(torch.zeros(n, dtype=torch.long, device=device), logits_indices=rows)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    # the sampler's fp32 copies of the logits (logits, probabilities, noise, a sort) and
+    # the graphs' outputs: a reserve, since neither exists yet
+    reserve = 5 * config.max_num_seqs * model.cfg.vocab_size * 4
+    return int(total * config.gpu_memory_utilization) - peak - others - reserve
+
+
+def kv_block_budget(model: Transformer, config: EngineConfig) -> int:
+    """Number of KV blocks: explicit, or from the memory budget of the model's device."""
+    if config.num_blocks is not None:
+        return config.num_blocks
+    per_block = config.block_size * kv_bytes_per_token(model.cfg, dtype_name(model.dtype))
+    gpu = model.device.type == "cuda" and config.gpu_memory_utilization is not None
+    budget = cuda_kv_budget(model, config) if gpu else config.kv_cache_bytes
+    blocks = max(0, budget) // per_block
+    max_len = min(config.max_model_len or model.cfg.max_position, model.cfg.max_position)
+    need = -(-max_len // config.block_size)
+    if blocks < need:
+        source = "gpu_memory_utilization" if gpu else "kv_cache_gib"
+        raise ValueError(
+            f"{source}: a KV cache budget of {budget} bytes holds {blocks * config.block_size} "
+            f"tokens, fewer than one sequence of max_model_len {max_len} "
+            f"({need * per_block} bytes); raise {source} or lower max_model_len"
+        )
+    return blocks

@@ -1,0 +1,138 @@
+"""The GPU path on CUDA: the Triton kernels against the torch reference, one host sync
+per decode step, decode steps replayed as CUDA graphs, and a compute-sanitizer pass.
+Marked `gpu`: skipped, with that reason, where there is no CUDA (tests/conftest.py)."""
+
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from model.attention import AttentionMetadata, PagedKVCache
+from model.backends import select_backend
+from model.backends.reference import TorchBackend
+from model.config import ModelConfig
+from service.engine.engine import EngineConfig, LLMEngine
+from tests.engine.helpers import greedy, small_model, tokenizer
+from tests.engine.test_engine import mixed_requests
+
+pytestmark = pytest.mark.gpu
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def cuda_engine(model, **config) -> LLMEngine:
+    defaults = dict(num_blocks=256, block_size=16, max_num_seqs=16, max_num_batched_tokens=256)
+    defaults.update(config)
+    return LLMEngine(model, tokenizer(), EngineConfig(**defaults))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(8, 2, 64, 16), (12, 4, 80, 32), (32, 8, 128, 16)], ids=str)
+def test_triton_attention_matches_reference_on_cuda(shape, dtype) -> None:
+    h, kv, d, bs = shape
+    cfg = ModelConfig(vocab_size=8, d_model=h * d, n_layers=1, n_heads=h, n_kv_heads=kv, d_ff=8)
+    dev = torch.device("cuda")
+    triton = select_backend("triton", dev, dtype, cfg, bs)
+    cache = PagedKVCache(cfg, 64, bs, dtype, dev, triton)
+    for t in cache.layer(0):
+        t.copy_(torch.randn(t.shape, device=dev).to(dtype))
+    batch = [(40, 1), (0, 9), (70, 41), (17, 1), (0, 1)]
+    tables, nxt = [], 0
+    for c, n in batch:
+        need = -(-(c + n) // bs)
+        tables.append(list(range(nxt, nxt + need)))
+        nxt += need
+    cached, new = [c for c, _ in batch], [n for _, n in batch]
+    q = torch.randn(sum(new), h, d, device=dev).to(dtype)
+    ref_meta = AttentionMetadata.paged(tables, cached, new, bs, dev)
+    ref = TorchBackend(dev).attend(q, q, q, cache.layer(0), ref_meta, d**-0.5, None).float()
+    meta = triton.metadata(tables, cached, new, bs, dev, cache.null_block)
+    out = triton.attend(q, q, q, cache.layer(0), meta, d**-0.5, None).float()
+    torch.testing.assert_close(out, ref, atol=2e-2 if dtype == torch.bfloat16 else 1e-4, rtol=0)
+
+
+def test_cuda_default_is_triton_with_graphs_and_matches_eager() -> None:
+    model = small_model().to("cuda", torch.bfloat16)
+    engine = cuda_engine(model)
+    assert engine.backend.name == "triton" and engine.runner.graphs is not None
+    eager = cuda_engine(model, cuda_graphs=False)
+    assert eager.runner.graphs is None
+    requests = mixed_requests(8)
+    for e in (engine, eager):
+        for rid, (prompt, params) in requests.items():
+            e.add_request(rid, prompt, params)
+    outs: list[dict[str, list[int]]] = [{}, {}]
+    for i, e in enumerate((engine, eager)):
+        while e.has_unfinished():
+            for o in e.step():
+                outs[i].setdefault(o.request_id, []).extend(o.token_ids)
+    assert outs[0] == outs[1]
+
+
+def test_one_host_sync_per_decode_step() -> None:
+    """With torch's sync debug mode on, a decode step (graphs or eager) warns exactly
+    once: the sampled token ids coming back to the host."""
+    model = small_model().to("cuda", torch.bfloat16)
+    for graphs in (True, False):
+        engine = cuda_engine(model, cuda_graphs=graphs)
+        for i in range(4):
+            engine.add_request(f"r{i}", [5 + i] * (10 + i), greedy(12))
+        for _ in range(3):  # prefill and the first decodes, outside the count
+            engine.step()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        syncs = [w for w in caught if "synchroniz" in str(w.message)]
+        assert len(syncs) == 1, [str(w.message) for w in syncs]
+
+
+def test_decode_step_is_one_graph_launch() -> None:
+    model = small_model().to("cuda", torch.bfloat16)
+    engine = cuda_engine(model)
+    for i in range(4):
+        engine.add_request(f"r{i}", [5 + i] * 10, greedy(12))
+    for _ in range(3):
+        engine.step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        engine.step()
+    names = [e.name for e in prof.events()]
+    assert names.count("cudaGraphLaunch") == 1
+    assert names.count("cudaLaunchKernel") < 40  # sampling and copies, not the layers
+
+
+@pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="needs compute-sanitizer")
+def test_compute_sanitizer_finds_no_errors_in_the_kernels() -> None:
+    code = (
+        "import torch\n"
+        "from tests.engine.test_gpu import test_triton_attention_matches_reference_on_cuda as t\n"
+        "t((12, 4, 80, 32), torch.bfloat16)\n"
+        "t((8, 2, 64, 16), torch.float32)\n"
+    )
+    proc = subprocess.run(
+        [
+            "compute-sanitizer",
+            "--tool",
+            "memcheck",
+            "--error-exitcode",
+            "9",
+            sys.executable,
+            "-c",
+            code,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "ERROR SUMMARY: 0 errors" in proc.stdout
