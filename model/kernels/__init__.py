@@ -22,6 +22,7 @@ import torch
 log = logging.getLogger("kvserve.kernels")
 
 HERE = Path(__file__).parent
+HEADER = HERE / "kvserve.h"  # the prototypes and structs every kernel source includes
 BASE_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC"]
 # Linked in a separate step without the math flags: linking with -ffast-math would add
 # crtfastmath.o, whose constructor sets flush-to-zero for the whole process on load.
@@ -37,6 +38,34 @@ FUSED_FLAGS = [
     "-fno-signed-zeros",
     "-fno-trapping-math",
 ]
+
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+# q, k, v, tables, row_seq, lens, out; R, q_stride, KV, max_blocks; scale; alibi; nthreads
+_ATTENTION = [_P] * 7 + [_I] * 4 + [_F, _P, _I]
+# The ctypes mirror of kvserve.h's prototypes (result, arguments); a test checks it
+# against the header.
+PROTOTYPES: dict[str, tuple[type | None, list[type]]] = {
+    **{f"add_rms_norm_{t}": (None, [_P, _P, _P, _P, _I, _I, _F, _I]) for t in ("f32", "bf16")},
+    **{
+        f"rope_store_{t}": (None, [_P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I])
+        for t in ("f32", "bf16")
+    },
+    **{f"greedy_{t}": (None, [_P, _I, _I, _P, _I]) for t in ("f32", "bf16")},
+    "paged_attention_f32": (None, _ATTENTION),
+    "paged_attention_bf16": (None, _ATTENTION),
+    "paged_attention_amx": (None, _ATTENTION),
+    "paged_attention_amx_init": (_I, []),
+    "linear_bf16_init": (_I, []),
+    "linear_bf16": (None, [_P, _P, _P, _P, _P, _I, _I, _I, _I]),
+    "stack_forward": (None, [_P]),
+}
+
+
+def _bind(lib: ctypes.CDLL, *names: str) -> None:
+    for name in names:
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = PROTOTYPES[name]
 
 
 def _cache_dir() -> Path:
@@ -55,7 +84,8 @@ def _build(source: str, flags: tuple[str, ...], tag: str) -> ctypes.CDLL | None:
         return None
     path = HERE / source
     recipe = " ".join([*flags, "|", *LINK_FLAGS]).encode()
-    digest = hashlib.sha256(path.read_bytes() + recipe).hexdigest()[:16]
+    # the header every source includes is part of what is built
+    digest = hashlib.sha256(path.read_bytes() + HEADER.read_bytes() + recipe).hexdigest()[:16]
     target = _cache_dir() / f"{path.stem}-{tag}-{digest}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -84,20 +114,13 @@ def _library(head_dim: int, block_size: int, group: int) -> ctypes.CDLL | None:
     lib = _build("paged_attention.c", flags, f"d{head_dim}-bs{block_size}-g{group}")
     if lib is None:
         return None
-    for name in (*_KERNELS.values(), "paged_attention_amx"):
-        fn = getattr(lib, name)
-        fn.restype = None
-        # q, k, v, tables, row_seq, lens, out; rows, q_stride, KV, max_blocks; scale;
-        # alibi; threads
-        fn.argtypes = [_P] * 7 + [_I] * 4 + [_F, _P, _I]
-    lib.paged_attention_amx_init.restype, lib.paged_attention_amx_init.argtypes = _I, []
+    _bind(lib, *_KERNELS.values(), "paged_attention_amx", "paged_attention_amx_init")
     lib.amx = bool(lib.paged_attention_amx_init())  # built with AMX, and the OS allows it
     return lib
 
 
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 16, 256, 64
 _KERNELS = {torch.float32: "paged_attention_f32", torch.bfloat16: "paged_attention_bf16"}
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
 def _is_power_of_two(n: int) -> bool:  # the kernel holds a block of scores in one vector
@@ -202,14 +225,10 @@ def _fused() -> ctypes.CDLL | None:
     lib = _build("fused.c", tuple(FUSED_FLAGS), "all")
     if lib is None:
         return None
-    for sfx in _SUFFIX.values():
-        for name, args in (
-            ("add_rms_norm", [_P, _P, _P, _P, _I, _I, _F, _I]),
-            ("rope_store", [_P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I]),
-            ("greedy", [_P, _I, _I, _P, _I]),
-        ):
-            fn = getattr(lib, f"{name}_{sfx}")
-            fn.restype, fn.argtypes = None, args
+    _bind(
+        lib,
+        *(f"{n}_{t}" for n in ("add_rms_norm", "rope_store", "greedy") for t in _SUFFIX.values()),
+    )
     return lib
 
 
@@ -296,9 +315,7 @@ def _tiles() -> ctypes.CDLL | None:
     lib = _build("linear_bf16.c", tuple(BASE_FLAGS), "all")
     if lib is None:
         return None
-    lib.linear_bf16_init.restype, lib.linear_bf16_init.argtypes = ctypes.c_int, []
-    lib.linear_bf16.restype = None
-    lib.linear_bf16.argtypes = [_P, _P, _P, _P, _P, _I, _I, _I, _I]
+    _bind(lib, "linear_bf16_init", "linear_bf16")
     if not lib.linear_bf16_init():  # built without AMX, or the OS refuses the tile state
         log.info("no AMX tiles on this CPU: bf16 linears use oneDNN")
         return None
@@ -365,7 +382,7 @@ def tile_linear(
 def _stack() -> ctypes.CDLL | None:
     lib = _build("stack.c", tuple(BASE_FLAGS), "all")
     if lib is not None:
-        lib.stack_forward.restype, lib.stack_forward.argtypes = None, [_P]
+        _bind(lib, "stack_forward")
     return lib
 
 

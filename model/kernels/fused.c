@@ -4,6 +4,7 @@
  * Built and loaded by model/kernels/__init__.py. (SwiGLU's silu(gate) * up is fused into
  * the bf16 tile linear instead; a separate pass here measured slower than PyTorch's.)
  */
+#include "kvserve.h"
 #include <math.h>
 #include <stdint.h>
 #include <string.h>

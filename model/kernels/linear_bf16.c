@@ -15,6 +15,7 @@
  * up (linear_bf16 with a scratch buffer): the up block's epilogue stores silu(gate) * up.
  * Built and loaded by model/kernels/__init__.py.
  */
+#include "kvserve.h"
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>

@@ -18,6 +18,7 @@
  * row_seq: (R,) int64 sequence of each row, or NULL for row r -> sequence r;
  * lens: (R,) int64 keys each row sees (its position + 1); alibi: (H,) slopes or NULL.
  */
+#include "kvserve.h"
 #include <math.h>
 #include <stdint.h>
 #include <string.h>

@@ -12,52 +12,8 @@
  * loaded by model/kernels/__init__.py; model/stack.py fills in the arguments.
  */
 #include <stddef.h>
-#include <stdint.h>
 
-typedef void (*norm_fn)(uint16_t *x, const uint16_t *delta, const uint16_t *weight,
-                        uint16_t *out, int rows, int d, float eps, int nthreads);
-typedef void (*linear_fn)(const uint16_t *x, const uint16_t *w, const float *bias,
-                          uint16_t *out, uint16_t *scratch, int m, int n, int k, int nthreads);
-typedef void (*rope_fn)(uint16_t *qkv, const uint16_t *cos_t, const uint16_t *sin_t,
-                        int rows, int H, int KV, int D, uint16_t *k_cache, uint16_t *v_cache,
-                        const int64_t *slot_blocks, const int64_t *slot_offsets,
-                        int block_size, int nthreads);
-typedef void (*attention_fn)(const uint16_t *q, const uint16_t *k, const uint16_t *v,
-                             const int64_t *tables, const int64_t *row_seq,
-                             const int64_t *lens, uint16_t *out, int R, int q_stride, int KV,
-                             int max_blocks, float scale, const float *alibi, int nthreads);
-
-/* One layer's weights in the kernels' layouts; biases are float32 or NULL. */
-typedef struct {
-    const uint16_t *attn_norm;
-    const uint16_t *wqkv;
-    const float *bqkv;
-    const uint16_t *wo;
-    const float *bo;
-    const uint16_t *ffn_norm;
-    const uint16_t *w_in; /* (gate | up) in swiglu_layout: the linear stores silu(g) * u */
-    const float *b_in;
-    const uint16_t *w_out;
-    const float *b_out;
-    uint16_t *k_cache, *v_cache;
-} layer_args;
-
-typedef struct {
-    norm_fn norm;
-    linear_fn linear;
-    rope_fn rope;
-    attention_fn attend;
-    int layers, rows, d, heads, kv, head_dim, ff, block_size, max_blocks, nthreads;
-    float eps, scale;
-    const layer_args *w;
-    const uint16_t *final_norm;
-    /* this step: (rows, head_dim) rotations, slots of the new tokens, the attention rows */
-    const uint16_t *cos_t, *sin_t;
-    const int64_t *slot_blocks, *slot_offsets, *tables, *row_seq, *lens;
-    /* (rows, width) buffers: x the residual stream (the embeddings on entry), h the normed
-     * input of each sublayer and on return the final norm's output */
-    uint16_t *x, *h, *qkv, *attn, *o, *act, *gate, *delta;
-} stack_args;
+#include "kvserve.h"
 
 void stack_forward(const stack_args *a) {
     const int T = a->rows, d = a->d, H = a->heads, KV = a->kv, D = a->head_dim;
