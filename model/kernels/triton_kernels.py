@@ -191,6 +191,167 @@ def _paged_attention_kernel(
         )
 
 
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,  # (B, H, D): one decode row per sequence
+    k_cache_ptr,  # (NB, BS, KV, D)
+    v_cache_ptr,
+    part_ptr,  # (B, SPLITS, H, D) fp32: each split's normalized output
+    lse_ptr,  # (B, SPLITS, H) fp32: each split's log-sum-exp (-inf: no keys)
+    block_tables_ptr,
+    seq_lens_ptr,
+    alibi_ptr,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_bt,
+    G: tl.constexpr,
+    KV: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_G: tl.constexpr,  # rows per program: G padded (at least 16 for tl.dot)
+    SPLITS: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # flash-decoding: program (b, split, kv) attends sequence b's decode row over one
+    # contiguous share of its blocks; _combine_splits_kernel merges the shares
+    b = tl.program_id(0)
+    split = tl.program_id(1)
+    kv = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    n_blocks = tl.cdiv(seq_len, BS)
+    per = tl.cdiv(n_blocks, SPLITS)
+    first = split * per
+    last = tl.minimum(first + per, n_blocks)
+    g = tl.arange(0, BLOCK_G)
+    row_ok = g < G
+    head = kv * G + g
+    q_pos = seq_len - 1
+    d = tl.arange(0, D_PAD)
+    d_ok = d < D
+    q_rows = b.to(tl.int64) * stride_qt + head * stride_qh
+    q = tl.load(
+        q_ptr + q_rows[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+    if HAS_ALIBI:
+        slope = tl.load(alibi_ptr + head, mask=row_ok, other=0.0)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D_PAD], tl.float32)
+    offs = tl.arange(0, BS)
+    for j in range(first, last):
+        block = tl.load(block_tables_ptr + b.to(tl.int64) * stride_bt + j).to(tl.int64)
+        k_pos = j * BS + offs
+        kv_rows = (block * BS + offs) * (KV * D) + kv * D
+        kv_mask = (k_pos < seq_len)[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + kv_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        if HAS_ALIBI:
+            s += slope[:, None] * (k_pos[None, :] - q_pos).to(tl.float32)
+        s = tl.where((k_pos < seq_len)[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if UPCAST:
+            acc += tl.dot(p, v, input_precision=PRECISION)
+        else:
+            acc += tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    has_keys = l_i > 0.0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+    base = (b.to(tl.int64) * SPLITS + split) * (KV * G) + head
+    tl.store(part_ptr + base[:, None] * D + d[None, :], out, mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(lse_ptr + base, lse, mask=row_ok)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_ptr,  # (B, SPLITS, H, D) fp32
+    lse_ptr,  # (B, SPLITS, H) fp32
+    out_ptr,  # (B, H, D)
+    H: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.arange(0, SPLITS_PAD)
+    sp_ok = sp < SPLITS
+    rows = (b.to(tl.int64) * SPLITS + sp) * H + h
+    lse = tl.load(lse_ptr + rows, mask=sp_ok, other=float("-inf"))
+    top = tl.max(lse, 0)
+    top = tl.where(top > float("-inf"), top, 0.0)  # no share had keys: every weight is 0
+    w = tl.exp(lse - top)
+    total = tl.sum(w, 0)
+    d = tl.arange(0, D_PAD)
+    d_ok = d < D
+    part = tl.load(
+        part_ptr + rows[:, None] * D + d[None, :], mask=sp_ok[:, None] & d_ok[None, :], other=0.0
+    )
+    out = tl.sum(part * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    o = b.to(tl.int64) * H * D + h * D + d
+    tl.store(out_ptr + o, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+# Programs a GPU runs at once, about (an H100 has 132 SMs): a decode batch with fewer
+# sequence x K/V-head programs than this splits each sequence's blocks over more programs
+SPLIT_TARGET, MAX_SPLITS = 128, 16
+
+
+def decode_splits(num_seqs: int, n_kv: int) -> int:
+    """How many shares of its blocks each decode row's attention is split into: from the
+    batch shape alone (never the lengths), so a CUDA graph of a bucket keeps it. In the
+    interpreter a program costs host time instead of filling idle SMs: one pass there
+    (the tests ask for splits explicitly)."""
+    if INTERPRET:
+        return 1
+    return max(1, min(MAX_SPLITS, SPLIT_TARGET // max(1, num_seqs * n_kv)))
+
+
+def _split_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi, splits, consts):
+    b, h, d = q.shape
+    kv = k_cache.shape[2]
+    part = torch.empty((b, splits, h, d), dtype=torch.float32, device=q.device)
+    lse = torch.empty((b, splits, h), dtype=torch.float32, device=q.device)
+    out = torch.empty((b, h, d), dtype=q.dtype, device=q.device)
+    _decode_split_kernel[(b, splits, kv)](
+        q,
+        k_cache,
+        v_cache,
+        part,
+        lse,
+        block_tables,
+        seq_lens,
+        alibi if alibi is not None else q,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        block_tables.stride(0),
+        BLOCK_G=max(16, consts["BLOCK_G"]),
+        SPLITS=splits,
+        **{k: v for k, v in consts.items() if k != "BLOCK_G"},
+    )
+    _combine_splits_kernel[(b, h)](
+        part, lse, out, H=h, D=d, D_PAD=consts["D_PAD"], SPLITS=splits,
+        SPLITS_PAD=triton.next_power_of_2(splits),
+    )  # fmt: skip
+    return out
+
+
 def paged_attention(
     q: torch.Tensor,  # (T, H, D), rows may be strided (a view of the fused qkv)
     k_cache: torch.Tensor,  # (NB, BS, KV, D)
@@ -201,14 +362,35 @@ def paged_attention(
     max_query_len: int,
     scale: float,
     alibi: torch.Tensor | None = None,  # (H,) fp32
+    splits: int | None = None,  # decode-only batches: None = decode_splits()
 ) -> torch.Tensor:
     """Attention of a flattened batch of decodes and prefill chunks over the paged cache
     (the new tokens' K/V already stored) -> (T, H, D) in q's dtype. One launch for the
-    whole batch; a sequence of seq_len 0 (a padding row) gives zeros."""
+    whole batch, or, for a batch of decodes too small to fill the GPU, each row's blocks
+    split over several programs and merged (flash-decoding). A sequence of seq_len 0 (a
+    padding row) gives zeros."""
     t, h, d = q.shape
     bs, kv = k_cache.shape[1], k_cache.shape[2]
     group = h // kv
     block_g = triton.next_power_of_2(group)
+    upcast = INTERPRET or q.dtype == torch.float32
+    consts = dict(
+        G=group,
+        KV=kv,
+        D=d,
+        D_PAD=max(16, triton.next_power_of_2(d)),
+        BS=bs,
+        BLOCK_G=block_g,
+        HAS_ALIBI=alibi is not None,
+        UPCAST=upcast,
+        PRECISION="ieee" if upcast else "tf32",
+    )
+    if max_query_len == 1 and t > 0:
+        splits = decode_splits(t, kv) if splits is None else splits
+        if splits > 1:
+            return _split_decode(
+                q, k_cache, v_cache, block_tables, seq_lens, scale, alibi, splits, consts
+            )
     # rows per program: at least 16 (tl.dot's smallest tile), up to 64 for a prompt chunk
     block_q = max(1, (16 if max_query_len == 1 else 64) // block_g)
     block_q = min(block_q, triton.next_power_of_2(max_query_len))
@@ -216,7 +398,6 @@ def paged_attention(
     out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
     if t == 0:
         return out
-    upcast = INTERPRET or q.dtype == torch.float32
     grid = (seq_lens.shape[0], triton.cdiv(max_query_len, block_q), kv)
     _paged_attention_kernel[grid](
         q,
@@ -231,15 +412,7 @@ def paged_attention(
         q.stride(0),
         q.stride(1),
         block_tables.stride(0),
-        G=group,
-        KV=kv,
-        D=d,
-        D_PAD=max(16, triton.next_power_of_2(d)),
-        BS=bs,
-        BLOCK_G=block_g,
         BLOCK_Q=block_q,
-        HAS_ALIBI=alibi is not None,
-        UPCAST=upcast,
-        PRECISION="ieee" if upcast else "tf32",
+        **consts,
     )
     return out

@@ -103,9 +103,15 @@ def test_padding_rows_give_zeros_and_leave_real_rows_alone() -> None:
         query_start=torch.arange(len(batch) + pad + 1, dtype=torch.int32),
         seq_lens_t=torch.cat([meta.seq_lens_t, torch.zeros(pad, dtype=torch.int32)]),
     )
-    out = triton.attend(qp, qp, qp, cache.layer(0), padded, scale, None)
-    torch.testing.assert_close(out[: len(batch)], alone, atol=0, rtol=0)
-    assert (out[len(batch) :] == 0).all()
+    from model.kernels import triton_kernels
+
+    for splits in (1, 4):  # one pass, and flash-decoding's shares
+        out = triton_kernels.paged_attention(
+            qp, *cache.layer(0), padded.block_tables, padded.seq_lens_t, padded.query_start,
+            1, scale, None, splits=splits,
+        ).flatten(1)  # fmt: skip
+        torch.testing.assert_close(out[: len(batch)], alone, atol=1e-6, rtol=0)
+        assert (out[len(batch) :] == 0).all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -142,3 +148,39 @@ def test_rope_store_matches_reference(dtype, shape, rope) -> None:
         torch.testing.assert_close(mine.float(), stored.float(), **tol)
     skipped = 5 * bs + 3  # row 3's slot: block 5, offset 3
     assert not torch.equal(cache.layer(0)[0].view(-1, kv, d)[skipped], k[3])
+
+
+@pytest.mark.parametrize("splits", [1, 2, 5, 16])
+@pytest.mark.parametrize("alibi", [False, True], ids=["causal", "alibi"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_split_decode_matches_reference(splits, alibi, dtype) -> None:
+    """Flash-decoding: each decode row's blocks split into shares (more shares than a
+    short sequence has blocks, too) and merged by their log-sum-exp give the one-pass
+    answer."""
+    from model.kernels import triton_kernels
+
+    shape = SHAPES[2]  # GQA 4, head_dim 128, blocks of 32
+    batch = [(0, 1), (31, 1), (200, 1), (450, 1)]
+    cfg, cache, triton, tables, cached, new, used, q = setup(shape, batch, dtype, nb=40)
+    slopes = alibi_slopes(cfg.n_heads) if alibi else None
+    scale = cfg.head_dim**-0.5
+    ref_meta = AttentionMetadata.paged(tables, cached, new, cache.block_size)
+    ref = TorchBackend().attend(q, q, q, cache.layer(0), ref_meta, scale, slopes).float()
+    poison(cache, used)
+    meta = triton.metadata(tables, cached, new, cache.block_size, "cpu", cache.null_block)
+    out = triton_kernels.paged_attention(
+        q, *cache.layer(0), meta.block_tables, meta.seq_lens_t, meta.query_start, 1, scale,
+        slopes, splits=splits,
+    ).float().flatten(1)  # fmt: skip
+    atol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, ref, atol=atol, rtol=0)
+
+
+def test_decode_splits_follow_the_batch_shape_only(monkeypatch) -> None:
+    from model.kernels import triton_kernels
+    from model.kernels.triton_kernels import MAX_SPLITS, decode_splits
+
+    monkeypatch.setattr(triton_kernels, "INTERPRET", False)  # the GPU's policy
+    assert decode_splits(1, 8) == MAX_SPLITS  # one stream: fill the GPU with shares
+    assert decode_splits(4, 8) == 4
+    assert decode_splits(64, 8) == 1  # enough programs already: one pass
