@@ -33,16 +33,24 @@ class SampleResult:
     logprobs: list[TokenLogprobs | None]
 
 
-def _column(values: Sequence[float], device: torch.device) -> Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)  # (B, 1)
-
-
 class Sampler:
+    """Every per-request value reaches the device as a non-blocking copy from pinned
+    memory (on CUDA), so sampling never waits for the GPU until the sampled ids are read
+    back: one device -> host transfer a step, plus the logprobs when a request asks."""
+
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
         self.device = device
         self.default_generator = torch.Generator(device=device)
         self.default_generator.seed()
+        self._pin = device.type == "cuda"
+
+    def _tensor(self, values: Sequence, dtype: torch.dtype = torch.float32) -> Tensor:
+        t = torch.tensor(values, dtype=dtype, pin_memory=self._pin)
+        return t.to(self.device, non_blocking=True)
+
+    def _column(self, values: Sequence[float]) -> Tensor:
+        return self._tensor(values).unsqueeze(1)  # (B, 1)
 
     def sample(
         self,
@@ -73,47 +81,55 @@ class Sampler:
         tokens = logits.max(dim=-1).indices  # (B,); faster than argmax on the CPU
         if not all(p.greedy for p in params):
             sampled = self._draw(logits, requests, generators)
-            greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+            greedy = self._tensor([p.greedy for p in params], torch.bool)
             tokens = torch.where(greedy, tokens, sampled)
         token_list = _flag_non_finite(tokens, raw.max(dim=-1).values)
         return SampleResult(token_list, self._logprobs(raw, requests, token_list))
 
     def _apply_bias(self, logits: Tensor, requests: Sequence[Request]) -> Tensor:
+        """Every request's bias entries as one scatter-add."""
+        rows, cols, values = [], [], []
         for i, r in enumerate(requests):
             for token, bias in r.params.logit_bias:
                 if 0 <= token < logits.shape[1]:
-                    logits[i, token] += bias
+                    rows.append(i)
+                    cols.append(token)
+                    values.append(bias)
+        if rows:
+            index = (self._tensor(rows, torch.long), self._tensor(cols, torch.long))
+            logits.index_put_(index, self._tensor(values), accumulate=True)
         return logits
 
     def _apply_penalties(self, logits: Tensor, requests: Sequence[Request]) -> Tensor:
         rows = [i for i, r in enumerate(requests) if r.params.needs_penalties]
-        idx = torch.tensor(rows, device=logits.device)
+        idx = self._tensor(rows, torch.long)
         sub = logits[idx]  # (P, V)
         v = sub.shape[1]
-        outputs = [requests[i].output_ids for i in rows]
-        width = max(1, max(len(o) for o in outputs))
-        out_ids = torch.full((len(rows), width), v, dtype=torch.long, device=logits.device)
-        for j, o in enumerate(outputs):
-            if o:
-                out_ids[j, : len(o)] = torch.tensor(o, device=logits.device)
+        out_ids = self._padded([requests[i].output_ids for i in rows], v)  # (P, W)
         counts = torch.zeros(len(rows), v + 1, device=logits.device)
         counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=counts.dtype))
         counts = counts[:, :v]  # (P, V) occurrences in the output
         seen = counts > 0
         rep = [requests[i].params.repetition_penalty for i in rows]
         if any(r != 1 for r in rep):
+            prompt_ids = self._padded([requests[i].prompt_ids for i in rows], v)
             prompt_seen = torch.zeros(len(rows), v + 1, dtype=torch.bool, device=logits.device)
-            for j, i in enumerate(rows):
-                ids = torch.tensor(requests[i].prompt_ids, device=logits.device).clamp_(0, v)
-                prompt_seen[j, ids] = True
+            prompt_seen.scatter_(1, prompt_ids, True)
             any_seen = seen | prompt_seen[:, :v]
-            rp = _column(rep, logits.device)
+            rp = self._column(rep)
             sub = torch.where(any_seen, torch.where(sub > 0, sub / rp, sub * rp), sub)
-        freq = _column([requests[i].params.frequency_penalty for i in rows], logits.device)
-        pres = _column([requests[i].params.presence_penalty for i in rows], logits.device)
+        freq = self._column([requests[i].params.frequency_penalty for i in rows])
+        pres = self._column([requests[i].params.presence_penalty for i in rows])
         sub = sub - freq * counts - pres * seen.float()
         logits[idx] = sub
         return logits
+
+    def _padded(self, lists: Sequence[Sequence[int]], pad: int) -> Tensor:
+        """Token id lists as one (len(lists), longest) tensor, padded (and ids outside
+        0..pad clamped) to `pad`, a column that is dropped after the scatter."""
+        width = max(1, max(len(ids) for ids in lists))
+        flat = [min(max(t, 0), pad) for ids in lists for t in (*ids, *[pad] * (width - len(ids)))]
+        return self._tensor(flat, torch.long).view(len(lists), width)
 
     def _draw(
         self,
@@ -122,23 +138,21 @@ class Sampler:
         generators: Sequence[torch.Generator | None],
     ) -> Tensor:
         params = [r.params for r in requests]
-        temps = _column(
-            [p.temperature if p.temperature > 0 else 1.0 for p in params], logits.device
-        )
+        temps = self._column([p.temperature if p.temperature > 0 else 1.0 for p in params])
         logits = logits / temps
         top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
         if any(top_k):
             k_max = min(max(top_k), logits.shape[1])
             kth_vals = logits.topk(k_max, dim=-1).values  # (B, k_max)
-            ks = torch.tensor([min(k, k_max) if k else k_max for k in top_k], device=logits.device)
+            ks = self._tensor([min(k, k_max) if k else k_max for k in top_k], torch.long)
             kth = kth_vals.gather(1, (ks - 1).unsqueeze(1))
-            active = torch.tensor([k > 0 for k in top_k], device=logits.device).unsqueeze(1)
+            active = self._tensor([k > 0 for k in top_k], torch.bool).unsqueeze(1)
             logits = logits.masked_fill(active & (logits < kth), float("-inf"))
         probs = torch.softmax(logits, dim=-1)  # (B, V)
         if any(p.top_p < 1 for p in params):
-            probs = _top_p(probs, _column([p.top_p for p in params], logits.device))
+            probs = _top_p(probs, self._column([p.top_p for p in params]))
         if any(p.min_p > 0 for p in params):
-            min_p = _column([p.min_p for p in params], logits.device)
+            min_p = self._column([p.min_p for p in params])
             probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
         noise = torch.empty_like(probs)
         if any(g is None for g in generators):
@@ -157,9 +171,9 @@ class Sampler:
         result: list[TokenLogprobs | None] = [None] * len(requests)
         if not rows:
             return result
-        idx = torch.tensor(rows, device=raw.device)
+        idx = self._tensor(rows, torch.long)
         lp = torch.log_softmax(raw[idx], dim=-1)  # (R, V)
-        chosen = lp.gather(1, torch.tensor([tokens[i] for i in rows], device=raw.device)[:, None])
+        chosen = lp.gather(1, self._tensor([tokens[i] for i in rows], torch.long)[:, None])
         n_top = max(requests[i].params.logprobs or 0 for i in rows)
         top_vals, top_ids = lp.topk(max(n_top, 1), dim=-1)
         chosen_l, vals_l, ids_l = chosen[:, 0].tolist(), top_vals.tolist(), top_ids.tolist()
