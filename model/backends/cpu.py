@@ -23,6 +23,7 @@ from model.kernels import (
     add_rms_norm,
     attention_isa,
     fused_supported,
+    greedy_tokens,
     paged_attention,
     paged_attention_supported,
     rope_store,
@@ -76,6 +77,11 @@ class CpuBackend(TorchBackend):
 
     def prepare(self, model: nn.Module) -> bool:
         return model.pack_weights()  # the tile / oneDNN layouts (bf16), the one-call stack
+
+    def greedy(self, logits: Tensor) -> list[int]:
+        if logits.is_contiguous() and logits.dtype in (torch.float32, torch.bfloat16):
+            return greedy_tokens(logits)  # one C pass over the logits
+        return super().greedy(logits)
 
     def add_norm(self, norm: nn.Module, x: Tensor, delta: Tensor | None) -> tuple[Tensor, Tensor]:
         fused = isinstance(norm, RMSNorm) and x.is_contiguous()

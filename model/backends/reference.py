@@ -17,6 +17,8 @@ from model.attention import AttentionMetadata
 from model.config import ModelConfig
 from model.layers import apply_rope
 
+NON_FINITE = -1  # the token of a row whose logits were not all finite
+
 
 class TorchBackend:
     name = "torch"
@@ -60,6 +62,12 @@ class TorchBackend:
         return AttentionMetadata.paged(
             block_tables, cached_lens, query_lens, block_size, device, pad_block=pad_block
         )
+
+    def greedy(self, logits: Tensor) -> list[int]:
+        """(B, V) logits -> each row's first argmax, or NON_FINITE (-1) for a row whose
+        maximum is not finite; one device -> host transfer."""
+        best = logits.max(dim=-1)  # max, not argmax: faster on the CPU, and no fp32 copy
+        return torch.where(torch.isfinite(best.values), best.indices, NON_FINITE).tolist()
 
     def add_norm(self, norm: nn.Module, x: Tensor, delta: Tensor | None) -> tuple[Tensor, Tensor]:
         """The pre-norm residual step: x + delta (the residual stream) and its norm."""

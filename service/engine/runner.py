@@ -28,7 +28,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = model.device
         self.block_size = kv_cache.block_size
-        self.sampler = Sampler(model.cfg.vocab_size, self.device)
+        self.sampler = Sampler(model.cfg.vocab_size, self.device, self.backend)
         self.generators: dict[str, torch.Generator] = {}  # per seeded request
         self._pin = self.device.type == "cuda"
         self.graphs = graphs() if graphs is not None else None

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from model.kernels import fused_supported, greedy_tokens
+from model.backends import REFERENCE, Backend
+from model.backends.reference import NON_FINITE
 from service.engine.request import Request
 
 
@@ -38,9 +39,10 @@ class Sampler:
     memory (on CUDA), so sampling never waits for the GPU until the sampled ids are read
     back: one device -> host transfer a step, plus the logprobs when a request asks."""
 
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
+    def __init__(self, vocab_size: int, device: torch.device, backend: Backend = REFERENCE) -> None:
         self.vocab_size = vocab_size
         self.device = device
+        self.greedy = backend.greedy
         self.default_generator = torch.Generator(device=device)
         self.default_generator.seed()
         self._pin = device.type == "cuda"
@@ -64,12 +66,8 @@ class Sampler:
             p.greedy and not p.logit_bias and not p.needs_penalties and p.logprobs is None
             for p in params
         )
-        if simple and fused_supported(logits) and logits.dim() == 2:
-            return SampleResult(greedy_tokens(logits), [None] * len(requests))
-        if simple:  # argmax needs no fp32 copy of the logits
-            best = logits.max(dim=-1)
-            tokens = _flag_non_finite(best.indices, best.values)
-            return SampleResult(tokens, [None] * len(requests))
+        if simple:  # the backend's argmax: no fp32 copy of the logits
+            return SampleResult(self.greedy(logits), [None] * len(requests))
         logits = logits.float()
         raw = logits
         if any(p.logit_bias for p in params):
@@ -182,9 +180,6 @@ class Sampler:
             top = list(zip(ids_l[j][:n], vals_l[j][:n], strict=True))
             result[i] = TokenLogprobs(tokens[i], chosen_l[j], top)
         return result
-
-
-NON_FINITE = -1  # the token of a row whose logits were not all finite (as greedy_tokens gives)
 
 
 def _flag_non_finite(tokens: Tensor, row_max: Tensor) -> list[int]:
