@@ -73,9 +73,27 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("KVSERVE_KERNEL_CACHE", default))
 
 
+def cpu_identity() -> str:
+    """What -march=native compiles for: the CPU's model and feature flags. Part of every
+    cached library's name, so a cache shared between machines (a mounted home or volume)
+    never hands one CPU a library built for another (which would die with SIGILL)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    keys = ("vendor_id", "cpu family", "model", "model name", "flags")
+    lines = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in keys and key.strip() not in lines:
+            lines[key.strip()] = value.strip()
+    return "|".join(f"{k}={lines.get(k, '')}" for k in keys)
+
+
 @functools.cache
 def _build(source: str, flags: tuple[str, ...], tag: str) -> ctypes.CDLL | None:
-    """Compile HERE/source with flags once per machine (cached by hash) and load it."""
+    """Compile HERE/source with flags once per machine and CPU (cached by hash) and load
+    it; a cached library that does not load is built again once."""
     if os.environ.get("KVSERVE_DISABLE_KERNELS"):
         return None
     compiler = shutil.which("cc") or shutil.which("gcc")
@@ -83,24 +101,37 @@ def _build(source: str, flags: tuple[str, ...], tag: str) -> ctypes.CDLL | None:
         log.warning("no C compiler found: %s runs as torch ops", source)
         return None
     path = HERE / source
-    recipe = " ".join([*flags, "|", *LINK_FLAGS]).encode()
+    recipe = " ".join([*flags, "|", *LINK_FLAGS, "|", cpu_identity()]).encode()
     # the header every source includes is part of what is built
     digest = hashlib.sha256(path.read_bytes() + HEADER.read_bytes() + recipe).hexdigest()[:16]
     target = _cache_dir() / f"{path.stem}-{tag}-{digest}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            obj, out = Path(tmp) / f"{path.stem}.o", Path(tmp) / target.name
-            for cmd in (
-                [compiler, *flags, "-c", str(path), "-o", str(obj)],
-                [compiler, *LINK_FLAGS, str(obj), "-o", str(out), "-lm"],
-            ):
-                proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-                if proc.returncode != 0:
-                    log.warning("building %s failed, using torch ops:\n%s", source, proc.stderr)
-                    return None
-            os.replace(out, target)
-    return ctypes.CDLL(str(target))
+    for attempt in (1, 2):
+        if not target.exists() and not _compile(compiler, path, flags, target):
+            return None
+        try:
+            return ctypes.CDLL(str(target))
+        except OSError as exc:  # truncated or foreign: build it again, once
+            log.warning("cached kernel %s does not load (%s): rebuilding", target, exc)
+            if attempt == 1:
+                target.unlink(missing_ok=True)
+    log.warning("%s does not load after a rebuild, using torch ops", source)
+    return None
+
+
+def _compile(compiler: str, path: Path, flags: tuple[str, ...], target: Path) -> bool:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        obj, out = Path(tmp) / f"{path.stem}.o", Path(tmp) / target.name
+        for cmd in (
+            [compiler, *flags, "-c", str(path), "-o", str(obj)],
+            [compiler, *LINK_FLAGS, str(obj), "-o", str(out), "-lm"],
+        ):
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if proc.returncode != 0:
+                log.warning("building %s failed, using torch ops:\n%s", path.name, proc.stderr)
+                return False
+        os.replace(out, target)
+    return True
 
 
 @functools.cache

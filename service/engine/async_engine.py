@@ -43,6 +43,11 @@ class EngineDeadError(RuntimeError):
     """The engine loop has stopped; no request can make progress."""
 
 
+class RequestFailed(RuntimeError):
+    """The engine could not take this request (a bug, not the request's parameters);
+    other requests are unaffected."""
+
+
 @dataclass(slots=True)
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -66,7 +71,8 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
-        self.error: BaseException | None = None
+        self.error: BaseException | None = None  # why the loop died (None: it did not)
+        self._closed = False  # the loop serves no more streams (died or shut down)
         self.last_progress = time.monotonic()
         self.busy = False  # the engine has unfinished work
 
@@ -87,7 +93,7 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and self.error is None
+        return self._thread.is_alive() and self.error is None and not self._closed
 
     def healthy(self) -> bool:
         """Alive, and making forward progress whenever it has work."""
@@ -132,6 +138,8 @@ class AsyncEngine:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), [])
         self._send(("add", request_id, prompt_ids, params, stream))
+        if not self.alive:  # it died (or stopped) after the check above: nobody will answer
+            raise EngineDeadError(f"engine is not running: {self.error!r}")
         remaining = params.n
         try:
             while remaining:
@@ -175,8 +183,24 @@ class AsyncEngine:
         except BaseException as exc:  # the loop itself died: fail everyone, report unhealthy
             log.exception("engine loop died")
             self.error = exc
-            for rid in list(self._streams):
-                self._deliver(self._streams.pop(rid), EngineDeadError(f"engine loop died: {exc!r}"))
+            self._end_all(EngineDeadError(f"engine loop died: {exc!r}"))
+        else:  # shut down (not an error): streams still open, and adds still queued, end
+            self._end_all(EngineDeadError("the engine was shut down"))
+
+    def _end_all(self, error: EngineDeadError) -> None:
+        """Every stream the loop will not serve any more, open or still queued, ends with
+        `error`. `alive` turns false first, so a caller that sends after this has run
+        sees it (generate checks `alive` after sending)."""
+        self._closed = True
+        for rid in list(self._streams):
+            self._deliver(self._streams.pop(rid), error)
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                self._deliver(command[-1], error)
 
     def _drain_commands(self) -> None:
         while True:
@@ -194,8 +218,15 @@ class AsyncEngine:
     ) -> None:
         try:
             stream.seq_ids = self.engine.add_request(request_id, prompt_ids, params)
-        except ValueError as exc:
+        except ValueError as exc:  # the request's parameters (a 400)
             self._deliver(stream, exc)
+            return
+        except Exception as exc:  # a bug: this request fails alone, the loop goes on
+            log.exception("request %s failed to start", request_id)
+            for seq_id in list(self.engine.requests):  # siblings it added before failing
+                if seq_id == request_id or seq_id.startswith(request_id + "."):
+                    self.engine.drop(seq_id)
+            self._deliver(stream, RequestFailed(f"internal error: {type(exc).__name__}"))
             return
         self._streams[request_id] = stream
 

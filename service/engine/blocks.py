@@ -1,32 +1,61 @@
-"""The KV block pool: free list, reference counts and prefix-cache hashes. Plain Python.
+"""The KV block pool: free list, reference counts and the prefix cache. Plain Python.
 
-A full block is identified by a hash chained over every token before it, so equal
-prefixes give equal hashes. When a request frees its blocks they keep their hash and stay
-reusable by a later request with the same prefix until the pool needs them again: free
-blocks are evicted least recently freed first.
+A full block is keyed by SHA-256 chained over every token before it, from a root that
+names the model and the request's cache_salt: equal prefixes under the same salt give
+equal keys, and nobody can construct a prompt whose key equals another user's. A hit is
+trusted only after a check that does not depend on the hash at all: the cached block
+holds exactly the request's tokens for that block, and was computed on top of exactly
+the block the request matched one level up (entries carry a never-reused id, so a parent
+that was evicted and refilled does not match). When a request frees its blocks they keep
+their key and stay reusable until the pool needs them again: free blocks are evicted
+least recently freed first.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+from itertools import count
 
 from service.engine.request import Request
 
+ROOT = -1  # the parent entry of a first block
 
-def chain_hashes(token_ids: Sequence[int], block_size: int, known: list[int]) -> list[int]:
-    """Extend `known` (hashes of the first full blocks) over every full block of token_ids."""
+
+def block_digest(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """The key of a full block: SHA-256 over its parent's key and its tokens (int64)."""
+    return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
+
+
+def root_digest(namespace: str, salt: str | None) -> bytes:
+    """The parent key of a request's first block: what else changes the KV (the model)
+    and who may share it (the cache_salt)."""
+    return hashlib.sha256(f"kvserve\0{namespace}\0{salt or ''}".encode()).digest()
+
+
+def chain_hashes(
+    token_ids: Sequence[int], block_size: int, known: list[bytes], root: bytes
+) -> list[bytes]:
+    """Extend `known` (keys of the first full blocks) over every full block of token_ids."""
     hashes = list(known)
     for i in range(len(hashes), len(token_ids) // block_size):
-        parent = hashes[-1] if hashes else 0
-        hashes.append(hash((parent, *token_ids[i * block_size : (i + 1) * block_size])))
+        parent = hashes[-1] if hashes else root
+        hashes.append(block_digest(parent, token_ids[i * block_size : (i + 1) * block_size]))
     return hashes
 
 
 class BlockManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        namespace: str = "",
     ) -> None:
+        """namespace: what, besides the tokens, the KV depends on (the model): part of
+        every key."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(
                 f"num_blocks and block_size must be > 0, got {num_blocks}, {block_size}"
@@ -35,11 +64,19 @@ class BlockManager:
         self.block_size = block_size
         self.prefix_caching = enable_prefix_caching
         self.ref_count = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}  # hash -> block id
+        self.namespace = namespace
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        # what a cached block holds, checked on every hit: its tokens, the entry it was
+        # computed on top of (ROOT for a first block: then its root key), its own entry id
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.block_parent: list[int | bytes | None] = [None] * num_blocks
+        self.entry: list[int | None] = [None] * num_blocks
+        self._entries = count()  # entry ids are never reused
+        self.cached: dict[bytes, int] = {}  # key -> block id
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU first
-        self._hashes: dict[str, list[int]] = {}  # request id -> chained hashes of its full blocks
-        self._registered: dict[str, int] = {}  # request id -> leading blocks already registered
+        self._hashes: dict[str, list[bytes]] = {}  # request id -> keys of its full blocks
+        # request id -> (leading blocks already registered, the entry the next one sits on)
+        self._registered: dict[str, tuple[int, int | bytes | None]] = {}
 
     # ---- accounting -------------------------------------------------------------------
 
@@ -63,19 +100,37 @@ class BlockManager:
             return []
         hashes = self._request_hashes(request)
         hits: list[int] = []
-        for h in hashes:
-            block = self.cached.get(h)
+        parent: int | bytes | None = self._root(request)
+        for i, h in enumerate(hashes):
+            block = self._match(h, self._tokens(request, i), parent)
             if block is None:
                 break
             hits.append(block)
+            parent = self.entry[block]
         if hits and len(hits) * self.block_size >= request.num_tokens:
             hits.pop()
         return hits
 
-    def _request_hashes(self, request: Request) -> list[int]:
+    def _root(self, request: Request) -> bytes:
+        return root_digest(self.namespace, request.params.cache_salt)
+
+    def _tokens(self, request: Request, i: int) -> tuple[int, ...]:
+        return tuple(request.token_ids[i * self.block_size : (i + 1) * self.block_size])
+
+    def _match(self, key: bytes, tokens: tuple[int, ...], parent: int | bytes | None) -> int | None:
+        """The cached block under `key`, if it holds exactly these tokens on top of
+        exactly `parent` (an entry id, or the root key for a first block)."""
+        block = self.cached.get(key)
+        if block is None or parent is None:
+            return None
+        if self.block_tokens[block] != tokens or self.block_parent[block] != parent:
+            return None  # a collision, forged or not: not this request's KV
+        return block
+
+    def _request_hashes(self, request: Request) -> list[bytes]:
         known = self._hashes.get(request.request_id, [])
         if len(known) < request.num_tokens // self.block_size:
-            known = chain_hashes(request.token_ids, self.block_size, known)
+            known = chain_hashes(request.token_ids, self.block_size, known, self._root(request))
             self._hashes[request.request_id] = known
         return known
 
@@ -84,25 +139,35 @@ class BlockManager:
         if not self.prefix_caching:
             return
         n_full = min(request.num_computed // self.block_size, len(request.block_table))
-        start = self._registered.get(request.request_id, 0)
+        start, parent = self._registered.get(request.request_id, (0, None))
         if start >= n_full:  # the common decode step: no block filled up
             return
-        self._registered[request.request_id] = n_full
+        if start == 0:
+            parent = self._root(request)
         hashes = self._request_hashes(request)
         for i in range(start, n_full):
-            block = request.block_table[i]
-            if self.block_hash[block] is not None:
-                continue
-            if hashes[i] not in self.cached:
-                self.cached[hashes[i]] = block
-                self.block_hash[block] = hashes[i]
+            block, tokens = request.block_table[i], self._tokens(request, i)
+            if self.block_hash[block] is None and parent is not None:
+                if hashes[i] not in self.cached:  # register it
+                    self.cached[hashes[i]] = block
+                    self.block_hash[block] = hashes[i]
+                    self.block_tokens[block] = tokens
+                    self.block_parent[block] = parent
+                    self.entry[block] = next(self._entries)
+                else:  # the same KV is cached already: chain on that entry
+                    same = self._match(hashes[i], tokens, parent)
+                    parent = self.entry[same] if same is not None else None
+                    continue
+            parent = self.entry[block] if self.block_hash[block] is not None else None
+        self._registered[request.request_id] = (n_full, parent)
 
     # ---- allocation -------------------------------------------------------------------
 
-    def can_allocate(self, hits: list[int], num_tokens: int) -> bool:
-        """Can a waiting request reuse `hits` and get blocks for num_tokens in total?"""
+    def can_allocate(self, hits: list[int], num_tokens: int, reserve: int = 0) -> bool:
+        """Can a waiting request reuse `hits` and get blocks for num_tokens in total,
+        leaving `reserve` blocks free?"""
         revived = sum(1 for b in hits if self.ref_count[b] == 0)
-        return self.blocks_for(num_tokens) - len(hits) + revived <= self.num_free
+        return self.blocks_for(num_tokens) - len(hits) + revived + reserve <= self.num_free
 
     def allocate(self, request: Request, hits: list[int], num_tokens: int) -> None:
         if request.block_table:
@@ -112,7 +177,11 @@ class BlockManager:
                 del self.free[b]
             self.ref_count[b] += 1
         request.block_table = list(hits)
-        self._registered[request.request_id] = len(hits)  # hits are registered already
+        # hits are registered already; the next block sits on the last hit's entry
+        self._registered[request.request_id] = (
+            len(hits),
+            self.entry[hits[-1]] if hits else None,
+        )
         self._grow(request, num_tokens)
 
     def can_append(self, request: Request, num_new: int) -> bool:
@@ -131,13 +200,16 @@ class BlockManager:
 
     def _take(self) -> int:
         block, _ = self.free.popitem(last=False)  # least recently freed
-        old = self.block_hash[block]
-        if old is not None:  # evict its cached contents
-            if self.cached.get(old) == block:
-                del self.cached[old]
-            self.block_hash[block] = None
+        self._uncache(block)  # evict its cached contents
         self.ref_count[block] = 1
         return block
+
+    def _uncache(self, block: int) -> None:
+        key = self.block_hash[block]
+        if key is not None and self.cached.get(key) == block:
+            del self.cached[key]
+        self.block_hash[block] = self.block_tokens[block] = self.block_parent[block] = None
+        self.entry[block] = None  # entries on top of it no longer match anything
 
     def free_request(self, request: Request) -> None:
         """Release every block of the request (finish, abort or preemption)."""
@@ -157,10 +229,7 @@ class BlockManager:
         Blocks shared with other requests are left alone."""
         owned = [b for b in request.block_table if self.ref_count[b] == 1]
         for block in owned:
-            h = self.block_hash[block]
-            if h is not None and self.cached.get(h) == block:
-                del self.cached[h]
-            self.block_hash[block] = None
+            self._uncache(block)
         return owned
 
     def forget(self, request: Request) -> None:

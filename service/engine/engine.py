@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from service.engine.sampler import NON_FINITE
 from service.engine.scheduler import Scheduler, SchedulerOutput
 
 GiB = 1 << 30
+log = logging.getLogger("kvserve.engine")
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +86,11 @@ class LLMEngine:
         self.kv_cache = PagedKVCache(
             model.cfg, num_blocks, config.block_size, model.dtype, model.device, self.backend
         )
-        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # the model is part of every prefix-cache key (with each request's cache_salt)
+        namespace = f"{model.cfg!r}|{model.dtype}"
+        self.blocks = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, namespace
+        )
         self.scheduler = Scheduler(
             self.blocks,
             config.max_num_seqs,
@@ -163,6 +169,13 @@ class LLMEngine:
         self._finish(request, FinishReason.ABORT)
         return self._emit(request, [], [])
 
+    def drop(self, request_id: str) -> None:
+        """Remove a request whose add failed part way, handing nothing out."""
+        request = self.requests.pop(request_id, None)
+        self.texts.pop(request_id, None)
+        if request is not None:
+            self.scheduler.remove(request)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
 
@@ -187,9 +200,17 @@ class LLMEngine:
         self.stats.steps += 1
         self.stats.last_step_tokens = batch.num_tokens
         self.stats.last_step_seconds = self.clock() - t0
-        if self.observer is not None:
-            self.observer.on_step(self.stats.last_step_seconds, batch.num_tokens, len(batch.seqs))
+        self._observe("on_step", self.stats.last_step_seconds, batch.num_tokens, len(batch.seqs))
         return outputs
+
+    def _observe(self, event: str, *args: object) -> None:
+        """Tell the observer; a failing observer is logged, never fatal to the step."""
+        if self.observer is None:
+            return
+        try:
+            getattr(self.observer, event)(*args)
+        except Exception:
+            log.exception("metrics observer failed in %s", event)
 
     def _update(
         self, batch: SchedulerOutput, tokens: list[int], logprobs: list
@@ -200,31 +221,42 @@ class LLMEngine:
         k = 0
         for seq in batch.seqs:
             request = seq.request
-            request.num_computed += seq.num_new
-            self.blocks.cache_full_blocks(request)
-            if not seq.sample:
-                continue
-            token, lp = tokens[k], logprobs[k]
-            k += 1
-            if token == NON_FINITE:  # this request alone fails; its K/V are not kept
-                self.runner.clear_blocks(self.blocks.uncache_owned(request))
-                message = "generation failed: the model produced non-finite logits (NaN or inf)"
-                outputs.append(self._fail(request, message))
-                continue
-            request.output_ids.append(token)
-            self.stats.generation_tokens += 1
-            if request.first_token_time is None:
-                request.first_token_time = now
-            else:
-                intervals.append(now - request.last_token_time)  # type: ignore[operator]
-            request.last_token_time = now
-            reason = self._stop_reason(request, token)
-            if reason is not None:
-                self._finish(request, reason)
-            outputs.append(self._emit(request, [token], [lp] if lp is not None else []))
-        if self.observer is not None and intervals:
-            self.observer.on_token_intervals(intervals)
+            if seq.sample:
+                token, lp = tokens[k], logprobs[k]
+                k += 1
+            try:
+                request.num_computed += seq.num_new
+                self.blocks.cache_full_blocks(request)
+                if seq.sample:
+                    out = self._accept(request, token, lp, now, intervals)
+                    outputs.append(out)
+            except Exception as exc:  # a bug hit by this request fails it alone
+                log.exception("request %s failed in the engine", request.request_id)
+                if request.request_id in self.requests:  # not handed out yet
+                    outputs.append(self._fail(request, f"internal error: {type(exc).__name__}"))
+        if intervals:
+            self._observe("on_token_intervals", intervals)
         return outputs
+
+    def _accept(
+        self, request: Request, token: int, lp: object, now: float, intervals: list[float]
+    ) -> RequestOutput:
+        """The request's next token: appended, checked for a stop, handed out."""
+        if token == NON_FINITE:  # this request alone fails; its K/V are not kept
+            self.runner.clear_blocks(self.blocks.uncache_owned(request))
+            message = "generation failed: the model produced non-finite logits (NaN or inf)"
+            return self._fail(request, message)
+        request.output_ids.append(token)
+        self.stats.generation_tokens += 1
+        if request.first_token_time is None:
+            request.first_token_time = now
+        else:
+            intervals.append(now - request.last_token_time)  # type: ignore[operator]
+        request.last_token_time = now
+        reason = self._stop_reason(request, token)
+        if reason is not None:
+            self._finish(request, reason)
+        return self._emit(request, [token], [lp] if lp is not None else [])
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
         p = request.params
@@ -250,10 +282,9 @@ class LLMEngine:
         text = text_state.take(final=request.finished)
         output = make_output(request, tokens, text, logprobs)
         if request.finished:
-            del self.requests[request.request_id]
-            del self.texts[request.request_id]
-            if self.observer is not None:
-                self.observer.on_finished(output)
+            self.requests.pop(request.request_id, None)
+            self.texts.pop(request.request_id, None)
+            self._observe("on_finished", output)
         return output
 
     def _fail_batch(self, batch: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
@@ -261,5 +292,14 @@ class LLMEngine:
         return [self._fail(seq.request, message) for seq in batch.seqs]
 
     def _fail(self, request: Request, message: str) -> RequestOutput:
-        self._finish(request, FinishReason.ERROR, message)
-        return self._emit(request, [], [])
+        """Finish the request as failed and hand out its last output (held-back text is
+        dropped: the text state may be what failed)."""
+        if request.finished:  # it failed while being handed out
+            request.finish_reason, request.error = FinishReason.ERROR, message
+        else:
+            self._finish(request, FinishReason.ERROR, message)
+        output = make_output(request, [], "", [])
+        self.requests.pop(request.request_id, None)
+        self.texts.pop(request.request_id, None)
+        self._observe("on_finished", output)
+        return output

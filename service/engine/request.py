@@ -6,7 +6,15 @@ import enum
 import math
 from dataclasses import dataclass, field
 
-MAX_LOGPROBS = 20
+from service.limits import (
+    MAX_CACHE_SALT_CHARS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_STOP,
+    MAX_STOP_CHARS,
+    MAX_STOP_TOKEN_IDS,
+)
 
 
 class Status(enum.Enum):
@@ -40,6 +48,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N alternatives per generated token
     skip_special_tokens: bool = True
+    cache_salt: str | None = None  # requests share cached prefix blocks only under one salt
 
     def __post_init__(self) -> None:
         """Raise ValueError naming the parameter (the API turns it into a 400)."""
@@ -53,14 +62,34 @@ class SamplingParams:
         _check(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]")
         _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]")
         _check(0 < self.repetition_penalty <= 10, "repetition_penalty", "must be in (0, 10]")
-        _check(1 <= self.n <= 16, "n", "must be between 1 and 16")
+        _check(1 <= self.n <= MAX_N, "n", f"must be between 1 and {MAX_N}")
         _check(
             self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
             "logprobs",
             f"must be between 0 and {MAX_LOGPROBS}",
         )
         _check(all(s for s in self.stop), "stop", "stop strings must not be empty")
-        _check(len(self.stop) <= 16, "stop", "at most 16 stop strings")
+        _check(len(self.stop) <= MAX_STOP, "stop", f"at most {MAX_STOP} stop strings")
+        _check(
+            all(len(s) <= MAX_STOP_CHARS for s in self.stop),
+            "stop",
+            f"a stop string has at most {MAX_STOP_CHARS} characters",
+        )
+        _check(
+            len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+            "stop_token_ids",
+            f"at most {MAX_STOP_TOKEN_IDS} ids",
+        )
+        _check(
+            len(self.logit_bias) <= MAX_LOGIT_BIAS,
+            "logit_bias",
+            f"at most {MAX_LOGIT_BIAS} entries",
+        )
+        _check(
+            self.cache_salt is None or 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS,
+            "cache_salt",
+            f"must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
+        )
         for _, bias in self.logit_bias:
             _check(-100 <= bias <= 100, "logit_bias", "bias values must be in [-100, 100]")
 

@@ -126,7 +126,7 @@ class Scheduler:
             hits = self.blocks.lookup(request)
             cached = len(hits) * self.blocks.block_size
             n = min(request.num_tokens - cached, budget)
-            if not self.blocks.can_allocate(hits, cached + n):
+            if not self.blocks.can_allocate(hits, cached + n, self._watermark()):
                 break
             self.blocks.allocate(request, hits, cached + n)
             self.waiting.remove(request)
@@ -140,6 +140,12 @@ class Scheduler:
             out.seqs.append(ScheduledSeq(request, cached, n, n == request.num_tokens - cached))
             budget -= n
         return budget
+
+    def _watermark(self) -> int:
+        """Blocks a new prompt must leave free while others run (1% of the pool, at least
+        one), so that admitting it does not preempt a running request on the next step,
+        when a decode crosses into a new block (vLLM keeps the same watermark)."""
+        return max(1, self.blocks.num_blocks // 100) if self.running else 0
 
     def _next_ready(self) -> Request | None:
         """First waiting request that may start (n>1 siblings wait for the first's prompt)."""

@@ -106,3 +106,74 @@ def test_build_failure_is_raised_by_start() -> None:
     with pytest.raises(ValueError, match="cannot load"):
         eng.start()
     assert not eng.alive
+
+
+def test_shutdown_ends_every_open_stream() -> None:
+    """Streams still generating when the engine shuts down end with an error instead of
+    waiting for ever."""
+    eng = AsyncEngine(lambda: make_engine(MODEL))
+    eng.start()
+
+    async def main() -> list[BaseException | list[int]]:
+        long = [collect(eng, f"s{i}", [i + 1] * 5, greedy(400)) for i in range(3)]
+        tasks = [asyncio.ensure_future(c) for c in long]
+        await asyncio.sleep(0.05)
+        await asyncio.to_thread(eng.shutdown)
+        return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
+
+    results = asyncio.run(main())
+    ended = [r for r in results if isinstance(r, EngineDeadError)]
+    finished = [r for r in results if isinstance(r, list)]
+    assert len(ended) + len(finished) == 3 and ended  # none hangs; the open ones got an error
+
+
+def test_a_request_sent_as_the_loop_dies_is_answered() -> None:
+    """An add still queued when the loop dies gets the error too (the caller would
+    otherwise wait for ever)."""
+    eng = AsyncEngine(lambda: make_engine(MODEL))
+    eng.start()
+    drain = eng._drain_commands
+
+    def dying() -> None:
+        if not eng._commands.empty():
+            raise RuntimeError("the loop dies with a command still queued")
+        drain()
+
+    eng._drain_commands = dying  # type: ignore[method-assign]
+
+    async def main() -> None:
+        await asyncio.wait_for(collect(eng, "late", [1, 2, 3], greedy(4)), 10)
+
+    with pytest.raises(EngineDeadError):
+        asyncio.run(main())
+    eng.shutdown()
+
+
+def test_a_bug_while_adding_fails_that_request_only(monkeypatch) -> None:
+    eng = AsyncEngine(lambda: make_engine(MODEL))
+    eng.start()
+    add = eng.engine.add_request
+
+    def failing(request_id, prompt_ids, params):  # type: ignore[no-untyped-def]
+        ids = add(request_id, prompt_ids, params)
+        if request_id == "bad":
+            raise KeyError("a bug")
+        return ids
+
+    monkeypatch.setattr(eng.engine, "add_request", failing)
+    from service.engine.async_engine import RequestFailed
+
+    async def main() -> tuple[BaseException | list[int], list[int]]:
+        bad, good = await asyncio.gather(
+            collect(eng, "bad", [1, 2, 3], greedy(4, n=2)),
+            collect(eng, "good", [4, 5, 6], greedy(4)),
+            return_exceptions=True,
+        )
+        return bad, good
+
+    try:
+        bad, good = asyncio.run(main())
+        assert isinstance(bad, RequestFailed) and len(good) == 4
+        assert eng.alive and not eng.engine.requests  # the half-added siblings are gone
+    finally:
+        eng.shutdown()

@@ -1,0 +1,13 @@
+"""Every bound on what one request may ask for, declared once: the API's request models
+(and so the OpenAPI schema) and the engine's SamplingParams both read them. Each bounds
+work a request makes the server do per step or per token."""
+
+MAX_N = 16  # sequences per request (n, best_of)
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's top_logprobs cap)
+MAX_STOP = 16  # stop strings, each matched against the text of every new token
+MAX_STOP_CHARS = 512  # characters in one stop string
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 300  # entries (OpenAI's cap)
+MAX_PROMPTS = 128  # prompts in one completions request
+MAX_MESSAGES = 1024  # messages in one chat request
+MAX_CACHE_SALT_CHARS = 256
