@@ -83,6 +83,10 @@ class Settings:
     api_keys: tuple[str, ...] = field(
         default=(), metadata={"help": "comma-separated bearer keys (none: open)"}
     )
+    metrics_auth: bool = field(
+        default=False,
+        metadata={"help": "/metrics asks for an API key too (it is open by default)"},
+    )
     cors_origins: tuple[str, ...] = field(
         default=(), metadata={"help": "comma-separated allowed origins"}
     )

@@ -137,6 +137,13 @@ def _cuda_memory(device: Any) -> Callable[[], tuple[int, int] | None]:
     return read
 
 
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict"})
+
+
+def _type_tag(part: object) -> bool:
+    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or "-" in part)
+
+
 def create_app(
     settings: Settings, state_factory: Callable[[Settings], ServingState] = build_state
 ) -> FastAPI:
@@ -199,7 +206,8 @@ def _install_errors(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        # pydantic names the union member it tried ("str", "list[int]", ...): not a param
+        loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _type_tag(p)]
         param = ".".join(loc) or None
         message = first.get("msg", "invalid request")
         if first.get("type") == "json_invalid" or not loc:
@@ -282,12 +290,13 @@ def _install_routes(app: FastAPI) -> None:
         state.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
-        if req.prompt is not None:
-            tokens = state.tokenizer.encode(
-                req.prompt, add_bos=None if req.add_special_tokens else False
-            )
+        if req.prompt is not None:  # off the event loop, as the generation routes do
+            add_bos = None if req.add_special_tokens else False
+            tokens = await asyncio.to_thread(state.tokenizer.encode, req.prompt, add_bos=add_bos)
         else:
-            tokens = encode_messages(state, req.messages or [], add_generation_prompt=True)
+            tokens = await asyncio.to_thread(
+                encode_messages, state, req.messages or [], add_generation_prompt=True
+            )
         return JSONResponse(
             {"tokens": tokens, "count": len(tokens), "max_model_len": state.max_model_len}
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -63,13 +64,16 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
     include_usage = check_stream_options(req)
-    prompt = encode_messages(state, req.messages, req.add_generation_prompt)
+    # rendering and tokenizing a large conversation run off the event loop
+    prompt = await asyncio.to_thread(
+        encode_messages, state, req.messages, req.add_generation_prompt
+    )
     max_tokens = (
         req.max_completion_tokens or req.max_tokens or max(1, state.max_model_len - len(prompt))
     )
     params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
     validate_prompt(state, prompt, params)
-    admission = state.admit(req.n)
+    admission = state.admit(req.n, (len(prompt) + params.max_tokens) * req.n)
     rid, created = new_id("chatcmpl"), int(time.time())
     if req.stream:
         head = {

@@ -32,16 +32,20 @@ from service.api.serving import (
     validate_prompt,
 )
 from service.engine.sampler import TokenLogprobs
+from service.limits import MAX_PROMPTS
 
 router = APIRouter()
 
 
 def _prompts(state: ServingState, req: CompletionRequest) -> list[list[int]]:
+    """Runs in a worker thread: tokenizing a large body must not hold up the event loop."""
     p = req.prompt
     if isinstance(p, str):
         return [state.tokenizer.encode(p)]
     if not p:
         raise APIError(400, "prompt must not be empty", param="prompt")
+    if not isinstance(p[0], int) and len(p) > MAX_PROMPTS:
+        raise APIError(400, f"at most {MAX_PROMPTS} prompts in one request", param="prompt")
     if all(isinstance(x, str) for x in p):
         return [state.tokenizer.encode(x) for x in p]  # type: ignore[arg-type]
     if all(isinstance(x, int) for x in p):
@@ -81,11 +85,12 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
     if req.echo and req.logprobs is not None:
         raise APIError(400, "echo together with logprobs is not supported", param="echo")
     include_usage = check_stream_options(req)
-    prompts = _prompts(state, req)
+    prompts = await asyncio.to_thread(_prompts, state, req)
     params = sampling_params(req, req.max_tokens or 16, req.logprobs)
     for ids in prompts:
         validate_prompt(state, ids, params)
-    admission = state.admit(len(prompts) * req.n)
+    demand = sum(len(ids) + params.max_tokens for ids in prompts) * req.n
+    admission = state.admit(len(prompts) * req.n, demand)
     rid, created = new_id("cmpl"), int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created, "model": state.model_id}
     if req.stream:

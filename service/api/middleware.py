@@ -91,6 +91,10 @@ class Gate:
 
     def __init__(self, app: ASGIApp, settings: Settings) -> None:
         self.app, self.settings = app, settings
+        # /metrics takes the API keys too where --metrics-auth asks for it
+        self.open_paths = tuple(
+            p for p in OPEN_PATHS if not (settings.metrics_auth and p == "/metrics")
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -110,13 +114,13 @@ class Gate:
         path = scope["path"]
         app_state = scope["app"].state
         try:
-            if path not in OPEN_PATHS:
+            if path not in self.open_paths:
                 _authorize(self.settings, headers.get("authorization", ""))
-                if app_state.serving is None:
-                    failed = app_state.load_error is not None
-                    raise APIError(
-                        503, "The model failed to load" if failed else "The model is still loading"
-                    )
+            if path not in OPEN_PATHS and app_state.serving is None:
+                failed = app_state.load_error is not None
+                raise APIError(
+                    503, "The model failed to load" if failed else "The model is still loading"
+                )
         except APIError as exc:
             count_rejection(app_state, exc)
             await _send_error(tagged, exc)

@@ -7,8 +7,10 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -20,7 +22,7 @@ from service.api.chat_template import ChatTemplate, ChatTemplateError
 from service.api.metrics import Metrics
 from service.api.protocol import APIError, SamplingFields
 from service.config import Settings
-from service.engine.async_engine import AsyncEngine, EngineDeadError
+from service.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailed
 from service.engine.engine import ContextLengthError
 from service.engine.output import RequestOutput
 from service.engine.request import ParamError, SamplingParams
@@ -39,8 +41,11 @@ class ServingState:
     audit: dict[str, Any]
     metrics: Metrics
     inflight: int = 0  # admitted sequences not yet finished
+    inflight_tokens: int = 0  # their KV demand: prompt + max_tokens each
     draining: bool = False
     started: float = field(default_factory=time.time)
+    # (when, KV tokens) of recently released admissions: how fast demand drains
+    released: deque[tuple[float, int]] = field(default_factory=deque)
 
     @property
     def max_model_len(self) -> int:
@@ -55,34 +60,60 @@ class ServingState:
                 code="model_not_found",
             )
 
-    def admit(self, n_seqs: int) -> Admission:
-        """Take n sequences in, or answer 503 (draining) / 429 (waiting queue full)."""
+    def admit(self, n_seqs: int, kv_tokens: int = 0) -> Admission:
+        """Take n sequences (needing up to kv_tokens of KV cache) in, or answer 503
+        (draining) or 429: the waiting queue is full by count, or what is in flight
+        would need more KV than the pool and a queue of the same proportion hold."""
         if self.draining:
             raise APIError(503, "The server is shutting down and accepts no new requests")
         if not self.engine.alive:
             raise APIError(503, "The engine is not running")
-        waiting = max(0, self.inflight + n_seqs - self.settings.max_num_seqs)
-        if waiting > self.settings.max_queue:
+        settings = self.settings
+        waiting = max(0, self.inflight + n_seqs - settings.max_num_seqs)
+        if waiting > settings.max_queue:
             raise APIError(
                 429,
                 f"The server is at capacity ({self.inflight} sequences in flight, "
-                f"waiting queue cap {self.settings.max_queue}); retry shortly",
+                f"waiting queue cap {settings.max_queue}); retry shortly",
                 code="queue_full",
                 headers={"Retry-After": "1"},
             )
+        pool = int(self.audit.get("kv_pool_tokens", 0))
+        allowed = pool * (1 + settings.max_queue / settings.max_num_seqs)
+        excess = self.inflight_tokens + kv_tokens - allowed
+        if pool and self.inflight_tokens and excess > 0:
+            raise APIError(
+                429,
+                f"The KV cache is oversubscribed ({self.inflight_tokens} tokens of prompt + "
+                f"max_tokens in flight for a pool of {pool}); retry shortly",
+                code="kv_cache_full",
+                headers={"Retry-After": str(self._drain_seconds(excess))},
+            )
         self.inflight += n_seqs
-        return Admission(self, n_seqs)
+        self.inflight_tokens += kv_tokens
+        return Admission(self, n_seqs, kv_tokens)
+
+    def _drain_seconds(self, tokens: float, window: float = 30.0) -> int:
+        """Seconds until `tokens` of demand drain at the rate admissions were released
+        over the last `window` seconds (1 to 60; 1 when nothing finished lately)."""
+        now = time.monotonic()
+        while self.released and now - self.released[0][0] > window:
+            self.released.popleft()
+        rate = sum(t for _, t in self.released) / window
+        return 1 if rate == 0 else max(1, min(60, math.ceil(tokens / rate)))
 
 
 class Admission:
     """Releases its sequences exactly once, whichever way the request ends."""
 
-    def __init__(self, state: ServingState, n: int) -> None:
-        self.state, self.n = state, n
+    def __init__(self, state: ServingState, n: int, kv_tokens: int = 0) -> None:
+        self.state, self.n, self.kv_tokens = state, n, kv_tokens
 
     def release(self) -> None:
         if self.n:
             self.state.inflight -= self.n
+            self.state.inflight_tokens -= self.kv_tokens
+            self.state.released.append((time.monotonic(), self.kv_tokens))
             self.n = 0
 
     async def arelease(self) -> None:
@@ -123,6 +154,7 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None) 
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
+            cache_salt=req.cache_salt,
         )
     except ParamError as exc:
         raise bad_request(exc) from None
@@ -206,6 +238,8 @@ async def generate(
         raise APIError(503, f"The engine stopped: {exc}") from None
     except ParamError as exc:
         raise bad_request(exc) from None
+    except RequestFailed as exc:  # logged by the engine with the request id
+        raise GenerationFailed(f"request {request_id}: {exc}") from None
 
 
 def raise_if_failed(choices: list[Choice]) -> None:

@@ -6,11 +6,9 @@ import shutil
 import pytest
 
 from tests.live_server import Server
+from tests.require import missing
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-pytestmark = pytest.mark.skipif(
-    not os.path.exists(CHROMIUM), reason="Debian chromium is not installed"
-)
 ARGS = [
     "--headless",
     "--no-sandbox",
@@ -25,6 +23,8 @@ ARGS = [
 
 @pytest.fixture
 def page(tmp_path):
+    if not os.path.exists(CHROMIUM):
+        missing("chromium", "Debian's chromium is not installed (make test installs it)")
     playwright = pytest.importorskip("playwright.sync_api")
     with playwright.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)

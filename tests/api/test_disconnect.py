@@ -32,8 +32,17 @@ async def stream(
     return text
 
 
+def aborted(server: Server) -> float:
+    """kvserve_requests_finished_total{finish_reason="abort"} from /metrics."""
+    for line in httpx.get(server.url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("kvserve_requests_finished_total{") and 'finish_reason="abort"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no abort counter in /metrics")
+
+
 def test_dropped_streams_release_blocks(server: Server) -> None:
     idle = server.wait_idle()["kv_cache"]["blocks_used"]
+    aborts = aborted(server)
     prompts = [f"Request number {i} asks for a long answer" for i in range(20)]
 
     async def main() -> tuple[list, list]:
@@ -54,11 +63,17 @@ def test_dropped_streams_release_blocks(server: Server) -> None:
     after = server.wait_idle()
     assert after["kv_cache"]["blocks_used"] == idle
     assert after["running"] == 0 and after["waiting"] == 0
+    assert aborted(server) - aborts == 10  # each dropped stream was aborted, not finished
 
 
 def test_non_streaming_disconnect_aborts(server: Server) -> None:
+    """The request is aborted when its client leaves: the abort counter moves and the
+    blocks are back within a couple of seconds, long before 3,000 tokens could finish."""
     idle = server.wait_idle()["kv_cache"]["blocks_used"]
+    aborts = aborted(server)
     body = {"prompt": "Take your time", "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
     with contextlib.suppress(httpx.ReadTimeout):  # the client gives up; the server must abort
         httpx.post(server.url + "/v1/completions", json=body, timeout=1.0)
-    assert server.wait_idle(timeout=10)["kv_cache"]["blocks_used"] == idle
+    after = server.wait_idle(timeout=2)
+    assert after["kv_cache"]["blocks_used"] == idle and after["running"] == 0
+    assert aborted(server) - aborts == 1

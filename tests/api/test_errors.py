@@ -172,6 +172,48 @@ def test_api_keys(keyed: Server) -> None:
             assert ok.status_code == 200
         assert c.get("/health").status_code == 200  # open by default
         assert c.get("/").status_code == 200
+        assert c.get("/metrics").status_code == 200
     assert busy.result(timeout=60) == reference  # the 401s did not disturb it
     pool.shutdown()
     assert keyed.health()["status"] == "ok"
+
+
+def test_every_per_request_list_is_bounded(server: Server) -> None:
+    """Each list a request sends is capped, and going over names the parameter (400)."""
+    completions = {
+        "logit_bias": {str(i): 1.0 for i in range(301)},  # OpenAI's cap is 300
+        "stop": [f"s{i}" for i in range(17)],
+        "stop_token_ids": list(range(257)),
+        "cache_salt": "",
+    }
+    with server.client() as c:
+        for param, value in completions.items():
+            resp = c.post("/v1/completions", json={"prompt": "x", param: value})
+            assert_error(resp, 400, param)
+        assert_error(
+            c.post("/v1/completions", json={"prompt": "x", "stop": "s" * 513}), 400, "stop"
+        )
+        assert_error(c.post("/v1/completions", json={"prompt": ["a"] * 129}), 400, "prompt")
+        messages = [{"role": "user", "content": "hi"}] * 1025
+        assert_error(c.post("/v1/chat/completions", json={"messages": messages}), 400, "messages")
+        # at the caps, accepted
+        ok = {
+            "prompt": "x",
+            "max_tokens": 2,
+            "logit_bias": {str(i): 1.0 for i in range(300)},
+            "stop": [f"s{i}" for i in range(16)],
+            "cache_salt": "tenant-1",
+        }
+        assert c.post("/v1/completions", json=ok).status_code == 200
+
+
+def test_metrics_auth_puts_metrics_behind_the_keys(tmp_path) -> None:
+    srv = start_server(str(tmp_path), "--api-keys", "key-one", "--metrics-auth")
+    try:
+        with srv.client() as c:
+            assert_error(c.get("/metrics"), 401, code="invalid_api_key")
+            ok = c.get("/metrics", headers={"Authorization": "Bearer key-one"})
+            assert ok.status_code == 200 and "kvserve_model_info" in ok.text
+            assert c.get("/health").status_code == 200  # probes stay open
+    finally:
+        srv.stop()

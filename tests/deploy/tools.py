@@ -6,7 +6,7 @@ import shutil
 import sys
 from pathlib import Path
 
-import pytest
+from tests.require import missing
 
 VENV = Path(sys.prefix)
 
@@ -18,7 +18,7 @@ def tool(name: str, *candidates: Path) -> str:
     found = shutil.which(name)
     if found:
         return found
-    pytest.skip(f"{name} is not installed (make test installs it); skipping")
+    missing(name, "not installed (make test installs it)")
 
 
 def promtool() -> str:

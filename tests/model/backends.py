@@ -4,19 +4,13 @@ A backend named in KVSERVE_REQUIRE (comma-separated; CI sets it) that cannot run
 fails the test instead of skipping it, so missing coverage is never silent.
 """
 
-import os
-
-import pytest
 import torch
 
 from model.backends import Backend, select_backend
 from model.config import ModelConfig
+from tests.require import missing
 
 BACKENDS = ("cpu", "torch", "triton")
-
-
-def required() -> set[str]:
-    return {s.strip() for s in os.environ.get("KVSERVE_REQUIRE", "").split(",") if s.strip()}
 
 
 def make_backend(
@@ -27,9 +21,7 @@ def make_backend(
     try:
         return select_backend(name, torch.device("cpu"), dtype, cfg, block_size)
     except ValueError as e:
-        if name in required():
-            pytest.fail(f"backend {name} is required (KVSERVE_REQUIRE) but cannot run: {e}")
-        pytest.skip(f"backend {name} cannot run here: {e}")
+        missing(name, f"backend {name} cannot run here: {e}")
 
 
 def block_size_for(name: str, wanted: int) -> int:

@@ -7,10 +7,9 @@ import re
 import shutil
 import subprocess
 
-import pytest
-
 from model.kernels import HEADER, PROTOTYPES
 from model.stack import _Args, _Layer
+from tests.require import missing
 
 C_TYPES = {"float": ctypes.c_float, "int": ctypes.c_int, "void": None}
 
@@ -32,10 +31,11 @@ def test_ctypes_prototypes_match_the_header() -> None:
         assert (result, args) == header[name], name
 
 
-@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler (cc)")
 def test_stack_structs_match_the_compilers_layout(tmp_path) -> None:
     """sizeof and every field's offsetof, as the C compiler lays out layer_args and
     stack_args, equal the ctypes mirrors in model/stack.py."""
+    if shutil.which("cc") is None:
+        missing("cc", "no C compiler")
     lines = []
     for c_name, mirror in (("layer_args", _Layer), ("stack_args", _Args)):
         lines.append(f'printf("{c_name} size %zu\\n", sizeof({c_name}));')

@@ -129,8 +129,16 @@ def test_context_length_enforced() -> None:
         model(torch.zeros(17, dtype=torch.long))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("name", BACKENDS)
+# the C kernels compute in float32 and bfloat16 only (float16 runs on the others)
+@pytest.mark.parametrize(
+    ("name", "dtype"),
+    [
+        (n, d)
+        for n in BACKENDS
+        for d in (torch.float32, torch.bfloat16, torch.float16)
+        if (n, d) != ("cpu", torch.float16)
+    ],
+)
 @torch.no_grad()
 def test_each_backend_reads_its_layout_in_each_dtype(name: str, dtype) -> None:
     """Each backend writes K/V in its own layout (the cpu one interleaves pairs in 16-bit
