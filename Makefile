@@ -39,8 +39,9 @@ test: $(STAMP) $(SYSDEPS)
 reliability: $(STAMP) $(SYSDEPS)
 	KVSERVE_RELIABILITY_REPORT=tests/RELIABILITY.md $(PY) -m pytest -q tests/reliability $(PYTEST_ARGS)
 
+# without the parity runs against transformers and the reliability scenarios
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow and not reliability" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

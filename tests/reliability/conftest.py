@@ -53,7 +53,18 @@ def row(request: pytest.FixtureRequest) -> Iterator[Row]:
 
 
 # the order: input, disconnects, load, time, start-up, faults
-ORDER = ("Fuzzing", "Disconnect", "Overload", "Soak", "Bad checkpoints", "Non-finite", "Engine")
+ORDER = (
+    "Fuzzing",
+    "Oversized",
+    "Forged",
+    "Disconnect",
+    "Overload",
+    "Soak",
+    "Bad checkpoints",
+    "Kernel cache",
+    "Non-finite",
+    "Engine",
+)
 
 
 def harness(tmp_dir: object, *args: str, fault: str | None = None) -> Server:

@@ -7,6 +7,11 @@ reliability tests need to look inside and to break it on purpose.
   any request whose prompt holds ID gets non-finite logits.
 - KVSERVE_TEST_FAULT=die-on-token:ID  makes the engine loop raise as soon as a request
   whose prompt holds ID is running: the loop itself dies.
+- raise-in-add:ID / raise-in-update:ID  a bug hit by a request whose prompt holds ID, in
+  the engine's add_request (after it queued the request) or while it takes a new token.
+- raise-in-observer:0  the metrics observer raises on every engine step.
+- collide-prefix:0  every prefix-cache key is the same (a forged collision at its worst).
+Several faults: separate them with commas.
 """
 
 from __future__ import annotations
@@ -72,6 +77,40 @@ def _with_debug_route(create_app: Any) -> Any:
 def _install_fault(spec: str) -> None:
     kind, _, arg = spec.partition(":")
     token = int(arg)
+    if kind == "raise-in-add":
+        add = LLMEngine.add_request
+
+        def failing_add(self: LLMEngine, request_id: str, prompt_ids: list, params: Any) -> Any:
+            ids = add(self, request_id, prompt_ids, params)
+            if token in prompt_ids:
+                raise RuntimeError(f"injected fault in add_request (token {token})")
+            return ids
+
+        LLMEngine.add_request = failing_add  # type: ignore[method-assign]
+        return
+    if kind == "raise-in-update":
+        stop_reason = LLMEngine._stop_reason
+
+        def failing_stop(self: LLMEngine, request: Any, new_token: int) -> Any:
+            if token in request.prompt_ids:
+                raise RuntimeError(f"injected fault while taking a token (token {token})")
+            return stop_reason(self, request, new_token)
+
+        LLMEngine._stop_reason = failing_stop  # type: ignore[method-assign]
+        return
+    if kind == "raise-in-observer":
+        from service.api.metrics import Metrics
+
+        def failing_step(self: Any, *args: Any) -> None:
+            raise RuntimeError("injected fault in the metrics observer")
+
+        Metrics.on_step = failing_step  # type: ignore[method-assign]
+        return
+    if kind == "collide-prefix":
+        import service.engine.blocks as blocks
+
+        blocks.block_digest = lambda parent, tokens: b"\0" * 32
+        return
     if kind == "nan-token":
         load = model.loader.load
 
@@ -99,7 +138,7 @@ def _install_fault(spec: str) -> None:
 
 
 if __name__ == "__main__":
-    if fault := os.environ.get("KVSERVE_TEST_FAULT"):
+    for fault in filter(None, os.environ.get("KVSERVE_TEST_FAULT", "").split(",")):
         _install_fault(fault)
     service.server.create_app = _with_debug_route(service.server.create_app)
     sys.exit(main(sys.argv[1:]))

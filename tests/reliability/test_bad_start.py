@@ -17,6 +17,8 @@ from tests.live_server import free_port
 from tests.model.hf_checkpoints import write_llama
 from tests.reliability.conftest import Row
 
+pytestmark = pytest.mark.reliability  # make test-fast leaves these out
+
 
 def _edit_config(root: Path, change: Callable[[dict], None]) -> None:
     cfg = json.loads((root / "config.json").read_text())

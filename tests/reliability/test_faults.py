@@ -8,8 +8,11 @@ import json
 import time
 
 import httpx
+import pytest
 
 from tests.reliability.conftest import Row, harness
+
+pytestmark = pytest.mark.reliability  # make test-fast leaves these out
 
 POISON, FATAL = 77777, 88888  # token ids the fault injection reacts to
 
@@ -115,3 +118,63 @@ def test_engine_death_fails_health_and_exits_non_zero(tmp_path, row: Row) -> Non
     assert inflight["error"] is not None
     assert code not in (0, None)
     assert "engine loop died" in log
+
+
+ADD_BUG, UPDATE_BUG = 77771, 77772
+
+
+def test_exceptions_inside_the_engine_fail_only_their_request(tmp_path, row: Row) -> None:
+    """Engine exceptions in add, update and the metrics observer"""
+    server = harness(
+        tmp_path,
+        fault=f"raise-in-add:{ADD_BUG},raise-in-update:{UPDATE_BUG},raise-in-observer:0",
+    )
+    try:
+        prompts = [f"Healthy request {i} goes on" for i in range(8)]
+
+        async def main() -> tuple[list[dict], list[dict], int]:
+            async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+                busy = await asyncio.gather(
+                    *(complete(client, p, stream=True) for p in prompts),
+                    complete(client, [100, ADD_BUG, 200], stream=False),
+                    complete(client, [300, ADD_BUG], stream=True),
+                    complete(client, [100, UPDATE_BUG, 200], stream=False),
+                    complete(client, [300, UPDATE_BUG], stream=True),
+                )
+                quiet = [await complete(client, p, stream=True) for p in prompts]
+                metrics = (await client.get("/metrics")).status_code
+                return list(busy), quiet, metrics
+
+        busy, quiet, metrics = asyncio.run(main())
+        health = server.wait_idle()
+    finally:
+        server.stop()
+    with open(server.log_path) as f:
+        log = f.read()
+    healthy, faulty = busy[:8], busy[8:]
+    row.load = (
+        "8 streaming requests beside 4 that raise inside the engine (in add_request and while "
+        "taking a token, plain and streamed); the metrics observer raises on every step"
+    )
+    row.add(
+        "faulty: "
+        + "; ".join(
+            f"{r['status']} `{(r.get('body', {}).get('error') or r.get('error') or {}).get('message', '')[:60]}`"
+            for r in faulty
+        )
+    )
+    same = sum(a["text"] == b["text"] for a, b in zip(healthy, quiet))
+    row.add(
+        f"{same}/8 others complete, equal to a quiet run; /health {health['status']}, /metrics {metrics}"
+    )
+    assert all(r["status"] == 200 and r["error"] is None and r["text"] for r in healthy), healthy
+    assert same == 8
+    for r in (faulty[0], faulty[2]):  # plain: 500 in OpenAI's shape
+        assert r["status"] == 500 and r["body"]["error"]["type"] == "server_error"
+        assert "internal error: RuntimeError" in r["body"]["error"]["message"]
+    for r in (faulty[1], faulty[3]):  # streamed: the error inside the stream
+        assert r["error"] is not None and "internal error" in r["error"]["message"]
+    assert health["status"] == "ok" and health["kv_cache"]["blocks_used"] == 0
+    assert metrics == 200
+    assert "failed to start" in log and "failed in the engine" in log  # with request ids
+    assert "metrics observer failed" in log

@@ -18,6 +18,8 @@ from schemathesis import GenerationMode
 from tests.live_server import Server
 from tests.reliability.conftest import Row, harness
 
+pytestmark = pytest.mark.reliability  # make test-fast leaves these out
+
 EXAMPLES = 70  # per operation and mode; hypothesis stops early where the space is small
 BODY_LIMIT = 64 * 1024
 VOCAB = 100277  # the demo model's (cl100k_base)

@@ -13,6 +13,8 @@ import pytest
 from tests.live_server import Server
 from tests.reliability.conftest import Row, harness
 
+pytestmark = pytest.mark.reliability  # make test-fast leaves these out
+
 MAX_SEQS, MAX_QUEUE = 4, 16
 BURST = 5 * MAX_QUEUE
 

@@ -19,6 +19,8 @@ import pytest
 from tests.live_server import Server
 from tests.reliability.conftest import Row, harness
 
+pytestmark = pytest.mark.reliability  # make test-fast leaves these out
+
 SOAK_S = float(os.environ.get("KVSERVE_SOAK_SECONDS", "45"))
 WARMUP_S = 10.0
 CONCURRENCY = 8

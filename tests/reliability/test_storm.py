@@ -15,6 +15,8 @@ import pytest
 from tests.live_server import Server
 from tests.reliability.conftest import Row, harness
 
+pytestmark = pytest.mark.reliability  # make test-fast leaves these out
+
 REQUESTS, CONCURRENCY, MAX_TOKENS = 300, 32, 24
 DROPS = ["keep", "during-prefill", "before-first-token", "mid-stream"]
 

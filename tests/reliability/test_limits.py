@@ -1,0 +1,88 @@
+"""Requests at and over every per-request cap, beside a steady stream: the caps answer
+400 naming the parameter, the heaviest accepted requests (300 logit_bias entries, 16 stop
+strings of 512 characters, 256 stop token ids) run, and the stream's inter-token latency
+with them is measured against the same stream alone."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import statistics
+import time
+
+import httpx
+import pytest
+
+from tests.reliability.conftest import Row, harness
+
+pytestmark = pytest.mark.reliability  # make test-fast leaves these out
+
+HEAVY = {
+    "logit_bias": {str(i): 0.5 for i in range(300)},
+    "stop": [f"{i:03d}" + "z" * 509 for i in range(16)],
+    "stop_token_ids": list(range(90000, 90256)),
+}
+OVER = [
+    {"logit_bias": {str(i): 0.5 for i in range(301)}},
+    {"stop": [f"s{i}" for i in range(17)]},
+    {"stop": "z" * 513},
+    {"stop_token_ids": list(range(257))},
+]
+
+
+async def steady(client: httpx.AsyncClient, n: int) -> list[float]:
+    """A streamed request's gaps between tokens, in ms."""
+    body = {"prompt": "A steady stream", "max_tokens": n, "temperature": 0, "ignore_eos": True}
+    stamps = []
+    async with client.stream("POST", "/v1/completions", json=body | {"stream": True}) as resp:
+        async for line in resp.aiter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                stamps.append(time.perf_counter())
+    return [1000 * (b - a) for a, b in itertools.pairwise(stamps)]
+
+
+def pct(gaps: list[float], q: float) -> float:
+    return statistics.quantiles(gaps, n=100)[int(q) - 1]
+
+
+def test_heavy_and_oversized_requests_beside_a_stream(tmp_path, row: Row) -> None:
+    """Oversized logit_bias / stop requests beside a stream"""
+    server = harness(tmp_path)
+    try:
+
+        async def main() -> tuple[list[float], list[float], list[int], list[dict]]:
+            async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+                await steady(client, 8)  # warm-up
+                alone = await steady(client, 120)
+                body = {"prompt": "Heavy request", "max_tokens": 60, "temperature": 0.8}
+                heavy = [
+                    client.post("/v1/completions", json=body | HEAVY | {"seed": i})
+                    for i in range(12)
+                ]
+                over = [client.post("/v1/completions", json=body | extra) for extra in OVER * 5]
+                beside, *answers = await asyncio.gather(steady(client, 120), *heavy, *over)
+                codes = [r.status_code for r in answers]
+                errors = [r.json()["error"] for r in answers[len(heavy) :]]
+                return alone, beside, codes, errors
+
+        alone, beside, codes, errors = asyncio.run(main())
+        health = server.wait_idle()
+    finally:
+        server.stop()
+    row.load = (
+        "a 120-token stream, alone and then beside 12 requests at every cap (300 logit_bias "
+        "entries, 16 x 512-character stops, 256 stop ids) and 20 over a cap"
+    )
+    row.add(
+        f"stream inter-token p50 / p99: alone {pct(alone, 50):.1f} / {pct(alone, 99):.1f} ms, "
+        f"beside them {pct(beside, 50):.1f} / {pct(beside, 99):.1f} ms"
+    )
+    row.add(
+        f"at the caps: {codes[:12].count(200)}/12 200; over a cap: "
+        f"{codes[12:].count(400)}/20 400 naming {sorted({e['param'] for e in errors})}"
+    )
+    assert codes[:12] == [200] * 12
+    assert codes[12:] == [400] * 20
+    assert {e["param"] for e in errors} == {"logit_bias", "stop", "stop_token_ids"}
+    assert len(beside) == 119 and health["kv_cache"]["blocks_used"] == 0
