@@ -11,6 +11,8 @@ reliability tests need to look inside and to break it on purpose.
   the engine's add_request (after it queued the request) or while it takes a new token.
 - raise-in-observer:0  the metrics observer raises on every engine step.
 - collide-prefix:0  every prefix-cache key is the same (a forged collision at its worst).
+- encode-off-loop:0  the tokenizer raises if it is called on a thread running an event
+  loop (tokenizing a large body there would hold up every stream).
 Several faults: separate them with commas.
 """
 
@@ -105,6 +107,22 @@ def _install_fault(spec: str) -> None:
             raise RuntimeError("injected fault in the metrics observer")
 
         Metrics.on_step = failing_step  # type: ignore[method-assign]
+        return
+    if kind == "encode-off-loop":
+        import asyncio
+
+        from model.tokenizer import Tokenizer
+
+        encode = Tokenizer.encode
+
+        def checked(self: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:  # no loop on this thread: a worker (or the engine) thread
+                return encode(self, *args, **kwargs)
+            raise RuntimeError("the tokenizer ran on the event loop")
+
+        Tokenizer.encode = checked  # type: ignore[method-assign]
         return
     if kind == "collide-prefix":
         import service.engine.blocks as blocks
