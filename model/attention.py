@@ -139,7 +139,7 @@ class AttentionMetadata:
     def groups(self, block_size: int) -> list[tuple[Tensor, AttentionMetadata]]:
         """The batch split so that padding stays small: the decodes together, each longer
         query alone. (token rows, metadata of those sequences) per group, built once per
-        forward. For the attention path that pads queries (no C kernel: CUDA, no compiler)."""
+        forward. For the torch reference backend, which pads queries."""
         if self._groups is None:
             starts = [0, *accumulate(self.query_lens)]
             decodes = [i for i, n in enumerate(self.query_lens) if n == 1]

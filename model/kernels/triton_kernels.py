@@ -102,6 +102,58 @@ def rope_store(
 
 
 @triton.jit
+def _attend_block(
+    acc,  # (rows, D_PAD) fp32: the running sum of p.v
+    m_i,  # (rows,) running max of the scores
+    l_i,  # (rows,) running sum of exp(score - max)
+    q,  # (rows, D_PAD)
+    q_pos,  # (rows,) position of each query row: it sees keys at positions <= it
+    slope,  # (rows,) ALiBi slope of each row's head (read when HAS_ALIBI)
+    j,  # which block of the sequence
+    table_ptr,  # the sequence's block table
+    k_cache_ptr,
+    v_cache_ptr,
+    seq_len,
+    kv,
+    scale,
+    d,
+    d_ok,
+    KV: tl.constexpr,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One block of keys into an online softmax (fp32): returns acc, m_i, l_i updated."""
+    offs = tl.arange(0, BS)
+    block = tl.load(table_ptr + j).to(tl.int64)
+    k_pos = j * BS + offs
+    kv_rows = (block * BS + offs) * (KV * D) + kv * D
+    kv_mask = (k_pos < seq_len)[:, None] & d_ok[None, :]
+    k = tl.load(k_cache_ptr + kv_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + kv_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (rows, BS) fp32
+    if HAS_ALIBI:
+        s += slope[:, None] * (k_pos[None, :] - q_pos[:, None]).to(tl.float32)
+    visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos < seq_len)[None, :]
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if UPCAST:
+        acc += tl.dot(p, v, input_precision=PRECISION)
+    else:
+        acc += tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr,  # (T, H, D), rows may be strided
     k_cache_ptr,  # (NB, BS, KV, D)
@@ -150,38 +202,19 @@ def _paged_attention_kernel(
         )
         if UPCAST:
             q = q.to(tl.float32)
+        slope = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
         if HAS_ALIBI:
             slope = tl.load(alibi_ptr + head, mask=row_ok, other=0.0)
         m_i = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_Q * BLOCK_G, D_PAD], tl.float32)
         last = tl.minimum(seq_len, cached + tl.minimum((qb + 1) * BLOCK_Q, q_len))
-        offs = tl.arange(0, BS)
+        table = block_tables_ptr + b.to(tl.int64) * stride_bt
         for j in range(0, tl.cdiv(last, BS)):
-            block = tl.load(block_tables_ptr + b.to(tl.int64) * stride_bt + j).to(tl.int64)
-            k_pos = j * BS + offs
-            kv_rows = (block * BS + offs) * (KV * D) + kv * D
-            kv_mask = (k_pos < seq_len)[:, None] & d_ok[None, :]
-            k = tl.load(k_cache_ptr + kv_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_cache_ptr + kv_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (rows, BS) fp32
-            if HAS_ALIBI:
-                s += slope[:, None] * (k_pos[None, :] - q_pos[:, None]).to(tl.float32)
-            visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos < seq_len)[None, :]
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            if UPCAST:
-                acc += tl.dot(p, v, input_precision=PRECISION)
-            else:
-                acc += tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            acc, m_i, l_i = _attend_block(
+                acc, m_i, l_i, q, q_pos, slope, j, table, k_cache_ptr, v_cache_ptr, seq_len,
+                kv, scale, d, d_ok, KV, D, BS, HAS_ALIBI, UPCAST, PRECISION,
+            )  # fmt: skip
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_rows = (q_start + tok).to(tl.int64) * (KV * G * D) + head * D
         tl.store(
@@ -229,7 +262,6 @@ def _decode_split_kernel(
     g = tl.arange(0, BLOCK_G)
     row_ok = g < G
     head = kv * G + g
-    q_pos = seq_len - 1
     d = tl.arange(0, D_PAD)
     d_ok = d < D
     q_rows = b.to(tl.int64) * stride_qt + head * stride_qh
@@ -238,36 +270,19 @@ def _decode_split_kernel(
     )
     if UPCAST:
         q = q.to(tl.float32)
+    slope = tl.zeros([BLOCK_G], tl.float32)
     if HAS_ALIBI:
         slope = tl.load(alibi_ptr + head, mask=row_ok, other=0.0)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D_PAD], tl.float32)
-    offs = tl.arange(0, BS)
+    q_pos = tl.zeros([BLOCK_G], tl.int32) + (seq_len - 1)  # the decode row sees every key
+    table = block_tables_ptr + b.to(tl.int64) * stride_bt
     for j in range(first, last):
-        block = tl.load(block_tables_ptr + b.to(tl.int64) * stride_bt + j).to(tl.int64)
-        k_pos = j * BS + offs
-        kv_rows = (block * BS + offs) * (KV * D) + kv * D
-        kv_mask = (k_pos < seq_len)[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + kv_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        if HAS_ALIBI:
-            s += slope[:, None] * (k_pos[None, :] - q_pos).to(tl.float32)
-        s = tl.where((k_pos < seq_len)[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if UPCAST:
-            acc += tl.dot(p, v, input_precision=PRECISION)
-        else:
-            acc += tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        acc, m_i, l_i = _attend_block(
+            acc, m_i, l_i, q, q_pos, slope, j, table, k_cache_ptr, v_cache_ptr, seq_len,
+            kv, scale, d, d_ok, KV, D, BS, HAS_ALIBI, UPCAST, PRECISION,
+        )  # fmt: skip
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))

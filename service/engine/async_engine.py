@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -194,20 +194,20 @@ class AsyncEngine:
         self._closed = True
         for rid in list(self._streams):
             self._deliver(self._streams.pop(rid), error)
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        for command in self._pending():
             if command[0] == "add":
                 self._deliver(command[-1], error)
 
-    def _drain_commands(self) -> None:
+    def _pending(self) -> Iterator[tuple]:
+        """The commands queued so far, taken off the queue."""
         while True:
             try:
-                command = self._commands.get_nowait()
+                yield self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _drain_commands(self) -> None:
+        for command in self._pending():
             if command[0] == "add":
                 self._add(*command[1:])
             else:
