@@ -205,25 +205,43 @@ def _install_errors(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if kind != "application/json":  # a form, text or no content type: not JSON
+            err = APIError(
+                415,
+                f"Content-Type must be application/json, got {kind or 'none'!r}",
+                code="unsupported_media_type",
+            )
+            count_rejection(request.app.state, err)
+            return JSONResponse(err.body(), status_code=415)
         first = exc.errors()[0] if exc.errors() else {}
-        # pydantic names the union member it tried ("str", "list[int]", ...): not a param
-        loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _type_tag(p)]
-        param = ".".join(loc) or None
-        message = first.get("msg", "invalid request")
-        if first.get("type") == "json_invalid" or not loc:
-            message = f"Invalid request body: {message}"
+        if first.get("type") == "json_invalid":  # its loc is a character offset: no param
+            where = first.get("loc", ("body", "?"))[-1]
+            message = f"Invalid JSON in the request body at character {where}"
+            param = None
         else:
-            message = f"{param}: {message}"
+            # pydantic names the union member it tried ("str", "list[int]", ...): not a param
+            loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _type_tag(p)]
+            param = ".".join(loc) or None
+            message = first.get("msg", "invalid request")
+            message = f"{param}: {message}" if param else f"Invalid request body: {message}"
         err = APIError(400, message, param=param)
         count_rejection(request.app.state, err)
         return JSONResponse(err.body(), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         status = exc.status_code
-        message = "Not found" if status == 404 else str(exc.detail)
-        err = APIError(status, message, code="not_found" if status == 404 else None)
-        return JSONResponse(err.body(), status_code=status)
+        message, code = str(exc.detail), None
+        if status == 404:
+            message, code = "Not found", "not_found"
+        elif status == 405:
+            headers = {k.lower(): v for k, v in (exc.headers or {}).items()}
+            allowed = headers.get("allow", "")
+            message = f"{request.method} is not allowed on {request.url.path}; use {allowed}"
+            code = "method_not_allowed"
+        err = APIError(status, message, code=code, headers=dict(exc.headers or {}))
+        return JSONResponse(err.body(), status_code=status, headers=err.headers)
 
     @app.exception_handler(GenerationFailed)
     async def failed(_: Request, exc: GenerationFailed) -> JSONResponse:
@@ -318,3 +336,7 @@ def _install_routes(app: FastAPI) -> None:
     @app.get("/")
     async def index() -> FileResponse:
         return FileResponse(STATIC / "index.html", media_type="text/html")
+
+    @app.get("/favicon.ico", include_in_schema=False)
+    async def favicon() -> FileResponse:
+        return FileResponse(STATIC / "favicon.svg", media_type="image/svg+xml")

@@ -31,6 +31,7 @@ from service.api.serving import (
     usage,
     validate_prompt,
 )
+from service.engine.request import EMPTY_PROMPT
 from service.engine.sampler import TokenLogprobs
 from service.limits import MAX_PROMPTS
 
@@ -43,7 +44,7 @@ def _prompts(state: ServingState, req: CompletionRequest) -> list[list[int]]:
     if isinstance(p, str):
         return [state.tokenizer.encode(p)]
     if not p:
-        raise APIError(400, "prompt must not be empty", param="prompt")
+        raise APIError(400, EMPTY_PROMPT, param="prompt")
     if not isinstance(p[0], int) and len(p) > MAX_PROMPTS:
         raise APIError(400, f"at most {MAX_PROMPTS} prompts in one request", param="prompt")
     if all(isinstance(x, str) for x in p):

@@ -27,7 +27,9 @@ class APIError(Exception):
         400: "invalid_request_error",
         401: "authentication_error",
         404: "not_found_error",
+        405: "invalid_request_error",
         413: "invalid_request_error",
+        415: "invalid_request_error",
         429: "rate_limit_error",
         503: "service_unavailable",
     }

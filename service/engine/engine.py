@@ -119,7 +119,7 @@ class LLMEngine:
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
-            raise ParamError("prompt", "the prompt is empty")
+            raise ParamError("prompt", "must not be empty")
         vocab = self.model.cfg.vocab_size
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:

@@ -30,6 +30,9 @@ class FinishReason(enum.StrEnum):
     ERROR = "error"
 
 
+EMPTY_PROMPT = "prompt: must not be empty"  # the one message, whatever form the prompt took
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_tokens: int = 16

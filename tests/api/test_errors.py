@@ -217,3 +217,29 @@ def test_metrics_auth_puts_metrics_behind_the_keys(tmp_path) -> None:
             assert c.get("/health").status_code == 200  # probes stay open
     finally:
         srv.stop()
+
+
+def test_errors_a_new_user_hits(server: Server) -> None:
+    """Wrong method, wrong content type, broken JSON, an empty prompt in either form,
+    and the browser's favicon request."""
+    with server.client() as c:
+        wrong = assert_error(c.get("/v1/completions"), 405, code="method_not_allowed")
+        assert wrong["type"] == "invalid_request_error" and "POST" in wrong["message"]
+        for kind, body in (("text/plain", "hello"), ("application/x-www-form-urlencoded", "a=1")):
+            err = assert_error(
+                c.post("/v1/completions", content=body, headers={"content-type": kind}), 415
+            )
+            assert kind in err["message"] and err["type"] == "invalid_request_error"
+        broken = c.post(
+            "/v1/completions",
+            content=b'{"prompt": "x",',
+            headers={"content-type": "application/json"},
+        )
+        assert assert_error(broken, 400)["param"] is None
+        empty = [
+            assert_error(c.post("/v1/completions", json={"prompt": p}), 400, "prompt")["message"]
+            for p in ("", [])
+        ]
+        assert empty[0] == empty[1] == "prompt: must not be empty"
+        icon = c.get("/favicon.ico")
+        assert icon.status_code == 200 and icon.headers["content-type"].startswith("image/svg")
