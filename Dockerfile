@@ -25,15 +25,21 @@ FROM base AS torch-cpu
 RUN pip install --no-cache-dir -c constraints.txt torch==2.13.0 \
     --index-url https://download.pytorch.org/whl/cpu
 
-# hadolint ignore=DL3006
-FROM torch-${VARIANT} AS runtime
-WORKDIR /app
+# The wheel users install: built from the sources, with its package data (the kernels'
+# C sources, the chat page); tests/deploy/test_wheel.py serves from the same wheel.
+FROM base AS wheel
 COPY pyproject.toml README.md ./
 COPY model ./model
 COPY service ./service
+RUN pip wheel --no-cache-dir --no-deps -w /wheels .
+
+# hadolint ignore=DL3006
+FROM torch-${VARIANT} AS runtime
+WORKDIR /app
+COPY --from=wheel /wheels /wheels
 # constraints.txt keeps the torch installed above
 # hadolint ignore=DL3013
-RUN pip install --no-cache-dir -c constraints.txt .
+RUN pip install --no-cache-dir -c constraints.txt /wheels/kvserve-*.whl && rm -rf /wheels
 USER 10001
 ENV KVSERVE_HOST=0.0.0.0 \
     KVSERVE_PORT=8000 \

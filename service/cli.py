@@ -141,6 +141,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve(load_settings(args))
 
 
+def _cmd_download(args: argparse.Namespace) -> int:
+    from model.hub import download
+
+    print(download(args.model, args.revision, args.download_dir))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from service.config import add_arguments
 
@@ -173,6 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--no-measure", action="store_true", help="skip measuring bandwidth and matmul")
     pl.add_argument("--json", action="store_true", help="print JSON")
     pl.set_defaults(func=_cmd_plan)
+    dl = sub.add_parser(
+        "download", help="fetch a Hub model's config, weights and tokenizer into the cache"
+    )
+    dl.add_argument("model", help="a Hugging Face repo id, e.g. HuggingFaceTB/SmolLM2-135M")
+    dl.add_argument("--revision", default=None)
+    dl.add_argument("--download-dir", default=None, help="default: HF_HOME's cache")
+    dl.set_defaults(func=_cmd_download)
     from service import bench
 
     bn = sub.add_parser(

@@ -25,7 +25,17 @@ ATTENTION_BACKENDS = ("auto", "cpu", "triton", "torch")
 @dataclass(frozen=True, slots=True)
 class Settings:
     model: str | None = field(
-        default=None, metadata={"help": "model directory (default: the random demo model)"}
+        default=None,
+        metadata={
+            "help": "a model directory or a Hugging Face repo id (default: the random demo model)"
+        },
+    )
+    revision: str | None = field(
+        default=None, metadata={"help": "the Hub revision (branch, tag or commit) of --model"}
+    )
+    download_dir: str | None = field(
+        default=None,
+        metadata={"help": "Hugging Face cache directory for Hub models (default: HF_HOME's)"},
     )
     served_model_name: str | None = field(
         default=None, metadata={"help": "model id in the API (default: the directory name)"}

@@ -47,7 +47,7 @@ def build_state(settings: Settings) -> ServingState:
         engine=async_engine,
         tokenizer=built["tokenizer"],
         model_id=built["model_id"],
-        template=ChatTemplate.for_model(settings.model),
+        template=ChatTemplate.for_model(built["model_dir"]),
         audit=built["audit"],
         metrics=metrics,
     )
@@ -59,13 +59,16 @@ def _build_engine(settings: Settings, built: dict[str, Any]) -> Any:
     from model.audit import audit, floors
     from model.device import dtype_name, pick_device, pick_dtype
     from model.hardware import matmul_throughput, memory_bandwidth
+    from model.hub import resolve
     from model.loader import load
     from service.engine.engine import EngineConfig, LLMEngine
 
     device = pick_device(settings.device)
     dtype = pick_dtype(settings.dtype, device)
-    loaded = load(settings.model, dtype, device)
-    model_id = settings.served_model_name or loaded.model_id
+    # a local directory, or a Hub repo id from the cache (downloaded when reachable)
+    source = resolve(settings.model, settings.revision, settings.download_dir)
+    loaded = load(source.path if source else None, dtype, device)
+    model_id = settings.served_model_name or (source.model_id if source else loaded.model_id)
     metrics = Metrics(model_id)
     config = EngineConfig(
         block_size=settings.block_size,
@@ -109,6 +112,7 @@ def _build_engine(settings: Settings, built: dict[str, Any]) -> Any:
         engine.max_model_len,
     )
     built.update(
+        model_dir=source.path if source else None,
         max_num_seqs=config.max_num_seqs,
         metrics=metrics,
         tokenizer=loaded.tokenizer,

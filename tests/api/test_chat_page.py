@@ -62,3 +62,29 @@ def test_chat_page_streams_and_stops(server: Server, page, tmp_path) -> None:
     page.wait_for_function("document.getElementById('send').disabled === false", timeout=10000)
     assert server.wait_idle()["kv_cache"]["blocks_used"] == 0
     assert not page.query_selector(".error")
+
+
+def test_a_failed_turn_shows_its_error_and_leaves_the_history(server: Server, page) -> None:
+    """A request the server refuses (max_tokens over the context) shows the error where
+    the reply would be, with no empty bubble, and the next turn does not resend it."""
+    sent = []
+    page.on(
+        "request",
+        lambda r: sent.append(r.post_data_json) if r.url.endswith("/chat/completions") else None,
+    )
+    page.goto(server.url + "/")
+    page.wait_for_function("document.getElementById('kv').textContent.includes('%')")
+    page.fill("#max_tokens", "999999")
+    page.fill("#input", "This one fails")
+    page.press("#input", "Enter")
+    page.wait_for_selector(".error", timeout=30000)
+    assert "max" in page.text_content(".error").lower()
+    assert page.query_selector_all(".assistant") == []  # the error took the bubble's place
+    page.fill("#max_tokens", "8")
+    page.fill("#input", "This one works")
+    page.press("#input", "Enter")
+    page.wait_for_function(
+        "document.querySelectorAll('.assistant').length === 1 && document.getElementById('send').disabled === false",
+        timeout=30000,
+    )
+    assert [m["content"] for m in sent[-1]["messages"]] == ["This one works"]

@@ -33,8 +33,8 @@ def test_hadolint_dockerfile() -> None:
 
 def test_both_images_install_the_pinned_torch_and_copy_what_exists() -> None:
     """Each variant's torch comes from constraints.txt's pin (the GPU one PyPI's CUDA
-    build, not a base image's own torch), kvserve is installed under the same
-    constraints, and every path the Dockerfile copies is in the repository."""
+    build, not a base image's own torch), kvserve is installed as its built wheel under
+    the same constraints, and every path the Dockerfile copies is in the repository."""
     text = (ROOT / "Dockerfile").read_text()
     pin = (ROOT / "constraints.txt").read_text()
     assert "torch==2.13.0" in pin
@@ -45,10 +45,12 @@ def test_both_images_install_the_pinned_torch_and_copy_what_exists() -> None:
         assert "pip install --no-cache-dir -c constraints.txt torch==2.13.0" in stage
     assert "download.pytorch.org/whl/cpu" in cpu and "whl/cpu" not in gpu
     assert "pytorch/pytorch" not in text  # no base image with a torch of its own
-    assert "pip install --no-cache-dir -c constraints.txt ." in text
+    # the runtime installs the built wheel (what users install), not the source tree
+    assert "pip wheel --no-cache-dir --no-deps -w /wheels ." in text
+    assert "pip install --no-cache-dir -c constraints.txt /wheels/kvserve-*.whl" in text
     assert "gcc" in text  # the C kernels and Triton's launcher compile at run time
     for line in text.splitlines():
-        if line.startswith("COPY "):
+        if line.startswith("COPY ") and "--from=" not in line:
             for src in line.split()[1:-1]:
                 assert (ROOT / src).exists(), f"Dockerfile copies {src}, which is missing"
 

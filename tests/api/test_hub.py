@@ -1,0 +1,109 @@
+"""Models by Hugging Face repo id: served from a Hub cache laid out as huggingface_hub
+lays it out (refs/main -> snapshots/<commit>/...) with the network off, and one-line
+errors for a model not in the cache, an unknown repo and a gated one (the last two from
+a stand-in Hub on 127.0.0.1 that answers the way the Hub does)."""
+
+import http.server
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.live_server import free_port, start_server
+from tests.model.hf_checkpoints import write_llama, write_tokenizer
+
+pytestmark = pytest.mark.slow
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def hub_cache(root: Path, repo: str) -> Path:
+    repo_dir = root / ("models--" + repo.replace("/", "--"))
+    snapshot = repo_dir / "snapshots" / COMMIT
+    snapshot.mkdir(parents=True)
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text(COMMIT)
+    write_llama(snapshot, tied=True)
+    write_tokenizer(snapshot)
+    return snapshot
+
+
+def kvserve(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "service.cli", *args],
+        capture_output=True, text=True, env={**os.environ, **env}, timeout=120, check=False,
+    )  # fmt: skip
+
+
+def test_serve_a_repo_id_from_the_cache_offline(tmp_path: Path) -> None:
+    cache = tmp_path / "hf"
+    snapshot = hub_cache(cache, "org/tiny-llama")
+    env = {"HF_HUB_OFFLINE": "1"}
+    srv = start_server(
+        str(tmp_path), "--model", "org/tiny-llama", "--download-dir", str(cache), env=env
+    )
+    try:
+        models = httpx.get(srv.url + "/v1/models", timeout=10).json()
+        assert [m["id"] for m in models["data"]] == ["org/tiny-llama"]
+        body = {"model": "org/tiny-llama", "prompt": [5, 6, 7], "max_tokens": 4}
+        assert httpx.post(srv.url + "/v1/completions", json=body, timeout=60).status_code == 200
+    finally:
+        srv.stop()
+    got = kvserve("download", "org/tiny-llama", "--download-dir", str(cache), env=env)
+    assert got.returncode == 0 and got.stdout.strip() == str(snapshot)
+
+
+def test_a_model_not_in_the_cache_fails_in_one_line(tmp_path: Path) -> None:
+    cache = tmp_path / "hf"
+    cache.mkdir()
+    env = {"HF_HUB_OFFLINE": "1"}
+    port = str(free_port())
+    out = kvserve("serve", "--model", "org/absent", "--download-dir", str(cache), "--port", port,
+                  env=env)  # fmt: skip
+    assert out.returncode != 0
+    line = next(x for x in out.stderr.splitlines() if x.startswith("kvserve: error:"))
+    assert "'org/absent' is not in the Hugging Face cache" in line and "kvserve download" in line
+
+
+class FakeHub(http.server.BaseHTTPRequestHandler):
+    """Answers every model lookup the way the Hub does for an unknown or a gated repo."""
+
+    def do_GET(self) -> None:
+        gated = "/gated" in self.path
+        self.send_response(403 if gated else 404)
+        self.send_header("X-Error-Code", "GatedRepo" if gated else "RepoNotFound")
+        self.send_header("X-Error-Message", "gated" if gated else "Repository not found")
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(b'{"error": "no"}')
+
+    do_HEAD = do_GET
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_unknown_and_gated_repos_fail_in_one_line(tmp_path: Path) -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeHub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    env = {
+        "HF_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}",
+        "HF_HUB_OFFLINE": "0",
+        "HF_TOKEN": "",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+    }
+    try:
+        cache = str(tmp_path / "hf")
+        unknown = kvserve("download", "org/unknown", "--download-dir", cache, env=env)
+        gated = kvserve("download", "org/gated", "--download-dir", cache, env=env)
+    finally:
+        server.shutdown()
+    assert unknown.returncode == 2 and gated.returncode == 2
+    assert unknown.stderr.strip().splitlines()[-1] == (
+        "kvserve: error: model 'org/unknown': no such repository on the Hugging Face Hub "
+        "(or a private one: set HF_TOKEN)"
+    )
+    assert "is gated on the Hugging Face Hub" in gated.stderr.strip().splitlines()[-1]
