@@ -43,7 +43,7 @@ def resolve(
     if local.is_dir():
         return ModelSource(local, local.name)
     if model.startswith((".", "/", "~")) or model.count("/") > 1:
-        raise ModelNotFound(f"model {model!r}: no such directory")
+        raise ModelNotFound(f"model directory not found: {model}")
     return ModelSource(download(model, revision, download_dir), model)
 
 
@@ -58,7 +58,7 @@ def download(repo_id: str, revision: str | None = None, cache_dir: str | None = 
         )
     except errors.HFValidationError:
         raise ModelNotFound(
-            f"model {repo_id!r}: no such directory, and not a Hugging Face repo id"
+            f"model directory not found, and not a Hugging Face repo id: {repo_id}"
         ) from None
     except errors.GatedRepoError:
         raise ModelNotFound(
