@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from model.attention import AttentionMetadata
-from model.backends.reference import TorchBackend
+from model.backends.reference import TorchBackend, split_heads
 from model.config import ModelConfig
 from model.kernels import (
     add_rms_norm,
@@ -103,8 +103,7 @@ class CpuBackend(TorchBackend):
             raise ValueError("a KV cache needs paged metadata")
         # one pass: rotate q and k in place, write k and v into their slots
         rope_store(qkv, rope, n_heads, n_kv, d_head, cache, meta.slot_blocks, meta.slot_offsets)
-        qkv = qkv.view(qkv.shape[0], n_heads + 2 * n_kv, d_head)
-        return qkv[:, :n_heads], qkv[:, n_heads : n_heads + n_kv], qkv[:, n_heads + n_kv :]
+        return split_heads(qkv, n_heads, n_kv, d_head)
 
     def attend(
         self,

@@ -20,6 +20,18 @@ from model.layers import apply_rope
 NON_FINITE = -1  # the token of a row whose logits were not all finite
 
 
+def flag_non_finite(tokens: Tensor, row_max: Tensor) -> list[int]:
+    """Each row's token, or NON_FINITE where its max is not finite (a NaN or +inf anywhere
+    shows in the max), so the engine fails just that request; one device -> host copy."""
+    return torch.where(torch.isfinite(row_max), tokens, NON_FINITE).tolist()
+
+
+def split_heads(qkv: Tensor, n_heads: int, n_kv: int, d_head: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(T, (H + 2KV) * dh) -> views q (T, H, dh), k and v (T, KV, dh)."""
+    qkv = qkv.view(qkv.shape[0], n_heads + 2 * n_kv, d_head)
+    return qkv[:, :n_heads], qkv[:, n_heads : n_heads + n_kv], qkv[:, n_heads + n_kv :]
+
+
 class TorchBackend:
     name = "torch"
 
@@ -67,7 +79,7 @@ class TorchBackend:
         """(B, V) logits -> each row's first argmax, or NON_FINITE (-1) for a row whose
         maximum is not finite; one device -> host transfer."""
         best = logits.max(dim=-1)  # max, not argmax: faster on the CPU, and no fp32 copy
-        return torch.where(torch.isfinite(best.values), best.indices, NON_FINITE).tolist()
+        return flag_non_finite(best.indices, best.values)
 
     def add_norm(self, norm: nn.Module, x: Tensor, delta: Tensor | None) -> tuple[Tensor, Tensor]:
         """The pre-norm residual step: x + delta (the residual stream) and its norm."""

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from model.attention import AttentionMetadata
-from model.backends.reference import TorchBackend
+from model.backends.reference import TorchBackend, split_heads
 from model.config import ModelConfig
 
 
@@ -95,8 +95,7 @@ class TritonBackend(TorchBackend):
             raise ValueError("every sequence needs at least one new token")
         q = np.asarray(query_lens, dtype=np.int64)
         cached = np.asarray(cached_lens, dtype=np.int64)
-        starts = np.zeros(len(q) + 1, dtype=np.int64)
-        np.cumsum(q, out=starts[1:])
+        starts = _query_starts(q)
         row_seq = np.repeat(np.arange(len(q)), q)
         positions = np.arange(starts[-1]) - starts[row_seq] + cached[row_seq]
         width = max(len(t) for t in block_tables)
@@ -129,8 +128,7 @@ class TritonBackend(TorchBackend):
     ) -> tuple[Tensor, Tensor, Tensor]:
         qkv = qkv.contiguous()
         self.kernels.rope_store(qkv, rope, n_heads, n_kv, d_head, cache, meta.slot_mapping)
-        qkv = qkv.view(qkv.shape[0], n_heads + 2 * n_kv, d_head)
-        return qkv[:, :n_heads], qkv[:, n_heads : n_heads + n_kv], qkv[:, n_heads + n_kv :]
+        return split_heads(qkv, n_heads, n_kv, d_head)
 
     def attend(
         self,
@@ -159,8 +157,13 @@ class TritonBackend(TorchBackend):
         return out.view(q.shape[0], q.shape[1] * q.shape[2])
 
     def _fill(self, meta: AttentionMetadata) -> None:
-        starts = np.zeros(len(meta.query_lens) + 1, dtype=np.int64)
-        np.cumsum(meta.query_lens, out=starts[1:])
-        meta.query_start = self.buffers.put("starts", starts)
+        meta.query_start = self.buffers.put("starts", _query_starts(meta.query_lens))
         meta.seq_lens_t = self.buffers.put("seq_lens", meta.seq_lens)
         meta.block_tables = meta.block_tables.to(torch.int32)
+
+
+def _query_starts(query_lens: Sequence[int] | np.ndarray) -> np.ndarray:
+    """(B + 1,) first row of each sequence in the flattened batch, and the total."""
+    starts = np.zeros(len(query_lens) + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=starts[1:])
+    return starts

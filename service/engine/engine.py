@@ -11,6 +11,7 @@ from typing import Protocol
 
 from model.attention import PagedKVCache
 from model.backends import select_backend
+from model.backends.reference import NON_FINITE
 from model.tokenizer import Tokenizer
 from model.transformer import Transformer
 from service.engine.blocks import BlockManager
@@ -19,7 +20,6 @@ from service.engine.memory import kv_block_budget
 from service.engine.output import RequestOutput, TextState, make_output
 from service.engine.request import FinishReason, ParamError, Request, SamplingParams, Status
 from service.engine.runner import ModelRunner
-from service.engine.sampler import NON_FINITE
 from service.engine.scheduler import Scheduler, SchedulerOutput
 
 GiB = 1 << 30

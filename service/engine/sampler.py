@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from model.backends import REFERENCE, Backend
-from model.backends.reference import NON_FINITE
+from model.backends.reference import flag_non_finite
 from service.engine.request import Request
 
 
@@ -81,7 +81,7 @@ class Sampler:
             sampled = self._draw(logits, requests, generators)
             greedy = self._tensor([p.greedy for p in params], torch.bool)
             tokens = torch.where(greedy, tokens, sampled)
-        token_list = _flag_non_finite(tokens, raw.max(dim=-1).values)
+        token_list = flag_non_finite(tokens, raw.max(dim=-1).values)
         return SampleResult(token_list, self._logprobs(raw, requests, token_list))
 
     def _apply_bias(self, logits: Tensor, requests: Sequence[Request]) -> Tensor:
@@ -180,13 +180,6 @@ class Sampler:
             top = list(zip(ids_l[j][:n], vals_l[j][:n], strict=True))
             result[i] = TokenLogprobs(tokens[i], chosen_l[j], top)
         return result
-
-
-def _flag_non_finite(tokens: Tensor, row_max: Tensor) -> list[int]:
-    """A NaN or +inf anywhere in a row shows in its max (NaN propagates through max):
-    such rows get NON_FINITE instead of a token, so the engine fails just them."""
-    # flagged on the device: the token ids are the step's one device -> host transfer
-    return torch.where(torch.isfinite(row_max), tokens, NON_FINITE).tolist()
 
 
 def _top_p(probs: Tensor, top_p: Tensor) -> Tensor:
