@@ -1,9 +1,10 @@
-"""Run-time choice of device and dtype: CUDA in bf16 when present, else the CPU (bf16
-where it has AMX tiles, fp32 otherwise)."""
+"""Run-time choice of device, dtype and the CPU instruction set the C kernels use: CUDA in
+bf16 when present, else the CPU (bf16 where it has bf16 dot products, fp32 otherwise)."""
 
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import torch
@@ -32,26 +33,66 @@ def cpu_flags() -> frozenset[str]:
     )
 
 
+# The instruction-set levels kvserve's C kernels are built for, lowest first: the CPU
+# flags each needs, and the compiler flags that hold a -march=native build to it (so a
+# machine can build and test every level up to its own).
+_NO_AMX = ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
+ISA_LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "avx2": (("avx2", "fma"), ("-mno-avx512f", *_NO_AMX)),
+    "avx512f": (("avx512f", "avx512bw"), ("-mno-avx512bf16", "-mno-avx512vnni", *_NO_AMX)),
+    "avx512-bf16": (("avx512f", "avx512bw", "avx512_bf16"), _NO_AMX),
+    "amx": (("amx_tile", "amx_bf16", "avx512_bf16"), ()),
+}
+ISA_ENV = "KVSERVE_CPU_ISA"  # run the kernels at a lower level than the CPU's own
+
+
+def isa_missing(level: str) -> tuple[str, ...]:
+    """The CPU flags this machine lacks for `level` (empty: it can run it)."""
+    return tuple(f for f in ISA_LEVELS[level][0] if f not in cpu_flags())
+
+
+def native_isa() -> str:
+    """The highest level this CPU runs ('baseline' below AVX2 + FMA)."""
+    return next((lv for lv in reversed(ISA_LEVELS) if not isa_missing(lv)), "baseline")
+
+
 def cpu_has_amx() -> bool:
     """Whether the CPU has the AMX tile unit with bf16 support."""
-    return {"amx_tile", "amx_bf16"} <= cpu_flags()
+    return native_isa() == "amx"
 
 
-def cpu_vector_isa() -> str:
-    """The widest vector instruction set the C kernels' -march=native build uses here."""
-    flags = cpu_flags()
-    if "avx512_bf16" in flags:
-        return "avx512-bf16"
-    if "avx512f" in flags:
-        return "avx512f"
-    return "avx2" if "avx2" in flags else "baseline"
+def cpu_isa() -> str:
+    """The level the C kernels run at: the CPU's own, or KVSERVE_CPU_ISA's below it."""
+    return _resolve_isa(os.environ.get(ISA_ENV) or None)
 
 
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """'auto' is bf16 on CUDA and on CPUs with AMX (about 3x fp32's throughput there,
-    benchmarks/RESULTS.md), fp32 on other CPUs."""
+@functools.cache
+def _resolve_isa(forced: str | None) -> str:
+    if forced is None:
+        return native_isa()
+    if forced not in ISA_LEVELS:
+        raise ValueError(f"{ISA_ENV} must be one of {list(ISA_LEVELS)}, got {forced!r}")
+    if missing := isa_missing(forced):
+        raise ValueError(
+            f"{ISA_ENV}={forced} needs CPU flags {', '.join(missing)}, which this CPU "
+            f"lacks (it runs up to {native_isa()})"
+        )
+    return forced
+
+
+def isa_flags(level: str) -> tuple[str, ...]:
+    """Compiler flags, after -march=native, for a build at `level`."""
+    return ISA_LEVELS[level][1] if level in ISA_LEVELS else ()
+
+
+def pick_dtype(name: str, device: torch.device, quantization: str = "none") -> torch.dtype:
+    """'auto' is bf16 on CUDA, on CPUs with bf16 dot products (AVX-512-BF16 or AMX:
+    measured faster than fp32 there, benchmarks/RESULTS.md) and for int8 weights (whose
+    activations are bf16), fp32 on other CPUs."""
     if name == "auto":
-        bf16 = device.type == "cuda" or (device.type == "cpu" and cpu_has_amx())
+        bf16 = device.type == "cuda" or quantization != "none" or (
+            device.type == "cpu" and cpu_isa() in ("avx512-bf16", "amx")
+        )
         return torch.bfloat16 if bf16 else torch.float32
     if name not in DTYPES:
         raise ValueError(f"dtype must be one of {['auto', *DTYPES]}, got {name!r}")

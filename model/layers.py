@@ -10,6 +10,8 @@ from torch import Tensor, nn
 
 from model.config import ModelConfig, RopeScaling
 from model.kernels import (
+    int8_pack,
+    int8_supported,
     swiglu_layout,
     tile_layout,
     tile_linear,
@@ -20,30 +22,33 @@ from model.kernels import (
 class Linear(nn.Linear):
     """nn.Linear that can hand its weight to a CPU matmul kernel in a prepacked layout.
 
-    bf16 on the CPU: where the CPU has AMX tiles and the shape allows (out features a
-    multiple of 64, in features of 32), the weight is rearranged for kvserve's own tile
-    kernel (model/kernels/linear_bf16.c), which reads it at about the memory bandwidth at
-    batch 1 and computes each row the same way whatever the batch; otherwise oneDNN gets
-    its own prepacked layout, which reads memory about twice as fast as the default path
-    (benchmarks/RESULTS.md). pack() keeps only the packed copy (the parameter becomes a
-    meta tensor that still reports the shape), so it is the last thing done to a model.
+    bf16 on the CPU, where the shape allows (out features a multiple of 64, in features
+    of 32): kvserve's own kernels in one layout for every batch size and instruction set
+    (AMX tiles, model/kernels/linear_bf16.c, or vector code, linear_vec.c), which compute
+    each row the same way whatever the batch; otherwise oneDNN's prepacked layout.
+    quantization='int8': the weight becomes int8 with a float32 scale per output feature
+    (linear_vec.c), where the shape allows. pack() keeps only the packed copy (the
+    parameter becomes a meta tensor that still reports the shape), so it is the last thing
+    done to a model.
     """
 
     _packed: Tensor | None = None  # oneDNN's layout
-    _tiles: Tensor | None = None  # tile_layout()
+    _tiles: Tensor | None = None  # tile_layout(), or int8_pack()'s blob when int8
     _bias32: Tensor | None = None
+    int8 = False  # _tiles holds int8 weights
     gated = False  # packed as a fused SwiGLU (pack(swiglu=True)): forward gives silu(g) * u
 
-    def pack(self, swiglu: bool = False) -> None:
-        """swiglu: this is the (gate | up) projection of a SwiGLU; where the tile kernel
-        takes it, forward then returns silu(gate) * up in one pass (see `gated`)."""
+    def pack(self, swiglu: bool = False, quantization: str = "none") -> None:
+        """swiglu: this is the (gate | up) projection of a SwiGLU; where the kernels take
+        it, forward then returns silu(gate) * up in one pass (see `gated`)."""
         w = self.weight.detach()
-        if tile_linear_supported(w):
+        int8 = quantization == "int8" and int8_supported(w)
+        if int8 or tile_linear_supported(w):
             b = self.bias.detach().float() if self.bias is not None else None
             self.gated = swiglu and w.shape[0] % 128 == 0
             if self.gated:
                 w, b = swiglu_layout(w), swiglu_layout(b) if b is not None else None
-            self._tiles, self._bias32 = tile_layout(w), b
+            self._tiles, self._bias32, self.int8 = (int8_pack if int8 else tile_layout)(w), b, int8
         else:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
         self.weight = nn.Parameter(
@@ -56,7 +61,8 @@ class Linear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         if self._tiles is not None:
-            return tile_linear(x.to(torch.bfloat16), self._tiles, self._bias32, self.gated)
+            shape = tuple(self.weight.shape) if self.int8 else None
+            return tile_linear(x, self._tiles, self._bias32, self.gated, shape)
         if self._packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
@@ -108,9 +114,9 @@ class SwiGLU(nn.Module):
         self.w_in = Linear(cfg.d_model, 2 * cfg.d_ff, bias=cfg.mlp_bias)
         self.w_out = Linear(cfg.d_ff, cfg.d_model, bias=cfg.mlp_bias)
 
-    def pack(self) -> None:
-        self.w_in.pack(swiglu=True)
-        self.w_out.pack()
+    def pack(self, quantization: str = "none") -> None:
+        self.w_in.pack(swiglu=True, quantization=quantization)
+        self.w_out.pack(quantization=quantization)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.w_in.gated:  # the tile kernel applied silu(gate) * up already

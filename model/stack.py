@@ -1,6 +1,7 @@
 """The decoder layers as one C call, for the case this CPU path is built around: a
-pre-norm RoPE/RMSNorm/SwiGLU model in bf16 whose linears all took the AMX tile layout,
-over a bf16 paged cache of 16-token blocks (model/kernels/stack.c). Same kernels, same
+pre-norm RoPE/RMSNorm/SwiGLU model in bf16 whose linears all took kvserve's kernel layout
+(bf16, or all int8), over a bf16 paged cache (model/kernels/stack.c), at every
+instruction-set level. Same kernels, same
 order, same bits as the modules; it drops the per-layer Python between them (over a
 quarter of a batch-1 decode step here) and holds no GIL while the layers run.
 """
@@ -91,9 +92,15 @@ class DecoderStack:
                 and isinstance(block.ffn, SwiGLU)
                 and block.ffn.w_in.gated
                 and all(isinstance(m, Linear) and m._tiles is not None for m in linears)
+                and len({m.int8 for m in linears}) == 1
             ):
                 return None
         return cls(cfg, layers, final_norm)
+
+    @property
+    def kind(self) -> str:
+        """Which linear kernel the layers' weights are packed for."""
+        return "int8" if self.layers[0].attn.wqkv.int8 else "bf16"
 
     def takes(self, kv_cache: PagedKVCache | None, meta: AttentionMetadata) -> bool:
         if kv_cache is None or kv_cache.backend.name != "cpu" or meta.slot_blocks is None:
@@ -103,7 +110,7 @@ class DecoderStack:
         if self._cache is None or self._cache() is not kv_cache:
             cfg = self.cfg
             group = cfg.n_heads // cfg.kv_heads
-            self._kernels = stack_kernels(cfg.head_dim, kv_cache.block_size, group)
+            self._kernels = stack_kernels(cfg.head_dim, kv_cache.block_size, group, self.kind)
             self._weights = self._layer_args(kv_cache) if self._kernels else None
             self._cache, self._block_size = weakref.ref(kv_cache), kv_cache.block_size
         return self._kernels is not None

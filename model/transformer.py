@@ -92,24 +92,24 @@ class Transformer(nn.Module):
         self.rebuild_tables(self.embed.weight.device)
         return out
 
-    def pack_weights(self) -> bool:
-        """Prepack every linear weight (CPU bf16): the AMX tile layout where the CPU and
-        the shape allow (a SwiGLU's gate and up fused), oneDNN's elsewhere. The model
-        cannot be moved or re-typed afterwards. Returns whether it packed."""
+    def pack_weights(self, quantization: str = "none") -> bool:
+        """Prepack every linear weight (CPU bf16): kvserve's kernel layout where the shape
+        allows (a SwiGLU's gate and up fused), int8 with quantization='int8', oneDNN's
+        elsewhere. The model cannot be moved or re-typed afterwards. Returns whether it
+        packed."""
         if not can_pack(self.device, self.dtype):
             return False
         if self.cfg.tie_embeddings and self._head is None:
             # The lookup keeps the plain table; the head gets a packed copy (vocab x d
-            # more bytes): with oneDNN's layout it measured ~1.7x faster at batch 64
-            # (benchmarks/RESULTS.md); on AMX CPUs the copy is in the tile layout.
+            # more bytes, less in int8) in the linears' layout.
             head = Linear(self.cfg.d_model, self.cfg.vocab_size, bias=False, device="meta")
             head.weight = nn.Parameter(self.embed.weight.detach(), requires_grad=False)
-            head.pack()
+            head.pack(quantization=quantization)
             self._head = head
         for module in self.modules():  # a SwiGLU comes before its linears and packs both
             ffn = isinstance(module, SwiGLU) and not module.w_in.packed
             if ffn or (isinstance(module, Linear) and not module.packed):
-                module.pack()
+                module.pack(quantization=quantization)
         self._stack = DecoderStack.build(self.cfg, self.layers, getattr(self, "norm", None))
         return True
 

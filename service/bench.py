@@ -106,7 +106,7 @@ async def one(
             if resp.status_code != 200:
                 result.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
                 return result
-            events = SSEData()
+            events, chunks = SSEData(), 0
             async for data in resp.aiter_bytes():
                 for payload in events.feed(data):
                     chunk = json.loads(payload)
@@ -117,11 +117,14 @@ async def one(
                         result.output_tokens = chunk["usage"]["completion_tokens"]
                         continue
                     now = time.perf_counter()
+                    chunks += 1
                     if result.ttft is None:
                         result.ttft = now - start
                     else:
                         result.itl.append(now - last)
                     last = now
+        # a server that sends no usage chunk: one token per content chunk
+        result.output_tokens = result.output_tokens or chunks
         result.ok = True
     except (*errors, json.JSONDecodeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"

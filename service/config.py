@@ -20,6 +20,7 @@ CPU_MIXED_PREFILL_TOKENS = 128
 # defaults to 256); two CPU cores are not
 CPU_MAX_NUM_SEQS, CUDA_MAX_NUM_SEQS = 64, 256
 ATTENTION_BACKENDS = ("auto", "cpu", "triton", "torch")
+QUANTIZATIONS = ("none", "int8")
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +47,15 @@ class Settings:
     dtype: str = field(
         default="auto",
         metadata={
-            "help": "auto (bf16 on CUDA and on CPUs with AMX, else fp32), float32, bfloat16, float16"
+            "help": "auto (bf16 on CUDA, on CPUs with AVX-512-BF16 or AMX and with "
+            "--quantization int8; else fp32), float32, bfloat16, float16"
+        },
+    )
+    quantization: str = field(
+        default="none",
+        metadata={
+            "help": "none, or int8: linear weights in int8 with a scale per output feature, "
+            "computed at load (the cpu backend; bf16 activations and KV cache)"
         },
     )
     kv_cache_gib: float = field(default=1.0, metadata={"help": "KV cache budget on the CPU, GiB"})
@@ -124,6 +133,10 @@ class Settings:
             raise ValueError(
                 f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, "
                 f"got {self.attention_backend!r}"
+            )
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}"
             )
         if self.mixed_prefill_tokens is not None and self.mixed_prefill_tokens < 0:
             raise ValueError(f"mixed_prefill_tokens must be >= 0, got {self.mixed_prefill_tokens}")

@@ -24,6 +24,7 @@ from model.kernels import (
     attention_isa,
     fused_supported,
     greedy_tokens,
+    linear_isa,
     paged_attention,
     paged_attention_supported,
     rope_store,
@@ -51,11 +52,18 @@ class CpuBackend(TorchBackend):
 
     def __init__(self, cfg: ModelConfig, block_size: int, dtype: torch.dtype, reason: str = ""):
         super().__init__("cpu", reason)
+        # what the attention and the linears run (AMX tiles or a vector level)
         self.isa = attention_isa(cfg.head_dim, block_size, cfg.n_heads // cfg.kv_heads, dtype)
+        self.linear_isa = linear_isa("bf16") if dtype == torch.bfloat16 else "onednn"
 
     def describe(self) -> dict[str, Any]:
         layout = "K (blocks, kv_heads, head_dim/P, block_size, P), V (blocks, kv_heads, block_size/P, head_dim, P)"
-        return {"name": self.name, "kv_layout": layout, "isa": self.isa}
+        return {
+            "name": self.name,
+            "kv_layout": layout,
+            "isa": self.isa,
+            "linear_isa": self.linear_isa,
+        }
 
     def check_cache(self, cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> None:
         pair = 2 if dtype.itemsize == 2 else 1
@@ -75,8 +83,16 @@ class CpuBackend(TorchBackend):
             for i in range(cfg.n_layers)
         ]
 
-    def prepare(self, model: nn.Module) -> bool:
-        return model.pack_weights()  # the tile / oneDNN layouts (bf16), the one-call stack
+    def prepare(self, model: nn.Module, quantization: str = "none") -> bool:
+        if quantization == "int8" and model.dtype != torch.bfloat16:
+            raise ValueError(
+                f"quantization int8 computes with bfloat16 activations and KV cache; the "
+                f"model is {model.dtype} (use --dtype bfloat16 or auto)"
+            )
+        if quantization not in ("none", "int8"):
+            raise ValueError(f"quantization must be none or int8, got {quantization!r}")
+        # kvserve's kernel layouts (bf16 or int8) or oneDNN's, and the one-call stack
+        return model.pack_weights(quantization)
 
     def greedy(self, logits: Tensor) -> list[int]:
         if logits.is_contiguous() and logits.dtype in (torch.float32, torch.bfloat16):

@@ -55,9 +55,14 @@ class TorchBackend:
         shape = (num_blocks, block_size, cfg.kv_heads, cfg.head_dim)
         return [(data[0, i].view(shape), data[1, i].view(shape)) for i in range(cfg.n_layers)]
 
-    def prepare(self, model: nn.Module) -> bool:
-        """Put the weights in the layouts this backend's linears read (none here);
-        whether it repacked them."""
+    def prepare(self, model: nn.Module, quantization: str = "none") -> bool:
+        """Put the weights in the layouts this backend's linears read (none here), in
+        `quantization` ('none' or 'int8'); whether it repacked them."""
+        if quantization != "none":
+            raise ValueError(
+                f"quantization {quantization} runs on the cpu backend's C kernels, "
+                f"not on the {self.name} backend"
+            )
         return False
 
     # ---- per step --------------------------------------------------------------------

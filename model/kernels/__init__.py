@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from model.device import cpu_isa, isa_flags
+
 log = logging.getLogger("kvserve.kernels")
 
 HERE = Path(__file__).parent
@@ -58,6 +60,8 @@ PROTOTYPES: dict[str, tuple[type | None, list[type]]] = {
     "paged_attention_amx_init": (_I, []),
     "linear_bf16_init": (_I, []),
     "linear_bf16": (None, [_P, _P, _P, _P, _P, _I, _I, _I, _I]),
+    "linear_bf16_vec": (None, [_P, _P, _P, _P, _P, _I, _I, _I, _I]),
+    "linear_int8": (None, [_P, _P, _P, _P, _P, _I, _I, _I, _I]),
     "stack_forward": (None, [_P]),
 }
 
@@ -134,23 +138,34 @@ def _compile(compiler: str, path: Path, flags: tuple[str, ...], target: Path) ->
     return True
 
 
-@functools.cache
 def _library(head_dim: int, block_size: int, group: int) -> ctypes.CDLL | None:
+    return _library_at(head_dim, block_size, group, cpu_isa())
+
+
+@functools.cache
+def _library_at(head_dim: int, block_size: int, group: int, isa: str) -> ctypes.CDLL | None:
     flags = (
         *ATTENTION_FLAGS,
+        *isa_flags(isa),
         f"-DHEAD_DIM={head_dim}",
         f"-DBLOCK_SIZE={block_size}",
         f"-DGROUP={group}",
     )
-    lib = _build("paged_attention.c", flags, f"d{head_dim}-bs{block_size}-g{group}")
+    lib = _build("paged_attention.c", flags, f"d{head_dim}-bs{block_size}-g{group}-{isa}")
     if lib is None:
         return None
-    _bind(lib, *_KERNELS.values(), "paged_attention_amx", "paged_attention_amx_init")
+    _bind(
+        lib,
+        *_KERNELS.values(),
+        "paged_attention_amx",
+        "paged_attention_amx_init",
+    )
     lib.amx = bool(lib.paged_attention_amx_init())  # built with AMX, and the OS allows it
     return lib
 
 
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 16, 256, 64
+# the vector kernel for each cache dtype (bf16: bf16 queries and output, float32 inside)
 _KERNELS = {torch.float32: "paged_attention_f32", torch.bfloat16: "paged_attention_bf16"}
 
 
@@ -161,13 +176,19 @@ def _is_power_of_two(n: int) -> bool:  # the kernel holds a block of scores in o
 def paged_attention_supported(cache: torch.Tensor, n_heads: int, n_kv: int, d_head: int) -> bool:
     """`cache`: a layer's K pool, (num_blocks, KV, D / P, BS, P) as PagedKVCache lays it out."""
     return _attention_supported(
-        cache.device.type, cache.dtype, cache.shape[-2], n_heads, n_kv, d_head
+        cache.device.type, cache.dtype, cache.shape[-2], n_heads, n_kv, d_head, cpu_isa()
     )
 
 
 @functools.cache  # asked once per layer and step: the answer depends on these alone
 def _attention_supported(
-    device: str, dtype: torch.dtype, block_size: int, n_heads: int, n_kv: int, d_head: int
+    device: str,
+    dtype: torch.dtype,
+    block_size: int,
+    n_heads: int,
+    n_kv: int,
+    d_head: int,
+    isa: str,
 ) -> bool:
     return (
         device == "cpu"
@@ -177,7 +198,7 @@ def _attention_supported(
         and d_head % 2 == 0
         and 2 <= block_size <= MAX_BLOCK_SIZE
         and _is_power_of_two(block_size)
-        and _library(d_head, block_size, n_heads // n_kv) is not None
+        and _library_at(d_head, block_size, n_heads // n_kv, isa) is not None
     )
 
 
@@ -191,17 +212,16 @@ def paged_attention(
     scale: float,
     alibi: torch.Tensor | None = None,  # (H,) float32
     row_seq: torch.Tensor | None = None,  # (R,) int64 sequence of each row; None: row r -> r
-    use_amx: bool = True,
 ) -> torch.Tensor:
     """Attention of each query row over the first lens[row] cached tokens of its sequence
     (its own K/V must already be in the cache) -> (R, H, D) in the cache's dtype. bf16
-    caches go to the tile unit where the CPU has AMX (and use_amx), else vector code."""
+    caches go to the tile unit at the amx level (model.device.cpu_isa), else vector code."""
     r, h, d = q.shape
     kv, block_size = k_cache.shape[1], k_cache.shape[-2]
     lib = _library(d, block_size, h // kv)
     assert lib is not None, "check paged_attention_supported() first"
-    amx = use_amx and k_cache.dtype == torch.bfloat16 and _amx_attention(lib, d, block_size)
-    q = q.to(torch.bfloat16 if amx else torch.float32)
+    amx = k_cache.dtype == torch.bfloat16 and _amx_attention(lib, d, block_size)
+    q = q.to(k_cache.dtype)  # bf16 caches take bf16 queries (and give bf16), fp32 fp32
     if q.stride(2) != 1 or q.stride(1) != d:
         q = q.contiguous()
     out = torch.empty((r, h, d), dtype=q.dtype)
@@ -232,13 +252,12 @@ AMX_BLOCK_SIZE = 16  # the AMX attention kernel's block: one 16 x 16 tile of sco
 
 def attention_isa(d_head: int, block_size: int, group: int, dtype: torch.dtype) -> str:
     """Which code paged_attention runs for this shape and dtype here: 'amx' (tiles) or
-    the vector code at the CPU's widest vector ISA."""
-    from model.device import cpu_vector_isa
-
+    the vector code at the level the kernels are built for (model.device.cpu_isa)."""
     lib = _library(d_head, block_size, group)
     if lib is not None and dtype == torch.bfloat16 and _amx_attention(lib, d_head, block_size):
         return "amx"
-    return cpu_vector_isa()
+    isa = cpu_isa()
+    return "avx512-bf16" if isa == "amx" else isa
 
 
 def _amx_attention(lib: ctypes.CDLL, d_head: int, block_size: int) -> bool:
@@ -251,9 +270,13 @@ def _amx_attention(lib: ctypes.CDLL, d_head: int, block_size: int) -> bool:
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
-@functools.cache
 def _fused() -> ctypes.CDLL | None:
-    lib = _build("fused.c", tuple(FUSED_FLAGS), "all")
+    return _fused_at(cpu_isa())
+
+
+@functools.cache
+def _fused_at(isa: str) -> ctypes.CDLL | None:
+    lib = _build("fused.c", (*FUSED_FLAGS, *isa_flags(isa)), isa)
     if lib is None:
         return None
     _bind(
@@ -336,9 +359,11 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
     return out.tolist()
 
 
-# ---- bf16 linear layers on AMX (model/kernels/linear_bf16.c) ---------------------------
+# ---- linear layers: AMX tiles (linear_bf16.c), vector code (linear_vec.c) -------------
 
 TILE_N, TILE_K = 64, 32  # the weight layout's feature block; k per tile
+# linear_vec.c's float epilogue is the same arithmetic at every vector width
+VECTOR_FLAGS = [*BASE_FLAGS, "-ffp-contract=off", "-fno-math-errno"]
 
 
 @functools.cache
@@ -348,9 +373,40 @@ def _tiles() -> ctypes.CDLL | None:
         return None
     _bind(lib, "linear_bf16_init", "linear_bf16")
     if not lib.linear_bf16_init():  # built without AMX, or the OS refuses the tile state
-        log.info("no AMX tiles on this CPU: bf16 linears use oneDNN")
+        log.info("no AMX tiles here: bf16 linears run in vector code")
         return None
     return lib
+
+
+@functools.cache
+def _vector(isa: str) -> ctypes.CDLL | None:
+    if isa == "baseline":  # below AVX2 + FMA: oneDNN's matmul instead
+        return None
+    lib = _build("linear_vec.c", (*VECTOR_FLAGS, *isa_flags(isa)), isa)
+    if lib is not None:
+        _bind(lib, "linear_bf16_vec", "linear_int8")
+    return lib
+
+
+def linear_kernel(kind: str) -> ctypes._CFuncPtr | None:
+    """The C function for 'bf16' (tile_layout weights) or 'int8' (int8_pack blobs)
+    linears at this CPU's level: AMX tiles for bf16 where the level is amx, vector code
+    otherwise (int8 always); None where it is not built."""
+    isa = cpu_isa()
+    if kind == "bf16" and isa == "amx" and _tiles() is not None:
+        return _tiles().linear_bf16
+    lib = _vector("avx512-bf16" if isa == "amx" else isa)
+    if lib is None:
+        return None
+    return lib.linear_int8 if kind == "int8" else lib.linear_bf16_vec
+
+
+def linear_isa(kind: str) -> str:
+    """Which code linear_kernel(kind) runs: 'amx' or the vector level."""
+    isa = cpu_isa()
+    if kind == "bf16" and isa == "amx" and _tiles() is not None:
+        return "amx"
+    return "avx512-bf16" if isa == "amx" else isa
 
 
 def tile_linear_supported(weight: torch.Tensor) -> bool:
@@ -360,14 +416,44 @@ def tile_linear_supported(weight: torch.Tensor) -> bool:
         and weight.dtype == torch.bfloat16
         and n % TILE_N == 0
         and k % TILE_K == 0
-        and _tiles() is not None
+        and linear_kernel("bf16") is not None
+    )
+
+
+def int8_supported(weight: torch.Tensor) -> bool:
+    n, k = weight.shape
+    return (
+        weight.device.type == "cpu"
+        and n % TILE_N == 0
+        and k % 4 == 0
+        and linear_kernel("int8") is not None
     )
 
 
 def tile_layout(weight: torch.Tensor) -> torch.Tensor:
-    """(N, K) -> (N/64, K/2, 64, 2): the layout linear_bf16.c reads."""
+    """(N, K) -> (N/64, K/2, 64, 2): the layout linear_bf16.c and linear_vec.c read."""
     n, k = weight.shape
     return weight.reshape(n // TILE_N, TILE_N, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def int8_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) -> int8 q (N, K) and float32 scales (N,): symmetric per output feature,
+    q = round(w / s) with s = max|w| / 127 over the feature's K weights."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1) / 127
+    q = torch.round(w / torch.where(scale > 0, scale, 1)[:, None]).clamp(-127, 127)
+    return q.to(torch.int8), scale
+
+
+def int8_pack(weight: torch.Tensor) -> torch.Tensor:
+    """(N, K) -> the uint8 blob linear_int8 reads: q in (N/64, K/4, 64, 4), then the N
+    float32 scales, then N int32 values 128 * sum(q) (the VNNI path's offset)."""
+    q, scale = int8_quantize(weight)
+    n, k = q.shape
+    blocks = q.reshape(n // TILE_N, TILE_N, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+    comp = (q.to(torch.int32).sum(dim=1) * 128).to(torch.int32)
+    parts = [blocks.view(torch.uint8).flatten(), scale.view(torch.uint8), comp.view(torch.uint8)]
+    return torch.cat(parts)
 
 
 def swiglu_layout(weight: torch.Tensor) -> torch.Tensor:
@@ -380,21 +466,29 @@ def swiglu_layout(weight: torch.Tensor) -> torch.Tensor:
 
 
 def tile_linear(
-    x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None, swiglu: bool = False
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    swiglu: bool = False,
+    shape: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """x (..., K) bf16 @ W^T + bias -> (..., N) bf16, W in tile_layout; bias fp32 or None.
-    swiglu: W and bias are a SwiGLU's (gate | up) in swiglu_layout, and the result is
-    silu(x @ Wg^T + bg) * (x @ Wu^T + bu), (..., N/2), in the same pass."""
-    blocks, half_k, _, _ = tiles.shape
-    n, k = blocks * TILE_N, half_k * 2
+    """x (..., K) bf16 @ W^T + bias -> (..., N) bf16; bias fp32 or None. W: in tile_layout
+    (bf16), or an int8_pack blob of the given (N, K) `shape`. swiglu: W and bias are a
+    SwiGLU's (gate | up) in swiglu_layout, and the result is silu(x @ Wg^T + bg) *
+    (x @ Wu^T + bu), (..., N/2), in the same pass."""
+    if shape is None:
+        blocks, half_k, _, _ = weight.shape
+        n, k = blocks * TILE_N, half_k * 2
+    else:
+        n, k = shape
     width = n // 2 if swiglu else n
-    flat = x.reshape(-1, k).contiguous()
+    flat = x.reshape(-1, k).to(torch.bfloat16).contiguous()
     out = torch.empty((flat.shape[0], width), dtype=torch.bfloat16)
     if flat.shape[0]:
         scratch = torch.empty_like(out) if swiglu else None  # the rounded gate
-        _tiles().linear_bf16(
+        linear_kernel("bf16" if shape is None else "int8")(
             flat.data_ptr(),
-            tiles.data_ptr(),
+            weight.data_ptr(),
             data_ptr(bias),
             out.data_ptr(),
             data_ptr(scratch),
@@ -417,25 +511,23 @@ def _stack() -> ctypes.CDLL | None:
     return lib
 
 
-def stack_kernels(d_head: int, block_size: int, group: int) -> dict[str, int] | None:
+def stack_kernels(d_head: int, block_size: int, group: int, kind: str) -> dict[str, int] | None:
     """Addresses of the kernels model/kernels/stack.c calls for a bf16 model whose
-    attention has this shape, or None unless all of them (AMX tiles included) are here."""
-    if block_size != AMX_BLOCK_SIZE:  # answered before building anything for it
+    attention has this shape and whose linears are all of `kind` ('bf16' or 'int8'), at
+    this CPU's level; None unless all of them are built here."""
+    attention, fused, linear = _library(d_head, block_size, group), _fused(), linear_kernel(kind)
+    if attention is None or fused is None or linear is None or _stack() is None:
         return None
-    attention, fused, tiles = _library(d_head, block_size, group), _fused(), _tiles()
-    if attention is None or fused is None or tiles is None or _stack() is None:
-        return None
-    if not _amx_attention(attention, d_head, block_size):
-        return None
+    amx = _amx_attention(attention, d_head, block_size)
 
     def address(fn: object) -> int:
         return ctypes.cast(fn, ctypes.c_void_p).value
 
     return {
         "norm": address(fused.add_rms_norm_bf16),
-        "linear": address(tiles.linear_bf16),
+        "linear": address(linear),
         "rope": address(fused.rope_store_bf16),
-        "attend": address(attention.paged_attention_amx),
+        "attend": address(attention.paged_attention_amx if amx else attention.paged_attention_bf16),
     }
 
 

@@ -29,10 +29,10 @@ void paged_attention_f32(const float *q, const float *k, const float *v, const i
                          const int64_t *row_seq, const int64_t *lens, float *out, int R,
                          int q_stride, int KV, int max_blocks, float scale, const float *alibi,
                          int nthreads);
-void paged_attention_bf16(const float *q, const uint16_t *k, const uint16_t *v,
+void paged_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                           const int64_t *tables, const int64_t *row_seq, const int64_t *lens,
-                          float *out, int R, int q_stride, int KV, int max_blocks, float scale,
-                          const float *alibi, int nthreads);
+                          uint16_t *out, int R, int q_stride, int KV, int max_blocks,
+                          float scale, const float *alibi, int nthreads);
 int paged_attention_amx_init(void);
 void paged_attention_amx(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                          const int64_t *tables, const int64_t *row_seq, const int64_t *lens,
@@ -42,6 +42,13 @@ void paged_attention_amx(const uint16_t *q, const uint16_t *k, const uint16_t *v
 /* linear_bf16.c */
 int linear_bf16_init(void);
 void linear_bf16(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
+                 uint16_t *scratch, int m, int n, int k, int nthreads);
+
+/* linear_vec.c (built per instruction set): the same contract as linear_bf16; for
+ * linear_int8, w is int8_pack's blob (int8 weights, then float32 scales and int32 sums) */
+void linear_bf16_vec(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
+                     uint16_t *scratch, int m, int n, int k, int nthreads);
+void linear_int8(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
                  uint16_t *scratch, int m, int n, int k, int nthreads);
 
 /* stack.c: the decoder layers as one call, over the kernels above as function pointers */

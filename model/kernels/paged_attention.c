@@ -12,8 +12,9 @@
  *   v: (num_blocks, KV, BLOCK_SIZE / P, HEAD_DIM, P)
  * In bfloat16 these are the tile unit's B operands for q.k and p.v (the AMX kernel at the
  * end of this file).
- * q: (R, KV * GROUP, HEAD_DIM) float32, one row per query token, rows q_stride elements
- *    apart (a view of a fused qkv projection); out: (R, KV * GROUP, HEAD_DIM) float32
+ * q: (R, KV * GROUP, HEAD_DIM) in the cache's dtype, one row per query token, rows
+ *    q_stride elements apart (a view of a fused qkv projection); out: (R, KV * GROUP,
+ *    HEAD_DIM) in the cache's dtype, computed in float32 and rounded once
  * k/v: float32 or bfloat16 (uint16 bits); tables: (B, max_blocks) int64, one per sequence;
  * row_seq: (R,) int64 sequence of each row, or NULL for row r -> sequence r;
  * lens: (R,) int64 keys each row sees (its position + 1); alibi: (H,) slopes or NULL.
@@ -106,9 +107,9 @@ static inline float hsum(vblk v) {
     return s;
 }
 
-#define DEFINE_KERNEL(NAME, T, KEYS, VALS)                                                \
-void NAME(const float *q, const T *k, const T *v, const int64_t *tables,                  \
-          const int64_t *row_seq, const int64_t *lens, float *out, int R, int q_stride,   \
+#define DEFINE_KERNEL(NAME, QT, QLOAD, QSTORE, T, KEYS, VALS)                             \
+void NAME(const QT *q, const T *k, const T *v, const int64_t *tables,                     \
+          const int64_t *row_seq, const int64_t *lens, QT *out, int R, int q_stride,      \
           int KV, int max_blocks, float scale, const float *alibi, int nthreads) {        \
     _Pragma("omp parallel for schedule(dynamic, 1) num_threads(nthreads)")                \
     for (int task = 0; task < R * KV; ++task) {                                           \
@@ -117,8 +118,8 @@ void NAME(const float *q, const T *k, const T *v, const int64_t *tables,        
         float qs[G][D], m[G], l[G];                                                       \
         vch acc[G][D / DV];                                                               \
         for (int g = 0; g < G; ++g) {                                                     \
-            const float *qh = q + (int64_t)row * q_stride + (kvh * G + g) * D;            \
-            for (int d = 0; d < D; ++d) qs[g][d] = qh[d] * scale;                         \
+            const QT *qh = q + (int64_t)row * q_stride + (kvh * G + g) * D;               \
+            for (int d = 0; d < D; ++d) qs[g][d] = QLOAD(qh[d]) * scale;                  \
             for (int c = 0; c < D / DV; ++c) acc[g][c] = (vch){0};                        \
             m[g] = -1e30f;                                                                \
             l[g] = 0.f;                                                                   \
@@ -177,18 +178,35 @@ void NAME(const float *q, const T *k, const T *v, const int64_t *tables,        
             }                                                                             \
         }                                                                                 \
         for (int g = 0; g < G; ++g) {                                                     \
-            float *o = out + ((int64_t)row * H + kvh * G + g) * D;                        \
+            QT *o = out + ((int64_t)row * H + kvh * G + g) * D;                           \
             const float inv = 1.f / l[g];                                                 \
             for (int c = 0; c < D / DV; ++c) {                                            \
-                const vch r = acc[g][c] * inv;                                            \
-                memcpy(o + c * DV, &r, sizeof r);                                         \
+                float r[DV];                                                              \
+                const vch rv = acc[g][c] * inv;                                           \
+                memcpy(r, &rv, sizeof r);                                                 \
+                for (int i = 0; i < DV; ++i) o[c * DV + i] = QSTORE(r[i]);                \
             }                                                                             \
         }                                                                                 \
     }                                                                                     \
 }
 
-DEFINE_KERNEL(paged_attention_f32, float, keys2_f32, vals2_f32)
-DEFINE_KERNEL(paged_attention_bf16, uint16_t, keys2_bf16, vals2_bf16)
+static inline float f32_id(float f) { return f; }
+static inline float bf16_load(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+static inline uint16_t bf16_store(float f) {  /* round to nearest even (no NaN here) */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+DEFINE_KERNEL(paged_attention_f32, float, f32_id, f32_id, float, keys2_f32, vals2_f32)
+/* bf16 queries and output (as the decoder stack's buffers hold them): float32 inside */
+DEFINE_KERNEL(paged_attention_bf16, uint16_t, bf16_load, bf16_store, uint16_t, keys2_bf16,
+              vals2_bf16)
 
 /* ---- bfloat16 on the AMX tile unit ------------------------------------------------------
  * The same attention for bfloat16 caches on CPUs with AMX, BLOCK_SIZE 16 and HEAD_DIM a

@@ -64,7 +64,7 @@ def _build_engine(settings: Settings, built: dict[str, Any]) -> Any:
     from service.engine.engine import EngineConfig, LLMEngine
 
     device = pick_device(settings.device)
-    dtype = pick_dtype(settings.dtype, device)
+    dtype = pick_dtype(settings.dtype, device, settings.quantization)
     # a local directory, or a Hub repo id from the cache (downloaded when reachable)
     source = resolve(settings.model, settings.revision, settings.download_dir)
     loaded = load(source.path if source else None, dtype, device)
@@ -80,6 +80,7 @@ def _build_engine(settings: Settings, built: dict[str, Any]) -> Any:
         gpu_memory_utilization=settings.gpu_memory_utilization,
         attention_backend=settings.attention_backend,
         cuda_graphs=not settings.enforce_eager,
+        quantization=settings.quantization,
     )
     engine = LLMEngine(loaded.model, loaded.tokenizer, config, observer=metrics)
     cfg, name = loaded.model.cfg, dtype_name(dtype)
@@ -92,6 +93,7 @@ def _build_engine(settings: Settings, built: dict[str, Any]) -> Any:
     report |= {
         "device": str(device),
         "attention_backend": backend,
+        "quantization": settings.quantization,
         "cuda_graphs": engine.runner.graphs is not None,
         "block_size": settings.block_size,
         "kv_blocks": engine.blocks.num_blocks,
@@ -99,12 +101,13 @@ def _build_engine(settings: Settings, built: dict[str, Any]) -> Any:
         "floors": limits,
     }
     log.info(
-        "engine ready: device %s, dtype %s, attention backend %s%s, CUDA graphs %s, "
+        "engine ready: device %s, dtype %s, weights %s, attention backend %s%s, CUDA graphs %s, "
         "%d KV blocks of %d tokens (%.1f MiB), max_model_len %d",
         device,
         name,
+        settings.quantization if settings.quantization != "none" else name,
         backend["name"],
-        f" (ISA {backend['isa']})" if "isa" in backend else "",
+        f" (ISA {backend['isa']}, linears {backend['linear_isa']})" if "isa" in backend else "",
         "on" if engine.runner.graphs is not None else "off",
         engine.blocks.num_blocks,
         settings.block_size,
@@ -121,6 +124,7 @@ def _build_engine(settings: Settings, built: dict[str, Any]) -> Any:
         device_memory=_cuda_memory(device),
         info={
             "dtype": name,
+            "quantization": settings.quantization,
             "device": device.type,
             "attention_backend": backend["name"],
             "block_size": str(settings.block_size),

@@ -39,6 +39,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # model/backends: auto, cpu, triton, torch
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (triton backend on CUDA)
+    quantization: str = "none"  # model/backends: none, int8 (weights; the cpu backend)
 
 
 class EngineObserver(Protocol):
@@ -87,7 +88,7 @@ class LLMEngine:
             model.cfg, num_blocks, config.block_size, model.dtype, model.device, self.backend
         )
         # the model is part of every prefix-cache key (with each request's cache_salt)
-        namespace = f"{model.cfg!r}|{model.dtype}"
+        namespace = f"{model.cfg!r}|{model.dtype}|{config.quantization}"
         self.blocks = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching, namespace
         )
@@ -104,6 +105,7 @@ class LLMEngine:
             decode_graphs(model, self.kv_cache, config.max_num_seqs, self.max_model_len)
             if graphs and model.device.type == "cuda"
             else None,
+            config.quantization,
         )
         self.requests: dict[str, Request] = {}
         self.texts: dict[str, TextState] = {}

@@ -19,12 +19,15 @@ class ModelRunner:
         model: Transformer,
         kv_cache: PagedKVCache,
         graphs: Callable[[], DecodeGraphs] | None = None,
+        quantization: str = "none",
     ) -> None:
         """graphs: builds the CUDA graphs of decode steps (after the weights are
-        prepared); None runs every step eagerly."""
+        prepared); None runs every step eagerly. quantization: of the linear weights, as
+        the backend's prepare() takes it."""
         self.model = model
         self.backend = kv_cache.backend
-        self.packed = self.backend.prepare(model)  # the weight layouts its linears read
+        # the weight layouts its linears read
+        self.packed = self.backend.prepare(model, quantization)
         self.kv_cache = kv_cache
         self.device = model.device
         self.block_size = kv_cache.block_size

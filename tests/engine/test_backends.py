@@ -65,8 +65,9 @@ def test_decode_graphs_pad_to_their_bucket_and_match_eager() -> None:
         after = cache.data.clone()
         cache.data.copy_(eager_cache)  # the same step again, eagerly
         want = model(tokens, meta, cache)
-        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
-        # the same stores (a padded batch rounds the later layers' matmuls differently)
+        # a padded batch rounds the matmuls differently (oneDNN/MKL pick their kernels by
+        # row count): logits and stores within float32 rounding of each other
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
         torch.testing.assert_close(cache.data, after, atol=1e-5, rtol=0)
         for i in range(n):
             lens[i] += 1

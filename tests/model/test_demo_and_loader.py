@@ -51,7 +51,7 @@ def test_cli_generate_and_audit(capsys: pytest.CaptureFixture[str]) -> None:
     assert out.out.startswith("Hello") and "4 generated" in out.err
     assert main(["audit"]) == 0
     report = json.loads(capsys.readouterr().out)
-    itemsize = pick_dtype("auto", torch.device("cpu")).itemsize  # bf16 where the CPU has AMX
+    itemsize = pick_dtype("auto", torch.device("cpu")).itemsize  # bf16 where it has bf16 dots
     assert report["model"] == DEMO_MODEL_ID
     assert report["kv_bytes_per_token"] == 2 * 2 * 64 * 4 * itemsize
     assert main(["audit", "--model", "/nonexistent"]) == 2
@@ -109,14 +109,47 @@ def test_cli_plan(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert "decode floor" in capsys.readouterr().out
 
 
-def test_auto_dtype_is_bf16_on_cuda_and_on_cpus_with_amx(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("level", "want"),
+    [("baseline", torch.float32), ("avx2", torch.float32), ("avx512f", torch.float32),
+     ("avx512-bf16", torch.bfloat16), ("amx", torch.bfloat16)],
+)  # fmt: skip
+def test_auto_dtype_is_bf16_on_cuda_and_on_cpus_with_bf16_dot_products(
+    monkeypatch: pytest.MonkeyPatch, level: str, want: torch.dtype
+) -> None:
     import model.device as device
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    monkeypatch.setattr(device, "cpu_has_amx", lambda: False)
-    assert pick_dtype("auto", cpu) == torch.float32 and pick_dtype("auto", cuda) == torch.bfloat16
-    monkeypatch.setattr(device, "cpu_has_amx", lambda: True)
-    assert pick_dtype("auto", cpu) == torch.bfloat16
+    monkeypatch.setattr(device, "cpu_isa", lambda: level)
+    assert pick_dtype("auto", cpu) == want and pick_dtype("auto", cuda) == torch.bfloat16
+    assert pick_dtype("auto", cpu, "int8") == torch.bfloat16  # int8 weights, bf16 activations
     assert pick_dtype("float32", cpu) == torch.float32
     with pytest.raises(ValueError, match="dtype must be one of"):
         pick_dtype("float8", cpu)
+
+
+def test_isa_levels_follow_the_cpu_flags_and_kvserve_cpu_isa(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import model.device as device
+
+    zen4 = {"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni"}
+    monkeypatch.setattr(device, "cpu_flags", lambda: frozenset(zen4))
+    device._resolve_isa.cache_clear()
+    try:
+        assert device.native_isa() == "avx512-bf16" and not device.cpu_has_amx()
+        assert device.isa_missing("amx") == ("amx_tile", "amx_bf16")
+        monkeypatch.setenv(device.ISA_ENV, "avx2")
+        assert device.cpu_isa() == "avx2"
+        assert "-mno-avx512f" in device.isa_flags("avx2")
+        monkeypatch.setenv(device.ISA_ENV, "amx")
+        with pytest.raises(ValueError, match="needs CPU flags amx_tile, amx_bf16.*up to avx512-bf16"):
+            device.cpu_isa()
+        monkeypatch.setenv(device.ISA_ENV, "sse2")
+        with pytest.raises(ValueError, match="must be one of"):
+            device.cpu_isa()
+        monkeypatch.setattr(device, "cpu_flags", lambda: frozenset({"sse2"}))
+        monkeypatch.delenv(device.ISA_ENV)
+        assert device.native_isa() == "baseline" and device.isa_flags("baseline") == ()
+    finally:
+        device._resolve_isa.cache_clear()

@@ -13,6 +13,7 @@ from model.attention import PagedKVCache
 from model.config import ModelConfig
 from model.kernels import (
     _library,
+    attention_isa,
     fused_supported,
     greedy_tokens,
     paged_attention,
@@ -66,11 +67,6 @@ def reference(q, k_ref, v_ref, tables, row_seq, lens, scale, slopes):
     return torch.stack(outs)
 
 
-def amx_available(d: int, bs: int, group: int) -> bool:
-    lib = _library(d, bs, group)
-    return lib is not None and lib.amx and bs == 16 and d % 32 == 0
-
-
 # (rows of sequence 0, 1, 2 as (cached, new)): decodes, prefill chunks, a mix
 BATCHES = {
     "decodes": [(0, 1), (15, 1), (16, 1), (76, 1), (111, 1)],
@@ -87,24 +83,18 @@ def rows_of(batch):
     return torch.tensor(row_seq), torch.tensor(lens)
 
 
-KERNELS = [
-    (torch.float32, False),
-    (torch.bfloat16, False),  # vector code on bf16 caches
-    (torch.bfloat16, True),  # the tile unit, where the CPU has AMX
-]
+DTYPES = [torch.float32, torch.bfloat16]  # bf16: the tile unit at the amx level
 
 
-@pytest.mark.parametrize(("dtype", "amx"), KERNELS)
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "d", "bs"),
     [(9, 3, 64, 16), (4, 4, 16, 8), (8, 1, 32, 16), (8, 2, 128, 16), (6, 2, 32, 32)],
 )
 @pytest.mark.parametrize("alibi", [False, True])
 @pytest.mark.parametrize("batch", list(BATCHES))
-def test_kernel_matches_torch(dtype, amx, heads, kv_heads, d, bs, alibi, batch) -> None:
+def test_kernel_matches_torch(isa, dtype, heads, kv_heads, d, bs, alibi, batch) -> None:
     torch.manual_seed(0)
-    if amx and not amx_available(d, bs, heads // kv_heads):
-        pytest.skip("no AMX on this CPU, or a shape the tile kernel does not take")
     k_cache, v_cache, k_ref, v_ref = random_cache(heads, kv_heads, d, bs, dtype)
     assert paged_attention_supported(k_cache, heads, kv_heads, d)
     row_seq, lens = rows_of(BATCHES[batch])
@@ -112,21 +102,21 @@ def test_kernel_matches_torch(dtype, amx, heads, kv_heads, d, bs, alibi, batch) 
     tables = torch.stack([torch.randperm(64)[:width] for _ in BATCHES[batch]])
     q = torch.randn(len(lens), heads, d).to(dtype)
     slopes = alibi_slopes(heads) if alibi else None
-    got = paged_attention(q, k_cache, v_cache, tables, lens, d**-0.5, slopes, row_seq, amx)
+    got = paged_attention(q, k_cache, v_cache, tables, lens, d**-0.5, slopes, row_seq)
     assert got.dtype == dtype
+    tiles = attention_isa(d, bs, heads // kv_heads, dtype) == "amx"
+    assert tiles == (isa == "amx" and dtype == torch.bfloat16 and bs == 16 and d % 32 == 0)
     want = reference(q, k_ref, v_ref, tables, row_seq, lens, d**-0.5, slopes)
     # fp32: exact math; bf16: the output is rounded to bf16 (and on AMX the probabilities)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (got.float() - want).abs().max().item() < tol
 
 
-@pytest.mark.parametrize(("dtype", "amx"), KERNELS)
-def test_a_row_gets_the_same_bits_however_it_is_batched(dtype, amx) -> None:
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_row_gets_the_same_bits_however_it_is_batched(isa, dtype) -> None:
     """A query row's result depends on the row alone: the same bits as a decode on its
     own, as one token of a prefill chunk, and beside other sequences' rows."""
     heads, kv_heads, d, bs = 9, 3, 64, 16
-    if amx and not amx_available(d, bs, 3):
-        pytest.skip("no AMX on this CPU")
     torch.manual_seed(1)
     k_cache, v_cache, _, _ = random_cache(heads, kv_heads, d, bs, dtype)
     tables = torch.randperm(64)[:16].view(2, 8)
@@ -145,7 +135,6 @@ def test_a_row_gets_the_same_bits_however_it_is_batched(dtype, amx) -> None:
             0.125,
             None,
             row_seq,
-            amx,
         )
 
     alone = torch.cat(  # each position as a decode on its own (no row_seq)
@@ -157,7 +146,6 @@ def test_a_row_gets_the_same_bits_however_it_is_batched(dtype, amx) -> None:
                 tables[:1],
                 torch.tensor([p + 1]),
                 0.125,
-                use_amx=amx,
             )
             for p in range(120)
         ]

@@ -1,4 +1,5 @@
-"""The decoder stack as one C call (model/stack.py) gives the module path's bits."""
+"""The decoder stack as one C call (model/stack.py) gives the module path's bits, at every
+instruction-set level the CPU runs (the `isa` fixture), with bf16 and with int8 weights."""
 
 import weakref
 
@@ -13,20 +14,21 @@ from tests.model.helpers import tiny_model
 SHAPE = dict(vocab_size=256, d_model=192, n_heads=6, n_kv_heads=2, d_ff=128, max_position=256)
 
 
-def stack_model(**overrides: object):
+def stack_model(quantization: str = "none", **overrides: object):
     model = tiny_model(seed=3, n_layers=3, **{**SHAPE, **overrides}).to(torch.bfloat16)
-    model.pack_weights()
+    model.pack_weights(quantization)
     return model
 
 
-needs_stack = pytest.mark.skipif(
-    stack_kernels(32, 16, 3) is None, reason="no AMX tiles (or no C compiler) on this CPU"
-)
+@pytest.fixture(autouse=True)
+def _built(isa: str) -> None:
+    assert stack_kernels(32, 16, 3, "bf16") is not None, "no C compiler"
 
 
 def run_steps(model, cache: PagedKVCache, tokens: list[torch.Tensor]) -> list[torch.Tensor]:
     """Two sequences through whole-prompt, mixed (decode + chunk) and decode-only steps."""
-    tables = [[5, 0, 9, 2, 7], [3, 8, 1, 6, 4]]
+    bs = cache.block_size
+    tables = [[5, 0, 9, 2, 7, 10], [3, 8, 1, 6, 4, 11]]
     steps = [  # (start, count) per sequence; count 0 leaves it out of the step
         [(0, 21), (0, 9)],
         [(21, 1), (9, 30)],
@@ -37,25 +39,30 @@ def run_steps(model, cache: PagedKVCache, tokens: list[torch.Tensor]) -> list[to
     for step in steps:
         seqs = [(i, s, n) for i, (s, n) in enumerate(step) if n]
         meta = AttentionMetadata.paged(
-            [tables[i] for i, _, _ in seqs], [s for _, s, _ in seqs], [n for _, _, n in seqs], 16
+            [tables[i] for i, _, _ in seqs], [s for _, s, _ in seqs], [n for _, _, n in seqs], bs
         )
         ids = torch.cat([tokens[i][s : s + n] for i, s, n in seqs])
         outs.append(model(ids, meta, cache))
     return outs
 
 
-@needs_stack
 @pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+@pytest.mark.parametrize("block_size", [16, 8])
 @torch.no_grad()
-def test_one_call_gives_the_bits_of_the_modules(bias: bool) -> None:
-    model = stack_model(qkv_bias=bias, attn_out_bias=bias, mlp_bias=bias)
+def test_one_call_gives_the_bits_of_the_modules(
+    isa: str, bias: bool, quantization: str, block_size: int
+) -> None:
+    model = stack_model(quantization, qkv_bias=bias, attn_out_bias=bias, mlp_bias=bias)
     assert model._stack is not None
+    assert model._stack.kind == ("int8" if quantization == "int8" else "bf16")
     gen = torch.Generator().manual_seed(0)
     tokens = [torch.randint(0, 256, (41,), generator=gen) for _ in range(2)]
-    fast_cache = PagedKVCache(model.cfg, 10, 16, torch.bfloat16, "cpu")
+    fast_cache = PagedKVCache(model.cfg, 12, block_size, torch.bfloat16, "cpu")
+    assert model._stack.takes(fast_cache, AttentionMetadata.paged([[0]], [0], [3], block_size))
     fast = run_steps(model, fast_cache, tokens)
     stack, model._stack = model._stack, None
-    slow_cache = PagedKVCache(model.cfg, 10, 16, torch.bfloat16, "cpu")
+    slow_cache = PagedKVCache(model.cfg, 12, block_size, torch.bfloat16, "cpu")
     slow = run_steps(model, slow_cache, tokens)
     model._stack = stack
     for a, b in zip(fast, slow, strict=True):
@@ -64,18 +71,15 @@ def test_one_call_gives_the_bits_of_the_modules(bias: bool) -> None:
     assert fast[0].isfinite().all() and fast[0].std() > 0
 
 
-@needs_stack
 @torch.no_grad()
-def test_models_and_steps_it_does_not_take_run_as_modules() -> None:
+def test_models_and_steps_it_does_not_take_run_as_modules(isa: str) -> None:
     assert stack_model(norm="layernorm")._stack is None
     assert stack_model(position="alibi")._stack is None
     assert stack_model(norm_placement="post")._stack is None
     model = stack_model()
     fp32_cache = PagedKVCache(model.cfg, 4, 16, torch.float32, "cpu")
-    small_blocks = PagedKVCache(model.cfg, 4, 8, torch.bfloat16, "cpu")
     meta = AttentionMetadata.paged([[0]], [0], [3], 16)
     assert not model._stack.takes(fp32_cache, meta)
-    assert not model._stack.takes(small_blocks, AttentionMetadata.paged([[0]], [0], [3], 8))
     assert not model._stack.takes(None, AttentionMetadata.dense(3, "cpu"))
     cache = PagedKVCache(model.cfg, 4, 16, torch.bfloat16, "cpu")
     assert model._stack.takes(cache, meta)

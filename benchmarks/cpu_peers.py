@@ -1,0 +1,216 @@
+"""kvserve against llama.cpp's server on the same CPU, checkpoint and workload, in one run.
+
+Both serve the 180M Llama-3-style checkpoint that ../shared/peers/build.sh writes (kvserve
+the HF directory, llama.cpp its GGUFs): kvserve in bf16 and with --quantization int8,
+llama-server in bf16 and Q8_0 (and fp32 on both with --fp32). Each server is started on
+127.0.0.1, warmed up with one request, and measured with the same streaming client
+(service/bench.py): prompts of random token ids sent as id arrays, greedy, `ignore_eos`.
+
+  single stream   one request (llama-server -np 1 -c 2048): decode tok/s = (chunks - 1)
+                  / (last chunk - first chunk), and TTFT
+  concurrent      --concurrency requests at once (llama-server -np N -c 4096): output
+                  tok/s = generated tokens / wall time, TTFT p50
+
+All servers of a phase run side by side; each of --rounds rounds gives every system one
+turn, one after another (a drift in the machine's speed falls on all), and the table has
+the medians over the rounds.
+
+Prints the CPU (model name, the flags that pick kernels), kvserve's kernel levels, a
+table with the ratios, and writes JSON (--out).
+
+    python benchmarks/cpu_peers.py --peers ../peers
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from model.device import cpu_flags, cpu_isa
+from service import bench
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "llama-cl100k-135m"
+FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(cmd: list[str], url: str, log: Path) -> subprocess.Popen:
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{shlex.join(cmd)} exited with {proc.returncode}; see {log}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise SystemExit(f"{shlex.join(cmd)} did not become healthy; see {log}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def command(system: str, peers: Path, port: int, slots: int, threads: int) -> list[str]:
+    """The server command line for `system` ('kvserve-<bf16|int8|fp32>' or
+    'llama-<bf16|q8_0|f32>')."""
+    kind, variant = system.split("-", 1)
+    if kind == "llama":
+        ctx = 2048 if slots == 1 else 4096
+        server = peers / "llama.cpp" / "build" / "bin" / "llama-server"
+        gguf = peers / "models" / f"{MODEL}-{variant}.gguf"
+        return [
+            str(server), "-m", str(gguf), "-t", str(threads), "-np", str(slots), "-c", str(ctx),
+            "--host", "127.0.0.1", "--port", str(port),
+        ]  # fmt: skip
+    dtype = {"bf16": "bfloat16", "int8": "bfloat16", "fp32": "float32"}[variant]
+    quant = ["--quantization", "int8"] if variant == "int8" else []
+    return [
+        sys.executable, "-m", "service.cli", "serve", "--model", str(peers / "models" / MODEL),
+        "--dtype", dtype, *quant, "--port", str(port), "--max-num-seqs", str(max(slots, 16)),
+    ]  # fmt: skip
+
+
+def measure(systems: list[str], args: argparse.Namespace, slots: int) -> dict[str, Any]:
+    """Start every system's server (each with `slots` slots), warm each up, then take
+    --rounds turns: in each round every system runs the workload once, one after another,
+    so that a drift in the machine's speed falls on all of them; medians over rounds."""
+    threads = int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1))
+    servers: dict[str, tuple[subprocess.Popen, str]] = {}
+    try:
+        for system in systems:
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            log = Path(args.out).with_suffix(f".{system}.{slots}.log")
+            servers[system] = start(command(system, args.peers, port, slots, threads), url, log), url
+        n = 1 if slots == 1 else args.concurrency
+        reqs = bench.workload(
+            "fixed", n * (args.rounds + 1), args.prompt_len, args.output_len, 100256, args.seed
+        )
+        runs: dict[str, list[dict[str, Any]]] = {system: [] for system in systems}
+        with bench.event_loop() as loop:
+            for system, (_, url) in servers.items():  # warm-up
+                loop.run(bench.run(url, reqs[:1], 1, None, 600, None, None, args.seed))
+            for i in range(1, args.rounds + 1):
+                wave = reqs[i * n : (i + 1) * n]
+                for system, (_, url) in servers.items():
+                    if slots == 1:
+                        runs[system].append(loop.run(single(url, *wave[0])))
+                    else:
+                        run = loop.run(bench.run(url, wave, slots, None, 600, None, None, args.seed))
+                        if run["errors"]:
+                            raise SystemExit(f"{system}: {run['error_examples']}")
+                        runs[system].append(
+                            {"output_tok_s": run["output_tok_s"], "ttft_p50_s": run["ttft_ms"]["p50"] / 1000}
+                        )
+    finally:
+        for proc, _ in servers.values():
+            stop(proc)
+    out = {}
+    for system, rs in runs.items():
+        med = {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "chunks"}
+        if slots == 1:
+            med["ms_per_token"] = 1000 / med["decode_tok_s"]
+        out[system] = med | {"rounds": rs}
+    return out
+
+
+async def single(url: str, prompt: list[int], max_tokens: int) -> dict[str, float]:
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        r = await bench.one(client, prompt, max_tokens, None)
+    if not r.ok or not r.itl:
+        raise SystemExit(f"request failed: {r.error}")
+    return {"decode_tok_s": len(r.itl) / sum(r.itl), "ttft_s": r.ttft, "chunks": len(r.itl) + 1}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--peers", type=Path, default=ROOT.parent / "peers", help="build.sh's PEERS_DIR")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=5, help="turns of every system (medians)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fp32", action="store_true", help="also kvserve fp32 and llama.cpp f32")
+    ap.add_argument("--systems", default=None, help="comma-separated subset")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "cpu_peers.json"))
+    args = ap.parse_args()
+    systems = ["kvserve-bf16", "llama-bf16", "kvserve-int8", "llama-q8_0"]
+    if args.fp32:
+        systems += ["kvserve-fp32", "llama-f32"]
+    if args.systems:
+        systems = args.systems.split(",")
+    flags = sorted(f for f in FLAGS if f in cpu_flags())
+    header = {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "flags": flags,
+        "kvserve_isa": cpu_isa(),
+        "workload": {k: getattr(args, k) for k in ("prompt_len", "output_len", "concurrency", "rounds")},
+    }
+    print(f"CPU: {header['cpu']}, {header['cores']} cores; flags: {' '.join(flags)}")
+    print(f"kvserve kernels: {header['kvserve_isa']}")
+    single_runs = measure(systems, args, 1)
+    concurrent_runs = measure(systems, args, args.concurrency)
+    rows = {s: {"single": single_runs[s], "concurrent": concurrent_runs[s]} for s in systems}
+    print()
+    print(f"| system | decode tok/s (1 stream) | ms/token | TTFT 1 stream | {args.concurrency} concurrent tok/s | TTFT p50 |")
+    print("|---|---|---|---|---|---|")
+    for system, r in rows.items():
+        s, c = r["single"], r["concurrent"]
+        print(
+            f"| {system} | {s['decode_tok_s']:.1f} | {s['ms_per_token']:.1f} | {s['ttft_s'] * 1000:.0f} ms "
+            f"| {c['output_tok_s']:.1f} | {c['ttft_p50_s']:.2f} s |"
+        )
+    ratios = {}
+    for ours, theirs in (("kvserve-bf16", "llama-bf16"), ("kvserve-int8", "llama-q8_0"),
+                         ("kvserve-int8", "kvserve-bf16"), ("kvserve-fp32", "llama-f32")):  # fmt: skip
+        if ours in rows and theirs in rows:
+            ratios[f"{ours} / {theirs}"] = {
+                "single": rows[ours]["single"]["decode_tok_s"] / rows[theirs]["single"]["decode_tok_s"],
+                "concurrent": rows[ours]["concurrent"]["output_tok_s"] / rows[theirs]["concurrent"]["output_tok_s"],
+            }
+    print()
+    for name, r in ratios.items():
+        print(f"{name}: single stream {r['single']:.2f}x, {args.concurrency} concurrent {r['concurrent']:.2f}x")
+    Path(args.out).write_text(json.dumps(header | {"results": rows, "ratios": ratios}, indent=2))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

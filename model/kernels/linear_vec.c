@@ -1,0 +1,377 @@
+/* Linear layers in vector code, for CPUs without AMX tiles (and for AMX CPUs' int8):
+ * out (M, N) = x (M, K) @ W^T + bias, bf16 in and out, float32 accumulation, one
+ * round-to-nearest-even rounding on store.
+ *
+ * Built once per instruction set (model/kernels/__init__.py passes -m flags for the level
+ * model/device.py picks), from the same source:
+ *   avx512-bf16  vdpbf16ps for bf16 (pairs of k per 32-bit lane), vpdpbusd for int8
+ *   avx512f      bf16 -> float32 (a shift) and FMA; int8 by vpmaddubsw / vpmaddwd
+ *   avx2         the same with 256-bit vectors (AVX2 + FMA: the portable floor)
+ *
+ * bf16 weights are in the AMX kernel's layout (linear_bf16.c), (N/64, K/2, 64, 2): every
+ * batch size and every instruction set reads the one copy. The FMA path adds a lane's odd
+ * k product, then its even one, each product exact in float32: the order vdpbf16ps
+ * specifies, so every level gives the same bits, and a row's result is the same whatever
+ * rows share its call.
+ *
+ * int8 weights (--quantization int8) are per-output-feature symmetric, in (N/64, K/4,
+ * 64, 4) with the N float32 scales and N int32 compensations after them (int8_pack in
+ * model/kernels/__init__.py). Each call quantizes its rows of x to int8, symmetric per
+ * row; the dot products are exact int32 sums on every level, then
+ * y = float(sum) * (row scale * feature scale) + bias.
+ *
+ * A SwiGLU's gate and up projections can run as one weight whose 64-feature blocks
+ * alternate gate, up (scratch given): the gate block is rounded into scratch and the up
+ * block's epilogue stores silu(gate) * up, rounded step by step as the unfused ops are.
+ */
+#include "kvserve.h"
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define NB 64       /* output features per block */
+#define M_CHUNK 64  /* rows kept hot while a thread's weight blocks pass */
+#define PREFETCH 2048  /* bytes of the weight stream fetched ahead */
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define VL 16
+typedef __m512 vf;
+typedef __m512i vi;
+#define vf_zero() _mm512_setzero_ps()
+#define vf_store(p, v) _mm512_storeu_ps(p, v)
+#define vf_fma(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define vf_set1(f) _mm512_set1_ps(f)
+#define vi_load(p) _mm512_loadu_si512((const void *)(p))
+#define vi_set1(i) _mm512_set1_epi32(i)
+#define vi_zero() _mm512_setzero_si512()
+#define vi_add(a, b) _mm512_add_epi32(a, b)
+#define vi_store(p, v) _mm512_storeu_si512((void *)(p), v)
+#define lo_bf16(w) _mm512_castsi512_ps(_mm512_slli_epi32(w, 16))
+#define hi_bf16(w) _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xFFFF0000u)))
+#define MR_MAX 6
+#elif defined(__AVX2__) && defined(__FMA__)
+#define VL 8
+typedef __m256 vf;
+typedef __m256i vi;
+#define vf_zero() _mm256_setzero_ps()
+#define vf_store(p, v) _mm256_storeu_ps(p, v)
+#define vf_fma(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define vf_set1(f) _mm256_set1_ps(f)
+#define vi_load(p) _mm256_loadu_si256((const __m256i *)(p))
+#define vi_set1(i) _mm256_set1_epi32(i)
+#define vi_zero() _mm256_setzero_si256()
+#define vi_add(a, b) _mm256_add_epi32(a, b)
+#define vi_store(p, v) _mm256_storeu_si256((__m256i *)(p), v)
+#define lo_bf16(w) _mm256_castsi256_ps(_mm256_slli_epi32(w, 16))
+#define hi_bf16(w) _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xFFFF0000u)))
+#define MR_MAX 1
+#endif
+
+#define NV (NB / VL) /* vectors per block row */
+#if MR_MAX >= 6
+#define NBLK_MAX 4
+#else
+#define NBLK_MAX 1
+#endif
+
+/* Blocks a pass of `rows` rows takes at once: one row, 4 blocks; two rows, 2; more rows
+ * (up to MR_MAX), one. */
+static inline int blocks_for(int rows) {
+    return rows == 1 ? NBLK_MAX : (rows == 2 && NBLK_MAX >= 2 ? 2 : 1);
+}
+
+/* Calls FN(NBLK, MR, ...) with the shape as constants, for the shapes blocks_for gives. */
+#if MR_MAX >= 6
+#define TILE_SWITCH(FN, nblk, rows, ...)                                                 \
+    do {                                                                                 \
+        if (nblk == 4) FN(4, 1, __VA_ARGS__);                                            \
+        else if (nblk == 2) FN(2, 2, __VA_ARGS__);                                       \
+        else switch (rows) {                                                             \
+            case 6: FN(1, 6, __VA_ARGS__); break;                                        \
+            case 5: FN(1, 5, __VA_ARGS__); break;                                        \
+            case 4: FN(1, 4, __VA_ARGS__); break;                                        \
+            case 3: FN(1, 3, __VA_ARGS__); break;                                        \
+            case 2: FN(1, 2, __VA_ARGS__); break;                                        \
+            default: FN(1, 1, __VA_ARGS__); break;                                       \
+        }                                                                                \
+    } while (0)
+#else
+#define TILE_SWITCH(FN, nblk, rows, ...) FN(1, 1, __VA_ARGS__)
+#endif
+
+/* ---- the epilogue: bias, SwiGLU, bf16 rounding (plain C, vectorized by the compiler;
+ * built without FP contraction, so it is the same arithmetic at every vector width) ---- */
+
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even; NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    const uint32_t nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
+    const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)(nan ? (u >> 16) | 0x40u : r);
+}
+
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+/* exp(x): 2^n * 2^f, n = rint(x log2 e), 2^f by a degree-6 polynomial on [-0.5, 0.5];
+ * x clamped to [-87, 88] so that 2^n is a normal float built from its bits. */
+static inline float exp_poly(float x) {
+    x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
+    const float t = x * 1.44269504f;
+    const float n = rintf(t);
+    const float f = t - n;
+    float p = fmaf(1.53337387e-4f, f, 1.33951858e-3f);
+    p = fmaf(p, f, 9.61849187e-3f);
+    p = fmaf(p, f, 5.55034131e-2f);
+    p = fmaf(p, f, 2.40226477e-1f);
+    p = fmaf(p, f, 6.93147182e-1f);
+    p = fmaf(p, f, 1.f);
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float s;
+    memcpy(&s, &bits, sizeof s);
+    return p * s;
+}
+
+/* One row's block of NB results: + bias, rounded; with a gate row, silu(gate) * up. */
+static inline void store_row(const float *acc, const float *bias, uint16_t *out,
+                             const uint16_t *gate) {
+    if (gate) {
+        for (int j = 0; j < NB; ++j) {
+            const float v = acc[j] + (bias ? bias[j] : 0.f);
+            const float g = bf16_to_f32(gate[j]);
+            const float silu = g / (1.f + exp_poly(-g));
+            out[j] = f32_to_bf16(round_bf16(silu) * round_bf16(v));
+        }
+    } else {
+        for (int j = 0; j < NB; ++j) out[j] = f32_to_bf16(acc[j] + (bias ? bias[j] : 0.f));
+    }
+}
+
+/* Where block b's results go: plain, columns b * NB of out (row stride n); SwiGLU (w's
+ * blocks alternate gate, up), gate block 2i into scratch and up block 2i + 1, reading it,
+ * into columns i * NB of out (both row stride n / 2). */
+typedef struct {
+    uint16_t *dst;
+    const uint16_t *gate;
+    int stride;
+} target;
+
+static inline target block_target(uint16_t *out, uint16_t *scratch, int n, int b) {
+    target t = {out + b * NB, 0, n};
+    if (scratch) {
+        t.stride = n / 2;
+        t.dst = (b % 2 ? out : scratch) + b / 2 * NB;
+        t.gate = b % 2 ? scratch + b / 2 * NB : 0;
+    }
+    return t;
+}
+
+/* ---- bf16 ---------------------------------------------------------------------------- */
+
+/* MR rows of x (bf16, row stride k) against NBLK consecutive weight blocks (each k * NB
+ * apart): acc (NBLK, MR, NB) float32. Several blocks at once are several streams of
+ * weights in flight, which a single-row pass needs to reach the memory bandwidth. */
+static inline __attribute__((always_inline)) void bf16_tile(const int NBLK, const int MR,
+                                                             const uint16_t *x, int k,
+                                                             const uint16_t *w, float *acc) {
+    vf c[NBLK_MAX][MR_MAX][NV];
+    for (int s = 0; s < NBLK; ++s)
+        for (int r = 0; r < MR; ++r)
+            for (int j = 0; j < NV; ++j) c[s][r][j] = vf_zero();
+    for (int kp = 0; kp < k / 2; ++kp) {
+        for (int s = 0; s < NBLK; ++s) {
+            const uint16_t *wk = w + (long)s * k * NB + (long)kp * 2 * NB;
+            for (int off = 0; off < 4 * NB; off += 64)
+                _mm_prefetch((const char *)wk + PREFETCH + off, _MM_HINT_T0);
+            vi wv[NV];
+            for (int j = 0; j < NV; ++j) wv[j] = vi_load(wk + j * 2 * VL);
+            for (int r = 0; r < MR; ++r) {
+                uint32_t pair;
+                memcpy(&pair, x + (long)r * k + 2 * kp, sizeof pair);
+#if VL == 16 && defined(__AVX512BF16__)
+                const vi xb = vi_set1((int)pair);
+                for (int j = 0; j < NV; ++j)
+                    c[s][r][j] = _mm512_dpbf16_ps(c[s][r][j], (__m512bh)wv[j], (__m512bh)xb);
+#else
+                const vf xe = vf_set1(bf16_to_f32((uint16_t)pair));
+                const vf xo = vf_set1(bf16_to_f32((uint16_t)(pair >> 16)));
+                for (int j = 0; j < NV; ++j) {
+                    c[s][r][j] = vf_fma(hi_bf16(wv[j]), xo, c[s][r][j]);
+                    c[s][r][j] = vf_fma(lo_bf16(wv[j]), xe, c[s][r][j]);
+                }
+#endif
+            }
+        }
+    }
+    for (int s = 0; s < NBLK; ++s)
+        for (int r = 0; r < MR; ++r)
+            for (int j = 0; j < NV; ++j) vf_store(acc + (s * MR + r) * NB + j * VL, c[s][r][j]);
+}
+
+/* ---- int8 ---------------------------------------------------------------------------- */
+
+/* The 4 int8 of x at k .. k + 3 times those of the weights' lanes, summed into each lane. */
+static inline vi dot4(vi acc, vi xb, vi w) {
+#if VL == 16 && defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(acc, xb, w);  /* x as uint8 (+128: X_OFFSET) */
+#elif VL == 16
+    /* |w| (uint8) times x with w's sign: 2 products per int16 stay below 2^15 */
+    const vi sx = _mm512_mask_sub_epi8(xb, _mm512_movepi8_mask(w), _mm512_setzero_si512(), xb);
+    const vi p16 = _mm512_maddubs_epi16(_mm512_abs_epi8(w), sx);
+    return vi_add(acc, _mm512_madd_epi16(p16, _mm512_set1_epi16(1)));
+#else
+    const vi p16 = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xb, w));
+    return vi_add(acc, _mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+#endif
+}
+
+#if VL == 16 && defined(__AVX512VNNI__)
+#define X_OFFSET 128  /* vpdpbusd takes x unsigned: x + 128, less 128 * sum(w) after */
+#else
+#define X_OFFSET 0
+#endif
+
+static inline __attribute__((always_inline)) void int8_tile(const int NBLK, const int MR,
+                                                             const uint8_t *xq, int k,
+                                                             const int8_t *w, int32_t *acc) {
+    vi c[NBLK_MAX][MR_MAX][NV];
+    for (int s = 0; s < NBLK; ++s)
+        for (int r = 0; r < MR; ++r)
+            for (int j = 0; j < NV; ++j) c[s][r][j] = vi_zero();
+    for (int kq = 0; kq < k / 4; ++kq) {
+        for (int s = 0; s < NBLK; ++s) {
+            const int8_t *wk = w + (long)s * k * NB + (long)kq * 4 * NB;
+            for (int off = 0; off < 4 * NB; off += 64)
+                _mm_prefetch((const char *)wk + PREFETCH + off, _MM_HINT_T0);
+            vi wv[NV];
+            for (int j = 0; j < NV; ++j) wv[j] = vi_load(wk + j * 4 * VL);
+            for (int r = 0; r < MR; ++r) {
+                int32_t quad;
+                memcpy(&quad, xq + (long)r * k + 4 * kq, sizeof quad);
+                const vi xb = vi_set1(quad);
+                for (int j = 0; j < NV; ++j) c[s][r][j] = dot4(c[s][r][j], xb, wv[j]);
+            }
+        }
+    }
+    for (int s = 0; s < NBLK; ++s)
+        for (int r = 0; r < MR; ++r)
+            for (int j = 0; j < NV; ++j) vi_store(acc + (s * MR + r) * NB + j * VL, c[s][r][j]);
+}
+
+/* Row r of x -> int8 (stored + X_OFFSET) with scale sx[r]: q = rint(x * 127 / max|x|). */
+static void quantize_rows(const uint16_t *x, int m, int k, uint8_t *xq, float *sx,
+                          int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if ((long)m * k > 65536)
+    for (int r = 0; r < m; ++r) {
+        const uint16_t *xr = x + (long)r * k;
+        float amax = 0.f;
+        for (int i = 0; i < k; ++i) {
+            const float a = fabsf(bf16_to_f32(xr[i]));
+            amax = a > amax ? a : amax;
+        }
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        sx[r] = amax / 127.f;
+        uint8_t *q = xq + (long)r * k;
+        for (int i = 0; i < k; ++i) {
+            float v = rintf(bf16_to_f32(xr[i]) * inv);
+            v = v > 127.f ? 127.f : (v < -127.f ? -127.f : v);
+            q[i] = (uint8_t)((int)v + X_OFFSET);
+        }
+    }
+}
+
+/* ---- the drivers --------------------------------------------------------------------- */
+
+/* Each thread takes a contiguous run of blocks (whole gate/up pairs for a SwiGLU); for
+ * each chunk of rows, each of its blocks (blocks_for() at a time where the chunk is one
+ * or two rows) while passes of up to MR_MAX rows go over it; results go out in block
+ * order (a gate before its up block). */
+#ifdef _OPENMP
+#define OMP_IDS(t, nt) (t = omp_get_thread_num(), nt = omp_get_num_threads())
+#else
+#define OMP_IDS(t, nt) ((void)0)
+#endif
+#define FOR_PASSES(n, m, scratch, nthreads, BODY)                                        \
+    do {                                                                                 \
+        const int unit = (scratch) ? 2 : 1, units = (n) / NB / unit;                     \
+        int nt_ = (nthreads) < units ? (nthreads) : units;                               \
+        if (nt_ < 1) nt_ = 1;                                                            \
+        _Pragma("omp parallel num_threads(nt_)")                                         \
+        {                                                                                \
+            int t_ = 0, nts_ = 1;                                                        \
+            OMP_IDS(t_, nts_);                                                           \
+            const int b0 = (int)((long)units * t_ / nts_) * unit;                        \
+            const int b1 = (int)((long)units * (t_ + 1) / nts_) * unit;                  \
+            for (int m0 = 0; m0 < (m); m0 += M_CHUNK) {                                  \
+                const int m1 = m0 + M_CHUNK < (m) ? m0 + M_CHUNK : (m);                  \
+                const int group = m1 - m0 <= 2 ? blocks_for(m1 - m0) : 1;                \
+                for (int b = b0; b < b1;) {                                              \
+                    const int nblk = b + group <= b1 ? group : 1;                        \
+                    for (int r = m0; r < m1; r += MR_MAX) {                              \
+                        const int rows = m1 - r < MR_MAX ? m1 - r : MR_MAX;              \
+                        BODY                                                             \
+                    }                                                                    \
+                    b += nblk;                                                           \
+                }                                                                        \
+            }                                                                            \
+        }                                                                                \
+    } while (0)
+
+#define BF16_TILE(NBLK, MR, x, k, w, acc) bf16_tile(NBLK, MR, x, k, w, acc)
+#define INT8_TILE(NBLK, MR, x, k, w, acc) int8_tile(NBLK, MR, x, k, w, acc)
+
+void linear_bf16_vec(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
+                     uint16_t *scratch, int m, int n, int k, int nthreads) {
+    FOR_PASSES(n, m, scratch, nthreads, {
+        float acc[NBLK_MAX * MR_MAX * NB] __attribute__((aligned(64)));
+        TILE_SWITCH(BF16_TILE, nblk, rows, x + (long)r * k, k, w + (long)b * k * NB, acc);
+        for (int s = 0; s < nblk; ++s) {
+            const target t = block_target(out, scratch, n, b + s);
+            for (int i = 0; i < rows; ++i)
+                store_row(acc + (s * rows + i) * NB, bias ? bias + (b + s) * NB : 0,
+                          t.dst + (long)(r + i) * t.stride,
+                          t.gate ? t.gate + (long)(r + i) * t.stride : 0);
+        }
+    });
+}
+
+void linear_int8(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
+                 uint16_t *scratch, int m, int n, int k, int nthreads) {
+    const int8_t *q = (const int8_t *)w;
+    const float *sw = (const float *)(q + (long)n * k);
+    const int32_t *comp = (const int32_t *)(sw + n);
+    uint8_t *xq = malloc((size_t)m * k + 64);
+    float *sx = malloc(sizeof(float) * (size_t)(m + 1));
+    quantize_rows(x, m, k, xq, sx, nthreads);
+    FOR_PASSES(n, m, scratch, nthreads, {
+        int32_t acc[NBLK_MAX * MR_MAX * NB] __attribute__((aligned(64)));
+        float y[NB] __attribute__((aligned(64)));
+        TILE_SWITCH(INT8_TILE, nblk, rows, xq + (long)r * k, k, q + (long)b * k * NB, acc);
+        for (int s = 0; s < nblk; ++s) {
+            const int bs = b + s;
+            const target t = block_target(out, scratch, n, bs);
+            for (int i = 0; i < rows; ++i) {
+                const int32_t *a = acc + (s * rows + i) * NB;
+                const float sr = sx[r + i];
+                for (int j = 0; j < NB; ++j)
+                    y[j] = (float)(a[j] - (X_OFFSET ? comp[bs * NB + j] : 0)) *
+                           (sr * sw[bs * NB + j]);
+                store_row(y, bias ? bias + bs * NB : 0, t.dst + (long)(r + i) * t.stride,
+                          t.gate ? t.gate + (long)(r + i) * t.stride : 0);
+            }
+        }
+    });
+    free(xq);
+    free(sx);
+}

@@ -1,0 +1,189 @@
+"""kvserve's linear kernels at every instruction-set level the CPU runs (the `isa`
+fixture): AMX tiles (model/kernels/linear_bf16.c) and vector code (linear_vec.c) for bf16,
+int8 weights (linear_vec.c). Against fp32 matmul, bit for bit against a reference of the
+vector code's arithmetic, a row's result independent of the rows beside it, and the fused
+SwiGLU against the unfused ops."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model.config import ModelConfig
+from model.kernels import (
+    int8_pack,
+    int8_quantize,
+    linear_isa,
+    swiglu_layout,
+    tile_layout,
+    tile_linear,
+    tile_linear_supported,
+)
+from model.layers import Linear, SwiGLU
+
+
+@pytest.fixture(autouse=True)
+def _built(isa: str) -> None:
+    assert tile_linear_supported(torch.empty(64, 32, dtype=torch.bfloat16)), "no C compiler"
+    assert linear_isa("bf16") == isa and linear_isa("int8") in (isa, "avx512-bf16")
+
+
+def weights(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(torch.bfloat16)
+    return w, torch.randn(n, generator=g)
+
+
+def bf16_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The vector code's arithmetic: per output, in k-pair order, the odd k's product then
+    the even one's added in float32 (each product exact), + bias, one bf16 rounding."""
+    xf, wf = x.float(), w.float()
+    acc = torch.zeros(x.shape[0], w.shape[0])
+    for kp in range(w.shape[1] // 2):
+        acc = acc + xf[:, 2 * kp + 1, None] * wf[None, :, 2 * kp + 1]
+        acc = acc + xf[:, 2 * kp, None] * wf[None, :, 2 * kp]
+    return (acc + bias if bias is not None else acc).to(torch.bfloat16)
+
+
+def int8_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """int8 weights and rows: q = rint(x * (127 / max|x|)) per row, exact integer dot
+    products, float(sum) * (row scale * weight scale) + bias, one bf16 rounding."""
+    q, scale = int8_quantize(w)
+    xf = x.float()
+    amax = xf.abs().amax(dim=1)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127) / amax, 0)
+    xq = torch.round(xf * inv[:, None]).clamp(-127, 127)
+    acc = (xq.double() @ q.double().T).float()  # exact: |sums| < 2^24
+    y = acc * ((amax / 127)[:, None] * scale[None, :])
+    return (y + bias if bias is not None else y).to(torch.bfloat16)
+
+
+def run(x, w, bias, int8: bool, swiglu: bool = False) -> torch.Tensor:
+    if int8:
+        return tile_linear(x, int8_pack(w), bias, swiglu, shape=tuple(w.shape))
+    return tile_linear(x, tile_layout(w), bias, swiglu)
+
+
+@pytest.mark.parametrize(("n", "k"), [(64, 32), (192, 96), (576, 1536)])
+@pytest.mark.parametrize("rows", [1, 2, 7, 16, 45, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_matches_fp32_matmul(isa: str, n: int, k: int, rows: int, with_bias: bool) -> None:
+    w, bias = weights(n, k)
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    got = run(x, w, bias if with_bias else None, int8=False)
+    want = x.float() @ w.float().T + (bias if with_bias else 0)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    # fp32 accumulation in another order, then one bf16 rounding: within 1-2 bf16 ulps.
+    torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["bf16", "int8"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 6, 7, 70])
+def test_vector_code_gives_the_bits_of_its_reference(isa: str, int8: bool, rows: int) -> None:
+    """Every vector level computes the same bits (vdpbf16ps and the FMA path add the same
+    exact products in the same order; int8 sums are exact), so each is checked against one
+    reference; on AMX the bf16 tiles sum in their own order (the fp32 test covers them)."""
+    if isa == "amx" and not int8:
+        pytest.skip("AMX tiles accumulate in the tile unit's order: covered against fp32")
+    w, bias = weights(192, 96, seed=rows)
+    x = torch.randn(rows, 96).to(torch.bfloat16)
+    ref = int8_reference if int8 else bf16_reference
+    for b in (None, bias):
+        assert torch.equal(run(x, w, b, int8), ref(x, w, b))
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["bf16", "int8"])
+def test_a_row_gives_the_same_bits_alone_in_any_batch_and_thread_count(
+    isa: str, int8: bool
+) -> None:
+    w, bias = weights(512, 96, seed=1)
+    x = torch.randn(300, 96).to(torch.bfloat16)  # passes of every height, two row chunks
+    full = run(x, w, bias, int8)
+    for i in (0, 1, 15, 16, 31, 33, 63, 64, 255, 256, 299):
+        assert torch.equal(run(x[i : i + 1], w, bias, int8)[0], full[i])
+    for lo, hi in ((5, 50), (7, 9), (298, 300)):
+        assert torch.equal(run(x[lo:hi], w, bias, int8), full[lo:hi])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(run(x, w, bias, int8), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_int8_error_against_fp32_matmul(isa: str) -> None:
+    """Per-feature int8 weights and per-row int8 inputs: about 1% of the outputs' scale."""
+    w, bias = weights(576, 1536, seed=4)
+    x = torch.randn(9, 1536).to(torch.bfloat16)
+    got = run(x, w, bias, int8=True).float()
+    want = x.float() @ w.float().T + bias
+    err = (got - want).abs()
+    assert err.max().item() < 0.05 * want.abs().max().item()
+    assert err.mean().item() < 0.01 * want.abs().mean().item() + 1e-3
+
+
+def test_leading_dimensions_and_empty_input(isa: str) -> None:
+    w, _ = weights(64, 64)
+    for int8 in (False, True):
+        x = torch.randn(2, 3, 64).to(torch.bfloat16)
+        flat = run(x.view(6, 64), w, None, int8).view(2, 3, 64)
+        assert torch.equal(run(x, w, None, int8), flat)
+        assert run(x[:0], w, None, int8).shape == (0, 3, 64)
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_linear_packs_where_the_shape_allows(isa: str, quantization: str) -> None:
+    fits, odd = Linear(96, 128, bias=True), Linear(96, 100, bias=False)
+    for layer in (fits, odd):
+        layer.to(torch.bfloat16)
+    x = torch.randn(5, 96).to(torch.bfloat16)
+    before = [F.linear(x, layer.weight, layer.bias).float() for layer in (fits, odd)]
+    for layer in (fits, odd):
+        layer.pack(quantization=quantization)
+    assert fits._tiles is not None and fits._packed is None
+    assert fits.int8 == (quantization == "int8")
+    assert odd._tiles is None and odd._packed is not None  # 100 features: oneDNN's layout
+    for layer, want in zip((fits, odd), before):
+        assert layer.packed and layer.weight.device.type == "meta"
+        tol = 3e-2 if layer.int8 else 8e-3
+        torch.testing.assert_close(layer(x).float(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["bf16", "int8"])
+@pytest.mark.parametrize(("f", "k"), [(64, 32), (192, 96), (1536, 576)])
+@pytest.mark.parametrize("rows", [1, 2, 16, 45])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fused_swiglu_matches_the_unfused_bf16_ops(
+    isa: str, int8: bool, f: int, k: int, rows: int, with_bias: bool
+) -> None:
+    w, bias = weights(2 * f, k, seed=2)
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    b = bias if with_bias else None
+    fused_w = swiglu_layout(w)
+    got = run(x, fused_w, swiglu_layout(b) if b is not None else None, int8, swiglu=True)
+    gate, up = run(x, w, b, int8).split(f, dim=-1)
+    want = F.silu(gate) * up  # what SwiGLU computes without the fused kernel
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, f)
+    # the same roundings; silu's exp differs from torch's in the last float32 bits, which
+    # can move a result by one bf16 ulp
+    torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=1e-3)
+    assert (got == want).float().mean().item() > 0.97
+    assert torch.equal(
+        run(x[-1:], fused_w, None, int8, swiglu=True), run(x, fused_w, None, int8, swiglu=True)[-1:]
+    )
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_swiglu_module_packs_fused_where_the_shape_allows(isa: str, quantization: str) -> None:
+    cfg = ModelConfig(vocab_size=8, d_model=64, n_layers=1, n_heads=2, d_ff=192)
+    torch.manual_seed(0)
+    ffn = SwiGLU(cfg).to(torch.bfloat16)
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        want = ffn(x)
+        ffn.pack(quantization)
+        assert ffn.w_in.gated and ffn.w_out.packed and ffn.w_in.int8 == (quantization == "int8")
+        tol = 6e-2 if quantization == "int8" else 2e-2
+        torch.testing.assert_close(ffn(x).float(), want.float(), rtol=tol, atol=tol / 10)
+    odd = SwiGLU(ModelConfig(vocab_size=8, d_model=64, n_layers=1, n_heads=2, d_ff=96))
+    odd.to(torch.bfloat16).pack(quantization)  # 2 x 96 rows: no whole gate/up block pairs
+    assert not odd.w_in.gated and odd.w_in.packed
