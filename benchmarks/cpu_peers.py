@@ -18,13 +18,12 @@ the medians over the rounds.
 Prints the CPU (model name, the flags that pick kernels), kvserve's kernel levels, a
 table with the ratios, and writes JSON (--out).
 
-    python benchmarks/cpu_peers.py --peers ../peers
+    PYTHONPATH=. .venv/bin/python benchmarks/cpu_peers.py --peers ../peers --fp32
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import platform
@@ -40,6 +39,7 @@ from typing import Any
 import httpx
 
 from model.device import cpu_flags, cpu_isa
+from model.hardware import memory_bandwidth
 from service import bench
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,6 +106,27 @@ def command(system: str, peers: Path, port: int, slots: int, threads: int) -> li
     ]  # fmt: skip
 
 
+BANDWIDTH: list[float] = []  # bytes/s, one probe per single-stream round
+
+
+def weight_bytes(model_dir: Path) -> dict[str, int]:
+    """Bytes a decode step reads per token: every weight once (a tied head reads the
+    embedding matrix), in bf16, and with int8 linears (1 byte + 8 bytes per output row)."""
+    from safetensors import safe_open
+
+    params, rows = 0, 0
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+            shape = f.get_slice(name).get_shape()
+            numel = 1
+            for d in shape:
+                numel *= d
+            params += numel
+            if len(shape) == 2:
+                rows += shape[0]
+    return {"params": params, "bf16": 2 * params, "int8": params + 8 * rows}
+
+
 def measure(systems: list[str], args: argparse.Namespace, slots: int) -> dict[str, Any]:
     """Start every system's server (each with `slots` slots), warm each up, then take
     --rounds turns: in each round every system runs the workload once, one after another,
@@ -117,26 +138,36 @@ def measure(systems: list[str], args: argparse.Namespace, slots: int) -> dict[st
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             log = Path(args.out).with_suffix(f".{system}.{slots}.log")
-            servers[system] = start(command(system, args.peers, port, slots, threads), url, log), url
+            servers[system] = (
+                start(command(system, args.peers, port, slots, threads), url, log),
+                url,
+            )
         n = 1 if slots == 1 else args.concurrency
         reqs = bench.workload(
             "fixed", n * (args.rounds + 1), args.prompt_len, args.output_len, 100256, args.seed
         )
         runs: dict[str, list[dict[str, Any]]] = {system: [] for system in systems}
         with bench.event_loop() as loop:
-            for system, (_, url) in servers.items():  # warm-up
+            for _, url in servers.values():  # warm-up
                 loop.run(bench.run(url, reqs[:1], 1, None, 600, None, None, args.seed))
             for i in range(1, args.rounds + 1):
+                if slots == 1:  # the read bandwidth, between turns, for the floor
+                    BANDWIDTH.append(memory_bandwidth("cpu", mib=1024))
                 wave = reqs[i * n : (i + 1) * n]
                 for system, (_, url) in servers.items():
                     if slots == 1:
                         runs[system].append(loop.run(single(url, *wave[0])))
                     else:
-                        run = loop.run(bench.run(url, wave, slots, None, 600, None, None, args.seed))
+                        run = loop.run(
+                            bench.run(url, wave, slots, None, 600, None, None, args.seed)
+                        )
                         if run["errors"]:
                             raise SystemExit(f"{system}: {run['error_examples']}")
                         runs[system].append(
-                            {"output_tok_s": run["output_tok_s"], "ttft_p50_s": run["ttft_ms"]["p50"] / 1000}
+                            {
+                                "output_tok_s": run["output_tok_s"],
+                                "ttft_p50_s": run["ttft_ms"]["p50"] / 1000,
+                            }
                         )
     finally:
         for proc, _ in servers.values():
@@ -159,8 +190,12 @@ async def single(url: str, prompt: list[int], max_tokens: int) -> dict[str, floa
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--peers", type=Path, default=ROOT.parent / "peers", help="build.sh's PEERS_DIR")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--peers", type=Path, default=ROOT.parent / "peers", help="build.sh's PEERS_DIR"
+    )
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=16)
@@ -168,8 +203,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fp32", action="store_true", help="also kvserve fp32 and llama.cpp f32")
     ap.add_argument("--systems", default=None, help="comma-separated subset")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "cpu_peers.json"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "cpu_peers.json"))
     args = ap.parse_args()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     systems = ["kvserve-bf16", "llama-bf16", "kvserve-int8", "llama-q8_0"]
     if args.fp32:
         systems += ["kvserve-fp32", "llama-f32"]
@@ -181,20 +217,38 @@ def main() -> None:
         "cores": os.cpu_count(),
         "flags": flags,
         "kvserve_isa": cpu_isa(),
-        "workload": {k: getattr(args, k) for k in ("prompt_len", "output_len", "concurrency", "rounds")},
+        "workload": {
+            k: getattr(args, k) for k in ("prompt_len", "output_len", "concurrency", "rounds")
+        },
     }
     print(f"CPU: {header['cpu']}, {header['cores']} cores; flags: {' '.join(flags)}")
     print(f"kvserve kernels: {header['kvserve_isa']}")
     single_runs = measure(systems, args, 1)
     concurrent_runs = measure(systems, args, args.concurrency)
     rows = {s: {"single": single_runs[s], "concurrent": concurrent_runs[s]} for s in systems}
+    sizes = weight_bytes(args.peers / "models" / MODEL)
+    bandwidth = max(BANDWIDTH)
+    floors = {v: sizes[v] / bandwidth * 1000 for v in ("bf16", "int8")}
+    floors["fp32"] = floors["bf16"] * 2
+    print(
+        f"\nread bandwidth {bandwidth / 1e9:.1f} GB/s (best of {len(BANDWIDTH)} probes, median "
+        f"{statistics.median(BANDWIDTH) / 1e9:.1f}): weight-bandwidth floor "
+        + ", ".join(f"{v} {ms:.1f} ms/token" for v, ms in floors.items())
+    )
     print()
-    print(f"| system | decode tok/s (1 stream) | ms/token | TTFT 1 stream | {args.concurrency} concurrent tok/s | TTFT p50 |")
-    print("|---|---|---|---|---|---|")
+    print(
+        f"| system | decode tok/s (1 stream) | ms/token | ratio to floor | TTFT 1 stream "
+        f"| {args.concurrency} concurrent tok/s | TTFT p50 |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for system, r in rows.items():
         s, c = r["single"], r["concurrent"]
+        floor = floors[
+            {"f32": "fp32", "q8_0": "int8"}.get(system.split("-", 1)[1], system.split("-", 1)[1])
+        ]
+        s["ratio_to_floor"] = s["ms_per_token"] / floor
         print(
-            f"| {system} | {s['decode_tok_s']:.1f} | {s['ms_per_token']:.1f} | {s['ttft_s'] * 1000:.0f} ms "
+            f"| {system} | {s['decode_tok_s']:.1f} | {s['ms_per_token']:.1f} | {s['ratio_to_floor']:.2f}x | {s['ttft_s'] * 1000:.0f} ms "
             f"| {c['output_tok_s']:.1f} | {c['ttft_p50_s']:.2f} s |"
         )
     ratios = {}
@@ -202,13 +256,20 @@ def main() -> None:
                          ("kvserve-int8", "kvserve-bf16"), ("kvserve-fp32", "llama-f32")):  # fmt: skip
         if ours in rows and theirs in rows:
             ratios[f"{ours} / {theirs}"] = {
-                "single": rows[ours]["single"]["decode_tok_s"] / rows[theirs]["single"]["decode_tok_s"],
-                "concurrent": rows[ours]["concurrent"]["output_tok_s"] / rows[theirs]["concurrent"]["output_tok_s"],
+                "single": rows[ours]["single"]["decode_tok_s"]
+                / rows[theirs]["single"]["decode_tok_s"],
+                "concurrent": rows[ours]["concurrent"]["output_tok_s"]
+                / rows[theirs]["concurrent"]["output_tok_s"],
             }
     print()
     for name, r in ratios.items():
-        print(f"{name}: single stream {r['single']:.2f}x, {args.concurrency} concurrent {r['concurrent']:.2f}x")
-    Path(args.out).write_text(json.dumps(header | {"results": rows, "ratios": ratios}, indent=2))
+        print(
+            f"{name}: single stream {r['single']:.2f}x, {args.concurrency} concurrent {r['concurrent']:.2f}x"
+        )
+    extra = {"bandwidth_probes": BANDWIDTH, "weight_bytes": sizes, "floors_ms": floors}
+    Path(args.out).write_text(
+        json.dumps(header | extra | {"results": rows, "ratios": ratios}, indent=2)
+    )
     print(f"\nwrote {args.out}")
 
 

@@ -25,7 +25,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype",
         default="auto",
-        help="auto (bf16 on CUDA and on CPUs with AMX, else fp32), float32, bfloat16",
+        help="auto (bf16 on CUDA and on CPUs with AVX2 or newer, else fp32), float32, bfloat16",
     )
 
 

@@ -47,7 +47,7 @@ class Settings:
     dtype: str = field(
         default="auto",
         metadata={
-            "help": "auto (bf16 on CUDA, on CPUs with AVX-512-BF16 or AMX and with "
+            "help": "auto (bf16 on CUDA, on CPUs with AVX2 or newer and with "
             "--quantization int8; else fp32), float32, bfloat16, float16"
         },
     )

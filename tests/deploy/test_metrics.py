@@ -85,5 +85,5 @@ def test_metrics_lint_and_count_traffic(server: Server) -> None:
     )
     assert after["kvserve_kv_cache_capacity_bytes{}"] > 0
     info = [k for k in after if k.startswith("kvserve_model_info")]
-    auto = dtype_name(pick_dtype("auto", torch.device("cpu")))  # bf16 where the CPU has AMX
+    auto = dtype_name(pick_dtype("auto", torch.device("cpu")))  # bf16 from AVX2 up
     assert info and f"dtype={auto}" in info[0] and "device=cpu" in info[0]

@@ -51,7 +51,7 @@ def test_cli_generate_and_audit(capsys: pytest.CaptureFixture[str]) -> None:
     assert out.out.startswith("Hello") and "4 generated" in out.err
     assert main(["audit"]) == 0
     report = json.loads(capsys.readouterr().out)
-    itemsize = pick_dtype("auto", torch.device("cpu")).itemsize  # bf16 where it has bf16 dots
+    itemsize = pick_dtype("auto", torch.device("cpu")).itemsize  # bf16 from AVX2 up
     assert report["model"] == DEMO_MODEL_ID
     assert report["kv_bytes_per_token"] == 2 * 2 * 64 * 4 * itemsize
     assert main(["audit", "--model", "/nonexistent"]) == 2
@@ -111,10 +111,10 @@ def test_cli_plan(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("level", "want"),
-    [("baseline", torch.float32), ("avx2", torch.float32), ("avx512f", torch.float32),
+    [("baseline", torch.float32), ("avx2", torch.bfloat16), ("avx512f", torch.bfloat16),
      ("avx512-bf16", torch.bfloat16), ("amx", torch.bfloat16)],
 )  # fmt: skip
-def test_auto_dtype_is_bf16_on_cuda_and_on_cpus_with_bf16_dot_products(
+def test_auto_dtype_is_bf16_on_cuda_and_where_the_bf16_kernels_run(
     monkeypatch: pytest.MonkeyPatch, level: str, want: torch.dtype
 ) -> None:
     import model.device as device
@@ -143,7 +143,9 @@ def test_isa_levels_follow_the_cpu_flags_and_kvserve_cpu_isa(
         assert device.cpu_isa() == "avx2"
         assert "-mno-avx512f" in device.isa_flags("avx2")
         monkeypatch.setenv(device.ISA_ENV, "amx")
-        with pytest.raises(ValueError, match="needs CPU flags amx_tile, amx_bf16.*up to avx512-bf16"):
+        with pytest.raises(
+            ValueError, match="needs CPU flags amx_tile, amx_bf16.*up to avx512-bf16"
+        ):
             device.cpu_isa()
         monkeypatch.setenv(device.ISA_ENV, "sse2")
         with pytest.raises(ValueError, match="must be one of"):

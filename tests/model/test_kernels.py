@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from model.attention import PagedKVCache
 from model.config import ModelConfig
 from model.kernels import (
-    _library,
     attention_isa,
     fused_supported,
     greedy_tokens,

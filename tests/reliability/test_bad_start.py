@@ -120,6 +120,19 @@ CASES: list[tuple[str, Callable[[Path], None] | None, list[str], list[str]]] = [
     ),
     ("KV budget not a number", None, ["--kv-cache-gib", "lots"], ["kv_cache_gib", "lots"]),
     ("negative max_num_seqs", None, ["--max-num-seqs", "-1"], ["max_num_seqs"]),
+    ("unknown quantization", None, ["--quantization", "fp4"], ["quantization", "fp4"]),
+    (
+        "int8 weights with fp32 activations",
+        None,
+        ["--quantization", "int8", "--dtype", "float32"],
+        ["int8", "bfloat16"],
+    ),
+    (
+        "int8 weights on the torch backend",
+        None,
+        ["--quantization", "int8", "--attention-backend", "torch"],
+        ["int8", "torch"],
+    ),
 ]
 
 

@@ -1,0 +1,148 @@
+"""What --quantization int8 costs in quality, against the same checkpoint in bf16.
+
+For each checkpoint (the test suite's transformers-written parity checkpoints: Llama with
+GQA, tied and untied, Qwen2 with q/k/v biases, GPT-2; and the 180M Llama-3-style
+checkpoint of ../shared/peers when --peers has it), loaded twice on the CPU backend in
+bf16 (kvserve's bf16 kernels, and int8 weights):
+
+  logits       random prompts through the model without a cache: max and mean |int8 -
+               bf16| over every position's logits, the mean relative to the bf16 logits'
+               standard deviation, and teacher-forced top-1 agreement (same context,
+               same argmax)
+  greedy       the engine generating --output-len tokens greedily from each prompt:
+               share of positions where the two runs chose the same token, and the mean
+               length of the identical prefix
+
+Prints a table and writes JSON (--out).
+
+    PYTHONPATH=. .venv/bin/python benchmarks/int8_quality.py --peers ../peers
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from model.loader import load
+from service.engine.engine import EngineConfig, LLMEngine
+from service.engine.request import SamplingParams
+from tests.model import hf_checkpoints as hf
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def checkpoints(tmp: Path, peers: Path | None) -> dict[str, Path]:
+    out = {}
+    for name, write in (
+        ("llama-gqa-tied", lambda p: hf.write_llama(p, tied=True)),
+        ("llama-gqa-untied", lambda p: hf.write_llama(p, tied=False, seed=1)),
+        ("qwen2-bias", hf.write_qwen2),
+        ("gpt2", hf.write_gpt2),
+    ):
+        path = tmp / name
+        write(path)
+        hf.write_tokenizer(path)
+        out[name] = path
+    big = peers / "models" / "llama-cl100k-135m" if peers else None
+    if big is not None and (big / "model.safetensors").exists():
+        out["llama3-180m"] = big
+    return out
+
+
+def engine(path: Path, quantization: str) -> LLMEngine:
+    loaded = load(path, torch.bfloat16, torch.device("cpu"))
+    config = EngineConfig(attention_backend="cpu", quantization=quantization, max_num_seqs=16)
+    return LLMEngine(loaded.model, loaded.tokenizer, config)
+
+
+def greedy(eng: LLMEngine, prompts: list[list[int]], n: int) -> list[list[int]]:
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"q{i}", p, params)
+    tokens: dict[str, list[int]] = {f"q{i}": [] for i in range(len(prompts))}
+    while eng.has_unfinished():
+        for out in eng.step():
+            tokens[out.request_id] += out.token_ids
+    return [tokens[f"q{i}"] for i in range(len(prompts))]
+
+
+@torch.no_grad()
+def compare(path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    bf16, int8 = engine(path, "none"), engine(path, "int8")
+    cfg = bf16.model.cfg
+    gen = torch.Generator().manual_seed(args.seed)
+    length = min(args.prompt_len, cfg.max_position - args.output_len)
+    prompts = [
+        torch.randint(0, min(cfg.vocab_size, 100256), (length,), generator=gen).tolist()
+        for _ in range(args.prompts)
+    ]
+    diffs, agree, scale = [], [], []
+    for p in prompts:
+        ids = torch.tensor(p)
+        a, b = bf16.model(ids).float(), int8.model(ids).float()
+        diffs.append((a - b).abs())
+        agree.append((a.argmax(-1) == b.argmax(-1)).float().mean().item())
+        scale.append(a.std().item())
+    d = torch.cat([x.flatten() for x in diffs])
+    ref, got = greedy(bf16, prompts, args.output_len), greedy(int8, prompts, args.output_len)
+    same = [
+        sum(x == y for x, y in zip(r, g, strict=True)) / len(r)
+        for r, g in zip(ref, got, strict=True)
+    ]
+    prefix = []
+    for r, g in zip(ref, got, strict=True):
+        n = next((i for i, (x, y) in enumerate(zip(r, g, strict=True)) if x != y), len(r))
+        prefix.append(n)
+    return {
+        "int8_linears": sum(1 for m in int8.model.modules() if getattr(m, "int8", False)),
+        "logit_max_abs_err": d.max().item(),
+        "logit_mean_abs_err": d.mean().item(),
+        "mean_err_over_logit_std": d.mean().item() / statistics.fmean(scale),
+        "top1_agreement": statistics.fmean(agree),
+        "greedy_same_token_share": statistics.fmean(same),
+        "greedy_identical_prefix_mean": statistics.fmean(prefix),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--peers", type=Path, default=ROOT.parent / "peers")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "int8_quality.json"))
+    args = ap.parse_args()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, path in checkpoints(Path(tmp), args.peers).items():
+            results[name] = compare(path, args)
+            print(name, json.dumps({k: round(v, 4) for k, v in results[name].items()}), flush=True)
+    print()
+    print(
+        "| checkpoint | int8 linears | logit max err | logit mean err | mean err / logit std | top-1 agreement (teacher-forced) | greedy same token | greedy identical prefix |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for name, r in results.items():
+        print(
+            f"| {name} | {r['int8_linears']} | {r['logit_max_abs_err']:.4f} | {r['logit_mean_abs_err']:.4f} "
+            f"| {r['mean_err_over_logit_std']:.3f} | {r['top1_agreement']:.1%} "
+            f"| {r['greedy_same_token_share']:.1%} | {r['greedy_identical_prefix_mean']:.1f} / {args.output_len} |"
+        )
+    Path(args.out).write_text(
+        json.dumps({"args": vars(args) | {"peers": str(args.peers)}, "results": results}, indent=2)
+    )
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""--quantization int8 through the engine: a request's tokens do not depend on what it is
+batched with, the logits stay close to bf16's on a checkpoint transformers wrote, and the
+settings it cannot run are refused with a reason."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from model.loader import load
+from service.engine.engine import EngineConfig, LLMEngine
+from tests.engine.helpers import make_engine, run_all, small_model, tokens_of
+from tests.engine.test_engine import mixed_requests
+from tests.model.hf_checkpoints import write_llama, write_tokenizer
+
+# linears in whole 64-feature blocks, so every one of them is int8
+SHAPE = dict(vocab=320, d_model=192, n_heads=6, n_kv_heads=2, d_ff=128)
+
+
+def test_int8_requests_batched_give_the_tokens_each_gets_alone() -> None:
+    model = small_model(**SHAPE).to(torch.bfloat16)
+    requests = mixed_requests(10)
+    engine = make_engine(model, block_size=16, attention_backend="cpu", quantization="int8")
+    assert all(m.int8 for m in model.modules() if hasattr(m, "int8") and m.packed)
+    assert model._stack is not None and model._stack.kind == "int8"
+    batched = {rid: tokens_of(outs) for rid, outs in run_all(engine, requests).items()}
+    for rid, request in list(requests.items())[:4]:
+        alone = make_engine(model, block_size=16, attention_backend="cpu", quantization="int8")
+        assert tokens_of(run_all(alone, {rid: request})[rid]) == batched[rid]
+    assert engine.blocks.num_used == 0
+
+
+@torch.no_grad()
+def test_int8_logits_stay_close_to_bf16(tmp_path: Path) -> None:
+    write_llama(tmp_path, tied=False, intermediate_size=128)
+    write_tokenizer(tmp_path)
+    models = {}
+    for quantization in ("none", "int8"):
+        loaded = load(tmp_path, torch.bfloat16, torch.device("cpu"))
+        config = EngineConfig(num_blocks=64, attention_backend="cpu", quantization=quantization)
+        models[quantization] = LLMEngine(loaded.model, loaded.tokenizer, config).model
+    assert models["int8"].layers[0].attn.wo.int8  # qkv: 96 rows, not whole blocks: bf16
+    gen = torch.Generator().manual_seed(0)
+    agree, err, scale = [], [], []
+    for _ in range(4):
+        ids = torch.randint(0, 384, (64,), generator=gen)
+        ref, got = models["none"](ids).float(), models["int8"](ids).float()
+        agree.append((ref.argmax(-1) == got.argmax(-1)).float().mean().item())
+        err.append((ref - got).abs().mean().item())
+        scale.append(ref.std().item())
+    # benchmarks/int8_quality.py measures these on every parity checkpoint
+    assert sum(agree) / len(agree) > 0.9
+    assert sum(err) / len(err) < 0.05 * sum(scale) / len(scale)
+
+
+def test_int8_refuses_fp32_activations_and_other_backends() -> None:
+    with pytest.raises(ValueError, match="int8 computes with bfloat16 activations"):
+        make_engine(small_model(**SHAPE), attention_backend="cpu", quantization="int8")
+    bf16 = small_model(**SHAPE).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="runs on the cpu backend's C kernels, not on the torch"):
+        make_engine(bf16, attention_backend="torch", quantization="int8")
+    with pytest.raises(ValueError, match="quantization must be none or int8"):
+        make_engine(bf16, attention_backend="cpu", quantization="fp4")
