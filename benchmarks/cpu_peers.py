@@ -32,7 +32,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -63,18 +62,8 @@ def free_port() -> int:
 def start(cmd: list[str], url: str, log: Path) -> subprocess.Popen:
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"{shlex.join(cmd)} exited with {proc.returncode}; see {log}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise SystemExit(f"{shlex.join(cmd)} did not become healthy; see {log}")
+    bench.wait_healthy(proc, url, 600, f"{shlex.join(cmd)} (log: {log})")
+    return proc
 
 
 def stop(proc: subprocess.Popen) -> None:

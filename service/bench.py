@@ -306,18 +306,25 @@ def spawn(args: str) -> tuple[subprocess.Popen, str]:
         stderr=subprocess.DEVNULL,
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    wait_healthy(proc, url, 300, f"kvserve serve {args}")
+    return proc, url
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, seconds: float, name: str) -> None:
+    """Wait until the server `proc` answers 200 on /health; SystemExit naming it if it
+    exits first or the time runs out (then it is killed)."""
+    deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"kvserve serve {args} exited with {proc.returncode}")
+            raise SystemExit(f"{name} exited with {proc.returncode}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
+                return
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
     proc.kill()
-    raise SystemExit("the spawned server did not become healthy")
+    raise SystemExit(f"{name} did not become healthy")
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

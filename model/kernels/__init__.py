@@ -106,8 +106,9 @@ def _build(source: str, flags: tuple[str, ...], tag: str) -> ctypes.CDLL | None:
         return None
     path = HERE / source
     recipe = " ".join([*flags, "|", *LINK_FLAGS, "|", cpu_identity()]).encode()
-    # the header every source includes is part of what is built
-    digest = hashlib.sha256(path.read_bytes() + HEADER.read_bytes() + recipe).hexdigest()[:16]
+    # the headers the sources include are part of what is built
+    headers = b"".join(h.read_bytes() for h in sorted(HERE.glob("*.h")))
+    digest = hashlib.sha256(path.read_bytes() + headers + recipe).hexdigest()[:16]
     target = _cache_dir() / f"{path.stem}-{tag}-{digest}.so"
     for attempt in (1, 2):
         if not target.exists() and not _compile(compiler, path, flags, target):

@@ -16,11 +16,10 @@
  * Built and loaded by model/kernels/__init__.py.
  */
 #include "kvserve.h"
+#include "common.h"
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -35,21 +34,8 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-/* Ask the kernel for the AMX register state (once per process). 1 when usable. */
-int linear_bf16_init(void) {
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-}
-
-typedef struct {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
+/* The AMX register state for this process (common.h). 1 when usable. */
+int linear_bf16_init(void) { return amx_request(); }
 
 /* Tiles are 64 bytes a row: rows x 16 floats for C, rows x 32 bf16 for A, 16 k-pairs x
  * 16 features x 2 for B. The 1x4 kernel uses tmm0-3 (C), tmm4 (A), tmm5-7 (B), with
@@ -77,20 +63,12 @@ typedef struct {
     const uint16_t *gate; /* SwiGLU: the rounded gate block this (up) block multiplies */
 } epilogue;
 
-/* exp(x) in float32: 2^(x log2 e) = 2^n * 2^f, n the nearest integer, 2^f by a degree-6
- * minimax polynomial on [-0.5, 0.5]; scalef saturates to 0 and inf. */
+/* exp(x) in float32 (common.h's polynomial); scalef saturates to 0 and inf. */
 static inline __m512 exp512(__m512 x) {
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E));
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.53337387e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.33951858e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.61849187e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.55034131e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40226477e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93147182e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
+    return _mm512_scalef_ps(EXP2_POLY(f, _mm512_fmadd_ps, _mm512_set1_ps), n);
 }
 
 static inline __m512 round_bf16(__m512 v) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v)); }

@@ -25,6 +25,7 @@
  * block's epilogue stores silu(gate) * up, rounded step by step as the unfused ops are.
  */
 #include "kvserve.h"
+#include "common.h"
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -124,19 +125,15 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even; NaN sta
 
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
-/* exp(x): 2^n * 2^f, n = rint(x log2 e), 2^f by a degree-6 polynomial on [-0.5, 0.5];
- * x clamped to [-87, 88] so that 2^n is a normal float built from its bits. */
+/* exp(x) (common.h's polynomial), n = rint(x log2 e); x clamped to [-87, 88] so that 2^n
+ * is a normal float built from its bits. */
+#define SCALAR(c) (c)
 static inline float exp_poly(float x) {
     x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
-    const float t = x * 1.44269504f;
+    const float t = x * EXP_LOG2E;
     const float n = rintf(t);
     const float f = t - n;
-    float p = fmaf(1.53337387e-4f, f, 1.33951858e-3f);
-    p = fmaf(p, f, 9.61849187e-3f);
-    p = fmaf(p, f, 5.55034131e-2f);
-    p = fmaf(p, f, 2.40226477e-1f);
-    p = fmaf(p, f, 6.93147182e-1f);
-    p = fmaf(p, f, 1.f);
+    const float p = EXP2_POLY(f, fmaf, SCALAR);
     const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
     float s;
     memcpy(&s, &bits, sizeof s);

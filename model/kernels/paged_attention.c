@@ -20,6 +20,7 @@
  * lens: (R,) int64 keys each row sees (its position + 1); alibi: (H,) slopes or NULL.
  */
 #include "kvserve.h"
+#include "common.h"
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -42,24 +43,20 @@ typedef float vch __attribute__((vector_size(DV * 4)));    /* DV channels */
 typedef uint32_t uch __attribute__((vector_size(DV * 4)));
 typedef uint32_t ublk __attribute__((vector_size(BS * 4)));
 
-/* exp(x) for x <= 0 on a vector: 2^(x log2 e) = 2^i * 2^f with i the nearest integer
- * and f in [-0.5, 0.5]; 2^f by a degree-6 minimax polynomial (relative error ~1e-7,
- * float32 rounding included). Underflows to ~1e-38 below -87. */
+/* exp(x) for x <= 0 on a vector (common.h's polynomial), i = round(x log2 e) by
+ * truncation. Underflows to ~1e-38 below -87. */
+#define VMADD(a, b, c) ((a) * (b) + (c))
+#define VCONST(c) (c)
 static inline vblk vexp(vblk x) {
     const vblk lo = (vblk){0} - 87.f;
     const iblk under = x < lo;
     x = (vblk)(((iblk)lo & under) | ((iblk)x & ~under));
-    const vblk t = x * 1.44269504f;
+    const vblk t = x * EXP_LOG2E;
     const vblk u = t + 0.5f;
     iblk i = __builtin_convertvector(u, iblk);           /* truncation toward zero */
     i += (iblk)(__builtin_convertvector(i, vblk) > u);   /* -> floor(t + 0.5) */
     const vblk f = t - __builtin_convertvector(i, vblk);
-    vblk p = f * 1.53337387e-4f + 1.33951858e-3f;
-    p = p * f + 9.61849187e-3f;
-    p = p * f + 5.55034131e-2f;
-    p = p * f + 2.40226477e-1f;
-    p = p * f + 6.93147182e-1f;
-    p = p * f + 1.f;
+    const vblk p = EXP2_POLY(f, VMADD, VCONST);
     const iblk bits = (i + 127) << 23;
     return p * (vblk)bits;
 }
@@ -223,19 +220,11 @@ DEFINE_KERNEL(paged_attention_bf16, uint16_t, bf16_load, bf16_store, uint16_t, k
     D % 32 == 0
 #include <immintrin.h>
 #include <stdlib.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #define TOK (16 / G)  /* tokens per task */
 
-/* Ask the kernel for the AMX register state (once per process). 1 when usable. */
-int paged_attention_amx_init(void) { return syscall(SYS_arch_prctl, 0x1023, 18) == 0; }
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
+/* The AMX register state for this process (common.h). 1 when usable. */
+int paged_attention_amx_init(void) { return amx_request(); }
 
 #define SPAN (2 * BS)  /* keys per softmax step: blocks 2i and 2i + 1 */
 

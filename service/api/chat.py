@@ -13,22 +13,22 @@ from starlette.background import BackgroundTask
 
 from service.api.protocol import APIError, ChatCompletionRequest
 from service.api.serving import (
-    SSE_DONE,
     ClientDisconnected,
     ServingState,
     check_stream_options,
     collect,
     encode_messages,
+    finish_reason,
     generate,
     new_id,
     raise_if_failed,
     sampling_params,
-    sse,
-    sse_error,
+    stream_chunks,
     until_disconnect,
     usage,
     validate_prompt,
 )
+from service.engine.output import RequestOutput
 from service.engine.sampler import TokenLogprobs
 
 router = APIRouter()
@@ -112,7 +112,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     return JSONResponse(body)
 
 
-async def _stream(
+def _stream(
     state: ServingState,
     req: ChatCompletionRequest,
     prompt: list[int],
@@ -121,40 +121,21 @@ async def _stream(
     include_usage: bool,
     release: Any,
 ) -> AsyncIterator[bytes]:
-    completion, cached = 0, 0
-    try:
-        for i in range(req.n):  # the first chunk of each choice names the role
-            delta = {"role": "assistant", "content": ""}
-            yield sse(
-                {
-                    **head,
-                    "choices": [
-                        {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
-                    ],
-                }
-            )
-        async for outs in generate(state, head["id"], prompt, params):
-            for out in outs:
-                if out.finished and out.error:
-                    raise APIError(500, out.error)
-                completion += len(out.token_ids)
-                cached = out.num_cached_tokens
-                reason = out.finish_reason.value if out.finished and out.finish_reason else None
-                if not out.text and reason is None and not (req.logprobs and out.logprobs):
-                    continue  # empty deltas are skipped, unless they carry logprobs
-                delta = {"content": out.text} if out.text else {}
-                lp = _logprobs(state, out.logprobs) if req.logprobs else None
-                choice = {
-                    "index": out.index,
-                    "delta": delta,
-                    "logprobs": lp,
-                    "finish_reason": reason,
-                }
-                yield sse({**head, "choices": [choice]})
-        if include_usage:
-            yield sse({**head, "choices": [], "usage": usage(len(prompt), completion, cached)})
-    except Exception as exc:  # the 200 is already sent: the error goes inside the stream
-        yield sse_error(exc)
-    finally:
-        release()
-    yield SSE_DONE
+    def choice(_: int, out: RequestOutput) -> dict[str, Any] | None:
+        reason = finish_reason(out)
+        if not out.text and reason is None and not (req.logprobs and out.logprobs):
+            return None  # empty deltas are skipped, unless they carry logprobs
+        return {
+            "index": out.index,
+            "delta": {"content": out.text} if out.text else {},
+            "logprobs": _logprobs(state, out.logprobs) if req.logprobs else None,
+            "finish_reason": reason,
+        }
+
+    roles = (  # the first chunk of each choice names the role
+        {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+         "finish_reason": None}
+        for i in range(req.n)
+    )  # fmt: skip
+    streams = [generate(state, head["id"], prompt, params)]
+    return stream_chunks(head, roles, streams, choice, len(prompt), include_usage, release)

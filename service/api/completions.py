@@ -13,24 +13,23 @@ from starlette.background import BackgroundTask
 
 from service.api.protocol import APIError, CompletionRequest
 from service.api.serving import (
-    SSE_DONE,
     Choice,
     ClientDisconnected,
     ServingState,
     check_stream_options,
     collect,
+    finish_reason,
     generate,
-    merged,
     new_id,
     raise_if_failed,
     sampling_params,
-    sse,
-    sse_error,
+    stream_chunks,
     token_text,
     until_disconnect,
     usage,
     validate_prompt,
 )
+from service.engine.output import RequestOutput
 from service.engine.request import EMPTY_PROMPT
 from service.engine.sampler import TokenLogprobs
 from service.limits import MAX_PROMPTS
@@ -133,7 +132,7 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
     return JSONResponse(body)
 
 
-async def _stream(
+def _stream(
     state: ServingState,
     req: CompletionRequest,
     prompts: list[list[int]],
@@ -143,57 +142,27 @@ async def _stream(
     release: Any,
 ) -> AsyncIterator[bytes]:
     rid = head["id"]
-    completion, cached, offsets = 0, {}, {}
-    try:
-        if req.echo:
-            for i, ids in enumerate(prompts):
-                text = state.tokenizer.decode(ids)
-                for j in range(req.n):
-                    offsets[i * req.n + j] = len(text)
-                    yield sse(
-                        {
-                            **head,
-                            "choices": [
-                                {
-                                    "index": i * req.n + j,
-                                    "text": text,
-                                    "logprobs": None,
-                                    "finish_reason": None,
-                                }
-                            ],
-                        }
-                    )
-        streams = [generate(state, f"{rid}-{i}", ids, params) for i, ids in enumerate(prompts)]
-        async for i, outs in merged(streams):
-            for out in outs:
-                if out.finished and out.error:
-                    raise APIError(500, out.error)
-                index = i * req.n + out.index
-                completion += len(out.token_ids)
-                cached[i] = out.num_cached_tokens
-                reason = out.finish_reason.value if out.finished and out.finish_reason else None
-                if (
-                    not out.text
-                    and reason is None
-                    and not (req.logprobs is not None and out.logprobs)
-                ):
-                    continue  # empty deltas are skipped, unless they carry logprobs
-                lp = None
-                if req.logprobs is not None:
-                    lp = _logprobs(state, out.logprobs, offsets.get(index, 0))
-                offsets[index] = offsets.get(index, 0) + len(out.text)
-                choice = {"index": index, "text": out.text, "logprobs": lp, "finish_reason": reason}
-                yield sse({**head, "choices": [choice]})
-        if include_usage:
-            yield sse(
-                {
-                    **head,
-                    "choices": [],
-                    "usage": usage(sum(map(len, prompts)), completion, sum(cached.values())),
-                }
-            )
-    except Exception as exc:  # the 200 is already sent: the error goes inside the stream
-        yield sse_error(exc)
-    finally:
-        release()
-    yield SSE_DONE
+    offsets: dict[int, int] = {}  # text sent so far per choice (logprobs' text_offset)
+    opening = []
+    if req.echo:
+        for i, ids in enumerate(prompts):
+            text = state.tokenizer.decode(ids)
+            for j in range(req.n):
+                offsets[i * req.n + j] = len(text)
+                opening.append(
+                    {"index": i * req.n + j, "text": text, "logprobs": None, "finish_reason": None}
+                )
+
+    def choice(i: int, out: RequestOutput) -> dict[str, Any] | None:
+        index, reason = i * req.n + out.index, finish_reason(out)
+        if not out.text and reason is None and not (req.logprobs is not None and out.logprobs):
+            return None  # empty deltas are skipped, unless they carry logprobs
+        lp = None
+        if req.logprobs is not None:
+            lp = _logprobs(state, out.logprobs, offsets.get(index, 0))
+        offsets[index] = offsets.get(index, 0) + len(out.text)
+        return {"index": index, "text": out.text, "logprobs": lp, "finish_reason": reason}
+
+    streams = [generate(state, f"{rid}-{i}", ids, params) for i, ids in enumerate(prompts)]
+    prompt_tokens = sum(map(len, prompts))
+    return stream_chunks(head, opening, streams, choice, prompt_tokens, include_usage, release)

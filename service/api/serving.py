@@ -11,7 +11,7 @@ import math
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -332,6 +332,45 @@ def sse_error(exc: BaseException) -> bytes:
         return sse(exc.body())
     message = str(exc) or type(exc).__name__
     return sse(APIError(500, message).body())
+
+
+async def stream_chunks(
+    head: dict[str, Any],
+    opening: Iterable[dict[str, Any]],
+    streams: list[AsyncIterator[list[RequestOutput]]],
+    choice: Callable[[int, RequestOutput], dict[str, Any] | None],
+    prompt_tokens: int,
+    include_usage: bool,
+    release: Callable[[], None],
+) -> AsyncIterator[bytes]:
+    """The SSE body of a streamed chat or text completion: the `opening` choices (a
+    role, an echo), then one chunk per delta that `choice(stream index, output)` turns
+    into a choice (None: nothing to send), the usage chunk when asked for, an error inside
+    the stream once the 200 is sent, the admission released, and [DONE]."""
+    completion, cached = 0, {}
+    try:
+        for first in opening:
+            yield sse({**head, "choices": [first]})
+        async for i, outs in merged(streams):
+            for out in outs:
+                if out.finished and out.error:
+                    raise APIError(500, out.error)
+                completion += len(out.token_ids)
+                cached[i] = out.num_cached_tokens
+                if (item := choice(i, out)) is not None:
+                    yield sse({**head, "choices": [item]})
+        if include_usage:
+            total = usage(prompt_tokens, completion, sum(cached.values()))
+            yield sse({**head, "choices": [], "usage": total})
+    except Exception as exc:  # the 200 is already sent: the error goes inside the stream
+        yield sse_error(exc)
+    finally:
+        release()
+    yield SSE_DONE
+
+
+def finish_reason(out: RequestOutput) -> str | None:
+    return out.finish_reason.value if out.finished and out.finish_reason else None
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:

@@ -62,3 +62,24 @@ def test_every_metric_in_the_table_is_exported(server: Server) -> None:
         wanted = f"{name}_bucket" if kind == "histogram" else name
         assert wanted in names, f"README lists {name} ({kind}); /metrics has no {wanted}"
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_every_environment_variable_kvserve_reads_is_in_the_configuration_tables() -> None:
+    """Each setting's KVSERVE_* variable, and every KVSERVE_* name the code reads, is a row
+    of the README's configuration tables; every variable those rows name is read."""
+    from dataclasses import fields
+
+    from service.config import Settings
+
+    section = README.split("## Configuration", 1)[1].split("\n## ", 1)[0]
+    documented = set(re.findall(r"^\|[^|\n]*\| `(KVSERVE_\w+)` \|", section, flags=re.M))
+    documented |= set(re.findall(r"^\| `(KVSERVE_\w+)` \|", section, flags=re.M))
+    settings = {"KVSERVE_" + f.name.upper() for f in fields(Settings)}
+    sources = [p for d in ("model", "service") for p in (ROOT / d).rglob("*.py")]
+    literal = {
+        name for p in sources for name in re.findall(r"\"(KVSERVE_[A-Z0-9_]+)\"", p.read_text())
+    }
+    assert "KVSERVE_CPU_ISA" in literal and "KVSERVE_KERNEL_CACHE" in literal
+    read = settings | literal
+    assert read - documented == set(), "read by kvserve but not in the README's tables"
+    assert documented - read == set(), "in the README's tables but read nowhere"
