@@ -28,121 +28,41 @@ STATIC = Path(__file__).with_name("static")
 
 
 def build_state(settings: Settings) -> ServingState:
-    """Start the engine (its thread loads the model) and assemble the serving state.
-    Blocking; every torch op happens in the engine thread (see AsyncEngine)."""
+    """Start the engine (its thread loads the model: service/build.py) and assemble the
+    serving state. Blocking; every torch op happens in the engine thread (AsyncEngine)."""
     from service.api.chat_template import ChatTemplate
+    from service.build import Built, build
     from service.engine.async_engine import AsyncEngine
+    from service.engine.engine import LLMEngine
 
-    built: dict[str, Any] = {}
-    async_engine = AsyncEngine(
-        lambda: _build_engine(settings, built), stuck_after_s=settings.stuck_after
-    )
+    metrics: list[Metrics] = []  # made once the model id is known, before the engine
+
+    def observer(model_id: str) -> Metrics:
+        metrics.append(Metrics(model_id))
+        return metrics[0]
+
+    built: list[Built] = []
+
+    def make_engine() -> LLMEngine:  # on the engine thread
+        built.append(build(settings, observer))
+        return built[0].engine
+
+    async_engine = AsyncEngine(make_engine, stuck_after_s=settings.stuck_after)
     async_engine.start()
-    metrics: Metrics = built["metrics"]
-    metrics.attach_engine(
-        async_engine.snapshot, async_engine.stats, built["info"], built["device_memory"]
+    done = built[0]
+    metrics[0].attach_engine(
+        async_engine.snapshot, async_engine.stats, done.info, done.device_memory
     )
     return ServingState(
-        settings=settings.replace(max_num_seqs=built["max_num_seqs"]),
+        settings=settings.replace(max_num_seqs=done.engine.config.max_num_seqs),
         engine=async_engine,
-        tokenizer=built["tokenizer"],
-        model_id=built["model_id"],
-        template=ChatTemplate.for_model(built["model_dir"]),
-        audit=built["audit"],
-        metrics=metrics,
+        tokenizer=done.tokenizer,
+        model_id=done.model_id,
+        template=ChatTemplate.for_model(done.model_dir),
+        audit=done.audit,
+        metrics=metrics[0],
+        measure_floors=done.floors,
     )
-
-
-def _build_engine(settings: Settings, built: dict[str, Any]) -> Any:
-    """Runs in the engine thread: load the model, size the KV pool, measure this
-    machine's floors; what the API needs besides the engine goes into `built`."""
-    from model.audit import audit, floors
-    from model.device import dtype_name, pick_device, pick_dtype
-    from model.hardware import matmul_throughput, memory_bandwidth
-    from model.hub import resolve
-    from model.loader import load
-    from service.engine.engine import EngineConfig, LLMEngine
-
-    device = pick_device(settings.device)
-    dtype = pick_dtype(settings.dtype, device, settings.quantization)
-    # a local directory, or a Hub repo id from the cache (downloaded when reachable)
-    source = resolve(settings.model, settings.revision, settings.download_dir)
-    loaded = load(source.path if source else None, dtype, device)
-    model_id = settings.served_model_name or (source.model_id if source else loaded.model_id)
-    metrics = Metrics(model_id)
-    config = EngineConfig(
-        block_size=settings.block_size,
-        max_num_seqs=settings.seqs_per_step(device.type),
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        mixed_prefill_tokens=settings.mixed_prefill_cap(device.type),
-        max_model_len=settings.max_model_len,
-        kv_cache_bytes=settings.kv_cache_bytes,
-        gpu_memory_utilization=settings.gpu_memory_utilization,
-        attention_backend=settings.attention_backend,
-        cuda_graphs=not settings.enforce_eager,
-        quantization=settings.quantization,
-    )
-    engine = LLMEngine(loaded.model, loaded.tokenizer, config, observer=metrics)
-    cfg, name = loaded.model.cfg, dtype_name(dtype)
-    # this machine's floors for the model, measured once (small buffers: ~0.5 s)
-    limits = floors(
-        cfg, name, memory_bandwidth(device, mib=256), matmul_throughput(dtype, device, n=1024)
-    )
-    report = audit(cfg, name, kv_pool_bytes=engine.kv_cache.nbytes).as_dict()
-    backend = engine.backend.describe()
-    report |= {
-        "device": str(device),
-        "attention_backend": backend,
-        "quantization": settings.quantization,
-        "cuda_graphs": engine.runner.graphs is not None,
-        "block_size": settings.block_size,
-        "kv_blocks": engine.blocks.num_blocks,
-        "kv_pool_sequences_of_max_len": report["kv_pool_tokens"] // engine.max_model_len,
-        "floors": limits,
-    }
-    log.info(
-        "engine ready: device %s, dtype %s, weights %s, attention backend %s%s, CUDA graphs %s, "
-        "%d KV blocks of %d tokens (%.1f MiB), max_model_len %d",
-        device,
-        name,
-        settings.quantization if settings.quantization != "none" else name,
-        backend["name"],
-        f" (ISA {backend['isa']}, linears {backend['linear_isa']})" if "isa" in backend else "",
-        "on" if engine.runner.graphs is not None else "off",
-        engine.blocks.num_blocks,
-        settings.block_size,
-        engine.kv_cache.nbytes / (1 << 20),
-        engine.max_model_len,
-    )
-    built.update(
-        model_dir=source.path if source else None,
-        max_num_seqs=config.max_num_seqs,
-        metrics=metrics,
-        tokenizer=loaded.tokenizer,
-        model_id=model_id,
-        audit=report,
-        device_memory=_cuda_memory(device),
-        info={
-            "dtype": name,
-            "quantization": settings.quantization,
-            "device": device.type,
-            "attention_backend": backend["name"],
-            "block_size": str(settings.block_size),
-            "max_model_len": str(engine.max_model_len),
-        },
-    )
-    return engine
-
-
-def _cuda_memory(device: Any) -> Callable[[], tuple[int, int] | None]:
-    def read() -> tuple[int, int] | None:
-        if device.type != "cuda":
-            return None
-        import torch
-
-        return torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
-
-    return read
 
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict"})
@@ -308,7 +228,11 @@ def _install_routes(app: FastAPI) -> None:
     async def model(model_id: str, request: Request) -> JSONResponse:
         state = _serving(request)
         state.check_model(model_id)
-        return JSONResponse(model_card(state, True))
+        card = model_card(state, True)
+        if state.floors is None:  # measured on the engine thread, once
+            state.floors = await state.engine.call(state.measure_floors)
+        card["memory"] = {**card["memory"], "floors": state.floors}
+        return JSONResponse(card)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest, request: Request) -> JSONResponse:

@@ -40,6 +40,10 @@ class ServingState:
     template: ChatTemplate
     audit: dict[str, Any]
     metrics: Metrics
+    # this machine's floors for the model (torch work: run on the engine thread), and
+    # their first measurement
+    measure_floors: Callable[[], dict[str, Any]] = dict
+    floors: dict[str, Any] | None = None
     inflight: int = 0  # admitted sequences not yet finished
     inflight_tokens: int = 0  # their KV demand: prompt + max_tokens each
     draining: bool = False

@@ -15,13 +15,14 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from service.engine.engine import EngineStats, LLMEngine
 from service.engine.output import RequestOutput
 from service.engine.request import SamplingParams
 
 log = logging.getLogger("kvserve.engine")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +156,15 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
 
+    async def call(self, fn: Callable[[], T]) -> T:
+        """fn() run on the engine thread between steps (where all torch work happens)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._send(("call", fn, loop, future))
+        if not self.alive:
+            raise EngineDeadError(f"engine is not running: {self.error!r}")
+        return await future
+
     def _send(self, command: tuple) -> None:
         self._commands.put(command)
         self._wake.set()
@@ -197,6 +207,8 @@ class AsyncEngine:
         for command in self._pending():
             if command[0] == "add":
                 self._deliver(command[-1], error)
+            elif command[0] == "call":
+                _settle(*command[2:], None, error)
 
     def _pending(self) -> Iterator[tuple]:
         """The commands queued so far, taken off the queue."""
@@ -210,8 +222,18 @@ class AsyncEngine:
         for command in self._pending():
             if command[0] == "add":
                 self._add(*command[1:])
+            elif command[0] == "call":
+                self._call(*command[1:])
             else:
                 self._abort(command[1])
+
+    @staticmethod
+    def _call(fn: Callable[[], Any], loop: asyncio.AbstractEventLoop, future: Any) -> None:
+        try:
+            result, error = fn(), None
+        except Exception as exc:  # the caller gets it; the loop goes on
+            result, error = None, exc
+        _settle(loop, future, result, error)
 
     def _add(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, stream: _Stream
@@ -265,6 +287,19 @@ class AsyncEngine:
     def _deliver(stream: _Stream, item: list[RequestOutput] | BaseException) -> None:
         with contextlib.suppress(RuntimeError):  # the caller's loop closed: nobody listens
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+
+def _settle(
+    loop: asyncio.AbstractEventLoop, future: Any, result: Any, error: BaseException | None
+) -> None:
+    """Resolve an asyncio future from the engine thread (nothing if its loop closed)."""
+
+    def done() -> None:
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(result)
+
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(done)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:

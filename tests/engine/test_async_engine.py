@@ -177,3 +177,32 @@ def test_a_bug_while_adding_fails_that_request_only(monkeypatch) -> None:
         assert eng.alive and not eng.engine.requests  # the half-added siblings are gone
     finally:
         eng.shutdown()
+
+
+def test_call_runs_on_the_engine_thread_between_steps(engine: AsyncEngine) -> None:
+    """What the API needs done with torch (measuring this machine's floors) runs on the
+    engine thread, while requests stream; an error reaches the caller alone."""
+    import threading
+
+    def where() -> str:
+        return threading.current_thread().name
+
+    def boom() -> None:
+        raise RuntimeError("measurement failed")
+
+    async def main() -> tuple[str, list[int]]:
+        stream = asyncio.ensure_future(collect(engine, "r", [1, 2, 3], greedy(20)))
+        name = await engine.call(where)
+        with pytest.raises(RuntimeError, match="measurement failed"):
+            await engine.call(boom)
+        return name, await stream
+
+    name, tokens = asyncio.run(main())
+    assert name == "kvserve-engine" and len(tokens) == 20 and engine.healthy()
+    engine.shutdown()
+
+    async def after() -> None:
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(engine.call(where), 5)
+
+    asyncio.run(after())

@@ -1,0 +1,122 @@
+"""The served engine, built from Settings in one place: load the model (a directory or a
+Hugging Face repo id), pick the device and dtype, build the engine (its execution backend
+and KV pool), and describe what was built. The API runs build() on the engine thread
+(service/api/app.py) and imports no torch itself: every tensor-side step of serving is
+here or below. This machine's floors (bandwidth and matmul runs, ~0.5 s) are measured on
+demand, not at every start."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from model.audit import audit, floors
+from model.device import dtype_name, pick_device, pick_dtype
+from model.hardware import matmul_throughput, memory_bandwidth
+from model.hub import resolve
+from model.loader import load
+from model.tokenizer import Tokenizer
+from service.config import Settings
+from service.engine.engine import EngineConfig, EngineObserver, LLMEngine
+
+log = logging.getLogger("kvserve.build")
+
+
+@dataclass(frozen=True, slots=True)
+class Built:
+    engine: LLMEngine
+    tokenizer: Tokenizer
+    model_id: str
+    model_dir: Path | None
+    audit: dict[str, Any]  # model/audit.py's report and how this engine was built
+    info: dict[str, str]  # kvserve_model_info's labels
+    floors: Callable[[], dict[str, Any]]  # measures this machine's floors (torch work)
+    device_memory: Callable[[], tuple[int, int] | None]  # CUDA allocated, reserved
+
+
+def engine_config(settings: Settings, device: torch.device) -> EngineConfig:
+    """The engine's configuration: the settings it reads, with the device's defaults."""
+    return EngineConfig(
+        block_size=settings.block_size,
+        max_num_seqs=settings.seqs_per_step(device.type),
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        mixed_prefill_tokens=settings.mixed_prefill_cap(device.type),
+        max_model_len=settings.max_model_len,
+        kv_cache_bytes=settings.kv_cache_bytes,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        attention_backend=settings.attention_backend,
+        cuda_graphs=not settings.enforce_eager,
+        quantization=settings.quantization,
+    )
+
+
+def build(
+    settings: Settings, observer: Callable[[str], EngineObserver | None] = lambda _: None
+) -> Built:
+    """Load and build; `observer(model_id)` gives the engine's observer (the metrics)."""
+    device = pick_device(settings.device)
+    dtype = pick_dtype(settings.dtype, device, settings.quantization)
+    # a local directory, or a Hub repo id from the cache (downloaded when reachable)
+    source = resolve(settings.model, settings.revision, settings.download_dir)
+    loaded = load(source.path if source else None, dtype, device)
+    model_id = settings.served_model_name or (source.model_id if source else loaded.model_id)
+    config = engine_config(settings, device)
+    engine = LLMEngine(loaded.model, loaded.tokenizer, config, observer=observer(model_id))
+    cfg, name = loaded.model.cfg, dtype_name(dtype)
+    report = audit(cfg, name, kv_pool_bytes=engine.kv_cache.nbytes).as_dict()
+    backend = engine.backend.describe()
+    report |= {
+        "device": str(device),
+        "attention_backend": backend,
+        "quantization": settings.quantization,
+        "cuda_graphs": engine.runner.graphs is not None,
+        "block_size": settings.block_size,
+        "kv_blocks": engine.blocks.num_blocks,
+        "kv_pool_sequences_of_max_len": report["kv_pool_tokens"] // engine.max_model_len,
+    }
+    log.info(
+        "engine ready: device %s, dtype %s, weights %s, attention backend %s%s, CUDA graphs "
+        "%s, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d",
+        device,
+        name,
+        settings.quantization if settings.quantization != "none" else name,
+        backend["name"],
+        f" (ISA {backend['isa']}, linears {backend['linear_isa']})" if "isa" in backend else "",
+        "on" if engine.runner.graphs is not None else "off",
+        engine.blocks.num_blocks,
+        settings.block_size,
+        engine.kv_cache.nbytes / (1 << 20),
+        engine.max_model_len,
+    )
+
+    def measure_floors() -> dict[str, Any]:  # small buffers: ~0.5 s
+        bandwidth = memory_bandwidth(device, mib=256)
+        return floors(cfg, name, bandwidth, matmul_throughput(dtype, device, n=1024))
+
+    def device_memory() -> tuple[int, int] | None:
+        if device.type != "cuda":
+            return None
+        return torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+
+    return Built(
+        engine=engine,
+        tokenizer=loaded.tokenizer,
+        model_id=model_id,
+        model_dir=source.path if source else None,
+        audit=report,
+        info={
+            "dtype": name,
+            "quantization": settings.quantization,
+            "device": device.type,
+            "attention_backend": backend["name"],
+            "block_size": str(settings.block_size),
+            "max_model_len": str(engine.max_model_len),
+        },
+        floors=measure_floors,
+        device_memory=device_memory,
+    )
