@@ -88,20 +88,42 @@ def write_tokenizer(path: Path, vocab_size: int = SMOLLM2_135M["vocab_size"]) ->
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
 
 
+class _StepKinds:
+    """An engine observer that notes whether each step was decodes only (one new token
+    per sequence)."""
+
+    def __init__(self) -> None:
+        self.decode_only = False
+
+    def on_step(self, seconds: float, num_tokens: int, num_seqs: int) -> None:
+        self.decode_only = num_tokens == num_seqs
+
+    def on_token_intervals(self, seconds: list[float]) -> None:
+        pass
+
+    def on_finished(self, output: object) -> None:
+        pass
+
+
 def run_batch(engine: LLMEngine, prompts: list[list[int]], out_len: int) -> dict[str, float]:
     params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"b{i}-{time.monotonic_ns()}", p, params)
     decode_times: list[float] = []
     generated = 0
+    kinds, observer = _StepKinds(), engine.observer
+    engine.observer = kinds
     t0 = time.perf_counter()
-    while engine.has_unfinished():
-        s0 = time.perf_counter()
-        outs = engine.step()
-        dt = time.perf_counter() - s0
-        generated += sum(len(o.token_ids) for o in outs)
-        if outs and engine.stats.last_step_tokens == len(outs):  # pure decode step
-            decode_times.append(dt)
+    try:
+        while engine.has_unfinished():
+            s0 = time.perf_counter()
+            outs = engine.step()
+            dt = time.perf_counter() - s0
+            generated += sum(len(o.token_ids) for o in outs)
+            if outs and kinds.decode_only:
+                decode_times.append(dt)
+    finally:
+        engine.observer = observer
     total = time.perf_counter() - t0
     return {
         "requests": len(prompts),

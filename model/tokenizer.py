@@ -166,9 +166,6 @@ class Tokenizer:
         except KeyError:
             raise ValueError(f"token id {token_id} is not in the vocabulary") from None
 
-    def is_special(self, token_id: int) -> bool:
-        return token_id in self._special_id_set
-
     def decode_bytes(self, ids: Iterable[int], *, skip_special: bool = False) -> bytes:
         """Bytes of the ids. Ids the tokenizer does not define (a model's vocabulary can be
         larger: padding, unassigned ranks) decode to nothing, as in HF tokenizers."""

@@ -116,7 +116,7 @@ DEFINE_ROPE_STORE(rope_store_bf16, uint16_t, bf16_load, bf16_store)
 /* Greedy decoding over rows of logits: out[r] = the first index of row r's maximum, or -1
  * where that maximum is not finite (a NaN or +inf anywhere, or every value -inf): what
  * torch.max(dim=-1) followed by isfinite() says, in one read of the logits (torch's bf16
- * max reduction measured 2 ms for 64 rows of a 49k vocabulary). */
+ * max reduction is several times slower: benchmarks/RESULTS.md). */
 #define DEFINE_GREEDY(NAME, T, LOAD)                                                     \
 void NAME(const T *x, int rows, int n, int64_t *out, int nthreads) {                     \
     const long work = (long)rows * n;                                                    \

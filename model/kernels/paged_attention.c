@@ -233,8 +233,8 @@ int paged_attention_amx_init(void) { return amx_request(); }
  * (rows x 16 channels fp32); tmm4: 16 channels of V (8 key pairs x 16 x 2); tmm5, tmm7: p
  * of the two blocks (rows x 16 keys bf16). `rows`: the query rows of a task (up to 16).
  * Tile loads, stores and dot products cost by the row, so a decode task (GROUP rows)
- * runs its tiles at that height rather than 16 (30 layers of 64 decodes at 192 tokens:
- * 15.1 -> 13.1-13.5 ms); each row's arithmetic is the same at any height. */
+ * runs its tiles at that height rather than 16 (measured faster: benchmarks/RESULTS.md);
+ * each row's arithmetic is the same at any height. */
 static void configure_attention(int rows) {
     tile_config c;
     memset(&c, 0, sizeof c);

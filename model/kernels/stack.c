@@ -4,8 +4,8 @@
  * paged attention (paged_attention.c). It computes exactly what Block.forward does with
  * those kernels, in the same order on the same buffers, so the bits are the same; what it
  * saves is the interpreter between them: about seven Python calls, their argument
- * conversions and output allocations per layer (a batch-1 decode step of the 30-layer
- * SmolLM2-135M shape went from 14.8 to 10.7 ms; benchmarks/RESULTS.md).
+ * conversions and output allocations per layer (benchmarks/RESULTS.md has what that was
+ * worth).
  *
  * The kernels live in their own libraries (the attention one is built per head size), so
  * they come in as function pointers. Each keeps its own OpenMP parallel regions. Built and

@@ -28,8 +28,7 @@ from service.api.serving import (
     usage,
     validate_prompt,
 )
-from service.engine.output import RequestOutput
-from service.engine.sampler import TokenLogprobs
+from service.engine.output import RequestOutput, TokenLogprobs
 
 router = APIRouter()
 
@@ -57,6 +56,10 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     state.check_model(req.model)
     if req.tools:
         raise APIError(400, "tools are not supported by this server", param="tools")
+    if req.tool_choice not in (None, "none"):  # OpenAI: tool_choice needs tools
+        raise APIError(
+            400, "tool_choice needs tools, which this server does not support", param="tool_choice"
+        )
     if req.response_format and req.response_format.get("type") not in (None, "text"):
         raise APIError(
             400, "only response_format {'type': 'text'} is supported", param="response_format"

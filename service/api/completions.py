@@ -29,9 +29,8 @@ from service.api.serving import (
     usage,
     validate_prompt,
 )
-from service.engine.output import RequestOutput
+from service.engine.output import RequestOutput, TokenLogprobs
 from service.engine.request import EMPTY_PROMPT
-from service.engine.sampler import TokenLogprobs
 from service.limits import MAX_PROMPTS
 
 router = APIRouter()

@@ -33,7 +33,6 @@ class EngineSnapshot:
     kv_blocks_used: int
     kv_bytes_total: int
     kv_bytes_used: int
-    block_size: int
 
     @property
     def kv_usage(self) -> float:
@@ -60,7 +59,8 @@ class AsyncEngine:
     """`build` runs in the engine thread, which then steps the engine: all of PyTorch's
     work (loading, warm-up, every forward) stays on that one thread. On the CPU a second
     thread running torch ops gets its own OpenMP team; with more OpenMP threads than
-    cores their workers sleep between ops, which cost ~14 ms/token here (34 vs 20 ms)."""
+    cores their workers sleep between ops, which measured 1.7x slower per token
+    (benchmarks/RESULTS.md)."""
 
     def __init__(self, build: Callable[[], LLMEngine], stuck_after_s: float = 60.0) -> None:
         self._build = build
@@ -125,7 +125,6 @@ class AsyncEngine:
             kv_blocks_used=used,
             kv_bytes_total=total * eng.block_bytes,
             kv_bytes_used=used * eng.block_bytes,
-            block_size=eng.blocks.block_size,
         )
 
     # ---- the caller side -------------------------------------------------------------

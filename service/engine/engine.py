@@ -61,10 +61,7 @@ class EngineStats:
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
     preemptions: int = 0
-    steps: int = 0
     finished: Counter[str] = field(default_factory=Counter)
-    last_step_tokens: int = 0
-    last_step_seconds: float = 0.0
 
 
 class LLMEngine:
@@ -199,10 +196,7 @@ class LLMEngine:
         except Exception as exc:  # a failed forward fails this batch's requests only
             return self._fail_batch(batch, exc)
         outputs = self._update(batch, result.token_ids, result.logprobs)
-        self.stats.steps += 1
-        self.stats.last_step_tokens = batch.num_tokens
-        self.stats.last_step_seconds = self.clock() - t0
-        self._observe("on_step", self.stats.last_step_seconds, batch.num_tokens, len(batch.seqs))
+        self._observe("on_step", self.clock() - t0, batch.num_tokens, len(batch.seqs))
         return outputs
 
     def _observe(self, event: str, *args: object) -> None:

@@ -6,7 +6,13 @@ from dataclasses import dataclass, field
 
 from model.tokenizer import Tokenizer
 from service.engine.request import FinishReason, Request
-from service.engine.sampler import TokenLogprobs
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the N most likely tokens, most likely first
 
 
 @dataclass(slots=True)

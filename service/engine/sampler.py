@@ -18,14 +18,8 @@ from torch import Tensor
 
 from model.backends import REFERENCE, Backend
 from model.backends.reference import flag_non_finite
+from service.engine.output import TokenLogprobs
 from service.engine.request import Request
-
-
-@dataclass(slots=True)
-class TokenLogprobs:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # the N most likely tokens, most likely first
 
 
 @dataclass(slots=True)

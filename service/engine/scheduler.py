@@ -36,10 +36,6 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(s.num_new for s in self.seqs)
 
-    @property
-    def num_decode(self) -> int:
-        return sum(1 for s in self.seqs if not s.request.in_prefill)
-
 
 class Scheduler:
     def __init__(

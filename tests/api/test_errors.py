@@ -103,6 +103,11 @@ def test_error_matrix_leaves_others_untouched(server: Server) -> None:
                 400,
                 "tools",
             )
+            for choice in ("auto", "required", {"type": "function", "function": {"name": "f"}}):
+                body = {"messages": [{"role": "user", "content": "x"}], "tool_choice": choice}
+                assert_error(post("/v1/chat/completions", json=body), 400, "tool_choice")
+            body = {"messages": [{"role": "user", "content": "x"}], "tool_choice": "none"}
+            assert post("/v1/chat/completions", json={**body, "max_tokens": 1}).status_code == 200
             assert_error(
                 post("/v1/completions", json={"model": "gpt-9", "prompt": "x"}),
                 404,
