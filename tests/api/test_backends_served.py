@@ -38,7 +38,15 @@ def test_triton_serves_the_cpu_backends_tokens(family: str, tmp_path: Path) -> N
     }
     answers = {}
     for name in ("cpu", "triton"):
-        srv = start_server(str(tmp_path), "--model", str(tmp_path), "--attention-backend", name)
+        srv = start_server(  # float32: the backends' arithmetic, not bf16 rounding, compared
+            str(tmp_path),
+            "--model",
+            str(tmp_path),
+            "--attention-backend",
+            name,
+            "--dtype",
+            "float32",
+        )
         try:
             with httpx.Client(base_url=srv.url, timeout=300) as c:
                 card = c.get(f"/v1/models/{tmp_path.name}").json()
@@ -53,3 +61,22 @@ def test_triton_serves_the_cpu_backends_tokens(family: str, tmp_path: Path) -> N
     (cpu_text, cpu_lp), (tr_text, tr_lp) = answers["cpu"], answers["triton"]
     assert tr_text == cpu_text and len(tr_lp) == 20
     assert max(abs(a - b) for a, b in zip(cpu_lp, tr_lp)) < 1e-3
+
+
+def test_int8_weights_serve_and_say_so(tmp_path: Path) -> None:
+    """`kvserve serve --quantization int8`: bf16 activations picked by --dtype auto, the
+    weights named in the start-up line, the model card and kvserve_model_info."""
+    write_llama(tmp_path, tied=True, intermediate_size=128)
+    write_tokenizer(tmp_path)
+    srv = start_server(str(tmp_path), "--model", str(tmp_path), "--quantization", "int8")
+    try:
+        with httpx.Client(base_url=srv.url, timeout=300) as c:
+            memory = c.get(f"/v1/models/{tmp_path.name}").json()["memory"]
+            assert memory["quantization"] == "int8" and memory["dtype"] == "bfloat16"
+            body = {"prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+            assert 'quantization="int8"' in c.get("/metrics").text
+        assert "weights int8" in Path(srv.log_path).read_text()
+    finally:
+        srv.stop()
