@@ -33,7 +33,8 @@ from model.audit import count_params, weight_bytes
 from model.hardware import matmul_throughput
 from model.loader import load
 from service import bench
-from service.engine.engine import EngineConfig, LLMEngine
+from service.config import Settings
+from service.engine.engine import LLMEngine
 
 LLAMA_32_1B = dict(
     vocab_size=128256,
@@ -85,9 +86,9 @@ def checkpoint(path: Path, shape: dict, dtype: torch.dtype) -> Path:
     return path
 
 
-def engine_for(path: Path, device: torch.device, dtype: torch.dtype, **config) -> LLMEngine:
+def engine_for(path: Path, device: torch.device, dtype: torch.dtype, **settings) -> LLMEngine:
     loaded = load(path, dtype, device)
-    return LLMEngine(loaded.model, loaded.tokenizer, EngineConfig(**config))
+    return LLMEngine(loaded.model, loaded.tokenizer, Settings(**settings))
 
 
 def hf_best(path, device, dtype, prompts, out_len, batches) -> dict:
@@ -153,7 +154,7 @@ def measure(name: str, shape: dict, args, device: torch.device) -> dict:
     prompt = torch.randint(0, vocab, (args.prompt_len,)).tolist()
     run_single(eng, prompt, 8)  # warm-up
     graphs = run_single(eng, prompt, args.output_len)
-    eager_eng = engine_for(path, device, dtype, max_num_seqs=args.concurrency, cuda_graphs=False)
+    eager_eng = engine_for(path, device, dtype, max_num_seqs=args.concurrency, enforce_eager=True)
     eager = run_single(eager_eng, prompt, args.output_len)
     del eager_eng
     prompts = [torch.randint(0, vocab, (args.offline_in,)).tolist() for _ in range(args.requests)]

@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 from model.loader import load
-from service.engine.engine import EngineConfig, LLMEngine
+from service.config import Settings
+from service.engine.engine import LLMEngine
 from service.engine.request import SamplingParams
 from tests.model import hf_checkpoints as hf
 
@@ -57,8 +58,8 @@ def checkpoints(tmp: Path, peers: Path | None) -> dict[str, Path]:
 
 def engine(path: Path, quantization: str) -> LLMEngine:
     loaded = load(path, torch.bfloat16, torch.device("cpu"))
-    config = EngineConfig(attention_backend="cpu", quantization=quantization, max_num_seqs=16)
-    return LLMEngine(loaded.model, loaded.tokenizer, config)
+    settings = Settings(attention_backend="cpu", quantization=quantization, max_num_seqs=16)
+    return LLMEngine(loaded.model, loaded.tokenizer, settings)
 
 
 def greedy(eng: LLMEngine, prompts: list[list[int]], n: int) -> list[list[int]]:

@@ -24,7 +24,8 @@ from model.device import DTYPES, dtype_name
 from model.hardware import memory_bandwidth
 from model.tokenizer import Tokenizer
 from model.weights import load_model
-from service.engine.engine import EngineConfig, LLMEngine
+from service.config import Settings
+from service.engine.engine import LLMEngine
 from service.engine.request import SamplingParams
 
 OUT = Path(__file__).parent / "out"
@@ -203,15 +204,16 @@ def main() -> None:
     for name in args.dtype:
         dtype = DTYPES[name]
         model = load_model(path, dtype=dtype)
-        cfg = EngineConfig(
+        settings = Settings(  # every prompt token a step can take (no cap beside decodes)
             max_num_seqs=args.max_num_seqs or args.requests,
             max_num_batched_tokens=2048,
-            kv_cache_bytes=2 << 30,
+            kv_cache_gib=2.0,
+            mixed_prefill_tokens=0,
         )
-        engine = LLMEngine(model, Tokenizer.default(), cfg)
+        engine = LLMEngine(model, Tokenizer.default(), settings)
         run_single(engine, prompts[0][:16], 4)  # warm-up
         batch = run_batch(engine, prompts, args.output_len)
-        batch["max_num_seqs"] = cfg.max_num_seqs
+        batch["max_num_seqs"] = engine.max_num_seqs
         single = run_single(engine, prompts[1], args.output_len)
         floor_ms = 1000 * weight_bytes(model.cfg, dtype_name(dtype)) / bandwidth
         run = {"dtype": name, "batch": batch, "single": single, "bandwidth_floor_ms": floor_ms}

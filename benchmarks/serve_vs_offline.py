@@ -30,7 +30,7 @@ from model.device import pick_device, pick_dtype
 from model.loader import load
 from service import bench
 from service.config import Settings
-from service.engine.engine import EngineConfig, LLMEngine
+from service.engine.engine import LLMEngine
 
 
 def main() -> None:
@@ -66,16 +66,14 @@ def main() -> None:
     try:
         device = pick_device("auto")
         loaded = load(path, pick_dtype(args.dtype, device), device)
-        cap = Settings(mixed_prefill_tokens=args.mixed_prefill_tokens).mixed_prefill_cap(
-            device.type
-        )
-        print(f"prompt tokens in a step with decodes, both sides: {cap or 'no cap'}")
-        cfg = EngineConfig(
+        settings = Settings(
             max_num_seqs=conc,
-            kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
-            mixed_prefill_tokens=cap,
+            kv_cache_gib=args.kv_cache_gib,
+            mixed_prefill_tokens=args.mixed_prefill_tokens,
         )
-        engine = LLMEngine(loaded.model, loaded.tokenizer, cfg)
+        cap = settings.mixed_prefill_cap(device.type)
+        print(f"prompt tokens in a step with decodes, both sides: {cap or 'no cap'}")
+        engine = LLMEngine(loaded.model, loaded.tokenizer, settings)
         vocab = loaded.model.cfg.vocab_size
         gc.freeze()  # the model and engine stay out of the HTTP client's collections
 

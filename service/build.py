@@ -22,7 +22,7 @@ from model.hub import resolve
 from model.loader import load
 from model.tokenizer import Tokenizer
 from service.config import Settings
-from service.engine.engine import EngineConfig, EngineObserver, LLMEngine
+from service.engine.engine import EngineObserver, LLMEngine
 
 log = logging.getLogger("kvserve.build")
 
@@ -39,22 +39,6 @@ class Built:
     device_memory: Callable[[], tuple[int, int] | None]  # CUDA allocated, reserved
 
 
-def engine_config(settings: Settings, device: torch.device) -> EngineConfig:
-    """The engine's configuration: the settings it reads, with the device's defaults."""
-    return EngineConfig(
-        block_size=settings.block_size,
-        max_num_seqs=settings.seqs_per_step(device.type),
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        mixed_prefill_tokens=settings.mixed_prefill_cap(device.type),
-        max_model_len=settings.max_model_len,
-        kv_cache_bytes=settings.kv_cache_bytes,
-        gpu_memory_utilization=settings.gpu_memory_utilization,
-        attention_backend=settings.attention_backend,
-        cuda_graphs=not settings.enforce_eager,
-        quantization=settings.quantization,
-    )
-
-
 def build(
     settings: Settings, observer: Callable[[str], EngineObserver | None] = lambda _: None
 ) -> Built:
@@ -65,8 +49,7 @@ def build(
     source = resolve(settings.model, settings.revision, settings.download_dir)
     loaded = load(source.path if source else None, dtype, device)
     model_id = settings.served_model_name or (source.model_id if source else loaded.model_id)
-    config = engine_config(settings, device)
-    engine = LLMEngine(loaded.model, loaded.tokenizer, config, observer=observer(model_id))
+    engine = LLMEngine(loaded.model, loaded.tokenizer, settings, observer=observer(model_id))
     cfg, name = loaded.model.cfg, dtype_name(dtype)
     report = audit(cfg, name, kv_pool_bytes=engine.kv_cache.nbytes).as_dict()
     backend = engine.backend.describe()

@@ -59,6 +59,10 @@ class Settings:
         },
     )
     kv_cache_gib: float = field(default=1.0, metadata={"help": "KV cache budget on the CPU, GiB"})
+    num_kv_blocks: int | None = field(
+        default=None,
+        metadata={"help": "KV blocks in the pool, overriding both budgets (default: from them)"},
+    )
     gpu_memory_utilization: float = field(
         default=0.9,
         metadata={
@@ -76,6 +80,10 @@ class Settings:
     )
     enforce_eager: bool = field(
         default=False, metadata={"help": "no CUDA graphs: run every step eagerly"}
+    )
+    disable_prefix_caching: bool = field(
+        default=False,
+        metadata={"help": "no prefix cache: every prompt is computed in full"},
     )
     max_num_seqs: int | None = field(
         default=None,
@@ -121,6 +129,7 @@ class Settings:
         positive = (
             "port",
             "block_size",
+            "num_kv_blocks",
             "max_num_seqs",
             "max_num_batched_tokens",
             "max_body_bytes",

@@ -54,7 +54,7 @@ def build_state(settings: Settings) -> ServingState:
         async_engine.snapshot, async_engine.stats, done.info, done.device_memory
     )
     return ServingState(
-        settings=settings.replace(max_num_seqs=done.engine.config.max_num_seqs),
+        settings=settings.replace(max_num_seqs=done.engine.max_num_seqs),
         engine=async_engine,
         tokenizer=done.tokenizer,
         model_id=done.model_id,

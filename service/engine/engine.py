@@ -14,6 +14,7 @@ from model.backends import select_backend
 from model.backends.reference import NON_FINITE
 from model.tokenizer import Tokenizer
 from model.transformer import Transformer
+from service.config import Settings
 from service.engine.blocks import BlockManager
 from service.engine.cuda_graphs import decode_graphs
 from service.engine.memory import kv_block_budget
@@ -22,24 +23,7 @@ from service.engine.request import FinishReason, ParamError, Request, SamplingPa
 from service.engine.runner import ModelRunner
 from service.engine.scheduler import Scheduler, SchedulerOutput
 
-GiB = 1 << 30
 log = logging.getLogger("kvserve.engine")
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    mixed_prefill_tokens: int | None = None  # prompt tokens in a step with decodes (None: no cap)
-    max_model_len: int | None = None  # default: the model's context length
-    kv_cache_bytes: int = 1 * GiB  # the CPU budget (and the GPU one if the next is None)
-    gpu_memory_utilization: float | None = 0.9  # of total GPU memory (service/engine/memory.py)
-    num_blocks: int | None = None  # overrides both budgets (tests)
-    enable_prefix_caching: bool = True
-    attention_backend: str = "auto"  # model/backends: auto, cpu, triton, torch
-    cuda_graphs: bool = True  # decode steps replay CUDA graphs (triton backend on CUDA)
-    quantization: str = "none"  # model/backends: none, int8 (weights; the cpu backend)
 
 
 class EngineObserver(Protocol):
@@ -69,40 +53,44 @@ class LLMEngine:
         self,
         model: Transformer,
         tokenizer: Tokenizer,
-        config: EngineConfig,
+        settings: Settings,
         observer: EngineObserver | None = None,
     ) -> None:
-        self.model, self.tokenizer, self.config = model, tokenizer, config
+        """settings: what the engine reads of them (the sizes, budgets, backend and
+        quantization); the device's defaults are resolved here, once."""
+        self.model, self.tokenizer, self.settings = model, tokenizer, settings
+        device = model.device.type
+        self.max_num_seqs = settings.seqs_per_step(device)
         self.observer = observer
         self.max_model_len = min(
-            config.max_model_len or model.cfg.max_position, model.cfg.max_position
+            settings.max_model_len or model.cfg.max_position, model.cfg.max_position
         )
         self.backend = select_backend(
-            config.attention_backend, model.device, model.dtype, model.cfg, config.block_size
+            settings.attention_backend, model.device, model.dtype, model.cfg, settings.block_size
         )
-        num_blocks = kv_block_budget(model, config)
+        num_blocks = kv_block_budget(model, settings, self.max_num_seqs)
         self.kv_cache = PagedKVCache(
-            model.cfg, num_blocks, config.block_size, model.dtype, model.device, self.backend
+            model.cfg, num_blocks, settings.block_size, model.dtype, model.device, self.backend
         )
         # the model is part of every prefix-cache key (with each request's cache_salt)
-        namespace = f"{model.cfg!r}|{model.dtype}|{config.quantization}"
+        namespace = f"{model.cfg!r}|{model.dtype}|{settings.quantization}"
         self.blocks = BlockManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, namespace
+            num_blocks, settings.block_size, not settings.disable_prefix_caching, namespace
         )
         self.scheduler = Scheduler(
             self.blocks,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            config.mixed_prefill_tokens,
+            self.max_num_seqs,
+            settings.max_num_batched_tokens,
+            settings.mixed_prefill_cap(device),
         )
-        graphs = config.cuda_graphs and self.backend.name == "triton"
+        graphs = not settings.enforce_eager and self.backend.name == "triton"
         self.runner = ModelRunner(
             model,
             self.kv_cache,
-            decode_graphs(model, self.kv_cache, config.max_num_seqs, self.max_model_len)
+            decode_graphs(model, self.kv_cache, self.max_num_seqs, self.max_model_len)
             if graphs and model.device.type == "cuda"
             else None,
-            config.quantization,
+            settings.quantization,
         )
         self.requests: dict[str, Request] = {}
         self.texts: dict[str, TextState] = {}

@@ -18,10 +18,10 @@ from model.device import dtype_name
 from model.transformer import Transformer
 
 if TYPE_CHECKING:
-    from service.engine.engine import EngineConfig
+    from service.config import Settings
 
 
-def cuda_kv_budget(model: Transformer, config: EngineConfig) -> int:
+def cuda_kv_budget(model: Transformer, settings: Settings, max_num_seqs: int) -> int:
     """Bytes the KV pool may take on the model's GPU."""
     device = model.device
     torch.cuda.synchronize(device)
@@ -29,32 +29,34 @@ def cuda_kv_budget(model: Transformer, config: EngineConfig) -> int:
     free, total = torch.cuda.mem_get_info(device)
     others = total - free - torch.cuda.memory_reserved(device)
     torch.cuda.reset_peak_memory_stats(device)
-    n = min(config.max_num_batched_tokens, model.cfg.max_position)
-    rows = torch.arange(min(n, config.max_num_seqs), device=device)
+    n = min(settings.max_num_batched_tokens, model.cfg.max_position)
+    rows = torch.arange(min(n, max_num_seqs), device=device)
     with torch.inference_mode():  # the worst-case step, kept as the peak
         model(torch.zeros(n, dtype=torch.long, device=device), logits_indices=rows)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
     # the sampler's fp32 copies of the logits (logits, probabilities, noise, a sort) and
     # the graphs' outputs: a reserve, since neither exists yet
-    reserve = 5 * config.max_num_seqs * model.cfg.vocab_size * 4
-    return int(total * config.gpu_memory_utilization) - peak - others - reserve
+    reserve = 5 * max_num_seqs * model.cfg.vocab_size * 4
+    return int(total * settings.gpu_memory_utilization) - peak - others - reserve
 
 
-def kv_block_budget(model: Transformer, config: EngineConfig) -> int:
-    """Number of KV blocks: explicit, or from the memory budget of the model's device."""
-    if config.num_blocks is not None:
-        return config.num_blocks
-    per_block = config.block_size * kv_bytes_per_token(model.cfg, dtype_name(model.dtype))
-    gpu = model.device.type == "cuda" and config.gpu_memory_utilization is not None
-    budget = cuda_kv_budget(model, config) if gpu else config.kv_cache_bytes
+def kv_block_budget(model: Transformer, settings: Settings, max_num_seqs: int) -> int:
+    """Number of KV blocks: num_kv_blocks, or from the memory budget of the model's
+    device (max_num_seqs: the engine's, for the worst-case step on CUDA)."""
+    if settings.num_kv_blocks is not None:
+        return settings.num_kv_blocks
+    block_size = settings.block_size
+    per_block = block_size * kv_bytes_per_token(model.cfg, dtype_name(model.dtype))
+    gpu = model.device.type == "cuda"
+    budget = cuda_kv_budget(model, settings, max_num_seqs) if gpu else settings.kv_cache_bytes
     blocks = max(0, budget) // per_block
-    max_len = min(config.max_model_len or model.cfg.max_position, model.cfg.max_position)
-    need = -(-max_len // config.block_size)
+    max_len = min(settings.max_model_len or model.cfg.max_position, model.cfg.max_position)
+    need = -(-max_len // block_size)
     if blocks < need:
         source = "gpu_memory_utilization" if gpu else "kv_cache_gib"
         raise ValueError(
-            f"{source}: a KV cache budget of {budget} bytes holds {blocks * config.block_size} "
+            f"{source}: a KV cache budget of {budget} bytes holds {blocks * block_size} "
             f"tokens, fewer than one sequence of max_model_len {max_len} "
             f"({need * per_block} bytes); raise {source} or lower max_model_len"
         )

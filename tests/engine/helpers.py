@@ -1,7 +1,8 @@
 """Small random models and an engine driver for the engine tests."""
 
 from model.tokenizer import Tokenizer
-from service.engine.engine import EngineConfig, LLMEngine
+from service.config import Settings
+from service.engine.engine import LLMEngine
 from service.engine.output import RequestOutput
 from service.engine.request import SamplingParams
 from tests.model.helpers import tiny_model
@@ -22,10 +23,17 @@ def small_model(vocab: int = 300, **overrides: object):
     return tiny_model(**fields)
 
 
-def make_engine(model=None, **config: object) -> LLMEngine:
-    defaults = dict(num_blocks=256, block_size=4, max_num_seqs=16, max_num_batched_tokens=64)
-    defaults.update(config)
-    return LLMEngine(model or small_model(), tokenizer(), EngineConfig(**defaults))
+def make_engine(model=None, **settings: object) -> LLMEngine:
+    """An engine on Settings (no cap on prompt tokens in a step with decodes unless given)."""
+    defaults = dict(
+        num_kv_blocks=256,
+        block_size=4,
+        max_num_seqs=16,
+        max_num_batched_tokens=64,
+        mixed_prefill_tokens=0,
+    )
+    defaults.update(settings)
+    return LLMEngine(model or small_model(), tokenizer(), Settings(**defaults))
 
 
 def greedy(max_tokens: int, **kw: object) -> SamplingParams:

@@ -77,12 +77,12 @@ def test_steps_with_decodes_cap_their_prompt_tokens() -> None:
     assert outputs == alone(requests)
     assert engine.blocks.num_used == 0
     with pytest.raises(ValueError, match="mixed_prefill_tokens"):
-        make_engine(MODEL, mixed_prefill_tokens=0)
+        make_engine(MODEL, mixed_prefill_tokens=-1)  # 0 is no cap
 
 
 def test_small_pool_preempts_and_outputs_are_unchanged() -> None:
     requests = mixed_requests(16, seed=1)
-    engine = make_engine(MODEL, num_blocks=40)
+    engine = make_engine(MODEL, num_kv_blocks=40)
     outputs = run_all(engine, requests)
     assert engine.stats.preemptions > 0
     assert {rid: tokens_of(o) for rid, o in outputs.items()} == alone(requests)
@@ -98,7 +98,7 @@ def test_shared_prefix_is_computed_once() -> None:
     second = run_all(engine, {"b": (b, greedy(6))})
     assert engine.stats.prefix_hit_tokens == 8
     assert second["b"][-1].num_cached_tokens == 8
-    cold = make_engine(MODEL, enable_prefix_caching=False)
+    cold = make_engine(MODEL, disable_prefix_caching=True)
     ref = run_all(cold, {"a": (a, greedy(6)), "b": (b, greedy(6))})
     assert tokens_of(first["a"]) == tokens_of(ref["a"])
     assert tokens_of(second["b"]) == tokens_of(ref["b"])
@@ -115,7 +115,7 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch() -> None:
     busy_requests |= {
         f"x{i}": ([1, 2, 3], SamplingParams(max_tokens=15, temperature=1.0)) for i in range(5)
     }
-    busy = run_all(make_engine(MODEL, num_blocks=60), busy_requests)
+    busy = run_all(make_engine(MODEL, num_kv_blocks=60), busy_requests)
     assert tokens_of(busy["s"]) == solo
     other_seed = SamplingParams(max_tokens=20, temperature=0.9, seed=99, ignore_eos=True)
     assert tokens_of(run_all(make_engine(MODEL), {"s": (prompt, other_seed)})["s"]) != solo
@@ -225,7 +225,7 @@ def test_validation_names_the_parameter() -> None:
         SamplingParams(temperature=-1)
     with pytest.raises(ParamError, match="top_p"):
         SamplingParams(top_p=0)
-    small = make_engine(MODEL, num_blocks=4)
+    small = make_engine(MODEL, num_kv_blocks=4)
     with pytest.raises(ContextLengthError, match="KV cache capacity of 16 tokens"):
         small.add_request("k", [1] * 10, greedy(10))
 
@@ -242,7 +242,7 @@ def test_bf16_batched_chunked_and_preempted_equal_each_alone(block_size: int) ->
     alone = {rid: tokens_of(run_all(solo, {rid: spec})[rid]) for rid, spec in requests.items()}
     batched = run_all(make_engine(model, block_size=block_size), requests)
     assert {rid: tokens_of(out) for rid, out in batched.items()} == alone
-    tight = make_engine(model, block_size=block_size, num_blocks=160 // block_size)
+    tight = make_engine(model, block_size=block_size, num_kv_blocks=160 // block_size)
     preempted = run_all(tight, requests)
     assert tight.stats.preemptions > 0
     assert {rid: tokens_of(out) for rid, out in preempted.items()} == alone

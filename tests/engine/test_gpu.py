@@ -15,7 +15,8 @@ from model.attention import AttentionMetadata, PagedKVCache
 from model.backends import select_backend
 from model.backends.reference import TorchBackend
 from model.config import ModelConfig
-from service.engine.engine import EngineConfig, LLMEngine
+from service.config import Settings
+from service.engine.engine import LLMEngine
 from tests.engine.helpers import greedy, small_model, tokenizer
 from tests.engine.test_engine import mixed_requests
 
@@ -23,10 +24,10 @@ pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def cuda_engine(model, **config) -> LLMEngine:
-    defaults = dict(num_blocks=256, block_size=16, max_num_seqs=16, max_num_batched_tokens=256)
-    defaults.update(config)
-    return LLMEngine(model, tokenizer(), EngineConfig(**defaults))
+def cuda_engine(model, **settings) -> LLMEngine:
+    defaults = dict(num_kv_blocks=256, block_size=16, max_num_seqs=16, max_num_batched_tokens=256)
+    defaults.update(settings)
+    return LLMEngine(model, tokenizer(), Settings(**defaults))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -58,7 +59,7 @@ def test_cuda_default_is_triton_with_graphs_and_matches_eager() -> None:
     model = small_model().to("cuda", torch.bfloat16)
     engine = cuda_engine(model)
     assert engine.backend.name == "triton" and engine.runner.graphs is not None
-    eager = cuda_engine(model, cuda_graphs=False)
+    eager = cuda_engine(model, enforce_eager=True)
     assert eager.runner.graphs is None
     requests = mixed_requests(8)
     for e in (engine, eager):
@@ -77,7 +78,7 @@ def test_one_host_sync_per_decode_step() -> None:
     once: the sampled token ids coming back to the host."""
     model = small_model().to("cuda", torch.bfloat16)
     for graphs in (True, False):
-        engine = cuda_engine(model, cuda_graphs=graphs)
+        engine = cuda_engine(model, enforce_eager=not graphs)
         for i in range(4):
             engine.add_request(f"r{i}", [5 + i] * (10 + i), greedy(12))
         for _ in range(3):  # prefill and the first decodes, outside the count
