@@ -3,8 +3,9 @@
 Histograms are fed as things happen: the engine thread reports steps, inter-token
 intervals and finished requests (with the engine's own timestamps, so TTFT, queue,
 prefill and decode times are exact per request) through the EngineObserver interface;
-the HTTP layer reports requests and rejections. Gauges and the engine's counters are
-read at scrape time. Renaming a metric is a breaking change.
+the HTTP layer reports requests and rejections. Gauges and the engine's counters come
+from the EngineSnapshot the engine thread publishes after each step, read at scrape time.
+Renaming a metric is a breaking change.
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from service.engine.async_engine import EngineSnapshot
-from service.engine.engine import EngineStats
+from service.engine.engine import EngineSnapshot
 from service.engine.output import RequestOutput
 
 # 1 ms .. ~5 min: a CPU's seconds-long TTFT and a GPU's milliseconds both resolve.
@@ -166,11 +166,10 @@ class Metrics:
     def attach_engine(
         self,
         snapshot: Callable[[], EngineSnapshot],
-        stats: Callable[[], EngineStats],
         info: dict[str, str],
         device_memory: Callable[[], tuple[int, int] | None],
     ) -> None:
-        self.registry.register(_EngineCollector(self.model, snapshot, stats, info, device_memory))
+        self.registry.register(_EngineCollector(self.model, snapshot, info, device_memory))
 
     # ---- EngineObserver (called from the engine thread) -------------------------------
 
@@ -212,21 +211,21 @@ class Metrics:
 
 
 class _EngineCollector(Collector):
-    """Gauges and engine counters, read at scrape time from the engine's own numbers."""
+    """Gauges and engine counters, read at scrape time from the engine's latest snapshot."""
 
     def __init__(
         self,
         model: str,
         snapshot: Callable[[], EngineSnapshot],
-        stats: Callable[[], EngineStats],
         info: dict[str, str],
         device_memory: Callable[[], tuple[int, int] | None],
     ) -> None:
-        self.model, self.snapshot, self.stats, self.info = model, snapshot, stats, info
+        self.model, self.snapshot, self.info = model, snapshot, info
         self.device_memory = device_memory
 
     def collect(self) -> Iterator[Metric]:
-        snap, stats, m = self.snapshot(), self.stats(), [self.model]
+        snap = stats = self.snapshot()
+        m = [self.model]
         info = GaugeMetricFamily(
             "kvserve_model_info", "The served model (value 1).", labels=["model", *self.info]
         )
@@ -289,6 +288,7 @@ class _EngineCollector(Collector):
             "Finished sequences by finish reason.",
             labels=["model", "finish_reason"],
         )
+        counts = dict(stats.finished)
         for reason in ("stop", "length", "abort", "error"):
-            finished.add_metric([self.model, reason], stats.finished.get(reason, 0))
+            finished.add_metric([self.model, reason], counts.get(reason, 0))
         yield finished

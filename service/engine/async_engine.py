@@ -1,8 +1,10 @@
 """The async front: the engine steps in its own thread; callers await per-request queues.
 
 All engine state is touched by the engine thread alone. Callers talk to it through a
-command queue (add, abort) and receive deltas through their asyncio queue, fed with
-call_soon_threadsafe, so the event loop never waits on a forward pass.
+command queue (add, abort, call) and receive deltas through their asyncio queue, fed with
+call_soon_threadsafe, so the event loop never waits on a forward pass. What other threads
+read of the engine's state (the metrics, /health) is the immutable EngineSnapshot the
+engine thread publishes after every step.
 """
 
 from __future__ import annotations
@@ -17,26 +19,12 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from service.engine.engine import EngineStats, LLMEngine
+from service.engine.engine import EngineSnapshot, LLMEngine
 from service.engine.output import RequestOutput
 from service.engine.request import SamplingParams
 
 log = logging.getLogger("kvserve.engine")
 T = TypeVar("T")
-
-
-@dataclass(frozen=True, slots=True)
-class EngineSnapshot:
-    running: int
-    waiting: int
-    kv_blocks_total: int
-    kv_blocks_used: int
-    kv_bytes_total: int
-    kv_bytes_used: int
-
-    @property
-    def kv_usage(self) -> float:
-        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
 
 class EngineDeadError(RuntimeError):
@@ -76,6 +64,7 @@ class AsyncEngine:
         self._closed = False  # the loop serves no more streams (died or shut down)
         self.last_progress = time.monotonic()
         self.busy = False  # the engine has unfinished work
+        self._snapshot: EngineSnapshot | None = None  # published by the engine thread
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -112,20 +101,10 @@ class AsyncEngine:
         """Raise ParamError / ContextLengthError now, before anything is queued."""
         self.engine.validate(prompt_ids, params)
 
-    def stats(self) -> EngineStats:
-        return self.engine.stats
-
     def snapshot(self) -> EngineSnapshot:
-        eng = self.engine
-        used, total = eng.blocks.num_used, eng.blocks.num_blocks
-        return EngineSnapshot(
-            running=len(eng.scheduler.running),
-            waiting=len(eng.scheduler.waiting),
-            kv_blocks_total=total,
-            kv_blocks_used=used,
-            kv_bytes_total=total * eng.block_bytes,
-            kv_bytes_used=used * eng.block_bytes,
-        )
+        """The engine's state as of its last step (gauges and counters; immutable)."""
+        assert self._snapshot is not None, "start() first"
+        return self._snapshot
 
     # ---- the caller side -------------------------------------------------------------
 
@@ -173,6 +152,7 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             self.engine = self._build()
+            self._snapshot = self.engine.snapshot()
         except BaseException as exc:
             self.error = exc
             return
@@ -183,11 +163,15 @@ class AsyncEngine:
                 self._drain_commands()
                 self.busy = self.engine.has_unfinished()
                 if not self.busy:
+                    self._snapshot = self.engine.snapshot()  # aborts and adds show too
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     self.last_progress = time.monotonic()
                     continue
-                self._dispatch(self.engine.step())  # no local keeps the last outputs alive
+                outputs = self.engine.step()
+                self._snapshot = self.engine.snapshot()  # before the callers hear of it
+                self._dispatch(outputs)
+                del outputs  # nothing keeps the last outputs alive while idle
                 self.last_progress = time.monotonic()
         except BaseException as exc:  # the loop itself died: fail everyone, report unhealthy
             log.exception("engine loop died")

@@ -48,6 +48,29 @@ class EngineStats:
     finished: Counter[str] = field(default_factory=Counter)
 
 
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """The engine's gauges and counters at one moment, built on the engine thread: what
+    other threads (the metrics, /health) read instead of the live objects."""
+
+    running: int
+    waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_bytes_total: int
+    kv_bytes_used: int
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    preemptions: int = 0
+    finished: tuple[tuple[str, int], ...] = ()  # (finish reason, requests)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -162,6 +185,23 @@ class LLMEngine:
         self.texts.pop(request_id, None)
         if request is not None:
             self.scheduler.remove(request)
+
+    def snapshot(self) -> EngineSnapshot:
+        used, total, stats = self.blocks.num_used, self.blocks.num_blocks, self.stats
+        return EngineSnapshot(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            kv_blocks_total=total,
+            kv_blocks_used=used,
+            kv_bytes_total=total * self.block_bytes,
+            kv_bytes_used=used * self.block_bytes,
+            prompt_tokens=stats.prompt_tokens,
+            generation_tokens=stats.generation_tokens,
+            prefix_queried_tokens=stats.prefix_queried_tokens,
+            prefix_hit_tokens=stats.prefix_hit_tokens,
+            preemptions=stats.preemptions,
+            finished=tuple(sorted(stats.finished.items())),
+        )
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work

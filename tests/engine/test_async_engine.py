@@ -206,3 +206,20 @@ def test_call_runs_on_the_engine_thread_between_steps(engine: AsyncEngine) -> No
             await asyncio.wait_for(engine.call(where), 5)
 
     asyncio.run(after())
+
+
+def test_other_threads_read_the_snapshot_published_after_each_step(engine: AsyncEngine) -> None:
+    """The metrics and /health read an immutable snapshot the engine thread publishes
+    after every step, already current when a request's last delta arrives."""
+    import dataclasses
+
+    before = engine.snapshot()
+    tokens = asyncio.run(collect(engine, "s", [1, 2, 3], greedy(5)))
+    after = engine.snapshot()
+    assert len(tokens) == 5 and after is not before
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        after.running = 1  # type: ignore[misc]
+    assert after.generation_tokens == before.generation_tokens + 5
+    assert after.prompt_tokens == before.prompt_tokens + 3
+    assert dict(after.finished)["length"] == dict(before.finished).get("length", 0) + 1
+    assert after.running == after.waiting == after.kv_blocks_used == 0
