@@ -257,6 +257,12 @@ def attention_isa(d_head: int, block_size: int, group: int, dtype: torch.dtype) 
     lib = _library(d_head, block_size, group)
     if lib is not None and dtype == torch.bfloat16 and _amx_attention(lib, d_head, block_size):
         return "amx"
+    return vector_level()
+
+
+def vector_level() -> str:
+    """The vector code's level here: the CPU's (or KVSERVE_CPU_ISA's), AVX-512-BF16 on
+    AMX CPUs (their vector kernels are the avx512-bf16 build)."""
     isa = cpu_isa()
     return "avx512-bf16" if isa == "amx" else isa
 
@@ -393,10 +399,9 @@ def linear_kernel(kind: str) -> ctypes._CFuncPtr | None:
     """The C function for 'bf16' (tile_layout weights) or 'int8' (int8_pack blobs)
     linears at this CPU's level: AMX tiles for bf16 where the level is amx, vector code
     otherwise (int8 always); None where it is not built."""
-    isa = cpu_isa()
-    if kind == "bf16" and isa == "amx" and _tiles() is not None:
+    if kind == "bf16" and cpu_isa() == "amx" and _tiles() is not None:
         return _tiles().linear_bf16
-    lib = _vector("avx512-bf16" if isa == "amx" else isa)
+    lib = _vector(vector_level())
     if lib is None:
         return None
     return lib.linear_int8 if kind == "int8" else lib.linear_bf16_vec
@@ -404,10 +409,9 @@ def linear_kernel(kind: str) -> ctypes._CFuncPtr | None:
 
 def linear_isa(kind: str) -> str:
     """Which code linear_kernel(kind) runs: 'amx' or the vector level."""
-    isa = cpu_isa()
-    if kind == "bf16" and isa == "amx" and _tiles() is not None:
+    if kind == "bf16" and cpu_isa() == "amx" and _tiles() is not None:
         return "amx"
-    return "avx512-bf16" if isa == "amx" else isa
+    return vector_level()
 
 
 def tile_linear_supported(weight: torch.Tensor) -> bool:
