@@ -28,7 +28,6 @@ import json
 import os
 import platform
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -51,12 +50,6 @@ def cpu_model() -> str:
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()
     return platform.processor() or "unknown"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(cmd: list[str], url: str, log: Path) -> subprocess.Popen:
@@ -124,7 +117,7 @@ def measure(systems: list[str], args: argparse.Namespace, slots: int) -> dict[st
     servers: dict[str, tuple[subprocess.Popen, str]] = {}
     try:
         for system in systems:
-            port = free_port()
+            port = bench.free_port()
             url = f"http://127.0.0.1:{port}"
             log = Path(args.out).with_suffix(f".{system}.{slots}.log")
             servers[system] = (

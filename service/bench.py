@@ -295,11 +295,8 @@ def plot(runs: list[dict[str, Any]], path: Path) -> bool:
 def spawn(args: str) -> tuple[subprocess.Popen, str]:
     """Start `kvserve serve ARGS` on a free port and wait until it is healthy."""
     import shlex
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "service.cli", "serve", "--port", str(port), *shlex.split(args)],
         stdout=subprocess.DEVNULL,
@@ -308,6 +305,15 @@ def spawn(args: str) -> tuple[subprocess.Popen, str]:
     url = f"http://127.0.0.1:{port}"
     wait_healthy(proc, url, 300, f"kvserve serve {args}")
     return proc, url
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def wait_healthy(proc: subprocess.Popen, url: str, seconds: float, name: str) -> None:
