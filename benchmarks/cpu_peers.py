@@ -34,8 +34,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from model.device import cpu_flags, cpu_isa
 from model.hardware import memory_bandwidth
 from service import bench
@@ -138,7 +136,7 @@ def measure(systems: list[str], args: argparse.Namespace, slots: int) -> dict[st
                 wave = reqs[i * n : (i + 1) * n]
                 for system, (_, url) in servers.items():
                     if slots == 1:
-                        runs[system].append(loop.run(single(url, *wave[0])))
+                        runs[system].append(loop.run(bench.single_stream(url, *wave[0])))
                     else:
                         run = loop.run(
                             bench.run(url, wave, slots, None, 600, None, None, args.seed)
@@ -161,14 +159,6 @@ def measure(systems: list[str], args: argparse.Namespace, slots: int) -> dict[st
             med["ms_per_token"] = 1000 / med["decode_tok_s"]
         out[system] = med | {"rounds": rs}
     return out
-
-
-async def single(url: str, prompt: list[int], max_tokens: int) -> dict[str, float]:
-    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-        r = await bench.one(client, prompt, max_tokens, None)
-    if not r.ok or not r.itl:
-        raise SystemExit(f"request failed: {r.error}")
-    return {"decode_tok_s": len(r.itl) / sum(r.itl), "ttft_s": r.ttft, "chunks": len(r.itl) + 1}
 
 
 def main() -> None:

@@ -23,19 +23,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-import httpx
-
 from service import bench
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-async def single(url: str, prompt: list[int], max_tokens: int) -> float:
-    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-        r = await bench.one(client, prompt, max_tokens, None)
-    if not r.ok or not r.itl:
-        raise SystemExit(f"request failed: {r.error}")
-    return len(r.itl) / sum(r.itl)
 
 
 def main() -> None:
@@ -116,7 +106,9 @@ def run(args: argparse.Namespace, model: str, trees: dict[str, Path]) -> dict[st
             for r in range(args.rounds):
                 order = list(urls) if r % 2 == 0 else list(reversed(urls))
                 for side in order:
-                    results[side]["single"].append(loop.run(single(urls[side], *reqs[i])))
+                    results[side]["single"].append(
+                        loop.run(bench.single_stream(urls[side], *reqs[i]))["decode_tok_s"]
+                    )
                     i += 1
                 for side in order:
                     wave = reqs[i : i + n]

@@ -183,6 +183,16 @@ async def run(
     }
 
 
+async def single_stream(url: str, prompt: list[int], max_tokens: int) -> dict[str, float]:
+    """One streamed request alone: decode tok/s = (chunks - 1) / (last chunk - first
+    chunk), TTFT, and the number of chunks; SystemExit if it fails."""
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        r = await one(client, prompt, max_tokens, None)
+    if not r.ok or not r.itl:
+        raise SystemExit(f"request failed: {r.error}")
+    return {"decode_tok_s": len(r.itl) / sum(r.itl), "ttft_s": r.ttft, "chunks": len(r.itl) + 1}
+
+
 def client_transport(
     limits: httpx.Limits,
 ) -> tuple[httpx.AsyncBaseTransport | None, tuple[type[BaseException], ...], str]:
