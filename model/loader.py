@@ -8,9 +8,10 @@ from pathlib import Path
 import torch
 
 from model.demo import DEMO_MODEL_ID, build_demo_model
+from model.parallel import TensorParallel
 from model.tokenizer import Tokenizer, TokenizerError
 from model.transformer import Transformer
-from model.weights import NATIVE_CONFIG, CheckpointError, load_model
+from model.weights import NATIVE_CONFIG, CheckpointError, load_model, share_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,11 +21,19 @@ class LoadedModel:
     model_id: str
 
 
-def load(model_path: str | Path | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def load(
+    model_path: str | Path | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TensorParallel | None = None,
+) -> LoadedModel:
+    """tp: load this tensor-parallel rank's share (model/parallel.py)."""
     if model_path is None:
-        return LoadedModel(build_demo_model(dtype, device), Tokenizer.default(), DEMO_MODEL_ID)
+        demo = build_demo_model(dtype, device)
+        demo = share_of(demo, tp) if tp is not None else demo
+        return LoadedModel(demo, Tokenizer.default(), DEMO_MODEL_ID)
     root = Path(model_path)
-    model = load_model(root, dtype=dtype, device=device)
+    model = load_model(root, dtype=dtype, device=device, tp=tp)
     source = Tokenizer.file_in(root)
     tokenizer = Tokenizer.from_dir(root) if source else Tokenizer.default()
     vocab = model.cfg.vocab_size

@@ -18,12 +18,20 @@ from model.layers import (
     rope_tables,
     sinusoidal_table,
 )
+from model.parallel import TensorParallel
 from model.stack import DecoderStack
 
 
+def _unsplit(x: Tensor) -> Tensor:
+    return x
+
+
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
+        """cfg: this rank's shapes (TensorParallel.local_config) under tensor parallelism,
+        where the attention and FFN outputs are partial sums until all-reduced."""
         super().__init__()
+        self.reduce = tp.all_reduce if tp is not None and tp.world > 1 else _unsplit
         self.pre_norm = cfg.norm_placement == "pre"
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg)
@@ -44,29 +52,35 @@ class Block(nn.Module):
         is fused with the next norm; post-norm blocks return a finished x."""
         if self.pre_norm:
             x, h = backend.add_norm(self.attn_norm, x, delta)
-            attn = self.attn(h, meta, rope, cache, alibi_slopes, backend)
+            attn = self.reduce(self.attn(h, meta, rope, cache, alibi_slopes, backend))
             x, h = backend.add_norm(self.ffn_norm, x, attn)
-            return x, self.ffn(h)
-        x = self.attn_norm(x + self.attn(x, meta, rope, cache, alibi_slopes, backend))
-        return self.ffn_norm(x + self.ffn(x)), None
+            return x, self.reduce(self.ffn(h))
+        x = self.attn_norm(x + self.reduce(self.attn(x, meta, rope, cache, alibi_slopes, backend)))
+        return self.ffn_norm(x + self.reduce(self.ffn(x))), None
 
 
 class Transformer(nn.Module):
-    """Token embedding -> N blocks -> final norm (pre-norm only) -> LM head."""
+    """Token embedding -> N blocks -> final norm (pre-norm only) -> LM head.
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    With `tp` (model/parallel.py) this is one rank's share of the model: its heads, FFN
+    features and vocab rows; `cfg` stays the whole model's, `local_cfg` is the shapes this
+    rank holds (what its KV cache is laid out by)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.cfg, self.tp = cfg, tp
+        self.local_cfg = tp.local_config(cfg) if tp is not None else cfg
+        vocab = tp.vocab_rows(cfg) if tp is not None else cfg.vocab_size
+        self.embed = nn.Embedding(vocab, cfg.d_model)
         if cfg.position == "learned":
             self.pos_embed = nn.Embedding(cfg.max_position, cfg.d_model)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(self.local_cfg, tp) for _ in range(cfg.n_layers))
         self._head: Linear | None = None  # packed copy of a tied head (pack_weights)
         self._stack: DecoderStack | None = None  # the layers as one C call (pack_weights)
         if cfg.norm_placement == "pre":
             self.norm = make_norm(cfg)
         if not cfg.tie_embeddings:
-            self.lm_head = Linear(cfg.d_model, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.d_model, vocab, bias=False)
         self.rebuild_tables(self.embed.weight.device)
 
     def rebuild_tables(self, device: torch.device) -> None:
@@ -84,7 +98,8 @@ class Transformer(nn.Module):
         elif cfg.position == "sinusoidal":
             self._sinusoidal = sinusoidal_table(cfg.max_position, cfg.d_model, device)
         elif cfg.position == "alibi":
-            self._alibi = alibi_slopes(cfg.n_heads).to(device)
+            heads = self.tp.heads(cfg) if self.tp is not None else range(cfg.n_heads)
+            self._alibi = alibi_slopes(cfg.n_heads)[heads.start : heads.stop].to(device)
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         # .to() / .cuda() move the weights; the position tables follow them.
@@ -102,7 +117,7 @@ class Transformer(nn.Module):
         if self.cfg.tie_embeddings and self._head is None:
             # The lookup keeps the plain table; the head gets a packed copy (vocab x d
             # more bytes, less in int8) in the linears' layout.
-            head = Linear(self.cfg.d_model, self.cfg.vocab_size, bias=False, device="meta")
+            head = Linear(*self.embed.weight.shape[::-1], bias=False, device="meta")
             head.weight = nn.Parameter(self.embed.weight.detach(), requires_grad=False)
             head.pack(quantization=quantization)
             self._head = head
@@ -110,7 +125,8 @@ class Transformer(nn.Module):
             ffn = isinstance(module, SwiGLU) and not module.w_in.packed
             if ffn or (isinstance(module, Linear) and not module.packed):
                 module.pack(quantization=quantization)
-        self._stack = DecoderStack.build(self.cfg, self.layers, getattr(self, "norm", None))
+        if self.tp is None:  # the one-call stack has no all-reduce between its layers
+            self._stack = DecoderStack.build(self.cfg, self.layers, getattr(self, "norm", None))
         return True
 
     @property
@@ -142,7 +158,8 @@ class Transformer(nn.Module):
                 f"sequence of {max(meta.seq_lens)} tokens exceeds the context length "
                 f"{self.cfg.max_position}"
             )
-        x = self.embed(tokens)  # (T, d)
+        tp = self.tp
+        x = tp.embed(self.embed.weight, tokens) if tp is not None else self.embed(tokens)  # (T, d)
         if self.cfg.position == "learned":
             x = x + self.pos_embed(positions)
         elif self._sinusoidal is not None:
@@ -163,7 +180,11 @@ class Transformer(nn.Module):
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)
         if self._head is not None:
-            return self._head(x)
-        if not self.cfg.tie_embeddings:
-            return self.lm_head(x)
-        return x @ self.embed.weight.t()  # (T, V)
+            logits = self._head(x)
+        elif not self.cfg.tie_embeddings:
+            logits = self.lm_head(x)
+        else:
+            logits = x @ self.embed.weight.t()  # (T, V), or (T, vocab rows) on a rank
+        if self.tp is not None:
+            return self.tp.gather_vocab(logits, self.cfg.vocab_size)
+        return logits

@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from model.config import ModelConfig
+from model.parallel import TensorParallel
 from model.transformer import Transformer
 
 NATIVE_CONFIG = "kvserve_config.json"
@@ -108,7 +109,7 @@ FUSED_ROWS: dict[str, Callable[[ModelConfig], list[int]]] = {
 
 def _part_rows(cfg: ModelConfig, name: str, n_parts: int, total: int) -> list[int]:
     for key, rows in FUSED_ROWS.items():
-        if f".{key}." in name and len(rows(cfg)) == n_parts:
+        if f"{key}." in name and len(rows(cfg)) == n_parts:
             return rows(cfg)
     return [total] if n_parts == 1 else [total // n_parts] * n_parts
 
@@ -192,14 +193,54 @@ class _Reader:
                 return name.removeprefix(prefix)
         return None
 
-    def read(self, name: str) -> torch.Tensor:
+    def _handle(self, name: str) -> Any:
         path = self.files[name]
         if path not in self.handles:
             self.handles[path] = self.stack.enter_context(_open(path))
+        return self.handles[path]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._guarded(name, lambda: tuple(self._handle(name).get_slice(name).get_shape()))
+
+    def read(self, name: str, rows: range | None = None, cols: range | None = None) -> torch.Tensor:
+        """The tensor, or only its rows / columns in those ranges (read from the file
+        alone: a tensor-parallel rank reads its share)."""
+
+        def get() -> torch.Tensor:
+            if rows is None and cols is None:
+                return self._handle(name).get_tensor(name)
+            part = self._handle(name).get_slice(name)
+            r = slice(rows.start, rows.stop) if rows is not None else slice(None)
+            return part[r] if cols is None else part[r, cols.start : cols.stop]
+
+        return self._guarded(name, get)
+
+    def _guarded(self, name: str, fn: Callable[[], Any]) -> Any:
+        """fn(), its failure a CheckpointError naming the file and tensor."""
         try:
-            return self.handles[path].get_tensor(name)
+            return fn()
+        except CheckpointError:
+            raise
         except Exception as exc:
-            raise CheckpointError(f"{path}: cannot read tensor {name!r} ({exc})") from None
+            raise CheckpointError(
+                f"{self.files[name]}: cannot read tensor {name!r} ({exc})"
+            ) from None
+
+
+class _Tensors(_Reader):
+    """A _Reader over tensors already in memory, by our own parameter names."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().__init__(NameTable(names={}), dict.fromkeys(tensors, Path("<memory>")), ExitStack())
+        self.tensors = tensors
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name].shape)
+
+    def read(self, name: str, rows: range | None = None, cols: range | None = None) -> torch.Tensor:
+        t = self.tensors[name]
+        t = t[rows.start : rows.stop] if rows is not None else t
+        return t[:, cols.start : cols.stop] if cols is not None else t
 
 
 # the config fields that set a parameter's shape, by a piece of its name
@@ -218,30 +259,66 @@ def _shape_fields(cfg: ModelConfig, name: str) -> str:
     return cfg.describe(*fields)
 
 
+@dataclass(frozen=True, slots=True)
+class _Part:
+    """Rows `rows` (and columns `cols`) of checkpoint tensor `source`, in our orientation
+    (out, in): one piece of a parameter, or of this rank's share of it."""
+
+    source: str
+    full: tuple[int, ...]  # the source's shape as we expect it (ours, not transposed)
+    rows: range | None = None
+    cols: range | None = None
+
+
+def _parts(
+    cfg: ModelConfig, key: str, sources: list[str], full: tuple[int, ...], tp: TensorParallel | None
+) -> list[_Part]:
+    """The pieces of parameter `key` (its `layers.{i}.` prefix off; full: its unsplit
+    shape) that this process holds, in row order. Fused parameters concatenate their
+    sources' rows; a rank takes its rows of every fused segment (q | k | v, gate | up),
+    its columns of a row-parallel weight, its rows of the vocab."""
+    rows = _part_rows(cfg, key, len(sources), full[0])
+    split = tp.split(key) if tp is not None else "replicated"
+    if split == "column":
+        segments = FUSED_ROWS[key.rsplit(".", 1)[0]](cfg)
+        shares = tp.segments(cfg, key)  # type: ignore[union-attr]
+        if len(sources) == 1:  # one tensor holds every segment (GPT-2's c_attn)
+            offsets = [sum(segments[:i]) for i in range(len(segments))]
+            src = [(sources[0], (full[0], *full[1:]))] * len(segments)
+        else:
+            offsets = [0] * len(segments)
+            src = [(s, (n, *full[1:])) for s, n in zip(sources, segments, strict=True)]
+        return [
+            _Part(s, shape, range(o + r.start, o + r.stop))
+            for (s, shape), o, r in zip(src, offsets, shares, strict=True)
+        ]
+    if split == "row":
+        return [_Part(sources[0], full, None, tp.columns(cfg, key))]  # type: ignore[union-attr]
+    if split == "vocab":
+        return [_Part(sources[0], full, tp.vocab(cfg))]  # type: ignore[union-attr]
+    return [_Part(s, (n, *full[1:])) for s, n in zip(sources, rows, strict=True)]
+
+
 def _fill(
-    target: torch.Tensor,
-    rows: list[int],
-    sources: list[str],
-    reader: _Reader,
-    transpose: bool,
-    hint: str,
+    target: torch.Tensor, parts: list[_Part], reader: _Reader, transpose: bool, hint: str
 ) -> None:
-    """Copy the checkpoint tensors `sources` into consecutive row ranges of `target`."""
+    """Copy the parts into consecutive rows of `target` (rows past them stay zero: the
+    vocab padding of a tensor-parallel rank)."""
     start = 0
-    for src, n in zip(sources, rows, strict=True):
-        part = reader.read(src)
+    for p in parts:
+        stored = reader.shape(p.source)
+        if (stored[::-1] if transpose else stored) != p.full:
+            want = p.full[::-1] if transpose else p.full
+            raise CheckpointError(
+                f"{reader.files[p.source]}: tensor {p.source!r} has shape {stored}, expected "
+                f"{want} from {hint}"
+            )
+        rows, cols = (p.cols, p.rows) if transpose else (p.rows, p.cols)
+        part = reader.read(p.source, rows, cols)
         if transpose:
             part = part.t()
-        expected = (n, *target.shape[1:])
-        if tuple(part.shape) != expected:
-            stored = tuple(part.t().shape) if transpose else tuple(part.shape)
-            want = expected[::-1] if transpose else expected
-            raise CheckpointError(
-                f"{reader.files[src]}: tensor {src!r} has shape {stored}, expected {want} "
-                f"from {hint}"
-            )
-        target[start : start + n].copy_(part)
-        start += n
+        target[start : start + part.shape[0]].copy_(part)
+        start += part.shape[0]
 
 
 def _set_param(model: nn.Module, name: str, value: torch.Tensor) -> None:
@@ -254,41 +331,66 @@ def load_model(
     model_dir: str | Path,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    tp: TensorParallel | None = None,
 ) -> Transformer:
-    """Load a native or Hugging Face (Llama, Qwen2, GPT-2) model directory."""
+    """Load a native or Hugging Face (Llama, Qwen2, GPT-2) model directory; with `tp`,
+    this rank's share of it, reading only that share of each tensor."""
     root = Path(model_dir)
     cfg = load_config(root)
     native = (root / NATIVE_CONFIG).exists()
     table = None if native else NAME_TABLES.get(cfg.architecture)
     if not native and table is None:
         raise CheckpointError(f"{root / 'config.json'}: unknown architecture {cfg.architecture!r}")
-    device = torch.device(device)
-    with torch.device("meta"):
-        model = Transformer(cfg)
     files = _weight_files(root)
     with ExitStack() as stack:
         reader = _Reader(table or NameTable(names={}), files, stack)
-        for name, param in list(model.named_parameters()):
-            match = _LAYER.match(name)
-            key = _LAYER.sub("layers.{i}.", name) if match else name
-            i = match.group(1) if match else ""
-            templates = table.names.get(key) if table else (name,)
-            if templates is None:
-                raise CheckpointError(f"{root}: no checkpoint name known for parameter {name}")
-            sources = [reader.resolve(t.replace("{i}", i)) for t in templates]
-            missing = [
-                t.replace("{i}", i) for t, s in zip(templates, sources, strict=True) if s is None
-            ]
-            if missing:
-                raise CheckpointError(
-                    f"{root}: checkpoint has no tensor {missing[0]!r} (for {name})"
-                )
-            target = torch.empty(param.shape, dtype=dtype, device=device)
-            transpose = table is not None and key in table.transposed
-            rows = _part_rows(cfg, name, len(sources), target.shape[0])
-            hint = f"{NATIVE_CONFIG if native else 'config.json'} ({_shape_fields(cfg, name)})"
-            _fill(target, rows, [s for s in sources if s is not None], reader, transpose, hint)
-            _set_param(model, name, target)
+        label = NATIVE_CONFIG if native else "config.json"
+        return _populate(cfg, reader, table, tp, dtype, torch.device(device), root, label)
+
+
+def share_of(model: Transformer, tp: TensorParallel) -> Transformer:
+    """This rank's share of an unsplit model in memory (the demo model), cut the way
+    load_model cuts a checkpoint."""
+    tensors = {n: p.detach() for n, p in model.named_parameters()}
+    reader = _Tensors(tensors)
+    return _populate(model.cfg, reader, None, tp, model.dtype, model.device, "<memory>", "")
+
+
+def _populate(
+    cfg: ModelConfig,
+    reader: _Reader,
+    table: NameTable | None,
+    tp: TensorParallel | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    root: object,
+    config_name: str,
+) -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(cfg, tp)
+        whole = Transformer(cfg) if tp is not None else model  # the unsplit shapes
+    shapes = {n: tuple(p.shape) for n, p in whole.named_parameters()}
+    for name, param in list(model.named_parameters()):
+        match = _LAYER.match(name)
+        key = _LAYER.sub("layers.{i}.", name) if match else name
+        i = match.group(1) if match else ""
+        templates = table.names.get(key) if table else (name,)
+        if templates is None:
+            raise CheckpointError(f"{root}: no checkpoint name known for parameter {name}")
+        sources = [reader.resolve(t.replace("{i}", i)) for t in templates]
+        missing = [
+            t.replace("{i}", i) for t, s in zip(templates, sources, strict=True) if s is None
+        ]
+        if missing:
+            raise CheckpointError(f"{root}: checkpoint has no tensor {missing[0]!r} (for {name})")
+        target = torch.zeros(param.shape, dtype=dtype, device=device)
+        transpose = table is not None and key in table.transposed
+        hint = f"{config_name} ({_shape_fields(cfg, name)})"
+        local = _LAYER.sub("", name)
+        found = [s for s in sources if s is not None]
+        if tp is None or tp.split(local) != "row_bias" or tp.rank == 0:
+            _fill(target, _parts(cfg, local, found, shapes[name], tp), reader, transpose, hint)
+        _set_param(model, name, target)
     model.rebuild_tables(device)
     return model.eval()
 

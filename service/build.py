@@ -8,6 +8,7 @@ demand, not at every start."""
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,9 @@ from model.device import dtype_name, pick_device, pick_dtype
 from model.hardware import matmul_throughput, memory_bandwidth
 from model.hub import resolve
 from model.loader import load
+from model.parallel import TensorParallel, join, unsplittable
 from model.tokenizer import Tokenizer
+from model.weights import load_config
 from service.config import Settings
 from service.engine.engine import EngineObserver, LLMEngine
 
@@ -42,18 +45,27 @@ class Built:
 def build(
     settings: Settings, observer: Callable[[str], EngineObserver | None] = lambda _: None
 ) -> Built:
-    """Load and build; `observer(model_id)` gives the engine's observer (the metrics)."""
+    """Load and build; `observer(model_id)` gives the engine's observer (the metrics).
+    With tensor_parallel_size > 1 every rank calls this (rank 0 then serves, the others
+    follow its steps: service/engine/ranks.py)."""
     device = pick_device(settings.device)
     dtype = pick_dtype(settings.dtype, device, settings.quantization)
     # a local directory, or a Hub repo id from the cache (downloaded when reachable)
     source = resolve(settings.model, settings.revision, settings.download_dir)
-    loaded = load(source.path if source else None, dtype, device)
+    tp = _join_ranks(settings, device, source.path if source else None)
+    if tp is not None and device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", tp.rank)))
+    loaded = load(source.path if source else None, dtype, device, tp)
     model_id = settings.served_model_name or (source.model_id if source else loaded.model_id)
     engine = LLMEngine(loaded.model, loaded.tokenizer, settings, observer=observer(model_id))
     cfg, name = loaded.model.cfg, dtype_name(dtype)
     report = audit(cfg, name, kv_pool_bytes=engine.kv_cache.nbytes).as_dict()
     backend = engine.backend.describe()
+    world = tp.world if tp is not None else 1
     report |= {
+        "tensor_parallel_size": world,
+        "kv_pool_bytes": engine.kv_cache.nbytes * world,  # every rank's share
+        "kv_pool_tokens": engine.blocks.num_blocks * settings.block_size,
         "device": str(device),
         "attention_backend": backend,
         "quantization": settings.quantization,
@@ -63,8 +75,9 @@ def build(
         "kv_pool_sequences_of_max_len": report["kv_pool_tokens"] // engine.max_model_len,
     }
     log.info(
-        "engine ready: device %s, dtype %s, weights %s, attention backend %s%s, CUDA graphs "
+        "engine ready%s: device %s, dtype %s, weights %s, attention backend %s%s, CUDA graphs "
         "%s, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d",
+        f" (rank {tp.rank} of {tp.world})" if tp is not None else "",
         device,
         name,
         settings.quantization if settings.quantization != "none" else name,
@@ -99,7 +112,29 @@ def build(
             "attention_backend": backend["name"],
             "block_size": str(settings.block_size),
             "max_model_len": str(engine.max_model_len),
+            "tensor_parallel_size": str(world),
         },
         floors=measure_floors,
         device_memory=device_memory,
     )
+
+
+def _join_ranks(
+    settings: Settings, device: torch.device, model_dir: Path | None
+) -> TensorParallel | None:
+    """Join the tensor-parallel ranks (None: one rank). The split is checked before any
+    weight is read; on the CPU the ranks of one host share its cores."""
+    world = settings.tensor_parallel_size
+    if world == 1:
+        return None
+    from model.demo import demo_config
+
+    cfg = load_config(model_dir) if model_dir is not None else demo_config()
+    why = unsplittable(cfg, world)
+    if why is not None:
+        raise ValueError(f"tensor_parallel_size: {why}")
+    tp = join(world, device, settings.rank_timeout)
+    if device.type == "cpu":
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
+    return tp

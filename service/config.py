@@ -58,7 +58,24 @@ class Settings:
             "computed at load (the cpu backend; bf16 activations and KV cache)"
         },
     )
-    kv_cache_gib: float = field(default=1.0, metadata={"help": "KV cache budget on the CPU, GiB"})
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "ranks the model is split over (one process each: NCCL on GPUs, gloo on "
+            "the CPU); kvserve serve starts them, or torchrun does with RANK, WORLD_SIZE, "
+            "MASTER_ADDR and MASTER_PORT"
+        },
+    )
+    rank_timeout: float = field(
+        default=60.0,
+        metadata={
+            "help": "seconds a tensor-parallel rank waits on another before the server "
+            "fails (/health 503, non-zero exit) instead of hanging"
+        },
+    )
+    kv_cache_gib: float = field(
+        default=1.0, metadata={"help": "KV cache budget on the CPU, GiB (per rank)"}
+    )
     num_kv_blocks: int | None = field(
         default=None,
         metadata={"help": "KV blocks in the pool, overriding both budgets (default: from them)"},
@@ -133,6 +150,8 @@ class Settings:
             "max_num_seqs",
             "max_num_batched_tokens",
             "max_body_bytes",
+            "tensor_parallel_size",
+            "rank_timeout",
         )
         for name in positive:
             value = getattr(self, name)
@@ -180,6 +199,19 @@ class Settings:
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
+
+    def to_env(self) -> dict[str, str | None]:
+        """These settings as KVSERVE_* variables (None: unset it), which load_settings
+        reads back to the same Settings: how `kvserve serve` hands them to its ranks."""
+        env: dict[str, str | None] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, tuple):
+                value = ",".join(value)
+            elif isinstance(value, bool):
+                value = "1" if value else "0"
+            env["KVSERVE_" + f.name.upper()] = None if value is None else str(value)
+        return env
 
 
 def _parse(f: dataclasses.Field, raw: str) -> Any:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import threading
 import time
@@ -18,6 +19,7 @@ import uvicorn
 
 from service.api.app import create_app
 from service.config import Settings
+from service.launch import RankProcesses, rendezvous
 
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
 
@@ -75,7 +77,15 @@ class DrainingServer(uvicorn.Server):
 
 def serve(settings: Settings) -> int:
     configure_logging(settings.log_level)
+    world = settings.tensor_parallel_size
+    if world > 1 and int(os.environ.get("RANK", "0")) != 0:
+        return follow(settings)  # a rank started by torchrun or by rank 0 below
     app = create_app(settings)
+    ranks = None
+    if world > 1 and "RANK" not in os.environ:  # started by hand: start ranks 1..N-1
+        shared = rendezvous(world)
+        os.environ.update(shared | {"RANK": "0", "LOCAL_RANK": "0"})  # read by build()
+        ranks = RankProcesses(settings, shared, lambda r, s: _rank_exited(app, r, s))
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -86,7 +96,11 @@ def serve(settings: Settings) -> int:
     )
     server = DrainingServer(config, app, settings.shutdown_timeout)
     app.state.stop_server = lambda: setattr(server, "should_exit", True)
-    server.run()
+    try:
+        server.run()
+    finally:
+        if ranks is not None:
+            ranks.stop()
     load_error = getattr(app.state, "load_error", None)
     if load_error is not None:
         print(f"kvserve: error: {load_error}", file=sys.stderr)
@@ -94,4 +108,39 @@ def serve(settings: Settings) -> int:
     serving = getattr(app.state, "serving", None)
     if serving is not None and serving.engine.error is not None:
         return 1  # the engine loop died: a supervisor should restart the process
+    return 0
+
+
+def _rank_exited(app: Any, rank: int, status: int) -> None:
+    """A rank this server started exited: fail the engine (or the load) and exit."""
+    from service.engine.ranks import RankError
+
+    error = RankError(f"tensor-parallel rank {rank} exited with status {status}")
+    serving = getattr(app.state, "serving", None)
+    if serving is not None:
+        serving.engine.fail(error)  # /health 503; the app's watcher stops the server
+        return
+    app.state.load_error = error
+    stop = getattr(app.state, "stop_server", None)
+    if stop is not None:
+        stop()
+
+
+def follow(settings: Settings) -> int:
+    """A rank other than 0: build its share of the engine and run rank 0's forwards."""
+    from service.build import build
+
+    rank = int(os.environ["RANK"])
+    log = logging.getLogger("kvserve.server")
+    try:
+        built = build(settings)
+    except Exception as exc:
+        print(f"kvserve: error: rank {rank}: {exc}", file=sys.stderr)
+        return 1
+    try:
+        built.engine.follow()
+    except Exception as exc:
+        log.error("rank %d stopped: %s", rank, exc)
+        return 1
+    log.info("rank %d done", rank)
     return 0

@@ -81,6 +81,13 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join(timeout)
 
+    def fail(self, error: BaseException) -> None:
+        """Something outside the loop broke the engine (a tensor-parallel rank exited):
+        it is no longer alive, and the loop ends its streams and stops."""
+        self.error = error
+        self._stop.set()
+        self._wake.set()
+
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None and not self._closed
@@ -166,6 +173,7 @@ class AsyncEngine:
                     self._snapshot = self.engine.snapshot()  # aborts and adds show too
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
+                    self.engine.idle()
                     self.last_progress = time.monotonic()
                     continue
                 outputs = self.engine.step()
@@ -179,6 +187,7 @@ class AsyncEngine:
             self._end_all(EngineDeadError(f"engine loop died: {exc!r}"))
         else:  # shut down (not an error): streams still open, and adds still queued, end
             self._end_all(EngineDeadError("the engine was shut down"))
+            self.engine.close()
 
     def _end_all(self, error: EngineDeadError) -> None:
         """Every stream the loop will not serve any more, open or still queued, ends with

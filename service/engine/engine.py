@@ -19,6 +19,7 @@ from service.engine.blocks import BlockManager
 from service.engine.cuda_graphs import decode_graphs
 from service.engine.memory import kv_block_budget
 from service.engine.output import RequestOutput, TextState, make_output
+from service.engine.ranks import RankError, Ranks
 from service.engine.request import FinishReason, ParamError, Request, SamplingParams, Status
 from service.engine.runner import ModelRunner
 from service.engine.scheduler import Scheduler, SchedulerOutput
@@ -88,12 +89,17 @@ class LLMEngine:
         self.max_model_len = min(
             settings.max_model_len or model.cfg.max_position, model.cfg.max_position
         )
+        local = model.local_cfg  # the shapes this rank holds (the model's, on one rank)
         self.backend = select_backend(
-            settings.attention_backend, model.device, model.dtype, model.cfg, settings.block_size
+            settings.attention_backend, model.device, model.dtype, local, settings.block_size
         )
+        # with tensor parallelism every rank builds this engine; rank 0 alone steps it
+        self.ranks = Ranks(model.tp, model.device) if model.tp is not None else None
         num_blocks = kv_block_budget(model, settings, self.max_num_seqs)
+        if self.ranks is not None:
+            num_blocks = self.ranks.agree_min(num_blocks)
         self.kv_cache = PagedKVCache(
-            model.cfg, num_blocks, settings.block_size, model.dtype, model.device, self.backend
+            local, num_blocks, settings.block_size, model.dtype, model.device, self.backend
         )
         # the model is part of every prefix-cache key (with each request's cache_salt)
         namespace = f"{model.cfg!r}|{model.dtype}|{settings.quantization}"
@@ -106,7 +112,8 @@ class LLMEngine:
             settings.max_num_batched_tokens,
             settings.mixed_prefill_cap(device),
         )
-        graphs = not settings.enforce_eager and self.backend.name == "triton"
+        # not captured across ranks: a graph would replay its collectives unchecked
+        graphs = not settings.enforce_eager and self.backend.name == "triton" and not model.tp
         self.runner = ModelRunner(
             model,
             self.kv_cache,
@@ -114,6 +121,7 @@ class LLMEngine:
             if graphs and model.device.type == "cuda"
             else None,
             settings.quantization,
+            self.ranks,
         )
         self.requests: dict[str, Request] = {}
         self.texts: dict[str, TextState] = {}
@@ -206,6 +214,22 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
 
+    # ---- tensor-parallel ranks (model/parallel.py, service/engine/ranks.py) ------------
+
+    def idle(self) -> None:
+        """Called while there is no work: rank 0 keeps the other ranks answering."""
+        if self.ranks is not None:
+            self.ranks.keepalive()
+
+    def close(self) -> None:
+        """Rank 0 shutting down: the other ranks leave follow()."""
+        if self.ranks is not None:
+            self.ranks.stop()
+
+    def follow(self) -> None:
+        """A rank other than 0: run rank 0's forwards until it stops (or fails)."""
+        self.runner.follow()
+
     # ---- the step ----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -221,6 +245,8 @@ class LLMEngine:
                 seq.request.first_scheduled_time = t0
         try:
             result = self.runner.run(batch)
+        except RankError:  # the ranks are out of step: nothing can run any more
+            raise
         except Exception as exc:  # a failed forward fails this batch's requests only
             return self._fail_batch(batch, exc)
         outputs = self._update(batch, result.token_ids, result.logprobs)

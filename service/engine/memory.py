@@ -47,7 +47,8 @@ def kv_block_budget(model: Transformer, settings: Settings, max_num_seqs: int) -
     if settings.num_kv_blocks is not None:
         return settings.num_kv_blocks
     block_size = settings.block_size
-    per_block = block_size * kv_bytes_per_token(model.cfg, dtype_name(model.dtype))
+    # this rank's heads (all of them on one rank)
+    per_block = block_size * kv_bytes_per_token(model.local_cfg, dtype_name(model.dtype))
     gpu = model.device.type == "cuda"
     budget = cuda_kv_budget(model, settings, max_num_seqs) if gpu else settings.kv_cache_bytes
     blocks = max(0, budget) // per_block

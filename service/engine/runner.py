@@ -9,6 +9,7 @@ import torch
 from model.attention import PagedKVCache
 from model.transformer import Transformer
 from service.engine.cuda_graphs import DecodeGraphs
+from service.engine.ranks import Clear, RankError, Ranks, Step
 from service.engine.sampler import Sampler, SampleResult
 from service.engine.scheduler import SchedulerOutput
 
@@ -20,11 +21,13 @@ class ModelRunner:
         kv_cache: PagedKVCache,
         graphs: Callable[[], DecodeGraphs] | None = None,
         quantization: str = "none",
+        ranks: Ranks | None = None,
     ) -> None:
         """graphs: builds the CUDA graphs of decode steps (after the weights are
         prepared); None runs every step eagerly. quantization: of the linear weights, as
-        the backend's prepare() takes it."""
-        self.model = model
+        the backend's prepare() takes it. ranks: the tensor-parallel step channel (rank 0
+        sends every forward's inputs, the others follow())."""
+        self.model, self.ranks = model, ranks
         self.backend = kv_cache.backend
         # the weight layouts its linears read
         self.packed = self.backend.prepare(model, quantization)
@@ -51,8 +54,10 @@ class ModelRunner:
         return gen
 
     def clear_blocks(self, blocks: list[int]) -> None:
-        """Zero these blocks' K and V in every layer."""
+        """Zero these blocks' K and V in every layer (on every rank)."""
         if blocks:
+            if self.ranks is not None:
+                self.ranks.send(Clear(blocks))
             self.kv_cache.data.index_fill_(2, self._to_device(blocks), 0)
 
     def release(self, request_id: str) -> None:
@@ -69,24 +74,52 @@ class ModelRunner:
             tokens.extend(ids[seq.start : seq.start + seq.num_new])
             if seq.sample:
                 logit_rows.append(len(tokens) - 1)
-        meta = self.backend.metadata(
+        step = Step(
+            tokens,
             [s.request.block_table for s in batch.seqs],
             [s.start for s in batch.seqs],
             [s.num_new for s in batch.seqs],
+            logit_rows,
+        )
+        if self.ranks is None:
+            logits = self.forward(step)
+        else:  # more than one rank: a failed forward may leave them out of step
+            self.ranks.send(step)
+            try:
+                logits = self.forward(step)
+            except Exception as exc:
+                raise RankError(f"a tensor-parallel forward failed: {exc}") from exc
+        if logits is None:
+            return SampleResult([], [])
+        sampled = [s.request for s in batch.seqs if s.sample]
+        gens = [self.generator_for(r.request_id, r.params.seed) for r in sampled]
+        return self.sampler.sample(logits, sampled, gens)
+
+    def forward(self, step: Step) -> torch.Tensor | None:
+        """The logits (S, V) of the step's sampled rows (None: it samples none)."""
+        meta = self.backend.metadata(
+            step.block_tables,
+            step.starts,
+            step.num_new,
             self.block_size,
             self.device,
             self.kv_cache.null_block,
         )
-        if not logit_rows:
-            self.model(self._to_device(tokens), meta, self.kv_cache, self._to_device([0]))
-            return SampleResult([], [])
-        decodes = len(logit_rows) == len(tokens)  # every sequence adds one token and samples
-        if decodes and self.graphs is not None and self.graphs.bucket(len(tokens)):
-            logits = self.graphs.run(self._to_device(tokens), meta)  # (S, V)
-        else:
-            logits = self.model(
-                self._to_device(tokens), meta, self.kv_cache, self._to_device(logit_rows)
-            )  # (S, V)
-        sampled = [s.request for s in batch.seqs if s.sample]
-        gens = [self.generator_for(r.request_id, r.params.seed) for r in sampled]
-        return self.sampler.sample(logits, sampled, gens)
+        tokens = self._to_device(step.tokens)
+        if not step.logit_rows:
+            self.model(tokens, meta, self.kv_cache, self._to_device([0]))
+            return None
+        decodes = len(step.logit_rows) == len(step.tokens)  # every sequence decodes
+        if decodes and self.graphs is not None and self.graphs.bucket(len(step.tokens)):
+            return self.graphs.run(tokens, meta)  # (S, V)
+        return self.model(tokens, meta, self.kv_cache, self._to_device(step.logit_rows))
+
+    @torch.inference_mode()
+    def follow(self) -> None:
+        """A rank other than 0: run the forwards rank 0 sends until it says stop."""
+        assert self.ranks is not None and not self.ranks.leader
+        while not Ranks.is_stop(message := self.ranks.receive()):
+            if isinstance(message, Step):
+                self.forward(message)
+            elif isinstance(message, Clear):
+                self.kv_cache.data.index_fill_(2, self._to_device(message.blocks), 0)

@@ -128,6 +128,19 @@ CASES: list[tuple[str, Callable[[Path], None] | None, list[str], list[str]]] = [
         ["int8", "bfloat16"],
     ),
     (
+        "heads that do not split over the ranks",
+        None,
+        ["--tensor-parallel-size", "3"],
+        ["tensor_parallel_size", "8 attention heads do not split over 3 ranks"],
+    ),
+    ("zero ranks", None, ["--tensor-parallel-size", "0"], ["tensor_parallel_size"]),
+    (
+        "truncated safetensors on two ranks",
+        _truncate,
+        ["--tensor-parallel-size", "2"],
+        ["model.safetensors"],
+    ),
+    (
         "int8 weights on the torch backend",
         None,
         ["--quantization", "int8", "--attention-backend", "torch"],

@@ -1,0 +1,182 @@
+"""Tensor parallelism over torch.distributed (Megatron-style): which share of every weight
+a rank holds, and the collectives that join the shares.
+
+Per block, QKV and the FFN's input projection (gate | up) are column-parallel: a rank
+holds the output rows of its query heads, their K/V heads and its share of the FFN
+features. The attention output and the FFN's down projection are row-parallel: the
+matching input columns, then one all-reduce each. The embedding and the LM head are
+vocab-parallel (rows padded to a multiple of the world size; the lookup is one all-reduce,
+the logits one all-gather). When there are fewer K/V heads than ranks, each rank holds a
+replica of the one K/V head its query heads read. Norms and position tables are
+replicated; a row-parallel bias is held by rank 0 alone, so the all-reduce adds it once.
+NCCL on CUDA, gloo on the CPU: nothing else is needed to run on 2-8 devices or hosts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from model.config import ModelConfig
+
+# how each parameter is split (by its name inside a block, or at the top level); every
+# other parameter (norms, position embeddings) is replicated
+SPLITS: dict[str, str] = {
+    "embed.weight": "vocab",
+    "lm_head.weight": "vocab",
+    "attn.wqkv.weight": "column",
+    "attn.wqkv.bias": "column",
+    "attn.wo.weight": "row",
+    "attn.wo.bias": "row_bias",
+    "ffn.w_in.weight": "column",
+    "ffn.w_in.bias": "column",
+    "ffn.w_out.weight": "row",
+    "ffn.w_out.bias": "row_bias",
+}
+
+
+def unsplittable(cfg: ModelConfig, world: int) -> str | None:
+    """Why `cfg` cannot be split over `world` ranks (None: it can)."""
+    if world < 1:
+        return f"tensor_parallel_size must be >= 1, got {world}"
+    kv = cfg.kv_heads
+    if cfg.n_heads % world:
+        return f"{cfg.n_heads} attention heads do not split over {world} ranks"
+    if kv % world and world % kv:
+        return f"{kv} K/V heads do not split over {world} ranks (nor {world} over them)"
+    if cfg.d_ff % world:
+        return f"d_ff {cfg.d_ff} does not split over {world} ranks"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class TensorParallel:
+    rank: int
+    world: int
+    group: Any = None  # a torch.distributed ProcessGroup; None: the default group
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world:
+            raise ValueError(f"rank {self.rank} is outside a world of {self.world}")
+
+    # ---- the shares ------------------------------------------------------------------
+
+    def heads(self, cfg: ModelConfig) -> range:
+        n = cfg.n_heads // self.world
+        return range(self.rank * n, (self.rank + 1) * n)
+
+    def kv_heads(self, cfg: ModelConfig) -> range:
+        kv = cfg.kv_heads
+        if kv >= self.world:
+            n = kv // self.world
+            return range(self.rank * n, (self.rank + 1) * n)
+        first = self.heads(cfg).start // (cfg.n_heads // kv)  # the K/V head it reads
+        return range(first, first + 1)
+
+    def ffn(self, cfg: ModelConfig) -> range:
+        n = cfg.d_ff // self.world
+        return range(self.rank * n, (self.rank + 1) * n)
+
+    def vocab_rows(self, cfg: ModelConfig) -> int:
+        """Rows of the embedding and head every rank holds (the vocab padded)."""
+        return -(-cfg.vocab_size // self.world)
+
+    def vocab(self, cfg: ModelConfig) -> range:
+        n = self.vocab_rows(cfg)
+        return range(self.rank * n, min((self.rank + 1) * n, cfg.vocab_size))
+
+    def local_config(self, cfg: ModelConfig) -> ModelConfig:
+        """The shapes one rank's blocks have (and its KV cache is laid out by)."""
+        return cfg.replace(
+            n_heads=len(self.heads(cfg)),
+            n_kv_heads=len(self.kv_heads(cfg)),
+            d_head=cfg.head_dim,
+            d_ff=len(self.ffn(cfg)),
+        )
+
+    def split(self, name: str) -> str:
+        """vocab, column, row, row_bias or replicated, for a parameter name with its
+        `layers.{i}.` prefix taken off."""
+        return SPLITS.get(name, "replicated")
+
+    def segments(self, cfg: ModelConfig, name: str) -> list[range]:
+        """A column-parallel parameter's rows this rank holds, within each of its fused
+        segments (q | k | v, or gate | up): weights.FUSED_ROWS gives the segments."""
+        dh = cfg.head_dim
+        if name.startswith("attn.wqkv"):
+            q, kv = _scaled(self.heads(cfg), dh), _scaled(self.kv_heads(cfg), dh)
+            return [q, kv, kv]
+        return [self.ffn(cfg)] * (2 if cfg.ffn == "swiglu" else 1)
+
+    def columns(self, cfg: ModelConfig, name: str) -> range:
+        """A row-parallel weight's input columns this rank holds."""
+        if name.startswith("attn.wo"):
+            return _scaled(self.heads(cfg), cfg.head_dim)
+        return self.ffn(cfg)
+
+    # ---- the collectives -------------------------------------------------------------
+
+    def all_reduce(self, x: Tensor) -> Tensor:
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def embed(self, table: Tensor, tokens: Tensor) -> Tensor:
+        """(T,) token ids -> (T, d): each rank looks up the ids in its rows, zeros for
+        the rest, and the sum over ranks is the embedding."""
+        n = table.shape[0]
+        local = tokens - self.rank * n
+        inside = (local >= 0) & (local < n)
+        x = F.embedding(local.clamp(0, n - 1), table) * inside[:, None].to(table.dtype)
+        return self.all_reduce(x)
+
+    def gather_vocab(self, logits: Tensor, vocab_size: int) -> Tensor:
+        """(T, rows) of this rank's vocab -> (T, vocab_size) on every rank."""
+        parts = [torch.empty_like(logits) for _ in range(self.world)]
+        dist.all_gather(parts, logits.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)[:, :vocab_size]
+
+
+def _scaled(heads: range, size: int) -> range:
+    return range(heads.start * size, heads.stop * size)
+
+
+# ---- joining the ranks -----------------------------------------------------------------
+
+# what torchrun and `kvserve serve --tensor-parallel-size N` set for each rank
+RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def env_rank() -> int:
+    """This process's rank as torchrun (or kvserve's own launcher) set it; 0 alone."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def join(world: int, device: torch.device, timeout_s: float) -> TensorParallel:
+    """Join the process group of `world` ranks (from RANK, WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT): NCCL on CUDA, gloo on the CPU. A collective that waits longer than
+    `timeout_s` for a rank raises, so a dead or hung rank cannot hang the others."""
+    given = int(os.environ.get("WORLD_SIZE", world))
+    if given != world:
+        raise ValueError(f"tensor_parallel_size is {world} but WORLD_SIZE is {given}")
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise ValueError(
+            f"tensor_parallel_size {world} needs {' and '.join(missing)} (set by torchrun, "
+            "or by `kvserve serve` when it starts the ranks itself)"
+        )
+    if not dist.is_initialized():
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            rank=env_rank(),
+            world_size=world,
+            timeout=timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+    return TensorParallel(dist.get_rank(), world)

@@ -1,0 +1,108 @@
+"""`kvserve serve --tensor-parallel-size 2` on the CPU (gloo): the server starts its
+second rank itself, serves one rank's greedy tokens and logprobs, says how it was built,
+and fails fast and non-zero when a rank dies or hangs (never a hang of its own)."""
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.live_server import Server, start_server
+from tests.model.hf_checkpoints import write_llama, write_tokenizer
+
+pytestmark = pytest.mark.slow
+BODY = {"prompt": [(7 * i + 3) % 290 for i in range(40)], "max_tokens": 20, "temperature": 0,
+        "ignore_eos": True, "logprobs": 1}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("llama")
+    write_llama(root, tied=False)  # 8 heads, 2 K/V heads
+    write_tokenizer(root)
+    return root
+
+
+def serve(ckpt: Path, tmp: Path, *args: str) -> Server:
+    return start_server(str(tmp), "--model", str(ckpt), "--dtype", "float32", *args)
+
+
+def rank_pids(server: Server) -> list[int]:
+    out = subprocess.run(
+        ["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True
+    ).stdout
+    return [int(p) for p in out.split()]
+
+
+def complete(server: Server, model: str) -> tuple[str, list[float]]:
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        r = c.post("/v1/completions", json=BODY | {"model": model})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        return choice["text"], choice["logprobs"]["token_logprobs"]
+
+
+def test_two_ranks_serve_one_ranks_tokens(ckpt: Path, tmp_path: Path) -> None:
+    one = serve(ckpt, tmp_path)
+    try:
+        ref_text, ref_lps = complete(one, ckpt.name)
+    finally:
+        one.stop()
+    two = serve(ckpt, tmp_path, "--tensor-parallel-size", "2")
+    try:
+        assert len(rank_pids(two)) == 1  # rank 1, started by the server
+        text, lps = complete(two, ckpt.name)
+        card = httpx.get(f"{two.url}/v1/models/{ckpt.name}", timeout=30).json()
+        assert card["memory"]["tensor_parallel_size"] == 2
+        metrics = httpx.get(f"{two.url}/metrics", timeout=30).text
+        assert 'tensor_parallel_size="2"' in metrics
+    finally:
+        assert two.stop() == 0  # SIGTERM: drained, rank 1 told to stop
+    assert text == ref_text
+    assert max(abs(a - b) for a, b in zip(lps, ref_lps, strict=True)) <= 1e-5
+    log = Path(two.log_path).read_text()
+    assert "rank 0 of 2" in log and "rank 1 of 2" in log
+
+
+def wait_exit(server: Server, within: float) -> tuple[int, list[int]]:
+    """The server's exit status, and the /health codes seen until it exited."""
+    codes = []
+    deadline = time.monotonic() + within
+    while server.proc.poll() is None:
+        assert time.monotonic() < deadline, "the server did not exit"
+        with contextlib.suppress(httpx.HTTPError):
+            codes.append(httpx.get(server.url + "/health", timeout=2).status_code)
+        time.sleep(0.05)
+    return server.proc.returncode, codes
+
+
+@pytest.mark.parametrize("fault", ["killed", "hung"])
+def test_a_failed_rank_fails_the_server_fast(fault: str, ckpt: Path, tmp_path: Path) -> None:
+    """A killed rank is heard at once (its process exits, its socket closes); a hung one
+    (SIGSTOP) by the next collective that waits --rank-timeout for it."""
+    server = serve(ckpt, tmp_path, "--tensor-parallel-size", "2", "--rank-timeout", "3")
+    (rank1,) = rank_pids(server)
+    try:
+        complete(server, ckpt.name)
+        os.kill(rank1, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+        t0 = time.monotonic()
+        status, codes = wait_exit(server, within=30)
+        took = time.monotonic() - t0
+    finally:
+        server.stop()
+        with contextlib.suppress(ProcessLookupError):  # the server ends its ranks itself
+            os.kill(rank1, signal.SIGKILL)
+    assert status != 0
+    if 503 in codes:  # once it has noticed, it never says healthy again
+        assert 200 not in codes[codes.index(503) :]
+    log = Path(server.log_path).read_text()
+    expected = "rank 1 exited with status -9" if fault == "killed" else "ranks stopped answering"
+    assert expected in log
+    assert took < (5 if fault == "killed" else 12)  # --rank-timeout 3, then the exit
+    with pytest.raises(ProcessLookupError):  # no rank outlives its server
+        os.kill(rank1, 0)

@@ -1,0 +1,122 @@
+"""Tensor parallelism on the CPU (gloo): two ranks give one rank's logits and greedy tokens
+for the Llama (K/V heads split, and fewer K/V heads than ranks), Qwen2 and GPT-2
+checkpoints, through kvserve's own build and engine; the ranks' KV pools add up; and the
+two ranks also run as two hosts (network namespaces joined by a veth pair)."""
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from service.build import build
+from tests.engine.tp_rank import dense_tokens, serve, settings
+from tests.engine.tp_ranks import run_ranks
+from tests.model.hf_checkpoints import write_gpt2, write_llama, write_qwen2, write_tokenizer
+
+WRITERS = {
+    "llama_kv_split": lambda p: write_llama(p, tied=False),
+    "llama_kv_replicated": lambda p: write_llama(p, tied=True, num_key_value_heads=1),
+    "qwen2": write_qwen2,
+    "gpt2": write_gpt2,
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    paths = {}
+    for family, write in WRITERS.items():
+        path = tmp_path_factory.mktemp(family)
+        write(path)
+        write_tokenizer(path)
+        paths[family] = path
+    return paths
+
+
+@torch.inference_mode()
+def one_rank(ckpt: Path) -> dict[str, object]:
+    engine = build(settings(str(ckpt), 1)).engine
+    logits = engine.model(dense_tokens(engine.model.cfg.vocab_size))
+    report = serve(engine)
+    return report | {
+        "logits": logits,
+        "kv_blocks": engine.blocks.num_blocks,
+        "kv_pool_bytes": engine.kv_cache.nbytes,
+    }
+
+
+def two_ranks(ckpt: Path, out: Path, **kw: object) -> dict[str, object]:
+    results = run_ranks(2, [str(ckpt), str(out)], **kw)
+    for rank, r in enumerate(results):
+        assert r.returncode == 0, f"rank {rank} failed:\n{r.stdout[-3000:]}"
+    report = json.loads(out.read_text())
+    return report | {"logits": torch.tensor(report["logits"])}
+
+
+@pytest.mark.parametrize("family", list(WRITERS))
+def test_two_ranks_give_one_ranks_logits_and_tokens(
+    family: str, checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    ckpt = checkpoints[family]
+    ref = one_rank(ckpt)
+    got = two_ranks(ckpt, tmp_path / "rank0.json")
+    assert (got["logits"] - ref["logits"]).abs().max().item() <= 1e-5
+    assert got["tokens"] == ref["tokens"]
+    assert len(got["tokens"]["a"]) == 16
+    for rid, lps in ref["logprobs"].items():
+        assert max(abs(a - b) for a, b in zip(lps, got["logprobs"][rid], strict=True)) <= 1e-5
+    # each rank holds its share of the K/V heads in the same byte budget: with the heads
+    # split the pool holds twice the tokens (to a block); with one K/V head each rank
+    # holds a replica
+    split = family != "llama_kv_replicated"
+    assert got["kv_blocks"] // (2 if split else 1) == ref["kv_blocks"]
+    budget = settings(str(ckpt), 2).kv_cache_bytes  # per rank
+    assert budget - got["kv_pool_bytes"] < 2 * got["kv_pool_bytes"] / got["kv_blocks"]
+
+
+def _netns(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+@pytest.fixture
+def two_hosts():  # type: ignore[no-untyped-def]
+    """Two network namespaces joined by a veth pair, 10.77.0.1 and 10.77.0.2."""
+    if shutil.which("ip") is None:
+        pytest.skip("two hosts need iproute2's `ip` (not installed)")
+    names = ("kvserve-tp0", "kvserve-tp1")
+    try:
+        for ns in names:
+            _netns("netns", "add", ns)
+    except subprocess.CalledProcessError as exc:
+        for ns in names:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        pytest.skip(f"cannot make network namespaces here: {exc.stderr.decode().strip()}")
+    try:
+        _netns("link", "add", "kvtp0", "type", "veth", "peer", "name", "kvtp1")
+        for i, ns in enumerate(names):
+            _netns("link", "set", f"kvtp{i}", "netns", ns)
+            _netns("-n", ns, "addr", "add", f"10.77.0.{i + 1}/24", "dev", f"kvtp{i}")
+            _netns("-n", ns, "link", "set", f"kvtp{i}", "up")
+            _netns("-n", ns, "link", "set", "lo", "up")
+        yield names
+    finally:
+        for ns in names:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def test_two_ranks_as_two_hosts(checkpoints: dict[str, Path], two_hosts, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Rank 0 on 10.77.0.1, rank 1 on 10.77.0.2: gloo over the veth pair, nothing shared
+    but the checkpoint on disk."""
+    ckpt = checkpoints["llama_kv_split"]
+    ref = one_rank(ckpt)
+    got = two_ranks(
+        ckpt,
+        tmp_path / "rank0.json",
+        master="10.77.0.1",
+        wrap=[["ip", "netns", "exec", ns] for ns in two_hosts],
+        env=[{"GLOO_SOCKET_IFNAME": f"kvtp{i}"} for i in range(2)],
+    )
+    assert (got["logits"] - ref["logits"]).abs().max().item() <= 1e-5
+    assert got["tokens"] == ref["tokens"]

@@ -1,0 +1,73 @@
+"""One tensor-parallel rank of the tests, built the way `kvserve serve` builds it:
+`python -m tests.engine.tp_rank CKPT OUT [KV_CACHE_GIB]` with RANK, WORLD_SIZE,
+MASTER_ADDR and MASTER_PORT set (tests/engine/tp_ranks.py starts them). Every rank runs the
+same dense forward; rank 0 then serves greedy requests through the engine while the
+others follow, and writes what it saw to OUT as JSON."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from service.build import build
+from service.config import Settings
+from service.engine.request import SamplingParams
+
+PROMPTS = {"a": list(range(3, 40)), "b": [7, 8, 9, 7, 8, 9, 11], "c": list(range(100, 130))}
+
+
+def settings(ckpt: str, world: int, kv_cache_gib: float = 0.001) -> Settings:
+    return Settings(
+        model=ckpt,
+        dtype="float32",
+        tensor_parallel_size=world,
+        block_size=4,
+        kv_cache_gib=kv_cache_gib,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        mixed_prefill_tokens=0,
+        rank_timeout=60,
+    )
+
+
+def dense_tokens(vocab: int) -> torch.Tensor:
+    return torch.randint(3, vocab, (48,), generator=torch.Generator().manual_seed(0))
+
+
+def serve(engine) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    """Greedy requests (with logprobs) through the engine, batched and chunked."""
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0)
+    for rid, prompt in PROMPTS.items():
+        engine.add_request(rid, prompt, params)
+    tokens: dict[str, list[int]] = {}
+    logprobs: dict[str, list[float]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+            logprobs.setdefault(out.request_id, []).extend(lp.logprob for lp in out.logprobs)
+    return {"tokens": tokens, "logprobs": logprobs}
+
+
+@torch.inference_mode()
+def main(ckpt: str, out: str, kv_cache_gib: float) -> int:
+    world = int(__import__("os").environ["WORLD_SIZE"])
+    engine = build(settings(ckpt, world, kv_cache_gib)).engine
+    model = engine.model
+    logits = model(dense_tokens(model.cfg.vocab_size))  # a collective: every rank runs it
+    if model.tp.rank != 0:
+        engine.follow()
+        return 0
+    report = serve(engine)
+    engine.close()
+    report |= {
+        "logits": logits.tolist(),
+        "kv_blocks": engine.blocks.num_blocks,
+        "kv_pool_bytes": engine.kv_cache.nbytes,
+    }
+    Path(out).write_text(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2], float(sys.argv[3]) if len(sys.argv) > 3 else 0.001))

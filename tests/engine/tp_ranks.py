@@ -1,0 +1,59 @@
+"""Start the ranks of tests/engine/tp_rank.py as processes: on this host, or each in a
+network namespace of its own joined by a veth pair (two hosts as far as gloo can tell)."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(
+    world: int,
+    args: list[str],
+    master: str = "127.0.0.1",
+    wrap: list[list[str]] | None = None,
+    env: list[dict[str, str]] | None = None,
+    timeout: float = 240,
+) -> list[subprocess.CompletedProcess]:
+    """Run `python -m tests.engine.tp_rank *args` as `world` ranks; wrap[r]: a command
+    prefix for rank r (ip netns exec NS); env[r]: its extra variables."""
+    shared = {
+        "WORLD_SIZE": str(world),
+        "MASTER_ADDR": master,
+        "MASTER_PORT": str(free_port()),
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+    }
+    procs = []
+    for rank in range(world):
+        prefix = wrap[rank] if wrap else []
+        extra = env[rank] if env else {}
+        procs.append(
+            subprocess.Popen(
+                [*prefix, sys.executable, "-m", "tests.engine.tp_rank", *args],
+                env=os.environ | shared | extra | {"RANK": str(rank), "LOCAL_RANK": str(rank)},
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    results = []
+    for proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise
+        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out))
+    return results

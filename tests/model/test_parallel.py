@@ -1,0 +1,86 @@
+"""Which share of every weight a tensor-parallel rank holds (model/parallel.py), checked
+without a process group: each rank's parameters, loaded from the checkpoint (its share of
+each tensor only), are the right slices of the whole model's."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from model.config import ModelConfig
+from model.parallel import TensorParallel, unsplittable
+from model.weights import load_model, share_of
+from tests.model.hf_checkpoints import write_gpt2, write_llama, write_qwen2
+
+WRITERS = {
+    "llama": lambda p: write_llama(p, tied=False),  # 8 heads, 2 K/V heads
+    "qwen2": write_qwen2,
+    "gpt2": write_gpt2,  # Conv1D weights stored transposed, q|k|v in one tensor
+}
+
+
+def cfg(**kw: object) -> ModelConfig:
+    return ModelConfig(**{"vocab_size": 101, "d_model": 64, "n_layers": 1, "n_heads": 8,
+                          "n_kv_heads": 2, "d_ff": 96} | kw)  # fmt: skip
+
+
+def test_heads_split_and_kv_heads_replicate_when_fewer_than_ranks() -> None:
+    c = cfg()
+    assert [TensorParallel(r, 2).kv_heads(c) for r in range(2)] == [range(0, 1), range(1, 2)]
+    # 4 ranks, 2 K/V heads: ranks 0-1 read K/V head 0, ranks 2-3 head 1
+    assert [TensorParallel(r, 4).kv_heads(c).start for r in range(4)] == [0, 0, 1, 1]
+    local = TensorParallel(3, 4).local_config(c)
+    assert (local.n_heads, local.kv_heads, local.head_dim, local.d_ff) == (2, 1, 8, 24)
+    # the vocab padded to a multiple of the ranks: 101 -> 4 x 26, the last rank 23 real rows
+    assert TensorParallel(3, 4).vocab(c) == range(78, 101)
+    assert TensorParallel(3, 4).vocab_rows(c) == 26
+
+
+@pytest.mark.parametrize(
+    ("kw", "world", "why"),
+    [
+        ({}, 3, "8 attention heads do not split over 3 ranks"),
+        ({"n_kv_heads": 4, "n_heads": 12, "d_model": 96}, 6, "4 K/V heads do not split over 6"),
+        ({"d_ff": 90}, 4, "d_ff 90 does not split over 4 ranks"),
+        ({}, 0, "must be >= 1"),
+    ],
+)
+def test_a_model_that_does_not_split_says_why(kw: dict, world: int, why: str) -> None:
+    assert why in (unsplittable(cfg(**kw), world) or "")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("family", list(WRITERS))
+@torch.no_grad()
+def test_each_rank_loads_its_slices_of_the_checkpoint(
+    family: str, world: int, tmp_path: Path
+) -> None:
+    WRITERS[family](tmp_path)
+    whole = load_model(tmp_path)
+    c = whole.cfg
+    dh = c.head_dim
+    for rank in range(world):
+        tp = TensorParallel(rank, world)
+        share = load_model(tmp_path, tp=tp)
+        assert share_of(whole, tp).state_dict().keys() == share.state_dict().keys()
+        for name, p in share_of(whole, tp).named_parameters():  # the in-memory cut agrees
+            assert torch.equal(p, dict(share.named_parameters())[name]), name
+        heads, kv, ff = tp.heads(c), tp.kv_heads(c), tp.ffn(c)
+        w, s = whole.layers[1], share.layers[1]
+        q = w.attn.wqkv.weight[heads.start * dh : heads.stop * dh]
+        k_at, v_at = c.n_heads * dh, (c.n_heads + c.kv_heads) * dh
+        k = w.attn.wqkv.weight[k_at + kv.start * dh : k_at + kv.stop * dh]
+        v = w.attn.wqkv.weight[v_at + kv.start * dh : v_at + kv.stop * dh]
+        assert torch.equal(s.attn.wqkv.weight, torch.cat([q, k, v]))
+        assert torch.equal(
+            s.attn.wo.weight, w.attn.wo.weight[:, heads.start * dh : heads.stop * dh]
+        )
+        assert torch.equal(s.ffn.w_out.weight, w.ffn.w_out.weight[:, ff.start : ff.stop])
+        if w.attn.wo.bias is not None:  # rank 0 adds a row-parallel bias, once
+            assert torch.equal(s.attn.wo.bias, w.attn.wo.bias if rank == 0 else 0 * w.attn.wo.bias)
+        rows = tp.vocab(c)
+        assert torch.equal(
+            share.embed.weight[: len(rows)], whole.embed.weight[rows.start : rows.stop]
+        )
+        assert not share.embed.weight[len(rows) :].any()  # padding rows stay zero
+        assert torch.equal(s.attn_norm.weight, w.attn_norm.weight)  # replicated
