@@ -34,7 +34,7 @@ def _free_port() -> int:
 
 def _die_with_parent() -> None:  # in the child, before exec
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # a follower ignores SIGTERM
 
 
 def rendezvous(world: int) -> dict[str, str]:

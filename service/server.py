@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -132,6 +133,10 @@ def follow(settings: Settings) -> int:
 
     rank = int(os.environ["RANK"])
     log = logging.getLogger("kvserve.server")
+    # SIGTERM (torchrun passes it to every rank) waits for rank 0: it drains its requests,
+    # which needs this rank, then tells it to stop; if rank 0 is gone instead, the next
+    # collective fails within --rank-timeout
+    signal.signal(signal.SIGTERM, lambda *_: log.info("rank %d: SIGTERM, waiting for rank 0", rank))
     try:
         built = build(settings)
     except Exception as exc:
