@@ -129,6 +129,33 @@ def audit(cfg: ModelConfig, dtype: str, kv_pool_bytes: int | None = None) -> Mem
     )
 
 
+def rank_config(cfg: ModelConfig, world: int) -> ModelConfig:
+    """The shapes the largest share of `world` tensor-parallel ranks holds (rank 0's: it
+    also holds the row-parallel biases), its vocab the padded rows of each rank."""
+    from model.parallel import TensorParallel, unsplittable
+
+    why = unsplittable(cfg, world)
+    if why is not None:
+        raise ValueError(f"tensor_parallel_size: {why}")
+    tp = TensorParallel(0, world)
+    return tp.local_config(cfg).replace(vocab_size=tp.vocab_rows(cfg), eos_token_ids=())
+
+
+def collective_bytes(cfg: ModelConfig, dtype: str, world: int) -> dict[str, int]:
+    """What tensor parallelism moves per token: one all-reduce of the hidden state per
+    attention and per FFN (and one for the embedding), one all-gather of the logits.
+    A ring all-reduce sends 2 (N-1)/N of its bytes from every device, an all-gather
+    (N-1)/N."""
+    hidden = dtype_bytes(dtype) * cfg.d_model
+    reduce = (2 * cfg.n_layers + 1) * hidden
+    gather = -(-cfg.vocab_size // world) * world * dtype_bytes(dtype)
+    return {
+        "allreduce_bytes_per_token": reduce if world > 1 else 0,
+        "allgather_bytes_per_token": gather if world > 1 else 0,
+        "link_bytes_per_token_per_device": (2 * reduce + gather) * (world - 1) // world,
+    }
+
+
 def plan(
     cfg: ModelConfig,
     dtype: str,
@@ -136,22 +163,30 @@ def plan(
     seq_len: int,
     bandwidth: float | None = None,
     matmul_flops: float | None = None,
+    tensor_parallel_size: int = 1,
 ) -> dict[str, object]:
-    """What fits in `memory_bytes` next to the weights, and the physical floors."""
+    """What fits in `memory_bytes` (of each device, with the model split over
+    `tensor_parallel_size` of them) next to the weights, and the physical floors."""
+    world = tensor_parallel_size
+    local = rank_config(cfg, world) if world > 1 else cfg
     report = audit(cfg, dtype).as_dict()
-    weights = weight_bytes(cfg, dtype)
-    per_token = kv_bytes_per_token(cfg, dtype)
+    weights = weight_bytes(local, dtype)
+    per_token = kv_bytes_per_token(local, dtype)
     kv_room = max(0, memory_bytes - weights)
     tokens = kv_room // per_token
     report |= {
+        "tensor_parallel_size": world,
         "memory_bytes": memory_bytes,
+        "weight_bytes_per_device": weights,
+        "kv_bytes_per_token_per_device": per_token,
         "kv_room_bytes": kv_room,
         "kv_tokens": tokens,
         "seq_len": seq_len,
         "sequences_of_seq_len": tokens // seq_len,
-        "fits": weights < memory_bytes,
+        "fits": weights < memory_bytes and tokens >= seq_len,
     }
-    return report | floors(cfg, dtype, bandwidth, matmul_flops)
+    report |= collective_bytes(cfg, dtype, world)
+    return report | floors(local, dtype, bandwidth, matmul_flops)
 
 
 def floors(

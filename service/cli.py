@@ -103,6 +103,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     else:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     machine = None if args.no_measure else Machine.measure(dtype, device)
+    world = args.tensor_parallel_size
     report = plan(
         cfg,
         dtype_name(dtype),
@@ -110,6 +111,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         args.seq_len or cfg.max_position,
         machine.bandwidth if machine else None,
         machine.matmul_flops if machine else None,
+        world,
     )
     report = {"model": cfg.name, "device": str(device), **report}
     if args.json:
@@ -117,13 +119,22 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return 0
     p = report["parameters"]
     gib = 1 << 30
+    each = f" per device (of {world})" if world > 1 else ""
     lines = [
         f"model {cfg.name}: {p['total']:,} parameters ({dtype_name(dtype)}, {report['weight_bytes'] / gib:.2f} GiB of weights)",
         f"  embedding {p['embedding']:,}  attention {p['attention']:,}  ffn {p['ffn']:,}  norms {p['norms']:,}  head {p['head']:,}",
-        f"KV cache: {report['kv_bytes_per_token']:,} bytes per token",
-        f"memory {memory / gib:.1f} GiB: {report['kv_room_bytes'] / gib:.2f} GiB left for KV = {report['kv_tokens']:,} tokens"
+        f"weights{each}: {report['weight_bytes_per_device'] / gib:.2f} GiB",
+        f"KV cache: {report['kv_bytes_per_token']:,} bytes per token"
+        + (f", {report['kv_bytes_per_token_per_device']:,}{each}" if world > 1 else ""),
+        f"memory {memory / gib:.1f} GiB{each}: {report['kv_room_bytes'] / gib:.2f} GiB left for KV = {report['kv_tokens']:,} tokens"
         f" = {report['sequences_of_seq_len']:,} sequences of {report['seq_len']:,} tokens",
     ]
+    if world > 1:
+        lines.append(
+            f"collectives per token: all-reduce {report['allreduce_bytes_per_token']:,} bytes, "
+            f"logits all-gather {report['allgather_bytes_per_token']:,} bytes; "
+            f"{report['link_bytes_per_token_per_device']:,} bytes sent per device (ring)"
+        )
     if machine:
         lines += [
             f"this {device.type}: read bandwidth {report['bandwidth_gb_s']:.1f} GB/s, matmul {report['matmul_tflops']:.2f} TFLOP/s",
@@ -177,6 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--dtype", default="auto")
     pl.add_argument("--memory-gib", type=float, default=None, help="default: this device's memory")
     pl.add_argument("--seq-len", type=int, default=None, help="default: the model's context length")
+    pl.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="devices the model is split over (--memory-gib is then each one's)",
+    )
     pl.add_argument("--no-measure", action="store_true", help="skip measuring bandwidth and matmul")
     pl.add_argument("--json", action="store_true", help="print JSON")
     pl.set_defaults(func=_cmd_plan)

@@ -1,6 +1,7 @@
+import pytest
 import torch
 
-from model.audit import audit, count_params, kv_bytes_per_token
+from model.audit import audit, count_params, kv_bytes_per_token, plan
 from model.config import ModelConfig
 from model.transformer import Transformer
 
@@ -60,6 +61,45 @@ def test_llama3_70b_kv_bytes_per_token() -> None:
     report = audit(cfg, "bfloat16", kv_pool_bytes=327_680 * 1000)
     assert report.kv_pool_tokens == 1000
     assert report.weight_bytes == count_params(cfg).total * 2
+
+
+LLAMA3_70B = ModelConfig(
+    vocab_size=128256,
+    d_model=8192,
+    n_layers=80,
+    n_heads=64,
+    n_kv_heads=8,
+    d_ff=28672,
+    max_position=8192,
+    rope_theta=500000.0,
+    tie_embeddings=False,
+)
+
+
+def test_plan_answers_the_70b_class_question_on_2_4_8_devices_of_80_gb() -> None:
+    """Each device holds 1/N of everything but the (replicated) norms, and 1/N of every
+    token's K/V; TP=1 does not fit, TP=2 fits 7 sequences of 8,192 tokens."""
+    gpu = 80 * 10**9
+    counts = count_params(LLAMA3_70B)
+    answers = {}
+    for n in (1, 2, 4, 8):
+        r = plan(LLAMA3_70B, "bfloat16", gpu, 8192, tensor_parallel_size=n)
+        assert r["weight_bytes_per_device"] == 2 * (
+            (counts.total - counts.norms) // n + counts.norms
+        )
+        assert r["kv_bytes_per_token_per_device"] == 327_680 // n
+        room = gpu - r["weight_bytes_per_device"]
+        assert r["kv_tokens"] == max(0, room) // (327_680 // n)
+        # per token: 161 all-reduces of 8,192 bf16 values, one all-gather of the logits
+        assert r["allreduce_bytes_per_token"] == (0 if n == 1 else 161 * 8192 * 2)
+        answers[n] = (r["fits"], r["sequences_of_seq_len"])
+    assert answers[1] == (False, 0) and answers[2] == (True, 7)
+    assert answers[4][1] == 66 and answers[8][1] == 185
+
+
+def test_plan_refuses_a_split_the_model_cannot_take() -> None:
+    with pytest.raises(ValueError, match="64 attention heads do not split over 3 ranks"):
+        plan(LLAMA3_70B, "bfloat16", 80 * 10**9, 8192, tensor_parallel_size=3)
 
 
 def test_counts_match_real_modules() -> None:

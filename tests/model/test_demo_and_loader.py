@@ -107,6 +107,12 @@ def test_cli_plan(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert big["kv_bytes_per_token"] == 327_680 and big["fits"] is False and big["kv_tokens"] == 0
     assert main(["plan", "--dtype", "float32", "--memory-gib", "2"]) == 0
     assert "decode floor" in capsys.readouterr().out
+    # the same 70B-class config split over 4 devices of 80 GB (74.5 GiB)
+    split = ["--config", str(tmp_path / "config.json"), "--no-measure", "--dtype", "bfloat16"]
+    assert main(["plan", *split, "--memory-gib", "74.5", "--tensor-parallel-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "weights per device (of 4): 32.86 GiB" in out
+    assert "81,920 per device (of 4)" in out and "collectives per token" in out
 
 
 @pytest.mark.parametrize(
