@@ -19,7 +19,8 @@ serve: $(STAMP)
 	$(VENV)/bin/kvserve serve $(ARGS)
 
 # System packages the tests drive for real: Debian's chromium (the chat page test) and
-# Debian's prometheus/promtool, unpacked into .venv/prometheus without starting a service.
+# Debian's prometheus/promtool, unpacked into .venv/prometheus without starting a service;
+# the Prometheus Operator's CRD schemas (npm's @kubernetes-models) for the Kubernetes test.
 SYSDEPS := $(VENV)/.sysdeps
 
 $(SYSDEPS): $(STAMP)
@@ -29,6 +30,9 @@ $(SYSDEPS): $(STAMP)
 		cd $(VENV) && (apt-get download prometheus >/dev/null 2>&1 || (apt-get update -qq && apt-get download prometheus >/dev/null 2>&1)) \
 		&& dpkg -x prometheus_*.deb prometheus && rm -f prometheus_*.deb ) \
 		|| echo "warning: could not fetch prometheus; the Prometheus tests will be skipped"
+	@test -d $(VENV)/npm/node_modules/@kubernetes-models/prometheus-operator || \
+		npm install --silent --no-audit --no-fund --prefix $(VENV)/npm @kubernetes-models/prometheus-operator@6.0.0 \
+		|| echo "warning: could not install @kubernetes-models/prometheus-operator; the ServiceMonitor check will be skipped"
 	touch $(SYSDEPS)
 
 test: $(STAMP) $(SYSDEPS)

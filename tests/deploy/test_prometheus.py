@@ -2,14 +2,13 @@
 evaluated through Prometheus' HTTP API and must be valid and return data."""
 
 import json
-import subprocess
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.deploy.tools import prometheus
+from tests.deploy.tools import running_prometheus
 from tests.live_server import Server, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,39 +22,8 @@ def dashboard_queries() -> list[tuple[str, str]]:
 
 @pytest.fixture
 def prom(server: Server, tmp_path: Path):
-    binary = prometheus()
-    port = free_port()
-    target = server.url.removeprefix("http://")
-    config = tmp_path / "prometheus.yml"
-    config.write_text(
-        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-        f"scrape_configs:\n  - job_name: kvserve\n    static_configs:\n      - targets: ['{target}']\n"
-    )
-    log = open(tmp_path / "prometheus.log", "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        [
-            binary,
-            f"--config.file={config}",
-            f"--storage.tsdb.path={tmp_path / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/-/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+    with running_prometheus(server.url.removeprefix("http://"), tmp_path, free_port()) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(20)
-        log.close()
 
 
 def traffic(server: Server) -> None:

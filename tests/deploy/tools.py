@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
+
+import httpx
 
 from tests.require import missing
 
@@ -43,3 +49,45 @@ def compose() -> str:
 
 def hadolint() -> str:
     return tool("hadolint", VENV / "bin/hadolint")
+
+
+@contextlib.contextmanager
+def running_prometheus(
+    target: str, tmp_path: Path, port: int, labels: dict[str, str] | None = None
+) -> Iterator[str]:
+    """A real Prometheus scraping `target` (host:port) every second, the scraped series
+    given `labels` (what the Prometheus Operator adds: namespace, service, pod); yields
+    its URL once ready."""
+    binary = prometheus()
+    extra = "".join(f"\n          {k}: '{v}'" for k, v in (labels or {}).items())
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+        "scrape_configs:\n  - job_name: kvserve\n    static_configs:\n"
+        f"      - targets: ['{target}']\n" + (f"        labels:{extra}\n" if extra else "")
+    )
+    log = open(tmp_path / "prometheus.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [
+            binary,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/-/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        log.close()
