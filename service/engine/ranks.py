@@ -88,8 +88,16 @@ class Ranks:
         """Rank 0: the followers leave their loop (best effort: they may be gone)."""
         try:
             self.send(_STOP)
-        except RankError as exc:
+            self.leave()
+        except Exception as exc:
             log.warning("could not stop the other ranks: %s", exc)
+
+    def leave(self) -> None:
+        """Leave the process group after a clean stop, every rank together (a rank whose
+        peers vanish while it tears its connections down can abort at exit)."""
+        if dist.is_initialized():
+            dist.barrier(group=self.tp.group)
+            dist.destroy_process_group()
 
     def agree_min(self, value: int) -> int:
         """The smallest of every rank's value (each rank sizes its KV pool on its own
