@@ -60,10 +60,6 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
         raise APIError(
             400, "tool_choice needs tools, which this server does not support", param="tool_choice"
         )
-    if req.response_format and req.response_format.get("type") not in (None, "text"):
-        raise APIError(
-            400, "only response_format {'type': 'text'} is supported", param="response_format"
-        )
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
     include_usage = check_stream_options(req)
@@ -75,7 +71,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
         req.max_completion_tokens or req.max_tokens or max(1, state.max_model_len - len(prompt))
     )
     params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-    validate_prompt(state, prompt, params)
+    await validate_prompt(state, prompt, params)
     admission = state.admit(req.n, (len(prompt) + params.max_tokens) * req.n)
     rid, created = new_id("chatcmpl"), int(time.time())
     if req.stream:

@@ -87,7 +87,7 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
     prompts = await asyncio.to_thread(_prompts, state, req)
     params = sampling_params(req, req.max_tokens or 16, req.logprobs)
     for ids in prompts:
-        validate_prompt(state, ids, params)
+        await validate_prompt(state, ids, params)
     demand = sum(len(ids) + params.max_tokens for ids in prompts) * req.n
     admission = state.admit(len(prompts) * req.n, demand)
     rid, created = new_id("cmpl"), int(time.time())

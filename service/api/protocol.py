@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from service.limits import (
     MAX_CACHE_SALT_CHARS,
+    MAX_CHOICES,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_MESSAGES,
@@ -90,6 +91,13 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     # vLLM's: requests share cached prompt blocks only when their salts are equal
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    # structured outputs (service/api/structured.py): OpenAI's, and vLLM's extras
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(default=None, max_length=MAX_CHOICES)
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -127,7 +135,6 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
 
 class TokenizeRequest(BaseModel):

@@ -21,6 +21,7 @@ from model.tokenizer import Tokenizer
 from service.api.chat_template import ChatTemplate, ChatTemplateError
 from service.api.metrics import Metrics
 from service.api.protocol import APIError, SamplingFields
+from service.api.structured import constraint_of
 from service.config import Settings
 from service.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailed
 from service.engine.engine import ContextLengthError
@@ -159,6 +160,7 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None) 
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
             cache_salt=req.cache_salt,
+            constraint=constraint_of(req),
         )
     except ParamError as exc:
         raise bad_request(exc) from None
@@ -172,9 +174,16 @@ def bad_request(exc: ParamError) -> APIError:
     return APIError(400, str(exc), param=exc.param)
 
 
-def validate_prompt(state: ServingState, prompt_ids: list[int], params: SamplingParams) -> None:
+async def validate_prompt(
+    state: ServingState, prompt_ids: list[int], params: SamplingParams
+) -> None:
+    """The engine's checks of a request; a structured-output constraint is compiled (the
+    first one builds the tokenizer's token table, about a second) off the event loop."""
     try:
-        state.engine.validate(prompt_ids, params)
+        if params.constraint is None:
+            state.engine.validate(prompt_ids, params)
+        else:
+            await asyncio.to_thread(state.engine.validate, prompt_ids, params)
     except ParamError as exc:
         raise bad_request(exc) from None
 

@@ -23,6 +23,7 @@ from service.engine.ranks import RankError, Ranks
 from service.engine.request import FinishReason, ParamError, Request, SamplingParams, Status
 from service.engine.runner import ModelRunner
 from service.engine.scheduler import Scheduler, SchedulerOutput
+from service.engine.structured import Grammars, Masks
 
 log = logging.getLogger("kvserve.engine")
 
@@ -114,6 +115,9 @@ class LLMEngine:
         )
         # not captured across ranks: a graph would replay its collectives unchecked
         graphs = not settings.enforce_eager and self.backend.name == "triton" and not model.tp
+        self.eos_ids = frozenset(tokenizer.eos_ids) | frozenset(model.cfg.eos_token_ids)
+        # structured outputs: nothing is built until a request asks for a constraint
+        self.grammars = Grammars(tokenizer, model.cfg.vocab_size, sorted(self.eos_ids))
         self.runner = ModelRunner(
             model,
             self.kv_cache,
@@ -122,10 +126,10 @@ class LLMEngine:
             else None,
             settings.quantization,
             self.ranks,
+            Masks(self.grammars),
         )
         self.requests: dict[str, Request] = {}
         self.texts: dict[str, TextState] = {}
-        self.eos_ids = frozenset(tokenizer.eos_ids) | frozenset(model.cfg.eos_token_ids)
         self.stats = EngineStats()
         self.clock = time.monotonic
 
@@ -150,6 +154,8 @@ class LLMEngine:
                 f"request has {len(prompt_ids)} prompt tokens and max_tokens "
                 f"{params.max_tokens} ({total} in total)",
             )
+        if params.constraint is not None:
+            self.grammars.check(params.constraint)  # ConstraintError: a 400 naming the param
         if self.blocks.blocks_for(total) > self.blocks.num_blocks:
             capacity = self.blocks.num_blocks * self.blocks.block_size
             raise ContextLengthError(
@@ -174,6 +180,8 @@ class LLMEngine:
             if params.seed is not None and i:
                 p = dataclasses.replace(params, seed=params.seed + i)
             request = Request(rid, list(prompt_ids), p, now, index=i, wait_for=first)
+            if p.constraint is not None:
+                request.guide = self.grammars.guide(p.constraint)
             first = first or request
             self.requests[rid] = request
             self.texts[rid] = TextState(self.tokenizer, p.stop, p.skip_special_tokens)
@@ -298,6 +306,9 @@ class LLMEngine:
             return self._fail(request, message)
         request.output_ids.append(token)
         self.stats.generation_tokens += 1
+        if request.guide is not None and not request.guide.accept(token):
+            why = request.guide.error or f"token {token} is outside its grammar"
+            return self._fail(request, f"structured output failed: {why}")
         if request.first_token_time is None:
             request.first_token_time = now
         else:
@@ -313,6 +324,8 @@ class LLMEngine:
         if token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos):
             return FinishReason.STOP
         if self.texts[request.request_id].push(token):
+            return FinishReason.STOP
+        if request.guide is not None and request.guide.done:  # the grammar is complete
             return FinishReason.STOP
         if len(request.output_ids) >= p.max_tokens or request.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH

@@ -31,6 +31,21 @@ class FinishReason(enum.StrEnum):
 
 
 EMPTY_PROMPT = "prompt: must not be empty"  # the one message, whatever form the prompt took
+CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """What a request's output must match (structured outputs, service/engine/structured.py).
+    spec: the JSON Schema (JSON text), the regex, the choices (a JSON list of strings) or
+    the grammar (Lark or GBNF); param: the API parameter it came from, named in errors."""
+
+    kind: str
+    spec: str
+    param: str
+
+    def __post_init__(self) -> None:
+        _check(self.kind in CONSTRAINT_KINDS, self.param, f"unknown constraint {self.kind!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +67,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-N alternatives per generated token
     skip_special_tokens: bool = True
     cache_salt: str | None = None  # requests share cached prefix blocks only under one salt
+    constraint: Constraint | None = None  # structured output
 
     def __post_init__(self) -> None:
         """Raise ValueError naming the parameter (the API turns it into a 400)."""
@@ -101,6 +117,11 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
+    def filters(self) -> bool:
+        """top_k, top_p or min_p: a draw from part of the distribution."""
+        return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
+
+    @property
     def needs_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
 
@@ -136,6 +157,7 @@ class Request:
     last_token_time: float | None = None
     finish_time: float | None = None
     error: str | None = None
+    guide: object | None = None  # its place in its constraint's grammar (structured.Guide)
 
     @property
     def num_tokens(self) -> int:

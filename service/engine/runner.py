@@ -12,6 +12,7 @@ from service.engine.cuda_graphs import DecodeGraphs
 from service.engine.ranks import Clear, RankError, Ranks, Step
 from service.engine.sampler import Sampler, SampleResult
 from service.engine.scheduler import SchedulerOutput
+from service.engine.structured import Masks
 
 
 class ModelRunner:
@@ -22,12 +23,14 @@ class ModelRunner:
         graphs: Callable[[], DecodeGraphs] | None = None,
         quantization: str = "none",
         ranks: Ranks | None = None,
+        masks: Masks | None = None,
     ) -> None:
         """graphs: builds the CUDA graphs of decode steps (after the weights are
         prepared); None runs every step eagerly. quantization: of the linear weights, as
         the backend's prepare() takes it. ranks: the tensor-parallel step channel (rank 0
-        sends every forward's inputs, the others follow())."""
-        self.model, self.ranks = model, ranks
+        sends every forward's inputs, the others follow()). masks: the allowed tokens of
+        constrained requests (structured outputs)."""
+        self.model, self.ranks, self.masks = model, ranks, masks
         self.backend = kv_cache.backend
         # the weight layouts its linears read
         self.packed = self.backend.prepare(model, quantization)
@@ -93,7 +96,46 @@ class ModelRunner:
             return SampleResult([], [])
         sampled = [s.request for s in batch.seqs if s.sample]
         gens = [self.generator_for(r.request_id, r.params.seed) for r in sampled]
-        return self.sampler.sample(logits, sampled, gens)
+        guided = [i for i, r in enumerate(sampled) if r.guide is not None]
+        if not guided or self.masks is None:
+            return self.sampler.sample(logits, sampled, gens)
+        return self._sample_guided(logits, sampled, gens, guided)
+
+    def _sample_guided(
+        self,
+        logits: torch.Tensor,
+        requests: list,
+        gens: list[torch.Generator | None],
+        guided: list[int],
+    ) -> SampleResult:
+        """Structured outputs: each constrained row first takes the choice it makes without
+        its grammar, kept if the grammar allows the token; only the rows it does not allow
+        (and rows with top_k / top_p / min_p, whose filters come after the mask) compute
+        their mask and choose again under it. Exact: the greedy choice is the masked
+        argmax when allowed, and a draw kept only when allowed, else drawn from the
+        masked distribution, is the masked distribution (rejection sampling). A model
+        that follows the format pays for almost no masks."""
+        before = logits[self.sampler.index(guided)]  # (G, V): the sampler edits logits
+        result = self.sampler.sample(logits, requests, gens)
+        redo = [
+            j
+            for j, i in enumerate(guided)
+            if requests[i].params.filters
+            or requests[i].guide.matcher.validate_tokens([result.token_ids[i]]) != 1
+        ]
+        if not redo:
+            return result
+        rows = [guided[j] for j in redo]
+        allowed = self.masks.compute([requests[i].guide for i in rows])  # (R, V) bool
+        again = self.sampler.sample(
+            before[self.sampler.index(redo)],
+            [requests[i] for i in rows],
+            [gens[i] for i in rows],
+            (list(range(len(rows))), allowed.to(logits.device, non_blocking=True)),
+        )
+        for k, i in enumerate(rows):
+            result.token_ids[i], result.logprobs[i] = again.token_ids[k], again.logprobs[k]
+        return result
 
     def forward(self, step: Step) -> torch.Tensor | None:
         """The logits (S, V) of the step's sampled rows (None: it samples none)."""
@@ -123,3 +165,4 @@ class ModelRunner:
                 self.forward(message)
             elif isinstance(message, Clear):
                 self.kv_cache.data.index_fill_(2, self._to_device(message.blocks), 0)
+        self.ranks.leave()

@@ -1,0 +1,170 @@
+"""Structured outputs: a request's output held to a JSON Schema, any JSON object, a regex,
+one of a list of choices, or a grammar (Lark, or GBNF converted to it), by llguidance
+(chosen by measurement against xgrammar and outlines-core: benchmarks/RESULTS.md).
+
+Each constrained sequence has a `Guide` (its matcher). Once a step's forward is
+launched, the runner hands the guides of the sequences it samples to `Masks.compute`
+(on a GPU the host does this while the device runs the forward); the sampler then masks
+those rows' logits. A guide advances with every
+token the sequence accepts, and says when the grammar is complete (the request then
+finishes with `stop`). Requests without a constraint build nothing and pay nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from model.tokenizer import Tokenizer
+from service.engine.request import Constraint, ParamError
+
+
+class ConstraintError(ParamError):
+    """A constraint that does not compile (a 400 naming the API parameter)."""
+
+
+def _grammar(c: Constraint) -> str:
+    """The llguidance grammar (its JSON form) of a constraint."""
+    import llguidance
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    M = llguidance.LLMatcher
+    if c.kind in ("json", "json_object"):
+        schema = json.loads(c.spec) if c.kind == "json" else {"type": "object"}
+        if not isinstance(schema, dict):
+            raise ValueError("a JSON Schema must be a JSON object")
+        # compact JSON: no whitespace between tokens (a random model would pad with it)
+        return M.grammar_from_json_schema(schema | {"x-guidance": {"whitespace_flexible": False}})
+    if c.kind == "regex":
+        return M.grammar_from_regex(c.spec)
+    if c.kind == "choice":
+        choices = json.loads(c.spec)
+        return M.grammar_from_regex("|".join(_regex_literal(s) for s in choices))
+    return M.grammar_from_lark(any_to_lark(c.spec))  # Lark, or GBNF converted
+
+
+def _regex_literal(s: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in " _" else "\\" + ch for ch in s)
+
+
+class Guide:
+    """One sequence's place in its grammar."""
+
+    __slots__ = ("matcher",)
+
+    def __init__(self, matcher: object) -> None:
+        self.matcher = matcher
+
+    def accept(self, token: int) -> bool:
+        """Advance with a sampled token; False: the grammar rejects it."""
+        return bool(self.matcher.consume_token(token))  # type: ignore[attr-defined]
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete: nothing more may follow."""
+        return bool(self.matcher.is_stopped())  # type: ignore[attr-defined]
+
+    @property
+    def error(self) -> str | None:
+        m = self.matcher
+        return m.get_error() if m.is_error() else None  # type: ignore[attr-defined]
+
+
+class Grammars:
+    """llguidance for one tokenizer: the token table is built once (about a second for a
+    100k vocabulary), on the first constrained request; compiled grammars are cached."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: Sequence[int]) -> None:
+        self._tokenizer, self._vocab, self._eos = tokenizer, vocab_size, list(eos_ids)
+        self._lock = threading.Lock()
+        self._ll: object | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    @property
+    def words(self) -> int:
+        """int32 words of a bitmask row."""
+        return (self._vocab + 31) // 32
+
+    def _lltokenizer(self) -> object:
+        with self._lock:
+            if self._ll is None:
+                import llguidance
+
+                vocab = _Vocab(self._tokenizer, self._vocab, self._eos)
+                self._ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(vocab))
+            return self._ll
+
+    def check(self, c: Constraint) -> None:
+        """Raise ConstraintError if the constraint does not compile."""
+        self._compiled(c)
+
+    @functools.lru_cache(maxsize=256)  # noqa: B019 - one Grammars per engine, for its life
+    def _compiled(self, c: Constraint) -> str:
+        import llguidance
+
+        try:
+            grammar = _grammar(c)
+        except (ValueError, RuntimeError, TypeError) as exc:
+            raise ConstraintError(c.param, str(exc)) from None
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+            grammar, self._lltokenizer()
+        )
+        if is_error:
+            raise ConstraintError(c.param, "; ".join(messages) or "not a valid grammar")
+        return grammar
+
+    def guide(self, c: Constraint) -> Guide:
+        import llguidance
+
+        matcher = llguidance.LLMatcher(self._lltokenizer(), self._compiled(c))
+        if matcher.is_error():
+            raise ConstraintError(c.param, matcher.get_error())
+        return Guide(matcher)
+
+
+class _Vocab:
+    """What llguidance's LLTokenizer reads of a tokenizer: every id's bytes (special
+    tokens marked), the end-of-sequence id and a tokenize function."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: Sequence[int]) -> None:
+        special = set(tokenizer.special_ids.values())
+        self.tokens = [
+            tokenizer.token_bytes(i) if tokenizer.valid_id(i) else b"" for i in range(vocab_size)
+        ]
+        self.special_token_ids = sorted(i for i in special if i < vocab_size)
+        self.eos_token_id = eos_ids[0] if eos_ids else vocab_size - 1
+        self.bos_token_id = tokenizer.bos_id
+        self._tokenizer = tokenizer
+
+    def __call__(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_bos=False, special=False)
+
+
+class Masks:
+    """The allowed tokens of the sequences a step samples. The runner asks after it has
+    launched the step's forward: on a GPU the host computes the masks while the device
+    runs the forward; on the CPU the forward has every core, and a worker thread here
+    measured slower than this (benchmarks/RESULTS.md)."""
+
+    def __init__(self, grammars: Grammars) -> None:
+        self.grammars = grammars
+
+    def compute(self, guides: Sequence[Guide]) -> Tensor:
+        """(len(guides), vocab_size) bool on the CPU: the tokens each guide may take.
+        One after another: llguidance's parallel executor measured slower on 2 cores."""
+        import llguidance.numpy as lln
+
+        masks = np.zeros((len(guides), self.grammars.words), dtype=np.int32)
+        for i, g in enumerate(guides):
+            lln.fill_next_token_bitmask(g.matcher, masks, i)
+        bits = np.unpackbits(masks.view(np.uint8), axis=1, bitorder="little")  # (R, 32 W)
+        return torch.from_numpy(bits[:, : self.grammars.vocab_size].view(np.bool_))

@@ -1,0 +1,164 @@
+"""Structured outputs in the engine (llguidance): every output sampled at temperature 1
+parses and validates against its JSON Schema, matches its regex, is one of its choices or
+is in its grammar's language; constrained and unconstrained requests batched together
+each stay correct; preemption and n > 1 keep the grammar's place; a bad or unsupported
+constraint is refused naming the parameter and what is wrong."""
+
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+
+from model.demo import build_demo_model
+from model.loader import load
+from model.tokenizer import Tokenizer
+from service.config import Settings
+from service.engine.engine import LLMEngine
+from service.engine.request import Constraint, SamplingParams
+from service.engine.structured import ConstraintError
+from tests.api.json_schemas import SCHEMAS
+from tests.engine.helpers import greedy, run_all, tokens_of
+from tests.model.hf_checkpoints import write_llama, write_tokenizer
+
+
+@pytest.fixture(scope="module")
+def demo() -> LLMEngine:
+    """The random demo model over cl100k (100k tokens)."""
+    settings = Settings(num_kv_blocks=1024, max_num_seqs=16, max_num_batched_tokens=256)
+    return LLMEngine(build_demo_model(torch.float32), Tokenizer.default(), settings)
+
+
+def sample(c: Constraint, seed: int, max_tokens: int = 200, **kw: object) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, constraint=c, **kw)
+
+
+def texts(engine: LLMEngine, requests: dict) -> dict[str, tuple[str, str]]:
+    out = {}
+    for rid, outs in run_all(engine, requests).items():
+        out[rid] = ("".join(o.text for o in outs), outs[-1].finish_reason.value)
+    return out
+
+
+def json_constraint(name: str) -> Constraint:
+    return Constraint("json", json.dumps(SCHEMAS[name][0]), "response_format")
+
+
+def test_every_schema_of_the_corpus_gives_valid_documents(demo: LLMEngine) -> None:
+    prompt = demo.tokenizer.encode("Answer in JSON:")
+    requests = {
+        f"{name}/{seed}": (prompt, sample(json_constraint(name), seed))
+        for name in SCHEMAS
+        for seed in range(3)
+    }
+    for rid, (text, finish) in texts(demo, requests).items():
+        assert finish == "stop", (rid, text)  # the grammar completed, not max_tokens
+        jsonschema.validate(json.loads(text), SCHEMAS[rid.split("/")[0]][0])
+
+
+def test_json_object_regex_choice_and_grammars(demo: LLMEngine) -> None:
+    prompt = demo.tokenizer.encode("Go:")
+    cases = {
+        "regex": (Constraint("regex", r"[A-Z]{2}-\d{3}( ok)?", "guided_regex"), r"[A-Z]{2}-\d{3}( ok)?"),
+        "choice": (Constraint("choice", json.dumps(["yes", "no", "N/A (n.b.)"]), "guided_choice"),
+                   r"yes|no|N/A \(n\.b\.\)"),
+        "lark": (Constraint("grammar", 'start: "(" NUM ("+" NUM)* ")"\nNUM: /[0-9]{1,3}/', "guided_grammar"),
+                 r"\(\d{1,3}(\+\d{1,3})*\)"),
+        "gbnf": (Constraint("grammar", 'root ::= "on" | "off" | "auto"', "guided_grammar"), r"on|off|auto"),
+    }  # fmt: skip
+    requests = {
+        f"{k}/{seed}": (prompt, sample(c, seed, max_tokens=64)) for k, (c, _) in cases.items()
+        for seed in range(4)
+    }  # fmt: skip
+    requests |= {
+        f"object/{seed}": (prompt, sample(Constraint("json_object", "", "response_format"), seed, max_tokens=400))
+        for seed in range(2)
+    }  # fmt: skip
+    for rid, (text, finish) in texts(demo, requests).items():
+        kind = rid.split("/")[0]
+        if kind == "object":  # any JSON object; a random model may not close it in time
+            if finish == "stop":
+                assert isinstance(json.loads(text), dict)
+            else:
+                assert text.startswith("{") and finish == "length"
+            continue
+        assert finish == "stop"
+        assert re.fullmatch(cases[kind][1], text), (rid, text)
+
+
+def test_constrained_and_unconstrained_requests_batched_together(demo: LLMEngine) -> None:
+    """An unconstrained greedy request gives the same tokens beside constrained ones as
+    alone (it pays nothing and is masked by nothing)."""
+    tok = demo.tokenizer
+    free = (tok.encode("Once upon a time"), greedy(24))
+    alone = tokens_of(run_all(demo, {"free": free})["free"])
+    mixed = {"free": free} | {
+        f"json/{i}": (tok.encode("JSON:"), sample(json_constraint("array_of_objects"), i))
+        for i in range(5)
+    }
+    outs = run_all(demo, mixed)
+    assert tokens_of(outs["free"]) == alone
+    for i in range(5):
+        text = "".join(o.text for o in outs[f"json/{i}"])
+        jsonschema.validate(json.loads(text), SCHEMAS["array_of_objects"][0])
+
+
+def test_preemption_and_n_keep_each_sequences_place_in_the_grammar() -> None:
+    """A pool too small for the batch preempts (and recomputes) constrained sequences;
+    n > 1 siblings each have their own matcher."""
+    settings = Settings(num_kv_blocks=24, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    engine = LLMEngine(build_demo_model(torch.float32), Tokenizer.default(), settings)
+    prompt = engine.tokenizer.encode("Answer in JSON: " * 3)
+    requests = {
+        f"r{i}": (prompt, sample(json_constraint("nested_object"), i, max_tokens=80, n=2))
+        for i in range(4)
+    }
+    outs = run_all(engine, requests)
+    assert engine.stats.preemptions > 0
+    assert len(outs) == 8  # 4 requests x n=2
+    for rid, seq in outs.items():
+        text = "".join(o.text for o in seq)
+        assert seq[-1].finish_reason.value == "stop", (rid, text)
+        jsonschema.validate(json.loads(text), SCHEMAS["nested_object"][0])
+    assert engine.blocks.num_used == 0
+
+
+def test_a_parity_checkpoint_with_its_own_tokenizer(tmp_path: Path) -> None:
+    """The small Llama checkpoint with a 300-token byte-level BPE of its own."""
+    write_llama(tmp_path, tied=True)
+    write_tokenizer(tmp_path)
+    loaded = load(tmp_path, torch.float32, torch.device("cpu"))
+    engine = LLMEngine(loaded.model, loaded.tokenizer, Settings(num_kv_blocks=256))
+    prompt = [5, 6, 7, 8]
+    requests = {
+        f"{name}/{seed}": (prompt, sample(json_constraint(name), seed, max_tokens=250))
+        for name in ("number_bounds", "enum_and_const", "any_of")
+        for seed in range(2)
+    }
+    for rid, (text, finish) in texts(engine, requests).items():
+        assert finish == "stop", (rid, text)
+        jsonschema.validate(json.loads(text), SCHEMAS[rid.split("/")[0]][0])
+
+
+@pytest.mark.parametrize(
+    ("constraint", "message"),
+    [
+        (Constraint("json", '{"type": "objekt"}', "response_format"), "objekt"),
+        (
+            Constraint("json", '{"type": "array", "uniqueItems": true}', "guided_json"),
+            "uniqueItems",
+        ),
+        (Constraint("json", '{"not": {"type": "string"}}', "response_format"), '"not"'),
+        (Constraint("regex", "([a-z", "guided_regex"), "unclosed character class"),
+        (Constraint("grammar", 'start: "a" | b', "guided_grammar"), "unknown name"),
+    ],
+)
+def test_a_bad_or_unsupported_constraint_is_refused_naming_it(
+    demo: LLMEngine, constraint: Constraint, message: str
+) -> None:
+    with pytest.raises(ConstraintError, match=re.escape(message)) as err:
+        demo.validate([1, 2, 3], sample(constraint, 0))
+    assert err.value.param == constraint.param
+    assert not demo.requests  # nothing was queued
