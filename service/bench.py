@@ -317,6 +317,14 @@ def spawn(args: str) -> tuple[subprocess.Popen, str]:
     return proc, url
 
 
+def write_report(path: str | Path, report: dict[str, Any]) -> None:
+    """A benchmark's JSON report (its folder made), and say where it went."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now."""
     import socket
