@@ -13,19 +13,30 @@ import httpx
 import pytest
 
 from tests.live_server import Server, start_server
-from tests.model.hf_checkpoints import write_llama, write_tokenizer
+from tests.model.hf_checkpoints import write_gpt2, write_llama, write_qwen2, write_tokenizer
 
 pytestmark = pytest.mark.slow
 BODY = {"prompt": [(7 * i + 3) % 290 for i in range(40)], "max_tokens": 20, "temperature": 0,
         "ignore_eos": True, "logprobs": 1}  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("llama")
-    write_llama(root, tied=False)  # 8 heads, 2 K/V heads
+WRITERS = {
+    "llama_kv_split": lambda p: write_llama(p, tied=False),  # 8 heads, 2 K/V heads
+    "llama_kv_replicated": lambda p: write_llama(p, tied=True, num_key_value_heads=1),
+    "qwen2": write_qwen2,
+    "gpt2": write_gpt2,
+}
+
+
+def checkpoint(family: str, root: Path) -> Path:
+    WRITERS[family](root)
     write_tokenizer(root)
     return root
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return checkpoint("llama_kv_split", tmp_path_factory.mktemp("llama"))
 
 
 def serve(ckpt: Path, tmp: Path, *args: str) -> Server:
@@ -47,7 +58,9 @@ def complete(server: Server, model: str) -> tuple[str, list[float]]:
         return choice["text"], choice["logprobs"]["token_logprobs"]
 
 
-def test_two_ranks_serve_one_ranks_tokens(ckpt: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("family", list(WRITERS))
+def test_two_ranks_serve_one_ranks_tokens(family: str, tmp_path: Path) -> None:
+    ckpt = checkpoint(family, tmp_path / family)
     one = serve(ckpt, tmp_path)
     try:
         ref_text, ref_lps = complete(one, ckpt.name)
