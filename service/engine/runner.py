@@ -10,6 +10,7 @@ from model.attention import PagedKVCache
 from model.transformer import Transformer
 from service.engine.cuda_graphs import DecodeGraphs
 from service.engine.ranks import Clear, RankError, Ranks, Step
+from service.engine.request import Request
 from service.engine.sampler import Sampler, SampleResult
 from service.engine.scheduler import SchedulerOutput
 from service.engine.structured import Masks
@@ -104,7 +105,7 @@ class ModelRunner:
     def _sample_guided(
         self,
         logits: torch.Tensor,
-        requests: list,
+        requests: list[Request],
         gens: list[torch.Generator | None],
         guided: list[int],
     ) -> SampleResult:
@@ -120,8 +121,7 @@ class ModelRunner:
         redo = [
             j
             for j, i in enumerate(guided)
-            if requests[i].params.filters
-            or requests[i].guide.matcher.validate_tokens([result.token_ids[i]]) != 1
+            if requests[i].params.filters or not requests[i].guide.allows(result.token_ids[i])
         ]
         if not redo:
             return result

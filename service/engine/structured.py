@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import string
 import threading
 from collections.abc import Sequence
 
@@ -50,7 +51,9 @@ def _grammar(c: Constraint) -> str:
 
 
 def _regex_literal(s: str) -> str:
-    return "".join(ch if ch.isalnum() or ch in " _" else "\\" + ch for ch in s)
+    """s matched literally: ASCII punctuation escaped (the regex syntax escapes nothing
+    else), every other character as itself."""
+    return "".join("\\" + ch if ch in string.punctuation else ch for ch in s)
 
 
 class Guide:
@@ -60,6 +63,11 @@ class Guide:
 
     def __init__(self, matcher: object) -> None:
         self.matcher = matcher
+
+    def allows(self, token: int) -> bool:
+        """Whether the grammar takes this token next (without taking it). A negative id
+        (the sampler's non-finite flag) is left to the engine, which fails the request."""
+        return token < 0 or self.matcher.validate_tokens([token]) == 1  # type: ignore[attr-defined]
 
     def accept(self, token: int) -> bool:
         """Advance with a sampled token; False: the grammar rejects it."""
