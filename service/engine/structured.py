@@ -121,8 +121,8 @@ class Grammars:
 
         try:
             grammar = _grammar(c)
-        except (ValueError, RuntimeError, TypeError) as exc:
-            raise ConstraintError(c.param, str(exc)) from None
+        except Exception as exc:  # each compiler raises its own types (GbnfToLarkError, ...)
+            raise ConstraintError(c.param, str(exc) or type(exc).__name__) from None
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
             grammar, self._lltokenizer()
         )

@@ -153,6 +153,7 @@ def test_a_parity_checkpoint_with_its_own_tokenizer(tmp_path: Path) -> None:
         (Constraint("json", '{"not": {"type": "string"}}', "response_format"), '"not"'),
         (Constraint("regex", "([a-z", "guided_regex"), "unclosed character class"),
         (Constraint("grammar", 'start: "a" | b', "guided_grammar"), "unknown name"),
+        (Constraint("grammar", "\u00d05\x12", "guided_grammar"), "Expected ::="),  # the fuzzer's
     ],
 )
 def test_a_bad_or_unsupported_constraint_is_refused_naming_it(
