@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -41,13 +40,6 @@ from service import bench
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "llama-cl100k-135m"
 FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 def start(cmd: list[str], url: str, log: Path) -> subprocess.Popen:
@@ -185,7 +177,7 @@ def main() -> None:
         systems = args.systems.split(",")
     flags = sorted(f for f in FLAGS if f in cpu_flags())
     header = {
-        "cpu": cpu_model(),
+        "cpu": bench.cpu_model(),
         "cores": os.cpu_count(),
         "flags": flags,
         "kvserve_isa": cpu_isa(),

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ import tiktoken
 import torch
 
 from model.tokenizer import DEFAULT_ENCODING
-from service.bench import write_report
+from service.bench import cpu_model, write_report
 from tests.api.json_schemas import SCHEMAS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -243,7 +242,7 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(1)
     results: dict[str, dict[str, Any]] = {}
-    print(f"{platform.processor() or 'CPU'}: one thread")
+    print(f"{cpu_model()}: one thread")
     print(
         f"{'vocab':>6} {'engine':<14} {'compile ms':>11} {'mask us p50':>12} {'p99':>8} {'coverage':>9}"
     )

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from service.bench import spawn, write_report
+from service.bench import cpu_model, spawn, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -92,7 +91,7 @@ def main() -> int:
         proc.wait(30)
     med = {k: statistics.median(r["tok_s"] for r in v) for k, v in runs.items()}
     report = {
-        "cpu": platform.processor(),
+        "cpu": cpu_model(),
         "server_args": args.server_args,
         "schema": args.schema,
         "concurrency": args.concurrency,

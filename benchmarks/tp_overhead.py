@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,13 +32,10 @@ from typing import Any
 
 import torch
 
+from service.bench import cpu_model
+from service.launch import rendezvous
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _settings(args: argparse.Namespace, world: int):  # type: ignore[no-untyped-def]
@@ -116,13 +111,7 @@ def rank_main(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace, world: int, out: Path) -> dict[str, Any]:
-    env = os.environ | {
-        "WORLD_SIZE": str(world),
-        "LOCAL_WORLD_SIZE": str(world),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_port()),
-        "PYTHONPATH": str(ROOT),
-    }
+    env = os.environ | rendezvous(world) | {"PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, __file__, "--rank-of", str(world), "--out", str(out)]
     cmd += ["--dtype", args.dtype, "--output-len", str(args.output_len)]
     cmd += ["--prompt-len", str(args.prompt_len), "--repeats", str(args.repeats)]
@@ -160,7 +149,7 @@ def main() -> int:
     many = run(args, args.ranks, out.with_suffix(f".{args.ranks}.json"))
     per_token_us = (2 * cfg.n_layers + 1) * many["allreduce_us"] + many["allgather_us"]
     report = {
-        "cpu": platform.processor() or _cpu_model(),
+        "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "model": cfg.name,
         "dtype": args.dtype,
@@ -184,16 +173,6 @@ def main() -> int:
     out.write_text(json.dumps(report, indent=2))
     print(f"wrote {out}")
     return 0
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 if __name__ == "__main__":

@@ -149,9 +149,6 @@ def _scaled(heads: range, size: int) -> range:
 
 # ---- joining the ranks -----------------------------------------------------------------
 
-# what torchrun and `kvserve serve --tensor-parallel-size N` set for each rank
-RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
 
 def env_rank() -> int:
     """This process's rank as torchrun (or kvserve's own launcher) set it; 0 alone."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import platform
 import random
 import re
 import statistics
@@ -25,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from service.launch import free_port
 
 
 class SSEData:
@@ -325,13 +328,12 @@ def write_report(path: str | Path, report: dict[str, Any]) -> None:
     print(f"wrote {out}")
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def cpu_model() -> str:
+    """The CPU's model name, as /proc/cpuinfo gives it (what RESULTS.md names)."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
 
 
 def wait_healthy(proc: subprocess.Popen, url: str, seconds: float, name: str) -> None:

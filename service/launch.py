@@ -26,7 +26,8 @@ log = logging.getLogger("kvserve.launch")
 _PR_SET_PDEATHSIG = 1
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -43,7 +44,7 @@ def rendezvous(world: int) -> dict[str, str]:
         "WORLD_SIZE": str(world),
         "LOCAL_WORLD_SIZE": str(world),
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(free_port()),
     }
 
 

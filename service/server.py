@@ -18,6 +18,7 @@ from typing import Any
 
 import uvicorn
 
+from model.parallel import env_rank
 from service.api.app import create_app
 from service.config import Settings
 from service.launch import RankProcesses, rendezvous
@@ -79,7 +80,7 @@ class DrainingServer(uvicorn.Server):
 def serve(settings: Settings) -> int:
     configure_logging(settings.log_level)
     world = settings.tensor_parallel_size
-    if world > 1 and int(os.environ.get("RANK", "0")) != 0:
+    if world > 1 and env_rank() != 0:
         return follow(settings)  # a rank started by torchrun or by rank 0 below
     app = create_app(settings)
     ranks = None
@@ -131,7 +132,7 @@ def follow(settings: Settings) -> int:
     """A rank other than 0: build its share of the engine and run rank 0's forwards."""
     from service.build import build
 
-    rank = int(os.environ["RANK"])
+    rank = env_rank()
     log = logging.getLogger("kvserve.server")
     # SIGTERM (torchrun passes it to every rank) waits for rank 0: it drains its requests,
     # which needs this rank, then tells it to stop; if rank 0 is gone instead, the next

@@ -109,7 +109,3 @@ class Ranks:
     @staticmethod
     def is_stop(message: Message) -> bool:
         return message == _STOP
-
-    @staticmethod
-    def is_heartbeat(message: Message) -> bool:
-        return message == _HEARTBEAT

@@ -12,20 +12,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.engine.tp_ranks import WRITERS
 from tests.live_server import Server, start_server
-from tests.model.hf_checkpoints import write_gpt2, write_llama, write_qwen2, write_tokenizer
+from tests.model.hf_checkpoints import write_tokenizer
 
 pytestmark = pytest.mark.slow
 BODY = {"prompt": [(7 * i + 3) % 290 for i in range(40)], "max_tokens": 20, "temperature": 0,
         "ignore_eos": True, "logprobs": 1}  # fmt: skip
-
-
-WRITERS = {
-    "llama_kv_split": lambda p: write_llama(p, tied=False),  # 8 heads, 2 K/V heads
-    "llama_kv_replicated": lambda p: write_llama(p, tied=True, num_key_value_heads=1),
-    "qwen2": write_qwen2,
-    "gpt2": write_gpt2,
-}
 
 
 def checkpoint(family: str, root: Path) -> Path:

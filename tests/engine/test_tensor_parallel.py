@@ -13,15 +13,8 @@ import torch
 
 from service.build import build
 from tests.engine.tp_rank import dense_tokens, serve, settings
-from tests.engine.tp_ranks import run_ranks
-from tests.model.hf_checkpoints import write_gpt2, write_llama, write_qwen2, write_tokenizer
-
-WRITERS = {
-    "llama_kv_split": lambda p: write_llama(p, tied=False),
-    "llama_kv_replicated": lambda p: write_llama(p, tied=True, num_key_value_heads=1),
-    "qwen2": write_qwen2,
-    "gpt2": write_gpt2,
-}
+from tests.engine.tp_ranks import WRITERS, run_ranks
+from tests.model.hf_checkpoints import write_tokenizer
 
 
 @pytest.fixture(scope="module")

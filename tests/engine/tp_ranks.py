@@ -2,18 +2,23 @@
 network namespace of its own joined by a veth pair (two hosts as far as gloo can tell)."""
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from service.launch import rendezvous
+from tests.model.hf_checkpoints import write_gpt2, write_llama, write_qwen2
+
+# the checkpoints the tensor-parallel tests split: K/V heads split over 2 ranks, and
+# fewer K/V heads than ranks (each holds a replica), q/k/v biases, GPT-2's fused Conv1D
+WRITERS = {
+    "llama_kv_split": lambda p: write_llama(p, tied=False),  # 8 heads, 2 K/V heads
+    "llama_kv_replicated": lambda p: write_llama(p, tied=True, num_key_value_heads=1),
+    "qwen2": write_qwen2,
+    "gpt2": write_gpt2,
+}
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(
@@ -26,10 +31,8 @@ def run_ranks(
 ) -> list[subprocess.CompletedProcess]:
     """Run `python -m tests.engine.tp_rank *args` as `world` ranks; wrap[r]: a command
     prefix for rank r (ip netns exec NS); env[r]: its extra variables."""
-    shared = {
-        "WORLD_SIZE": str(world),
+    shared = rendezvous(world) | {
         "MASTER_ADDR": master,
-        "MASTER_PORT": str(free_port()),
         "PYTHONPATH": str(ROOT),
         "OMP_NUM_THREADS": "1",
     }

@@ -45,24 +45,6 @@ def test_byte_level_toy() -> None:
     assert count_params(toy).total == 222_784
 
 
-def test_llama3_70b_kv_bytes_per_token() -> None:
-    cfg = ModelConfig(
-        vocab_size=128256,
-        d_model=8192,
-        n_layers=80,
-        n_heads=64,
-        n_kv_heads=8,
-        d_ff=28672,
-        rope_theta=500000.0,
-        tie_embeddings=False,
-    )
-    assert cfg.head_dim == 128
-    assert kv_bytes_per_token(cfg, "float16") == 327_680
-    report = audit(cfg, "bfloat16", kv_pool_bytes=327_680 * 1000)
-    assert report.kv_pool_tokens == 1000
-    assert report.weight_bytes == count_params(cfg).total * 2
-
-
 LLAMA3_70B = ModelConfig(
     vocab_size=128256,
     d_model=8192,
@@ -74,6 +56,15 @@ LLAMA3_70B = ModelConfig(
     rope_theta=500000.0,
     tie_embeddings=False,
 )
+
+
+def test_llama3_70b_kv_bytes_per_token() -> None:
+    cfg = LLAMA3_70B
+    assert cfg.head_dim == 128
+    assert kv_bytes_per_token(cfg, "float16") == 327_680
+    report = audit(cfg, "bfloat16", kv_pool_bytes=327_680 * 1000)
+    assert report.kv_pool_tokens == 1000
+    assert report.weight_bytes == count_params(cfg).total * 2
 
 
 def test_plan_answers_the_70b_class_question_on_2_4_8_devices_of_80_gb() -> None:
