@@ -145,9 +145,10 @@ class Transformer(nn.Module):
         logits_indices: Tensor | None = None,
     ) -> Tensor:
         """tokens: (T,) new tokens of a flattened batch. Without `meta` the tokens are one
-        sequence with no cache. Returns logits (T, V), or (len(logits_indices), V), in the
-        model's dtype (the head computes in it; callers that need fp32 convert). The KV
-        cache's backend runs attention (the torch reference without a cache)."""
+        sequence with no cache. Returns logits (T, V), or (len(logits_indices), V) (an
+        empty index: no head at all), in the model's dtype (the head computes in it;
+        callers that need fp32 convert). The KV cache's backend runs attention (the torch
+        reference without a cache)."""
         if meta is None:
             meta = AttentionMetadata.dense(tokens.shape[0], tokens.device)
         if kv_cache is not None and meta.slot_mapping is None:
@@ -178,6 +179,8 @@ class Transformer(nn.Module):
             if self.cfg.norm_placement == "pre":
                 _, x = backend.add_norm(self.norm, x, delta)
         if logits_indices is not None:
+            if not logits_indices.numel():  # the K/V were the point: no head (on any rank)
+                return x.new_empty((0, self.cfg.vocab_size))
             x = x.index_select(0, logits_indices)
         if self._head is not None:
             logits = self._head(x)

@@ -19,13 +19,15 @@ import torch
 from model.audit import audit, floors
 from model.device import dtype_name, pick_device, pick_dtype
 from model.hardware import matmul_throughput, memory_bandwidth
-from model.hub import resolve
+from model.hub import ModelNotFound, resolve
 from model.loader import load
 from model.parallel import TensorParallel, join, unsplittable
 from model.tokenizer import Tokenizer
+from model.transformer import Transformer
 from model.weights import load_config
 from service.config import Settings
-from service.engine.engine import EngineObserver, LLMEngine
+from service.engine.engine import LLMEngine
+from service.engine.stats import EngineObserver
 
 log = logging.getLogger("kvserve.build")
 
@@ -57,7 +59,10 @@ def build(
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", tp.rank)))
     loaded = load(source.path if source else None, dtype, device, tp)
     model_id = settings.served_model_name or (source.model_id if source else loaded.model_id)
-    engine = LLMEngine(loaded.model, loaded.tokenizer, settings, observer=observer(model_id))
+    draft = _load_draft(settings, dtype, device, loaded.tokenizer)
+    engine = LLMEngine(
+        loaded.model, loaded.tokenizer, settings, observer=observer(model_id), draft=draft
+    )
     cfg, name = loaded.model.cfg, dtype_name(dtype)
     report = audit(cfg, name, kv_pool_bytes=engine.kv_cache.nbytes).as_dict()
     backend = engine.backend.describe()
@@ -73,6 +78,8 @@ def build(
         "block_size": settings.block_size,
         "kv_blocks": engine.blocks.num_blocks,
         "kv_pool_sequences_of_max_len": report["kv_pool_tokens"] // engine.max_model_len,
+        "speculative_method": settings.speculative_method,
+        "num_speculative_tokens": settings.num_speculative_tokens,
     }
     log.info(
         "engine ready%s: device %s, dtype %s, weights %s, attention backend %s%s, CUDA graphs "
@@ -117,6 +124,30 @@ def build(
         floors=measure_floors,
         device_memory=device_memory,
     )
+
+
+def _load_draft(
+    settings: Settings, dtype: torch.dtype, device: torch.device, tokenizer: Tokenizer
+) -> Transformer | None:
+    """The speculative draft model (--speculative-model), which must tokenize as the
+    served model does: its proposals are token ids of the same vocabulary."""
+    if settings.speculative_model is None:
+        return None
+    try:
+        source = resolve(settings.speculative_model, None, settings.download_dir)
+    except ModelNotFound as e:
+        raise ModelNotFound(f"speculative_model: {e}") from None
+    assert source is not None  # resolve gives None for no model only
+    draft = load(source.path, dtype, device)
+    probe = "Speculative decoding: the draft's ids must be the model's. 12345 ünïcödé"
+    theirs = draft.tokenizer
+    if theirs.vocab_size != tokenizer.vocab_size or theirs.encode(probe) != tokenizer.encode(probe):
+        raise ValueError(
+            f"speculative_model: its tokenizer ({theirs.name}, {theirs.vocab_size} tokens) "
+            f"is not the served model's ({tokenizer.name}, {tokenizer.vocab_size} tokens)"
+        )
+    log.info("speculative draft model %s loaded", source.model_id)
+    return draft.model
 
 
 def _join_ranks(

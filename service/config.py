@@ -21,6 +21,7 @@ CPU_MIXED_PREFILL_TOKENS = 128
 CPU_MAX_NUM_SEQS, CUDA_MAX_NUM_SEQS = 64, 256
 ATTENTION_BACKENDS = ("auto", "cpu", "triton", "torch")
 QUANTIZATIONS = ("none", "int8")
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +121,36 @@ class Settings:
     max_model_len: int | None = field(
         default=None, metadata={"help": "context length cap (default: the model's)"}
     )
+    speculative_method: str = field(
+        default="none",
+        metadata={
+            "help": "speculative decoding: none; ngram (drafts continue the last n-gram's "
+            "earlier occurrence in the prompt or output); draft (a small model of the same "
+            "tokenizer, --speculative-model, proposes them). Greedy output is the same as without; sampled output has the same "
+            "distribution"
+        },
+    )
+    speculative_model: str | None = field(
+        default=None,
+        metadata={"help": "the draft model's directory or Hub id (--speculative-method draft)"},
+    )
+    num_speculative_tokens: int = field(
+        default=4, metadata={"help": "draft tokens a decoding sequence proposes per step"}
+    )
+    speculative_max_batch: int = field(
+        default=4,
+        metadata={
+            "help": "speculate only while at most this many sequences decode (larger batches "
+            "are compute-bound: verifying drafts there costs more than it saves)"
+        },
+    )
+    speculative_min_speedup: float = field(
+        default=1.0,
+        metadata={
+            "help": "speculate while decode steps with drafts measure at least this many "
+            "times the tokens/s of steps without (else only a probe now and then); 0: always"
+        },
+    )
     max_queue: int = field(default=256, metadata={"help": "waiting requests before 429"})
     max_body_bytes: int = field(
         default=4 << 20, metadata={"help": "request body limit (413 above)"}
@@ -152,6 +183,8 @@ class Settings:
             "max_body_bytes",
             "tensor_parallel_size",
             "rank_timeout",
+            "num_speculative_tokens",
+            "speculative_max_batch",
         )
         for name in positive:
             value = getattr(self, name)
@@ -166,10 +199,29 @@ class Settings:
             raise ValueError(
                 f"quantization must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}"
             )
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_method must be one of {list(SPECULATIVE_METHODS)}, "
+                f"got {self.speculative_method!r}"
+            )
+        if (self.speculative_method == "draft") != (self.speculative_model is not None):
+            raise ValueError(
+                "speculative_model: --speculative-method draft needs --speculative-model, "
+                "and a speculative model needs --speculative-method draft"
+            )
+        if self.speculative_model is not None and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "speculative_model: a draft model runs on one rank; with "
+                "--tensor-parallel-size > 1 use --speculative-method ngram"
+            )
         if self.mixed_prefill_tokens is not None and self.mixed_prefill_tokens < 0:
             raise ValueError(f"mixed_prefill_tokens must be >= 0, got {self.mixed_prefill_tokens}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.speculative_min_speedup < 0:
+            raise ValueError(
+                f"speculative_min_speedup must be >= 0, got {self.speculative_min_speedup}"
+            )
         if self.kv_cache_gib <= 0:
             raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
         if not 0 < self.gpu_memory_utilization <= 1:

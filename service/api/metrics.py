@@ -16,8 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from service.engine.engine import EngineSnapshot
 from service.engine.output import RequestOutput
+from service.engine.stats import EngineSnapshot
 
 # 1 ms .. ~5 min: a CPU's seconds-long TTFT and a GPU's milliseconds both resolve.
 LATENCY_BUCKETS = (
@@ -279,6 +279,16 @@ class _EngineCollector(Collector):
                 stats.prefix_hit_tokens,
             ),
             ("kvserve_preemptions", "Requests preempted to free KV blocks.", stats.preemptions),
+            (
+                "kvserve_spec_decode_draft_tokens",
+                "Speculative draft tokens verified by the model.",
+                stats.spec_draft_tokens,
+            ),
+            (
+                "kvserve_spec_decode_accepted_tokens",
+                "Speculative draft tokens accepted (each one a step saved).",
+                stats.spec_accepted_tokens,
+            ),
         ):
             c = CounterMetricFamily(name, doc, labels=["model"])
             c.add_metric(m, value)

@@ -19,9 +19,10 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from service.engine.engine import EngineSnapshot, LLMEngine
+from service.engine.engine import LLMEngine
 from service.engine.output import RequestOutput
 from service.engine.request import SamplingParams
+from service.engine.stats import EngineSnapshot
 
 log = logging.getLogger("kvserve.engine")
 T = TypeVar("T")

@@ -5,9 +5,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections import Counter
-from dataclasses import dataclass, field
-from typing import Protocol
 
 from model.attention import PagedKVCache
 from model.backends import select_backend
@@ -23,54 +20,15 @@ from service.engine.ranks import RankError, Ranks
 from service.engine.request import FinishReason, ParamError, Request, SamplingParams, Status
 from service.engine.runner import ModelRunner
 from service.engine.scheduler import Scheduler, SchedulerOutput
+from service.engine.speculative import DraftModel, Speculator, blocks_per_proposal
+from service.engine.stats import EngineObserver, EngineSnapshot, EngineStats
 from service.engine.structured import Grammars, Masks
 
 log = logging.getLogger("kvserve.engine")
 
 
-class EngineObserver(Protocol):
-    """Receives measurements from the engine thread (service.api.metrics implements it)."""
-
-    def on_step(self, seconds: float, num_tokens: int, num_seqs: int) -> None: ...
-    def on_token_intervals(self, seconds: list[float]) -> None: ...
-    def on_finished(self, output: RequestOutput) -> None: ...
-
-
 class ContextLengthError(ParamError):
     """Prompt + max_tokens exceed the context (the API answers context_length_exceeded)."""
-
-
-@dataclass(slots=True)
-class EngineStats:
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    prefix_queried_tokens: int = 0
-    prefix_hit_tokens: int = 0
-    preemptions: int = 0
-    finished: Counter[str] = field(default_factory=Counter)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineSnapshot:
-    """The engine's gauges and counters at one moment, built on the engine thread: what
-    other threads (the metrics, /health) read instead of the live objects."""
-
-    running: int
-    waiting: int
-    kv_blocks_total: int
-    kv_blocks_used: int
-    kv_bytes_total: int
-    kv_bytes_used: int
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    prefix_queried_tokens: int = 0
-    prefix_hit_tokens: int = 0
-    preemptions: int = 0
-    finished: tuple[tuple[str, int], ...] = ()  # (finish reason, requests)
-
-    @property
-    def kv_usage(self) -> float:
-        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
 
 class LLMEngine:
@@ -80,10 +38,16 @@ class LLMEngine:
         tokenizer: Tokenizer,
         settings: Settings,
         observer: EngineObserver | None = None,
+        draft: Transformer | None = None,
     ) -> None:
-        """settings: what the engine reads of them (the sizes, budgets, backend and
-        quantization); the device's defaults are resolved here, once."""
+        """settings: what the engine reads of them (the sizes, budgets, backend,
+        quantization and speculation); the device's defaults are resolved here, once.
+        draft: the speculative draft model (--speculative-method draft)."""
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
+        if (settings.speculative_method == "draft") != (draft is not None):
+            raise ValueError(
+                "speculative_model: a draft model goes with --speculative-method draft"
+            )
         device = model.device.type
         self.max_num_seqs = settings.seqs_per_step(device)
         self.observer = observer
@@ -96,7 +60,7 @@ class LLMEngine:
         )
         # with tensor parallelism every rank builds this engine; rank 0 alone steps it
         self.ranks = Ranks(model.tp, model.device) if model.tp is not None else None
-        num_blocks = kv_block_budget(model, settings, self.max_num_seqs)
+        num_blocks = kv_block_budget(model, settings, self.max_num_seqs, draft)
         if self.ranks is not None:
             num_blocks = self.ranks.agree_min(num_blocks)
         self.kv_cache = PagedKVCache(
@@ -127,11 +91,26 @@ class LLMEngine:
             settings.quantization,
             self.ranks,
             Masks(self.grammars),
+            self._draft_model(draft, num_blocks) if draft is not None else None,
         )
+        self.speculator = Speculator(settings, self.max_model_len, self.runner.draft)
         self.requests: dict[str, Request] = {}
         self.texts: dict[str, TextState] = {}
         self.stats = EngineStats()
         self.clock = time.monotonic
+
+    def _draft_model(self, draft: Transformer, num_blocks: int) -> DraftModel:
+        """The draft model's runner over its own cache: the target's blocks plus the
+        scratch its proposals look ahead in."""
+        s = self.settings
+        k, batch = s.num_speculative_tokens, s.speculative_max_batch
+        blocks = num_blocks + blocks_per_proposal(k, s.block_size) * batch
+        backend = select_backend(
+            s.attention_backend, draft.device, draft.dtype, draft.cfg, s.block_size
+        )
+        cache = PagedKVCache(draft.cfg, blocks, s.block_size, draft.dtype, draft.device, backend)
+        runner = ModelRunner(draft, cache, None, s.quantization)
+        return DraftModel(runner, num_blocks, k, batch, self.model.cfg.vocab_size)
 
     # ---- admission -------------------------------------------------------------------
 
@@ -216,6 +195,8 @@ class LLMEngine:
             prefix_queried_tokens=stats.prefix_queried_tokens,
             prefix_hit_tokens=stats.prefix_hit_tokens,
             preemptions=stats.preemptions,
+            spec_draft_tokens=stats.spec_draft_tokens,
+            spec_accepted_tokens=stats.spec_accepted_tokens,
             finished=tuple(sorted(stats.finished.items())),
         )
 
@@ -242,6 +223,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         t0 = self.clock()
+        self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         self.stats.preemptions += len(batch.preempted)
         self.stats.prefix_queried_tokens += batch.prefix_queried
@@ -258,7 +240,12 @@ class LLMEngine:
         except Exception as exc:  # a failed forward fails this batch's requests only
             return self._fail_batch(batch, exc)
         outputs = self._update(batch, result.token_ids, result.logprobs)
-        self._observe("on_step", self.clock() - t0, batch.num_tokens, len(batch.seqs))
+        seconds = self.clock() - t0
+        if all(s.sample and s.num_new == 1 for s in batch.seqs):  # decodes only
+            drafted = any(s.drafts for s in batch.seqs)
+            tokens = sum(len(o.token_ids) for o in outputs)
+            self.speculator.observe(drafted, tokens, len(batch.seqs), seconds)
+        self._observe("on_step", seconds, batch.num_tokens, len(batch.seqs))
         return outputs
 
     def _observe(self, event: str, *args: object) -> None:
@@ -279,15 +266,19 @@ class LLMEngine:
         k = 0
         for seq in batch.seqs:
             request = seq.request
-            if seq.sample:
-                token, lp = tokens[k], logprobs[k]
-                k += 1
+            rows = 1 + len(seq.drafts) if seq.sample else 0
+            chosen, lps = tokens[k : k + rows], logprobs[k : k + rows]
+            k += rows
             try:
                 request.num_computed += seq.num_new
-                self.blocks.cache_full_blocks(request)
-                if seq.sample:
-                    out = self._accept(request, token, lp, now, intervals)
-                    outputs.append(out)
+                if not seq.sample:
+                    self.blocks.cache_full_blocks(request)
+                    continue
+                accepted = _accepted(seq.drafts, chosen)
+                self.stats.spec_draft_tokens += len(seq.drafts)
+                self.stats.spec_accepted_tokens += accepted
+                out = self._accept(request, chosen[: accepted + 1], lps, accepted, now, intervals)
+                outputs.append(out)
             except Exception as exc:  # a bug hit by this request fails it alone
                 log.exception("request %s failed in the engine", request.request_id)
                 if request.request_id in self.requests:  # not handed out yet
@@ -297,27 +288,47 @@ class LLMEngine:
         return outputs
 
     def _accept(
-        self, request: Request, token: int, lp: object, now: float, intervals: list[float]
+        self,
+        request: Request,
+        tokens: list[int],
+        logprobs: list,
+        drafts: int,
+        now: float,
+        intervals: list[float],
     ) -> RequestOutput:
-        """The request's next token: appended, checked for a stop, handed out."""
-        if token == NON_FINITE:  # this request alone fails; its K/V are not kept
-            self.runner.clear_blocks(self.blocks.uncache_owned(request))
-            message = "generation failed: the model produced non-finite logits (NaN or inf)"
-            return self._fail(request, message)
-        request.output_ids.append(token)
-        self.stats.generation_tokens += 1
-        if request.guide is not None and not request.guide.accept(token):
-            why = request.guide.error or f"token {token} is outside its grammar"
-            return self._fail(request, f"structured output failed: {why}")
+        """The request's next tokens, appended in turn until one stops it, and handed out.
+        More than one when speculative drafts were accepted: the first `drafts` of them,
+        whose K/V this step computed (the last is the step's own choice, not computed yet).
+        They arrive together: the first after the time since the last step's, the rest at
+        no interval."""
+        taken: list[int] = []
+        reason: FinishReason | None = None
+        for token in tokens:
+            if token == NON_FINITE:  # this request alone fails; its K/V are not kept
+                self.runner.clear_blocks(self.blocks.uncache_owned(request))
+                message = "generation failed: the model produced non-finite logits (NaN or inf)"
+                return self._fail(request, message)
+            request.output_ids.append(token)
+            taken.append(token)
+            self.stats.generation_tokens += 1
+            if request.guide is not None and not request.guide.accept(token):
+                why = request.guide.error or f"token {token} is outside its grammar"
+                return self._fail(request, f"structured output failed: {why}")
+            reason = self._stop_reason(request, token)
+            if reason is not None:
+                break
+        request.num_computed += min(drafts, len(taken))
+        self.blocks.cache_full_blocks(request)
         if request.first_token_time is None:
             request.first_token_time = now
         else:
             intervals.append(now - request.last_token_time)  # type: ignore[operator]
+        intervals.extend([0.0] * (len(taken) - 1))
         request.last_token_time = now
-        reason = self._stop_reason(request, token)
         if reason is not None:
             self._finish(request, reason)
-        return self._emit(request, [token], [lp] if lp is not None else [])
+        lps = [lp for lp in logprobs[: len(taken)] if lp is not None]
+        return self._emit(request, taken, lps)
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
         p = request.params
@@ -366,3 +377,11 @@ class LLMEngine:
         self.texts.pop(request.request_id, None)
         self._observe("on_finished", output)
         return output
+
+
+def _accepted(drafts: list[int], chosen: list[int]) -> int:
+    """Drafts accepted: those before the first whose position chose another token."""
+    n = 0
+    while n < len(drafts) and chosen[n] == drafts[n]:
+        n += 1
+    return n

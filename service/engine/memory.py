@@ -41,14 +41,20 @@ def cuda_kv_budget(model: Transformer, settings: Settings, max_num_seqs: int) ->
     return int(total * settings.gpu_memory_utilization) - peak - others - reserve
 
 
-def kv_block_budget(model: Transformer, settings: Settings, max_num_seqs: int) -> int:
+def kv_block_budget(
+    model: Transformer, settings: Settings, max_num_seqs: int, draft: Transformer | None = None
+) -> int:
     """Number of KV blocks: num_kv_blocks, or from the memory budget of the model's
-    device (max_num_seqs: the engine's, for the worst-case step on CUDA)."""
+    device (max_num_seqs: the engine's, for the worst-case step on CUDA). A speculative
+    draft model keeps its K/V of every block too, from the same budget."""
     if settings.num_kv_blocks is not None:
         return settings.num_kv_blocks
     block_size = settings.block_size
     # this rank's heads (all of them on one rank)
-    per_block = block_size * kv_bytes_per_token(model.local_cfg, dtype_name(model.dtype))
+    per_token = kv_bytes_per_token(model.local_cfg, dtype_name(model.dtype))
+    if draft is not None:
+        per_token += kv_bytes_per_token(draft.cfg, dtype_name(draft.dtype))
+    per_block = block_size * per_token
     gpu = model.device.type == "cuda"
     budget = cuda_kv_budget(model, settings, max_num_seqs) if gpu else settings.kv_cache_bytes
     blocks = max(0, budget) // per_block

@@ -158,6 +158,7 @@ class Request:
     finish_time: float | None = None
     error: str | None = None
     guide: object | None = None  # its place in its constraint's grammar (structured.Guide)
+    draft_ids: list[int] = field(default_factory=list)  # proposed next tokens (speculative)
 
     @property
     def num_tokens(self) -> int:

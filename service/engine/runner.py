@@ -13,6 +13,7 @@ from service.engine.ranks import Clear, RankError, Ranks, Step
 from service.engine.request import Request
 from service.engine.sampler import Sampler, SampleResult
 from service.engine.scheduler import SchedulerOutput
+from service.engine.speculative import DraftModel
 from service.engine.structured import Masks
 
 
@@ -25,13 +26,15 @@ class ModelRunner:
         quantization: str = "none",
         ranks: Ranks | None = None,
         masks: Masks | None = None,
+        draft: DraftModel | None = None,
     ) -> None:
         """graphs: builds the CUDA graphs of decode steps (after the weights are
         prepared); None runs every step eagerly. quantization: of the linear weights, as
         the backend's prepare() takes it. ranks: the tensor-parallel step channel (rank 0
         sends every forward's inputs, the others follow()). masks: the allowed tokens of
-        constrained requests (structured outputs)."""
-        self.model, self.ranks, self.masks = model, ranks, masks
+        constrained requests (structured outputs). draft: the speculative draft model,
+        whose cache each forward is mirrored into."""
+        self.model, self.ranks, self.masks, self.draft = model, ranks, masks, draft
         self.backend = kv_cache.backend
         # the weight layouts its linears read
         self.packed = self.backend.prepare(model, quantization)
@@ -39,7 +42,7 @@ class ModelRunner:
         self.device = model.device
         self.block_size = kv_cache.block_size
         self.sampler = Sampler(model.cfg.vocab_size, self.device, self.backend)
-        self.generators: dict[str, torch.Generator] = {}  # per seeded request
+        self.generators: dict[str, list[torch.Generator]] = {}  # seeded request's rows
         self._pin = self.device.type == "cuda"
         self.graphs = graphs() if graphs is not None else None
 
@@ -47,15 +50,20 @@ class ModelRunner:
         t = torch.tensor(values, dtype=torch.long, pin_memory=self._pin)
         return t.to(self.device, non_blocking=True)
 
-    def generator_for(self, request_id: str, seed: int | None) -> torch.Generator | None:
+    def generator_for(self, request: Request, row: int) -> torch.Generator | None:
+        """A seeded request's generator for the `row`-th token it samples this step, seeded
+        by its seed and that token's place in its output: a draw depends on the seed and
+        the position alone, never on the batch, on preemption or on how many drafts a
+        step verifies, so speculation gives a seeded request the very tokens it gets
+        without it."""
+        seed = request.params.seed
         if seed is None:
             return None
-        gen = self.generators.get(request_id)
-        if gen is None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(seed)
-            self.generators[request_id] = gen
-        return gen
+        pool = self.generators.setdefault(request.request_id, [])
+        while len(pool) <= row:
+            pool.append(torch.Generator(device=self.device))
+        pool[row].manual_seed(_mix(seed, len(request.output_ids) + row))
+        return pool[row]
 
     def clear_blocks(self, blocks: list[int]) -> None:
         """Zero these blocks' K and V in every layer (on every rank)."""
@@ -70,19 +78,26 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: SchedulerOutput) -> SampleResult:
         """Forward every scheduled chunk; sample for the sequences whose chunk ends at
-        their last token. Results are in the order of those sequences in the batch."""
+        their last token. Results are in the order of those sequences in the batch, one per
+        sampled row: a sequence with k drafts has k + 1 (service/engine/speculative.py)."""
         tokens: list[int] = []
         logit_rows: list[int] = []
+        sampled: list[Request] = []  # a request once per row it samples
+        gens: list[torch.Generator | None] = []
         for seq in batch.seqs:
             ids = seq.request.token_ids
             tokens.extend(ids[seq.start : seq.start + seq.num_new])
+            tokens.extend(seq.drafts)  # speculative: each draft's position samples too
             if seq.sample:
-                logit_rows.append(len(tokens) - 1)
+                rows = 1 + len(seq.drafts)
+                logit_rows.extend(range(len(tokens) - rows, len(tokens)))
+                sampled.extend([seq.request] * rows)
+                gens.extend(self.generator_for(seq.request, j) for j in range(rows))
         step = Step(
             tokens,
             [s.request.block_table for s in batch.seqs],
             [s.start for s in batch.seqs],
-            [s.num_new for s in batch.seqs],
+            [s.num_new + len(s.drafts) for s in batch.seqs],
             logit_rows,
         )
         if self.ranks is None:
@@ -93,10 +108,10 @@ class ModelRunner:
                 logits = self.forward(step)
             except Exception as exc:
                 raise RankError(f"a tensor-parallel forward failed: {exc}") from exc
+        if self.draft is not None:  # the draft model's K/V follow the target's
+            self.draft.mirror(step)
         if logits is None:
             return SampleResult([], [])
-        sampled = [s.request for s in batch.seqs if s.sample]
-        gens = [self.generator_for(r.request_id, r.params.seed) for r in sampled]
         guided = [i for i, r in enumerate(sampled) if r.guide is not None]
         if not guided or self.masks is None:
             return self.sampler.sample(logits, sampled, gens)
@@ -148,10 +163,11 @@ class ModelRunner:
             self.kv_cache.null_block,
         )
         tokens = self._to_device(step.tokens)
-        if not step.logit_rows:
-            self.model(tokens, meta, self.kv_cache, self._to_device([0]))
+        if not step.logit_rows:  # a prompt chunk (or a draft model's mirror): K/V only
+            self.model(tokens, meta, self.kv_cache, self._to_device([]))
             return None
-        decodes = len(step.logit_rows) == len(step.tokens)  # every sequence decodes
+        # every sequence decodes one token (drafts sample at every row too: not a graph's)
+        decodes = len(step.logit_rows) == len(step.tokens) == len(step.num_new)
         if decodes and self.graphs is not None and self.graphs.bucket(len(step.tokens)):
             return self.graphs.run(tokens, meta)  # (S, V)
         return self.model(tokens, meta, self.kv_cache, self._to_device(step.logit_rows))
@@ -166,3 +182,12 @@ class ModelRunner:
             elif isinstance(message, Clear):
                 self.kv_cache.data.index_fill_(2, self._to_device(message.blocks), 0)
         self.ranks.leave()
+
+
+def _mix(seed: int, position: int) -> int:
+    """A 63-bit generator seed from a request's seed and an output position (splitmix64's
+    finaliser, so that neighbouring seeds and positions give unrelated streams)."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & (2**64 - 1)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return (z ^ (z >> 31)) >> 1

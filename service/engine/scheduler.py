@@ -23,6 +23,7 @@ class ScheduledSeq:
     start: int  # tokens already cached before this step
     num_new: int  # tokens computed this step
     sample: bool  # the chunk reaches the last token: sample the next one
+    drafts: list[int] = field(default_factory=list)  # proposed tokens computed after it
 
 
 @dataclass(slots=True)
@@ -34,7 +35,7 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_new for s in self.seqs)
+        return sum(s.num_new + len(s.drafts) for s in self.seqs)
 
 
 class Scheduler:
@@ -88,14 +89,26 @@ class Scheduler:
             if n == 0:  # no prefill allowance left this step: it continues next step
                 i += 1
                 continue
+            drafts = self._drafts(request, budget) if not chunk else []
             if not self._make_room(request, n, out):
                 break  # the request itself was preempted; everything after it too
-            self.blocks.append(request, n)
-            out.seqs.append(ScheduledSeq(request, request.num_computed, n, n == request.remaining))
+            self.blocks.append(request, n + len(drafts))
+            seq = ScheduledSeq(request, request.num_computed, n, n == request.remaining, drafts)
+            out.seqs.append(seq)
+            n += len(drafts)
             budget -= n
             prefill -= n if chunk else 0
             i += 1
         return budget, prefill
+
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        """The proposed tokens a decode verifies this step: as many as the token budget
+        leaves room for, and none where they would need blocks that are not free (a
+        speculation never preempts anyone)."""
+        drafts = request.draft_ids[: budget - 1]
+        if drafts and not self.blocks.can_append(request, 1 + len(drafts)):
+            return []
+        return drafts
 
     def _make_room(self, request: Request, n: int, out: SchedulerOutput) -> bool:
         """Preempt the newest running requests until `request` can grow by n tokens."""

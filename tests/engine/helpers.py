@@ -23,8 +23,9 @@ def small_model(vocab: int = 300, **overrides: object):
     return tiny_model(**fields)
 
 
-def make_engine(model=None, **settings: object) -> LLMEngine:
-    """An engine on Settings (no cap on prompt tokens in a step with decodes unless given)."""
+def make_engine(model=None, draft=None, **settings: object) -> LLMEngine:
+    """An engine on Settings (no cap on prompt tokens in a step with decodes unless
+    given); draft: a speculative draft model (with speculative_method draft)."""
     defaults = dict(
         num_kv_blocks=256,
         block_size=4,
@@ -33,7 +34,7 @@ def make_engine(model=None, **settings: object) -> LLMEngine:
         mixed_prefill_tokens=0,
     )
     defaults.update(settings)
-    return LLMEngine(model or small_model(), tokenizer(), Settings(**defaults))
+    return LLMEngine(model or small_model(), tokenizer(), Settings(**defaults), draft=draft)
 
 
 def greedy(max_tokens: int, **kw: object) -> SamplingParams:

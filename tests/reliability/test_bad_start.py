@@ -141,6 +141,24 @@ CASES: list[tuple[str, Callable[[Path], None] | None, list[str], list[str]]] = [
         ["model.safetensors"],
     ),
     (
+        "draft model directory missing",
+        None,
+        ["--speculative-method", "draft", "--speculative-model", "/nonexistent/draft"],
+        ["speculative_model", "/nonexistent/draft"],
+    ),
+    (
+        "draft method without a draft model",
+        None,
+        ["--speculative-method", "draft"],
+        ["speculative_model", "--speculative-method draft"],
+    ),
+    (
+        "unknown speculative method",
+        None,
+        ["--speculative-method", "eagle"],
+        ["speculative_method", "eagle"],
+    ),
+    (
         "int8 weights on the torch backend",
         None,
         ["--quantization", "int8", "--attention-backend", "torch"],

@@ -1,0 +1,55 @@
+"""What the engine counts and reports: its counters, the snapshot other threads read, and
+the observer it tells about each step (service.api.metrics implements it)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from service.engine.output import RequestOutput
+
+
+class EngineObserver(Protocol):
+    """Receives measurements from the engine thread (service.api.metrics implements it)."""
+
+    def on_step(self, seconds: float, num_tokens: int, num_seqs: int) -> None: ...
+    def on_token_intervals(self, seconds: list[float]) -> None: ...
+    def on_finished(self, output: RequestOutput) -> None: ...
+
+
+@dataclass(slots=True)
+class EngineStats:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    preemptions: int = 0
+    spec_draft_tokens: int = 0  # speculative decoding: drafts verified ...
+    spec_accepted_tokens: int = 0  # ... and accepted
+    finished: Counter[str] = field(default_factory=Counter)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """The engine's gauges and counters at one moment, built on the engine thread: what
+    other threads (the metrics, /health) read instead of the live objects."""
+
+    running: int
+    waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_bytes_total: int
+    kv_bytes_used: int
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    preemptions: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    finished: tuple[tuple[str, int], ...] = ()  # (finish reason, requests)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
