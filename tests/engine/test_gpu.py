@@ -17,7 +17,7 @@ from model.backends.reference import TorchBackend
 from model.config import ModelConfig
 from service.config import Settings
 from service.engine.engine import LLMEngine
-from tests.engine.helpers import greedy, small_model, tokenizer
+from tests.engine.helpers import greedy, run_all, small_model, tokenizer, tokens_of
 from tests.engine.test_engine import mixed_requests
 
 pytestmark = pytest.mark.gpu
@@ -71,6 +71,31 @@ def test_cuda_default_is_triton_with_graphs_and_matches_eager() -> None:
             for o in e.step():
                 outs[i].setdefault(o.request_id, []).extend(o.token_ids)
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculation_on_cuda_gives_the_graphs_tokens(method: str) -> None:
+    """Speculative steps run eagerly beside the graphs' plain decode steps: the same greedy
+    tokens as the engine without speculation (CUDA graphs on), with drafts accepted."""
+    from tests.engine.test_speculative import copy_requests
+
+    model = small_model().to("cuda", torch.bfloat16)
+    requests = copy_requests(4, 40)
+    want = run_all(cuda_engine(model), requests)
+    draft = dict(speculative_model="in-memory") if method == "draft" else {}
+    engine = LLMEngine(
+        model,
+        tokenizer(),
+        Settings(
+            num_kv_blocks=256, block_size=16, max_num_seqs=16, max_num_batched_tokens=256,
+            speculative_method=method, speculative_min_speedup=0, **draft,
+        ),
+        draft=model if method == "draft" else None,
+    )  # fmt: skip
+    assert engine.runner.graphs is not None
+    got = run_all(engine, requests)
+    assert {r: tokens_of(o) for r, o in got.items()} == {r: tokens_of(o) for r, o in want.items()}
+    assert engine.stats.spec_accepted_tokens > 0 and engine.blocks.num_used == 0
 
 
 def test_one_host_sync_per_decode_step() -> None:
