@@ -169,6 +169,13 @@ def join(world: int, device: torch.device, timeout_s: float) -> TensorParallel:
             "or by `kvserve serve` when it starts the ranks itself)"
         )
     if not dist.is_initialized():
+        # torch.distributed.nn takes the default group as its functions' default argument
+        # when it is first imported, and the first module built on the meta device
+        # imports it (through torch._dynamo): imported after the group exists, it would
+        # keep the group alive past destroy_process_group, its gloo threads would outlive
+        # the interpreter, and a rank could abort as it exits. Imported here, it holds None.
+        import torch.distributed.nn  # noqa: F401
+
         dist.init_process_group(
             "nccl" if device.type == "cuda" else "gloo",
             rank=env_rank(),

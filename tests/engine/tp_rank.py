@@ -5,6 +5,7 @@ same dense forward; rank 0 then serves greedy requests through the engine while 
 others follow, and writes what it saw to OUT as JSON."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -49,17 +50,29 @@ def serve(engine) -> dict[str, object]:  # type: ignore[no-untyped-def]
     return {"tokens": tokens, "logprobs": logprobs}
 
 
+def left_cleanly() -> int:
+    """After leaving the process group a rank runs no thread but its own: a gloo worker
+    thread still alive when the interpreter finalises can abort the process (SIGABRT)."""
+    threads = len(os.listdir("/proc/self/task"))
+    if threads != 1:
+        print(f"{threads - 1} threads outlive the process group", flush=True)
+        return 3
+    return 0
+
+
 @torch.inference_mode()
 def main(ckpt: str, out: str, kv_cache_gib: float) -> int:
-    world = int(__import__("os").environ["WORLD_SIZE"])
+    world = int(os.environ["WORLD_SIZE"])
     engine = build(settings(ckpt, world, kv_cache_gib)).engine
     model = engine.model
     logits = model(dense_tokens(model.cfg.vocab_size))  # a collective: every rank runs it
     if model.tp.rank != 0:
         engine.follow()
-        return 0
+        return left_cleanly()
     report = serve(engine)
     engine.close()
+    if status := left_cleanly():
+        return status
     report |= {
         "logits": logits.tolist(),
         "kv_blocks": engine.blocks.num_blocks,
