@@ -149,8 +149,10 @@ def main() -> None:
     ]
     results: dict[tuple[str, str], list[dict[str, float]]] = {}
     for r in range(args.rounds):
-        for case, kind, n, temp in cases:
-            batch = prompts(kind, n, vocab, seed=r)
+        for i, (case, kind, n, temp) in enumerate(cases):
+            # prompts of their own per case and round: a case reusing another's would be
+            # served from each engine's prefix cache
+            batch = prompts(kind, n, vocab, seed=r * len(cases) + i)
             for name, engine in engines.items():
                 if n == 1 and name.startswith("ngram, on at"):
                     continue  # the same as "ngram" for one stream
