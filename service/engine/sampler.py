@@ -58,7 +58,8 @@ class Sampler:
         generators: Sequence[torch.Generator | None],
         mask: tuple[list[int], Tensor] | None = None,
     ) -> SampleResult:
-        """logits: (B, V) in the model's dtype, one row per request. mask: the rows that
+        """logits: (B, V) in the model's dtype, one row per request, consumed: the sampler
+        edits them in place (a step's logits are read once). mask: the rows that
         are constrained (structured outputs) and, for each, the tokens it may take (R, V)
         bool; applied after bias and penalties, before the choice."""
         params = [r.params for r in requests]
@@ -69,7 +70,7 @@ class Sampler:
         if simple:  # the backend's argmax: no fp32 copy of the logits
             return SampleResult(self.greedy(logits), [None] * len(requests))
         logits = logits.float()
-        peak = logits.max(dim=-1).values  # of the model's logits: non-finite means it failed
+        peak = logits.amax(dim=-1)  # of the model's logits: non-finite means it failed
         keep_raw = any(p.logprobs is not None for p in params)  # logprobs: of the raw logits
         raw = logits.clone() if keep_raw and (mask is not None or self._edits(params)) else logits
         if any(p.logit_bias for p in params):
@@ -83,11 +84,17 @@ class Sampler:
             else:
                 idx = self._tensor(rows, torch.long)
                 logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
-        tokens = logits.max(dim=-1).indices  # (B,); faster than argmax on the CPU
-        if not all(p.greedy for p in params):
-            sampled = self._draw(logits, requests, generators)
-            greedy = self._tensor([p.greedy for p in params], torch.bool)
-            tokens = torch.where(greedy, tokens, sampled)
+        greedy = [p.greedy for p in params]
+        # the draw may edit the fp32 copy in place unless the logprobs still read it
+        mine = not keep_raw or raw is not logits
+        if all(greedy):
+            tokens = logits.max(dim=-1).indices  # (B,); as fast as argmax on the CPU
+        elif not any(greedy):  # no argmax: it costs as much as the draw's softmax
+            tokens = self._draw(logits, requests, generators, mine)
+        else:
+            best = logits.max(dim=-1).indices
+            drawn = self._draw(logits, requests, generators, mine)
+            tokens = torch.where(self._tensor(greedy, torch.bool), best, drawn)
         token_list = flag_non_finite(tokens, peak)
         return SampleResult(token_list, self._logprobs(raw, requests, token_list))
 
@@ -150,25 +157,33 @@ class Sampler:
         logits: Tensor,
         requests: Sequence[Request],
         generators: Sequence[torch.Generator | None],
+        inplace: bool,
     ) -> Tensor:
+        """inplace: logits (fp32) may be overwritten. One (B, V) buffer, edited in place:
+        x - max, over the temperature, top_k, exp (unnormalised probabilities: the draw
+        scales u by each row's mass), the CDF. On the CPU each pass over 16 x 128k floats
+        costs ~1 ms, and a new buffer as much again (its pages are touched the first time)."""
         params = [r.params for r in requests]
-        temps = self._column([p.temperature if p.temperature > 0 else 1.0 for p in params])
-        logits = logits / temps
+        peak = logits.amax(dim=-1, keepdim=True)
+        scaled = logits.sub_(peak) if inplace else logits - peak
+        temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
+        if any(t != 1.0 for t in temps):
+            scaled.div_(self._column(temps))
         top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
         if any(top_k):
-            k_max = min(max(top_k), logits.shape[1])
-            kth_vals = logits.topk(k_max, dim=-1).values  # (B, k_max)
+            k_max = min(max(top_k), scaled.shape[1])
+            kth_vals = scaled.topk(k_max, dim=-1).values  # (B, k_max)
             ks = self._tensor([min(k, k_max) if k else k_max for k in top_k], torch.long)
             kth = kth_vals.gather(1, (ks - 1).unsqueeze(1))
             active = self._tensor([k > 0 for k in top_k], torch.bool).unsqueeze(1)
-            logits = logits.masked_fill(active & (logits < kth), float("-inf"))
-        probs = torch.softmax(logits, dim=-1)  # (B, V)
+            scaled.masked_fill_(active & (scaled < kth), float("-inf"))
+        probs = scaled.exp_()  # (B, V), each row's largest 1
         if any(p.top_p < 1 for p in params):
-            probs = _top_p(probs, self._column([p.top_p for p in params]))
-        if any(p.min_p > 0 for p in params):
+            probs = _top_p(probs / probs.sum(dim=-1, keepdim=True), [p.top_p for p in params])
+        if any(p.min_p > 0 for p in params):  # relative to the row's largest: no normalising
             min_p = self._column([p.min_p for p in params])
-            probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
-        cdf = probs.cumsum(dim=-1)  # (B, V); zero-probability tokens add no step
+            probs.masked_fill_(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+        cdf = probs.cumsum_(dim=-1)  # zero-probability tokens add no step
         uniform = [
             torch.rand(1, generator=g or self.default_generator, device=self.device)
             for g in generators
@@ -199,9 +214,20 @@ class Sampler:
         return result
 
 
-def _top_p(probs: Tensor, top_p: Tensor) -> Tensor:
-    """Keep the smallest set of most likely tokens whose mass reaches top_p (per row)."""
-    sorted_p, order = probs.sort(dim=-1, descending=True)
-    before = sorted_p.cumsum(dim=-1) - sorted_p  # mass strictly before each token
-    sorted_p = sorted_p.masked_fill(before >= top_p, 0.0)  # the top token always survives
-    return torch.zeros_like(probs).scatter_(1, order, sorted_p)
+# top_p looks for its tokens among each row's most likely first (a model's distribution
+# usually has its top_p mass in a few hundred tokens); a full sort of 16 x 128k floats
+# measured 80 ms on the CPU, topk(256) 2 ms and topk(4096) 11 ms
+TOP_P_CANDIDATES = (256, 4096)
+
+
+def _top_p(probs: Tensor, top_p: Sequence[float]) -> Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p (per row);
+    probs normalised."""
+    limit = torch.tensor(top_p, dtype=probs.dtype, device=probs.device).unsqueeze(1)
+    for k in (*(k for k in TOP_P_CANDIDATES if k < probs.shape[1]), probs.shape[1]):
+        top, order = probs.topk(k, dim=-1)  # sorted, most likely first
+        before = top.cumsum(dim=-1) - top  # mass strictly before each token
+        if k == probs.shape[1] or bool((before[:, -1:] + top[:, -1:] >= limit).all()):
+            break  # every row's set lies within its k most likely tokens
+    kept = top.masked_fill_(before >= limit, 0.0)  # the top token always survives
+    return torch.zeros_like(probs).scatter_(1, order, kept)

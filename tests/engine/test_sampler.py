@@ -3,7 +3,7 @@
 import torch
 
 from service.engine.request import Request, SamplingParams
-from service.engine.sampler import Sampler
+from service.engine.sampler import TOP_P_CANDIDATES, Sampler, _top_p
 
 V = 50
 
@@ -89,9 +89,28 @@ def test_a_seeded_draw_is_the_same_alone_and_in_a_batch() -> None:
         return torch.Generator().manual_seed(5)
 
     sampler = Sampler(V, torch.device("cpu"))
-    alone = [sampler.sample(logits[1:2], [seeded], [gen()]).token_ids[0] for _ in range(5)]
+    # clones: the sampler consumes the logits it is given
+    alone = [sampler.sample(logits[1:2].clone(), [seeded], [gen()]).token_ids[0] for _ in range(5)]
     batched = [
-        sampler.sample(logits, [other[0], seeded, other[1]], [None, gen(), None]).token_ids[1]
+        sampler.sample(logits.clone(), [other[0], seeded, other[1]], [None, gen(), None]).token_ids[
+            1
+        ]
         for _ in range(5)
     ]
     assert alone == batched and len(set(alone)) == 1
+
+
+def test_top_p_among_the_candidates_keeps_what_a_full_sort_keeps() -> None:
+    """_top_p looks among each row's most likely tokens first, and sorts the whole row
+    only when their mass falls short: both give the full sort's set."""
+
+    def by_sorting(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        before = sorted_p.cumsum(dim=-1) - sorted_p
+        return torch.zeros_like(probs).scatter_(1, order, sorted_p * (before < top_p))
+
+    logits = torch.randn(4, 20_000, dtype=torch.float64)
+    for scale, inside in ((8.0, True), (1.0, False)):  # peaked: the set is in the top 256
+        probs = torch.softmax(logits * scale, dim=-1)
+        assert bool((probs.topk(TOP_P_CANDIDATES[0]).values.sum(-1) >= 0.9).all()) == inside
+        assert torch.equal(_top_p(probs, [0.9] * 4), by_sorting(probs, 0.9))
