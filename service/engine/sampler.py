@@ -179,7 +179,8 @@ class Sampler:
             scaled.masked_fill_(active & (scaled < kth), float("-inf"))
         probs = scaled.exp_()  # (B, V), each row's largest 1
         if any(p.top_p < 1 for p in params):
-            probs = _top_p(probs / probs.sum(dim=-1, keepdim=True), [p.top_p for p in params])
+            top_p = self._column([p.top_p for p in params])
+            probs = _top_p(probs / probs.sum(dim=-1, keepdim=True), top_p)
         if any(p.min_p > 0 for p in params):  # relative to the row's largest: no normalising
             min_p = self._column([p.min_p for p in params])
             probs.masked_fill_(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
@@ -214,20 +215,22 @@ class Sampler:
         return result
 
 
-# top_p looks for its tokens among each row's most likely first (a model's distribution
-# usually has its top_p mass in a few hundred tokens); a full sort of 16 x 128k floats
-# measured 80 ms on the CPU, topk(256) 2 ms and topk(4096) 11 ms
+# On the CPU top_p looks for its tokens among each row's most likely first (a model's
+# distribution usually has its top_p mass in a few hundred tokens): a full sort of
+# 16 x 128k floats measured 80 ms there, topk(256) 2 ms and topk(4096) 11 ms. On a GPU the
+# sort is cheap, and checking whether the candidates suffice would wait for the device
 TOP_P_CANDIDATES = (256, 4096)
 
 
-def _top_p(probs: Tensor, top_p: Sequence[float]) -> Tensor:
-    """Keep the smallest set of most likely tokens whose mass reaches top_p (per row);
-    probs normalised."""
-    limit = torch.tensor(top_p, dtype=probs.dtype, device=probs.device).unsqueeze(1)
-    for k in (*(k for k in TOP_P_CANDIDATES if k < probs.shape[1]), probs.shape[1]):
+def _top_p(probs: Tensor, top_p: Tensor) -> Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p (a (B, 1)
+    column) per row; probs normalised."""
+    v = probs.shape[1]
+    candidates = [k for k in TOP_P_CANDIDATES if k < v] if probs.device.type == "cpu" else []
+    for k in (*candidates, v):
         top, order = probs.topk(k, dim=-1)  # sorted, most likely first
         before = top.cumsum(dim=-1) - top  # mass strictly before each token
-        if k == probs.shape[1] or bool((before[:, -1:] + top[:, -1:] >= limit).all()):
+        if k == v or bool((before[:, -1:] + top[:, -1:] >= top_p).all()):
             break  # every row's set lies within its k most likely tokens
-    kept = top.masked_fill_(before >= limit, 0.0)  # the top token always survives
+    kept = top.masked_fill_(before >= top_p, 0.0)  # the top token always survives
     return torch.zeros_like(probs).scatter_(1, order, kept)

@@ -113,4 +113,5 @@ def test_top_p_among_the_candidates_keeps_what_a_full_sort_keeps() -> None:
     for scale, inside in ((8.0, True), (1.0, False)):  # peaked: the set is in the top 256
         probs = torch.softmax(logits * scale, dim=-1)
         assert bool((probs.topk(TOP_P_CANDIDATES[0]).values.sum(-1) >= 0.9).all()) == inside
-        assert torch.equal(_top_p(probs, [0.9] * 4), by_sorting(probs, 0.9))
+        top_p = torch.full((4, 1), 0.9, dtype=probs.dtype)
+        assert torch.equal(_top_p(probs, top_p), by_sorting(probs, 0.9))
