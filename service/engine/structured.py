@@ -2,11 +2,11 @@
 one of a list of choices, or a grammar (Lark, or GBNF converted to it), by llguidance
 (chosen by measurement against xgrammar and outlines-core: benchmarks/RESULTS.md).
 
-Each constrained sequence has a `Guide` (its matcher). Once a step's forward is
-launched, the runner hands the guides of the sequences it samples to `Masks.compute`
-(on a GPU the host does this while the device runs the forward); the sampler then masks
-those rows' logits. A guide advances with every
-token the sequence accepts, and says when the grammar is complete (the request then
+Each constrained sequence has a `Guide` (its matcher). Once a step's first choices are
+back on the host, the runner hands the guides of the rows that need a mask (their
+grammar rejects the choice, or a filter follows the mask) to `Masks.compute`, and the
+sampler chooses again under those masks (ModelRunner._sample_guided). A guide advances
+with every token the sequence accepts, and says when the grammar is complete (the request then
 finishes with `stop`). Requests without a constraint build nothing and pay nothing.
 """
 
@@ -158,10 +158,10 @@ class _Vocab:
 
 
 class Masks:
-    """The allowed tokens of the sequences a step samples. The runner asks after it has
-    launched the step's forward: on a GPU the host computes the masks while the device
-    runs the forward; on the CPU the forward has every core, and a worker thread here
-    measured slower than this (benchmarks/RESULTS.md)."""
+    """The allowed tokens of the rows a step must mask. The runner asks after the step's
+    first choices are read back, so the masks do not overlap the forward (on the CPU the
+    forward has every core, and a worker thread here measured slower than this:
+    benchmarks/RESULTS.md; on a GPU an overlap is not built yet)."""
 
     def __init__(self, grammars: Grammars) -> None:
         self.grammars = grammars
