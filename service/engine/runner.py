@@ -9,6 +9,7 @@ import torch
 from model.attention import PagedKVCache
 from model.transformer import Transformer
 from service.engine.cuda_graphs import DecodeGraphs
+from service.engine.guided import GuidedSampler
 from service.engine.ranks import Clear, RankError, Ranks, Step
 from service.engine.request import Request
 from service.engine.sampler import Sampler, SampleResult
@@ -34,7 +35,7 @@ class ModelRunner:
         sends every forward's inputs, the others follow()). masks: the allowed tokens of
         constrained requests (structured outputs). draft: the speculative draft model,
         whose cache each forward is mirrored into."""
-        self.model, self.ranks, self.masks, self.draft = model, ranks, masks, draft
+        self.model, self.ranks, self.draft = model, ranks, draft
         self.backend = kv_cache.backend
         # the weight layouts its linears read
         self.packed = self.backend.prepare(model, quantization)
@@ -42,6 +43,7 @@ class ModelRunner:
         self.device = model.device
         self.block_size = kv_cache.block_size
         self.sampler = Sampler(model.cfg.vocab_size, self.device, self.backend)
+        self.guided = GuidedSampler(self.sampler, masks) if masks is not None else None
         self.generators: dict[str, list[torch.Generator]] = {}  # seeded request's rows
         self._pin = self.device.type == "cuda"
         self.graphs = graphs() if graphs is not None else None
@@ -113,44 +115,9 @@ class ModelRunner:
         if logits is None:
             return SampleResult([], [])
         guided = [i for i, r in enumerate(sampled) if r.guide is not None]
-        if not guided or self.masks is None:
+        if not guided or self.guided is None:
             return self.sampler.sample(logits, sampled, gens)
-        return self._sample_guided(logits, sampled, gens, guided)
-
-    def _sample_guided(
-        self,
-        logits: torch.Tensor,
-        requests: list[Request],
-        gens: list[torch.Generator | None],
-        guided: list[int],
-    ) -> SampleResult:
-        """Structured outputs: each constrained row first takes the choice it makes without
-        its grammar, kept if the grammar allows the token; only the rows it does not allow
-        (and rows with top_k / top_p / min_p, whose filters come after the mask) compute
-        their mask and choose again under it. Exact: the greedy choice is the masked
-        argmax when allowed, and a draw kept only when allowed, else drawn from the
-        masked distribution, is the masked distribution (rejection sampling). A model
-        that follows the format pays for almost no masks."""
-        before = logits[self.sampler.index(guided)]  # (G, V): the sampler edits logits
-        result = self.sampler.sample(logits, requests, gens)
-        redo = [
-            j
-            for j, i in enumerate(guided)
-            if requests[i].params.filters or not requests[i].guide.allows(result.token_ids[i])
-        ]
-        if not redo:
-            return result
-        rows = [guided[j] for j in redo]
-        allowed = self.masks.compute([requests[i].guide for i in rows])  # (R, V) bool
-        again = self.sampler.sample(
-            before[self.sampler.index(redo)],
-            [requests[i] for i in rows],
-            [gens[i] for i in rows],
-            (list(range(len(rows))), allowed.to(logits.device, non_blocking=True)),
-        )
-        for k, i in enumerate(rows):
-            result.token_ids[i], result.logprobs[i] = again.token_ids[k], again.logprobs[k]
-        return result
+        return self.guided.sample(logits, sampled, gens, guided)
 
     def forward(self, step: Step) -> torch.Tensor | None:
         """The logits (S, V) of the step's sampled rows (None: it samples none)."""

@@ -29,6 +29,9 @@ from service.engine.request import Request, SamplingParams
 class SampleResult:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
+    # a draw's distributions (B, V): each row's unnormalised CDF (its last column the
+    # row's mass), for further draws from the same distribution; None when no row drew
+    cdf: Tensor | None = None
 
 
 class Sampler:
@@ -44,12 +47,13 @@ class Sampler:
         self.default_generator.seed()
         self._pin = device.type == "cuda"
 
-    def _tensor(self, values: Sequence, dtype: torch.dtype = torch.float32) -> Tensor:
+    def tensor(self, values: Sequence, dtype: torch.dtype = torch.float32) -> Tensor:
+        """Values on the sampler's device (a non-blocking copy from pinned memory on CUDA)."""
         t = torch.tensor(values, dtype=dtype, pin_memory=self._pin)
         return t.to(self.device, non_blocking=True)
 
-    def _column(self, values: Sequence[float]) -> Tensor:
-        return self._tensor(values).unsqueeze(1)  # (B, 1)
+    def column(self, values: Sequence[float]) -> Tensor:
+        return self.tensor(values).unsqueeze(1)  # (B, 1)
 
     def sample(
         self,
@@ -58,8 +62,9 @@ class Sampler:
         generators: Sequence[torch.Generator | None],
         mask: tuple[list[int], Tensor] | None = None,
     ) -> SampleResult:
-        """logits: (B, V) in the model's dtype, one row per request, consumed: the sampler
-        edits them in place (a step's logits are read once). mask: the rows that
+        """logits: (B, V) in the model's dtype, one row per request; fp32 logits are
+        consumed (edited in place: a step's logits are read once), others are read into
+        an fp32 copy that the sampler edits. mask: the rows that
         are constrained (structured outputs) and, for each, the tokens it may take (R, V)
         bool; applied after bias and penalties, before the choice."""
         params = [r.params for r in requests]
@@ -82,25 +87,26 @@ class Sampler:
             if len(rows) == len(requests):  # every row constrained: in place, no gather
                 logits.masked_fill_(~allowed, float("-inf"))
             else:
-                idx = self._tensor(rows, torch.long)
+                idx = self.tensor(rows, torch.long)
                 logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
         greedy = [p.greedy for p in params]
         # the draw may edit the fp32 copy in place unless the logprobs still read it
         mine = not keep_raw or raw is not logits
+        cdf = None
         if all(greedy):
             tokens = logits.max(dim=-1).indices  # (B,); as fast as argmax on the CPU
         elif not any(greedy):  # no argmax: it costs as much as the draw's softmax
-            tokens = self._draw(logits, requests, generators, mine)
+            tokens, cdf = self._draw(logits, requests, generators, mine)
         else:
             best = logits.max(dim=-1).indices
-            drawn = self._draw(logits, requests, generators, mine)
-            tokens = torch.where(self._tensor(greedy, torch.bool), best, drawn)
+            drawn, cdf = self._draw(logits, requests, generators, mine)
+            tokens = torch.where(self.tensor(greedy, torch.bool), best, drawn)
         token_list = flag_non_finite(tokens, peak)
-        return SampleResult(token_list, self._logprobs(raw, requests, token_list))
+        return SampleResult(token_list, self._logprobs(raw, requests, token_list), cdf)
 
     def index(self, rows: Sequence[int]) -> Tensor:
         """Row numbers as an index tensor on the sampler's device."""
-        return self._tensor(rows, torch.long)
+        return self.tensor(rows, torch.long)
 
     @staticmethod
     def _edits(params: Sequence[SamplingParams]) -> bool:
@@ -117,13 +123,13 @@ class Sampler:
                     cols.append(token)
                     values.append(bias)
         if rows:
-            index = (self._tensor(rows, torch.long), self._tensor(cols, torch.long))
-            logits.index_put_(index, self._tensor(values), accumulate=True)
+            index = (self.tensor(rows, torch.long), self.tensor(cols, torch.long))
+            logits.index_put_(index, self.tensor(values), accumulate=True)
         return logits
 
     def _apply_penalties(self, logits: Tensor, requests: Sequence[Request]) -> Tensor:
         rows = [i for i, r in enumerate(requests) if r.params.needs_penalties]
-        idx = self._tensor(rows, torch.long)
+        idx = self.tensor(rows, torch.long)
         sub = logits[idx]  # (P, V)
         v = sub.shape[1]
         out_ids = self._padded([requests[i].output_ids for i in rows], v)  # (P, W)
@@ -137,10 +143,10 @@ class Sampler:
             prompt_seen = torch.zeros(len(rows), v + 1, dtype=torch.bool, device=logits.device)
             prompt_seen.scatter_(1, prompt_ids, True)
             any_seen = seen | prompt_seen[:, :v]
-            rp = self._column(rep)
+            rp = self.column(rep)
             sub = torch.where(any_seen, torch.where(sub > 0, sub / rp, sub * rp), sub)
-        freq = self._column([requests[i].params.frequency_penalty for i in rows])
-        pres = self._column([requests[i].params.presence_penalty for i in rows])
+        freq = self.column([requests[i].params.frequency_penalty for i in rows])
+        pres = self.column([requests[i].params.presence_penalty for i in rows])
         sub = sub - freq * counts - pres * seen.float()
         logits[idx] = sub
         return logits
@@ -150,7 +156,7 @@ class Sampler:
         0..pad clamped) to `pad`, a column that is dropped after the scatter."""
         width = max(1, max(len(ids) for ids in lists))
         flat = [min(max(t, 0), pad) for ids in lists for t in (*ids, *[pad] * (width - len(ids)))]
-        return self._tensor(flat, torch.long).view(len(lists), width)
+        return self.tensor(flat, torch.long).view(len(lists), width)
 
     def _draw(
         self,
@@ -158,8 +164,9 @@ class Sampler:
         requests: Sequence[Request],
         generators: Sequence[torch.Generator | None],
         inplace: bool,
-    ) -> Tensor:
-        """inplace: logits (fp32) may be overwritten. One (B, V) buffer, edited in place:
+    ) -> tuple[Tensor, Tensor]:
+        """The drawn ids (B,) and the rows' CDFs (B, V). inplace: logits (fp32) may be
+        overwritten. One (B, V) buffer, edited in place:
         x - max, over the temperature, top_k, exp (unnormalised probabilities: the draw
         scales u by each row's mass), the CDF. On the CPU each pass over 16 x 128k floats
         costs ~1 ms, and a new buffer as much again (its pages are touched the first time)."""
@@ -168,35 +175,34 @@ class Sampler:
         scaled = logits.sub_(peak) if inplace else logits - peak
         temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
         if any(t != 1.0 for t in temps):
-            scaled.div_(self._column(temps))
+            scaled.div_(self.column(temps))
         top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
         below_k = None
         if any(top_k):
             k_max = min(max(top_k), scaled.shape[1])
             kth_vals = scaled.topk(k_max, dim=-1).values  # (B, k_max)
-            ks = self._tensor([min(k, k_max) if k else k_max for k in top_k], torch.long)
+            ks = self.tensor([min(k, k_max) if k else k_max for k in top_k], torch.long)
             kth = kth_vals.gather(1, (ks - 1).unsqueeze(1))
             if not all(top_k):  # rows without top_k keep every token
-                active = self._tensor([k > 0 for k in top_k], torch.bool).unsqueeze(1)
+                active = self.tensor([k > 0 for k in top_k], torch.bool).unsqueeze(1)
                 kth = kth.masked_fill(~active, float("-inf"))
             below_k = scaled < kth
         probs = scaled.exp_()  # (B, V), each row's largest 1
         if below_k is not None:  # zeroed after exp: exp of -inf measured 3x exp of a float
             probs.masked_fill_(below_k, 0.0)
         if any(p.top_p < 1 for p in params):
-            top_p = self._column([p.top_p for p in params])
+            top_p = self.column([p.top_p for p in params])
             probs = _top_p(probs / probs.sum(dim=-1, keepdim=True), top_p)
         if any(p.min_p > 0 for p in params):  # relative to the row's largest: no normalising
-            min_p = self._column([p.min_p for p in params])
+            min_p = self.column([p.min_p for p in params])
             probs.masked_fill_(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
         cdf = probs.cumsum_(dim=-1)  # zero-probability tokens add no step
         uniform = [
             torch.rand(1, generator=g or self.default_generator, device=self.device)
             for g in generators
         ]
-        u = torch.cat(uniform).unsqueeze(1) * cdf[:, -1:]  # (B, 1) in [0, the row's mass)
-        picked = torch.searchsorted(cdf, u, right=True).squeeze(1)  # first cdf > u
-        return picked.clamp_(max=probs.shape[1] - 1)
+        u = torch.cat(uniform).unsqueeze(1)  # (B, 1)
+        return invert(cdf, u).squeeze(1), cdf
 
     def _logprobs(
         self, raw: Tensor, requests: Sequence[Request], tokens: list[int]
@@ -207,9 +213,9 @@ class Sampler:
         result: list[TokenLogprobs | None] = [None] * len(requests)
         if not rows:
             return result
-        idx = self._tensor(rows, torch.long)
+        idx = self.tensor(rows, torch.long)
         lp = torch.log_softmax(raw[idx], dim=-1)  # (R, V)
-        chosen = lp.gather(1, self._tensor([tokens[i] for i in rows], torch.long)[:, None])
+        chosen = lp.gather(1, self.tensor([tokens[i] for i in rows], torch.long)[:, None])
         n_top = max(requests[i].params.logprobs or 0 for i in rows)
         top_vals, top_ids = lp.topk(max(n_top, 1), dim=-1)
         chosen_l, vals_l, ids_l = chosen[:, 0].tolist(), top_vals.tolist(), top_ids.tolist()
@@ -218,6 +224,13 @@ class Sampler:
             top = list(zip(ids_l[j][:n], vals_l[j][:n], strict=True))
             result[i] = TokenLogprobs(tokens[i], chosen_l[j], top)
         return result
+
+
+def invert(cdf: Tensor, u: Tensor) -> Tensor:
+    """Draws: the token of each uniform number in u (R, N) under the CDF of its row of
+    cdf (R, V), unnormalised: the first token whose cdf exceeds u times the row's mass."""
+    picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
+    return picked.clamp_(max=cdf.shape[1] - 1)
 
 
 # On the CPU top_p looks for its tokens among each row's most likely first (a model's

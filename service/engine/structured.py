@@ -5,7 +5,7 @@ one of a list of choices, or a grammar (Lark, or GBNF converted to it), by llgui
 Each constrained sequence has a `Guide` (its matcher). Once a step's first choices are
 back on the host, the runner hands the guides of the rows that need a mask (their
 grammar rejects the choice, or a filter follows the mask) to `Masks.compute`, and the
-sampler chooses again under those masks (ModelRunner._sample_guided). A guide advances
+sampler chooses again under those masks (service/engine/guided.py). A guide advances
 with every token the sequence accepts, and says when the grammar is complete (the request then
 finishes with `stop`). Requests without a constraint build nothing and pay nothing.
 """
@@ -158,21 +158,43 @@ class _Vocab:
 
 
 class Masks:
-    """The allowed tokens of the rows a step must mask. The runner asks after the step's
-    first choices are read back, so the masks do not overlap the forward (on the CPU the
-    forward has every core, and a worker thread here measured slower than this:
+    """The allowed tokens of the rows a step must mask, as llguidance writes them: one bit
+    per token, packed into int32 words (R, (V + 31) // 32). The runner asks after the
+    step's first choices are read back, so the masks do not overlap the forward (on the
+    CPU the forward has every core, and a worker thread here measured slower than this:
     benchmarks/RESULTS.md; on a GPU an overlap is not built yet)."""
 
     def __init__(self, grammars: Grammars) -> None:
         self.grammars = grammars
 
-    def compute(self, guides: Sequence[Guide]) -> Tensor:
-        """(len(guides), vocab_size) bool on the CPU: the tokens each guide may take.
-        One after another: llguidance's parallel executor measured slower on 2 cores."""
+    def compute(self, guides: Sequence[Guide]) -> np.ndarray:
+        """The packed masks of the guides, one after another (llguidance's parallel
+        executor measured slower on 2 cores)."""
         import llguidance.numpy as lln
 
-        masks = np.zeros((len(guides), self.grammars.words), dtype=np.int32)
+        words = np.zeros((len(guides), self.grammars.words), dtype=np.int32)
         for i, g in enumerate(guides):
-            lln.fill_next_token_bitmask(g.matcher, masks, i)
-        bits = np.unpackbits(masks.view(np.uint8), axis=1, bitorder="little")  # (R, 32 W)
+            lln.fill_next_token_bitmask(g.matcher, words, i)
+        return words
+
+    @staticmethod
+    def counts(words: np.ndarray) -> list[int]:
+        """Tokens each row allows."""
+        return np.bitwise_count(words.view(np.uint32)).sum(axis=1).tolist()
+
+    @staticmethod
+    def pairs(words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(row, token id) of every token the rows allow, in row then id order, read
+        from the non-zero words alone (a few when the grammar allows a few tokens)."""
+        width = words.shape[1]
+        flat = words.reshape(-1)
+        word = np.flatnonzero(flat != 0)  # (numpy's nonzero is 10x slower on int32 than bool)
+        bits = np.unpackbits(flat[word].view(np.uint8).reshape(-1, 4), axis=1, bitorder="little")
+        k = np.flatnonzero(bits.view(np.bool_).reshape(-1))  # bit b of a word: token 32 w + b
+        word = word[k // 32]
+        return word // width, (word % width) * 32 + k % 32
+
+    def dense(self, words: np.ndarray) -> Tensor:
+        """(R, vocab_size) bool: the tokens each row allows."""
+        bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")  # (R, 32 W)
         return torch.from_numpy(bits[:, : self.grammars.vocab_size].view(np.bool_))

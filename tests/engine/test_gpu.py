@@ -98,6 +98,34 @@ def test_speculation_on_cuda_gives_the_graphs_tokens(method: str) -> None:
     assert engine.stats.spec_accepted_tokens > 0 and engine.blocks.num_used == 0
 
 
+def test_structured_outputs_on_cuda() -> None:
+    """Constrained rows on the GPU (masks computed on the host and applied on the
+    device; forced text appended beside the graphs' decode steps): every schema of the
+    corpus gives a valid document, greedy and sampled."""
+    import json
+
+    import jsonschema
+
+    from model.demo import build_demo_model
+    from model.tokenizer import Tokenizer
+    from service.engine.request import Constraint, SamplingParams
+    from tests.api.json_schemas import SCHEMAS
+
+    model = build_demo_model(torch.bfloat16, torch.device("cuda"))
+    engine = LLMEngine(model, Tokenizer.default(), Settings(num_kv_blocks=1024, max_num_seqs=16))
+    prompt = engine.tokenizer.encode("Answer in JSON:")
+    requests = {
+        f"{name}/{t}": (prompt, SamplingParams(max_tokens=300, temperature=t, seed=1, constraint=Constraint("json", json.dumps(schema), "response_format")))
+        for name, (schema, _) in SCHEMAS.items()
+        for t in (0.0, 1.0)
+    }  # fmt: skip
+    for rid, outs in run_all(engine, requests).items():
+        text = "".join(o.text for o in outs)
+        assert outs[-1].finish_reason.value == "stop", (rid, text)
+        jsonschema.validate(json.loads(text), SCHEMAS[rid.split("/")[0]][0])
+    assert engine.blocks.num_used == 0
+
+
 def test_one_host_sync_per_decode_step() -> None:
     """With torch's sync debug mode on, a decode step (graphs or eager) warns exactly
     once: the sampled token ids coming back to the host."""

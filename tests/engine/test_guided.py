@@ -1,0 +1,120 @@
+"""Constrained rows choose from the masked distribution on each of their paths
+(service/engine/guided.py): further choices from the first draw's distribution, a choice
+among a small mask's tokens alone, a second draw over the whole vocabulary under the
+mask. The grammar is the regex [0-9] over cl100k: ten single-digit tokens allowed out of
+100k; the logits put the digits' share of the mass where each path is taken."""
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from model.tokenizer import Tokenizer
+from service.engine import guided
+from service.engine.guided import GuidedSampler
+from service.engine.request import Constraint, Request, SamplingParams
+from service.engine.sampler import Sampler
+from service.engine.structured import Grammars, Masks
+
+DIGIT = Constraint("regex", "[0-9]", "guided_regex")
+ROWS, ROUNDS = 16, 125  # 2,000 draws a case
+CHI2_9DOF_P001 = 27.88  # chi-square critical value, 9 degrees of freedom, p = 0.001
+
+
+@pytest.fixture(scope="module")
+def setup() -> tuple[Grammars, GuidedSampler, list[int]]:
+    tok = Tokenizer.default()
+    grammars = Grammars(tok, tok.vocab_size, tok.eos_ids)
+    sampler = Sampler(tok.vocab_size, torch.device("cpu"))
+    digits = [tok.encode(str(d), add_bos=False)[0] for d in range(10)]
+    assert len(set(digits)) == 10
+    return grammars, GuidedSampler(sampler, Masks(grammars)), digits
+
+
+def row(vocab: int, digits: list[int], digit_share: float) -> torch.Tensor:
+    """Logits: the digits' probabilities proportional to 1..10, carrying `digit_share` of
+    the mass; every other token alike."""
+    weights = torch.arange(1, 11, dtype=torch.float64)
+    others = (1 - digit_share) / (vocab - 10)
+    logits = torch.full((vocab,), math.log(others), dtype=torch.float64)
+    logits[digits] = torch.log(weights / weights.sum() * digit_share)
+    return logits.float()
+
+
+def draws(setup, logits: torch.Tensor, params: SamplingParams) -> Counter:
+    grammars, sampler, digits = setup
+    counts: Counter = Counter()
+    for _ in range(ROUNDS):
+        requests = [Request(f"r{i}", [1], params, 0.0) for i in range(ROWS)]
+        for r in requests:
+            r.guide = grammars.guide(DIGIT)
+        batch = logits.repeat(ROWS, 1)
+        result = sampler.sample(batch, requests, [None] * ROWS, list(range(ROWS)))
+        counts.update(result.token_ids)
+    assert set(counts) <= set(digits), "a token outside the grammar"
+    return counts
+
+
+def chi2(counts: Counter, digits: list[int], expected: list[float]) -> float:
+    n = sum(counts.values())
+    return sum((counts[t] - n * p) ** 2 / (n * p) for t, p in zip(digits, expected, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("case", "share", "sparse"),
+    [
+        ("further draws from the first's CDF", 0.5, guided.SPARSE),
+        ("a draw among the mask's ten tokens", 1e-6, guided.SPARSE),
+        ("a second draw over the vocabulary under the mask", 1e-6, 0),
+    ],
+)
+def test_a_sampled_row_draws_from_the_masked_distribution(
+    setup, monkeypatch: pytest.MonkeyPatch, case: str, share: float, sparse: int
+) -> None:
+    grammars, _, digits = setup
+    monkeypatch.setattr(guided, "SPARSE", sparse)
+    calls: Counter = Counter()
+    for name in ("_candidates", "_choose_among"):
+        real = getattr(GuidedSampler, name)
+
+        def spy(*a, _real=real, _name=name, **kw):  # type: ignore[no-untyped-def]
+            out = _real(*a, **kw)
+            calls[_name] += len(out)  # rows that chose this way
+            return out
+
+        monkeypatch.setattr(GuidedSampler, name, spy)
+    counts = draws(setup, row(grammars.vocab_size, digits, share), SamplingParams(temperature=1.0))
+    expected = [w / 55 for w in range(1, 11)]
+    assert chi2(counts, digits, expected) < CHI2_9DOF_P001, (case, counts)
+    draws_total = ROWS * ROUNDS
+    if share == 0.5:  # about half rejected first, nearly all found among 8 more draws
+        assert calls["_candidates"] > draws_total // 4 and calls["_choose_among"] < 20
+    elif sparse:
+        assert calls["_candidates"] == 0 and calls["_choose_among"] > draws_total * 0.99
+    else:
+        assert calls["_candidates"] == 0 and calls["_choose_among"] == 0
+
+
+def test_a_hot_row_at_temperature_and_top_k(setup) -> None:
+    """Temperature 0.5 squares the weights; top_k 3 (a filter: always the dense path,
+    where the mask comes first) keeps the three most likely digits, 8, 9 and 10."""
+    grammars, _, digits = setup
+    logits = row(grammars.vocab_size, digits, 1e-3)
+    counts = draws(setup, logits, SamplingParams(temperature=0.5))
+    sq = [w * w for w in range(1, 11)]
+    assert chi2(counts, digits, [w / sum(sq) for w in sq]) < CHI2_9DOF_P001, counts
+    top3 = draws(setup, logits, SamplingParams(temperature=1.0, top_k=3))
+    assert set(top3) == set(digits[7:]) and min(top3.values()) > 300, top3
+
+
+@pytest.mark.parametrize("above", [3, 100_000])
+def test_a_greedy_row_takes_the_most_likely_allowed_token(setup, above: int) -> None:
+    """Three tokens more likely than the best digit: found among the next most likely;
+    every other token more likely: from the mask."""
+    grammars, _, digits = setup
+    logits = row(grammars.vocab_size, digits, 0.5)
+    hot = [t for t in range(grammars.vocab_size) if t not in digits][:above]
+    logits[hot] = 1.0 + torch.arange(len(hot)) * 1e-4  # above every digit's, no ties
+    counts = draws(setup, logits, SamplingParams(temperature=0))
+    assert counts == Counter({digits[9]: ROWS * ROUNDS})
