@@ -151,6 +151,13 @@ class Settings:
             "times the tokens/s of steps without (else only a probe now and then); 0: always"
         },
     )
+    disable_jump_forward: bool = field(
+        default=False,
+        metadata={
+            "help": "structured outputs: sample every token, even where the grammar forces "
+            "the text (by default forced tokens are appended without a step of their own)"
+        },
+    )
     max_queue: int = field(default=256, metadata={"help": "waiting requests before 429"})
     max_body_bytes: int = field(
         default=4 << 20, metadata={"help": "request body limit (413 above)"}

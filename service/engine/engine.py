@@ -82,6 +82,7 @@ class LLMEngine:
         self.eos_ids = frozenset(tokenizer.eos_ids) | frozenset(model.cfg.eos_token_ids)
         # structured outputs: nothing is built until a request asks for a constraint
         self.grammars = Grammars(tokenizer, model.cfg.vocab_size, sorted(self.eos_ids))
+        self.jump_forward = not settings.disable_jump_forward
         self.runner = ModelRunner(
             model,
             self.kv_cache,
@@ -299,11 +300,15 @@ class LLMEngine:
         """The request's next tokens, appended in turn until one stops it, and handed out.
         More than one when speculative drafts were accepted: the first `drafts` of them,
         whose K/V this step computed (the last is the step's own choice, not computed yet).
-        They arrive together: the first after the time since the last step's, the rest at
-        no interval."""
+        Also more than one when the request's grammar forces what follows (jump-forward,
+        `_jumps`): those tokens' K/V are computed in its next step, with the token after
+        them. They arrive together: the first after the time since the last step's, the
+        rest at no interval."""
         taken: list[int] = []
         reason: FinishReason | None = None
-        for token in tokens:
+        pending = list(tokens)
+        while len(taken) < len(pending):
+            token = pending[len(taken)]
             if token == NON_FINITE:  # this request alone fails; its K/V are not kept
                 self.runner.clear_blocks(self.blocks.uncache_owned(request))
                 message = "generation failed: the model produced non-finite logits (NaN or inf)"
@@ -317,6 +322,8 @@ class LLMEngine:
             reason = self._stop_reason(request, token)
             if reason is not None:
                 break
+            if len(taken) == len(pending) and self._jumps(request):
+                pending.extend(request.guide.forced())  # type: ignore[union-attr]
         request.num_computed += min(drafts, len(taken))
         self.blocks.cache_full_blocks(request)
         if request.first_token_time is None:
@@ -329,6 +336,12 @@ class LLMEngine:
             self._finish(request, reason)
         lps = [lp for lp in logprobs[: len(taken)] if lp is not None]
         return self._emit(request, taken, lps)
+
+    def _jumps(self, request: Request) -> bool:
+        """Whether the tokens a request's grammar forces are appended at once (jump-forward):
+        they take no step of their own, and their K/V are computed with the request's
+        next token. Not for requests that ask for logprobs (forced tokens have none)."""
+        return self.jump_forward and request.guide is not None and request.params.logprobs is None
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
         p = request.params

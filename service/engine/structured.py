@@ -69,6 +69,12 @@ class Guide:
         (the sampler's non-finite flag) is left to the engine, which fails the request."""
         return token < 0 or self.matcher.validate_tokens([token]) == 1  # type: ignore[attr-defined]
 
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces next (llguidance's fast-forward tokens: the
+        forced text's own tokenization, short of any token the text after it could
+        merge into); empty when the next token is a choice."""
+        return list(self.matcher.compute_ff_tokens())  # type: ignore[attr-defined]
+
     def accept(self, token: int) -> bool:
         """Advance with a sampled token; False: the grammar rejects it."""
         return bool(self.matcher.consume_token(token))  # type: ignore[attr-defined]

@@ -4,6 +4,7 @@ is in its grammar's language; constrained and unconstrained requests batched tog
 each stay correct; preemption and n > 1 keep the grammar's place; a bad or unsupported
 constraint is refused naming the parameter and what is wrong."""
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -163,3 +164,35 @@ def test_a_bad_or_unsupported_constraint_is_refused_naming_it(
         demo.validate([1, 2, 3], sample(constraint, 0))
     assert err.value.param == constraint.param
     assert not demo.requests  # nothing was queued
+
+
+def test_forced_text_takes_no_steps_of_its_own(demo: LLMEngine) -> None:
+    """Jump-forward: once the first token of a single choice is sampled, the grammar
+    forces the rest, which arrives without a step per token; logprobs requests (forced
+    tokens have none) and --disable-jump-forward sample every token."""
+    choice = "supercalifragilisticexpialidocious, said the quick brown fox"
+    c = Constraint("choice", json.dumps([choice]), "guided_choice")
+    prompt = demo.tokenizer.encode("Say it:")
+    settings = Settings(num_kv_blocks=1024, max_num_seqs=16, max_num_batched_tokens=256)
+    sampled_every_token = LLMEngine(
+        demo.runner.model, demo.tokenizer, dataclasses.replace(settings, disable_jump_forward=True)
+    )
+    cases = {
+        "jump": (demo, sample(c, 0, max_tokens=64)),
+        "logprobs": (demo, sample(c, 0, max_tokens=64, logprobs=1)),
+        "off": (sampled_every_token, sample(c, 0, max_tokens=64)),
+    }
+    steps = {}
+    for name, (engine, params) in cases.items():
+        engine.add_request(name, prompt, params)
+        outs = []
+        while engine.has_unfinished():
+            outs += engine.step()
+        text, tokens = "".join(o.text for o in outs), tokens_of(outs)
+        assert text == choice and outs[-1].finish_reason.value == "stop", (name, text)
+        steps[name] = (len(outs), len(tokens))
+        if name == "logprobs":
+            assert sum(len(o.logprobs or []) for o in outs) == len(tokens)
+    assert steps["jump"][0] <= 3 < steps["jump"][1], steps
+    assert steps["logprobs"][0] == steps["logprobs"][1] > 5, steps
+    assert steps["off"][0] == steps["off"][1] > 5, steps
