@@ -17,13 +17,18 @@ when allowed, else drawn again, is a draw from the distribution restricted to th
 allowed tokens (rejection sampling). A model that follows the format takes the first
 choice almost always; a random one (the demo model) is this scheme's worst case, and
 where the grammar forces the text the engine appends it without sampling at all
-(jump-forward, service/engine/engine.py). On a GPU too the masks are computed after
-the step's choices are back on the host: overlapping them with the forward is not built.
+(jump-forward, service/engine/engine.py).
+
+On a GPU the forward runs asynchronously and the host would wait for it: in that time
+the host computes the masks of as many constrained rows as it can, in row order, and
+those rows are sampled under their masks in the step's one pass (the steps above are
+for the rest). On the CPU the forward has every core: a mask computed beside it would
+only slow it down, so masks wait for the choices.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -56,14 +61,25 @@ class GuidedSampler:
         requests: list[Request],
         gens: list[torch.Generator | None],
         guided: list[int],
+        busy: Callable[[], bool] | None = None,
     ) -> SampleResult:
-        """The step's choices (as Sampler.sample); guided: the rows with a grammar."""
+        """The step's choices (as Sampler.sample); guided: the rows with a grammar. busy:
+        whether the device is still computing the logits (a GPU's forward runs
+        asynchronously): until it is done, rows' masks are computed in the meantime and
+        applied in the step's one pass. None: the logits are ready (the CPU's forward
+        has every core, so a mask computed beside it would only slow it down)."""
+        early = self._masks_while(busy, requests, guided) if busy is not None else {}
+        mask = None
+        if early:
+            words = np.stack(list(early.values()))
+            mask = ([guided[j] for j in early], self.masks.dense(words, logits.device))
         # the logits as the model gave them: the sampler edits fp32 logits in place
         before = logits.clone() if logits.dtype == torch.float32 else logits
-        result = self.sampler.sample(logits, requests, gens)
+        result = self.sampler.sample(logits, requests, gens, mask)
+        guided_late = [(j, i) for j, i in enumerate(guided) if j not in early]
         redo = [
             j
-            for j, i in enumerate(guided)
+            for j, i in guided_late
             if requests[i].params.filters or not requests[i].guide.allows(result.token_ids[i])
         ]
         if not redo:
@@ -87,7 +103,7 @@ class GuidedSampler:
         dense = [k for k in range(len(redo)) if k not in sparse]
         if dense:
             rows = [guided[redo[k]] for k in dense]
-            allowed = masks.dense(words[dense]).to(logits.device, non_blocking=True)
+            allowed = masks.dense(words[dense], logits.device)
             again = self.sampler.sample(
                 before[self.sampler.index(rows)],
                 [requests[i] for i in rows],
@@ -97,6 +113,18 @@ class GuidedSampler:
             for k, i in enumerate(rows):
                 result.token_ids[i], result.logprobs[i] = again.token_ids[k], again.logprobs[k]
         return result
+
+    def _masks_while(
+        self, busy: Callable[[], bool], requests: list[Request], guided: list[int]
+    ) -> dict[int, np.ndarray]:
+        """{j: packed mask} of the rows whose masks were computed before the device
+        finished the forward (host time that would otherwise wait on it), in row order."""
+        early: dict[int, np.ndarray] = {}
+        for j, i in enumerate(guided):
+            if not busy():
+                break
+            early[j] = self.masks.compute([requests[i].guide])[0]
+        return early
 
     def _uniform(self, gens: Sequence[torch.Generator | None], n: int) -> Tensor:
         """(len(gens), n) uniform numbers, each row from its own generator (a seeded

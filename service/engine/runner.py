@@ -117,7 +117,17 @@ class ModelRunner:
         guided = [i for i, r in enumerate(sampled) if r.guide is not None]
         if not guided or self.guided is None:
             return self.sampler.sample(logits, sampled, gens)
-        return self.guided.sample(logits, sampled, gens, guided)
+        return self.guided.sample(logits, sampled, gens, guided, self._busy(logits))
+
+    @staticmethod
+    def _busy(logits: torch.Tensor) -> Callable[[], bool] | None:
+        """Whether the device is still computing the logits (a GPU: an event recorded
+        after the forward's work); None on the CPU, whose forward returns finished."""
+        if logits.device.type != "cuda":
+            return None
+        done = torch.cuda.Event()
+        done.record()
+        return lambda: not done.query()
 
     def forward(self, step: Step) -> torch.Tensor | None:
         """The logits (S, V) of the step's sampled rows (None: it samples none)."""

@@ -164,11 +164,9 @@ class _Vocab:
 
 
 class Masks:
-    """The allowed tokens of the rows a step must mask, as llguidance writes them: one bit
-    per token, packed into int32 words (R, (V + 31) // 32). The runner asks after the
-    step's first choices are read back, so the masks do not overlap the forward (on the
-    CPU the forward has every core, and a worker thread here measured slower than this:
-    benchmarks/RESULTS.md; on a GPU an overlap is not built yet)."""
+    """The allowed tokens of constrained rows, as llguidance writes them: one bit per
+    token, packed into int32 words (R, (V + 31) // 32). When they are computed is
+    service/engine/guided.py's decision."""
 
     def __init__(self, grammars: Grammars) -> None:
         self.grammars = grammars
@@ -200,7 +198,18 @@ class Masks:
         word = word[k // 32]
         return word // width, (word % width) * 32 + k % 32
 
-    def dense(self, words: np.ndarray) -> Tensor:
-        """(R, vocab_size) bool: the tokens each row allows."""
-        bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")  # (R, 32 W)
-        return torch.from_numpy(bits[:, : self.grammars.vocab_size].view(np.bool_))
+    def dense(self, words: np.ndarray, device: torch.device) -> Tensor:
+        """(R, vocab_size) bool on the device: the tokens each row allows. A GPU gets the
+        packed words (1/8 of the bytes) and unpacks them itself."""
+        v = self.grammars.vocab_size
+        if device.type == "cpu":
+            bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")  # (R, 32 W)
+            return torch.from_numpy(bits[:, :v].view(np.bool_))
+        return unpack(torch.from_numpy(words).to(device, non_blocking=True), v)
+
+
+def unpack(words: Tensor, vocab_size: int) -> Tensor:
+    """Packed masks (R, W) int32, on any device -> (R, vocab_size) bool there."""
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    bits = (words.unsqueeze(-1) >> shifts) & 1  # (R, W, 32): bit b of word w, token 32 w + b
+    return bits.view(len(words), -1)[:, :vocab_size].bool()

@@ -7,6 +7,7 @@ mask. The grammar is the regex [0-9] over cl100k: ten single-digit tokens allowe
 import math
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,11 +16,12 @@ from service.engine import guided
 from service.engine.guided import GuidedSampler
 from service.engine.request import Constraint, Request, SamplingParams
 from service.engine.sampler import Sampler
-from service.engine.structured import Grammars, Masks
+from service.engine.structured import Grammars, Masks, unpack
 
 DIGIT = Constraint("regex", "[0-9]", "guided_regex")
 ROWS, ROUNDS = 16, 125  # 2,000 draws a case
 CHI2_9DOF_P001 = 27.88  # chi-square critical value, 9 degrees of freedom, p = 0.001
+CHI2_6DOF_P001 = 22.46
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +44,9 @@ def row(vocab: int, digits: list[int], digit_share: float) -> torch.Tensor:
     return logits.float()
 
 
-def draws(setup, logits: torch.Tensor, params: SamplingParams) -> Counter:
+def draws(setup, logits: torch.Tensor, params: SamplingParams, busy_rows: int = 0) -> Counter:
+    """Counts of each token over ROUNDS batches of ROWS rows. busy_rows: the device is
+    "still computing" while that many masks are computed (a GPU's forward); 0: the CPU."""
     grammars, sampler, digits = setup
     counts: Counter = Counter()
     for _ in range(ROUNDS):
@@ -50,7 +54,8 @@ def draws(setup, logits: torch.Tensor, params: SamplingParams) -> Counter:
         for r in requests:
             r.guide = grammars.guide(DIGIT)
         batch = logits.repeat(ROWS, 1)
-        result = sampler.sample(batch, requests, [None] * ROWS, list(range(ROWS)))
+        busy = iter([True] * busy_rows + [False] * ROWS).__next__ if busy_rows else None
+        result = sampler.sample(batch, requests, [None] * ROWS, list(range(ROWS)), busy)
         counts.update(result.token_ids)
     assert set(counts) <= set(digits), "a token outside the grammar"
     return counts
@@ -118,3 +123,59 @@ def test_a_greedy_row_takes_the_most_likely_allowed_token(setup, above: int) -> 
     logits[hot] = 1.0 + torch.arange(len(hot)) * 1e-4  # above every digit's, no ties
     counts = draws(setup, logits, SamplingParams(temperature=0))
     assert counts == Counter({digits[9]: ROWS * ROUNDS})
+
+
+@pytest.mark.parametrize("share", [0.5, 1e-6])
+def test_rows_masked_while_the_device_computes(
+    setup, monkeypatch: pytest.MonkeyPatch, share: float
+) -> None:
+    """While the forward is still running (a GPU), the first rows' masks are computed and
+    those rows sampled under them in the one pass; the rest choose as on the CPU. The
+    rows of both kinds draw from the masked distribution."""
+    grammars, _, digits = setup
+    early: list[int] = []
+    real = GuidedSampler._masks_while
+
+    def spy(*a, **kw):  # type: ignore[no-untyped-def]
+        out = real(*a, **kw)
+        early.append(len(out))
+        return out
+
+    monkeypatch.setattr(GuidedSampler, "_masks_while", spy)
+    counts = draws(
+        setup,
+        row(grammars.vocab_size, digits, share),
+        SamplingParams(temperature=1.0),
+        busy_rows=ROWS // 2,
+    )
+    assert early == [ROWS // 2] * ROUNDS
+    assert chi2(counts, digits, [w / 55 for w in range(1, 11)]) < CHI2_9DOF_P001, counts
+    every = draws(
+        setup,
+        row(grammars.vocab_size, digits, share),
+        SamplingParams(temperature=0.7, top_p=0.9),
+        busy_rows=ROWS,
+    )
+    w = [
+        x ** (1 / 0.7) for x in range(1, 11)
+    ]  # top_p 0.9 after the mask: drops the least likely digits
+    keep = [i for i in range(10) if sum(w[i + 1 :]) / sum(w) < 0.9]
+    expected = [w[i] / sum(w[k] for k in keep) if i in keep else 0 for i in range(10)]
+    assert all(every[digits[i]] == 0 for i in range(10) if i not in keep), every
+    kept = [digits[i] for i in keep]
+    assert len(kept) == 7  # digits 4..10 (their mass before digit 3 is 0.93)
+    assert chi2(every, kept, [expected[i] for i in keep]) < CHI2_6DOF_P001, every
+
+
+def test_masks_unpack_alike_on_the_host_and_on_a_device(setup) -> None:
+    """A GPU unpacks the packed words itself (structured.unpack); the CPU with numpy."""
+    grammars, _, _ = setup
+    masks = Masks(grammars)
+    words = torch.randint(-(2**31), 2**31 - 1, (3, grammars.words), dtype=torch.int32).numpy()
+    spare = 32 * grammars.words - grammars.vocab_size  # bits past the vocabulary: never set
+    words[:, -1] &= np.int32((1 << (32 - spare)) - 1)
+    host = masks.dense(words, torch.device("cpu"))
+    assert torch.equal(unpack(torch.from_numpy(words), grammars.vocab_size), host)
+    row, ids = Masks.pairs(words)
+    assert torch.equal(host.nonzero(), torch.from_numpy(np.stack([row, ids], axis=1)))
+    assert Masks.counts(words) == host.sum(dim=1).tolist()
