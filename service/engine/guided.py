@@ -118,9 +118,13 @@ class GuidedSampler:
         self, busy: Callable[[], bool], requests: list[Request], guided: list[int]
     ) -> dict[int, np.ndarray]:
         """{j: packed mask} of the rows whose masks were computed before the device
-        finished the forward (host time that would otherwise wait on it), in row order."""
+        finished the forward (host time that would otherwise wait on it), in row order.
+        Not seeded rows: their tokens depend on their seed and position alone, never on
+        how soon a forward finished."""
         early: dict[int, np.ndarray] = {}
         for j, i in enumerate(guided):
+            if requests[i].params.seed is not None:
+                continue
             if not busy():
                 break
             early[j] = self.masks.compute([requests[i].guide])[0]

@@ -179,3 +179,24 @@ def test_masks_unpack_alike_on_the_host_and_on_a_device(setup) -> None:
     row, ids = Masks.pairs(words)
     assert torch.equal(host.nonzero(), torch.from_numpy(np.stack([row, ids], axis=1)))
     assert Masks.counts(words) == host.sum(dim=1).tolist()
+
+
+def test_a_seeded_row_does_not_depend_on_the_devices_timing(setup) -> None:
+    """A seeded row never takes a mask computed while the forward runs: its tokens are the
+    same however long the device was busy."""
+    grammars, sampler, digits = setup
+    logits = row(grammars.vocab_size, digits, 0.2).repeat(ROWS, 1)
+    got = []
+    for busy_rows in (0, ROWS):
+        requests = [
+            Request(f"r{i}", [1], SamplingParams(temperature=1.0, seed=i), 0.0) for i in range(ROWS)
+        ]
+        gens = []
+        for i, r in enumerate(requests):
+            r.guide = grammars.guide(DIGIT)
+            gens.append(torch.Generator().manual_seed(i))
+        busy = iter([True] * busy_rows + [False] * ROWS).__next__ if busy_rows else None
+        got.append(
+            sampler.sample(logits.clone(), requests, gens, list(range(ROWS)), busy).token_ids
+        )
+    assert got[0] == got[1] and set(got[0]) <= set(digits)
