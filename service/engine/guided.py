@@ -134,8 +134,11 @@ class GuidedSampler:
         """(len(gens), n) uniform numbers, each row from its own generator (a seeded
         request's tokens depend on its seed and position alone)."""
         device = self.sampler.device
-        default = self.sampler.default_generator
-        return torch.stack([torch.rand(n, generator=g or default, device=device) for g in gens])
+        u = torch.rand(len(gens), n, generator=self.sampler.default_generator, device=device)
+        for k, g in enumerate(gens):  # the unseeded rows keep the shared generator's
+            if g is not None:
+                u[k] = torch.rand(n, generator=g, device=device)
+        return u
 
     def _candidates(
         self,
