@@ -60,13 +60,16 @@ def main() -> None:
     print(f"CPU: {cpu_model()}, {torch.get_num_threads()} threads; vocab {args.vocab}; bf16")
     print(f"{'config':<20} {'logits':<7}" + "".join(f" {f'{b} rows ms':>11}" for b in args.rows))
     for name, params in CONFIGS.items():
-        for shape, scale in (("peaked", 8.0), ("flat", 1.0)):
-            if shape == "flat" and "top_p" not in params:
+        for shape, scale in (("peaked", 8.0), ("flat", 1.0), ("1 flat", 8.0)):
+            if shape != "peaked" and "top_p" not in params:
                 continue  # only top_p's cost depends on the distribution's shape
             ms = {}
             for b in args.rows:
                 g = torch.Generator().manual_seed(b)
-                logits = (torch.randn(b, args.vocab, generator=g) * scale).bfloat16()
+                logits = torch.randn(b, args.vocab, generator=g) * scale
+                if shape == "1 flat":  # one row of the batch flat, the others peaked
+                    logits[0] /= scale
+                logits = logits.bfloat16()
                 ms[b] = time_call(sampler, logits, params, args.repeats)
             rows_out.append({"config": name, "logits": shape, "ms": ms})
             print(f"{name:<20} {shape:<7}" + "".join(f" {ms[b]:>11.2f}" for b in args.rows))

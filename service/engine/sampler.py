@@ -235,8 +235,9 @@ def invert(cdf: Tensor, u: Tensor) -> Tensor:
 
 # On the CPU top_p looks for its tokens among each row's most likely first (a model's
 # distribution usually has its top_p mass in a few hundred tokens): a full sort of
-# 16 x 128k floats measured 80 ms there, topk(256) 2 ms and topk(4096) 11 ms. On a GPU the
-# sort is cheap, and checking whether the candidates suffice would wait for the device
+# 16 x 128k floats measured 80 ms there, topk(256) 2 ms and topk(4096) 11 ms; a row whose
+# set is not among them goes on alone, so one flat row does not sort the batch. On a GPU
+# the sort is cheap, and checking whether the candidates suffice would wait for the device
 TOP_P_CANDIDATES = (256, 4096)
 
 
@@ -245,10 +246,22 @@ def _top_p(probs: Tensor, top_p: Tensor) -> Tensor:
     column) per row; probs normalised."""
     v = probs.shape[1]
     candidates = [k for k in TOP_P_CANDIDATES if k < v] if probs.device.type == "cpu" else []
+    out = torch.zeros_like(probs)
+    rows = torch.arange(len(probs), device=probs.device)  # the rows still looking
     for k in (*candidates, v):
-        top, order = probs.topk(k, dim=-1)  # sorted, most likely first
+        whole = len(rows) == len(probs)
+        top, order = (probs if whole else probs[rows]).topk(k, dim=-1)  # most likely first
+        p = top_p if whole else top_p[rows]
         before = top.cumsum(dim=-1) - top  # mass strictly before each token
-        if k == v or bool((before[:, -1:] + top[:, -1:] >= top_p).all()):
-            break  # every row's set lies within its k most likely tokens
-    kept = top.masked_fill_(before >= top_p, 0.0)  # the top token always survives
-    return torch.zeros_like(probs).scatter_(1, order, kept)
+        # a row is done once its set lies within its k most likely tokens
+        done = (before[:, -1] + top[:, -1] >= p[:, 0]) if k < v else None
+        kept = top.masked_fill_(before >= p, 0.0)  # the top token always survives
+        if done is None or bool(done.all()):
+            return (
+                out.scatter_(1, order, kept)
+                if whole
+                else out.index_copy_(0, rows, out[rows].scatter_(1, order, kept))
+            )
+        out.index_copy_(0, rows[done], out[rows[done]].scatter_(1, order[done], kept[done]))
+        rows = rows[~done]
+    return out  # not reached: the last pass (k = v) takes every row left

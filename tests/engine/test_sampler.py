@@ -1,5 +1,6 @@
 """The batched sampler's logit transforms against a plain per-request reference."""
 
+import pytest
 import torch
 
 from service.engine.request import Request, SamplingParams
@@ -115,6 +116,33 @@ def test_top_p_among_the_candidates_keeps_what_a_full_sort_keeps() -> None:
         assert bool((probs.topk(TOP_P_CANDIDATES[0]).values.sum(-1) >= 0.9).all()) == inside
         top_p = torch.full((4, 1), 0.9, dtype=probs.dtype)
         assert torch.equal(_top_p(probs, top_p), by_sorting(probs, 0.9))
+
+
+def test_top_p_rows_of_one_batch_go_as_far_as_each_needs() -> None:
+    """A batch whose rows' sets lie within the top 256 (x8), within the top 4,096 (x3) and
+    beyond it (x1): each row gets the full sort's set, and only the last row is sorted."""
+    logits = torch.randn(3, 20_000, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    probs = torch.softmax(logits * torch.tensor([[8.0], [3.0], [1.0]], dtype=torch.float64), -1)
+    mass = [probs.topk(k).values.sum(-1) for k in TOP_P_CANDIDATES]
+    assert (
+        mass[0].tolist()[0] >= 0.9 > mass[0].tolist()[1]
+        and mass[1].tolist()[1] >= 0.9 > mass[1].tolist()[2]
+    )
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    before = sorted_p.cumsum(dim=-1) - sorted_p
+    want = torch.zeros_like(probs).scatter_(1, order, sorted_p * (before < 0.9))
+    widths = []
+    real_topk = torch.Tensor.topk
+
+    def topk(t, k, *a, **kw):  # type: ignore[no-untyped-def]
+        widths.append((len(t), k))
+        return real_topk(t, k, *a, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.Tensor, "topk", topk)
+        got = _top_p(probs, torch.full((3, 1), 0.9, dtype=probs.dtype))
+    assert torch.equal(got, want)
+    assert widths == [(3, 256), (2, 4096), (1, 20_000)]
 
 
 def test_top_k_in_a_batch_filters_its_own_rows_only() -> None:
