@@ -94,7 +94,8 @@ class GuidedSampler:
         masks = self.masks
         words = masks.compute([requests[guided[j]].guide for j in redo])  # packed (R, W)
         counts = masks.counts(words)
-        sparse = [k for k, j in enumerate(redo) if counts[k] <= SPARSE and j in plain]
+        # an empty mask (a grammar in error) takes the dense path: the request fails alone
+        sparse = [k for k, j in enumerate(redo) if 0 < counts[k] <= SPARSE and j in plain]
         if sparse:
             chosen = self._choose_among(before, words[sparse], [redo[k] for k in sparse],
                                         requests, gens, guided)  # fmt: skip

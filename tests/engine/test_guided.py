@@ -201,3 +201,22 @@ def test_a_seeded_row_does_not_depend_on_the_devices_timing(setup) -> None:
             sampler.sample(logits.clone(), requests, gens, list(range(ROWS)), busy).token_ids
         )
     assert got[0] == got[1] and set(got[0]) <= set(digits)
+
+
+def test_empty_masks_do_not_fail_the_step(setup, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Masks allowing nothing (grammars in error) do not fail the step: those rows get
+    some token (which their grammars then refuse: the engine fails those requests alone)
+    and an unconstrained row in the batch its own."""
+    grammars, sampler, digits = setup
+    monkeypatch.setattr(
+        Masks, "compute", lambda self, guides: np.zeros((len(guides), grammars.words), np.int32)
+    )
+    logits = row(grammars.vocab_size, digits, 1e-9).repeat(5, 1)
+    for temperature in (0.0, 1.0):
+        requests = [
+            Request(f"r{i}", [1], SamplingParams(temperature=temperature), 0.0) for i in range(5)
+        ]
+        for r in requests[:4]:
+            r.guide = grammars.guide(DIGIT)
+        tokens = sampler.sample(logits.clone(), requests, [None] * 5, list(range(4))).token_ids
+        assert len(tokens) == 5 and tokens[4] not in digits, tokens
