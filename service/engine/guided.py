@@ -28,7 +28,7 @@ only slow it down, so masks wait for the choices.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -131,16 +131,6 @@ class GuidedSampler:
             early[j] = self.masks.compute([requests[i].guide])[0]
         return early
 
-    def _uniform(self, gens: Sequence[torch.Generator | None], n: int) -> Tensor:
-        """(len(gens), n) uniform numbers, each row from its own generator (a seeded
-        request's tokens depend on its seed and position alone)."""
-        device = self.sampler.device
-        u = torch.rand(len(gens), n, generator=self.sampler.default_generator, device=device)
-        for k, g in enumerate(gens):  # the unseeded rows keep the shared generator's
-            if g is not None:
-                u[k] = torch.rand(n, generator=g, device=device)
-        return u
-
     def _candidates(
         self,
         before: Tensor,
@@ -166,7 +156,7 @@ class GuidedSampler:
             # every row of the CDF is searched (a few numbers each): no copy of the rows
             u = torch.zeros(cdf.shape[0], CANDIDATES, device=cdf.device)
             rows = self.sampler.index([guided[j] for j in drawn])
-            u[rows] = self._uniform([gens[guided[j]] for j in drawn], CANDIDATES)
+            u[rows] = self.sampler.uniform([gens[guided[j]] for j in drawn], CANDIDATES)
             picks = invert(cdf, u)[rows]
             choices.update(zip(drawn, picks.tolist(), strict=True))
         found = {}
@@ -207,7 +197,7 @@ class GuidedSampler:
                 [p.temperature if p.temperature > 0 else 1.0 for p in params]
             )
             cdf = torch.softmax(x / temps, dim=1).cumsum_(dim=1)
-            pos = invert(cdf, self._uniform([gens[guided[j]] for j in js], 1))
+            pos = invert(cdf, self.sampler.uniform([gens[guided[j]] for j in js], 1))
             if any(p.greedy for p in params):
                 greedy = self.sampler.tensor([p.greedy for p in params], torch.bool)
                 pos = torch.where(greedy.unsqueeze(1), x.argmax(dim=1, keepdim=True), pos)

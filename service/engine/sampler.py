@@ -197,12 +197,17 @@ class Sampler:
             min_p = self.column([p.min_p for p in params])
             probs.masked_fill_(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
         cdf = probs.cumsum_(dim=-1)  # zero-probability tokens add no step
-        uniform = [
-            torch.rand(1, generator=g or self.default_generator, device=self.device)
-            for g in generators
-        ]
-        u = torch.cat(uniform).unsqueeze(1)  # (B, 1)
-        return invert(cdf, u).squeeze(1), cdf
+        return invert(cdf, self.uniform(generators, 1)).squeeze(1), cdf
+
+    def uniform(self, generators: Sequence[torch.Generator | None], n: int) -> Tensor:
+        """(len(generators), n) uniform numbers, each seeded row's from its own generator
+        (its tokens depend on its seed and position alone), the others' from one call of
+        the shared generator."""
+        u = torch.rand(len(generators), n, generator=self.default_generator, device=self.device)
+        for k, g in enumerate(generators):
+            if g is not None:
+                u[k] = torch.rand(n, generator=g, device=self.device)
+        return u
 
     def _logprobs(
         self, raw: Tensor, requests: Sequence[Request], tokens: list[int]
@@ -257,11 +262,10 @@ def _top_p(probs: Tensor, top_p: Tensor) -> Tensor:
         done = (before[:, -1] + top[:, -1] >= p[:, 0]) if k < v else None
         kept = top.masked_fill_(before >= p, 0.0)  # the top token always survives
         if done is None or bool(done.all()):
-            return (
-                out.scatter_(1, order, kept)
-                if whole
-                else out.index_copy_(0, rows, out[rows].scatter_(1, order, kept))
-            )
-        out.index_copy_(0, rows[done], out[rows[done]].scatter_(1, order[done], kept[done]))
+            if whole:
+                return out.scatter_(1, order, kept)
+            return out.index_copy_(0, rows, probs.new_zeros(len(rows), v).scatter_(1, order, kept))
+        spread = probs.new_zeros(int(done.sum()), v).scatter_(1, order[done], kept[done])
+        out.index_copy_(0, rows[done], spread)
         rows = rows[~done]
     return out  # not reached: the last pass (k = v) takes every row left

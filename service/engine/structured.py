@@ -2,12 +2,12 @@
 one of a list of choices, or a grammar (Lark, or GBNF converted to it), by llguidance
 (chosen by measurement against xgrammar and outlines-core: benchmarks/RESULTS.md).
 
-Each constrained sequence has a `Guide` (its matcher). Once a step's first choices are
-back on the host, the runner hands the guides of the rows that need a mask (their
-grammar rejects the choice, or a filter follows the mask) to `Masks.compute`, and the
-sampler chooses again under those masks (service/engine/guided.py). A guide advances
-with every token the sequence accepts, and says when the grammar is complete (the request then
-finishes with `stop`). Requests without a constraint build nothing and pay nothing.
+Each constrained sequence has a `Guide` (its matcher). service/engine/guided.py decides
+which rows need their `Masks` and when (after the step's first choices; on a GPU also
+while the forward runs). A guide advances with every token the sequence accepts, says
+which tokens the grammar forces next (jump-forward) and when the grammar is complete
+(the request then finishes with `stop`). Requests without a constraint build nothing
+and pay nothing.
 """
 
 from __future__ import annotations
