@@ -75,6 +75,15 @@ typedef __m256i vi;
 
 #define NV (NB / VL) /* vectors per block row */
 
+/* The weight vectors of a k step, loaded once for all MR rows. Left to itself GCC loads
+ * them again for every row (the loads are cheaper to redo than registers to hold, by its
+ * measure): 24 loads for 24 dot products at 6 rows, and the tile ran at 78% of the speed
+ * it reaches with the vectors held (benchmarks/RESULTS.md). An empty asm that "changes"
+ * them makes a reload impossible. */
+#define KEEP_IN_REGISTERS(v)                                                             \
+    do {                                                                                 \
+        for (int j_ = 0; j_ < NV; ++j_) __asm__("" : "+v"(v[j_]));                       \
+    } while (0)
 #if MR_MAX >= 6
 #define NBLK_MAX 4
 #else
@@ -199,6 +208,7 @@ static inline __attribute__((always_inline)) void bf16_tile(const int NBLK, cons
                 _mm_prefetch((const char *)wk + PREFETCH + off, _MM_HINT_T0);
             vi wv[NV];
             for (int j = 0; j < NV; ++j) wv[j] = vi_load(wk + j * 2 * VL);
+            KEEP_IN_REGISTERS(wv);
             for (int r = 0; r < MR; ++r) {
                 uint32_t pair;
                 memcpy(&pair, x + (long)r * k + 2 * kp, sizeof pair);
@@ -259,6 +269,7 @@ static inline __attribute__((always_inline)) void int8_tile(const int NBLK, cons
                 _mm_prefetch((const char *)wk + PREFETCH + off, _MM_HINT_T0);
             vi wv[NV];
             for (int j = 0; j < NV; ++j) wv[j] = vi_load(wk + j * 4 * VL);
+            KEEP_IN_REGISTERS(wv);
             for (int r = 0; r < MR; ++r) {
                 int32_t quad;
                 memcpy(&quad, xq + (long)r * k + 4 * kq, sizeof quad);
