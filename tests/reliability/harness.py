@@ -2,7 +2,8 @@
 reliability tests need to look inside and to break it on purpose.
 
 - GET /debug/state: process RSS, Python objects tracked by the garbage collector (total
-  and per kvserve class), and the engine's and API's per-request tables.
+  and per kvserve class) and those frozen out of its sight after the load, and the
+  engine's and API's per-request tables.
 - KVSERVE_TEST_FAULT=nan-token:ID  turns the embedding of token ID into NaN, so
   any request whose prompt holds ID gets non-finite logits.
 - KVSERVE_TEST_FAULT=die-on-token:ID  makes the engine loop raise as soon as a request
@@ -53,6 +54,7 @@ def _debug_state(app: Any) -> dict[str, Any]:
     return {
         "rss_bytes": _rss_bytes(),
         "gc_objects": len(objects),
+        "gc_frozen": gc.get_freeze_count(),
         "tracked": {name.rpartition(".")[2]: by_type.get(name, 0) for name in TRACKED},
         "engine_requests": len(engine.engine.requests),
         "engine_streams": len(engine._streams),
