@@ -90,11 +90,23 @@ typedef __m256i vi;
  * them again for every row (the loads are cheaper to redo than registers to hold, by its
  * measure): 24 loads for 24 dot products at 6 rows, and the tile ran at 78% of the speed
  * it reaches with the vectors held (benchmarks/RESULTS.md). An empty asm that "changes"
- * them makes a reload impossible. */
+ * them makes a reload impossible. Only where vdpbf16ps / vpdpbusd take the vectors as
+ * they are: at the lower levels each is converted or split before use, and holding them
+ * spilled others (AVX2 bf16, 256 rows: 168 -> 96 GFLOP/s). */
 #define KEEP_IN_REGISTERS(v)                                                             \
     do {                                                                                 \
         for (int j_ = 0; j_ < NV; ++j_) __asm__("" : "+v"(v[j_]));                       \
     } while (0)
+#if VL == 16 && defined(__AVX512BF16__)
+#define KEEP_BF16(v) KEEP_IN_REGISTERS(v)
+#else
+#define KEEP_BF16(v) ((void)0)
+#endif
+#if VL == 16 && defined(__AVX512VNNI__)
+#define KEEP_INT8(v) KEEP_IN_REGISTERS(v)
+#else
+#define KEEP_INT8(v) ((void)0)
+#endif
 #if MR_MAX >= 6
 #define NBLK_MAX 4
 #else
@@ -222,7 +234,7 @@ static inline __attribute__((always_inline)) void bf16_tile(const int NBLK, cons
                 _mm_prefetch((const char *)wk + PREFETCH + off, _MM_HINT_T0);
             vi wv[NV];
             for (int j = 0; j < NV; ++j) wv[j] = vi_load(wk + j * 2 * VL);
-            KEEP_IN_REGISTERS(wv);
+            KEEP_BF16(wv);
             for (int r = 0; r < MR; ++r) {
                 uint32_t pair;
                 memcpy(&pair, x + (long)r * k + 2 * kp, sizeof pair);
@@ -286,7 +298,7 @@ static inline __attribute__((always_inline)) void int8_tile(const int NBLK, cons
                 _mm_prefetch((const char *)wk + PREFETCH + off, _MM_HINT_T0);
             vi wv[NV];
             for (int j = 0; j < NV; ++j) wv[j] = vi_load(wk + j * 4 * VL);
-            KEEP_IN_REGISTERS(wv);
+            KEEP_INT8(wv);
             for (int r = 0; r < MR; ++r) {
                 int32_t quad;
                 memcpy(&quad, xq + (long)r * k + 4 * kq, sizeof quad);
