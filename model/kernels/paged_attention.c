@@ -203,9 +203,127 @@ static inline uint16_t bf16_store(float f) {  /* round to nearest even (no NaN h
 }
 
 DEFINE_KERNEL(paged_attention_f32, float, f32_id, f32_id, float, keys2_f32, vals2_f32)
+#if defined(__AVX512BF16__) && BS == 16 && D % 16 == 0
+/* bf16 with AVX-512 BF16 (and no tiles, or tiles not wanted): the same tasks and online
+ * softmax, with the dot products done by vdpbf16ps on the cache's own pairs. q.k: each
+ * 32-bit lane of a K vector holds a key's channels d, d + 1 (the layout above), so one
+ * vdpbf16ps against q's (d, d + 1) pair adds both channels to 16 keys' scores, q taken as
+ * the bf16 it is and the scale applied to the scores. p.v: a V vector holds 16 channels of
+ * a token pair, so the probabilities go in as bf16 pairs, rounded as the AMX kernel
+ * rounds them, and the running sum adds those rounded weights. A third of the vector
+ * instructions the float32 version runs (benchmarks/RESULTS.md). A row's arithmetic is its
+ * own, so its bits do not depend on what else is in the call. */
+#include <immintrin.h>
+
+#define QK_CHAINS (D % 8 == 0 ? 4 : 1)
+
+static inline __m512 vexp512(__m512 x) {
+    vblk e;
+    memcpy(&e, &x, sizeof e);
+    e = vexp(e);
+    memcpy(&x, &e, sizeof x);
+    return x;
+}
+
+void paged_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                          const int64_t *tables, const int64_t *row_seq, const int64_t *lens,
+                          uint16_t *out, int R, int q_stride, int KV, int max_blocks,
+                          float scale, const float *alibi, int nthreads) {
+    const __m512 lane = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+    for (int task = 0; task < R * KV; ++task) {
+        const int row = task / KV, kvh = task % KV, H = KV * G;
+        const int64_t S = lens[row], seq = row_seq ? row_seq[row] : row;
+        uint32_t qp[G][D / 2];  /* q's channel pairs, as bf16 pairs */
+        __m512 acc[G][D / 16];
+        float m[G], l[G];
+        for (int g = 0; g < G; ++g) {
+            memcpy(qp[g], q + (int64_t)row * q_stride + (kvh * G + g) * D, D * 2);
+            for (int c = 0; c < D / 16; ++c) acc[g][c] = _mm512_setzero_ps();
+            m[g] = -1e30f;
+            l[g] = 0.f;
+        }
+        const int nblk = (int)((S + BS - 1) / BS);
+        for (int j = 0; j < nblk; ++j) {
+            const int64_t blk = tables[seq * max_blocks + j];
+            const int64_t rest = S - (int64_t)j * BS;
+            const int n = rest < BS ? (int)rest : BS;
+            const uint16_t *kb = k + (blk * KV + kvh) * (int64_t)(D * BS);
+            const uint16_t *vb = v + (blk * KV + kvh) * (int64_t)(D * BS);
+            for (int a = j ? 2 : 1; a <= 2 && j + a < nblk; ++a) {  /* as the kernel above */
+                const int64_t nxt = tables[seq * max_blocks + j + a];
+                const char *pk = (const char *)(k + (nxt * KV + kvh) * (int64_t)(D * BS));
+                const char *pv = (const char *)(v + (nxt * KV + kvh) * (int64_t)(D * BS));
+                for (int off = 0; off < D * BS * 2; off += 64) {
+                    __builtin_prefetch(pk + off, 0, 2);
+                    __builtin_prefetch(pv + off, 0, 2);
+                }
+            }
+            /* QK_CHAINS partial sums per head: one would be a chain of D / 2 dependent
+             * vdpbf16ps, its latency the block's time */
+            __m512 part[G][QK_CHAINS], sc[G];
+            for (int g = 0; g < G; ++g)
+                for (int i = 0; i < QK_CHAINS; ++i) part[g][i] = _mm512_setzero_ps();
+            for (int d = 0; d < D / 2; d += QK_CHAINS) {
+                for (int i = 0; i < QK_CHAINS; ++i) {
+                    const __m512bh kv = (__m512bh)_mm512_loadu_si512(kb + (d + i) * BS * 2);
+                    for (int g = 0; g < G; ++g)
+                        part[g][i] = _mm512_dpbf16_ps(
+                            part[g][i], kv, (__m512bh)_mm512_set1_epi32((int)qp[g][d + i]));
+                }
+            }
+            for (int g = 0; g < G; ++g) {
+                sc[g] = part[g][0];
+                for (int i = 1; i < QK_CHAINS; ++i) sc[g] = _mm512_add_ps(sc[g], part[g][i]);
+            }
+            const __mmask16 keep = n < BS ? (__mmask16)((1u << n) - 1) : (__mmask16)0xFFFF;
+            uint32_t pp[G][BS / 2];  /* the probabilities as bf16 token pairs */
+            for (int g = 0; g < G; ++g) {
+                __m512 s = _mm512_mul_ps(sc[g], _mm512_set1_ps(scale));
+                if (alibi) {  /* -slope * distance, distance = S - 1 - key position */
+                    const __m512 dist = _mm512_sub_ps(
+                        _mm512_set1_ps((float)(S - 1 - (int64_t)j * BS)), lane);
+                    s = _mm512_fnmadd_ps(_mm512_set1_ps(alibi[kvh * G + g]), dist, s);
+                }
+                s = _mm512_mask_blend_ps(keep, _mm512_set1_ps(-1e30f), s);
+                const float bmax = fmaxf(m[g], _mm512_reduce_max_ps(s));
+                const __m512 e = _mm512_maskz_mov_ps(
+                    keep, vexp512(_mm512_sub_ps(s, _mm512_set1_ps(bmax))));
+                const __m256bh pb = _mm512_cvtneps_pbh(e);
+                const float corr = expf(m[g] - bmax);
+                l[g] = l[g] * corr + _mm512_reduce_add_ps(_mm512_cvtpbh_ps(pb));
+                m[g] = bmax;
+                memcpy(pp[g], &pb, sizeof pp[g]);
+                for (int c = 0; c < D / 16; ++c)
+                    acc[g][c] = _mm512_mul_ps(acc[g][c], _mm512_set1_ps(corr));
+            }
+            for (int t = 0; t < n; t += 2) {  /* token pairs; past the context: none */
+                /* a last odd token's partner slot may hold anything: its channels read 0 */
+                const __mmask32 both = t + 1 < n ? 0xFFFFFFFFu : 0x55555555u;
+                for (int c = 0; c < D / 16; ++c) {
+                    const __m512bh vv = (__m512bh)_mm512_maskz_loadu_epi16(
+                        both, vb + (int64_t)t * D + c * 32);
+                    for (int g = 0; g < G; ++g)
+                        acc[g][c] = _mm512_dpbf16_ps(
+                            acc[g][c], vv, (__m512bh)_mm512_set1_epi32((int)pp[g][t / 2]));
+                }
+            }
+        }
+        for (int g = 0; g < G; ++g) {
+            uint16_t *o = out + ((int64_t)row * H + kvh * G + g) * D;
+            const __m512 inv = _mm512_set1_ps(1.f / l[g]);
+            for (int c = 0; c < D / 16; ++c) {
+                const __m256bh r = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][c], inv));
+                _mm256_storeu_si256((__m256i *)(o + c * 16), (__m256i)r);
+            }
+        }
+    }
+}
+#else
 /* bf16 queries and output (as the decoder stack's buffers hold them): float32 inside */
 DEFINE_KERNEL(paged_attention_bf16, uint16_t, bf16_load, bf16_store, uint16_t, keys2_bf16,
               vals2_bf16)
+#endif
 
 /* ---- bfloat16 on the AMX tile unit ------------------------------------------------------
  * The same attention for bfloat16 caches on CPUs with AMX, BLOCK_SIZE 16 and HEAD_DIM a
