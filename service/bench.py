@@ -188,9 +188,11 @@ async def run(
 
 async def single_stream(url: str, prompt: list[int], max_tokens: int) -> dict[str, float]:
     """One streamed request alone: decode tok/s = (chunks - 1) / (last chunk - first
-    chunk), TTFT, and the number of chunks; SystemExit if it fails."""
-    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-        r = await one(client, prompt, max_tokens, None)
+    chunk), TTFT, and the number of chunks; SystemExit if it fails. Through the same
+    transport as `run` (the client's CPU per token is taken from the server measured)."""
+    transport, errors, _ = client_transport(httpx.Limits(max_connections=4))
+    async with httpx.AsyncClient(base_url=url, timeout=600, transport=transport) as client:
+        r = await one(client, prompt, max_tokens, None, errors)
     if not r.ok or not r.itl:
         raise SystemExit(f"request failed: {r.error}")
     return {"decode_tok_s": len(r.itl) / sum(r.itl), "ttft_s": r.ttft, "chunks": len(r.itl) + 1}
