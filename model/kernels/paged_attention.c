@@ -104,6 +104,33 @@ static inline float hsum(vblk v) {
     return s;
 }
 
+/* Blocks are scattered: while block j of a sequence's `table` is read, the one after next
+ * is fetched into L2 (on the first block, the next too); fetching the next into L1 in one
+ * burst measured slower (benchmarks/RESULTS.md). `bytes`: one block of one K/V head. */
+static inline void prefetch_ahead(const void *k, const void *v, const int64_t *table, int j,
+                                  int nblk, int KV, int kvh, int64_t bytes) {
+    for (int a = j ? 2 : 1; a <= 2 && j + a < nblk; ++a) {
+        const int64_t at = (table[j + a] * KV + kvh) * bytes;
+        for (int64_t off = 0; off < bytes; off += 64) {
+            __builtin_prefetch((const char *)k + at + off, 0, 2);
+            __builtin_prefetch((const char *)v + at + off, 0, 2);
+        }
+    }
+}
+
+#if defined(__AVX512F__) && BS == 16
+#include <immintrin.h>
+
+/* vexp on a 512-bit vector (a block of scores), lanes outside `keep` zeroed. */
+static inline __m512 exp_masked(__m512 x, __mmask16 keep) {
+    vblk e;
+    memcpy(&e, &x, sizeof e);
+    e = vexp(e);
+    memcpy(&x, &e, sizeof x);
+    return _mm512_maskz_mov_ps(keep, x);
+}
+#endif
+
 #define DEFINE_KERNEL(NAME, QT, QLOAD, QSTORE, T, KEYS, VALS)                             \
 void NAME(const QT *q, const T *k, const T *v, const int64_t *tables,                     \
           const int64_t *row_seq, const int64_t *lens, QT *out, int R, int q_stride,      \
@@ -128,17 +155,8 @@ void NAME(const QT *q, const T *k, const T *v, const int64_t *tables,           
             const int n = rest < BS ? (int)rest : BS;                                     \
             const T *kb = k + (blk * KV + kvh) * (int64_t)(D * BS);                       \
             const T *vb = v + (blk * KV + kvh) * (int64_t)(D * BS);                       \
-            /* blocks are scattered: fetch the one after next into L2 meanwhile (and */  \
-            /* the next too, on the first); into L1 the burst measured no faster */       \
-            for (int a = j ? 2 : 1; a <= 2 && j + a < nblk; ++a) {                         \
-                const int64_t nxt = tables[seq * max_blocks + j + a];                     \
-                const char *pk = (const char *)(k + (nxt * KV + kvh) * (int64_t)(D * BS)); \
-                const char *pv = (const char *)(v + (nxt * KV + kvh) * (int64_t)(D * BS)); \
-                for (int off = 0; off < (int)(D * BS * sizeof(T)); off += 64) {           \
-                    __builtin_prefetch(pk + off, 0, 2);                                   \
-                    __builtin_prefetch(pv + off, 0, 2);                                   \
-                }                                                                         \
-            }                                                                             \
+            prefetch_ahead(k, v, tables + seq * max_blocks, j, nblk, KV, kvh,            \
+                           (int64_t)(D * BS * sizeof(T)));                                \
             vblk sc[G];                                                                   \
             for (int g = 0; g < G; ++g) sc[g] = (vblk){0};                                \
             for (int d = 0; d < D; d += 2) {  /* one key vector feeds G FMAs */           \
@@ -214,17 +232,7 @@ DEFINE_KERNEL(paged_attention_f32, float, f32_id, f32_id, float, keys2_f32, vals
  * the float32 version and none of its conversions (16 decode rows: 12% faster with the
  * cache in memory, 30% in cache, benchmarks/RESULTS.md). A row's arithmetic is its own,
  * so its bits do not depend on what else is in the call. */
-#include <immintrin.h>
-
 #define QK_CHAINS (D % 8 == 0 ? 4 : 1)
-
-static inline __m512 vexp512(__m512 x) {
-    vblk e;
-    memcpy(&e, &x, sizeof e);
-    e = vexp(e);
-    memcpy(&x, &e, sizeof x);
-    return x;
-}
 
 void paged_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                           const int64_t *tables, const int64_t *row_seq, const int64_t *lens,
@@ -251,15 +259,7 @@ void paged_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *
             const int n = rest < BS ? (int)rest : BS;
             const uint16_t *kb = k + (blk * KV + kvh) * (int64_t)(D * BS);
             const uint16_t *vb = v + (blk * KV + kvh) * (int64_t)(D * BS);
-            for (int a = j ? 2 : 1; a <= 2 && j + a < nblk; ++a) {  /* as the kernel above */
-                const int64_t nxt = tables[seq * max_blocks + j + a];
-                const char *pk = (const char *)(k + (nxt * KV + kvh) * (int64_t)(D * BS));
-                const char *pv = (const char *)(v + (nxt * KV + kvh) * (int64_t)(D * BS));
-                for (int off = 0; off < D * BS * 2; off += 64) {
-                    __builtin_prefetch(pk + off, 0, 2);
-                    __builtin_prefetch(pv + off, 0, 2);
-                }
-            }
+            prefetch_ahead(k, v, tables + seq * max_blocks, j, nblk, KV, kvh, D * BS * 2);
             /* QK_CHAINS partial sums per head: one would be a chain of D / 2 dependent
              * vdpbf16ps, its latency the block's time */
             __m512 part[G][QK_CHAINS], sc[G];
@@ -288,8 +288,7 @@ void paged_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *
                 }
                 s = _mm512_mask_blend_ps(keep, _mm512_set1_ps(-1e30f), s);
                 const float bmax = fmaxf(m[g], _mm512_reduce_max_ps(s));
-                const __m512 e = _mm512_maskz_mov_ps(
-                    keep, vexp512(_mm512_sub_ps(s, _mm512_set1_ps(bmax))));
+                const __m512 e = exp_masked(_mm512_sub_ps(s, _mm512_set1_ps(bmax)), keep);
                 const __m256bh pb = _mm512_cvtneps_pbh(e);
                 const float corr = expf(m[g] - bmax);
                 l[g] = l[g] * corr + _mm512_reduce_add_ps(_mm512_cvtpbh_ps(pb));
@@ -386,14 +385,6 @@ static inline __mmask16 visible(int64_t last, int first) {
     const int64_t lim = last - first;
     if (lim < 0) return 0;
     return _mm512_cmple_epi32_mask(lane, _mm512_set1_epi32(lim < 15 ? (int)lim : 15));
-}
-
-static inline __m512 exp_masked(__m512 x, __mmask16 keep) {
-    vblk e;
-    memcpy(&e, &x, sizeof e);
-    e = vexp(e);
-    memcpy(&x, &e, sizeof x);
-    return _mm512_maskz_mov_ps(keep, x);
 }
 
 /* Scores of the step's keys k0 .. k0 + SPAN - 1 -> probabilities in st->p, running max
