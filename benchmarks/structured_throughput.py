@@ -27,6 +27,7 @@ import httpx
 from service.bench import cpu_model, spawn, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
+PROMPT = "List some words:"
 
 
 def schema(items: int, kind: str = "strings") -> dict[str, Any]:
@@ -74,7 +75,7 @@ def main() -> int:
     args = ap.parse_args()
     proc, url = spawn(args.server_args)
     model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
-    base = {"model": model, "prompt": "List some words:", "temperature": 1.0}
+    base = {"model": model, "prompt": PROMPT, "temperature": 1.0}
     free = base | {"max_tokens": args.max_tokens, "ignore_eos": True}
     guided = base | {"max_tokens": args.max_tokens, "guided_json": schema(args.items, args.schema)}
     runs: dict[str, list[dict[str, Any]]] = {"unconstrained": [], "json_schema": []}
