@@ -72,9 +72,8 @@ static inline void keys2_f32(const float *kb, int d, vblk *a, vblk *b) {
 static inline void keys2_bf16(const uint16_t *kb, int d, vblk *a, vblk *b) {
     ublk u;
     memcpy(&u, kb + d * BS, sizeof u);
-    const ublk lo = u << 16, hi = u & 0xFFFF0000u;
-    memcpy(a, &lo, sizeof *a);
-    memcpy(b, &hi, sizeof *b);
+    *a = (vblk)(u << 16);  /* casts between vector types keep the bits (memcpy between */
+    *b = (vblk)(u & 0xFFFF0000u);  /* them went through integer registers at AVX2) */
 }
 /* Channels c * DV .. c * DV + DV - 1 of two tokens (t, t + 1; t even) of a V block.
  * float32 blocks are (BS, D); bfloat16 blocks (BS/2, D, 2), token pairs interleaved. */
@@ -85,9 +84,8 @@ static inline void vals2_f32(const float *vb, int t, int c, vch *a, vch *b) {
 static inline void vals2_bf16(const uint16_t *vb, int t, int c, vch *a, vch *b) {
     uch u;
     memcpy(&u, vb + t * D + 2 * c * DV, sizeof u);
-    const uch lo = u << 16, hi = u & 0xFFFF0000u;
-    memcpy(a, &lo, sizeof *a);
-    memcpy(b, &hi, sizeof *b);
+    *a = (vch)(u << 16);
+    *b = (vch)(u & 0xFFFF0000u);
 }
 
 static inline float hmax(vblk v) {
@@ -143,80 +141,140 @@ static inline __m512 exp_masked(__m512 x, __mmask16 keep) {
 }
 #endif
 
+/* Rows of one sequence (a prefill chunk's) share a task, up to ROWS_PER_TASK of them:
+ * each K/V block is read once for all of them (from L1 after the first row), and the
+ * rows' work overlaps where one row's blocks wait on each other's running max. A block
+ * that leaves a row's running max as it was takes its correction, exp(0) = 1, without
+ * calling expf. Each row's arithmetic, and so its bits, unchanged by either
+ * (benchmarks/RESULTS.md, round nine). */
+#define ROWS_PER_TASK 8
+
+/* A block's p.v into row r (its probabilities p, n tokens). One value vector feeds G
+ * FMAs, and each accumulator adds the tokens in order. With 32 vector registers every
+ * channel chunk's accumulators stay in them through the block; with AVX2's 16 they
+ * spilled to memory at every token, so there the chunks go one at a time (the same
+ * bits either way; benchmarks/RESULTS.md, round nine). */
+#if defined(__AVX512F__)
+#define PV_BLOCK(VALS)                                                                    \
+    do {                                                                                  \
+        vch acc[G][D / DV];                                                               \
+        memcpy(acc, r->acc, sizeof acc);                                                  \
+        for (int t = 0; t < n; t += 2) {                                                  \
+            for (int c = 0; c < D / DV; ++c) {                                            \
+                vch v0, v1;                                                               \
+                VALS(vb, t, c, &v0, &v1);                                                 \
+                for (int g = 0; g < G; ++g) acc[g][c] += p[g][t] * v0;                    \
+                if (t + 1 < n)                                                            \
+                    for (int g = 0; g < G; ++g) acc[g][c] += p[g][t + 1] * v1;            \
+            }                                                                             \
+        }                                                                                 \
+        memcpy(r->acc, acc, sizeof acc);                                                  \
+    } while (0)
+#else
+#define PV_BLOCK(VALS)                                                                    \
+    do {                                                                                  \
+        for (int c = 0; c < D / DV; ++c) {                                                \
+            vch acc[G];                                                                   \
+            for (int g = 0; g < G; ++g) acc[g] = r->acc[g][c];                            \
+            for (int t = 0; t < n; t += 2) {                                              \
+                vch v0, v1;                                                               \
+                VALS(vb, t, c, &v0, &v1);                                                 \
+                for (int g = 0; g < G; ++g) acc[g] += p[g][t] * v0;                       \
+                if (t + 1 < n)                                                            \
+                    for (int g = 0; g < G; ++g) acc[g] += p[g][t + 1] * v1;               \
+            }                                                                             \
+            for (int g = 0; g < G; ++g) r->acc[g][c] = acc[g];                            \
+        }                                                                                 \
+    } while (0)
+#endif
+
+typedef struct {  /* one query row's online softmax over one K/V head's group */
+    float qs[G][D], m[G], l[G];  /* qs: q times the scale */
+    vch acc[G][D / DV];
+    int64_t len;  /* keys the row sees */
+} vec_row;
+
 #define DEFINE_KERNEL(NAME, QT, QLOAD, QSTORE, T, KEYS, VALS)                             \
 void NAME(const QT *q, const T *k, const T *v, const int64_t *tables,                     \
           const int64_t *row_seq, const int64_t *lens, QT *out, int R, int q_stride,      \
           int KV, int max_blocks, float scale, const float *alibi, int nthreads) {        \
+    int *first = malloc(((size_t)R + 1) * sizeof *first);                                 \
+    const int tasks = row_runs(row_seq, R, ROWS_PER_TASK, first);                         \
     _Pragma("omp parallel for schedule(dynamic, 1) num_threads(nthreads)")                \
-    for (int task = 0; task < R * KV; ++task) {                                           \
-        const int row = task / KV, kvh = task % KV, H = KV * G;                           \
-        const int64_t S = lens[row], seq = row_seq ? row_seq[row] : row;                  \
-        float qs[G][D], m[G], l[G];                                                       \
-        vch acc[G][D / DV];                                                               \
-        for (int g = 0; g < G; ++g) {                                                     \
-            const QT *qh = q + (int64_t)row * q_stride + (kvh * G + g) * D;               \
-            for (int d = 0; d < D; ++d) qs[g][d] = QLOAD(qh[d]) * scale;                  \
-            for (int c = 0; c < D / DV; ++c) acc[g][c] = (vch){0};                        \
-            m[g] = -1e30f;                                                                \
-            l[g] = 0.f;                                                                   \
+    for (int task = 0; task < tasks * KV; ++task) {                                       \
+        const int r0 = first[task / KV], nr = first[task / KV + 1] - r0, kvh = task % KV; \
+        const int H = KV * G;                                                             \
+        const int64_t seq = row_seq ? row_seq[r0] : r0;                                   \
+        vec_row rows[ROWS_PER_TASK];                                                      \
+        int nblk = 0;                                                                     \
+        for (int i = 0; i < nr; ++i) {                                                    \
+            vec_row *r = &rows[i];                                                        \
+            r->len = lens[r0 + i];                                                        \
+            const int nb = (int)((r->len + BS - 1) / BS);                                 \
+            nblk = nb > nblk ? nb : nblk;                                                 \
+            for (int g = 0; g < G; ++g) {                                                 \
+                const QT *qh = q + (int64_t)(r0 + i) * q_stride + (kvh * G + g) * D;      \
+                for (int d = 0; d < D; ++d) r->qs[g][d] = QLOAD(qh[d]) * scale;           \
+                for (int c = 0; c < D / DV; ++c) r->acc[g][c] = (vch){0};                 \
+                r->m[g] = -1e30f;                                                         \
+                r->l[g] = 0.f;                                                            \
+            }                                                                             \
         }                                                                                 \
-        const int nblk = (int)((S + BS - 1) / BS);                                        \
         for (int j = 0; j < nblk; ++j) {                                                  \
             const int64_t blk = tables[seq * max_blocks + j];                             \
-            const int64_t rest = S - (int64_t)j * BS;                                     \
-            const int n = rest < BS ? (int)rest : BS;                                     \
             const T *kb = k + (blk * KV + kvh) * (int64_t)(D * BS);                       \
             const T *vb = v + (blk * KV + kvh) * (int64_t)(D * BS);                       \
             prefetch_ahead(k, v, tables + seq * max_blocks, j, nblk, KV, kvh,            \
                            (int64_t)(D * BS * sizeof(T)));                                \
-            vblk sc[G];                                                                   \
-            for (int g = 0; g < G; ++g) sc[g] = (vblk){0};                                \
-            for (int d = 0; d < D; d += 2) {  /* one key vector feeds G FMAs */           \
-                vblk k0, k1;                                                              \
-                KEYS(kb, d, &k0, &k1);                                                    \
-                for (int g = 0; g < G; ++g) sc[g] += qs[g][d] * k0;                       \
-                for (int g = 0; g < G; ++g) sc[g] += qs[g][d + 1] * k1;                   \
+            for (int i = 0; i < nr; ++i) {                                                \
+                vec_row *r = &rows[i];                                                    \
+                const int64_t rest = r->len - (int64_t)j * BS;                            \
+                if (rest <= 0) continue;                                                  \
+                const int n = rest < BS ? (int)rest : BS;                                 \
+                vblk sc[G];                                                               \
+                for (int g = 0; g < G; ++g) sc[g] = (vblk){0};                            \
+                for (int d = 0; d < D; d += 2) {  /* one key vector feeds G FMAs */       \
+                    vblk k0, k1;                                                          \
+                    KEYS(kb, d, &k0, &k1);                                                \
+                    for (int g = 0; g < G; ++g) sc[g] += r->qs[g][d] * k0;                \
+                    for (int g = 0; g < G; ++g) sc[g] += r->qs[g][d + 1] * k1;            \
+                }                                                                         \
+                float p[G][BS];                                                           \
+                for (int g = 0; g < G; ++g) {                                             \
+                    float s[BS];                                                          \
+                    memcpy(s, &sc[g], sizeof s);                                          \
+                    if (alibi) {                                                          \
+                        const float slope = alibi[kvh * G + g];                           \
+                        for (int t = 0; t < BS; ++t)                                      \
+                            s[t] -= slope * (float)(r->len - 1 - ((int64_t)j * BS + t));  \
+                    }                                                                     \
+                    for (int t = n; t < BS; ++t) s[t] = -1e30f;  /* past the context */   \
+                    memcpy(&sc[g], s, sizeof s);                                          \
+                    const float bmax = fmaxf(r->m[g], hmax(sc[g]));                       \
+                    const vblk e = vexp(sc[g] - bmax);                                    \
+                    /* the max unchanged: exp(0) = 1 without the call */                  \
+                    const float corr = bmax == r->m[g] ? 1.f : expf(r->m[g] - bmax);      \
+                    r->l[g] = r->l[g] * corr + hsum(e);                                   \
+                    r->m[g] = bmax;                                                       \
+                    memcpy(p[g], &e, sizeof e);                                           \
+                    for (int c = 0; c < D / DV; ++c) r->acc[g][c] *= corr;                \
+                }                                                                         \
+                PV_BLOCK(VALS);                                                           \
             }                                                                             \
-            float p[G][BS];                                                               \
+        }                                                                                 \
+        for (int i = 0; i < nr; ++i)                                                      \
             for (int g = 0; g < G; ++g) {                                                 \
-                float s[BS];                                                              \
-                memcpy(s, &sc[g], sizeof s);                                              \
-                if (alibi) {                                                              \
-                    const float slope = alibi[kvh * G + g];                               \
-                    for (int t = 0; t < BS; ++t)                                          \
-                        s[t] -= slope * (float)(S - 1 - ((int64_t)j * BS + t));           \
-                }                                                                         \
-                for (int t = n; t < BS; ++t) s[t] = -1e30f;  /* past the context */       \
-                memcpy(&sc[g], s, sizeof s);                                              \
-                const float bmax = fmaxf(m[g], hmax(sc[g]));                              \
-                const vblk e = vexp(sc[g] - bmax);                                        \
-                const float corr = expf(m[g] - bmax);                                     \
-                l[g] = l[g] * corr + hsum(e);                                             \
-                m[g] = bmax;                                                              \
-                memcpy(p[g], &e, sizeof e);                                               \
-                for (int c = 0; c < D / DV; ++c) acc[g][c] *= corr;                       \
-            }                                                                             \
-            for (int t = 0; t < n; t += 2) {  /* one value vector feeds G FMAs */         \
+                QT *o = out + ((int64_t)(r0 + i) * H + kvh * G + g) * D;                  \
+                const float inv = 1.f / rows[i].l[g];                                     \
                 for (int c = 0; c < D / DV; ++c) {                                        \
-                    vch v0, v1;                                                           \
-                    VALS(vb, t, c, &v0, &v1);                                             \
-                    for (int g = 0; g < G; ++g) acc[g][c] += p[g][t] * v0;                \
-                    if (t + 1 < n)                                                        \
-                        for (int g = 0; g < G; ++g) acc[g][c] += p[g][t + 1] * v1;        \
+                    float r[DV];                                                          \
+                    const vch rv = rows[i].acc[g][c] * inv;                               \
+                    memcpy(r, &rv, sizeof r);                                             \
+                    for (int x = 0; x < DV; ++x) o[c * DV + x] = QSTORE(r[x]);            \
                 }                                                                         \
             }                                                                             \
-        }                                                                                 \
-        for (int g = 0; g < G; ++g) {                                                     \
-            QT *o = out + ((int64_t)row * H + kvh * G + g) * D;                           \
-            const float inv = 1.f / l[g];                                                 \
-            for (int c = 0; c < D / DV; ++c) {                                            \
-                float r[DV];                                                              \
-                const vch rv = acc[g][c] * inv;                                           \
-                memcpy(r, &rv, sizeof r);                                                 \
-                for (int i = 0; i < DV; ++i) o[c * DV + i] = QSTORE(r[i]);                \
-            }                                                                             \
-        }                                                                                 \
     }                                                                                     \
+    free(first);                                                                          \
 }
 
 static inline float f32_id(float f) { return f; }
@@ -245,14 +303,11 @@ DEFINE_KERNEL(paged_attention_f32, float, f32_id, f32_id, float, keys2_f32, vals
  * cache in memory, 30% in cache, benchmarks/RESULTS.md). A row's arithmetic is its own,
  * so its bits do not depend on what else is in the call. */
 #define QK_CHAINS (D % 8 == 0 ? 4 : 1)
-/* Rows of one sequence (a prefill chunk's) share a task, up to ROWS_PER_TASK of them:
- * each K/V block is read once for all of them (from L1 after the first row), and the
- * rows' work overlaps where one row's blocks wait on each other's running max. A row's
- * q.k scores are computed two blocks at a time (each q broadcast serves both), and a
- * block that leaves the running max as it was skips the exp(0) = 1 correction. Each
- * row's arithmetic is unchanged, so are its bits; a 2,040-token prompt's attention took
- * 25% less time (benchmarks/RESULTS.md, round nine). */
-#define ROWS_PER_TASK 8
+/* Rows share a task as in DEFINE_KERNEL; a block that leaves a row's running max as it
+ * was skips its correction (exp(0) = 1: no expf, no rescaling), and a row's q.k scores
+ * are computed two blocks at a time (each q broadcast serves both). Each row's
+ * arithmetic is unchanged, so are its bits; a 2,040-token prompt's attention took 25%
+ * less time (benchmarks/RESULTS.md, round nine). */
 
 typedef struct {  /* one query row's online softmax over one K/V head's group */
     uint32_t qp[G][D / 2];  /* q's channel pairs, as bf16 pairs */
