@@ -145,7 +145,7 @@ static inline __m512 exp_masked(__m512 x, __mmask16 keep) {
  * each K/V block is read once for all of them (from L1 after the first row), and the
  * rows' work overlaps where one row's blocks wait on each other's running max. A block
  * that leaves a row's running max as it was takes its correction, exp(0) = 1, without
- * calling expf. Each row's arithmetic, and so its bits, unchanged by either
+ * calling expf. Neither changes a row's arithmetic, so neither changes its bits
  * (benchmarks/RESULTS.md, round nine). */
 #define ROWS_PER_TASK 8
 
