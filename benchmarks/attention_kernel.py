@@ -127,7 +127,7 @@ def prefill(n: int, layers: int, repeats: int) -> dict[str, float]:
 
     one_pass()
     ms = 1000 * statistics.median(one_pass() for _ in range(max(3, repeats // 5)))
-    flop = layers * KV * GROUP * 4 * D * n * (n + 1) / 2  # q.k and p.v, 2 each a pair
+    flop = layers * KV * GROUP * 4 * D * n * (n + 1) / 2  # q.k and p.v: 2 D each per (row, key)
     return {"prompt": n, "ms": ms, "gflop_s": flop / ms / 1e6}
 
 
