@@ -316,39 +316,37 @@ typedef struct {  /* one query row's online softmax over one K/V head's group */
     int64_t len;  /* keys the row sees */
 } bf16_row;
 
-/* The row's q.k scores of NB blocks (1 or 2: q's broadcasts serve both), scaled. Two
- * where both blocks' partial sums stay in registers (at most 32 vectors). */
+/* The row's q.k scores of nb blocks (1 or 2, a constant at each call: q's broadcasts
+ * serve both), scaled. Two where both blocks' partial sums stay in registers (at most 32
+ * vectors). */
 #define QK_PAIRS (2 * G * QK_CHAINS + 3 <= 32)
-#define QK_SCORES(NB)                                                                     \
-static inline __attribute__((always_inline)) void bf16_scores##NB(                        \
-    const bf16_row *r, const uint16_t *const *kb, float scale, __m512 sc[][G]) {          \
-    /* QK_CHAINS partial sums per head: one would be a chain of D / 2 dependent            \
-     * vdpbf16ps, its latency the block's time */                                        \
-    __m512 part[NB][G][QK_CHAINS];                                                        \
-    for (int b = 0; b < NB; ++b)                                                          \
-        for (int g = 0; g < G; ++g)                                                       \
-            for (int i = 0; i < QK_CHAINS; ++i) part[b][g][i] = _mm512_setzero_ps();      \
-    for (int d = 0; d < D / 2; d += QK_CHAINS) {                                          \
-        for (int i = 0; i < QK_CHAINS; ++i) {                                             \
-            __m512bh kv[NB];                                                              \
-            for (int b = 0; b < NB; ++b)                                                  \
-                kv[b] = (__m512bh)_mm512_loadu_si512(kb[b] + (d + i) * BS * 2);           \
-            for (int g = 0; g < G; ++g) {                                                 \
-                const __m512bh qq = (__m512bh)_mm512_set1_epi32((int)r->qp[g][d + i]);    \
-                for (int b = 0; b < NB; ++b)                                              \
-                    part[b][g][i] = _mm512_dpbf16_ps(part[b][g][i], kv[b], qq);           \
-            }                                                                             \
-        }                                                                                 \
-    }                                                                                     \
-    for (int b = 0; b < NB; ++b)                                                          \
-        for (int g = 0; g < G; ++g) {                                                     \
-            __m512 t = part[b][g][0];                                                     \
-            for (int i = 1; i < QK_CHAINS; ++i) t = _mm512_add_ps(t, part[b][g][i]);      \
-            sc[b][g] = _mm512_mul_ps(t, _mm512_set1_ps(scale));                           \
-        }                                                                                 \
+static inline __attribute__((always_inline)) void bf16_scores(
+    const bf16_row *r, const uint16_t *const *kb, int nb, float scale, __m512 sc[][G]) {
+    /* QK_CHAINS partial sums per head: one would be a chain of D / 2 dependent
+     * vdpbf16ps, its latency the block's time */
+    __m512 part[2][G][QK_CHAINS];
+    for (int b = 0; b < nb; ++b)
+        for (int g = 0; g < G; ++g)
+            for (int i = 0; i < QK_CHAINS; ++i) part[b][g][i] = _mm512_setzero_ps();
+    for (int d = 0; d < D / 2; d += QK_CHAINS) {
+        for (int i = 0; i < QK_CHAINS; ++i) {
+            __m512bh kv[2];
+            for (int b = 0; b < nb; ++b)
+                kv[b] = (__m512bh)_mm512_loadu_si512(kb[b] + (d + i) * BS * 2);
+            for (int g = 0; g < G; ++g) {
+                const __m512bh qq = (__m512bh)_mm512_set1_epi32((int)r->qp[g][d + i]);
+                for (int b = 0; b < nb; ++b)
+                    part[b][g][i] = _mm512_dpbf16_ps(part[b][g][i], kv[b], qq);
+            }
+        }
+    }
+    for (int b = 0; b < nb; ++b)
+        for (int g = 0; g < G; ++g) {
+            __m512 t = part[b][g][0];
+            for (int i = 1; i < QK_CHAINS; ++i) t = _mm512_add_ps(t, part[b][g][i]);
+            sc[b][g] = _mm512_mul_ps(t, _mm512_set1_ps(scale));
+        }
 }
-QK_SCORES(1)
-QK_SCORES(2)
 
 /* Block j's scores sc (n of its keys visible to the row, its first key at j * BS) into
  * the row: online softmax, then p.v. */
@@ -436,10 +434,10 @@ void paged_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *
                 if (rest <= 0) continue;
                 __m512 sc[2][G];
                 if (rest > BS && QK_PAIRS) {
-                    bf16_scores2(&rows[i], kb, scale, sc);
+                    bf16_scores(&rows[i], kb, 2, scale, sc);
                 } else {
-                    bf16_scores1(&rows[i], kb, scale, sc);
-                    if (rest > BS) bf16_scores1(&rows[i], kb + 1, scale, sc + 1);
+                    bf16_scores(&rows[i], kb, 1, scale, sc);
+                    if (rest > BS) bf16_scores(&rows[i], kb + 1, 1, scale, sc + 1);
                 }
                 for (int b = 0; b < 2 && rest > b * BS; ++b) {
                     const int64_t left = rest - b * BS;
