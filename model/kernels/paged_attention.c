@@ -33,16 +33,27 @@
 #define D HEAD_DIM
 #define BS BLOCK_SIZE
 #define G GROUP
-#define DV (D < 16 ? D : 16)
-#if D % DV || D % 2 || BS % 2
+/* Vectors are at most the CPU's width, VW floats: GCC keeps a wider generic vector in
+ * memory and moves it through general registers (at AVX2, 8-float vectors instead of
+ * 16 made the kernel 1.7-3.1x faster; benchmarks/RESULTS.md, round ten). A block's
+ * scores are NP pieces of BW tokens. */
+#if defined(__AVX512F__)
+#define VW 16
+#else
+#define VW 8
+#endif
+#define DV (D < VW ? D : VW)
+#define BW (BS < VW ? BS : VW)
+#define NP (BS / BW)
+#if D % DV || D % 2 || BS % 2 || BS % BW
 #error "HEAD_DIM must be a multiple of 16 or a power of two below it; BLOCK_SIZE even"
 #endif
 
-typedef float vblk __attribute__((vector_size(BS * 4)));   /* scores of BS tokens */
-typedef int32_t iblk __attribute__((vector_size(BS * 4)));
+typedef float vblk __attribute__((vector_size(BW * 4)));   /* scores of BW tokens */
+typedef int32_t iblk __attribute__((vector_size(BW * 4)));
 typedef float vch __attribute__((vector_size(DV * 4)));    /* DV channels */
 typedef uint32_t uch __attribute__((vector_size(DV * 4)));
-typedef uint32_t ublk __attribute__((vector_size(BS * 4)));
+typedef uint32_t ublk __attribute__((vector_size(BW * 4)));
 
 /* exp(x) for x <= 0 on a vector (common.h's polynomial), i = round(x log2 e) by
  * truncation. Underflows to ~1e-38 below -87. */
@@ -62,16 +73,17 @@ static inline vblk vexp(vblk x) {
     return p * (vblk)bits;
 }
 
-/* Two channels (d, d + 1; d even) of a K block, BS keys each. float32 blocks are
- * (D, BS); bfloat16 blocks (D/2, BS, 2), channel pairs interleaved the way the tile
- * unit's B operand wants them, so one 32-bit lane holds both channels of a key. */
-static inline void keys2_f32(const float *kb, int d, vblk *a, vblk *b) {
-    memcpy(a, kb + d * BS, sizeof *a);
-    memcpy(b, kb + (d + 1) * BS, sizeof *b);
+/* Two channels (d, d + 1; d even) of a K block, keys x .. x + BW - 1 (x a multiple of
+ * BW). float32 blocks are (D, BS); bfloat16 blocks (D/2, BS, 2), channel pairs
+ * interleaved the way the tile unit's B operand wants them, so one 32-bit lane holds
+ * both channels of a key. */
+static inline void keys2_f32(const float *kb, int d, int x, vblk *a, vblk *b) {
+    memcpy(a, kb + d * BS + x, sizeof *a);
+    memcpy(b, kb + (d + 1) * BS + x, sizeof *b);
 }
-static inline void keys2_bf16(const uint16_t *kb, int d, vblk *a, vblk *b) {
+static inline void keys2_bf16(const uint16_t *kb, int d, int x, vblk *a, vblk *b) {
     ublk u;
-    memcpy(&u, kb + d * BS, sizeof u);
+    memcpy(&u, kb + d * BS + 2 * x, sizeof u);
     *a = (vblk)(u << 16);  /* casts between vector types keep the bits (memcpy between */
     *b = (vblk)(u & 0xFFFF0000u);  /* them went through integer registers at AVX2) */
 }
@@ -88,18 +100,25 @@ static inline void vals2_bf16(const uint16_t *vb, int t, int c, vch *a, vch *b) 
     *b = (vch)(u & 0xFFFF0000u);
 }
 
-static inline float hmax(vblk v) {
-    float a[BS], m;
-    memcpy(a, &v, sizeof a);
+static inline float hmax(const vblk *v) {  /* over a block's NP pieces */
+    vblk x = v[0];
+    for (int i = 1; i < NP; ++i) {
+        const iblk gt = x > v[i];
+        x = (vblk)(((iblk)x & gt) | ((iblk)v[i] & ~gt));
+    }
+    float a[BW], m;
+    memcpy(a, &x, sizeof a);
     m = a[0];
-    for (int t = 1; t < BS; ++t) m = a[t] > m ? a[t] : m;
+    for (int t = 1; t < BW; ++t) m = a[t] > m ? a[t] : m;
     return m;
 }
 
-static inline float hsum(vblk v) {
-    float a[BS], s = 0.f;
-    memcpy(a, &v, sizeof a);
-    for (int t = 0; t < BS; ++t) s += a[t];
+static inline float hsum(const vblk *v) {
+    vblk x = v[0];
+    for (int i = 1; i < NP; ++i) x += v[i];
+    float a[BW], s = 0.f;
+    memcpy(a, &x, sizeof a);
+    for (int t = 0; t < BW; ++t) s += a[t];
     return s;
 }
 
@@ -231,32 +250,35 @@ void NAME(const QT *q, const T *k, const T *v, const int64_t *tables,           
                 const int64_t rest = r->len - (int64_t)j * BS;                            \
                 if (rest <= 0) continue;                                                  \
                 const int n = rest < BS ? (int)rest : BS;                                 \
-                vblk sc[G];                                                               \
-                for (int g = 0; g < G; ++g) sc[g] = (vblk){0};                            \
-                for (int d = 0; d < D; d += 2) {  /* one key vector feeds G FMAs */       \
-                    vblk k0, k1;                                                          \
-                    KEYS(kb, d, &k0, &k1);                                                \
-                    for (int g = 0; g < G; ++g) sc[g] += r->qs[g][d] * k0;                \
-                    for (int g = 0; g < G; ++g) sc[g] += r->qs[g][d + 1] * k1;            \
+                vblk sc[G][NP];                                                           \
+                for (int x = 0; x < NP; ++x) {                                            \
+                    for (int g = 0; g < G; ++g) sc[g][x] = (vblk){0};                     \
+                    for (int d = 0; d < D; d += 2) {  /* one key vector feeds G FMAs */   \
+                        vblk k0, k1;                                                      \
+                        KEYS(kb, d, x * BW, &k0, &k1);                                    \
+                        for (int g = 0; g < G; ++g) sc[g][x] += r->qs[g][d] * k0;         \
+                        for (int g = 0; g < G; ++g) sc[g][x] += r->qs[g][d + 1] * k1;     \
+                    }                                                                     \
                 }                                                                         \
                 float p[G][BS];                                                           \
                 for (int g = 0; g < G; ++g) {                                             \
                     float s[BS];                                                          \
-                    memcpy(s, &sc[g], sizeof s);                                          \
+                    memcpy(s, sc[g], sizeof s);                                           \
                     if (alibi) {                                                          \
                         const float slope = alibi[kvh * G + g];                           \
                         for (int t = 0; t < BS; ++t)                                      \
                             s[t] -= slope * (float)(r->len - 1 - ((int64_t)j * BS + t));  \
                     }                                                                     \
                     for (int t = n; t < BS; ++t) s[t] = -1e30f;  /* past the context */   \
-                    memcpy(&sc[g], s, sizeof s);                                          \
+                    memcpy(sc[g], s, sizeof s);                                           \
                     const float bmax = fmaxf(r->m[g], hmax(sc[g]));                       \
-                    const vblk e = vexp(sc[g] - bmax);                                    \
+                    vblk e[NP];                                                           \
+                    for (int x = 0; x < NP; ++x) e[x] = vexp(sc[g][x] - bmax);            \
                     /* the max unchanged: exp(0) = 1 without the call */                  \
                     const float corr = bmax == r->m[g] ? 1.f : expf(r->m[g] - bmax);      \
                     r->l[g] = r->l[g] * corr + hsum(e);                                   \
                     r->m[g] = bmax;                                                       \
-                    memcpy(p[g], &e, sizeof e);                                           \
+                    memcpy(p[g], e, sizeof e);                                            \
                     for (int c = 0; c < D / DV; ++c) r->acc[g][c] *= corr;                \
                 }                                                                         \
                 PV_BLOCK(VALS);                                                           \
