@@ -369,8 +369,10 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
 # ---- linear layers: AMX tiles (linear_bf16.c), vector code (linear_vec.c) -------------
 
 TILE_N, TILE_K = 64, 32  # the weight layout's feature block; k per tile
-# linear_vec.c's float epilogue is the same arithmetic at every vector width
-VECTOR_FLAGS = [*BASE_FLAGS, "-ffp-contract=off", "-fno-math-errno"]
+# linear_vec.c's float epilogue is the same arithmetic at every vector width; without
+# -fno-trapping-math GCC kept the SwiGLU epilogue's clamp as a branch at AVX2 and left
+# the loop scalar (benchmarks/RESULTS.md, round ten)
+VECTOR_FLAGS = [*BASE_FLAGS, "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
 
 
 @functools.cache

@@ -70,7 +70,11 @@ typedef __m256i vi;
 #define vi_store(p, v) _mm256_storeu_si256((__m256i *)(p), v)
 #define lo_bf16(w) _mm256_castsi256_ps(_mm256_slli_epi32(w, 16))
 #define hi_bf16(w) _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xFFFF0000u)))
-#define MR_MAX 1
+#define MR_MAX 4   /* bf16 rows per pass: bf16_tile goes over a block in slices here */
+#define MR_INT8 1  /* int8 rows per pass */
+#endif
+#ifndef MR_INT8
+#define MR_INT8 MR_MAX
 #endif
 
 #define NV (NB / VL) /* vectors per block row */
@@ -79,10 +83,12 @@ typedef __m256i vi;
  * bytes from pf, spread evenly over the pass's k steps), so the memory streams while the
  * passes compute and the next block's first pass does not wait for DRAM (16 rows: the
  * layers' linears 9% and the LM head 18% faster, benchmarks/RESULTS.md). Called at each
- * step `it` of `its`, with the bytes issued so far in `done`. */
-#define PREFETCH_NEXT(pf, pf_len, done, it, its)                                         \
+ * step `it`, with the bytes issued so far in `done` and `rate` from PF_RATE for the
+ * pass's `its` steps: a division per step cost more than the prefetches at AVX2. */
+#define PF_RATE(pf_len, its) ((((long)(pf_len) << 16) + (its) - 1) / (its))
+#define PREFETCH_NEXT(pf, rate, done, it)                                                \
     do {                                                                                 \
-        const long want_ = (long)(it) * (pf_len) / (its);                                \
+        const long want_ = ((long)(it) * (rate)) >> 16;                                  \
         for (; done < want_; done += 64) _mm_prefetch((pf) + done, _MM_HINT_T1);         \
     } while (0)
 
@@ -121,22 +127,25 @@ static inline int blocks_for(int rows) {
 
 /* Calls FN(NBLK, MR, ...) with the shape as constants, for the shapes blocks_for gives. */
 #if MR_MAX >= 6
+#define WIDE_TILES(FN, nblk, rows, ...)                                                  \
+    if (nblk == 4) FN(4, 1, __VA_ARGS__);                                                \
+    else if (nblk == 2) FN(2, 2, __VA_ARGS__);                                           \
+    else if (rows == 6) FN(1, 6, __VA_ARGS__);                                           \
+    else if (rows == 5) FN(1, 5, __VA_ARGS__);                                           \
+    else
+#else
+#define WIDE_TILES(FN, nblk, rows, ...)
+#endif
 #define TILE_SWITCH(FN, nblk, rows, ...)                                                 \
     do {                                                                                 \
-        if (nblk == 4) FN(4, 1, __VA_ARGS__);                                            \
-        else if (nblk == 2) FN(2, 2, __VA_ARGS__);                                       \
-        else switch (rows) {                                                             \
-            case 6: FN(1, 6, __VA_ARGS__); break;                                        \
-            case 5: FN(1, 5, __VA_ARGS__); break;                                        \
+        WIDE_TILES(FN, nblk, rows, __VA_ARGS__)                                          \
+        switch (rows) {                                                                  \
             case 4: FN(1, 4, __VA_ARGS__); break;                                        \
             case 3: FN(1, 3, __VA_ARGS__); break;                                        \
             case 2: FN(1, 2, __VA_ARGS__); break;                                        \
             default: FN(1, 1, __VA_ARGS__); break;                                       \
         }                                                                                \
     } while (0)
-#else
-#define TILE_SWITCH(FN, nblk, rows, ...) FN(1, 1, __VA_ARGS__)
-#endif
 
 /* ---- the epilogue: bias, SwiGLU, bf16 rounding (plain C, vectorized by the compiler;
  * built without FP contraction, so it is the same arithmetic at every vector width) ---- */
@@ -226,8 +235,9 @@ static inline __attribute__((always_inline)) void bf16_tile(const int NBLK, cons
         for (int r = 0; r < MR; ++r)
             for (int j = 0; j < NV; ++j) c[s][r][j] = vf_zero();
     long pf_done = 0;
+    const long pf_rate = PF_RATE(pf_len, k / 2);
     for (int kp = 0; kp < k / 2; ++kp) {
-        PREFETCH_NEXT(pf, pf_len, pf_done, kp + 1, k / 2);
+        PREFETCH_NEXT(pf, pf_rate, pf_done, kp + 1);
         for (int s = 0; s < NBLK; ++s) {
             const uint16_t *wk = w + (long)s * k * NB + (long)kp * 2 * NB;
             for (int off = 0; off < 4 * NB; off += 64)
@@ -258,6 +268,53 @@ static inline __attribute__((always_inline)) void bf16_tile(const int NBLK, cons
             for (int j = 0; j < NV; ++j) vf_store(acc + (s * MR + r) * NB + j * VL, c[s][r][j]);
 }
 
+#if VL == 8
+/* AVX2 (16 registers): the block in slices of SV vectors, each over all of k, so that a
+ * weight vector is converted once for all MR rows (one row per pass converted it for
+ * every row: conversions as many as FMAs); x's rows widened to float32 once, so each
+ * row's k pair is two broadcasts from memory. The same FMAs in the same order per lane
+ * as the one-row pass, so the same bits (benchmarks/RESULTS.md, round ten). */
+#define SV 2
+static inline __attribute__((always_inline)) void bf16_tile_sliced(const int MR,
+                                                                    const uint16_t *x, int k,
+                                                                    const uint16_t *w,
+                                                                    float *acc, const char *pf,
+                                                                    long pf_len) {
+    float xf[MR_MAX][k] __attribute__((aligned(32)));
+    for (int r = 0; r < MR; ++r)
+        for (int i = 0; i < k; ++i) xf[r][i] = bf16_to_f32(x[(long)r * k + i]);
+    long pf_done = 0;
+    const long pf_rate = PF_RATE(pf_len, NV / SV * (k / 2));
+    for (int j0 = 0; j0 < NV; j0 += SV) {
+        vf c[MR_MAX][SV];
+        for (int r = 0; r < MR; ++r)
+            for (int j = 0; j < SV; ++j) c[r][j] = vf_zero();
+        for (int kp = 0; kp < k / 2; ++kp) {
+            PREFETCH_NEXT(pf, pf_rate, pf_done, j0 / SV * (k / 2) + kp + 1);
+            const uint16_t *wk = w + (long)kp * 2 * NB;
+            if (j0 == 0)
+                for (int off = 0; off < 4 * NB; off += 64)
+                    _mm_prefetch((const char *)wk + PREFETCH + off, _MM_HINT_T0);
+            vf hi[SV], lo[SV];
+            for (int j = 0; j < SV; ++j) {
+                const vi wv = vi_load(wk + (j0 + j) * 2 * VL);
+                hi[j] = hi_bf16(wv);
+                lo[j] = lo_bf16(wv);
+            }
+            for (int r = 0; r < MR; ++r) {
+                const vf xo = vf_set1(xf[r][2 * kp + 1]), xe = vf_set1(xf[r][2 * kp]);
+                for (int j = 0; j < SV; ++j) {
+                    c[r][j] = vf_fma(hi[j], xo, c[r][j]);
+                    c[r][j] = vf_fma(lo[j], xe, c[r][j]);
+                }
+            }
+        }
+        for (int r = 0; r < MR; ++r)
+            for (int j = 0; j < SV; ++j) vf_store(acc + r * NB + (j0 + j) * VL, c[r][j]);
+    }
+}
+#endif
+
 /* ---- int8 ---------------------------------------------------------------------------- */
 
 /* The 4 int8 of x at k .. k + 3 times those of the weights' lanes, summed into each lane. */
@@ -285,13 +342,14 @@ static inline __attribute__((always_inline)) void int8_tile(const int NBLK, cons
                                                              const uint8_t *xq, int k,
                                                              const int8_t *w, int32_t *acc,
                                                              const char *pf, long pf_len) {
-    vi c[NBLK_MAX][MR_MAX][NV];
+    vi c[NBLK_MAX][MR_INT8][NV];
     for (int s = 0; s < NBLK; ++s)
         for (int r = 0; r < MR; ++r)
             for (int j = 0; j < NV; ++j) c[s][r][j] = vi_zero();
     long pf_done = 0;
+    const long pf_rate = PF_RATE(pf_len, k / 4);
     for (int kq = 0; kq < k / 4; ++kq) {
-        PREFETCH_NEXT(pf, pf_len, pf_done, kq + 1, k / 4);
+        PREFETCH_NEXT(pf, pf_rate, pf_done, kq + 1);
         for (int s = 0; s < NBLK; ++s) {
             const int8_t *wk = w + (long)s * k * NB + (long)kq * 4 * NB;
             for (int off = 0; off < 4 * NB; off += 64)
@@ -345,7 +403,7 @@ static void quantize_rows(const uint16_t *x, int m, int k, uint8_t *xq, float *s
 #else
 #define OMP_IDS(t, nt) ((void)0)
 #endif
-#define FOR_PASSES(n, m, scratch, nthreads, BODY)                                        \
+#define FOR_PASSES(n, m, scratch, nthreads, MR, BODY)                                        \
     do {                                                                                 \
         const int unit = (scratch) ? 2 : 1, units = (n) / NB / unit;                     \
         int nt_ = (nthreads) < units ? (nthreads) : units;                               \
@@ -359,7 +417,7 @@ static void quantize_rows(const uint16_t *x, int m, int k, uint8_t *xq, float *s
             for (int m0 = 0; m0 < (m); m0 += M_CHUNK) {                                  \
                 const int m1 = m0 + M_CHUNK < (m) ? m0 + M_CHUNK : (m);                  \
                 const int group = m1 - m0 <= 2 ? blocks_for(m1 - m0) : 1;                \
-                const int passes = (m1 - m0 + MR_MAX - 1) / MR_MAX;                      \
+                const int passes = (m1 - m0 + (MR) - 1) / (MR);                          \
                 for (int b = b0; b < b1;) {                                              \
                     const int nblk = b + group <= b1 ? group : 1;                        \
                     /* the block after these (PREFETCH_NEXT); -1: none, or one or two */ \
@@ -367,9 +425,9 @@ static void quantize_rows(const uint16_t *x, int m, int k, uint8_t *xq, float *s
                     const int next = group > 1 ? -1                                      \
                                      : b + nblk < b1 ? b + nblk                          \
                                      : m1 < (m) && b0 < b1 ? b0 : -1;                    \
-                    for (int r = m0; r < m1; r += MR_MAX) {                              \
-                        const int rows = m1 - r < MR_MAX ? m1 - r : MR_MAX;              \
-                        const int pass = (r - m0) / MR_MAX;                              \
+                    for (int r = m0; r < m1; r += (MR)) {                                \
+                        const int rows = m1 - r < (MR) ? m1 - r : (MR);                  \
+                        const int pass = (r - m0) / (MR);                                \
                         BODY                                                             \
                     }                                                                    \
                     b += nblk;                                                           \
@@ -378,7 +436,14 @@ static void quantize_rows(const uint16_t *x, int m, int k, uint8_t *xq, float *s
         }                                                                                \
     } while (0)
 
+#if VL == 8
+#define BF16_TILE(NBLK, MR, ...) \
+    (MR == 1 ? bf16_tile(NBLK, MR, __VA_ARGS__) : bf16_tile_sliced(MR, __VA_ARGS__))
+#define INT8_SWITCH(FN, nblk, rows, ...) FN(1, 1, __VA_ARGS__)
+#else
 #define BF16_TILE(NBLK, MR, ...) bf16_tile(NBLK, MR, __VA_ARGS__)
+#define INT8_SWITCH TILE_SWITCH
+#endif
 #define INT8_TILE(NBLK, MR, ...) int8_tile(NBLK, MR, __VA_ARGS__)
 /* This pass's share of block `next` of w (blocks of block_bytes): start and length. */
 #define NEXT_SHARE(w, block_bytes, next, pass, passes, pf, pf_len)                       \
@@ -390,7 +455,7 @@ static void quantize_rows(const uint16_t *x, int m, int k, uint8_t *xq, float *s
 
 void linear_bf16_vec(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
                      uint16_t *scratch, int m, int n, int k, int nthreads) {
-    FOR_PASSES(n, m, scratch, nthreads, {
+    FOR_PASSES(n, m, scratch, nthreads, MR_MAX, {
         float acc[NBLK_MAX * MR_MAX * NB] __attribute__((aligned(64)));
         NEXT_SHARE(w, 2L * k * NB, next, pass, passes, pf, pf_len);
         TILE_SWITCH(BF16_TILE, nblk, rows, x + (long)r * k, k, w + (long)b * k * NB, acc, pf,
@@ -413,11 +478,11 @@ void linear_int8(const uint16_t *x, const uint16_t *w, const float *bias, uint16
     uint8_t *xq = malloc((size_t)m * k + 64);
     float *sx = malloc(sizeof(float) * (size_t)(m + 1));
     quantize_rows(x, m, k, xq, sx, nthreads);
-    FOR_PASSES(n, m, scratch, nthreads, {
-        int32_t acc[NBLK_MAX * MR_MAX * NB] __attribute__((aligned(64)));
+    FOR_PASSES(n, m, scratch, nthreads, MR_INT8, {
+        int32_t acc[NBLK_MAX * MR_INT8 * NB] __attribute__((aligned(64)));
         float y[NB] __attribute__((aligned(64)));
         NEXT_SHARE(q, (long)k * NB, next, pass, passes, pf, pf_len);
-        TILE_SWITCH(INT8_TILE, nblk, rows, xq + (long)r * k, k, q + (long)b * k * NB, acc, pf,
+        INT8_SWITCH(INT8_TILE, nblk, rows, xq + (long)r * k, k, q + (long)b * k * NB, acc, pf,
                     pf_len);
         for (int s = 0; s < nblk; ++s) {
             const int bs = b + s;
