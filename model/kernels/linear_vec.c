@@ -71,7 +71,7 @@ typedef __m256i vi;
 #define lo_bf16(w) _mm256_castsi256_ps(_mm256_slli_epi32(w, 16))
 #define hi_bf16(w) _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xFFFF0000u)))
 #define MR_MAX 4   /* bf16 rows per pass: bf16_tile goes over a block in slices here */
-#define MR_INT8 1  /* int8 rows per pass */
+#define MR_INT8 1  /* int8 rows per pass (its products split w's signs per row anyway) */
 #endif
 #ifndef MR_INT8
 #define MR_INT8 MR_MAX
@@ -275,12 +275,10 @@ static inline __attribute__((always_inline)) void bf16_tile(const int NBLK, cons
  * row's k pair is two broadcasts from memory. The same FMAs in the same order per lane
  * as the one-row pass, so the same bits (benchmarks/RESULTS.md, round ten). */
 #define SV 2
-static inline __attribute__((always_inline)) void bf16_tile_sliced(const int MR,
-                                                                    const uint16_t *x, int k,
-                                                                    const uint16_t *w,
-                                                                    float *acc, const char *pf,
-                                                                    long pf_len) {
-    float xf[MR_MAX][k] __attribute__((aligned(32)));
+static inline __attribute__((always_inline)) void bf16_tile_sliced(
+    const int MR, const uint16_t *x, int k, const uint16_t *w, float *acc, const char *pf,
+    long pf_len) {
+    float xf[MR_MAX][k] __attribute__((aligned(32)));  /* 16 KB a thread at k = 1,024 */
     for (int r = 0; r < MR; ++r)
         for (int i = 0; i < k; ++i) xf[r][i] = bf16_to_f32(x[(long)r * k + i]);
     long pf_done = 0;
@@ -403,7 +401,7 @@ static void quantize_rows(const uint16_t *x, int m, int k, uint8_t *xq, float *s
 #else
 #define OMP_IDS(t, nt) ((void)0)
 #endif
-#define FOR_PASSES(n, m, scratch, nthreads, MR, BODY)                                        \
+#define FOR_PASSES(n, m, scratch, nthreads, MR, BODY)                                    \
     do {                                                                                 \
         const int unit = (scratch) ? 2 : 1, units = (n) / NB / unit;                     \
         int nt_ = (nthreads) < units ? (nthreads) : units;                               \
