@@ -70,11 +70,7 @@ typedef __m256i vi;
 #define vi_store(p, v) _mm256_storeu_si256((__m256i *)(p), v)
 #define lo_bf16(w) _mm256_castsi256_ps(_mm256_slli_epi32(w, 16))
 #define hi_bf16(w) _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xFFFF0000u)))
-#define MR_MAX 4   /* bf16 rows per pass: bf16_tile goes over a block in slices here */
-#define MR_INT8 1  /* int8 rows per pass (its products split w's signs per row anyway) */
-#endif
-#ifndef MR_INT8
-#define MR_INT8 MR_MAX
+#define MR_MAX 4  /* rows per pass: the tiles go over a block in slices here */
 #endif
 
 #define NV (NB / VL) /* vectors per block row */
@@ -340,7 +336,7 @@ static inline __attribute__((always_inline)) void int8_tile(const int NBLK, cons
                                                              const uint8_t *xq, int k,
                                                              const int8_t *w, int32_t *acc,
                                                              const char *pf, long pf_len) {
-    vi c[NBLK_MAX][MR_INT8][NV];
+    vi c[NBLK_MAX][MR_MAX][NV];
     for (int s = 0; s < NBLK; ++s)
         for (int r = 0; r < MR; ++r)
             for (int j = 0; j < NV; ++j) c[s][r][j] = vi_zero();
@@ -367,6 +363,46 @@ static inline __attribute__((always_inline)) void int8_tile(const int NBLK, cons
         for (int r = 0; r < MR; ++r)
             for (int j = 0; j < NV; ++j) vi_store(acc + (s * MR + r) * NB + j * VL, c[s][r][j]);
 }
+
+#if VL == 8
+/* AVX2: as bf16_tile_sliced, the block in slices of SV vectors over all of k; each weight
+ * vector is loaded and its |w| taken once for the MR rows. Exact int32 sums. */
+static inline __attribute__((always_inline)) void int8_tile_sliced(
+    const int MR, const uint8_t *xq, int k, const int8_t *w, int32_t *acc, const char *pf,
+    long pf_len) {
+    long pf_done = 0;
+    const long pf_rate = PF_RATE(pf_len, NV / SV * (k / 4));
+    const vi ones = _mm256_set1_epi16(1);
+    for (int j0 = 0; j0 < NV; j0 += SV) {
+        vi c[MR_MAX][SV];
+        for (int r = 0; r < MR; ++r)
+            for (int j = 0; j < SV; ++j) c[r][j] = vi_zero();
+        for (int kq = 0; kq < k / 4; ++kq) {
+            PREFETCH_NEXT(pf, pf_rate, pf_done, j0 / SV * (k / 4) + kq + 1);
+            const int8_t *wk = w + (long)kq * 4 * NB;
+            if (j0 == 0)
+                for (int off = 0; off < 4 * NB; off += 64)
+                    _mm_prefetch((const char *)wk + PREFETCH + off, _MM_HINT_T0);
+            vi wv[SV], aw[SV];
+            for (int j = 0; j < SV; ++j) {
+                wv[j] = vi_load(wk + (j0 + j) * 4 * VL);
+                aw[j] = _mm256_abs_epi8(wv[j]);
+            }
+            for (int r = 0; r < MR; ++r) {
+                int32_t quad;
+                memcpy(&quad, xq + (long)r * k + 4 * kq, sizeof quad);
+                const vi xb = vi_set1(quad);
+                for (int j = 0; j < SV; ++j) {
+                    const vi p16 = _mm256_maddubs_epi16(aw[j], _mm256_sign_epi8(xb, wv[j]));
+                    c[r][j] = vi_add(c[r][j], _mm256_madd_epi16(p16, ones));
+                }
+            }
+        }
+        for (int r = 0; r < MR; ++r)
+            for (int j = 0; j < SV; ++j) vi_store(acc + r * NB + (j0 + j) * VL, c[r][j]);
+    }
+}
+#endif
 
 /* Row r of x -> int8 (stored + X_OFFSET) with scale sx[r]: q = rint(x * 127 / max|x|). */
 static void quantize_rows(const uint16_t *x, int m, int k, uint8_t *xq, float *sx,
@@ -401,7 +437,7 @@ static void quantize_rows(const uint16_t *x, int m, int k, uint8_t *xq, float *s
 #else
 #define OMP_IDS(t, nt) ((void)0)
 #endif
-#define FOR_PASSES(n, m, scratch, nthreads, MR, BODY)                                    \
+#define FOR_PASSES(n, m, scratch, nthreads, BODY)                                        \
     do {                                                                                 \
         const int unit = (scratch) ? 2 : 1, units = (n) / NB / unit;                     \
         int nt_ = (nthreads) < units ? (nthreads) : units;                               \
@@ -415,7 +451,7 @@ static void quantize_rows(const uint16_t *x, int m, int k, uint8_t *xq, float *s
             for (int m0 = 0; m0 < (m); m0 += M_CHUNK) {                                  \
                 const int m1 = m0 + M_CHUNK < (m) ? m0 + M_CHUNK : (m);                  \
                 const int group = m1 - m0 <= 2 ? blocks_for(m1 - m0) : 1;                \
-                const int passes = (m1 - m0 + (MR) - 1) / (MR);                          \
+                const int passes = (m1 - m0 + MR_MAX - 1) / MR_MAX;                      \
                 for (int b = b0; b < b1;) {                                              \
                     const int nblk = b + group <= b1 ? group : 1;                        \
                     /* the block after these (PREFETCH_NEXT); -1: none, or one or two */ \
@@ -423,9 +459,9 @@ static void quantize_rows(const uint16_t *x, int m, int k, uint8_t *xq, float *s
                     const int next = group > 1 ? -1                                      \
                                      : b + nblk < b1 ? b + nblk                          \
                                      : m1 < (m) && b0 < b1 ? b0 : -1;                    \
-                    for (int r = m0; r < m1; r += (MR)) {                                \
-                        const int rows = m1 - r < (MR) ? m1 - r : (MR);                  \
-                        const int pass = (r - m0) / (MR);                                \
+                    for (int r = m0; r < m1; r += MR_MAX) {                              \
+                        const int rows = m1 - r < MR_MAX ? m1 - r : MR_MAX;              \
+                        const int pass = (r - m0) / MR_MAX;                              \
                         BODY                                                             \
                     }                                                                    \
                     b += nblk;                                                           \
@@ -437,12 +473,12 @@ static void quantize_rows(const uint16_t *x, int m, int k, uint8_t *xq, float *s
 #if VL == 8
 #define BF16_TILE(NBLK, MR, ...) \
     (MR == 1 ? bf16_tile(NBLK, MR, __VA_ARGS__) : bf16_tile_sliced(MR, __VA_ARGS__))
-#define INT8_SWITCH(FN, nblk, rows, ...) FN(1, 1, __VA_ARGS__)
+#define INT8_TILE(NBLK, MR, ...) \
+    (MR == 1 ? int8_tile(NBLK, MR, __VA_ARGS__) : int8_tile_sliced(MR, __VA_ARGS__))
 #else
 #define BF16_TILE(NBLK, MR, ...) bf16_tile(NBLK, MR, __VA_ARGS__)
-#define INT8_SWITCH TILE_SWITCH
-#endif
 #define INT8_TILE(NBLK, MR, ...) int8_tile(NBLK, MR, __VA_ARGS__)
+#endif
 /* This pass's share of block `next` of w (blocks of block_bytes): start and length. */
 #define NEXT_SHARE(w, block_bytes, next, pass, passes, pf, pf_len)                       \
     const char *pf = (const char *)(w) + ((next) < 0 ? 0 : (long)(next) * (block_bytes) + \
@@ -453,7 +489,7 @@ static void quantize_rows(const uint16_t *x, int m, int k, uint8_t *xq, float *s
 
 void linear_bf16_vec(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
                      uint16_t *scratch, int m, int n, int k, int nthreads) {
-    FOR_PASSES(n, m, scratch, nthreads, MR_MAX, {
+    FOR_PASSES(n, m, scratch, nthreads, {
         float acc[NBLK_MAX * MR_MAX * NB] __attribute__((aligned(64)));
         NEXT_SHARE(w, 2L * k * NB, next, pass, passes, pf, pf_len);
         TILE_SWITCH(BF16_TILE, nblk, rows, x + (long)r * k, k, w + (long)b * k * NB, acc, pf,
@@ -476,11 +512,11 @@ void linear_int8(const uint16_t *x, const uint16_t *w, const float *bias, uint16
     uint8_t *xq = malloc((size_t)m * k + 64);
     float *sx = malloc(sizeof(float) * (size_t)(m + 1));
     quantize_rows(x, m, k, xq, sx, nthreads);
-    FOR_PASSES(n, m, scratch, nthreads, MR_INT8, {
-        int32_t acc[NBLK_MAX * MR_INT8 * NB] __attribute__((aligned(64)));
+    FOR_PASSES(n, m, scratch, nthreads, {
+        int32_t acc[NBLK_MAX * MR_MAX * NB] __attribute__((aligned(64)));
         float y[NB] __attribute__((aligned(64)));
         NEXT_SHARE(q, (long)k * NB, next, pass, passes, pf, pf_len);
-        INT8_SWITCH(INT8_TILE, nblk, rows, xq + (long)r * k, k, q + (long)b * k * NB, acc, pf,
+        TILE_SWITCH(INT8_TILE, nblk, rows, xq + (long)r * k, k, q + (long)b * k * NB, acc, pf,
                     pf_len);
         for (int s = 0; s < nblk; ++s) {
             const int bs = b + s;
