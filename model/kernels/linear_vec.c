@@ -88,6 +88,13 @@ typedef __m256i vi;
         for (; done < want_; done += 64) _mm_prefetch((pf) + done, _MM_HINT_T1);         \
     } while (0)
 
+/* The weights PREFETCH bytes past a k step's into L1: one k step of either layout (two k
+ * of bf16, four of int8) is 4 * NB bytes of a block. */
+static inline void prefetch_step(const void *wk) {
+    for (int off = 0; off < 4 * NB; off += 64)
+        _mm_prefetch((const char *)wk + PREFETCH + off, _MM_HINT_T0);
+}
+
 /* The weight vectors of a k step, loaded once for all MR rows. Left to itself GCC loads
  * them again for every row (the loads are cheaper to redo than registers to hold, by its
  * measure): 24 loads for 24 dot products at 6 rows, and the tile ran at 78% of the speed
@@ -236,8 +243,7 @@ static inline __attribute__((always_inline)) void bf16_tile(const int NBLK, cons
         PREFETCH_NEXT(pf, pf_rate, pf_done, kp + 1);
         for (int s = 0; s < NBLK; ++s) {
             const uint16_t *wk = w + (long)s * k * NB + (long)kp * 2 * NB;
-            for (int off = 0; off < 4 * NB; off += 64)
-                _mm_prefetch((const char *)wk + PREFETCH + off, _MM_HINT_T0);
+            prefetch_step(wk);
             vi wv[NV];
             for (int j = 0; j < NV; ++j) wv[j] = vi_load(wk + j * 2 * VL);
             KEEP_BF16(wv);
@@ -286,9 +292,7 @@ static inline __attribute__((always_inline)) void bf16_tile_sliced(
         for (int kp = 0; kp < k / 2; ++kp) {
             PREFETCH_NEXT(pf, pf_rate, pf_done, j0 / SV * (k / 2) + kp + 1);
             const uint16_t *wk = w + (long)kp * 2 * NB;
-            if (j0 == 0)
-                for (int off = 0; off < 4 * NB; off += 64)
-                    _mm_prefetch((const char *)wk + PREFETCH + off, _MM_HINT_T0);
+            if (j0 == 0) prefetch_step(wk);
             vf hi[SV], lo[SV];
             for (int j = 0; j < SV; ++j) {
                 const vi wv = vi_load(wk + (j0 + j) * 2 * VL);
@@ -346,8 +350,7 @@ static inline __attribute__((always_inline)) void int8_tile(const int NBLK, cons
         PREFETCH_NEXT(pf, pf_rate, pf_done, kq + 1);
         for (int s = 0; s < NBLK; ++s) {
             const int8_t *wk = w + (long)s * k * NB + (long)kq * 4 * NB;
-            for (int off = 0; off < 4 * NB; off += 64)
-                _mm_prefetch((const char *)wk + PREFETCH + off, _MM_HINT_T0);
+            prefetch_step(wk);
             vi wv[NV];
             for (int j = 0; j < NV; ++j) wv[j] = vi_load(wk + j * 4 * VL);
             KEEP_INT8(wv);
@@ -380,9 +383,7 @@ static inline __attribute__((always_inline)) void int8_tile_sliced(
         for (int kq = 0; kq < k / 4; ++kq) {
             PREFETCH_NEXT(pf, pf_rate, pf_done, j0 / SV * (k / 4) + kq + 1);
             const int8_t *wk = w + (long)kq * 4 * NB;
-            if (j0 == 0)
-                for (int off = 0; off < 4 * NB; off += 64)
-                    _mm_prefetch((const char *)wk + PREFETCH + off, _MM_HINT_T0);
+            if (j0 == 0) prefetch_step(wk);
             vi wv[SV], aw[SV];
             for (int j = 0; j < SV; ++j) {
                 wv[j] = vi_load(wk + (j0 + j) * 4 * VL);
