@@ -429,44 +429,63 @@ static void quantize_rows(const uint16_t *x, int m, int k, uint8_t *xq, float *s
 
 /* ---- the drivers --------------------------------------------------------------------- */
 
-/* Each thread takes a contiguous run of blocks (whole gate/up pairs for a SwiGLU); for
- * each chunk of rows, each of its blocks (blocks_for() at a time where the chunk is one
- * or two rows) while passes of up to MR_MAX rows go over it; results go out in block
- * order (a gate before its up block). */
+/* The work of a call is units x passes: a unit is a weight block (a gate/up pair for a
+ * SwiGLU), and each unit is passed over by every pass of every chunk of rows (chunks of
+ * M_CHUNK rows, passes of up to MR_MAX). Each thread takes an equal contiguous share in
+ * unit-major order, so a unit at a share's edge is split between two threads by passes
+ * (each pass is the same rows against the same block whoever runs it: the same bits).
+ * Shares of whole units left one thread idle at the end: 9 blocks (d = 576) over two
+ * threads is 5 against 4, and such a call at 16 rows took as long as one of 10 blocks
+ * (benchmarks/RESULTS.md). One or two rows take the blocks blocks_for() says at a time
+ * in a single pass: there the shares are whole units. Within a share, for each chunk of
+ * rows, each of its units while the passes go over it; results go out in block order (a
+ * gate before its up block). */
 #ifdef _OPENMP
 #define OMP_IDS(t, nt) (t = omp_get_thread_num(), nt = omp_get_num_threads())
 #else
 #define OMP_IDS(t, nt) ((void)0)
 #endif
+static inline int passes_of(int m) {  /* the passes over one unit, all chunks */
+    const int last = m % M_CHUNK;
+    return m / M_CHUNK * ((M_CHUNK + MR_MAX - 1) / MR_MAX) + (last + MR_MAX - 1) / MR_MAX;
+}
 #define FOR_PASSES(n, m, scratch, nthreads, BODY)                                        \
     do {                                                                                 \
         const int unit = (scratch) ? 2 : 1, units = (n) / NB / unit;                     \
-        int nt_ = (nthreads) < units ? (nthreads) : units;                               \
+        const int few = (m) <= 2, tp = few ? 1 : passes_of(m);                           \
+        const long work = (long)units * tp;                                              \
+        int nt_ = (nthreads) < work ? (nthreads) : (int)work;                            \
         if (nt_ < 1) nt_ = 1;                                                            \
         _Pragma("omp parallel num_threads(nt_)")                                         \
         {                                                                                \
             int t_ = 0, nts_ = 1;                                                        \
             OMP_IDS(t_, nts_);                                                           \
-            const int b0 = (int)((long)units * t_ / nts_) * unit;                        \
-            const int b1 = (int)((long)units * (t_ + 1) / nts_) * unit;                  \
-            for (int m0 = 0; m0 < (m); m0 += M_CHUNK) {                                  \
+            const long w0 = work * t_ / nts_, w1 = work * (t_ + 1) / nts_;               \
+            /* the share: unit u0 from pass g0 to unit u1 (inclusive) to pass g1 */     \
+            const int u0 = (int)(w0 / tp), g0 = (int)(w0 % tp);                          \
+            const int u1 = (int)((w1 - 1) / tp), g1 = (int)((w1 - 1) % tp);              \
+            const int b0 = u0 * unit, b1 = w0 < w1 ? (u1 + 1) * unit : b0;               \
+            for (int m0 = 0, g = 0; m0 < (m); m0 += M_CHUNK) {                           \
                 const int m1 = m0 + M_CHUNK < (m) ? m0 + M_CHUNK : (m);                  \
-                const int group = m1 - m0 <= 2 ? blocks_for(m1 - m0) : 1;                \
+                const int group = few ? blocks_for(m1 - m0) : 1;                         \
                 const int passes = (m1 - m0 + MR_MAX - 1) / MR_MAX;                      \
                 for (int b = b0; b < b1;) {                                              \
-                    const int nblk = b + group <= b1 ? group : 1;                        \
+                    const int nblk = b + group <= b1 ? group : 1, u = b / unit;          \
                     /* the block after these (PREFETCH_NEXT); -1: none, or one or two */ \
                     /* rows, whose passes read several blocks at once instead */         \
                     const int next = group > 1 ? -1                                      \
                                      : b + nblk < b1 ? b + nblk                          \
-                                     : m1 < (m) && b0 < b1 ? b0 : -1;                    \
+                                     : m1 < (m) ? b0 : -1;                               \
                     for (int r = m0; r < m1; r += MR_MAX) {                              \
                         const int rows = m1 - r < MR_MAX ? m1 - r : MR_MAX;              \
                         const int pass = (r - m0) / MR_MAX;                              \
+                        if ((u == u0 && g + pass < g0) || (u == u1 && g + pass > g1))    \
+                            continue; /* the other thread's passes of a shared unit */   \
                         BODY                                                             \
                     }                                                                    \
                     b += nblk;                                                           \
                 }                                                                        \
+                g += passes;                                                             \
             }                                                                            \
         }                                                                                \
     } while (0)

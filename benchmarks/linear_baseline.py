@@ -1,0 +1,144 @@
+"""kvserve's vector linears (model/kernels/linear_vec.c) against the same source at another
+commit, both built at this CPU's level (or KVSERVE_CPU_ISA's) and loaded into one
+process, their calls alternating: a change to the kernel measured without the drift
+between two runs minutes apart that this kind of machine shows (benchmarks/RESULTS.md).
+
+The weights are those of the 180M Llama-3-style checkpoint cpu_peers.py serves (30 layers
+of qkv 960x576, o 576x576, gate|up 3072x576 as one SwiGLU pass, down 576x1536; the head
+128256x576), each a separate random tensor, so a pass streams the weights from memory
+the way a decode step does. Per row count, the median of --repeats passes of the layers'
+120 linears and of the head, for each build; the two builds take turns going first.
+Prints a table and writes JSON.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/linear_baseline.py --baseline HEAD~1 --rows 1 16 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from model.device import isa_flags
+from model.kernels import (
+    HERE,
+    LINK_FLAGS,
+    VECTOR_FLAGS,
+    linear_isa,
+    linear_kernel,
+    swiglu_layout,
+    tile_layout,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = Path(__file__).parent / "out"
+LAYER = [(960, 576, False), (576, 576, False), (3072, 576, True), (576, 1536, False)]
+HEAD = (128256, 576, False)
+_P = ctypes.c_void_p
+
+
+def build_at(rev: str, level: str, tmp: Path) -> ctypes._CFuncPtr:
+    """linear_bf16_vec as linear_vec.c and its headers were at `rev`, built for `level`."""
+    src = tmp / "src"
+    src.mkdir()
+    rel = HERE.relative_to(ROOT)
+    names = ["linear_vec.c", *(h.name for h in HERE.glob("*.h"))]
+    for name in names:
+        text = subprocess.run(
+            ["git", "show", f"{rev}:{rel / name}"], cwd=ROOT, capture_output=True, check=True
+        ).stdout
+        (src / name).write_bytes(text)
+    obj, lib = tmp / "linear_vec.o", tmp / "linear_vec.so"
+    flags = [*VECTOR_FLAGS, *isa_flags(level)]
+    subprocess.run(["cc", *flags, "-c", str(src / "linear_vec.c"), "-o", str(obj)], check=True)
+    subprocess.run(["cc", *LINK_FLAGS, str(obj), "-o", str(lib), "-lm"], check=True)
+    fn = ctypes.CDLL(str(lib)).linear_bf16_vec
+    fn.restype, fn.argtypes = None, [_P] * 5 + [ctypes.c_int] * 4
+    return fn
+
+
+def passes(fn: ctypes._CFuncPtr, weights: list, shapes: list, m: int) -> Callable[[], None]:
+    """One pass of fn over the weights at m rows (inputs and outputs made once)."""
+    xs = {k: torch.randn(m, k).to(torch.bfloat16) for k in {k for _, k, _ in shapes}}
+    outs = [
+        torch.empty(m, n // 2 if swiglu else n, dtype=torch.bfloat16) for n, _, swiglu in shapes
+    ]
+    scratch = torch.empty(m, max(n // 2 for n, _, _ in shapes), dtype=torch.bfloat16)
+    threads = torch.get_num_threads()
+    calls = [
+        (xs[k].data_ptr(), w.data_ptr(), o.data_ptr(), scratch.data_ptr() if sw else None, n, k)
+        for w, o, (n, k, sw) in zip(weights, outs, shapes, strict=True)
+    ]
+
+    def run() -> None:
+        for x, w, o, s, n, k in calls:
+            fn(x, w, None, o, s, m, n, k, threads)
+
+    run.keep = (xs, outs, scratch)  # the buffers live as long as the pass
+    return run
+
+
+def alternate(a: Callable[[], None], b: Callable[[], None], repeats: int) -> tuple[float, float]:
+    """Median ms of a and of b over repeats turns, each turn's first alternating."""
+    a(), b()
+    times: tuple[list[float], list[float]] = ([], [])
+    for i in range(repeats):
+        order = ((a, times[0]), (b, times[1]))
+        for fn, out in order if i % 2 == 0 else order[::-1]:
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times[0]), 1000 * statistics.median(times[1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--baseline", required=True, help="the commit to compare with")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 256, 2048])
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--json", type=Path, default=OUT / "linear_baseline.json")
+    args = ap.parse_args()
+    level = linear_isa("bf16")
+    if level == "amx":
+        raise SystemExit("the bf16 linears here are AMX tiles: run with KVSERVE_CPU_ISA set")
+    now = linear_kernel("bf16")
+    if now is None:
+        raise SystemExit("kvserve's vector linears are not built on this CPU")
+    torch.manual_seed(0)
+    layer_shapes = LAYER * 30
+    weights = []
+    for n, k, swiglu in [*layer_shapes, HEAD]:
+        w = torch.randn(n, k).div_(k**0.5).to(torch.bfloat16)
+        weights.append(tile_layout(swiglu_layout(w) if swiglu else w))
+    parts = {"layers": (weights[:-1], layer_shapes), "head": (weights[-1:], [HEAD])}
+    rows_out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        base = build_at(args.baseline, level, Path(tmp))
+        print(f"linear_vec.c at {level}, threads {torch.get_num_threads()}: "
+              f"this tree against {args.baseline}")  # fmt: skip
+        print(f"{'rows':>5} {'part':>6} {'now ms':>9} {'baseline ms':>12} {'now/baseline':>13}")
+        for m in args.rows:
+            for part, (ws, shapes) in parts.items():
+                t_now, t_base = alternate(
+                    passes(now, ws, shapes, m), passes(base, ws, shapes, m), args.repeats
+                )
+                print(f"{m:5d} {part:>6} {t_now:9.2f} {t_base:12.2f} {t_now / t_base:13.3f}")
+                rows_out.append({"rows": m, "part": part, "now_ms": t_now, "baseline_ms": t_base})
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    report = {"level": level, "baseline": args.baseline, "runs": rows_out}
+    args.json.write_text(json.dumps(report, indent=2))
+    print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
