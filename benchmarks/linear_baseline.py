@@ -8,7 +8,8 @@ of qkv 960x576, o 576x576, gate|up 3072x576 as one SwiGLU pass, down 576x1536; t
 128256x576), each a separate random tensor, so a pass streams the weights from memory
 the way a decode step does. Per row count, the median of --repeats passes of the layers'
 120 linears and of the head, for each build; the two builds take turns going first.
-Prints a table and writes JSON.
+--kind int8 times the int8 linears (int8_pack's weights) instead. Prints a table and
+writes JSON.
 
     PYTHONPATH=. .venv/bin/python benchmarks/linear_baseline.py --baseline HEAD~1 --rows 1 16 256
 """
@@ -32,6 +33,7 @@ from model.kernels import (
     HERE,
     LINK_FLAGS,
     VECTOR_FLAGS,
+    int8_pack,
     linear_isa,
     linear_kernel,
     swiglu_layout,
@@ -45,8 +47,9 @@ HEAD = (128256, 576, False)
 _P = ctypes.c_void_p
 
 
-def build_at(rev: str, level: str, tmp: Path) -> ctypes._CFuncPtr:
-    """linear_bf16_vec as linear_vec.c and its headers were at `rev`, built for `level`."""
+def build_at(rev: str, level: str, tmp: Path, kind: str) -> ctypes._CFuncPtr:
+    """The `kind` linear (linear_bf16_vec or linear_int8) as linear_vec.c and its headers
+    were at `rev`, built for `level`."""
     src = tmp / "src"
     src.mkdir()
     rel = HERE.relative_to(ROOT)
@@ -60,7 +63,7 @@ def build_at(rev: str, level: str, tmp: Path) -> ctypes._CFuncPtr:
     flags = [*VECTOR_FLAGS, *isa_flags(level)]
     subprocess.run(["cc", *flags, "-c", str(src / "linear_vec.c"), "-o", str(obj)], check=True)
     subprocess.run(["cc", *LINK_FLAGS, str(obj), "-o", str(lib), "-lm"], check=True)
-    fn = ctypes.CDLL(str(lib)).linear_bf16_vec
+    fn = getattr(ctypes.CDLL(str(lib)), "linear_int8" if kind == "int8" else "linear_bf16_vec")
     fn.restype, fn.argtypes = None, [_P] * 5 + [ctypes.c_int] * 4
     return fn
 
@@ -106,12 +109,13 @@ def main() -> None:
     ap.add_argument("--baseline", required=True, help="the commit to compare with")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 256, 2048])
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--kind", choices=["bf16", "int8"], default="bf16", help="the weights")
     ap.add_argument("--json", type=Path, default=OUT / "linear_baseline.json")
     args = ap.parse_args()
-    level = linear_isa("bf16")
+    level = linear_isa(args.kind)
     if level == "amx":
         raise SystemExit("the bf16 linears here are AMX tiles: run with KVSERVE_CPU_ISA set")
-    now = linear_kernel("bf16")
+    now = linear_kernel(args.kind)
     if now is None:
         raise SystemExit("kvserve's vector linears are not built on this CPU")
     torch.manual_seed(0)
@@ -119,12 +123,13 @@ def main() -> None:
     weights = []
     for n, k, swiglu in [*layer_shapes, HEAD]:
         w = torch.randn(n, k).div_(k**0.5).to(torch.bfloat16)
-        weights.append(tile_layout(swiglu_layout(w) if swiglu else w))
+        w = swiglu_layout(w) if swiglu else w
+        weights.append(int8_pack(w) if args.kind == "int8" else tile_layout(w))
     parts = {"layers": (weights[:-1], layer_shapes), "head": (weights[-1:], [HEAD])}
     rows_out = []
     with tempfile.TemporaryDirectory() as tmp:
-        base = build_at(args.baseline, level, Path(tmp))
-        print(f"linear_vec.c at {level}, threads {torch.get_num_threads()}: "
+        base = build_at(args.baseline, level, Path(tmp), args.kind)
+        print(f"linear_vec.c at {level}, {args.kind}, threads {torch.get_num_threads()}: "
               f"this tree against {args.baseline}")  # fmt: skip
         print(f"{'rows':>5} {'part':>6} {'now ms':>9} {'baseline ms':>12} {'now/baseline':>13}")
         for m in args.rows:
@@ -135,7 +140,7 @@ def main() -> None:
                 print(f"{m:5d} {part:>6} {t_now:9.2f} {t_base:12.2f} {t_now / t_base:13.3f}")
                 rows_out.append({"rows": m, "part": part, "now_ms": t_now, "baseline_ms": t_base})
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    report = {"level": level, "baseline": args.baseline, "runs": rows_out}
+    report = {"level": level, "kind": args.kind, "baseline": args.baseline, "runs": rows_out}
     args.json.write_text(json.dumps(report, indent=2))
     print(f"\nwrote {args.json}")
 
