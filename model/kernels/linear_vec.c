@@ -436,8 +436,9 @@ static void quantize_rows(const uint16_t *x, int m, int k, uint8_t *xq, float *s
  * (each pass is the same rows against the same block whoever runs it: the same bits).
  * Shares of whole units left one thread idle at the end: 9 blocks (d = 576) over two
  * threads is 5 against 4, and such a call at 16 rows took as long as one of 10 blocks
- * (benchmarks/RESULTS.md). One or two rows take the blocks blocks_for() says at a time
- * in a single pass: there the shares are whole units. Within a share, for each chunk of
+ * (benchmarks/RESULTS.md). A call of one or two rows takes the blocks blocks_for() says
+ * at a time in a single pass: there the shares are whole units (in a longer call a chunk
+ * of one or two rows takes one block a pass). Within a share, for each chunk of
  * rows, each of its units while the passes go over it; results go out in block order (a
  * gate before its up block). */
 #ifdef _OPENMP
