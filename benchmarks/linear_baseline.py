@@ -53,7 +53,11 @@ def build_at(rev: str, level: str, tmp: Path, kind: str) -> ctypes._CFuncPtr:
     src = tmp / "src"
     src.mkdir()
     rel = HERE.relative_to(ROOT)
-    names = ["linear_vec.c", *(h.name for h in HERE.glob("*.h"))]
+    listing = subprocess.run(
+        ["git", "ls-tree", "--name-only", f"{rev}:{rel}"], cwd=ROOT, capture_output=True,
+        text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    names = ["linear_vec.c", *(name for name in listing if name.endswith(".h"))]
     for name in names:
         text = subprocess.run(
             ["git", "show", f"{rev}:{rel / name}"], cwd=ROOT, capture_output=True, check=True
