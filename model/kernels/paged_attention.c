@@ -325,11 +325,11 @@ DEFINE_KERNEL(paged_attention_f32, float, f32_id, f32_id, float, keys2_f32, vals
  * cache in memory, 30% in cache, benchmarks/RESULTS.md). A row's arithmetic is its own,
  * so its bits do not depend on what else is in the call. */
 #define QK_CHAINS (D % 8 == 0 ? 4 : 1)
-/* Rows share a task as in DEFINE_KERNEL; a block that leaves a row's running max as it
- * was skips its correction (exp(0) = 1: no expf, no rescaling), and a row's q.k scores
- * are computed two blocks at a time (each q broadcast serves both). Each row's
- * arithmetic is unchanged, so are its bits; a 2,040-token prompt's attention took 25%
- * less time (benchmarks/RESULTS.md, round nine). */
+/* Rows share a task as in DEFINE_KERNEL; a softmax step that leaves a row's running max
+ * as it was skips its correction (exp(0) = 1: no expf, no rescaling), and a row's q.k
+ * scores are computed two blocks at a time (each q broadcast serves both). Each row's
+ * arithmetic is its own whatever else is in the call, so are its bits; a 2,040-token
+ * prompt's attention took 25% less time (benchmarks/RESULTS.md, round nine). */
 
 typedef struct {  /* one query row's online softmax over one K/V head's group */
     uint32_t qp[G][D / 2];  /* q's channel pairs, as bf16 pairs */
@@ -370,26 +370,43 @@ static inline __attribute__((always_inline)) void bf16_scores(
         }
 }
 
-/* Block j's scores sc (n of its keys visible to the row, its first key at j * BS) into
- * the row: online softmax, then p.v. */
-static inline __attribute__((always_inline)) void bf16_row_block(
-    bf16_row *r, const __m512 *sc, const uint16_t *vb, int j, int n, const float *alibi,
-    int kvh, __m512 lane) {
-    const __mmask16 keep = n < BS ? (__mmask16)((1u << n) - 1) : (__mmask16)0xFFFF;
-    uint32_t pp[G][BS / 2];  /* the probabilities as bf16 token pairs */
+/* Blocks per online-softmax step: one running max, one sum and at most one correction for
+ * their 64 keys, not one of each per block (a 2,040-token prompt's attention 9% faster,
+ * 16 decode rows with the cache hot 11%; 8 blocks gained nothing more; benchmarks/
+ * RESULTS.md, round eleven). */
+#define STEP_BLOCKS 4
+/* Blocks j .. j + nb - 1's scores sc (nb 1 .. STEP_BLOCKS, n[b] of block b's keys visible
+ * to the row, block b's first key at (j + b) * BS) into the row: one online-softmax step
+ * over them all, then p.v. */
+static inline __attribute__((always_inline)) void bf16_row_blocks(
+    bf16_row *r, __m512 sc[][G], const uint16_t *const *vb, int j, int nb, const int *n,
+    const float *alibi, int kvh, __m512 lane) {
+    __mmask16 keep[STEP_BLOCKS];
+    for (int b = 0; b < nb; ++b)
+        keep[b] = n[b] < BS ? (__mmask16)((1u << n[b]) - 1) : (__mmask16)0xFFFF;
+    uint32_t pp[STEP_BLOCKS][G][BS / 2];  /* the probabilities as bf16 token pairs */
     for (int g = 0; g < G; ++g) {
-        __m512 s = sc[g];
-        if (alibi) {  /* -slope * distance, distance = S - 1 - key position */
-            const __m512 dist =
-                _mm512_sub_ps(_mm512_set1_ps((float)(r->len - 1 - (int64_t)j * BS)), lane);
-            s = _mm512_fnmadd_ps(_mm512_set1_ps(alibi[kvh * G + g]), dist, s);
+        __m512 s[STEP_BLOCKS];
+        for (int b = 0; b < nb; ++b) {
+            s[b] = sc[b][g];
+            if (alibi) {  /* -slope * distance, distance = S - 1 - key position */
+                const __m512 dist = _mm512_sub_ps(
+                    _mm512_set1_ps((float)(r->len - 1 - (int64_t)(j + b) * BS)), lane);
+                s[b] = _mm512_fnmadd_ps(_mm512_set1_ps(alibi[kvh * G + g]), dist, s[b]);
+            }
+            s[b] = _mm512_mask_blend_ps(keep[b], _mm512_set1_ps(-1e30f), s[b]);
         }
-        s = _mm512_mask_blend_ps(keep, _mm512_set1_ps(-1e30f), s);
-        const float bmax = fmaxf(r->m[g], _mm512_reduce_max_ps(s));
-        const __m512 e = exp_masked(_mm512_sub_ps(s, _mm512_set1_ps(bmax)), keep);
-        const __m256bh pb = _mm512_cvtneps_pbh(e);
-        memcpy(pp[g], &pb, sizeof pp[g]);
-        const float sum = _mm512_reduce_add_ps(_mm512_cvtpbh_ps(pb));
+        __m512 top = s[0];
+        for (int b = 1; b < nb; ++b) top = _mm512_max_ps(top, s[b]);
+        const float bmax = fmaxf(r->m[g], _mm512_reduce_max_ps(top));
+        __m512 total = _mm512_setzero_ps();
+        for (int b = 0; b < nb; ++b) {
+            const __m512 e = exp_masked(_mm512_sub_ps(s[b], _mm512_set1_ps(bmax)), keep[b]);
+            const __m256bh pb = _mm512_cvtneps_pbh(e);
+            memcpy(pp[b][g], &pb, sizeof pp[b][g]);
+            total = _mm512_add_ps(total, _mm512_cvtpbh_ps(pb));
+        }
+        const float sum = _mm512_reduce_add_ps(total);
         if (bmax == r->m[g]) {  /* the correction would be exp(0) = 1: nothing to scale */
             r->l[g] += sum;
             continue;
@@ -400,19 +417,20 @@ static inline __attribute__((always_inline)) void bf16_row_block(
         for (int c = 0; c < D / 16; ++c)
             r->acc[g][c] = _mm512_mul_ps(r->acc[g][c], _mm512_set1_ps(corr));
     }
-    __m512 acc[G][D / 16];  /* in registers for the block's tokens */
+    __m512 acc[G][D / 16];  /* in registers for the blocks' tokens */
     memcpy(acc, r->acc, sizeof acc);
-    for (int t = 0; t < n; t += 2) {  /* token pairs; past the context: none */
-        /* a last odd token's partner slot may hold anything: its channels read 0 */
-        const __mmask32 both = t + 1 < n ? 0xFFFFFFFFu : 0x55555555u;
-        for (int c = 0; c < D / 16; ++c) {
-            const __m512bh vv =
-                (__m512bh)_mm512_maskz_loadu_epi16(both, vb + (int64_t)t * D + c * 32);
-            for (int g = 0; g < G; ++g)
-                acc[g][c] = _mm512_dpbf16_ps(acc[g][c], vv,
-                                             (__m512bh)_mm512_set1_epi32((int)pp[g][t / 2]));
+    for (int b = 0; b < nb; ++b)
+        for (int t = 0; t < n[b]; t += 2) {  /* token pairs; past the context: none */
+            /* a last odd token's partner slot may hold anything: its channels read 0 */
+            const __mmask32 both = t + 1 < n[b] ? 0xFFFFFFFFu : 0x55555555u;
+            for (int c = 0; c < D / 16; ++c) {
+                const __m512bh vv = (__m512bh)_mm512_maskz_loadu_epi16(
+                    both, vb[b] + (int64_t)t * D + c * 32);
+                for (int g = 0; g < G; ++g)
+                    acc[g][c] = _mm512_dpbf16_ps(
+                        acc[g][c], vv, (__m512bh)_mm512_set1_epi32((int)pp[b][g][t / 2]));
+            }
         }
-    }
     memcpy(r->acc, acc, sizeof acc);
 }
 
@@ -443,9 +461,9 @@ void paged_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *
                 r->l[g] = 0.f;
             }
         }
-        for (int j = 0; j < nblk; j += 2) {  /* two blocks at a time */
-            const uint16_t *kb[2], *vb[2];
-            for (int b = 0; b < 2 && j + b < nblk; ++b) {
+        for (int j = 0; j < nblk; j += STEP_BLOCKS) {  /* a softmax step: STEP_BLOCKS blocks */
+            const uint16_t *kb[STEP_BLOCKS], *vb[STEP_BLOCKS];
+            for (int b = 0; b < STEP_BLOCKS && j + b < nblk; ++b) {
                 const int64_t blk = tables[seq * max_blocks + j + b];
                 kb[b] = k + (blk * KV + kvh) * (int64_t)(D * BS);
                 vb[b] = v + (blk * KV + kvh) * (int64_t)(D * BS);
@@ -454,18 +472,23 @@ void paged_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *
             for (int i = 0; i < nr; ++i) {
                 const int64_t rest = rows[i].len - (int64_t)j * BS;
                 if (rest <= 0) continue;
-                __m512 sc[2][G];
-                if (rest > BS && QK_PAIRS) {
-                    bf16_scores(&rows[i], kb, 2, scale, sc);
-                } else {
-                    bf16_scores(&rows[i], kb, 1, scale, sc);
-                    if (rest > BS) bf16_scores(&rows[i], kb + 1, 1, scale, sc + 1);
+                const int64_t blocks = (rest + BS - 1) / BS;
+                const int nb = blocks < STEP_BLOCKS ? (int)blocks : STEP_BLOCKS;
+                __m512 sc[STEP_BLOCKS][G];
+                for (int b = 0; b < nb; b += 2) {  /* the scores two blocks at a time */
+                    if (b + 1 < nb && QK_PAIRS) {
+                        bf16_scores(&rows[i], kb + b, 2, scale, sc + b);
+                    } else {
+                        bf16_scores(&rows[i], kb + b, 1, scale, sc + b);
+                        if (b + 1 < nb) bf16_scores(&rows[i], kb + b + 1, 1, scale, sc + b + 1);
+                    }
                 }
-                for (int b = 0; b < 2 && rest > b * BS; ++b) {
+                int n[STEP_BLOCKS];
+                for (int b = 0; b < nb; ++b) {
                     const int64_t left = rest - b * BS;
-                    bf16_row_block(&rows[i], sc[b], vb[b], j + b, left < BS ? (int)left : BS,
-                                   alibi, kvh, lane);
+                    n[b] = left < BS ? (int)left : BS;
                 }
+                bf16_row_blocks(&rows[i], sc, vb, j, nb, n, alibi, kvh, lane);
             }
         }
         for (int i = 0; i < nr; ++i)
