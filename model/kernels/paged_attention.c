@@ -100,9 +100,9 @@ static inline void vals2_bf16(const uint16_t *vb, int t, int c, vch *a, vch *b) 
     *b = (vch)(u & 0xFFFF0000u);
 }
 
-static inline float hmax(const vblk *v) {  /* over a block's NP pieces */
+static inline float hmax(const vblk *v, int pieces) {  /* over `pieces` vectors */
     vblk x = v[0];
-    for (int i = 1; i < NP; ++i) {
+    for (int i = 1; i < pieces; ++i) {
         const iblk gt = x > v[i];
         x = (vblk)(((iblk)x & gt) | ((iblk)v[i] & ~gt));
     }
@@ -113,9 +113,9 @@ static inline float hmax(const vblk *v) {  /* over a block's NP pieces */
     return m;
 }
 
-static inline float hsum(const vblk *v) {
+static inline float hsum(const vblk *v, int pieces) {
     vblk x = v[0];
-    for (int i = 1; i < NP; ++i) x += v[i];
+    for (int i = 1; i < pieces; ++i) x += v[i];
     float a[BW], s = 0.f;
     memcpy(a, &x, sizeof a);
     for (int t = 0; t < BW; ++t) s += a[t];
@@ -167,6 +167,11 @@ static inline __m512 exp_masked(__m512 x, __mmask16 keep) {
  * calling expf. Neither changes a row's arithmetic, so neither changes its bits
  * (benchmarks/RESULTS.md, round nine). */
 #define ROWS_PER_TASK 8
+/* Blocks per online-softmax step: one running max, one sum and at most one correction for
+ * their keys, not one of each per block (avx512-bf16: a 2,040-token prompt's attention
+ * 7-9% faster, 8 blocks gained nothing more; benchmarks/RESULTS.md, round eleven). Every
+ * row steps from its first block, so a row's arithmetic is the same in any batch. */
+#define STEP_BLOCKS 4
 
 /* A block's p.v into row r (its probabilities p, n tokens). One value vector feeds G
  * FMAs, and each accumulator adds the tokens in order. With 32 vector registers every
@@ -239,49 +244,68 @@ void NAME(const QT *q, const T *k, const T *v, const int64_t *tables,           
                 r->l[g] = 0.f;                                                            \
             }                                                                             \
         }                                                                                 \
-        for (int j = 0; j < nblk; ++j) {                                                  \
-            const int64_t blk = tables[seq * max_blocks + j];                             \
-            const T *kb = k + (blk * KV + kvh) * (int64_t)(D * BS);                       \
-            const T *vb = v + (blk * KV + kvh) * (int64_t)(D * BS);                       \
-            prefetch_ahead(k, v, tables + seq * max_blocks, j, nblk, KV, kvh,            \
-                           (int64_t)(D * BS * sizeof(T)));                                \
+        for (int j = 0; j < nblk; j += STEP_BLOCKS) {  /* a softmax step */              \
+            const T *kbs[STEP_BLOCKS], *vbs[STEP_BLOCKS];                                 \
+            for (int b = 0; b < STEP_BLOCKS && j + b < nblk; ++b) {                       \
+                const int64_t blk = tables[seq * max_blocks + j + b];                     \
+                kbs[b] = k + (blk * KV + kvh) * (int64_t)(D * BS);                        \
+                vbs[b] = v + (blk * KV + kvh) * (int64_t)(D * BS);                        \
+                prefetch_ahead(k, v, tables + seq * max_blocks, j + b, nblk, KV, kvh,    \
+                               (int64_t)(D * BS * sizeof(T)));                            \
+            }                                                                             \
             for (int i = 0; i < nr; ++i) {                                                \
                 vec_row *r = &rows[i];                                                    \
                 const int64_t rest = r->len - (int64_t)j * BS;                            \
                 if (rest <= 0) continue;                                                  \
-                const int n = rest < BS ? (int)rest : BS;                                 \
-                vblk sc[G][NP];                                                           \
-                for (int x = 0; x < NP; ++x) {                                            \
-                    for (int g = 0; g < G; ++g) sc[g][x] = (vblk){0};                     \
-                    for (int d = 0; d < D; d += 2) {  /* one key vector feeds G FMAs */   \
-                        vblk k0, k1;                                                      \
-                        KEYS(kb, d, x * BW, &k0, &k1);                                    \
-                        for (int g = 0; g < G; ++g) sc[g][x] += r->qs[g][d] * k0;         \
-                        for (int g = 0; g < G; ++g) sc[g][x] += r->qs[g][d + 1] * k1;     \
+                const int64_t blocks_ = (rest + BS - 1) / BS;                             \
+                const int nb = blocks_ < STEP_BLOCKS ? (int)blocks_ : STEP_BLOCKS;        \
+                vblk sc[G][STEP_BLOCKS * NP];                                             \
+                for (int b = 0; b < nb; ++b)                                              \
+                    for (int x = 0; x < NP; ++x) {                                        \
+                        vblk *to = &sc[0][b * NP + x];                                    \
+                        for (int g = 0; g < G; ++g) to[g * STEP_BLOCKS * NP] = (vblk){0}; \
+                        for (int d = 0; d < D; d += 2) {  /* a key vector feeds G FMAs */ \
+                            vblk k0, k1;                                                  \
+                            KEYS(kbs[b], d, x * BW, &k0, &k1);                            \
+                            for (int g = 0; g < G; ++g)                                   \
+                                to[g * STEP_BLOCKS * NP] += r->qs[g][d] * k0;             \
+                            for (int g = 0; g < G; ++g)                                   \
+                                to[g * STEP_BLOCKS * NP] += r->qs[g][d + 1] * k1;         \
+                        }                                                                 \
                     }                                                                     \
-                }                                                                         \
-                float p[G][BS];                                                           \
+                float pb[STEP_BLOCKS][G][BS];                                             \
                 for (int g = 0; g < G; ++g) {                                             \
-                    float s[BS];                                                          \
-                    memcpy(s, sc[g], sizeof s);                                           \
-                    if (alibi) {                                                          \
-                        const float slope = alibi[kvh * G + g];                           \
-                        for (int t = 0; t < BS; ++t)                                      \
-                            s[t] -= slope * (float)(r->len - 1 - ((int64_t)j * BS + t));  \
+                    for (int b = 0; b < nb; ++b) {                                        \
+                        const int64_t left = rest - (int64_t)b * BS;                      \
+                        const int n = left < BS ? (int)left : BS;                         \
+                        float s[BS];                                                      \
+                        memcpy(s, &sc[g][b * NP], sizeof s);                              \
+                        if (alibi) {                                                      \
+                            const float slope = alibi[kvh * G + g];                       \
+                            const int64_t at = (int64_t)(j + b) * BS;                     \
+                            for (int t = 0; t < BS; ++t)                                  \
+                                s[t] -= slope * (float)(r->len - 1 - (at + t));           \
+                        }                                                                 \
+                        for (int t = n; t < BS; ++t) s[t] = -1e30f;  /* past the context */ \
+                        memcpy(&sc[g][b * NP], s, sizeof s);                              \
                     }                                                                     \
-                    for (int t = n; t < BS; ++t) s[t] = -1e30f;  /* past the context */   \
-                    memcpy(sc[g], s, sizeof s);                                           \
-                    const float bmax = fmaxf(r->m[g], hmax(sc[g]));                       \
-                    vblk e[NP];                                                           \
-                    for (int x = 0; x < NP; ++x) e[x] = vexp(sc[g][x] - bmax);            \
+                    const float bmax = fmaxf(r->m[g], hmax(sc[g], nb * NP));              \
+                    vblk e[STEP_BLOCKS * NP];                                             \
+                    for (int x = 0; x < nb * NP; ++x) e[x] = vexp(sc[g][x] - bmax);       \
                     /* the max unchanged: exp(0) = 1 without the call */                  \
                     const float corr = bmax == r->m[g] ? 1.f : expf(r->m[g] - bmax);      \
-                    r->l[g] = r->l[g] * corr + hsum(e);                                   \
+                    r->l[g] = r->l[g] * corr + hsum(e, nb * NP);                          \
                     r->m[g] = bmax;                                                       \
-                    memcpy(p[g], e, sizeof e);                                            \
+                    for (int b = 0; b < nb; ++b) memcpy(pb[b][g], &e[b * NP], BS * 4);    \
                     for (int c = 0; c < D / DV; ++c) r->acc[g][c] *= corr;                \
                 }                                                                         \
-                PV_BLOCK(VALS);                                                           \
+                for (int b = 0; b < nb; ++b) {                                            \
+                    const T *vb = vbs[b];                                                 \
+                    const int64_t left = rest - (int64_t)b * BS;                          \
+                    const int n = left < BS ? (int)left : BS;                             \
+                    float(*p)[BS] = pb[b];                                                \
+                    PV_BLOCK(VALS);                                                       \
+                }                                                                         \
             }                                                                             \
         }                                                                                 \
         for (int i = 0; i < nr; ++i)                                                      \
@@ -370,11 +394,6 @@ static inline __attribute__((always_inline)) void bf16_scores(
         }
 }
 
-/* Blocks per online-softmax step: one running max, one sum and at most one correction for
- * their 64 keys, not one of each per block (a 2,040-token prompt's attention 9% faster,
- * 16 decode rows with the cache hot 11%; 8 blocks gained nothing more; benchmarks/
- * RESULTS.md, round eleven). */
-#define STEP_BLOCKS 4
 /* Blocks j .. j + nb - 1's scores sc (nb 1 .. STEP_BLOCKS, n[b] of block b's keys visible
  * to the row, block b's first key at (j + b) * BS) into the row: one online-softmax step
  * over them all, then p.v. */
