@@ -168,9 +168,10 @@ static inline __m512 exp_masked(__m512 x, __mmask16 keep) {
  * (benchmarks/RESULTS.md, round nine). */
 #define ROWS_PER_TASK 8
 /* Blocks per online-softmax step: one running max, one sum and at most one correction for
- * their keys, not one of each per block (avx512-bf16: a 2,040-token prompt's attention
- * 7-9% faster, 8 blocks gained nothing more; benchmarks/RESULTS.md, round eleven). Every
- * row steps from its first block, so a row's arithmetic is the same in any batch. */
+ * their keys, not one of each per block (a 2,040-token prompt's attention 24% faster at
+ * avx2 and avx512f, 7-9% at avx512-bf16; 8 blocks gained nothing more; benchmarks/
+ * RESULTS.md, round eleven). Every row steps from its first block, so a row's arithmetic
+ * is the same in any batch. */
 #define STEP_BLOCKS 4
 
 /* A block's p.v into row r (its probabilities p, n tokens). One value vector feeds G
