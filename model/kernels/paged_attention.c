@@ -174,6 +174,17 @@ static inline __m512 exp_masked(__m512 x, __mmask16 keep) {
  * is the same in any batch. */
 #define STEP_BLOCKS 4
 
+/* The blocks of a step a row sees, `rest` keys of it from the step's first block on:
+ * returns how many (1 .. STEP_BLOCKS); n[b] the keys of block b it sees. */
+static inline int step_blocks(int64_t rest, int *n) {
+    int nb = 0;
+    for (; nb < STEP_BLOCKS && rest > (int64_t)nb * BS; ++nb) {
+        const int64_t left = rest - (int64_t)nb * BS;
+        n[nb] = left < BS ? (int)left : BS;
+    }
+    return nb;
+}
+
 /* A block's p.v into row r (its probabilities p, n tokens). One value vector feeds G
  * FMAs, and each accumulator adds the tokens in order. With 32 vector registers every
  * channel chunk's accumulators stay in them through the block; with AVX2's 16 they
@@ -258,8 +269,8 @@ void NAME(const QT *q, const T *k, const T *v, const int64_t *tables,           
                 vec_row *r = &rows[i];                                                    \
                 const int64_t rest = r->len - (int64_t)j * BS;                            \
                 if (rest <= 0) continue;                                                  \
-                const int64_t blocks_ = (rest + BS - 1) / BS;                             \
-                const int nb = blocks_ < STEP_BLOCKS ? (int)blocks_ : STEP_BLOCKS;        \
+                int ns[STEP_BLOCKS];                                                      \
+                const int nb = step_blocks(rest, ns);                                     \
                 vblk sc[G][STEP_BLOCKS * NP];                                             \
                 for (int b = 0; b < nb; ++b)                                              \
                     for (int x = 0; x < NP; ++x) {                                        \
@@ -277,8 +288,7 @@ void NAME(const QT *q, const T *k, const T *v, const int64_t *tables,           
                 float pb[STEP_BLOCKS][G][BS];                                             \
                 for (int g = 0; g < G; ++g) {                                             \
                     for (int b = 0; b < nb; ++b) {                                        \
-                        const int64_t left = rest - (int64_t)b * BS;                      \
-                        const int n = left < BS ? (int)left : BS;                         \
+                        const int n = ns[b];                                              \
                         float s[BS];                                                      \
                         memcpy(s, &sc[g][b * NP], sizeof s);                              \
                         if (alibi) {                                                      \
@@ -302,8 +312,7 @@ void NAME(const QT *q, const T *k, const T *v, const int64_t *tables,           
                 }                                                                         \
                 for (int b = 0; b < nb; ++b) {                                            \
                     const T *vb = vbs[b];                                                 \
-                    const int64_t left = rest - (int64_t)b * BS;                          \
-                    const int n = left < BS ? (int)left : BS;                             \
+                    const int n = ns[b];                                                  \
                     float(*p)[BS] = pb[b];                                                \
                     PV_BLOCK(VALS);                                                       \
                 }                                                                         \
@@ -492,8 +501,8 @@ void paged_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *
             for (int i = 0; i < nr; ++i) {
                 const int64_t rest = rows[i].len - (int64_t)j * BS;
                 if (rest <= 0) continue;
-                const int64_t blocks = (rest + BS - 1) / BS;
-                const int nb = blocks < STEP_BLOCKS ? (int)blocks : STEP_BLOCKS;
+                int n[STEP_BLOCKS];
+                const int nb = step_blocks(rest, n);
                 __m512 sc[STEP_BLOCKS][G];
                 for (int b = 0; b < nb; b += 2) {  /* the scores two blocks at a time */
                     if (b + 1 < nb && QK_PAIRS) {
@@ -502,11 +511,6 @@ void paged_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *
                         bf16_scores(&rows[i], kb + b, 1, scale, sc + b);
                         if (b + 1 < nb) bf16_scores(&rows[i], kb + b + 1, 1, scale, sc + b + 1);
                     }
-                }
-                int n[STEP_BLOCKS];
-                for (int b = 0; b < nb; ++b) {
-                    const int64_t left = rest - b * BS;
-                    n[b] = left < BS ? (int)left : BS;
                 }
                 bf16_row_blocks(&rows[i], sc, vb, j, nb, n, alibi, kvh, lane);
             }
