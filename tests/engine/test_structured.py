@@ -1,8 +1,9 @@
 """Structured outputs in the engine (llguidance): every output sampled at temperature 1
 parses and validates against its JSON Schema, matches its regex, is one of its choices or
 is in its grammar's language; constrained and unconstrained requests batched together
-each stay correct; preemption and n > 1 keep the grammar's place; a bad or unsupported
-constraint is refused naming the parameter and what is wrong."""
+each stay correct; preemption and n > 1 keep the grammar's place; forced text jumped to
+keeps a draft model's cache in step; a bad or unsupported constraint is refused naming the
+parameter and what is wrong."""
 
 import dataclasses
 import json
@@ -196,3 +197,45 @@ def test_forced_text_takes_no_steps_of_its_own(demo: LLMEngine) -> None:
     assert steps["jump"][0] <= 3 < steps["jump"][1], steps
     assert steps["logprobs"][0] == steps["logprobs"][1] > 5, steps
     assert steps["off"][0] == steps["off"][1] > 5, steps
+
+
+def test_forced_text_beside_a_draft_model(demo: LLMEngine) -> None:
+    """Jump-forward in an engine whose draft model mirrors every forward: the step that
+    computes a constrained request's forced tokens (several at once, with the token after
+    them) is mirrored into the draft's cache like any other. The model drafting for
+    itself, every draft is accepted: for the unconstrained requests decoding beside the
+    constrained one, and for a later request that continues its text through the prefix
+    cache (its drafts read the draft's K/V of the forced tokens); all get the plain
+    engine's greedy tokens."""
+    forced = ", supercalifragilisticexpialidocious said the quick brown fox "
+    c = Constraint("regex", f"(yes|no){forced}[a-z]{{8,60}}", "guided_regex")
+    tok = demo.tokenizer
+    prompt = tok.encode("Say it:")
+    settings = Settings(num_kv_blocks=1024, max_num_seqs=16, max_num_batched_tokens=256)
+    drafting = LLMEngine(
+        demo.runner.model,
+        tok,
+        dataclasses.replace(
+            settings,
+            speculative_method="draft",
+            speculative_model="in-memory",
+            speculative_min_speedup=0,
+        ),
+        draft=demo.runner.model,
+    )
+    plain = LLMEngine(demo.runner.model, tok, settings)
+    beside = {f"u{i}": (tok.encode(f"Count to {i + 3}:"), greedy(24)) for i in range(2)}
+    got = run_all(drafting, {"c": (prompt, sample(c, 0, max_tokens=40))} | beside)
+    text = "".join(o.text for o in got["c"])
+    assert re.fullmatch(f"(yes|no){forced}[a-z]+", text), text
+    assert max(len(o.token_ids) for o in got["c"]) > 5  # the forced text came at once
+    want = run_all(plain, beside)
+    assert {r: tokens_of(got[r]) for r in beside} == {r: tokens_of(want[r]) for r in beside}
+    follow = {"f": (prompt + tokens_of(got["c"]) + tok.encode(" and then"), greedy(24))}
+    hits = drafting.stats.prefix_hit_tokens
+    after = run_all(drafting, follow)
+    assert drafting.stats.prefix_hit_tokens - hits >= len(tok.encode(forced))
+    assert tokens_of(after["f"]) == tokens_of(run_all(plain, follow)["f"])
+    drafted, accepted = drafting.stats.spec_draft_tokens, drafting.stats.spec_accepted_tokens
+    assert drafted > 0 and accepted == drafted
+    assert drafting.blocks.num_used == 0
