@@ -6,23 +6,17 @@ import dataclasses
 import logging
 import time
 
-from model.attention import PagedKVCache
-from model.backends import select_backend
 from model.backends.reference import NON_FINITE
 from model.tokenizer import Tokenizer
 from model.transformer import Transformer
 from service.config import Settings
-from service.engine.blocks import BlockManager
-from service.engine.cuda_graphs import decode_graphs
-from service.engine.memory import kv_block_budget
 from service.engine.output import RequestOutput, TextState, make_output
-from service.engine.ranks import RankError, Ranks
+from service.engine.parts import assemble
+from service.engine.ranks import RankError
 from service.engine.request import FinishReason, ParamError, Request, SamplingParams, Status
-from service.engine.runner import ModelRunner
-from service.engine.scheduler import Scheduler, SchedulerOutput
-from service.engine.speculative import DraftModel, Speculator, blocks_per_proposal
+from service.engine.scheduler import SchedulerOutput
+from service.engine.speculative import accepted_drafts
 from service.engine.stats import EngineObserver, EngineSnapshot, EngineStats
-from service.engine.structured import Grammars, Masks
 
 log = logging.getLogger("kvserve.engine")
 
@@ -41,77 +35,22 @@ class LLMEngine:
         draft: Transformer | None = None,
     ) -> None:
         """settings: what the engine reads of them (the sizes, budgets, backend,
-        quantization and speculation); the device's defaults are resolved here, once.
-        draft: the speculative draft model (--speculative-method draft)."""
+        quantization and speculation); its parts are assembled from them once
+        (service/engine/parts.py). draft: the speculative draft model
+        (--speculative-method draft)."""
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
-        if (settings.speculative_method == "draft") != (draft is not None):
-            raise ValueError(
-                "speculative_model: a draft model goes with --speculative-method draft"
-            )
-        device = model.device.type
-        self.max_num_seqs = settings.seqs_per_step(device)
         self.observer = observer
-        self.max_model_len = min(
-            settings.max_model_len or model.cfg.max_position, model.cfg.max_position
-        )
-        local = model.local_cfg  # the shapes this rank holds (the model's, on one rank)
-        self.backend = select_backend(
-            settings.attention_backend, model.device, model.dtype, local, settings.block_size
-        )
-        # with tensor parallelism every rank builds this engine; rank 0 alone steps it
-        self.ranks = Ranks(model.tp, model.device) if model.tp is not None else None
-        num_blocks = kv_block_budget(model, settings, self.max_num_seqs, draft)
-        if self.ranks is not None:
-            num_blocks = self.ranks.agree_min(num_blocks)
-        self.kv_cache = PagedKVCache(
-            local, num_blocks, settings.block_size, model.dtype, model.device, self.backend
-        )
-        # the model is part of every prefix-cache key (with each request's cache_salt)
-        namespace = f"{model.cfg!r}|{model.dtype}|{settings.quantization}"
-        self.blocks = BlockManager(
-            num_blocks, settings.block_size, not settings.disable_prefix_caching, namespace
-        )
-        self.scheduler = Scheduler(
-            self.blocks,
-            self.max_num_seqs,
-            settings.max_num_batched_tokens,
-            settings.mixed_prefill_cap(device),
-        )
-        # not captured across ranks: a graph would replay its collectives unchecked
-        graphs = not settings.enforce_eager and self.backend.name == "triton" and not model.tp
-        self.eos_ids = frozenset(tokenizer.eos_ids) | frozenset(model.cfg.eos_token_ids)
-        # structured outputs: nothing is built until a request asks for a constraint
-        self.grammars = Grammars(tokenizer, model.cfg.vocab_size, sorted(self.eos_ids))
+        parts = assemble(model, tokenizer, settings, draft)
+        self.max_num_seqs, self.max_model_len = parts.max_num_seqs, parts.max_model_len
+        self.backend, self.ranks, self.kv_cache = parts.backend, parts.ranks, parts.kv_cache
+        self.blocks, self.scheduler, self.runner = parts.blocks, parts.scheduler, parts.runner
+        self.eos_ids, self.grammars = parts.eos_ids, parts.grammars
+        self.speculator = parts.speculator
         self.jump_forward = not settings.disable_jump_forward
-        self.runner = ModelRunner(
-            model,
-            self.kv_cache,
-            decode_graphs(model, self.kv_cache, self.max_num_seqs, self.max_model_len)
-            if graphs and model.device.type == "cuda"
-            else None,
-            settings.quantization,
-            self.ranks,
-            Masks(self.grammars),
-            self._draft_model(draft, num_blocks) if draft is not None else None,
-        )
-        self.speculator = Speculator(settings, self.max_model_len, self.runner.draft)
         self.requests: dict[str, Request] = {}
         self.texts: dict[str, TextState] = {}
         self.stats = EngineStats()
         self.clock = time.monotonic
-
-    def _draft_model(self, draft: Transformer, num_blocks: int) -> DraftModel:
-        """The draft model's runner over its own cache: the target's blocks plus the
-        scratch its proposals look ahead in."""
-        s = self.settings
-        k, batch = s.num_speculative_tokens, s.speculative_max_batch
-        blocks = num_blocks + blocks_per_proposal(k, s.block_size) * batch
-        backend = select_backend(
-            s.attention_backend, draft.device, draft.dtype, draft.cfg, s.block_size
-        )
-        cache = PagedKVCache(draft.cfg, blocks, s.block_size, draft.dtype, draft.device, backend)
-        runner = ModelRunner(draft, cache, None, s.quantization)
-        return DraftModel(runner, num_blocks, k, batch, self.model.cfg.vocab_size)
 
     # ---- admission -------------------------------------------------------------------
 
@@ -183,22 +122,13 @@ class LLMEngine:
             self.scheduler.remove(request)
 
     def snapshot(self) -> EngineSnapshot:
-        used, total, stats = self.blocks.num_used, self.blocks.num_blocks, self.stats
-        return EngineSnapshot(
-            running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting),
-            kv_blocks_total=total,
-            kv_blocks_used=used,
-            kv_bytes_total=total * self.block_bytes,
-            kv_bytes_used=used * self.block_bytes,
-            prompt_tokens=stats.prompt_tokens,
-            generation_tokens=stats.generation_tokens,
-            prefix_queried_tokens=stats.prefix_queried_tokens,
-            prefix_hit_tokens=stats.prefix_hit_tokens,
-            preemptions=stats.preemptions,
-            spec_draft_tokens=stats.spec_draft_tokens,
-            spec_accepted_tokens=stats.spec_accepted_tokens,
-            finished=tuple(sorted(stats.finished.items())),
+        sched, blocks = self.scheduler, self.blocks
+        return self.stats.snapshot(
+            len(sched.running),
+            len(sched.waiting),
+            blocks.num_used,
+            blocks.num_blocks,
+            self.block_bytes,
         )
 
     def has_unfinished(self) -> bool:
@@ -275,7 +205,7 @@ class LLMEngine:
                 if not seq.sample:
                     self.blocks.cache_full_blocks(request)
                     continue
-                accepted = _accepted(seq.drafts, chosen)
+                accepted = accepted_drafts(seq.drafts, chosen)
                 self.stats.spec_draft_tokens += len(seq.drafts)
                 self.stats.spec_accepted_tokens += accepted
                 out = self._accept(request, chosen[: accepted + 1], lps, accepted, now, intervals)
@@ -390,11 +320,3 @@ class LLMEngine:
         self.texts.pop(request.request_id, None)
         self._observe("on_finished", output)
         return output
-
-
-def _accepted(drafts: list[int], chosen: list[int]) -> int:
-    """Drafts accepted: those before the first whose position chose another token."""
-    n = 0
-    while n < len(drafts) and chosen[n] == drafts[n]:
-        n += 1
-    return n

@@ -68,6 +68,14 @@ def ngram_drafts(tokens: Sequence[int], k: int) -> list[int]:
     return []
 
 
+def accepted_drafts(drafts: list[int], chosen: list[int]) -> int:
+    """Drafts accepted: those before the first whose position chose another token."""
+    n = 0
+    while n < len(drafts) and chosen[n] == drafts[n]:
+        n += 1
+    return n
+
+
 def blocks_per_proposal(k: int, block_size: int) -> int:
     """Scratch blocks a k-token lookahead needs: it may start at a block's last slot."""
     return -(-(block_size - 1 + k) // block_size)

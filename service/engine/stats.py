@@ -29,6 +29,27 @@ class EngineStats:
     spec_accepted_tokens: int = 0  # ... and accepted
     finished: Counter[str] = field(default_factory=Counter)
 
+    def snapshot(
+        self, running: int, waiting: int, blocks_used: int, blocks_total: int, block_bytes: int
+    ) -> EngineSnapshot:
+        """These counters with the engine's gauges, frozen."""
+        return EngineSnapshot(
+            running=running,
+            waiting=waiting,
+            kv_blocks_total=blocks_total,
+            kv_blocks_used=blocks_used,
+            kv_bytes_total=blocks_total * block_bytes,
+            kv_bytes_used=blocks_used * block_bytes,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+            prefix_queried_tokens=self.prefix_queried_tokens,
+            prefix_hit_tokens=self.prefix_hit_tokens,
+            preemptions=self.preemptions,
+            spec_draft_tokens=self.spec_draft_tokens,
+            spec_accepted_tokens=self.spec_accepted_tokens,
+            finished=tuple(sorted(self.finished.items())),
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class EngineSnapshot:

@@ -1,0 +1,114 @@
+"""The engine's parts, assembled once from the model and the settings: the execution
+backend, the KV pool sized to the memory budget (agreed between tensor-parallel ranks),
+the block manager with its prefix-cache namespace, the scheduler, and the model runner
+with its CUDA graphs, grammar masks and speculative draft model. The device's defaults
+(sequences per step, the mixed-prefill cap) are resolved here; LLMEngine
+(service/engine/engine.py) keeps these parts and drives them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from model.attention import PagedKVCache
+from model.backends import Backend, select_backend
+from model.tokenizer import Tokenizer
+from model.transformer import Transformer
+from service.config import Settings
+from service.engine.blocks import BlockManager
+from service.engine.cuda_graphs import decode_graphs
+from service.engine.memory import kv_block_budget
+from service.engine.ranks import Ranks
+from service.engine.runner import ModelRunner
+from service.engine.scheduler import Scheduler
+from service.engine.speculative import DraftModel, Speculator, blocks_per_proposal
+from service.engine.structured import Grammars, Masks
+
+
+@dataclass(frozen=True, slots=True)
+class EngineParts:
+    max_num_seqs: int  # sequences a step may hold (the device's default unless set)
+    max_model_len: int  # the context a request may fill: --max-model-len, at most the model's
+    backend: Backend
+    ranks: Ranks | None  # with tensor parallelism: every rank builds the parts, rank 0 steps
+    kv_cache: PagedKVCache
+    blocks: BlockManager
+    scheduler: Scheduler
+    eos_ids: frozenset[int]  # the tokenizer's and the checkpoint's
+    grammars: Grammars  # structured outputs: nothing is built until a request asks
+    runner: ModelRunner
+    speculator: Speculator
+
+
+def assemble(
+    model: Transformer, tokenizer: Tokenizer, settings: Settings, draft: Transformer | None
+) -> EngineParts:
+    """draft: the speculative draft model (--speculative-method draft), else None."""
+    if (settings.speculative_method == "draft") != (draft is not None):
+        raise ValueError("speculative_model: a draft model goes with --speculative-method draft")
+    device = model.device.type
+    max_num_seqs = settings.seqs_per_step(device)
+    max_model_len = min(settings.max_model_len or model.cfg.max_position, model.cfg.max_position)
+    local = model.local_cfg  # the shapes this rank holds (the model's, on one rank)
+    backend = select_backend(
+        settings.attention_backend, model.device, model.dtype, local, settings.block_size
+    )
+    ranks = Ranks(model.tp, model.device) if model.tp is not None else None
+    num_blocks = kv_block_budget(model, settings, max_num_seqs, draft)
+    if ranks is not None:
+        num_blocks = ranks.agree_min(num_blocks)
+    kv_cache = PagedKVCache(
+        local, num_blocks, settings.block_size, model.dtype, model.device, backend
+    )
+    # the model is part of every prefix-cache key (with each request's cache_salt)
+    namespace = f"{model.cfg!r}|{model.dtype}|{settings.quantization}"
+    blocks = BlockManager(
+        num_blocks, settings.block_size, not settings.disable_prefix_caching, namespace
+    )
+    scheduler = Scheduler(
+        blocks, max_num_seqs, settings.max_num_batched_tokens, settings.mixed_prefill_cap(device)
+    )
+    # not captured across ranks: a graph would replay its collectives unchecked
+    graphs = (
+        not settings.enforce_eager
+        and backend.name == "triton"
+        and not model.tp
+        and device == "cuda"
+    )
+    eos_ids = frozenset(tokenizer.eos_ids) | frozenset(model.cfg.eos_token_ids)
+    grammars = Grammars(tokenizer, model.cfg.vocab_size, sorted(eos_ids))
+    runner = ModelRunner(
+        model,
+        kv_cache,
+        decode_graphs(model, kv_cache, max_num_seqs, max_model_len) if graphs else None,
+        settings.quantization,
+        ranks,
+        Masks(grammars),
+        _draft_model(draft, settings, num_blocks, model.cfg.vocab_size) if draft else None,
+    )
+    speculator = Speculator(settings, max_model_len, runner.draft)
+    return EngineParts(
+        max_num_seqs,
+        max_model_len,
+        backend,
+        ranks,
+        kv_cache,
+        blocks,
+        scheduler,
+        eos_ids,
+        grammars,
+        runner,
+        speculator,
+    )
+
+
+def _draft_model(draft: Transformer, s: Settings, num_blocks: int, target_vocab: int) -> DraftModel:
+    """The draft model's runner over its own cache: the target's blocks plus the scratch
+    its proposals look ahead in."""
+    k, batch = s.num_speculative_tokens, s.speculative_max_batch
+    blocks = num_blocks + blocks_per_proposal(k, s.block_size) * batch
+    backend = select_backend(
+        s.attention_backend, draft.device, draft.dtype, draft.cfg, s.block_size
+    )
+    cache = PagedKVCache(draft.cfg, blocks, s.block_size, draft.dtype, draft.device, backend)
+    runner = ModelRunner(draft, cache, None, s.quantization)
+    return DraftModel(runner, num_blocks, k, batch, target_vocab)
