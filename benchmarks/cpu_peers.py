@@ -9,7 +9,10 @@ llama-server in bf16 and Q8_0 (and fp32 on both with --fp32). Each server is sta
   single stream   one request (llama-server -np 1 -c 2048): decode tok/s = (chunks - 1)
                   / (last chunk - first chunk), and TTFT
   concurrent      --concurrency requests at once (llama-server -np N -c 4096): output
-                  tok/s = generated tokens / wall time, TTFT p50
+                  tok/s = generated tokens / wall time, TTFT p50; next to it the bf16
+                  ceiling of that wave on this machine (model/audit.py's batch_floor: its
+                  multiply-adds at the best bf16 matmul rate measured between turns, its
+                  reads at the best read bandwidth) and each bf16 system's share of it
 
 All servers of a phase run side by side; each of --rounds rounds gives every system one
 turn, one after another (a drift in the machine's speed falls on all), and the table has
@@ -30,11 +33,16 @@ import shlex
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from model.audit import batch_floor
 from model.device import cpu_flags, cpu_isa
-from model.hardware import memory_bandwidth
+from model.hardware import matmul_throughput, memory_bandwidth
+from model.weights import load_config
 from service import bench
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,6 +87,28 @@ def command(system: str, peers: Path, port: int, slots: int, threads: int) -> li
 
 
 BANDWIDTH: list[float] = []  # bytes/s, one probe per single-stream round
+COMPUTE: list[float] = []  # bf16 FLOP/s, one probe per concurrent round
+
+
+def bf16_matmul_rate() -> float:
+    """The faster of PyTorch's bf16 matmul (2048^3) and kvserve's bf16 linear kernel on
+    256 rows against a weight that stays in cache: the best rate a step's matmuls reach."""
+    from model.kernels import tile_layout, tile_linear, tile_linear_supported
+
+    rate = matmul_throughput(torch.bfloat16)
+    w = torch.randn(1536, 576).to(torch.bfloat16)
+    if tile_linear_supported(w):
+        packed, x = tile_layout(w), torch.randn(256, 576).to(torch.bfloat16)
+        best = min(_seconds(lambda: tile_linear(x, packed, None)) for _ in range(10))
+        rate = max(rate, 2 * 256 * 1536 * 576 / best)
+    return rate
+
+
+def _seconds(fn, calls: int = 20) -> float:  # type: ignore[no-untyped-def]
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
 
 
 def weight_bytes(model_dir: Path) -> dict[str, int]:
@@ -125,6 +155,8 @@ def measure(systems: list[str], args: argparse.Namespace, slots: int) -> dict[st
             for i in range(1, args.rounds + 1):
                 if slots == 1:  # the read bandwidth, between turns, for the floor
                     BANDWIDTH.append(memory_bandwidth("cpu", mib=1024))
+                else:  # the matmul rate, between turns, for the wave's ceiling
+                    COMPUTE.append(bf16_matmul_rate())
                 wave = reqs[i * n : (i + 1) * n]
                 for system, (_, url) in servers.items():
                     if slots == 1:
@@ -215,6 +247,23 @@ def main() -> None:
             f"| {system} | {s['decode_tok_s']:.1f} | {s['ms_per_token']:.1f} | {s['ratio_to_floor']:.2f}x | {s['ttft_s'] * 1000:.0f} ms "
             f"| {c['output_tok_s']:.1f} | {c['ttft_p50_s']:.2f} s |"
         )
+    wave = batch_floor(
+        load_config(args.peers / "models" / MODEL), "bfloat16", args.concurrency,
+        args.prompt_len, args.output_len, bandwidth, max(COMPUTE),
+    )  # fmt: skip
+    print(
+        f"\n{args.concurrency} concurrent, bf16 ceiling on this machine: "
+        f"{wave['ceiling_tok_s']:.1f} tok/s ({wave['seconds']:.2f} s: prefill "
+        f"{wave['prefill_gflop']:.0f} GFLOP, then {args.output_len - 1} steps of "
+        f"{wave['decode_gflop_per_step']:.2f} GFLOP / {wave['decode_mb_per_step']:.0f} MB "
+        f"from the first) at {max(COMPUTE) / 1e9:.0f} GFLOP/s (best of {len(COMPUTE)} probes, "
+        f"median {statistics.median(COMPUTE) / 1e9:.0f}) and {bandwidth / 1e9:.1f} GB/s"
+    )
+    for system in ("kvserve-bf16", "llama-bf16"):
+        if system in rows:
+            c = rows[system]["concurrent"]
+            c["share_of_ceiling"] = c["output_tok_s"] / wave["ceiling_tok_s"]
+            print(f"  {system}: {c['output_tok_s']:.1f} tok/s, {c['share_of_ceiling']:.0%} of it")
     ratios = {}
     for ours, theirs in (("kvserve-bf16", "llama-bf16"), ("kvserve-int8", "llama-q8_0"),
                          ("kvserve-int8", "kvserve-bf16"), ("kvserve-fp32", "llama-f32")):  # fmt: skip
@@ -230,7 +279,13 @@ def main() -> None:
         print(
             f"{name}: single stream {r['single']:.2f}x, {args.concurrency} concurrent {r['concurrent']:.2f}x"
         )
-    extra = {"bandwidth_probes": BANDWIDTH, "weight_bytes": sizes, "floors_ms": floors}
+    extra = {
+        "bandwidth_probes": BANDWIDTH,
+        "bf16_matmul_probes": COMPUTE,
+        "weight_bytes": sizes,
+        "floors_ms": floors,
+        "concurrent_bf16_floor": wave,
+    }
     Path(args.out).write_text(
         json.dumps(header | extra | {"results": rows, "ratios": ratios}, indent=2)
     )

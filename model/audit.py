@@ -202,3 +202,43 @@ def floors(
         out["matmul_tflops"] = matmul_flops / 1e12
         out["prefill_ceiling_tokens_per_s"] = matmul_flops / (2 * count_params(cfg).total)
     return out
+
+
+def batch_floor(
+    cfg: ModelConfig,
+    dtype: str,
+    batch: int,
+    prompt_len: int,
+    output_len: int,
+    bandwidth: float,
+    matmul_flops: float,
+) -> dict[str, float]:
+    """The least time `batch` requests arriving together (prompt_len tokens in, output_len
+    out each) take on a machine of this read bandwidth and matmul rate: one prefill of
+    every prompt (its multiply-adds at the matmul rate, or its weight read if longer), then
+    output_len - 1 decode steps of `batch` rows, each the longer of its multiply-adds and
+    its reads (every weight once, the head as a vocab x d matrix, and each row's K/V so
+    far). What runs between the kernels (sampling, scheduling, HTTP) is not counted, so a
+    server's tokens/s can only fall short of ceiling_tok_s."""
+    p, size = count_params(cfg), dtype_bytes(dtype)
+    head = cfg.vocab_size * cfg.d_model
+    linear = 2 * (p.attention + p.ffn)  # FLOPs per token of the layers' matmuls
+    per_key = 4 * cfg.n_heads * cfg.head_dim * cfg.n_layers  # q.k and p.v, per key
+    weights = (p.attention + p.ffn + p.norms + head) * size
+    kv = kv_bytes_per_token(cfg, dtype)
+    prefill = batch * (prompt_len * linear + 2 * head + per_key * prompt_len * (prompt_len + 1) / 2)
+    seconds = max(prefill / matmul_flops, weights / bandwidth)
+    steps = []
+    for i in range(1, output_len):
+        context = prompt_len + i  # keys a row sees at its step
+        flops = batch * (linear + 2 * head + per_key * context)
+        reads = weights + batch * context * kv
+        steps.append((flops, reads))
+        seconds += max(flops / matmul_flops, reads / bandwidth)
+    return {
+        "prefill_gflop": prefill / 1e9,
+        "decode_gflop_per_step": steps[0][0] / 1e9 if steps else 0.0,
+        "decode_mb_per_step": steps[0][1] / 1e6 if steps else 0.0,
+        "seconds": seconds,
+        "ceiling_tok_s": batch * output_len / seconds,
+    }

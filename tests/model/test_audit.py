@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from model.audit import audit, count_params, kv_bytes_per_token, plan
+from model.audit import audit, batch_floor, count_params, kv_bytes_per_token, plan
 from model.config import ModelConfig
 from model.transformer import Transformer
 
@@ -119,3 +119,26 @@ def test_counts_match_real_modules() -> None:
         with torch.device("meta"):
             model = Transformer(cfg)
         assert sum(p.numel() for p in model.parameters()) == count_params(cfg).total
+
+
+def test_batch_floor_adds_the_prefill_and_each_steps_slower_limit() -> None:
+    """SPEC_123M, 4 requests of 10 tokens in and 3 out, bf16: the figures by hand."""
+    linear = 2 * 12 * (2_359_296 + 4_718_592)  # the layers' FLOPs per token
+    head, per_key = 2 * 50257 * 768, 4 * 12 * 64 * 12
+    weights = 2 * (12 * (2_359_296 + 4_718_592 + 1_536) + 768 + 50257 * 768)
+    kv = kv_bytes_per_token(SPEC_123M, "bfloat16")
+    prefill = 4 * (10 * linear + head + per_key * 55)  # keys: 1 + 2 + ... + 10
+    steps = [(4 * (linear + head + per_key * c), weights + 4 * c * kv) for c in (11, 12)]
+    for bandwidth, flops in ((1e9, 1e15), (1e15, 1e9), (30e9, 400e9)):
+        got = batch_floor(SPEC_123M, "bfloat16", 4, 10, 3, bandwidth, flops)
+        want = max(prefill / flops, weights / bandwidth)
+        want += sum(max(f / flops, r / bandwidth) for f, r in steps)
+        assert got["seconds"] == pytest.approx(want, rel=1e-12)
+        assert got["ceiling_tok_s"] == pytest.approx(12 / want, rel=1e-12)
+        assert got["prefill_gflop"] == pytest.approx(prefill / 1e9)
+        assert got["decode_mb_per_step"] == pytest.approx(steps[0][1] / 1e6)
+    # slow reads: every step (the prefill too) takes its reads' time; slow compute: FLOPs'
+    reads = batch_floor(SPEC_123M, "bfloat16", 4, 10, 3, 1e9, 1e15)["seconds"]
+    assert reads == pytest.approx((weights + sum(r for _, r in steps)) / 1e9)
+    compute = batch_floor(SPEC_123M, "bfloat16", 4, 10, 3, 1e15, 1e9)["seconds"]
+    assert compute == pytest.approx((prefill + sum(f for f, _ in steps)) / 1e9)
