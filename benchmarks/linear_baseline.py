@@ -19,19 +19,15 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import statistics
-import subprocess
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from benchmarks.kernel_at import alternate, library_at
 from model.device import isa_flags
 from model.kernels import (
-    HERE,
-    LINK_FLAGS,
     VECTOR_FLAGS,
     int8_pack,
     linear_isa,
@@ -40,7 +36,6 @@ from model.kernels import (
     tile_layout,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 OUT = Path(__file__).parent / "out"
 LAYER = [(960, 576, False), (576, 576, False), (3072, 576, True), (576, 1536, False)]
 HEAD = (128256, 576, False)
@@ -50,24 +45,8 @@ _P = ctypes.c_void_p
 def build_at(rev: str, level: str, tmp: Path, kind: str) -> ctypes._CFuncPtr:
     """The `kind` linear (linear_bf16_vec or linear_int8) as linear_vec.c and its headers
     were at `rev`, built for `level`."""
-    src = tmp / "src"
-    src.mkdir()
-    rel = HERE.relative_to(ROOT)
-    listing = subprocess.run(
-        ["git", "ls-tree", "--name-only", f"{rev}:{rel}"], cwd=ROOT, capture_output=True,
-        text=True, check=True,
-    ).stdout.split()  # fmt: skip
-    names = ["linear_vec.c", *(name for name in listing if name.endswith(".h"))]
-    for name in names:
-        text = subprocess.run(
-            ["git", "show", f"{rev}:{rel / name}"], cwd=ROOT, capture_output=True, check=True
-        ).stdout
-        (src / name).write_bytes(text)
-    obj, lib = tmp / "linear_vec.o", tmp / "linear_vec.so"
-    flags = [*VECTOR_FLAGS, *isa_flags(level)]
-    subprocess.run(["cc", *flags, "-c", str(src / "linear_vec.c"), "-o", str(obj)], check=True)
-    subprocess.run(["cc", *LINK_FLAGS, str(obj), "-o", str(lib), "-lm"], check=True)
-    fn = getattr(ctypes.CDLL(str(lib)), "linear_int8" if kind == "int8" else "linear_bf16_vec")
+    lib = library_at(rev, "linear_vec.c", [*VECTOR_FLAGS, *isa_flags(level)], tmp)
+    fn = getattr(lib, "linear_int8" if kind == "int8" else "linear_bf16_vec")
     fn.restype, fn.argtypes = None, [_P] * 5 + [ctypes.c_int] * 4
     return fn
 
@@ -91,19 +70,6 @@ def passes(fn: ctypes._CFuncPtr, weights: list, shapes: list, m: int) -> Callabl
 
     run.keep = (xs, outs, scratch)  # the buffers live as long as the pass
     return run
-
-
-def alternate(a: Callable[[], None], b: Callable[[], None], repeats: int) -> tuple[float, float]:
-    """Median ms of a and of b over repeats turns, each turn's first alternating."""
-    a(), b()
-    times: tuple[list[float], list[float]] = ([], [])
-    for i in range(repeats):
-        order = ((a, times[0]), (b, times[1]))
-        for fn, out in order if i % 2 == 0 else order[::-1]:
-            start = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times[0]), 1000 * statistics.median(times[1])
 
 
 def main() -> None:

@@ -1,0 +1,57 @@
+"""A kernel source of model/kernels as it is in this tree or as it was at another commit
+(with the headers beside it then), compiled with given flags and loaded; and the timing
+loop that alternates two builds' calls in one process. What linear_baseline.py and
+attention_baseline.py are made of: a kernel change measured without the drift between
+two runs minutes apart that this kind of machine shows (benchmarks/RESULTS.md)."""
+
+from __future__ import annotations
+
+import ctypes
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from model.kernels import HERE, LINK_FLAGS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def library_at(rev: str | None, source: str, flags: list[str], tmp: Path) -> ctypes.CDLL:
+    """`source` (a file of model/kernels) built with `flags` in a fresh folder under tmp:
+    this tree's files (rev None) or those at commit `rev`."""
+    src = tmp / (rev or "tree").replace("/", "_") / "src"
+    src.mkdir(parents=True)
+    rel = HERE.relative_to(ROOT)
+    if rev is None:
+        names = [source, *(p.name for p in HERE.glob("*.h"))]
+        for name in names:
+            (src / name).write_bytes((HERE / name).read_bytes())
+    else:
+        listing = subprocess.run(
+            ["git", "ls-tree", "--name-only", f"{rev}:{rel}"], cwd=ROOT, capture_output=True,
+            text=True, check=True,
+        ).stdout.split()  # fmt: skip
+        for name in [source, *(n for n in listing if n.endswith(".h"))]:
+            text = subprocess.run(
+                ["git", "show", f"{rev}:{rel / name}"], cwd=ROOT, capture_output=True, check=True
+            ).stdout
+            (src / name).write_bytes(text)
+    obj, lib = src.parent / "kernel.o", src.parent / "kernel.so"
+    subprocess.run(["cc", *flags, "-c", str(src / source), "-o", str(obj)], check=True)
+    subprocess.run(["cc", *LINK_FLAGS, str(obj), "-o", str(lib), "-lm"], check=True)
+    return ctypes.CDLL(str(lib))
+
+
+def alternate(a: Callable[[], None], b: Callable[[], None], repeats: int) -> tuple[float, float]:
+    """Median ms of a and of b over repeats turns, each turn's first alternating."""
+    a(), b()
+    times: tuple[list[float], list[float]] = ([], [])
+    for i in range(repeats):
+        order = ((a, times[0]), (b, times[1]))
+        for fn, out in order if i % 2 == 0 else order[::-1]:
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times[0]), 1000 * statistics.median(times[1])
