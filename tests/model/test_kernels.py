@@ -112,6 +112,27 @@ def test_kernel_matches_torch(isa, dtype, heads, kv_heads, d, bs, alibi, batch) 
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("peak", [8.0, 40.0])
+def test_peaked_scores_match_torch(isa, dtype, peak) -> None:
+    """Queries scaled up until most keys' probabilities underflow (scores far below the
+    row's max, where the kernels' exp clamps at -87): still torch's attention, the
+    weight on the few keys near the max as torch gives it."""
+    heads, kv_heads, d, bs = 9, 3, 64, 16
+    torch.manual_seed(3)
+    k_cache, v_cache, k_ref, v_ref = random_cache(heads, kv_heads, d, bs, dtype)
+    row_seq, lens = rows_of(BATCHES["mixed"])
+    width = -(-int(lens.max()) // bs)
+    tables = torch.stack([torch.randperm(64)[:width] for _ in BATCHES["mixed"]])
+    q = (torch.randn(len(lens), heads, d) * peak).to(dtype)
+    got = paged_attention(q, k_cache, v_cache, tables, lens, d**-0.5, None, row_seq)
+    want = reference(q, k_ref, v_ref, tables, row_seq, lens, d**-0.5, None)
+    assert torch.isfinite(got.float()).all()
+    # fp32: scores `peak` times larger carry rounding `peak` times larger, in any order
+    tol = 1e-5 * peak / 8 if dtype == torch.float32 else 2e-2
+    assert (got.float() - want).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_a_row_gets_the_same_bits_however_it_is_batched(isa, dtype) -> None:
     """A query row's result depends on the row alone: the same bits as a decode on its
     own, as one token of a prefill chunk, and beside other sequences' rows."""
