@@ -66,9 +66,11 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def command(system: str, peers: Path, port: int, slots: int, threads: int) -> list[str]:
+def command(
+    system: str, peers: Path, port: int, slots: int, threads: int, llama_args: list[str]
+) -> list[str]:
     """The server command line for `system` ('kvserve-<bf16|int8|fp32>' or
-    'llama-<bf16|q8_0|f32>')."""
+    'llama-<bf16|q8_0|f32>'); `llama_args` go to every llama-server."""
     kind, variant = system.split("-", 1)
     if kind == "llama":
         ctx = 2048 if slots == 1 else 4096
@@ -76,7 +78,7 @@ def command(system: str, peers: Path, port: int, slots: int, threads: int) -> li
         gguf = peers / "models" / f"{MODEL}-{variant}.gguf"
         return [
             str(server), "-m", str(gguf), "-t", str(threads), "-np", str(slots), "-c", str(ctx),
-            "--host", "127.0.0.1", "--port", str(port),
+            "--host", "127.0.0.1", "--port", str(port), *llama_args,
         ]  # fmt: skip
     dtype = {"bf16": "bfloat16", "int8": "bfloat16", "fp32": "float32"}[variant]
     quant = ["--quantization", "int8"] if variant == "int8" else []
@@ -141,7 +143,11 @@ def measure(systems: list[str], args: argparse.Namespace, slots: int) -> dict[st
             url = f"http://127.0.0.1:{port}"
             log = Path(args.out).with_suffix(f".{system}.{slots}.log")
             servers[system] = (
-                start(command(system, args.peers, port, slots, threads), url, log),
+                start(
+                    command(system, args.peers, port, slots, threads, args.llama_args.split()),
+                    url,
+                    log,
+                ),
                 url,
             )
         n = 1 if slots == 1 else args.concurrency
@@ -199,6 +205,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fp32", action="store_true", help="also kvserve fp32 and llama.cpp f32")
     ap.add_argument("--systems", default=None, help="comma-separated subset")
+    ap.add_argument(
+        "--llama-args",
+        default="",
+        help="extra llama-server arguments, e.g. '--no-repack' where llama.cpp's AMX "
+        "repacking of Q8_0 crashes (llama.cpp 0c1e570 on this checkpoint)",
+    )
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "cpu_peers.json"))
     args = ap.parse_args()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -213,12 +225,15 @@ def main() -> None:
         "cores": os.cpu_count(),
         "flags": flags,
         "kvserve_isa": cpu_isa(),
+        "llama_args": args.llama_args,
         "workload": {
             k: getattr(args, k) for k in ("prompt_len", "output_len", "concurrency", "rounds")
         },
     }
     print(f"CPU: {header['cpu']}, {header['cores']} cores; flags: {' '.join(flags)}")
     print(f"kvserve kernels: {header['kvserve_isa']}")
+    if args.llama_args:
+        print(f"llama-server also gets: {args.llama_args}")
     single_runs = measure(systems, args, 1)
     concurrent_runs = measure(systems, args, args.concurrency)
     rows = {s: {"single": single_runs[s], "concurrent": concurrent_runs[s]} for s in systems}
