@@ -62,6 +62,7 @@ PROTOTYPES: dict[str, tuple[type | None, list[type]]] = {
     "linear_bf16": (None, [_P, _P, _P, _P, _P, _I, _I, _I, _I]),
     "linear_bf16_vec": (None, [_P, _P, _P, _P, _P, _I, _I, _I, _I]),
     "linear_int8": (None, [_P, _P, _P, _P, _P, _I, _I, _I, _I]),
+    "linear_vec_init": (_I, []),
     "stack_forward": (None, [_P]),
 }
 
@@ -392,26 +393,41 @@ def _vector(isa: str) -> ctypes.CDLL | None:
     if isa == "baseline":  # below AVX2 + FMA: oneDNN's matmul instead
         return None
     lib = _build("linear_vec.c", (*VECTOR_FLAGS, *isa_flags(isa)), isa)
-    if lib is not None:
-        _bind(lib, "linear_bf16_vec", "linear_int8")
+    if lib is None:
+        return None
+    _bind(lib, "linear_bf16_vec", "linear_int8", "linear_vec_init")
+    if not lib.linear_vec_init():  # the amx build, where the OS refuses the tile state
+        log.info("no AMX tiles here: int8 linears run in vector code")
+        return None
     return lib
+
+
+def int8_level() -> str:
+    """The level int8 linears run at: 'amx' on AMX CPUs (linear_vec.c's amx build runs
+    them on the tile unit from 8 rows, VNNI below), the vector level elsewhere."""
+    if cpu_isa() == "amx" and _vector("amx") is not None:
+        return "amx"
+    return vector_level()
 
 
 def linear_kernel(kind: str) -> ctypes._CFuncPtr | None:
     """The C function for 'bf16' (tile_layout weights) or 'int8' (int8_pack blobs)
-    linears at this CPU's level: AMX tiles for bf16 where the level is amx, vector code
-    otherwise (int8 always); None where it is not built."""
-    if kind == "bf16" and cpu_isa() == "amx" and _tiles() is not None:
+    linears at this CPU's level (linear_isa): bf16 at amx in linear_bf16.c's tiles,
+    everything else in linear_vec.c's build for the level; None where it is not built."""
+    isa = linear_isa(kind)
+    if kind == "bf16" and isa == "amx":
         return _tiles().linear_bf16
-    lib = _vector(vector_level())
+    lib = _vector(isa)
     if lib is None:
         return None
     return lib.linear_int8 if kind == "int8" else lib.linear_bf16_vec
 
 
 def linear_isa(kind: str) -> str:
-    """Which code linear_kernel(kind) runs: 'amx' or the vector level."""
-    if kind == "bf16" and cpu_isa() == "amx" and _tiles() is not None:
+    """Which code linear_kernel(kind) runs: 'amx' (tiles) or the vector level."""
+    if kind == "int8":
+        return int8_level()
+    if cpu_isa() == "amx" and _tiles() is not None:
         return "amx"
     return vector_level()
 

@@ -30,6 +30,39 @@ typedef struct {
     uint16_t colsb[16];
     uint8_t rows[16];
 } tile_config;
+
+#include <immintrin.h>
+#include <string.h>
+
+/* The linear kernels' tiles (bf16 and int8 alike), 64 bytes a row: tmm0-3 (C) and tmm4
+ * (A) of `rows` rows, tmm5-7 (B) of 16. */
+static inline void amx_configure_linear(int rows) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = t < 5 ? (uint8_t)rows : 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* One k step of the linear kernels' 1x4 pass: A (tmm4, rows of x at a_stride bytes)
+ * against the four 16-feature B tiles of a 64-feature block (b, rows of 256 bytes) into
+ * C 0-3; DP is the tile unit's dot product for the type (_tile_dpbf16ps, _tile_dpbusd). */
+#define AMX_1X4_STEP(DP, a, a_stride, b)                                                 \
+    do {                                                                                 \
+        const char *b_ = (const char *)(b);                                              \
+        _tile_loadd(4, a, a_stride);                                                     \
+        _tile_loadd(5, b_, 256);                                                         \
+        DP(0, 4, 5);                                                                     \
+        _tile_loadd(6, b_ + 64, 256);                                                    \
+        DP(1, 4, 6);                                                                     \
+        _tile_loadd(7, b_ + 128, 256);                                                   \
+        DP(2, 4, 7);                                                                     \
+        _tile_loadd(5, b_ + 192, 256);                                                   \
+        DP(3, 4, 5);                                                                     \
+    } while (0)
 #endif
 
 #endif

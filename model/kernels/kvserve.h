@@ -45,7 +45,9 @@ void linear_bf16(const uint16_t *x, const uint16_t *w, const float *bias, uint16
                  uint16_t *scratch, int m, int n, int k, int nthreads);
 
 /* linear_vec.c (built per instruction set): the same contract as linear_bf16; for
- * linear_int8, w is int8_pack's blob (int8 weights, then float32 scales and int32 sums) */
+ * linear_int8, w is int8_pack's blob (int8 weights, then float32 scales and int32 sums).
+ * linear_vec_init: 1 when the build can run (its amx build asks for the tile state). */
+int linear_vec_init(void);
 void linear_bf16_vec(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
                      uint16_t *scratch, int m, int n, int k, int nthreads);
 void linear_int8(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,

@@ -39,17 +39,8 @@ int linear_bf16_init(void) { return amx_request(); }
 
 /* Tiles are 64 bytes a row: rows x 16 floats for C, rows x 32 bf16 for A, 16 k-pairs x
  * 16 features x 2 for B. The 1x4 kernel uses tmm0-3 (C), tmm4 (A), tmm5-7 (B), with
- * `rows` rows in C and A; the 2x2 kernel runs with rows = 16 throughout. */
-static void configure(int rows) {
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; ++t) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = t < 5 ? (uint8_t)rows : 16;
-    }
-    _tile_loadconfig(&cfg);
-}
+ * `rows` rows in C and A (amx_configure_linear); the 2x2 kernel runs with rows = 16
+ * throughout. */
 
 /* The float32 results of one C block wait in acc until the next block's dot products
  * are issued: rounding and storing them then overlaps with the tile unit's work instead
@@ -121,15 +112,7 @@ static void amx_1x4(const uint16_t *x, const uint16_t *w, const float *bias, uin
         const uint16_t *b = w + (long)(kk / 2) * (2 * NB);
         for (int off = 0; off < KSTEP / 2 * NB * 4; off += 64)
             _mm_prefetch((const char *)b + PREFETCH_AHEAD + off, _MM_HINT_T0);
-        _tile_loadd(4, x + kk, k * 2);
-        _tile_loadd(5, b, 4 * NB);
-        _tile_dpbf16ps(0, 4, 5);
-        _tile_loadd(6, b + 32, 4 * NB);
-        _tile_dpbf16ps(1, 4, 6);
-        _tile_loadd(7, b + 64, 4 * NB);
-        _tile_dpbf16ps(2, 4, 7);
-        _tile_loadd(5, b + 96, 4 * NB);
-        _tile_dpbf16ps(3, 4, 5);
+        AMX_1X4_STEP(_tile_dpbf16ps, x + kk, k * 2, b);
     }
     HAND_OVER(e, n, rows, NB, bias, out, gate, {
         _tile_stored(0, acc, NB * 4);
@@ -173,7 +156,7 @@ static void amx_rows(const uint16_t *x, const uint16_t *w, const float *bias, ui
                      const uint16_t *gate, int m0, int m1, int n, int k, int *configured,
                      epilogue *e) {
     const int pairs_end = m0 + (m1 - m0) / 32 * 32;
-    if (pairs_end > m0 && *configured != 16) configure(*configured = 16);
+    if (pairs_end > m0 && *configured != 16) amx_configure_linear(*configured = 16);
     /* The 2x2 kernel reads its half-blocks from cache: the next weight block is fetched
      * into L2 while this one computes, a share of it at each k step (one block ahead
      * measured 10-15% faster at 32-128 rows than none, two blocks slower). */
@@ -190,7 +173,7 @@ static void amx_rows(const uint16_t *x, const uint16_t *w, const float *bias, ui
         }
     for (int r = pairs_end; r < m1; r += 16) {
         const int rows = m1 - r < 16 ? m1 - r : 16;
-        if (*configured != rows) configure(*configured = rows);
+        if (*configured != rows) amx_configure_linear(*configured = rows);
         amx_1x4(x + (long)r * k, w, bias, out + (long)r * n, gate ? gate + (long)r * n : 0, rows,
                 n, k, e);
     }

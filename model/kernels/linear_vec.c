@@ -1,4 +1,4 @@
-/* Linear layers in vector code, for CPUs without AMX tiles (and for AMX CPUs' int8):
+/* Linear layers in vector code, for CPUs without AMX tiles, and AMX CPUs' int8:
  * out (M, N) = x (M, K) @ W^T + bias, bf16 in and out, float32 accumulation, one
  * round-to-nearest-even rounding on store.
  *
@@ -7,6 +7,7 @@
  *   avx512-bf16  vdpbf16ps for bf16 (pairs of k per 32-bit lane), vpdpbusd for int8
  *   avx512f      bf16 -> float32 (a shift) and FMA; int8 by vpmaddubsw / vpmaddwd
  *   avx2         the same with 256-bit vectors (AVX2 + FMA: the portable floor)
+ *   amx          avx512-bf16's code, and int8 on the tile unit (tdpbusd) from AMX_INT8_ROWS
  *
  * bf16 weights are in the AMX kernel's layout (linear_bf16.c), (N/64, K/2, 64, 2): every
  * batch size and every instruction set reads the one copy. The FMA path adds a lane's odd
@@ -411,10 +412,22 @@ static void quantize_rows(const uint16_t *x, int m, int k, uint8_t *xq, float *s
 #pragma omp parallel for schedule(static) num_threads(nthreads) if ((long)m * k > 65536)
     for (int r = 0; r < m; ++r) {
         const uint16_t *xr = x + (long)r * k;
-        float amax = 0.f;
+        /* max |x| on the bf16 bits: without the sign they order as the values do. GCC
+         * vectorizes this integer max; the float one stayed a chain of scalar vmaxss (a
+         * third of an int8 prefill's linears, benchmarks/RESULTS.md). A NaN (above
+         * 0x7f80) is skipped, as the float comparison below skips it. */
+        unsigned top = 0;
         for (int i = 0; i < k; ++i) {
-            const float a = fabsf(bf16_to_f32(xr[i]));
-            amax = a > amax ? a : amax;
+            const unsigned a = xr[i] & 0x7fffu;
+            top = a > top ? a : top;
+        }
+        float amax = bf16_to_f32((uint16_t)top);
+        if (top > 0x7f80u) {
+            amax = 0.f;
+            for (int i = 0; i < k; ++i) {
+                const float a = fabsf(bf16_to_f32(xr[i]));
+                amax = a > amax ? a : amax;
+            }
         }
         const float inv = amax > 0.f ? 127.f / amax : 0.f;
         sx[r] = amax / 127.f;
@@ -525,34 +538,135 @@ void linear_bf16_vec(const uint16_t *x, const uint16_t *w, const float *bias, ui
     });
 }
 
+/* One row's block of int32 sums -> y = float(sum) * (row scale * feature scale), stored
+ * as store_row does. */
+static inline void store_int8_row(const int32_t *a, float sr, const float *sw,
+                                  const int32_t *comp, const float *bias, uint16_t *dst,
+                                  const uint16_t *gate) {
+    float y[NB] __attribute__((aligned(64)));
+    for (int j = 0; j < NB; ++j)
+        y[j] = (float)(a[j] - (X_OFFSET ? comp[j] : 0)) * (sr * sw[j]);
+    store_row(y, bias, dst, gate);
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && X_OFFSET == 128
+/* int8 on the AMX tile unit (the amx build of this file): tdpbusd takes x as uint8 (+128)
+ * and the weights as int8 in exactly the layout above, (K/4, 64, 4) a block being the
+ * tile unit's B operand at a stride of 256 bytes, and sums them exactly in int32, as
+ * vpdpbusd does: the same sums, so the same bits, at any number of rows. Used from
+ * AMX_INT8_ROWS rows up where k is whole 64-byte tile rows; below 8 rows the VNNI passes
+ * measured as fast or faster, from 16 up the tiles faster (benchmarks/RESULTS.md). */
+#define AMX_INT8_ROWS 8
+#define AMX_INT8_KSTEP 64   /* k per tile: 16 rows of 4 */
+#define AMX_INT8_CHUNK 256  /* rows of x kept hot in L2 while a thread's blocks pass */
+
+int linear_vec_init(void) { return amx_request(); }
+
+/* The configured rows of xq (row stride k) against one 64-feature block: acc rows x NB.
+ * Tiles as amx_configure_linear sets them: C 0-3 (rows x 16 int32), A 4 (rows x 64
+ * uint8), B 5-7 (16 k-quads x 64 bytes). */
+static void amx_int8_block(const uint8_t *xq, int k, const int8_t *w, int32_t *acc) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int kk = 0; kk < k; kk += AMX_INT8_KSTEP) {
+        const int8_t *b = w + (long)kk * NB;  /* k-quad kk / 4, 4 * NB bytes each */
+        for (int off = 0; off < AMX_INT8_KSTEP * NB; off += 64)
+            _mm_prefetch((const char *)b + AMX_INT8_KSTEP * NB + off, _MM_HINT_T0);
+        AMX_1X4_STEP(_tile_dpbusd, xq + kk, k, b);
+    }
+    _tile_stored(0, acc, NB * 4);
+    _tile_stored(1, acc + 16, NB * 4);
+    _tile_stored(2, acc + 32, NB * 4);
+    _tile_stored(3, acc + 48, NB * 4);
+}
+
+/* Each thread a contiguous share of whole units (a SwiGLU's gate block before its up
+ * block), as the bf16 tile kernel shares them; for each chunk of rows, each of its blocks
+ * against the chunk's tiles of up to 16 rows. */
+static void linear_int8_amx(const uint8_t *xq, const float *sx, const int8_t *q,
+                            const float *sw, const int32_t *comp, const float *bias,
+                            uint16_t *out, uint16_t *scratch, int m, int n, int k,
+                            int nthreads) {
+    const int unit = scratch ? 2 : 1, units = n / NB / unit;
+    if (nthreads > units) nthreads = units;
+#pragma omp parallel num_threads(nthreads)
+    {
+        int t = 0, nt = 1;
+        OMP_IDS(t, nt);
+        const int b0 = (int)((long)units * t / nt) * unit;
+        const int b1 = (int)((long)units * (t + 1) / nt) * unit;
+        int32_t acc[16 * NB] __attribute__((aligned(64)));
+        int configured = 0;
+        for (int m0 = 0; m0 < m; m0 += AMX_INT8_CHUNK) {
+            const int m1 = m0 + AMX_INT8_CHUNK < m ? m0 + AMX_INT8_CHUNK : m;
+            for (int b = b0; b < b1; ++b) {
+                const target tg = block_target(out, scratch, n, b);
+                for (int r = m0; r < m1; r += 16) {
+                    const int rows = m1 - r < 16 ? m1 - r : 16;
+                    if (rows != configured) amx_configure_linear(configured = rows);
+                    amx_int8_block(xq + (long)r * k, k, q + (long)b * k * NB, acc);
+                    for (int i = 0; i < rows; ++i)
+                        store_int8_row(acc + i * NB, sx[r + i], sw + b * NB, comp + b * NB,
+                                       bias ? bias + b * NB : 0,
+                                       tg.dst + (long)(r + i) * tg.stride,
+                                       tg.gate ? tg.gate + (long)(r + i) * tg.stride : 0);
+                }
+            }
+        }
+        if (configured) _tile_release();
+    }
+}
+#define AMX_INT8(m, k) ((m) >= AMX_INT8_ROWS && (k) % AMX_INT8_KSTEP == 0)
+#else
+int linear_vec_init(void) { return 1; }
+#define AMX_INT8(m, k) 0
+#define linear_int8_amx(...) ((void)0)
+#endif
+
 void linear_int8(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
                  uint16_t *scratch, int m, int n, int k, int nthreads) {
     const int8_t *q = (const int8_t *)w;
     const float *sw = (const float *)(q + (long)n * k);
     const int32_t *comp = (const int32_t *)(sw + n);
-    uint8_t *xq = malloc((size_t)m * k + 64);
-    float *sx = malloc(sizeof(float) * (size_t)(m + 1));
+    /* x's rows in int8 and their scales, in buffers the calling thread keeps (a fresh
+     * allocation of a prefill's rows came back from the OS as pages to fault in on
+     * every call); the parallel regions get them as locals, since a __thread variable
+     * named there would be each worker's own */
+    static __thread uint8_t *xq_buf;
+    static __thread float *sx_buf;
+    static __thread size_t xq_cap, sx_cap;
+    if ((size_t)m * k + 64 > xq_cap) {
+        free(xq_buf);
+        xq_cap = (size_t)m * k + 64;
+        xq_buf = malloc(xq_cap);
+    }
+    if ((size_t)m + 1 > sx_cap) {
+        free(sx_buf);
+        sx_cap = (size_t)m + 1;
+        sx_buf = malloc(sizeof(float) * sx_cap);
+    }
+    uint8_t *const xq = xq_buf;
+    float *const sx = sx_buf;
     quantize_rows(x, m, k, xq, sx, nthreads);
+    if (AMX_INT8(m, k)) {
+        linear_int8_amx(xq, sx, q, sw, comp, bias, out, scratch, m, n, k, nthreads);
+        return;
+    }
     FOR_PASSES(n, m, scratch, nthreads, {
         int32_t acc[NBLK_MAX * MR_MAX * NB] __attribute__((aligned(64)));
-        float y[NB] __attribute__((aligned(64)));
         NEXT_SHARE(q, (long)k * NB, next, pass, passes, pf, pf_len);
         TILE_SWITCH(INT8_TILE, nblk, rows, xq + (long)r * k, k, q + (long)b * k * NB, acc, pf,
                     pf_len);
         for (int s = 0; s < nblk; ++s) {
             const int bs = b + s;
             const target t = block_target(out, scratch, n, bs);
-            for (int i = 0; i < rows; ++i) {
-                const int32_t *a = acc + (s * rows + i) * NB;
-                const float sr = sx[r + i];
-                for (int j = 0; j < NB; ++j)
-                    y[j] = (float)(a[j] - (X_OFFSET ? comp[bs * NB + j] : 0)) *
-                           (sr * sw[bs * NB + j]);
-                store_row(y, bias ? bias + bs * NB : 0, t.dst + (long)(r + i) * t.stride,
-                          t.gate ? t.gate + (long)(r + i) * t.stride : 0);
-            }
+            for (int i = 0; i < rows; ++i)
+                store_int8_row(acc + (s * rows + i) * NB, sx[r + i], sw + bs * NB,
+                               comp + bs * NB, bias ? bias + bs * NB : 0,
+                               t.dst + (long)(r + i) * t.stride,
+                               t.gate ? t.gate + (long)(r + i) * t.stride : 0);
         }
     });
-    free(xq);
-    free(sx);
 }
