@@ -7,9 +7,11 @@ and the tied head (49152x576) is a separate random tensor, so each pass streams 
 the way a decode step does, not a weight that sits in cache. kvserve runs gate|up as the
 model does, one SwiGLU pass whose epilogue stores silu(gate) * up (oneDNN's pass is the
 plain matmul). Times one pass (median of repeats) per row count. Prints a table and
-writes JSON.
+writes JSON. With --quantization int8 kvserve's pass is its int8 linears (int8_pack) and
+oneDNN's stays bf16.
 
     python benchmarks/linear_kernels.py --rows 1 4 16 64 256 2048
+    KVSERVE_CPU_ISA=avx512-bf16 python benchmarks/linear_kernels.py --quantization int8
 """
 
 from __future__ import annotations
@@ -22,7 +24,14 @@ from pathlib import Path
 
 import torch
 
-from model.kernels import linear_isa, swiglu_layout, tile_layout, tile_linear, tile_linear_supported
+from model.kernels import (
+    int8_pack,
+    linear_isa,
+    swiglu_layout,
+    tile_layout,
+    tile_linear,
+    tile_linear_supported,
+)
 
 OUT = Path(__file__).parent / "out"
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
@@ -46,6 +55,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256, 2048])
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--quantization", choices=["none", "int8"], default="none")
     ap.add_argument("--json", type=Path, default=OUT / "linear_kernels.json")
     args = ap.parse_args()
     probe = torch.empty(64, 32, dtype=torch.bfloat16)
@@ -56,21 +66,24 @@ def main() -> None:
     shapes = [s for _ in range(args.layers) for s in LAYER_SHAPES] + [HEAD]
     plain = [torch.randn(n, k).div_(k**0.5).to(torch.bfloat16) for n, k in shapes]
     gate_up = LAYER_SHAPES[2]
-    tiles = [tile_layout(swiglu_layout(w) if w.shape == gate_up else w) for w in plain]
+    int8 = args.quantization == "int8"
+    kind = "int8" if int8 else "bf16"
+    pack = int8_pack if int8 else tile_layout
+    tiles = [pack(swiglu_layout(w) if w.shape == gate_up else w) for w in plain]
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in plain]
     del plain
     flops_per_row = sum(2 * n * k for n, k in shapes)
 
     def tile_pass(xs) -> None:
         for x, w, shape in zip(xs, tiles, shapes, strict=True):
-            tile_linear(x, w, None, swiglu=shape == gate_up)
+            tile_linear(x, w, None, swiglu=shape == gate_up, shape=shape if int8 else None)
 
     def onednn_pass(xs) -> None:
         for x, w in zip(xs, onednn, strict=True):
             torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
 
     rows_out = []
-    print(f"kvserve's kernel: {linear_isa('bf16')}; threads {torch.get_num_threads()}")
+    print(f"kvserve's {kind} kernel: {linear_isa(kind)}; threads {torch.get_num_threads()}")
     print(
         f"{'rows':>5} {'kvserve ms':>9} {'oneDNN ms':>10} {'speed-up':>9} {'kvserve TFLOP/s':>14}"
     )
@@ -85,7 +98,12 @@ def main() -> None:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(
         json.dumps(
-            {"threads": torch.get_num_threads(), "kernel": linear_isa("bf16"), "runs": rows_out},
+            {
+                "threads": torch.get_num_threads(),
+                "weights": kind,
+                "kernel": linear_isa(kind),
+                "runs": rows_out,
+            },
             indent=2,
         )
     )
