@@ -402,14 +402,6 @@ def _vector(isa: str) -> ctypes.CDLL | None:
     return lib
 
 
-def int8_level() -> str:
-    """The level int8 linears run at: 'amx' on AMX CPUs (linear_vec.c's amx build runs
-    them on the tile unit from 8 rows, VNNI below), the vector level elsewhere."""
-    if cpu_isa() == "amx" and _vector("amx") is not None:
-        return "amx"
-    return vector_level()
-
-
 def linear_kernel(kind: str) -> ctypes._CFuncPtr | None:
     """The C function for 'bf16' (tile_layout weights) or 'int8' (int8_pack blobs)
     linears at this CPU's level (linear_isa): bf16 at amx in linear_bf16.c's tiles,
@@ -424,12 +416,13 @@ def linear_kernel(kind: str) -> ctypes._CFuncPtr | None:
 
 
 def linear_isa(kind: str) -> str:
-    """Which code linear_kernel(kind) runs: 'amx' (tiles) or the vector level."""
-    if kind == "int8":
-        return int8_level()
-    if cpu_isa() == "amx" and _tiles() is not None:
-        return "amx"
-    return vector_level()
+    """Which code linear_kernel(kind) runs: 'amx' where the level is amx and its build
+    loads (bf16: linear_bf16.c's tiles; int8: linear_vec.c's amx build, on the tile unit
+    from 8 rows, VNNI below), the vector level otherwise."""
+    if cpu_isa() != "amx":
+        return vector_level()
+    tiles = _vector("amx") if kind == "int8" else _tiles()
+    return "amx" if tiles is not None else vector_level()
 
 
 def tile_linear_supported(weight: torch.Tensor) -> bool:

@@ -625,6 +625,16 @@ int linear_vec_init(void) { return 1; }
 #define linear_int8_amx(...) ((void)0)
 #endif
 
+/* *buf, grown to at least `bytes` (its contents not kept). */
+static void *kept_buffer(void **buf, size_t *cap, size_t bytes) {
+    if (bytes > *cap) {
+        free(*buf);
+        *buf = malloc(bytes);
+        *cap = bytes;
+    }
+    return *buf;
+}
+
 void linear_int8(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
                  uint16_t *scratch, int m, int n, int k, int nthreads) {
     const int8_t *q = (const int8_t *)w;
@@ -634,21 +644,10 @@ void linear_int8(const uint16_t *x, const uint16_t *w, const float *bias, uint16
      * allocation of a prefill's rows came back from the OS as pages to fault in on
      * every call); the parallel regions get them as locals, since a __thread variable
      * named there would be each worker's own */
-    static __thread uint8_t *xq_buf;
-    static __thread float *sx_buf;
+    static __thread void *xq_buf, *sx_buf;
     static __thread size_t xq_cap, sx_cap;
-    if ((size_t)m * k + 64 > xq_cap) {
-        free(xq_buf);
-        xq_cap = (size_t)m * k + 64;
-        xq_buf = malloc(xq_cap);
-    }
-    if ((size_t)m + 1 > sx_cap) {
-        free(sx_buf);
-        sx_cap = (size_t)m + 1;
-        sx_buf = malloc(sizeof(float) * sx_cap);
-    }
-    uint8_t *const xq = xq_buf;
-    float *const sx = sx_buf;
+    uint8_t *const xq = kept_buffer(&xq_buf, &xq_cap, (size_t)m * k + 64);
+    float *const sx = kept_buffer(&sx_buf, &sx_cap, sizeof(float) * ((size_t)m + 1));
     quantize_rows(x, m, k, xq, sx, nthreads);
     if (AMX_INT8(m, k)) {
         linear_int8_amx(xq, sx, q, sw, comp, bias, out, scratch, m, n, k, nthreads);
