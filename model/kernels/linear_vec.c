@@ -188,22 +188,30 @@ static inline float exp_poly(float x) {
 
 static const float NO_BIAS[NB];  /* zeros: acc + 0.f, as the plain store adds */
 
-/* One row's block of NB results: + bias, rounded; with a gate row, silu(gate) * up. The
+/* One row's W results (a block of NB, or half a block from the AMX int8 2x2 pass): + bias,
+ * rounded; with a gate row, silu(gate) * up. W is a constant wherever it is inlined. The
  * SwiGLU loop reads its bias from memory in every case: a `bias ? bias[j] : 0.f` in it
  * kept GCC from vectorizing it (3.3 against 0.8 ns an element, benchmarks/RESULTS.md). */
-static inline void store_row(const float *acc, const float *bias, uint16_t *out,
-                             const uint16_t *gate) {
+static inline __attribute__((always_inline)) void store_cols(const int W, const float *acc,
+                                                               const float *bias,
+                                                               uint16_t *out,
+                                                               const uint16_t *gate) {
     if (gate) {
         const float *b = bias ? bias : NO_BIAS;
-        for (int j = 0; j < NB; ++j) {
+        for (int j = 0; j < W; ++j) {
             const float v = acc[j] + b[j];
             const float g = bf16_to_f32(gate[j]);
             const float silu = g / (1.f + exp_poly(-g));
             out[j] = f32_to_bf16(round_bf16(silu) * round_bf16(v));
         }
     } else {
-        for (int j = 0; j < NB; ++j) out[j] = f32_to_bf16(acc[j] + (bias ? bias[j] : 0.f));
+        for (int j = 0; j < W; ++j) out[j] = f32_to_bf16(acc[j] + (bias ? bias[j] : 0.f));
     }
+}
+
+static inline void store_row(const float *acc, const float *bias, uint16_t *out,
+                             const uint16_t *gate) {
+    store_cols(NB, acc, bias, out, gate);
 }
 
 /* Where block b's results go: plain, columns b * NB of out (row stride n); SwiGLU (w's
@@ -538,34 +546,82 @@ void linear_bf16_vec(const uint16_t *x, const uint16_t *w, const float *bias, ui
     });
 }
 
-/* One row's block of int32 sums -> y = float(sum) * (row scale * feature scale), stored
- * as store_row does. */
-static inline void store_int8_row(const int32_t *a, float sr, const float *sw,
-                                  const int32_t *comp, const float *bias, uint16_t *dst,
-                                  const uint16_t *gate) {
+/* One row's W int32 sums -> y = float(sum) * (row scale * feature scale), stored as
+ * store_row does. */
+static inline __attribute__((always_inline)) void store_int8_row(
+    const int W, const int32_t *a, float sr, const float *sw, const int32_t *comp,
+    const float *bias, uint16_t *dst, const uint16_t *gate) {
     float y[NB] __attribute__((aligned(64)));
-    for (int j = 0; j < NB; ++j)
+    for (int j = 0; j < W; ++j)
         y[j] = (float)(a[j] - (X_OFFSET ? comp[j] : 0)) * (sr * sw[j]);
-    store_row(y, bias, dst, gate);
+    store_cols(W, y, bias, dst, gate);
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && X_OFFSET == 128
 /* int8 on the AMX tile unit (the amx build of this file): tdpbusd takes x as uint8 (+128)
  * and the weights as int8 in exactly the layout above, (K/4, 64, 4) a block being the
  * tile unit's B operand at a stride of 256 bytes, and sums them exactly in int32, as
- * vpdpbusd does: the same sums, so the same bits, at any number of rows. Used from
- * AMX_INT8_ROWS rows up where k is whole 64-byte tile rows; below 8 rows the VNNI passes
- * measured as fast or faster, from 16 up the tiles faster (benchmarks/RESULTS.md). */
+ * vpdpbusd does: the same sums, so the same bits, at any number of rows and in either
+ * pass below. Used from AMX_INT8_ROWS rows up where k is whole 64-byte tile rows; below
+ * 8 rows the VNNI passes measured as fast or faster, from 16 up the tiles faster
+ * (benchmarks/RESULTS.md). The passes are linear_bf16.c's: 32 rows against half a block
+ * (2 x 2 tiles, the half-block's weights staying in L1 while a chunk's rows pass), and up
+ * to 16 rows against a whole block (1 x 4) for the rows left over. */
 #define AMX_INT8_ROWS 8
 #define AMX_INT8_KSTEP 64   /* k per tile: 16 rows of 4 */
 #define AMX_INT8_CHUNK 256  /* rows of x kept hot in L2 while a thread's blocks pass */
 
 int linear_vec_init(void) { return amx_request(); }
 
-/* The configured rows of xq (row stride k) against one 64-feature block: acc rows x NB.
- * Tiles as amx_configure_linear sets them: C 0-3 (rows x 16 int32), A 4 (rows x 64
- * uint8), B 5-7 (16 k-quads x 64 bytes). */
-static void amx_int8_block(const uint8_t *xq, int k, const int8_t *w, int32_t *acc) {
+/* A pass's int32 sums wait here while the next pass's dot products are issued, so their
+ * epilogue (scales, bias, SwiGLU, rounding) runs beside the tile unit's work instead of
+ * after it, as linear_bf16.c's epilogue does. */
+typedef struct {
+    int32_t acc[2][32 * NB] __attribute__((aligned(64)));
+    int cur;          /* which acc the next pass stores into */
+    int rows, width;  /* of the waiting pass; rows 0 when none waits */
+    int stride;       /* of dst and gate */
+    const float *sx;  /* the waiting rows' scales */
+    const float *sw;  /* the waiting features' scales, compensations, bias (or null) */
+    const int32_t *comp;
+    const float *bias;
+    uint16_t *dst;
+    const uint16_t *gate;
+} int8_epilogue;
+
+/* The waiting pass's rows through store_int8_row, its width a constant in each call. */
+static void int8_flush(int8_epilogue *e) {
+    const int32_t *acc = e->acc[e->cur ^ 1];
+    for (int i = 0; i < e->rows; ++i) {
+        uint16_t *dst = e->dst + (long)i * e->stride;
+        const uint16_t *gate = e->gate ? e->gate + (long)i * e->stride : 0;
+        if (e->width == NB)
+            store_int8_row(NB, acc + i * NB, e->sx[i], e->sw, e->comp, e->bias, dst, gate);
+        else
+            store_int8_row(32, acc + i * 32, e->sx[i], e->sw, e->comp, e->bias, dst, gate);
+    }
+    e->rows = 0;
+}
+
+/* Flush the waiting pass, then store tiles 0-3 (rows x width sums of the pass just
+ * issued, for features from f0 of block target tg, rows from r) to wait in its place. */
+#define INT8_HAND_OVER(e, rows_, width_, r, f0, sx_, sw_, comp_, bias_, tg, STORE_TILES)      \
+    do {                                                                                 \
+        int8_flush(e);                                                                   \
+        int32_t *acc = (e)->acc[(e)->cur];                                               \
+        STORE_TILES;                                                                     \
+        (e)->rows = rows_, (e)->width = width_, (e)->stride = (tg).stride;               \
+        (e)->sx = (sx_) + (r), (e)->sw = (sw_) + (f0), (e)->comp = (comp_) + (f0);       \
+        (e)->bias = (bias_) ? (bias_) + (f0) : 0;                                        \
+        (e)->dst = (tg).dst + (long)(r) * (tg).stride + (f0) % NB;                       \
+        (e)->gate = (tg).gate ? (tg).gate + (long)(r) * (tg).stride + (f0) % NB : 0;      \
+        (e)->cur ^= 1;                                                                   \
+    } while (0)
+
+/* Tiles as amx_configure_linear sets them: C 0-3 (rows x 16 int32), A 4 (rows x 64
+ * uint8), B 5-7 (16 k-quads x 64 bytes). Up to 16 rows of xq (row stride k) against the
+ * 64-feature block w; the block streams from memory, the next k step asked for ahead. */
+static void amx_int8_1x4(const uint8_t *xq, int k, const int8_t *w) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -576,15 +632,74 @@ static void amx_int8_block(const uint8_t *xq, int k, const int8_t *w, int32_t *a
             _mm_prefetch((const char *)b + AMX_INT8_KSTEP * NB + off, _MM_HINT_T0);
         AMX_1X4_STEP(_tile_dpbusd, xq + kk, k, b);
     }
-    _tile_stored(0, acc, NB * 4);
-    _tile_stored(1, acc + 16, NB * 4);
-    _tile_stored(2, acc + 32, NB * 4);
-    _tile_stored(3, acc + 48, NB * 4);
+}
+
+/* 32 rows of xq against 32 features (w: half a block, its rows 256 bytes apart): C 0-3
+ * (2 x 2), A 4-5, B 6-7, all 16 rows; each B tile serves two A tiles and each A tile two
+ * B tiles. A share of the next block (pf_step bytes a k step) goes to L2 meanwhile. */
+static void amx_int8_2x2(const uint8_t *xq, int k, const int8_t *w, const char *pf,
+                         int pf_step) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int kk = 0; kk < k; kk += AMX_INT8_KSTEP) {
+        const int8_t *b = w + (long)kk * NB;
+        for (int off = 0; off < pf_step; off += 64) _mm_prefetch(pf + off, _MM_HINT_T1);
+        pf += pf_step;
+        _tile_loadd(4, xq + kk, k);
+        _tile_loadd(6, b, 4 * NB);
+        _tile_dpbusd(0, 4, 6);
+        _tile_loadd(7, b + 64, 4 * NB);
+        _tile_dpbusd(1, 4, 7);
+        _tile_loadd(5, xq + 16L * k + kk, k);
+        _tile_dpbusd(2, 5, 6);
+        _tile_dpbusd(3, 5, 7);
+    }
+}
+
+/* Rows m0..m1 of xq against block b: pairs of 16-row tiles one half-block at a time,
+ * then the rows left over by the 1x4 pass; *configured tracks the tile shape. */
+static void amx_int8_rows(const uint8_t *xq, const float *sx, const int8_t *q, const float *sw,
+                          const int32_t *comp, const float *bias, target tg, int b, int m0,
+                          int m1, int k, int *configured, int8_epilogue *e) {
+    const int8_t *w = q + (long)b * k * NB;
+    const int pairs_end = m0 + (m1 - m0) / 32 * 32;
+    if (pairs_end > m0 && *configured != 16) amx_configure_linear(*configured = 16);
+    /* the next block into L2 over this one's 2x2 passes, as linear_bf16.c's amx_rows */
+    const int steps = (pairs_end - m0) / 32 * 2 * (k / AMX_INT8_KSTEP);
+    const long block_bytes = (long)k * NB;
+    const int pf_step = steps ? (int)((block_bytes / steps + 63) / 64 * 64) : 0;
+    const char *pf = (const char *)(w + block_bytes);
+    for (int half = 0; half < 2; ++half)
+        for (int r = m0; r < pairs_end; r += 32) {
+            amx_int8_2x2(xq + (long)r * k, k, w + half * 128, pf, pf_step);
+            pf += (long)pf_step * (k / AMX_INT8_KSTEP);
+            INT8_HAND_OVER(e, 32, 32, r, b * NB + half * 32, sx, sw, comp, bias, tg, {
+                _tile_stored(0, acc, 128);
+                _tile_stored(1, acc + 16, 128);
+                _tile_stored(2, acc + 16 * 32, 128);
+                _tile_stored(3, acc + 16 * 32 + 16, 128);
+            });
+        }
+    for (int r = pairs_end; r < m1; r += 16) {
+        const int rows = m1 - r < 16 ? m1 - r : 16;
+        if (*configured != rows) amx_configure_linear(*configured = rows);
+        amx_int8_1x4(xq + (long)r * k, k, w);
+        INT8_HAND_OVER(e, rows, NB, r, b * NB, sx, sw, comp, bias, tg, {
+            _tile_stored(0, acc, NB * 4);
+            _tile_stored(1, acc + 16, NB * 4);
+            _tile_stored(2, acc + 32, NB * 4);
+            _tile_stored(3, acc + 48, NB * 4);
+        });
+    }
 }
 
 /* Each thread a contiguous share of whole units (a SwiGLU's gate block before its up
- * block), as the bf16 tile kernel shares them; for each chunk of rows, each of its blocks
- * against the chunk's tiles of up to 16 rows. */
+ * block), as the bf16 tile kernel shares them; for each chunk of rows, each of its
+ * blocks. A gate block's last pass is flushed before its up block's first epilogue reads
+ * it: an up block's passes cover the same rows in the same order, and each pass flushes
+ * the one before it. */
 static void linear_int8_amx(const uint8_t *xq, const float *sx, const int8_t *q,
                             const float *sw, const int32_t *comp, const float *bias,
                             uint16_t *out, uint16_t *scratch, int m, int n, int k,
@@ -597,24 +712,17 @@ static void linear_int8_amx(const uint8_t *xq, const float *sx, const int8_t *q,
         OMP_IDS(t, nt);
         const int b0 = (int)((long)units * t / nt) * unit;
         const int b1 = (int)((long)units * (t + 1) / nt) * unit;
-        int32_t acc[16 * NB] __attribute__((aligned(64)));
+        int8_epilogue e;
+        e.cur = 0;
+        e.rows = 0;
         int configured = 0;
         for (int m0 = 0; m0 < m; m0 += AMX_INT8_CHUNK) {
             const int m1 = m0 + AMX_INT8_CHUNK < m ? m0 + AMX_INT8_CHUNK : m;
-            for (int b = b0; b < b1; ++b) {
-                const target tg = block_target(out, scratch, n, b);
-                for (int r = m0; r < m1; r += 16) {
-                    const int rows = m1 - r < 16 ? m1 - r : 16;
-                    if (rows != configured) amx_configure_linear(configured = rows);
-                    amx_int8_block(xq + (long)r * k, k, q + (long)b * k * NB, acc);
-                    for (int i = 0; i < rows; ++i)
-                        store_int8_row(acc + i * NB, sx[r + i], sw + b * NB, comp + b * NB,
-                                       bias ? bias + b * NB : 0,
-                                       tg.dst + (long)(r + i) * tg.stride,
-                                       tg.gate ? tg.gate + (long)(r + i) * tg.stride : 0);
-                }
-            }
+            for (int b = b0; b < b1; ++b)
+                amx_int8_rows(xq, sx, q, sw, comp, bias, block_target(out, scratch, n, b), b,
+                              m0, m1, k, &configured, &e);
         }
+        int8_flush(&e);
         if (configured) _tile_release();
     }
 }
@@ -662,7 +770,7 @@ void linear_int8(const uint16_t *x, const uint16_t *w, const float *bias, uint16
             const int bs = b + s;
             const target t = block_target(out, scratch, n, bs);
             for (int i = 0; i < rows; ++i)
-                store_int8_row(acc + (s * rows + i) * NB, sx[r + i], sw + bs * NB,
+                store_int8_row(NB, acc + (s * rows + i) * NB, sx[r + i], sw + bs * NB,
                                comp + bs * NB, bias ? bias + bs * NB : 0,
                                t.dst + (long)(r + i) * t.stride,
                                t.gate ? t.gate + (long)(r + i) * t.stride : 0);
