@@ -47,6 +47,14 @@ static inline void amx_configure_linear(int rows) {
     _tile_loadconfig(&cfg);
 }
 
+/* C tiles 0-3 to zero, before a pass. */
+static inline void amx_zero_c(void) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+}
+
 /* One k step of the linear kernels' 1x4 pass: A (tmm4, rows of x at a_stride bytes)
  * against the four 16-feature B tiles of a 64-feature block (b, rows of 256 bytes) into
  * C 0-3; DP is the tile unit's dot product for the type (_tile_dpbf16ps, _tile_dpbusd). */
@@ -63,6 +71,45 @@ static inline void amx_configure_linear(int rows) {
         _tile_loadd(5, b_ + 192, 256);                                                   \
         DP(3, 4, 5);                                                                     \
     } while (0)
+
+/* One k step of the 2x2 pass (all tiles 16 rows): A 4-5 (rows 0-15 and 16-31 of x at
+ * a_stride bytes) against B 6-7 (features 0-15 and 16-31 of a half-block: b and b + 64
+ * bytes, rows of 256) into C 0-3; each B tile serves two A tiles and each A tile two B. */
+#define AMX_2X2_STEP(DP, a, a_stride, b)                                                 \
+    do {                                                                                 \
+        const char *a_ = (const char *)(a), *b_ = (const char *)(b);                     \
+        _tile_loadd(4, a_, a_stride);                                                    \
+        _tile_loadd(6, b_, 256);                                                         \
+        DP(0, 4, 6);                                                                     \
+        _tile_loadd(7, b_ + 64, 256);                                                    \
+        DP(1, 4, 7);                                                                     \
+        _tile_loadd(5, a_ + 16L * (a_stride), a_stride);                                 \
+        DP(2, 5, 6);                                                                     \
+        DP(3, 5, 7);                                                                     \
+    } while (0)
+
+/* C 0-3 of a pass to acc (4-byte sums: float32 or int32): the 1x4 pass's rows x 64, or
+ * the 2x2 pass's 32 x 32. */
+#define AMX_STORE_1X4(acc)                                                               \
+    do {                                                                                 \
+        _tile_stored(0, (acc), 256);                                                     \
+        _tile_stored(1, (acc) + 16, 256);                                                \
+        _tile_stored(2, (acc) + 32, 256);                                                \
+        _tile_stored(3, (acc) + 48, 256);                                                \
+    } while (0)
+#define AMX_STORE_2X2(acc)                                                               \
+    do {                                                                                 \
+        _tile_stored(0, (acc), 128);                                                     \
+        _tile_stored(1, (acc) + 16, 128);                                                \
+        _tile_stored(2, (acc) + 16 * 32, 128);                                           \
+        _tile_stored(3, (acc) + 16 * 32 + 16, 128);                                      \
+    } while (0)
+
+/* Bytes of the next weight block (block_bytes) to fetch at each of a block's `steps` 2x2
+ * k steps, whole cache lines; 0 when it has none. */
+static inline int amx_prefetch_share(long block_bytes, int steps) {
+    return steps ? (int)((block_bytes / steps + 63) / 64 * 64) : 0;
+}
 #endif
 
 #endif

@@ -97,29 +97,17 @@ static void flush(epilogue *e, int n) {
         (e)->cur ^= 1;                                                                   \
     } while (0)
 
-static inline void zero_c(void) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-}
-
 /* Up to 16 rows of x (row-major, k columns) against one 64-feature block. */
 static void amx_1x4(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
                     const uint16_t *gate, int rows, int n, int k, epilogue *e) {
-    zero_c();
+    amx_zero_c();
     for (int kk = 0; kk < k; kk += KSTEP) {
         const uint16_t *b = w + (long)(kk / 2) * (2 * NB);
         for (int off = 0; off < KSTEP / 2 * NB * 4; off += 64)
             _mm_prefetch((const char *)b + PREFETCH_AHEAD + off, _MM_HINT_T0);
         AMX_1X4_STEP(_tile_dpbf16ps, x + kk, k * 2, b);
     }
-    HAND_OVER(e, n, rows, NB, bias, out, gate, {
-        _tile_stored(0, acc, NB * 4);
-        _tile_stored(1, acc + 16, NB * 4);
-        _tile_stored(2, acc + 32, NB * 4);
-        _tile_stored(3, acc + 48, NB * 4);
-    });
+    HAND_OVER(e, n, rows, NB, bias, out, gate, AMX_STORE_1X4(acc));
 }
 
 /* 32 rows of x against 32 features (half of a block): tmm0-3 C (2 x 2), tmm4-5 A,
@@ -127,26 +115,14 @@ static void amx_1x4(const uint16_t *x, const uint16_t *w, const float *bias, uin
 static void amx_2x2(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
                     const uint16_t *gate, int n, int k, const char *pf, int pf_step,
                     epilogue *e) {
-    zero_c();
+    amx_zero_c();
     for (int kk = 0; kk < k; kk += KSTEP) {
         const uint16_t *b = w + (long)(kk / 2) * (2 * NB);
         for (int off = 0; off < pf_step; off += 64) _mm_prefetch(pf + off, _MM_HINT_T1);
         pf += pf_step;
-        _tile_loadd(4, x + kk, k * 2);
-        _tile_loadd(6, b, 4 * NB);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_loadd(7, b + 32, 4 * NB);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_loadd(5, x + 16L * k + kk, k * 2);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
+        AMX_2X2_STEP(_tile_dpbf16ps, x + kk, k * 2, b);
     }
-    HAND_OVER(e, n, 32, 32, bias, out, gate, {
-        _tile_stored(0, acc, 128);
-        _tile_stored(1, acc + 16, 128);
-        _tile_stored(2, acc + 16 * 32, 128);
-        _tile_stored(3, acc + 16 * 32 + 16, 128);
-    });
+    HAND_OVER(e, n, 32, 32, bias, out, gate, AMX_STORE_2X2(acc));
 }
 
 /* Rows m0..m1 of x against one 64-feature block; *configured tracks the tile shape.
@@ -162,7 +138,7 @@ static void amx_rows(const uint16_t *x, const uint16_t *w, const float *bias, ui
      * measured 10-15% faster at 32-128 rows than none, two blocks slower). */
     const int steps = (pairs_end - m0) / 32 * 2 * (k / KSTEP);
     const long block_bytes = (long)k * NB * 2;
-    const int pf_step = steps ? (int)((block_bytes / steps + 63) / 64 * 64) : 0;
+    const int pf_step = amx_prefetch_share(block_bytes, steps);
     const char *pf = (const char *)(w + (long)k * NB);
     for (int half = 0; half < 2; ++half)
         for (int r = m0; r < pairs_end; r += 32) {

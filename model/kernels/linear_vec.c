@@ -622,10 +622,7 @@ static void int8_flush(int8_epilogue *e) {
  * uint8), B 5-7 (16 k-quads x 64 bytes). Up to 16 rows of xq (row stride k) against the
  * 64-feature block w; the block streams from memory, the next k step asked for ahead. */
 static void amx_int8_1x4(const uint8_t *xq, int k, const int8_t *w) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    amx_zero_c();
     for (int kk = 0; kk < k; kk += AMX_INT8_KSTEP) {
         const int8_t *b = w + (long)kk * NB;  /* k-quad kk / 4, 4 * NB bytes each */
         for (int off = 0; off < AMX_INT8_KSTEP * NB; off += 64)
@@ -634,27 +631,16 @@ static void amx_int8_1x4(const uint8_t *xq, int k, const int8_t *w) {
     }
 }
 
-/* 32 rows of xq against 32 features (w: half a block, its rows 256 bytes apart): C 0-3
- * (2 x 2), A 4-5, B 6-7, all 16 rows; each B tile serves two A tiles and each A tile two
- * B tiles. A share of the next block (pf_step bytes a k step) goes to L2 meanwhile. */
+/* 32 rows of xq against 32 features (w: half a block, its rows 256 bytes apart) by
+ * AMX_2X2_STEP; a share of the next block (pf_step bytes a k step) goes to L2 meanwhile. */
 static void amx_int8_2x2(const uint8_t *xq, int k, const int8_t *w, const char *pf,
                          int pf_step) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    amx_zero_c();
     for (int kk = 0; kk < k; kk += AMX_INT8_KSTEP) {
         const int8_t *b = w + (long)kk * NB;
         for (int off = 0; off < pf_step; off += 64) _mm_prefetch(pf + off, _MM_HINT_T1);
         pf += pf_step;
-        _tile_loadd(4, xq + kk, k);
-        _tile_loadd(6, b, 4 * NB);
-        _tile_dpbusd(0, 4, 6);
-        _tile_loadd(7, b + 64, 4 * NB);
-        _tile_dpbusd(1, 4, 7);
-        _tile_loadd(5, xq + 16L * k + kk, k);
-        _tile_dpbusd(2, 5, 6);
-        _tile_dpbusd(3, 5, 7);
+        AMX_2X2_STEP(_tile_dpbusd, xq + kk, k, b);
     }
 }
 
@@ -669,29 +655,20 @@ static void amx_int8_rows(const uint8_t *xq, const float *sx, const int8_t *q, c
     /* the next block into L2 over this one's 2x2 passes, as linear_bf16.c's amx_rows */
     const int steps = (pairs_end - m0) / 32 * 2 * (k / AMX_INT8_KSTEP);
     const long block_bytes = (long)k * NB;
-    const int pf_step = steps ? (int)((block_bytes / steps + 63) / 64 * 64) : 0;
+    const int pf_step = amx_prefetch_share(block_bytes, steps);
     const char *pf = (const char *)(w + block_bytes);
     for (int half = 0; half < 2; ++half)
         for (int r = m0; r < pairs_end; r += 32) {
             amx_int8_2x2(xq + (long)r * k, k, w + half * 128, pf, pf_step);
             pf += (long)pf_step * (k / AMX_INT8_KSTEP);
-            INT8_HAND_OVER(e, 32, 32, r, b * NB + half * 32, sx, sw, comp, bias, tg, {
-                _tile_stored(0, acc, 128);
-                _tile_stored(1, acc + 16, 128);
-                _tile_stored(2, acc + 16 * 32, 128);
-                _tile_stored(3, acc + 16 * 32 + 16, 128);
-            });
+            INT8_HAND_OVER(e, 32, 32, r, b * NB + half * 32, sx, sw, comp, bias, tg,
+                           AMX_STORE_2X2(acc));
         }
     for (int r = pairs_end; r < m1; r += 16) {
         const int rows = m1 - r < 16 ? m1 - r : 16;
         if (*configured != rows) amx_configure_linear(*configured = rows);
         amx_int8_1x4(xq + (long)r * k, k, w);
-        INT8_HAND_OVER(e, rows, NB, r, b * NB, sx, sw, comp, bias, tg, {
-            _tile_stored(0, acc, NB * 4);
-            _tile_stored(1, acc + 16, NB * 4);
-            _tile_stored(2, acc + 32, NB * 4);
-            _tile_stored(3, acc + 48, NB * 4);
-        });
+        INT8_HAND_OVER(e, rows, NB, r, b * NB, sx, sw, comp, bias, tg, AMX_STORE_1X4(acc));
     }
 }
 
