@@ -59,6 +59,14 @@ class Linear(nn.Linear):
     def packed(self) -> bool:
         return self._tiles is not None or self._packed is not None
 
+    @property
+    def kernel(self) -> str:
+        """What forward() runs: kvserve's 'int8' or 'bf16' kernel, 'onednn' (its
+        prepacked layout) or 'torch' (F.linear)."""
+        if self._tiles is not None:
+            return "int8" if self.int8 else "bf16"
+        return "onednn" if self._packed is not None else "torch"
+
     def forward(self, x: Tensor) -> Tensor:
         if self._tiles is not None:
             shape = tuple(self.weight.shape) if self.int8 else None

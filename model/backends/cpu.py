@@ -11,6 +11,7 @@ that is the AMX tile unit's B operand for q.k and p.v.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ from model.kernels import (
     paged_attention_supported,
     rope_store,
 )
-from model.layers import RMSNorm
+from model.layers import Linear, RMSNorm
 
 
 def unsupported(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> str | None:
@@ -54,7 +55,16 @@ class CpuBackend(TorchBackend):
         super().__init__("cpu", reason)
         # what the attention and the linears run (AMX tiles or a vector level)
         self.isa = attention_isa(cfg.head_dim, block_size, cfg.n_heads // cfg.kv_heads, dtype)
-        self.linear_isa = linear_isa("bf16") if dtype == torch.bfloat16 else "onednn"
+        self.linears: Counter[str] = Counter()  # prepare() counts what each linear runs
+
+    @property
+    def linear_isa(self) -> str:
+        """What the prepared model's linears run, the most common first: a level or 'amx'
+        for kvserve's kernels (model.kernels.linear_isa), 'onednn', 'torch'."""
+        levels: Counter[str] = Counter()
+        for kernel, n in self.linears.items():
+            levels[linear_isa(kernel) if kernel in ("bf16", "int8") else kernel] += n
+        return ", ".join(level for level, _ in levels.most_common()) or "torch"
 
     def describe(self) -> dict[str, Any]:
         layout = "K (blocks, kv_heads, head_dim/P, block_size, P), V (blocks, kv_heads, block_size/P, head_dim, P)"
@@ -63,6 +73,7 @@ class CpuBackend(TorchBackend):
             "kv_layout": layout,
             "isa": self.isa,
             "linear_isa": self.linear_isa,
+            "linears": dict(self.linears.most_common()),
         }
 
     def check_cache(self, cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> None:
@@ -92,7 +103,9 @@ class CpuBackend(TorchBackend):
         if quantization not in ("none", "int8"):
             raise ValueError(f"quantization must be none or int8, got {quantization!r}")
         # kvserve's kernel layouts (bf16 or int8) or oneDNN's, and the one-call stack
-        return model.pack_weights(quantization)
+        packed = model.pack_weights(quantization)
+        self.linears = Counter(m.kernel for m in model.modules() if isinstance(m, Linear))
+        return packed
 
     def greedy(self, logits: Tensor) -> list[int]:
         if logits.is_contiguous() and logits.dtype in (torch.float32, torch.bfloat16):

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from model.kernels import linear_isa
 from model.loader import load
 from service.config import Settings
 from service.engine.engine import LLMEngine
@@ -24,6 +25,10 @@ def test_int8_requests_batched_give_the_tokens_each_gets_alone() -> None:
     engine = make_engine(model, block_size=16, attention_backend="cpu", quantization="int8")
     assert all(m.int8 for m in model.modules() if hasattr(m, "int8") and m.packed)
     assert model._stack is not None and model._stack.kind == "int8"
+    # /v1/models/{id} names what the int8 linears run, not the bf16 kernels' level
+    card = engine.backend.describe()
+    assert card["linear_isa"] == linear_isa("int8")
+    assert card["linears"] == {"int8": sum(1 for m in model.modules() if hasattr(m, "int8"))}
     batched = {rid: tokens_of(outs) for rid, outs in run_all(engine, requests).items()}
     for rid, request in list(requests.items())[:4]:
         alone = make_engine(model, block_size=16, attention_backend="cpu", quantization="int8")
@@ -35,12 +40,18 @@ def test_int8_requests_batched_give_the_tokens_each_gets_alone() -> None:
 def test_int8_logits_stay_close_to_bf16(tmp_path: Path) -> None:
     write_llama(tmp_path, tied=False, intermediate_size=128)
     write_tokenizer(tmp_path)
-    models = {}
+    models, engines = {}, {}
     for quantization in ("none", "int8"):
         loaded = load(tmp_path, torch.bfloat16, torch.device("cpu"))
         settings = Settings(num_kv_blocks=64, attention_backend="cpu", quantization=quantization)
-        models[quantization] = LLMEngine(loaded.model, loaded.tokenizer, settings).model
-    assert models["int8"].layers[0].attn.wo.int8  # qkv: 96 rows, not whole blocks: bf16
+        engines[quantization] = LLMEngine(loaded.model, loaded.tokenizer, settings)
+        models[quantization] = engines[quantization].model
+    assert models["int8"].layers[0].attn.wo.int8
+    # qkv: 96 rows, not whole 64-feature blocks: neither kernel's layout, oneDNN's
+    assert models["int8"].layers[0].attn.wqkv.kernel == "onednn"
+    card = engines["int8"].backend.describe()
+    assert card["linears"]["onednn"] == len(models["int8"].layers)
+    assert card["linear_isa"] == f"{linear_isa('int8')}, onednn"  # most linears first
     gen = torch.Generator().manual_seed(0)
     agree, err, scale = [], [], []
     for _ in range(4):
