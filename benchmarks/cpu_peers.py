@@ -11,7 +11,8 @@ llama-server in bf16 and Q8_0 (and fp32 on both with --fp32). Each server is sta
   concurrent      --concurrency requests at once (llama-server -np N -c 4096): output
                   tok/s = generated tokens / wall time, TTFT p50; next to it the bf16
                   ceiling of that wave on this machine (model/audit.py's batch_floor: its
-                  multiply-adds at the best bf16 matmul rate measured between turns, its
+                  multiply-adds at the best bf16 matmul rate measured between turns, at
+                  KVSERVE_CPU_ISA's level where that is set (bf16_matmul_rate), its
                   reads at the best read bandwidth) and each bf16 system's share of it
 
 All servers of a phase run side by side; each of --rounds rounds gives every system one
@@ -40,7 +41,7 @@ from typing import Any
 import torch
 
 from model.audit import batch_floor
-from model.device import cpu_flags, cpu_isa
+from model.device import cpu_flags, cpu_isa, native_isa
 from model.hardware import matmul_throughput, memory_bandwidth
 from model.weights import load_config
 from service import bench
@@ -93,17 +94,21 @@ COMPUTE: list[float] = []  # bf16 FLOP/s, one probe per concurrent round
 
 
 def bf16_matmul_rate() -> float:
-    """The faster of PyTorch's bf16 matmul (2048^3) and kvserve's bf16 linear kernel on
-    256 rows against a weight that stays in cache: the best rate a step's matmuls reach."""
+    """The best rate a step's bf16 matmuls reach here: kvserve's bf16 linear kernel on 256
+    rows against a weight that stays in cache, or PyTorch's bf16 matmul (2048^3) if that
+    is faster. Not PyTorch's where KVSERVE_CPU_ISA holds the kernels below the CPU's own
+    level: oneDNN would still use the CPU's best units (AMX), a ceiling the servers under
+    test are not allowed to reach."""
     from model.kernels import tile_layout, tile_linear, tile_linear_supported
 
-    rate = matmul_throughput(torch.bfloat16)
+    own = cpu_isa() == native_isa()
+    rate = matmul_throughput(torch.bfloat16) if own else 0.0
     w = torch.randn(1536, 576).to(torch.bfloat16)
     if tile_linear_supported(w):
         packed, x = tile_layout(w), torch.randn(256, 576).to(torch.bfloat16)
         best = min(_seconds(lambda: tile_linear(x, packed, None)) for _ in range(10))
         rate = max(rate, 2 * 256 * 1536 * 576 / best)
-    return rate
+    return rate or matmul_throughput(torch.bfloat16)  # no kernel at this level: oneDNN's
 
 
 def _seconds(fn, calls: int = 20) -> float:  # type: ignore[no-untyped-def]
@@ -267,7 +272,7 @@ def main() -> None:
         args.prompt_len, args.output_len, bandwidth, max(COMPUTE),
     )  # fmt: skip
     print(
-        f"\n{args.concurrency} concurrent, bf16 ceiling on this machine: "
+        f"\n{args.concurrency} concurrent, bf16 ceiling on this machine at {cpu_isa()}: "
         f"{wave['ceiling_tok_s']:.1f} tok/s ({wave['seconds']:.2f} s: prefill "
         f"{wave['prefill_gflop']:.0f} GFLOP, then {args.output_len - 1} steps of "
         f"{wave['decode_gflop_per_step']:.2f} GFLOP / {wave['decode_mb_per_step']:.0f} MB "
