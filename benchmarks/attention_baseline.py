@@ -27,7 +27,8 @@ import torch
 
 from benchmarks.kernel_at import alternate, library_at
 from model.device import isa_flags
-from model.kernels import ATTENTION_FLAGS, PROTOTYPES, attention_isa
+from model.kernels.attention import ATTENTION_FLAGS, attention_isa
+from model.kernels.build import PROTOTYPES
 
 OUT = Path(__file__).parent / "out"
 KV, GROUP, D, BLOCK = 3, 3, 64, 16
@@ -51,7 +52,7 @@ def workload(
     lens: torch.Tensor,  # (R,) int64
     row_seq: torch.Tensor | None,  # (R,) int64, None: row r is sequence r
 ) -> Callable[[], None]:
-    """One call per cache, as model.kernels.paged_attention makes it."""
+    """One call per cache, as model.kernels.attention.paged_attention makes it."""
     out = torch.empty_like(q)
     rows, threads = q.shape[0], torch.get_num_threads()
     seqs = row_seq.data_ptr() if row_seq is not None else None

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from model.hardware import memory_bandwidth
-from model.kernels import attention_isa, paged_attention, paged_attention_supported
+from model.kernels.attention import attention_isa, paged_attention, paged_attention_supported
 
 OUT = Path(__file__).parent / "out"
 KV, GROUP, D, BLOCK = 3, 3, 64, 16

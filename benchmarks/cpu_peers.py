@@ -99,7 +99,7 @@ def bf16_matmul_rate() -> float:
     is faster. Not PyTorch's where KVSERVE_CPU_ISA holds the kernels below the CPU's own
     level: oneDNN would still use the CPU's best units (AMX), a ceiling the servers under
     test are not allowed to reach."""
-    from model.kernels import tile_layout, tile_linear, tile_linear_supported
+    from model.kernels.linear import tile_layout, tile_linear, tile_linear_supported
 
     own = cpu_isa() == native_isa()
     rate = matmul_throughput(torch.bfloat16) if own else 0.0

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from model.kernels import HERE, LINK_FLAGS
+from model.kernels.build import HERE, LINK_FLAGS
 
 ROOT = Path(__file__).resolve().parents[1]
 

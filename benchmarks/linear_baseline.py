@@ -27,7 +27,7 @@ import torch
 
 from benchmarks.kernel_at import alternate, library_at
 from model.device import isa_flags
-from model.kernels import (
+from model.kernels.linear import (
     VECTOR_FLAGS,
     int8_pack,
     linear_isa,

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from model.kernels import (
+from model.kernels.linear import (
     int8_pack,
     linear_isa,
     swiglu_layout,

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.config import ModelConfig, RopeScaling
-from model.kernels import (
+from model.kernels.linear import (
     int8_pack,
     int8_supported,
     swiglu_layout,

@@ -16,7 +16,8 @@ from torch import Tensor, nn
 
 from model.attention import AttentionMetadata, PagedKVCache
 from model.config import ModelConfig
-from model.kernels import data_ptr, stack_forward, stack_kernels
+from model.kernels.build import data_ptr
+from model.kernels.stack import stack_forward, stack_kernels
 from model.layers import Linear, RMSNorm, SwiGLU
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float

@@ -20,16 +20,9 @@ from torch import Tensor, nn
 from model.attention import AttentionMetadata
 from model.backends.reference import TorchBackend, split_heads
 from model.config import ModelConfig
-from model.kernels import (
-    add_rms_norm,
-    attention_isa,
-    fused_supported,
-    greedy_tokens,
-    linear_isa,
-    paged_attention,
-    paged_attention_supported,
-    rope_store,
-)
+from model.kernels.attention import attention_isa, paged_attention, paged_attention_supported
+from model.kernels.fused import add_rms_norm, fused_supported, greedy_tokens, rope_store
+from model.kernels.linear import linear_isa
 from model.layers import Linear, RMSNorm
 
 
@@ -60,7 +53,7 @@ class CpuBackend(TorchBackend):
     @property
     def linear_isa(self) -> str:
         """What the prepared model's linears run, the most common first: a level or 'amx'
-        for kvserve's kernels (model.kernels.linear_isa), 'onednn', 'torch'."""
+        for kvserve's kernels (model.kernels.linear.linear_isa), 'onednn', 'torch'."""
         levels: Counter[str] = Counter()
         for kernel, n in self.linears.items():
             levels[linear_isa(kernel) if kernel in ("bf16", "int8") else kernel] += n

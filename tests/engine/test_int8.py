@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.kernels import linear_isa
+from model.kernels.linear import linear_isa
 from model.loader import load
 from service.config import Settings
 from service.engine.engine import LLMEngine

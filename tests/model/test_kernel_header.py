@@ -7,7 +7,7 @@ import re
 import shutil
 import subprocess
 
-from model.kernels import HEADER, PROTOTYPES
+from model.kernels.build import HEADER, PROTOTYPES
 from model.stack import _Args, _Layer
 from tests.require import missing
 

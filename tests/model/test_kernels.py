@@ -11,13 +11,8 @@ import torch.nn.functional as F
 
 from model.attention import PagedKVCache
 from model.config import ModelConfig
-from model.kernels import (
-    attention_isa,
-    fused_supported,
-    greedy_tokens,
-    paged_attention,
-    paged_attention_supported,
-)
+from model.kernels.attention import attention_isa, paged_attention, paged_attention_supported
+from model.kernels.fused import fused_supported, greedy_tokens
 from model.layers import alibi_slopes
 
 pytestmark = pytest.mark.skipif(
@@ -186,8 +181,9 @@ def test_loading_the_kernels_keeps_subnormal_floats() -> None:
     (crtfastmath.o); our kernels must not change how the rest of kvserve computes."""
     code = (
         "import torch\n"
-        "from model.kernels import _fused, _library\n"
-        "assert _library(64, 16, 3) is not None and _fused() is not None\n"
+        "from model.kernels.attention import attention_library\n"
+        "from model.kernels.fused import fused_library\n"
+        "assert attention_library(64, 16, 3) is not None and fused_library() is not None\n"
         "tiny = torch.tensor([1e-40], dtype=torch.float32)\n"
         "print(5e-324 * 1.0 > 0, bool((tiny * 1.0 > 0).all()))\n"
     )

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from model.config import ModelConfig
-from model.kernels import (
+from model.kernels.linear import (
     int8_pack,
     int8_quantize,
     linear_isa,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from model.attention import AttentionMetadata, PagedKVCache
-from model.kernels import stack_kernels
+from model.kernels.stack import stack_kernels
 from tests.model.helpers import tiny_model
 
 # tile-friendly: linears in multiples of 64 features, head size 32, GQA groups of 3
