@@ -21,7 +21,8 @@ from service.api import chat, completions
 from service.api.metrics import Metrics
 from service.api.middleware import BodyLimit, Gate, count_rejection
 from service.api.protocol import APIError, DetokenizeRequest, TokenizeRequest
-from service.api.serving import GenerationFailed, ServingState, encode_messages
+from service.api.serving import GenerationFailed, encode_messages
+from service.api.state import ServingState
 from service.config import Settings
 
 log = logging.getLogger("kvserve.api")

@@ -14,7 +14,6 @@ from starlette.background import BackgroundTask
 from service.api.protocol import APIError, ChatCompletionRequest
 from service.api.serving import (
     ClientDisconnected,
-    ServingState,
     check_stream_options,
     collect,
     encode_messages,
@@ -23,11 +22,11 @@ from service.api.serving import (
     new_id,
     raise_if_failed,
     sampling_params,
-    stream_chunks,
     until_disconnect,
-    usage,
     validate_prompt,
 )
+from service.api.sse import stream_chunks, usage
+from service.api.state import ServingState
 from service.engine.output import RequestOutput, TokenLogprobs
 
 router = APIRouter()

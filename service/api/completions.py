@@ -15,7 +15,6 @@ from service.api.protocol import APIError, CompletionRequest
 from service.api.serving import (
     Choice,
     ClientDisconnected,
-    ServingState,
     check_stream_options,
     collect,
     finish_reason,
@@ -23,12 +22,12 @@ from service.api.serving import (
     new_id,
     raise_if_failed,
     sampling_params,
-    stream_chunks,
     token_text,
     until_disconnect,
-    usage,
     validate_prompt,
 )
+from service.api.sse import stream_chunks, usage
+from service.api.state import ServingState
 from service.engine.output import RequestOutput, TokenLogprobs
 from service.engine.request import EMPTY_PROMPT
 from service.limits import MAX_PROMPTS

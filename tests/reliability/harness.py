@@ -36,7 +36,7 @@ TRACKED = (
     "service.engine.output.RequestOutput",
     "service.engine.output.TextState",
     "service.engine.async_engine._Stream",
-    "service.api.serving.Admission",
+    "service.api.state.Admission",
 )
 
 

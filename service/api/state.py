@@ -1,0 +1,113 @@
+"""What the HTTP routes share: the engine, its tokenizer and template, the metrics, and
+admission with backpressure (a waiting queue capped by count and by KV demand)."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from model.tokenizer import Tokenizer
+from service.api.chat_template import ChatTemplate
+from service.api.metrics import Metrics
+from service.api.protocol import APIError
+from service.config import Settings
+from service.engine.async_engine import AsyncEngine
+
+
+@dataclass
+class ServingState:
+    settings: Settings
+    engine: AsyncEngine
+    tokenizer: Tokenizer
+    model_id: str
+    template: ChatTemplate
+    audit: dict[str, Any]
+    metrics: Metrics
+    # this machine's floors for the model (torch work: run on the engine thread), and
+    # their first measurement
+    measure_floors: Callable[[], dict[str, Any]] = dict
+    floors: dict[str, Any] | None = None
+    inflight: int = 0  # admitted sequences not yet finished
+    inflight_tokens: int = 0  # their KV demand: prompt + max_tokens each
+    draining: bool = False
+    started: float = field(default_factory=time.time)
+    # (when, KV tokens) of recently released admissions: how fast demand drains
+    released: deque[tuple[float, int]] = field(default_factory=deque)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_id:
+            raise APIError(
+                404,
+                f"The model '{name}' does not exist; this server serves '{self.model_id}'",
+                param="model",
+                code="model_not_found",
+            )
+
+    def admit(self, n_seqs: int, kv_tokens: int = 0) -> Admission:
+        """Take n sequences (needing up to kv_tokens of KV cache) in, or answer 503
+        (draining) or 429: the waiting queue is full by count, or what is in flight
+        would need more KV than the pool and a queue of the same proportion hold."""
+        if self.draining:
+            raise APIError(503, "The server is shutting down and accepts no new requests")
+        if not self.engine.alive:
+            raise APIError(503, "The engine is not running")
+        settings = self.settings
+        waiting = max(0, self.inflight + n_seqs - settings.max_num_seqs)
+        if waiting > settings.max_queue:
+            raise APIError(
+                429,
+                f"The server is at capacity ({self.inflight} sequences in flight, "
+                f"waiting queue cap {settings.max_queue}); retry shortly",
+                code="queue_full",
+                headers={"Retry-After": "1"},
+            )
+        pool = int(self.audit.get("kv_pool_tokens", 0))
+        allowed = pool * (1 + settings.max_queue / settings.max_num_seqs)
+        excess = self.inflight_tokens + kv_tokens - allowed
+        if pool and self.inflight_tokens and excess > 0:
+            raise APIError(
+                429,
+                f"The KV cache is oversubscribed ({self.inflight_tokens} tokens of prompt + "
+                f"max_tokens in flight for a pool of {pool}); retry shortly",
+                code="kv_cache_full",
+                headers={"Retry-After": str(self._drain_seconds(excess))},
+            )
+        self.inflight += n_seqs
+        self.inflight_tokens += kv_tokens
+        return Admission(self, n_seqs, kv_tokens)
+
+    def _drain_seconds(self, tokens: float, window: float = 30.0) -> int:
+        """Seconds until `tokens` of demand drain at the rate admissions were released
+        over the last `window` seconds (1 to 60; 1 when nothing finished lately)."""
+        now = time.monotonic()
+        while self.released and now - self.released[0][0] > window:
+            self.released.popleft()
+        rate = sum(t for _, t in self.released) / window
+        return 1 if rate == 0 else max(1, min(60, math.ceil(tokens / rate)))
+
+
+class Admission:
+    """Releases its sequences exactly once, whichever way the request ends."""
+
+    def __init__(self, state: ServingState, n: int, kv_tokens: int = 0) -> None:
+        self.state, self.n, self.kv_tokens = state, n, kv_tokens
+
+    def release(self) -> None:
+        if self.n:
+            self.state.inflight -= self.n
+            self.state.inflight_tokens -= self.kv_tokens
+            self.state.released.append((time.monotonic(), self.kv_tokens))
+            self.n = 0
+
+    async def arelease(self) -> None:
+        """release() as a response's background task: Starlette runs a sync one in a worker
+        thread, where `inflight -= n` would race the event loop's `+=`."""
+        self.release()
