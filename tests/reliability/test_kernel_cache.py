@@ -17,10 +17,11 @@ from tests.require import missing
 pytestmark = pytest.mark.reliability  # make test-fast leaves these out
 
 BUILD = """
-import sys, model.kernels as k
+import sys, model.kernels.build as b
+from model.kernels.fused import fused_library
 if len(sys.argv) > 1:
-    k.cpu_identity = lambda: sys.argv[1]  # another machine's CPU
-lib = k._fused()
+    b.cpu_identity = lambda: sys.argv[1]  # another machine's CPU
+lib = fused_library()
 print("loaded" if lib is not None else "none")
 """
 
