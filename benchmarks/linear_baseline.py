@@ -1,6 +1,7 @@
-"""kvserve's vector linears (model/kernels/linear_vec.c) against the same source at another
-commit, both built at this CPU's level (or KVSERVE_CPU_ISA's) and loaded into one
-process, their calls alternating: a change to the kernel measured without the drift
+"""kvserve's linears against the same source at another commit, both built at this CPU's
+level (or KVSERVE_CPU_ISA's) and loaded into one process, their calls alternating: the
+vector code (model/kernels/linear_vec.c), or at the amx level the bf16 tiles
+(linear_bf16.c; int8 is linear_vec.c's amx build there too), a change to the kernel measured without the drift
 between two runs minutes apart that this kind of machine shows (benchmarks/RESULTS.md).
 
 The weights are those of the 180M Llama-3-style checkpoint cpu_peers.py serves (30 layers
@@ -27,6 +28,7 @@ import torch
 
 from benchmarks.kernel_at import alternate, library_at
 from model.device import isa_flags
+from model.kernels.build import BASE_FLAGS
 from model.kernels.linear import (
     VECTOR_FLAGS,
     int8_pack,
@@ -43,8 +45,17 @@ _P = ctypes.c_void_p
 
 
 def build_at(rev: str, level: str, tmp: Path, kind: str) -> ctypes._CFuncPtr:
-    """The `kind` linear (linear_bf16_vec or linear_int8) as linear_vec.c and its headers
-    were at `rev`, built for `level`."""
+    """The `kind` linear as its source and headers were at `rev`, built for `level`:
+    linear_bf16.c's tiles for bf16 at amx, else linear_vec.c's linear_bf16_vec or
+    linear_int8."""
+    if kind == "bf16" and level == "amx":
+        lib = library_at(rev, "linear_bf16.c", BASE_FLAGS, tmp)
+        lib.linear_bf16_init.restype = ctypes.c_int
+        if not lib.linear_bf16_init():
+            raise SystemExit("the OS refuses the AMX tile state")
+        fn = lib.linear_bf16
+        fn.restype, fn.argtypes = None, [_P] * 5 + [ctypes.c_int] * 4
+        return fn
     lib = library_at(rev, "linear_vec.c", [*VECTOR_FLAGS, *isa_flags(level)], tmp)
     fn = getattr(lib, "linear_int8" if kind == "int8" else "linear_bf16_vec")
     fn.restype, fn.argtypes = None, [_P] * 5 + [ctypes.c_int] * 4
@@ -83,8 +94,6 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=OUT / "linear_baseline.json")
     args = ap.parse_args()
     level = linear_isa(args.kind)
-    if level == "amx":
-        raise SystemExit("the bf16 linears here are AMX tiles: run with KVSERVE_CPU_ISA set")
     now = linear_kernel(args.kind)
     if now is None:
         raise SystemExit("kvserve's vector linears are not built on this CPU")
@@ -99,7 +108,8 @@ def main() -> None:
     rows_out = []
     with tempfile.TemporaryDirectory() as tmp:
         base = build_at(args.baseline, level, Path(tmp), args.kind)
-        print(f"linear_vec.c at {level}, {args.kind}, threads {torch.get_num_threads()}: "
+        source = "linear_bf16.c" if args.kind == "bf16" and level == "amx" else "linear_vec.c"
+        print(f"{source} at {level}, {args.kind}, threads {torch.get_num_threads()}: "
               f"this tree against {args.baseline}")  # fmt: skip
         print(f"{'rows':>5} {'part':>6} {'now ms':>9} {'baseline ms':>12} {'now/baseline':>13}")
         for m in args.rows:

@@ -110,6 +110,30 @@ static void amx_1x4(const uint16_t *x, const uint16_t *w, const float *bias, uin
     HAND_OVER(e, n, rows, NB, bias, out, gate, AMX_STORE_1X4(acc));
 }
 
+/* Up to 16 rows of x against half a block (w, bias, out and gate at its first feature):
+ * the 1x4 kernel's first two tiles, for a half block at the edge of a thread's share.
+ * Each feature's dot products are the ones the 1x4 and 2x2 kernels issue for it. */
+static void amx_1x2(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
+                    const uint16_t *gate, int rows, int n, int k, epilogue *e) {
+    amx_zero_c();
+    for (int kk = 0; kk < k; kk += KSTEP) {
+        const uint16_t *b = w + (long)(kk / 2) * (2 * NB);
+        for (int off = 0; off < KSTEP / 2 * NB * 4; off += 256) {  /* its half of each row */
+            _mm_prefetch((const char *)b + PREFETCH_AHEAD + off, _MM_HINT_T0);
+            _mm_prefetch((const char *)b + PREFETCH_AHEAD + off + 64, _MM_HINT_T0);
+        }
+        _tile_loadd(4, x + kk, k * 2);
+        _tile_loadd(5, b, 256);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, (const char *)b + 64, 256);
+        _tile_dpbf16ps(1, 4, 6);
+    }
+    HAND_OVER(e, n, rows, 32, bias, out, gate, {
+        _tile_stored(0, acc, 128);
+        _tile_stored(1, acc + 16, 128);
+    });
+}
+
 /* 32 rows of x against 32 features (half of a block): tmm0-3 C (2 x 2), tmm4-5 A,
  * tmm6-7 B. Each B tile serves two A tiles and each A tile two B tiles. */
 static void amx_2x2(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
@@ -125,22 +149,23 @@ static void amx_2x2(const uint16_t *x, const uint16_t *w, const float *bias, uin
     HAND_OVER(e, n, 32, 32, bias, out, gate, AMX_STORE_2X2(acc));
 }
 
-/* Rows m0..m1 of x against one 64-feature block; *configured tracks the tile shape.
- * Pairs of 16-row tiles go one half-block at a time, so the half-block's weights (32
- * features x K) stay in L1 while the rows pass; the last < 32 rows take the 1x4 path. */
+/* Rows m0..m1 of x against halves h0..h1 - 1 of one 64-feature block (both, or one at
+ * the edge of a thread's share); *configured tracks the tile shape. Pairs of 16-row
+ * tiles go one half-block at a time, so the half-block's weights (32 features x K) stay
+ * in L1 while the rows pass; the last < 32 rows take the 1x4 path (1x2 for one half). */
 static void amx_rows(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
-                     const uint16_t *gate, int m0, int m1, int n, int k, int *configured,
-                     epilogue *e) {
+                     const uint16_t *gate, int m0, int m1, int n, int k, int h0, int h1,
+                     int *configured, epilogue *e) {
     const int pairs_end = m0 + (m1 - m0) / 32 * 32;
     if (pairs_end > m0 && *configured != 16) amx_configure_linear(*configured = 16);
     /* The 2x2 kernel reads its half-blocks from cache: the next weight block is fetched
      * into L2 while this one computes, a share of it at each k step (one block ahead
      * measured 10-15% faster at 32-128 rows than none, two blocks slower). */
-    const int steps = (pairs_end - m0) / 32 * 2 * (k / KSTEP);
+    const int steps = (pairs_end - m0) / 32 * (h1 - h0) * (k / KSTEP);
     const long block_bytes = (long)k * NB * 2;
     const int pf_step = amx_prefetch_share(block_bytes, steps);
     const char *pf = (const char *)(w + (long)k * NB);
-    for (int half = 0; half < 2; ++half)
+    for (int half = h0; half < h1; ++half)
         for (int r = m0; r < pairs_end; r += 32) {
             amx_2x2(x + (long)r * k, w + half * 64, bias ? bias + half * 32 : 0,
                     out + (long)r * n + half * 32, gate ? gate + (long)r * n + half * 32 : 0, n,
@@ -150,17 +175,24 @@ static void amx_rows(const uint16_t *x, const uint16_t *w, const float *bias, ui
     for (int r = pairs_end; r < m1; r += 16) {
         const int rows = m1 - r < 16 ? m1 - r : 16;
         if (*configured != rows) amx_configure_linear(*configured = rows);
-        amx_1x4(x + (long)r * k, w, bias, out + (long)r * n, gate ? gate + (long)r * n : 0, rows,
-                n, k, e);
+        if (h1 - h0 == 2) {
+            amx_1x4(x + (long)r * k, w, bias, out + (long)r * n, gate ? gate + (long)r * n : 0,
+                    rows, n, k, e);
+        } else {
+            const int c0 = h0 * 32;  /* the half's first feature */
+            amx_1x2(x + (long)r * k, w + 2 * c0, bias ? bias + c0 : 0, out + (long)r * n + c0,
+                    gate ? gate + (long)r * n + c0 : 0, rows, n, k, e);
+        }
     }
 }
 
-/* Blocks [b0, b1) of one thread. Plain: block b -> columns b * NB of out (row stride n).
- * SwiGLU (w's blocks alternate gate, up): gate block 2i is rounded into scratch, then up
- * block 2i + 1 writes silu(gate) * up to columns i * NB of out (both row stride n / 2).
- * A thread's blocks come in whole pairs, so the gate is always stored first. */
+/* Half blocks [h0, h1) of one thread (2b and 2b + 1: block b's). Plain: block b ->
+ * columns b * NB of out (row stride n). SwiGLU (w's blocks alternate gate, up): gate
+ * block 2i is rounded into scratch, then up block 2i + 1 writes silu(gate) * up to
+ * columns i * NB of out (both row stride n / 2). A SwiGLU thread's blocks come in whole
+ * pairs, so the gate is always stored first. */
 static void run_blocks(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
-                       uint16_t *scratch, int m, int n, int k, int b0, int b1) {
+                       uint16_t *scratch, int m, int n, int k, int h0, int h1) {
     const long block_elems = (long)k * NB;
     const int stride = scratch ? n / 2 : n;
     int configured = 0;
@@ -169,7 +201,9 @@ static void run_blocks(const uint16_t *x, const uint16_t *w, const float *bias, 
     e.rows = 0;
     for (int m0 = 0; m0 < m; m0 += M_CHUNK) {
         const int m1 = m0 + M_CHUNK < m ? m0 + M_CHUNK : m;
-        for (int b = b0; b < b1; ++b) {
+        for (int h = h0; h < h1;) {
+            const int b = h / 2, first = h % 2, last = h % 2 || h + 2 > h1 ? first + 1 : 2;
+            h += last - first;
             uint16_t *dst = out + b * NB;
             const uint16_t *gate = 0;
             if (scratch) {
@@ -177,7 +211,7 @@ static void run_blocks(const uint16_t *x, const uint16_t *w, const float *bias, 
                 gate = b % 2 ? scratch + b / 2 * NB : 0;
             }
             amx_rows(x, w + b * block_elems, bias ? bias + b * NB : 0, dst, gate, m0, m1, stride,
-                     k, &configured, &e);
+                     k, first, last, &configured, &e);
         }
     }
     flush(&e, stride);
@@ -190,8 +224,11 @@ static void run_blocks(const uint16_t *x, const uint16_t *w, const float *bias, 
  * rounded gate waiting in scratch. */
 void linear_bf16(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
                  uint16_t *scratch, int m, int n, int k, int nthreads) {
-    const int unit = scratch ? 2 : 1;  /* blocks that must stay on one thread */
-    const int units = n / NB / unit;
+    /* Threads share half blocks: 9 blocks on two threads are 4.5 each, not 5 against 4
+     * (the layers' linears 4-6% faster, benchmarks/RESULTS.md, round fifteen). A
+     * SwiGLU's gate/up pairs stay whole on one thread. */
+    const int unit = scratch ? 4 : 1;  /* half blocks that stay together */
+    const int units = n / NB * 2 / unit;
     if (nthreads > units) nthreads = units;
 #pragma omp parallel num_threads(nthreads)
     {

@@ -96,7 +96,8 @@ def test_vector_code_gives_the_bits_of_its_reference(
 
 
 @pytest.mark.parametrize("int8", [False, True], ids=["bf16", "int8"])
-@pytest.mark.parametrize("n", [512, 576])  # 576: 9 blocks, two threads share one by passes
+# 576: 9 blocks, two threads share one: by passes in vector code, by halves in AMX tiles
+@pytest.mark.parametrize("n", [512, 576])
 @pytest.mark.parametrize("k", [96, 128])  # 128: AMX int8 takes the batches, VNNI one row
 def test_a_row_gives_the_same_bits_alone_in_any_batch_and_thread_count(
     isa: str, int8: bool, n: int, k: int
@@ -110,8 +111,12 @@ def test_a_row_gives_the_same_bits_alone_in_any_batch_and_thread_count(
         assert torch.equal(run(x[lo:hi], w, bias, int8), full[lo:hi])
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        assert torch.equal(run(x, w, bias, int8), full)
+        # shares of whole blocks, split at their edges by passes or (AMX) half blocks
+        for n_threads in (1, 3):
+            torch.set_num_threads(n_threads)
+            assert torch.equal(run(x, w, bias, int8), full)
+            for lo, hi in ((0, 1), (17, 19)):
+                assert torch.equal(run(x[lo:hi], w, bias, int8), full[lo:hi])
     finally:
         torch.set_num_threads(threads)
 
