@@ -225,8 +225,8 @@ static void run_blocks(const uint16_t *x, const uint16_t *w, const float *bias, 
 void linear_bf16(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
                  uint16_t *scratch, int m, int n, int k, int nthreads) {
     /* Threads share half blocks: 9 blocks on two threads are 4.5 each, not 5 against 4
-     * (the layers' linears 4-6% faster, benchmarks/RESULTS.md, round fifteen). A
-     * SwiGLU's gate/up pairs stay whole on one thread. */
+     * (the layers' linears 1-2% faster at one row, 4-8% from 256 rows; benchmarks/
+     * RESULTS.md, round fifteen). A SwiGLU's gate/up pairs stay whole on one thread. */
     const int unit = scratch ? 4 : 1;  /* half blocks that stay together */
     const int units = n / NB * 2 / unit;
     if (nthreads > units) nthreads = units;
