@@ -1,7 +1,7 @@
 /* Fused elementwise kernels for the CPU: each replaces several PyTorch ops (and their
  * per-op dispatch) with one pass over memory. float32 and bfloat16 (uint16 bits)
  * variants; math is done in float32 and rounded once (round-to-nearest-even) on store.
- * Built and loaded by model/kernels/__init__.py. (SwiGLU's silu(gate) * up is fused into
+ * Built and loaded by model/kernels/fused.py. (SwiGLU's silu(gate) * up is fused into
  * the bf16 tile linear instead; a separate pass here measured slower than PyTorch's.)
  */
 #include "kvserve.h"

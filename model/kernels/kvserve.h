@@ -1,6 +1,6 @@
 /* Every entry point of kvserve's C kernels and the argument structs they share: the one
  * declaration of each. Each kernel source includes this file, so the compiler checks its
- * definitions against it; model/kernels/__init__.py and model/stack.py mirror it with
+ * definitions against it; model/kernels/build.py and model/stack.py mirror it with
  * ctypes, and tests/model/test_kernel_header.py checks those mirrors against it (the
  * prototypes' arguments, and the structs' sizes and offsets as the compiler lays them out).
  * The kernel build hashes this header with each source, so a change here rebuilds them. */

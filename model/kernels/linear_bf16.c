@@ -13,7 +13,7 @@
  * kernel, model/kernels/paged_attention.c, gives the same promise for its part).
  * A SwiGLU's gate and up projections can run as one weight whose blocks alternate gate,
  * up (linear_bf16 with a scratch buffer): the up block's epilogue stores silu(gate) * up.
- * Built and loaded by model/kernels/__init__.py.
+ * Built and loaded by model/kernels/linear.py.
  */
 #include "kvserve.h"
 #include "common.h"
@@ -220,7 +220,7 @@ static void run_blocks(const uint16_t *x, const uint16_t *w, const float *bias, 
 
 /* out = x @ W^T + bias, (m, n). With scratch (m, n/2) bf16, W is a SwiGLU's gate and up
  * projections as one weight whose 64-feature blocks alternate gate, up (swiglu_layout in
- * model/kernels/__init__.py): out (m, n/2) = silu(x @ Wg^T + bg) * (x @ Wu^T + bu), the
+ * model/kernels/linear.py): out (m, n/2) = silu(x @ Wg^T + bg) * (x @ Wu^T + bu), the
  * rounded gate waiting in scratch. */
 void linear_bf16(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
                  uint16_t *scratch, int m, int n, int k, int nthreads) {

@@ -2,7 +2,7 @@
  * out (M, N) = x (M, K) @ W^T + bias, bf16 in and out, float32 accumulation, one
  * round-to-nearest-even rounding on store.
  *
- * Built once per instruction set (model/kernels/__init__.py passes -m flags for the level
+ * Built once per instruction set (model/kernels/linear.py passes -m flags for the level
  * model/device.py picks), from the same source:
  *   avx512-bf16  vdpbf16ps for bf16 (pairs of k per 32-bit lane), vpdpbusd for int8
  *   avx512f      bf16 -> float32 (a shift) and FMA; int8 by vpmaddubsw / vpmaddwd
@@ -17,7 +17,7 @@
  *
  * int8 weights (--quantization int8) are per-output-feature symmetric, in (N/64, K/4,
  * 64, 4) with the N float32 scales and N int32 compensations after them (int8_pack in
- * model/kernels/__init__.py). Each call quantizes its rows of x to int8, symmetric per
+ * model/kernels/linear.py). Each call quantizes its rows of x to int8, symmetric per
  * row; the dot products are exact int32 sums on every level, then
  * y = float(sum) * (row scale * feature scale) + bias.
  *

@@ -3,8 +3,9 @@
  * pool (no gather), online softmax, GQA by sharing each K/V head across its group of query
  * heads. A row's result is computed the same way whatever rows share the call (a decode
  * alone, beside other decodes, or one token of a prefill chunk), so outputs do not depend
- * on how requests are batched or chunked. Built and loaded by model/kernels/__init__.py, once per
- * (HEAD_DIM, BLOCK_SIZE, GROUP): constant sizes keep every accumulator in a register.
+ * on how requests are batched or chunked. Built and loaded by model/kernels/attention.py,
+ * once per (HEAD_DIM, BLOCK_SIZE, GROUP): constant sizes keep every accumulator in a
+ * register.
  *
  * Cache layouts (one layer), P = 1 for float32 and 2 for bfloat16 (a 32-bit lane):
  *   k: (num_blocks, KV, HEAD_DIM / P, BLOCK_SIZE, P)  channel-major: one vector FMA adds

@@ -9,7 +9,7 @@
  *
  * The kernels live in their own libraries (the attention one is built per head size), so
  * they come in as function pointers. Each keeps its own OpenMP parallel regions. Built and
- * loaded by model/kernels/__init__.py; model/stack.py fills in the arguments.
+ * loaded by model/kernels/stack.py; model/stack.py fills in the arguments.
  */
 #include <stddef.h>
 
