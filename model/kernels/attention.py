@@ -18,6 +18,8 @@ ATTENTION_FLAGS = [*BASE_FLAGS, "-ffast-math"]
 
 
 def attention_library(head_dim: int, block_size: int, group: int) -> ctypes.CDLL | None:
+    """paged_attention.c built for this shape at this CPU's level; None where it cannot
+    be built (no compiler, KVSERVE_DISABLE_KERNELS)."""
     return _library_at(head_dim, block_size, group, cpu_isa())
 
 

@@ -25,6 +25,7 @@ _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 def fused_library() -> ctypes.CDLL | None:
+    """fused.c built at this CPU's level; None where it cannot be built."""
     return _fused_at(cpu_isa())
 
 
