@@ -149,7 +149,7 @@ def measure(systems: list[str], args: argparse.Namespace, slots: int) -> dict[st
             log = Path(args.out).with_suffix(f".{system}.{slots}.log")
             servers[system] = (
                 start(
-                    command(system, args.peers, port, slots, threads, args.llama_args.split()),
+                    command(system, args.peers, port, slots, threads, shlex.split(args.llama_args)),
                     url,
                     log,
                 ),

@@ -1,8 +1,9 @@
 """kvserve's linears against the same source at another commit, both built at this CPU's
 level (or KVSERVE_CPU_ISA's) and loaded into one process, their calls alternating: the
 vector code (model/kernels/linear_vec.c), or at the amx level the bf16 tiles
-(linear_bf16.c; int8 is linear_vec.c's amx build there too), a change to the kernel measured without the drift
-between two runs minutes apart that this kind of machine shows (benchmarks/RESULTS.md).
+(linear_bf16.c; int8 is linear_vec.c's amx build there too). A change to the kernel
+measured without the drift between two runs minutes apart that this kind of machine
+shows (benchmarks/RESULTS.md).
 
 The weights are those of the 180M Llama-3-style checkpoint cpu_peers.py serves (30 layers
 of qkv 960x576, o 576x576, gate|up 3072x576 as one SwiGLU pass, down 576x1536; the head
@@ -30,7 +31,7 @@ import torch
 
 from benchmarks.kernel_at import alternate, library_at
 from model.device import isa_flags
-from model.kernels.build import BASE_FLAGS
+from model.kernels.build import BASE_FLAGS, bind
 from model.kernels.linear import (
     VECTOR_FLAGS,
     int8_pack,
@@ -43,7 +44,6 @@ from model.kernels.linear import (
 OUT = Path(__file__).parent / "out"
 LAYER = [(960, 576, False), (576, 576, False), (3072, 576, True), (576, 1536, False)]
 HEAD = (128256, 576, False)
-_P = ctypes.c_void_p
 
 
 def build_at(rev: str, level: str, tmp: Path, kind: str) -> ctypes._CFuncPtr:
@@ -52,16 +52,14 @@ def build_at(rev: str, level: str, tmp: Path, kind: str) -> ctypes._CFuncPtr:
     linear_int8."""
     if kind == "bf16" and level == "amx":
         lib = library_at(rev, "linear_bf16.c", BASE_FLAGS, tmp)
-        lib.linear_bf16_init.restype = ctypes.c_int
+        bind(lib, "linear_bf16_init", "linear_bf16")
         if not lib.linear_bf16_init():
             raise SystemExit("the OS refuses the AMX tile state")
-        fn = lib.linear_bf16
-        fn.restype, fn.argtypes = None, [_P] * 5 + [ctypes.c_int] * 4
-        return fn
+        return lib.linear_bf16
     lib = library_at(rev, "linear_vec.c", [*VECTOR_FLAGS, *isa_flags(level)], tmp)
-    fn = getattr(lib, "linear_int8" if kind == "int8" else "linear_bf16_vec")
-    fn.restype, fn.argtypes = None, [_P] * 5 + [ctypes.c_int] * 4
-    return fn
+    name = "linear_int8" if kind == "int8" else "linear_bf16_vec"
+    bind(lib, name)
+    return getattr(lib, name)
 
 
 def passes(fn: ctypes._CFuncPtr, weights: list, shapes: list, m: int) -> Callable[[], None]:
