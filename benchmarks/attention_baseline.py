@@ -1,10 +1,11 @@
 """kvserve's paged attention (model/kernels/paged_attention.c) against the same source at
 another commit: both built from their own files (with the headers beside them) at this
-CPU's vector level, or KVSERVE_CPU_ISA's, for the 180M Llama-3-style checkpoint's heads
+CPU's level, or KVSERVE_CPU_ISA's (the tile kernel at amx, else the vector one; the
+bf16 kernel paged_attention runs there), for the 180M Llama-3-style checkpoint's heads
 (9 query heads over 3 K/V heads of 64 channels, a bf16 cache of 16-token blocks), loaded
 into one process, their calls alternating (benchmarks/kernel_at.py).
 
-  decode   --rows query rows of --context tokens each, scattered blocks, one cache per
+  decode   --rows query rows of each --context's tokens, scattered blocks, one cache per
            layer (--layers): the K/V come from memory, as in a decode step
   prefill  one prompt of each --prefill length, every token a query row over the tokens
            up to it, --layers calls on one cache (a prefill step's attention)
@@ -28,20 +29,22 @@ import torch
 from benchmarks.kernel_at import alternate, library_at
 from model.device import isa_flags
 from model.kernels.attention import ATTENTION_FLAGS, attention_isa
-from model.kernels.build import PROTOTYPES
+from model.kernels.build import bind
 
 OUT = Path(__file__).parent / "out"
 KV, GROUP, D, BLOCK = 3, 3, 64, 16
 
 
 def build(rev: str | None, level: str, tmp: Path) -> ctypes._CFuncPtr:
-    """paged_attention_bf16 (the vector kernel of `level`) from this tree (rev None) or
-    from commit `rev`."""
+    """The bf16 kernel of `level` (paged_attention_amx at amx, else paged_attention_bf16)
+    from this tree (rev None) or from commit `rev`."""
     shape = [f"-DHEAD_DIM={D}", f"-DBLOCK_SIZE={BLOCK}", f"-DGROUP={GROUP}"]
-    flags = [*ATTENTION_FLAGS, *isa_flags(level), *shape]
-    fn = library_at(rev, "paged_attention.c", flags, tmp).paged_attention_bf16
-    fn.restype, fn.argtypes = PROTOTYPES["paged_attention_bf16"]
-    return fn
+    lib = library_at(rev, "paged_attention.c", [*ATTENTION_FLAGS, *isa_flags(level), *shape], tmp)
+    name = "paged_attention_amx" if level == "amx" else "paged_attention_bf16"
+    bind(lib, name, "paged_attention_amx_init")
+    if level == "amx" and not lib.paged_attention_amx_init():
+        raise SystemExit("the OS does not grant this process the AMX tile state")
+    return getattr(lib, name)
 
 
 def workload(
@@ -98,18 +101,16 @@ def main() -> None:
     )
     ap.add_argument("--baseline", required=True, help="the commit to compare with")
     ap.add_argument("--rows", type=int, nargs="*", default=[1, 16], help="decode rows")
-    ap.add_argument("--context", type=int, default=192)
+    ap.add_argument("--context", type=int, nargs="+", default=[192])
     ap.add_argument("--prefill", type=int, nargs="*", default=[512, 2040], help="prompts")
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--json", type=Path, default=OUT / "attention_baseline.json")
     args = ap.parse_args()
     level = attention_isa(D, BLOCK, GROUP, torch.bfloat16)
-    if level == "amx":
-        raise SystemExit("the bf16 attention here is AMX tiles: run with KVSERVE_CPU_ISA set")
     torch.manual_seed(0)
-    cases = [(f"decode {r} x {args.context}", decode(r, args.context, args.layers))
-             for r in args.rows]  # fmt: skip
+    cases = [(f"decode {r} x {c}", decode(r, c, args.layers))
+             for c in args.context for r in args.rows]  # fmt: skip
     cases += [(f"prefill {n}", prefill(n, args.layers)) for n in args.prefill]
     runs = []
     with tempfile.TemporaryDirectory() as tmp:

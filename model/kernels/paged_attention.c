@@ -145,11 +145,12 @@ static inline float hsum(const vblk *v, int pieces) {
 }
 
 /* Blocks are scattered: while block j of a sequence's `table` is read, the one after next
- * is fetched into L2 (on the first block, the next too); fetching the next into L1 in one
- * burst measured slower (benchmarks/RESULTS.md). `bytes`: one block of one K/V head. */
+ * is fetched into L2 (on a pass's first block, the next too); fetching the next into L1
+ * in one burst measured slower (benchmarks/RESULTS.md). `bytes`: one block of one K/V
+ * head; the pass reads blocks first .. nblk - 1. */
 static inline void prefetch_ahead(const void *k, const void *v, const int64_t *table, int j,
-                                  int nblk, int KV, int kvh, int64_t bytes) {
-    for (int a = j ? 2 : 1; a <= 2 && j + a < nblk; ++a) {
+                                  int first, int nblk, int KV, int kvh, int64_t bytes) {
+    for (int a = j == first ? 1 : 2; a <= 2 && j + a < nblk; ++a) {
         const int64_t at = (table[j + a] * KV + kvh) * bytes;
         for (int64_t off = 0; off < bytes; off += 64) {
             __builtin_prefetch((const char *)k + at + off, 0, 2);
@@ -195,6 +196,192 @@ static inline __m512 exp_masked(__m512 x, __mmask16 keep) {
  * RESULTS.md, round eleven). Every row steps from its first block, so a row's arithmetic
  * is the same in any batch. */
 #define STEP_BLOCKS 4
+
+static inline float f32_id(float f) { return f; }
+static inline float bf16_load(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+static inline uint16_t bf16_store(float f) {  /* round to nearest even (no NaN here) */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* ---- Long rows in parts ---------------------------------------------------------------
+ * A row's keys are taken PART_KEYS at a time from its first key: each part runs its own
+ * online softmax to a partial (its running max, sum and unnormalized output), and a row
+ * of more than one part combines its partials in part order (merge_parts). A row of one
+ * part writes its output straight from its softmax as it always has. Where the parts fall
+ * is a function of the row's own length, and so is the arithmetic, so a row's bits do not
+ * depend on the batch (and merge_parts is one out-of-line function, the same code for
+ * every caller).
+ *
+ * Who runs the parts is the call's choice, which the bits do not see. Where the call's
+ * tasks (a run of rows over a K/V head) are too few to share evenly among the threads
+ * (one long decode is as many as its K/V heads: 3 tasks on 2 threads split 2:1), each
+ * part of a run is a task of its own ("spread"), its partials in one buffer for the call
+ * and combined once every task has run. Else a task runs all the parts of its run in
+ * turn, its partials in a buffer of its own, and combines them at its end (a long
+ * prompt's chunk: nothing written beyond the cache). Spreading tasks that already shared
+ * evenly measured slower (benchmarks/RESULTS.md, round sixteen). */
+#define PART_KEYS 512
+#define PART_BLOCKS (PART_KEYS / BS)
+#if PART_BLOCKS < 1 || PART_BLOCKS % STEP_BLOCKS || PART_BLOCKS % 2
+#error "PART_KEYS must be a multiple of STEP_BLOCKS blocks and of two blocks"
+#endif
+#define PARTIAL (D + 2)                        /* floats in a partial: m, l, D outputs */
+#define SPREAD_BYTES ((int64_t)16 << 20)       /* the most a call's partials may take */
+
+static inline int parts_of(int64_t len) { return (int)((len + PART_KEYS - 1) / PART_KEYS); }
+
+typedef struct {
+    int *starts, runs;   /* row runs (row_runs) */
+    int spread, units;   /* units: tasks per K/V head (runs, or every run's parts) */
+    int *first_unit;     /* spread: run i's parts are units first_unit[i] .. [i + 1] - 1 */
+    int *unit_run;       /* spread: each unit's run */
+    int64_t *slot;       /* spread: each row's first partial; -1 for a row of one part */
+    float *partial;      /* spread: slot x H x PARTIAL */
+} split_plan;
+
+/* The runs of R rows and who runs their parts, for KV heads on nthreads threads. */
+static inline void split_plan_init(split_plan *sp, const int64_t *row_seq, const int64_t *lens,
+                                   int R, int rows_per_task, int KV, int nthreads) {
+    memset(sp, 0, sizeof *sp);
+    sp->starts = malloc(((size_t)R + 1) * sizeof *sp->starts);
+    sp->runs = sp->units = row_runs(row_seq, R, rows_per_task, sp->starts);
+    int64_t units = 0, slots = 0;
+    for (int r = 0; r < R; ++r) slots += parts_of(lens[r]) > 1 ? parts_of(lens[r]) : 0;
+    for (int i = 0; i < sp->runs; ++i) units += parts_of(lens[sp->starts[i + 1] - 1]);
+    const int tasks = sp->runs * KV;
+    if (units == sp->runs || tasks >= 4 * nthreads || tasks % nthreads == 0 ||
+        slots * KV * G * PARTIAL * (int64_t)sizeof(float) > SPREAD_BYTES)
+        return;  /* every task runs its run's parts */
+    sp->spread = 1, sp->units = (int)units;
+    sp->first_unit = malloc(((size_t)sp->runs + 1) * sizeof *sp->first_unit);
+    sp->unit_run = malloc((size_t)units * sizeof *sp->unit_run);
+    sp->slot = malloc((size_t)R * sizeof *sp->slot);
+    sp->partial = malloc((size_t)slots * KV * G * PARTIAL * sizeof(float));
+    for (int i = 0, u = 0; i < sp->runs; ++i) {
+        sp->first_unit[i] = u;
+        for (int p = parts_of(lens[sp->starts[i + 1] - 1]); p; --p) sp->unit_run[u++] = i;
+    }
+    sp->first_unit[sp->runs] = (int)units;
+    for (int r = 0, s = 0; r < R; ++r) {
+        sp->slot[r] = parts_of(lens[r]) > 1 ? s : -1;
+        s += parts_of(lens[r]) > 1 ? parts_of(lens[r]) : 0;
+    }
+}
+
+static inline void split_plan_free(split_plan *sp) {
+    free(sp->starts), free(sp->first_unit), free(sp->unit_run), free(sp->slot), free(sp->partial);
+}
+
+/* Unit u's run and parts p0 .. p1 - 1 (the last row of a run has the most). */
+typedef struct {
+    int run, r0, nr, p0, p1;
+} unit_parts;
+
+static inline unit_parts unit_of(const split_plan *sp, const int64_t *lens, int u) {
+    unit_parts w;
+    w.run = sp->spread ? sp->unit_run[u] : u;
+    w.r0 = sp->starts[w.run], w.nr = sp->starts[w.run + 1] - w.r0;
+    w.p0 = sp->spread ? u - sp->first_unit[w.run] : 0;
+    w.p1 = sp->spread ? w.p0 + 1 : parts_of(lens[w.r0 + w.nr - 1]);
+    return w;
+}
+
+/* A task's partials: part p of row i (of the run) over head h of its K/V head's group at
+ * partial_of(...) + h * PARTIAL; the call's buffer when spread, else the task's own. */
+typedef struct {
+    float *own;        /* the task's: (row, part, head) */
+    int parts;         /* the task's parts (own) */
+    int H;
+} partials;
+
+static inline float *partial_of(const split_plan *sp, const partials *pt, int r0, int i,
+                                int part, int kvh) {
+    if (sp->spread)
+        return sp->partial + ((sp->slot[r0 + i] + part) * pt->H + kvh * G) * (int64_t)PARTIAL;
+    return pt->own + ((int64_t)i * pt->parts + part) * G * PARTIAL;
+}
+
+/* The task's own buffer for unit w (NULL where spread or no row has two parts). */
+static inline float *own_partials(const split_plan *sp, const unit_parts *w) {
+    if (sp->spread || w->p1 == 1) return NULL;
+    return malloc((size_t)w->nr * w->p1 * G * PARTIAL * sizeof(float));
+}
+
+/* A part's weight in its row's output. Out of line, so that no loop over parts becomes
+ * vector code: glibc's vector expf need not give the scalar one's bits, and which one a
+ * loop got could depend on the number of parts. */
+static __attribute__((noinline)) float part_weight(float m, float top) { return expf(m - top); }
+
+/* One row and head's output from its `parts` partials (part p at first + p * stride) into
+ * out[0 .. D - 1] (bfloat16 when out_bf16, else float32). Out of line: the same code, so
+ * the same bits, wherever the parts ran. */
+static __attribute__((noinline)) void merge_parts(const float *first, int parts,
+                                                  int64_t stride, void *out, int out_bf16) {
+    float top = -1e30f, l = 0.f, w[parts];
+    for (int p = 0; p < parts; ++p) top = fmaxf(top, first[p * stride]);
+    for (int p = 0; p < parts; ++p) {  /* the weights first: no call in the loop below */
+        const float m = first[p * stride];
+        w[p] = m == top ? 1.f : part_weight(m, top);  /* exp(0) = 1 */
+        l += first[p * stride + 1] * w[p];
+    }
+    vch o[D / DV];
+    for (int c = 0; c < D / DV; ++c) o[c] = (vch){0};
+    for (int p = 0; p < parts; ++p)
+        for (int c = 0; c < D / DV; ++c) {
+            vch x;
+            memcpy(&x, first + p * stride + 2 + c * DV, sizeof x);
+            o[c] += x * w[p];
+        }
+    const float inv = 1.f / l;
+    float r[D];
+    for (int c = 0; c < D / DV; ++c) {
+        const vch x = o[c] * inv;
+        memcpy(r + c * DV, &x, sizeof x);
+    }
+    for (int d = 0; d < D; ++d) {
+        if (out_bf16)
+            ((uint16_t *)out)[d] = bf16_store(r[d]);
+        else
+            ((float *)out)[d] = r[d];
+    }
+}
+
+/* A task's end: its rows of more than one part, over its K/V head's group, from its own
+ * buffer into `out` ((R, H, D), element size esize). */
+static inline void merge_own(const split_plan *sp, const partials *pt, const unit_parts *w,
+                             const int64_t *lens, int kvh, char *out, int esize) {
+    if (!pt->own) return;
+    for (int i = 0; i < w->nr; ++i) {
+        const int parts = parts_of(lens[w->r0 + i]);
+        if (parts == 1) continue;
+        for (int g = 0; g < G; ++g)
+            merge_parts(partial_of(sp, pt, w->r0, i, 0, kvh) + g * PARTIAL, parts,
+                        G * PARTIAL,
+                        out + ((int64_t)(w->r0 + i) * pt->H + kvh * G + g) * D * esize,
+                        esize == 2);
+    }
+}
+
+/* After every task of a spread call: each row of more than one part, head by head. */
+static void merge_spread(const split_plan *sp, const int64_t *lens, int R, int H, char *out,
+                         int esize, int nthreads) {
+    if (!sp->spread) return;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int t = 0; t < R * H; ++t) {
+        const int r = t / H, h = t % H, parts = parts_of(lens[r]);
+        if (parts > 1)
+            merge_parts(sp->partial + (sp->slot[r] * H + h) * (int64_t)PARTIAL, parts,
+                        (int64_t)H * PARTIAL, out + ((int64_t)r * H + h) * D * esize,
+                        esize == 2);
+    }
+}
 
 /* The blocks of a step a row sees, `rest` keys of it from the step's first block on:
  * returns how many (1 .. STEP_BLOCKS); n[b] the keys of block b it sees. */
@@ -250,26 +437,45 @@ typedef struct {  /* one query row's online softmax over one K/V head's group */
     float qs[G][D], m[G], l[G];  /* qs: q times the scale */
     vch acc[G][D / DV];
     int64_t len;  /* keys the row sees */
+    int dirty;    /* keys taken since the last partial */
 } vec_row;
+
+/* A part's end: the row's partial for each head of the group at dest + g * PARTIAL, and a
+ * fresh softmax for the next part. */
+static inline void vec_row_flush(vec_row *r, float *dest) {
+    for (int g = 0; g < G; ++g) {
+        float *pa = dest + g * PARTIAL;
+        pa[0] = r->m[g], pa[1] = r->l[g];
+        memcpy(pa + 2, r->acc[g], D * sizeof(float));
+        for (int c = 0; c < D / DV; ++c) r->acc[g][c] = (vch){0};
+        r->m[g] = -1e30f, r->l[g] = 0.f;
+    }
+    r->dirty = 0;
+}
 
 #define DEFINE_KERNEL(NAME, QT, QLOAD, QSTORE, T, KEYS, VALS)                             \
 void NAME(const QT *q, const T *k, const T *v, const int64_t *tables,                     \
           const int64_t *row_seq, const int64_t *lens, QT *out, int R, int q_stride,      \
           int KV, int max_blocks, float scale, const float *alibi, int nthreads) {        \
-    int *first = malloc(((size_t)R + 1) * sizeof *first);                                 \
-    const int tasks = row_runs(row_seq, R, ROWS_PER_TASK, first);                         \
+    const int H = KV * G;                                                                 \
+    split_plan sp;                                                                        \
+    split_plan_init(&sp, row_seq, lens, R, ROWS_PER_TASK, KV, nthreads);                  \
     _Pragma("omp parallel for schedule(dynamic, 1) num_threads(nthreads)")                \
-    for (int task = 0; task < tasks * KV; ++task) {                                       \
-        const int r0 = first[task / KV], nr = first[task / KV + 1] - r0, kvh = task % KV; \
-        const int H = KV * G;                                                             \
+    for (int task = 0; task < sp.units * KV; ++task) {                                    \
+        const int kvh = task % KV;                                                        \
+        const unit_parts w = unit_of(&sp, lens, task / KV);                               \
+        const int r0 = w.r0, nr = w.nr, first = w.p0 * PART_BLOCKS;                       \
+        const partials pt = {own_partials(&sp, &w), w.p1, H};                             \
         const int64_t seq = row_seq ? row_seq[r0] : r0;                                   \
         vec_row rows[ROWS_PER_TASK];                                                      \
         int nblk = 0;                                                                     \
         for (int i = 0; i < nr; ++i) {                                                    \
             vec_row *r = &rows[i];                                                        \
             r->len = lens[r0 + i];                                                        \
-            const int nb = (int)((r->len + BS - 1) / BS);                                 \
+            const int64_t end = (int64_t)w.p1 * PART_KEYS;                                \
+            const int nb = (int)(((r->len < end ? r->len : end) + BS - 1) / BS);          \
             nblk = nb > nblk ? nb : nblk;                                                 \
+            r->dirty = 0;                                                                 \
             for (int g = 0; g < G; ++g) {                                                 \
                 const QT *qh = q + (int64_t)(r0 + i) * q_stride + (kvh * G + g) * D;      \
                 for (int d = 0; d < D; ++d) r->qs[g][d] = QLOAD(qh[d]) * scale;           \
@@ -278,19 +484,28 @@ void NAME(const QT *q, const T *k, const T *v, const int64_t *tables,           
                 r->l[g] = 0.f;                                                            \
             }                                                                             \
         }                                                                                 \
-        for (int j = 0; j < nblk; j += STEP_BLOCKS) {  /* a softmax step */              \
+        for (int j = first; j < nblk; j += STEP_BLOCKS) {  /* a softmax step */          \
+            const int part = j / PART_BLOCKS;                                             \
+            const int64_t part_end = (int64_t)(part + 1) * PART_KEYS;                     \
+            if (j > first && j % PART_BLOCKS == 0)  /* part - 1 ends */                   \
+                for (int i = 0; i < nr; ++i)                                              \
+                    if (rows[i].dirty)                                                    \
+                        vec_row_flush(&rows[i],                                           \
+                                      partial_of(&sp, &pt, r0, i, part - 1, kvh));        \
             const T *kbs[STEP_BLOCKS], *vbs[STEP_BLOCKS];                                 \
             for (int b = 0; b < STEP_BLOCKS && j + b < nblk; ++b) {                       \
                 const int64_t blk = tables[seq * max_blocks + j + b];                     \
                 kbs[b] = k + (blk * KV + kvh) * (int64_t)(D * BS);                        \
                 vbs[b] = v + (blk * KV + kvh) * (int64_t)(D * BS);                        \
-                prefetch_ahead(k, v, tables + seq * max_blocks, j + b, nblk, KV, kvh,    \
-                               (int64_t)(D * BS * sizeof(T)));                            \
+                prefetch_ahead(k, v, tables + seq * max_blocks, j + b, first, nblk, KV,   \
+                               kvh, (int64_t)(D * BS * sizeof(T)));                       \
             }                                                                             \
             for (int i = 0; i < nr; ++i) {                                                \
                 vec_row *r = &rows[i];                                                    \
-                const int64_t rest = r->len - (int64_t)j * BS;                            \
+                const int64_t end = r->len < part_end ? r->len : part_end;                \
+                const int64_t rest = end - (int64_t)j * BS;                               \
                 if (rest <= 0) continue;                                                  \
+                r->dirty = parts_of(r->len) > 1;                                          \
                 int ns[STEP_BLOCKS];                                                      \
                 const int nb = step_blocks(rest, ns);                                     \
                 vblk sc[G][STEP_BLOCKS * NP];                                             \
@@ -325,8 +540,11 @@ void NAME(const QT *q, const T *k, const T *v, const int64_t *tables,           
                     const float bmax = fmaxf(r->m[g], hmax(sc[g], nb * NP));              \
                     vblk e[STEP_BLOCKS * NP];                                             \
                     for (int x = 0; x < nb * NP; ++x) e[x] = vexp(sc[g][x] - bmax);       \
-                    /* the max unchanged: exp(0) = 1 without the call */                  \
-                    const float corr = bmax == r->m[g] ? 1.f : expf(r->m[g] - bmax);      \
+                    /* the max unchanged: exp(0) = 1 without the call; a part's first     \
+                     * step: exp(-1e30 - max) = 0 without it (the same bits as expf's) */ \
+                    const float corr = bmax == r->m[g]  ? 1.f                             \
+                                       : r->m[g] == -1e30f ? 0.f                          \
+                                                          : expf(r->m[g] - bmax);         \
                     r->l[g] = r->l[g] * corr + hsum(e, nb * NP);                          \
                     r->m[g] = bmax;                                                       \
                     for (int b = 0; b < nb; ++b) memcpy(pb[b][g], &e[b * NP], BS * 4);    \
@@ -340,8 +558,15 @@ void NAME(const QT *q, const T *k, const T *v, const int64_t *tables,           
                 }                                                                         \
             }                                                                             \
         }                                                                                 \
-        for (int i = 0; i < nr; ++i)                                                      \
-            for (int g = 0; g < G; ++g) {                                                 \
+        for (int i = 0; i < nr; ++i) {                                                    \
+            const int parts = parts_of(rows[i].len);                                      \
+            if (rows[i].dirty) {  /* the row's last part here */                         \
+                const int last = (parts < w.p1 ? parts : w.p1) - 1;                       \
+                vec_row_flush(&rows[i], partial_of(&sp, &pt, r0, i, last, kvh));          \
+                continue;                                                                 \
+            }                                                                             \
+            if (parts > 1 || w.p0) continue;  /* parts: merged below */                   \
+            for (int g = 0; g < G; ++g) {  /* a row of one part */                        \
                 QT *o = out + ((int64_t)(r0 + i) * H + kvh * G + g) * D;                  \
                 const float inv = 1.f / rows[i].l[g];                                     \
                 for (int c = 0; c < D / DV; ++c) {                                        \
@@ -351,21 +576,12 @@ void NAME(const QT *q, const T *k, const T *v, const int64_t *tables,           
                     for (int x = 0; x < DV; ++x) o[c * DV + x] = QSTORE(r[x]);            \
                 }                                                                         \
             }                                                                             \
+        }                                                                                 \
+        merge_own(&sp, &pt, &w, lens, kvh, (char *)out, sizeof(QT));                      \
+        free(pt.own);                                                                     \
     }                                                                                     \
-    free(first);                                                                          \
-}
-
-static inline float f32_id(float f) { return f; }
-static inline float bf16_load(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-static inline uint16_t bf16_store(float f) {  /* round to nearest even (no NaN here) */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    merge_spread(&sp, lens, R, H, (char *)out, sizeof(QT), nthreads);                     \
+    split_plan_free(&sp);                                                                 \
 }
 
 DEFINE_KERNEL(paged_attention_f32, float, f32_id, f32_id, float, keys2_f32, vals2_f32)
@@ -392,7 +608,22 @@ typedef struct {  /* one query row's online softmax over one K/V head's group */
     __m512 acc[G][D / 16];
     float m[G], l[G];
     int64_t len;  /* keys the row sees */
+    int dirty;    /* keys taken since the last partial */
 } bf16_row;
+
+/* A part's end: as vec_row_flush. */
+static inline void bf16_row_flush(bf16_row *r, float *dest) {
+    for (int g = 0; g < G; ++g) {
+        float *pa = dest + g * PARTIAL;
+        pa[0] = r->m[g], pa[1] = r->l[g];
+        for (int c = 0; c < D / 16; ++c) {
+            _mm512_storeu_ps(pa + 2 + c * 16, r->acc[g][c]);
+            r->acc[g][c] = _mm512_setzero_ps();
+        }
+        r->m[g] = -1e30f, r->l[g] = 0.f;
+    }
+    r->dirty = 0;
+}
 
 /* The row's q.k scores of nb blocks (1 or 2, a constant at each call: q's broadcasts
  * serve both), scaled. Two where both blocks' partial sums stay in registers (at most 32
@@ -462,7 +693,8 @@ static inline __attribute__((always_inline)) void bf16_row_blocks(
             r->l[g] += sum;
             continue;
         }
-        const float corr = expf(r->m[g] - bmax);
+        /* a part's first step: exp(-1e30 - max) = 0 without the call (expf's bits too) */
+        const float corr = r->m[g] == -1e30f ? 0.f : expf(r->m[g] - bmax);
         r->l[g] = r->l[g] * corr + sum;
         r->m[g] = bmax;
         for (int c = 0; c < D / 16; ++c)
@@ -490,21 +722,27 @@ void paged_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *
                           uint16_t *out, int R, int q_stride, int KV, int max_blocks,
                           float scale, const float *alibi, int nthreads) {
     const __m512 lane = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    /* tasks: a K/V head of up to ROWS_PER_TASK consecutive rows of one sequence */
-    int *first = malloc(((size_t)R + 1) * sizeof *first);
-    const int tasks = row_runs(row_seq, R, ROWS_PER_TASK, first);
+    const int H = KV * G;
+    /* tasks: a K/V head of up to ROWS_PER_TASK consecutive rows of one sequence, all their
+     * parts or one (split_plan) */
+    split_plan sp;
+    split_plan_init(&sp, row_seq, lens, R, ROWS_PER_TASK, KV, nthreads);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-    for (int task = 0; task < tasks * KV; ++task) {
-        const int r0 = first[task / KV], nr = first[task / KV + 1] - r0, kvh = task % KV;
-        const int H = KV * G;
+    for (int task = 0; task < sp.units * KV; ++task) {
+        const int kvh = task % KV;
+        const unit_parts w = unit_of(&sp, lens, task / KV);
+        const int r0 = w.r0, nr = w.nr, first = w.p0 * PART_BLOCKS;
+        const partials pt = {own_partials(&sp, &w), w.p1, H};
         const int64_t seq = row_seq ? row_seq[r0] : r0;
         bf16_row rows[ROWS_PER_TASK];
         int nblk = 0;
         for (int i = 0; i < nr; ++i) {
             bf16_row *r = &rows[i];
             r->len = lens[r0 + i];
-            const int nb = (int)((r->len + BS - 1) / BS);
+            const int64_t end = (int64_t)w.p1 * PART_KEYS;
+            const int nb = (int)(((r->len < end ? r->len : end) + BS - 1) / BS);
             nblk = nb > nblk ? nb : nblk;
+            r->dirty = 0;
             for (int g = 0; g < G; ++g) {
                 memcpy(r->qp[g], q + (int64_t)(r0 + i) * q_stride + (kvh * G + g) * D, D * 2);
                 for (int c = 0; c < D / 16; ++c) r->acc[g][c] = _mm512_setzero_ps();
@@ -512,17 +750,26 @@ void paged_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *
                 r->l[g] = 0.f;
             }
         }
-        for (int j = 0; j < nblk; j += STEP_BLOCKS) {  /* a softmax step: STEP_BLOCKS blocks */
+        for (int j = first; j < nblk; j += STEP_BLOCKS) {  /* a softmax step */
+            const int part = j / PART_BLOCKS;
+            const int64_t part_end = (int64_t)(part + 1) * PART_KEYS;
+            if (j > first && j % PART_BLOCKS == 0)  /* part - 1 ends */
+                for (int i = 0; i < nr; ++i)
+                    if (rows[i].dirty)
+                        bf16_row_flush(&rows[i], partial_of(&sp, &pt, r0, i, part - 1, kvh));
             const uint16_t *kb[STEP_BLOCKS], *vb[STEP_BLOCKS];
             for (int b = 0; b < STEP_BLOCKS && j + b < nblk; ++b) {
                 const int64_t blk = tables[seq * max_blocks + j + b];
                 kb[b] = k + (blk * KV + kvh) * (int64_t)(D * BS);
                 vb[b] = v + (blk * KV + kvh) * (int64_t)(D * BS);
-                prefetch_ahead(k, v, tables + seq * max_blocks, j + b, nblk, KV, kvh, D * BS * 2);
+                prefetch_ahead(k, v, tables + seq * max_blocks, j + b, first, nblk, KV, kvh,
+                               D * BS * 2);
             }
             for (int i = 0; i < nr; ++i) {
-                const int64_t rest = rows[i].len - (int64_t)j * BS;
+                const int64_t end = rows[i].len < part_end ? rows[i].len : part_end;
+                const int64_t rest = end - (int64_t)j * BS;
                 if (rest <= 0) continue;
+                rows[i].dirty = parts_of(rows[i].len) > 1;
                 int n[STEP_BLOCKS];
                 const int nb = step_blocks(rest, n);
                 __m512 sc[STEP_BLOCKS][G];
@@ -537,8 +784,15 @@ void paged_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *
                 bf16_row_blocks(&rows[i], sc, vb, j, nb, n, alibi, kvh, lane);
             }
         }
-        for (int i = 0; i < nr; ++i)
-            for (int g = 0; g < G; ++g) {
+        for (int i = 0; i < nr; ++i) {
+            const int parts = parts_of(rows[i].len);
+            if (rows[i].dirty) {  /* the row's last part here */
+                const int last = (parts < w.p1 ? parts : w.p1) - 1;
+                bf16_row_flush(&rows[i], partial_of(&sp, &pt, r0, i, last, kvh));
+                continue;
+            }
+            if (parts > 1 || w.p0) continue;  /* parts: merged below */
+            for (int g = 0; g < G; ++g) {  /* a row of one part */
                 uint16_t *o = out + ((int64_t)(r0 + i) * H + kvh * G + g) * D;
                 const __m512 inv = _mm512_set1_ps(1.f / rows[i].l[g]);
                 for (int c = 0; c < D / 16; ++c) {
@@ -546,8 +800,12 @@ void paged_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *
                     _mm256_storeu_si256((__m256i *)(o + c * 16), (__m256i)r);
                 }
             }
+        }
+        merge_own(&sp, &pt, &w, lens, kvh, (char *)out, 2);
+        free(pt.own);
     }
-    free(first);
+    merge_spread(&sp, lens, R, H, (char *)out, 2, nthreads);
+    split_plan_free(&sp);
 }
 #else
 /* bf16 queries and output (as the decoder stack's buffers hold them): float32 inside */
@@ -674,19 +932,20 @@ static inline void prefetch_block(const uint16_t *k, const uint16_t *v, int64_t 
     }
 }
 
-/* The blocks of one pass over a K/V head: its sequence's block table and block count
- * (0 where no pass follows). */
+/* The blocks of one pass over a K/V head: its sequence's block table and the pass's
+ * blocks first .. end - 1 (none where no pass follows). */
 typedef struct {
     const int64_t *table;
-    int nblk, kvh;
+    int first, end, kvh;
 } pass_blocks;
 
 static void attend_group(const uint16_t *q, int q_stride, const uint16_t *k, const uint16_t *v,
                          const pass_blocks *cur, const int64_t *lens, uint16_t *out, int r0,
                          int ntok, int kvh, int KV, float scale, const float *alibi,
-                         const pass_blocks *next) {
+                         const pass_blocks *next, const split_plan *sp, const partials *pt,
+                         int part) {
     group_state st;
-    const int H = KV * G, nr = ntok * G, nblk = cur->nblk;
+    const int H = KV * G, nr = ntok * G, nblk = cur->end;
     const int64_t *table = cur->table;
     memset(st.o, 0, sizeof(float) * D * nr);
     for (int i = 0; i < 16; ++i) {
@@ -696,15 +955,15 @@ static void attend_group(const uint16_t *q, int q_stride, const uint16_t *k, con
         memcpy(st.q + i * D, q + row * q_stride + (kvh * G + i % G) * D, D * 2);
         st.pos[i] = lens[row] - 1;
     }
-    for (int j = 0; j < nblk; j += 2) {  /* a step is blocks j and j + 1 (when it exists) */
+    for (int j = cur->first; j < nblk; j += 2) {  /* a step: blocks j and j + 1 (if any) */
         const int two = j + 1 < nblk;
         const int64_t off0 = (table[j] * KV + kvh) * (int64_t)(D * BS);
         const int64_t off1 = two ? (table[j + 1] * KV + kvh) * (int64_t)(D * BS) : 0;
         for (int n = j + 2; n < j + 4; ++n)  /* scattered blocks: fetch ahead */
             if (n < nblk)
                 prefetch_block(k, v, table[n], KV, kvh);
-            else if (n - nblk < next->nblk)  /* into the thread's next pass */
-                prefetch_block(k, v, next->table[n - nblk], KV, next->kvh);
+            else if (next->first + n - nblk < next->end)  /* the thread's next pass */
+                prefetch_block(k, v, next->table[next->first + n - nblk], KV, next->kvh);
         _tile_zero(0);
         _tile_zero(6);
         for (int c = 0; c < D; c += 32) {
@@ -739,6 +998,14 @@ static void attend_group(const uint16_t *q, int q_stride, const uint16_t *k, con
         }
     }
     for (int i = 0; i < nr; ++i) {
+        const int parts = parts_of(st.pos[i] + 1);
+        if (part >= parts) continue;  /* the row ends before this part */
+        if (parts > 1) {  /* a partial, combined by merge_parts */
+            float *pa = partial_of(sp, pt, r0, i / G, part, kvh) + i % G * PARTIAL;
+            pa[0] = st.m[i], pa[1] = st.l[i];
+            memcpy(pa + 2, st.o + i * D, D * sizeof(float));
+            continue;
+        }
         const __m512 inv = _mm512_set1_ps(1.f / st.l[i]);
         uint16_t *dst = out + ((r0 + i / G) * (int64_t)H + kvh * G + i % G) * D;
         for (int c = 0; c < D; c += 16)
@@ -748,14 +1015,22 @@ static void attend_group(const uint16_t *q, int q_stride, const uint16_t *k, con
     }
 }
 
-/* The blocks of task `task` (a group of rows x `per_group` runs of heads), first head. */
-static pass_blocks task_blocks(const int *starts, int task, int per_group, int per_task,
-                               const int64_t *tables, const int64_t *row_seq,
-                               const int64_t *lens, int max_blocks) {
-    const int r = starts[task / per_group + 1] - 1;  /* the group's last row sees the most */
-    pass_blocks p = {tables + (row_seq ? row_seq[r] : r) * max_blocks,
-                     (int)((lens[r] - 1) / BS) + 1, task % per_group * per_task};
+/* Part `part` of a pass over K/V head kvh of a sequence of nblk blocks. */
+static inline pass_blocks pass_of(const int64_t *table, int nblk, int part, int kvh) {
+    const int first = part * PART_BLOCKS;
+    pass_blocks p = {table, first, nblk < first + PART_BLOCKS ? nblk : first + PART_BLOCKS, kvh};
     return p;
+}
+
+/* The first pass of task `task` (a unit, a group of rows and its parts, x `per_group`
+ * runs of heads): its first part over its first head. */
+static pass_blocks task_pass(const split_plan *sp, const int64_t *lens, int task, int per_group,
+                             int per_task, const int64_t *tables, const int64_t *row_seq,
+                             int max_blocks) {
+    const unit_parts w = unit_of(sp, lens, task / per_group);
+    const int r = w.r0 + w.nr - 1;  /* the group's last row sees the most */
+    return pass_of(tables + (row_seq ? row_seq[r] : r) * max_blocks,
+                   (int)((lens[r] - 1) / BS) + 1, w.p0, task % per_group * per_task);
 }
 
 /* q, out: (R, KV * G, D) bfloat16 (q's rows q_stride apart); the rest as for
@@ -764,13 +1039,14 @@ void paged_attention_amx(const uint16_t *q, const uint16_t *k, const uint16_t *v
                          const int64_t *tables, const int64_t *row_seq, const int64_t *lens,
                          uint16_t *out, int R, int q_stride, int KV, int max_blocks, float scale,
                          const float *alibi, int nthreads) {
-    int *starts = malloc(sizeof(int) * (R + 1));
-    const int ng = row_runs(row_seq, R, TOK, starts);
-    /* A task is a group of rows over all K/V heads in turn where there are groups enough
-     * to keep the threads busy (the heads of a block are adjacent in the pool: measured
-     * faster than spreading a group's heads over the threads), else over one head. */
-    const int per_task = ng >= 4 * nthreads ? KV : 1, per_group = KV / per_task;
-    const int ntasks = ng * per_group;
+    split_plan sp;
+    split_plan_init(&sp, row_seq, lens, R, TOK, KV, nthreads);
+    /* A task is a unit (a group of rows, all its parts or one: split_plan) over all K/V
+     * heads in turn where there are units enough to keep the threads busy (the heads of a
+     * block are adjacent in the pool: measured faster than spreading a group's heads over
+     * the threads), else over one head. */
+    const int per_task = sp.units >= 4 * nthreads ? KV : 1, per_group = KV / per_task;
+    const int ntasks = sp.units * per_group;
     int claimed = 0;  /* tasks handed out so far */
 #pragma omp parallel num_threads(nthreads)
     {
@@ -780,26 +1056,37 @@ void paged_attention_amx(const uint16_t *q, const uint16_t *k, const uint16_t *v
         int task = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
         while (task < ntasks) {
             const int next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
-            const int grp = task / per_group, r0 = starts[grp], nr = (starts[grp + 1] - r0) * G;
-            if (nr != rows) configure_attention(rows = nr);
-            const pass_blocks cur = task_blocks(starts, task, per_group, per_task, tables,
-                                                row_seq, lens, max_blocks);
-            const pass_blocks after = next < ntasks ? task_blocks(starts, next, per_group,
-                                                                  per_task, tables, row_seq,
-                                                                  lens, max_blocks)
-                                                    : (pass_blocks){NULL, 0, 0};
+            const unit_parts w = unit_of(&sp, lens, task / per_group);
+            if (w.nr * G != rows) configure_attention(rows = w.nr * G);
+            const partials pt = {own_partials(&sp, &w), w.p1, KV * G};
+            const pass_blocks cur = task_pass(&sp, lens, task, per_group, per_task, tables,
+                                              row_seq, max_blocks);
+            const int nblk = (int)((lens[w.r0 + w.nr - 1] - 1) / BS) + 1;
+            const pass_blocks after =
+                next < ntasks ? task_pass(&sp, lens, next, per_group, per_task, tables,
+                                          row_seq, max_blocks)
+                              : (pass_blocks){NULL, 0, 0, 0};
             for (int kvh = cur.kvh; kvh < cur.kvh + per_task; ++kvh) {
-                pass_blocks same = cur;  /* the group's next head */
-                same.kvh = kvh + 1;
-                attend_group(q, q_stride, k, v, &cur, lens, out, r0, starts[grp + 1] - r0, kvh,
-                             KV, scale, alibi,
-                             kvh + 1 < cur.kvh + per_task ? &same : &after);
+                for (int p = w.p0; p < w.p1; ++p) {
+                    const pass_blocks here = pass_of(cur.table, nblk, p, kvh);
+                    /* the pass after: the head's next part, the next head's first, or the
+                     * next task's */
+                    const pass_blocks then =
+                        p + 1 < w.p1                  ? pass_of(cur.table, nblk, p + 1, kvh)
+                        : kvh + 1 < cur.kvh + per_task ? pass_of(cur.table, nblk, w.p0, kvh + 1)
+                                                       : after;
+                    attend_group(q, q_stride, k, v, &here, lens, out, w.r0, w.nr, kvh, KV,
+                                 scale, alibi, &then, &sp, &pt, p);
+                }
+                merge_own(&sp, &pt, &w, lens, kvh, (char *)out, 2);
             }
+            free(pt.own);
             task = next;
         }
         if (rows) _tile_release();
     }
-    free(starts);
+    merge_spread(&sp, lens, R, KV * G, (char *)out, 2, nthreads);
+    split_plan_free(&sp);
 }
 
 #else

@@ -21,7 +21,10 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def random_cache(heads, kv_heads, d, bs, dtype, nb=64):
+POOL = 256  # blocks: the long batches' 1,101 keys fit at 8-token blocks (138)
+
+
+def random_cache(heads, kv_heads, d, bs, dtype, nb=POOL):
     """A one-layer PagedKVCache filled with random K/V through its own layout, and the
     same K (nb, KV, BS, D) and V (nb, KV, BS, D) token-major for the reference."""
     cfg = ModelConfig(
@@ -61,12 +64,27 @@ def reference(q, k_ref, v_ref, tables, row_seq, lens, scale, slopes):
     return torch.stack(outs)
 
 
-# (rows of sequence 0, 1, 2 as (cached, new)): decodes, prefill chunks, a mix
+# (rows of sequence 0, 1, 2 as (cached, new)): decodes, prefill chunks, a mix, rows
+# longer than the kernels' 512-key parts (a chunk across the first part's end, rows of
+# exactly 512 and 513 keys, a row of three parts), and one long decode (with an odd
+# number of K/V heads, fewer tasks than two threads share evenly: its parts spread)
 BATCHES = {
     "decodes": [(0, 1), (15, 1), (16, 1), (76, 1), (111, 1)],
     "prefills": [(0, 37), (16, 20), (3, 1)],
     "mixed": [(40, 1), (0, 9), (70, 41), (17, 1)],
+    "long": [(1100, 1), (506, 12), (0, 1), (511, 2), (700, 9)],
+    "long decode": [(1100, 1)],
 }
+
+
+@pytest.fixture(autouse=True)
+def two_threads():
+    """The kernels share tasks among torch's threads: two, on any machine, so that the
+    tests see the calls that spread a long row's parts (split_plan in the C source)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
 
 
 def rows_of(batch):
@@ -93,7 +111,7 @@ def test_kernel_matches_torch(isa, dtype, heads, kv_heads, d, bs, alibi, batch) 
     assert paged_attention_supported(k_cache, heads, kv_heads, d)
     row_seq, lens = rows_of(BATCHES[batch])
     width = -(-int(lens.max()) // bs)  # each sequence's blocks, drawn independently
-    tables = torch.stack([torch.randperm(64)[:width] for _ in BATCHES[batch]])
+    tables = torch.stack([torch.randperm(POOL)[:width] for _ in BATCHES[batch]])
     q = torch.randn(len(lens), heads, d).to(dtype)
     slopes = alibi_slopes(heads) if alibi else None
     got = paged_attention(q, k_cache, v_cache, tables, lens, d**-0.5, slopes, row_seq)
@@ -117,7 +135,7 @@ def test_peaked_scores_match_torch(isa, dtype, peak) -> None:
     k_cache, v_cache, k_ref, v_ref = random_cache(heads, kv_heads, d, bs, dtype)
     row_seq, lens = rows_of(BATCHES["mixed"])
     width = -(-int(lens.max()) // bs)
-    tables = torch.stack([torch.randperm(64)[:width] for _ in BATCHES["mixed"]])
+    tables = torch.stack([torch.randperm(POOL)[:width] for _ in BATCHES["mixed"]])
     q = (torch.randn(len(lens), heads, d) * peak).to(dtype)
     got = paged_attention(q, k_cache, v_cache, tables, lens, d**-0.5, None, row_seq)
     want = reference(q, k_ref, v_ref, tables, row_seq, lens, d**-0.5, None)
@@ -128,14 +146,32 @@ def test_peaked_scores_match_torch(isa, dtype, peak) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_a_row_of_many_parts_gets_the_same_bits_spread_or_not(isa, dtype) -> None:
+    """A decode of 9,000 keys (18 of the kernels' 512-key parts): alone, its parts are
+    tasks of their own, spread over the threads; beside another sequence's decode, one
+    task runs them all. The same bits both ways, and torch's attention."""
+    heads, kv_heads, d, bs = 9, 3, 64, 16
+    torch.manual_seed(2)
+    k_cache, v_cache, k_ref, v_ref = random_cache(heads, kv_heads, d, bs, dtype, nb=600)
+    tables = torch.stack([torch.randperm(600)[:563] for _ in range(2)])
+    q = torch.randn(2, heads, d).to(dtype)
+    alone = paged_attention(q[:1], k_cache, v_cache, tables[:1], torch.tensor([9000]), 0.125)
+    lens = torch.tensor([9000, 300])
+    both = paged_attention(q, k_cache, v_cache, tables, lens, 0.125, None, torch.tensor([0, 1]))
+    assert torch.equal(both[:1], alone)
+    want = reference(q, k_ref, v_ref, tables, torch.tensor([0, 1]), lens, 0.125, None)
+    assert (both.float() - want).abs().max().item() < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_a_row_gets_the_same_bits_however_it_is_batched(isa, dtype) -> None:
     """A query row's result depends on the row alone: the same bits as a decode on its
     own, as one token of a prefill chunk, and beside other sequences' rows."""
     heads, kv_heads, d, bs = 9, 3, 64, 16
     torch.manual_seed(1)
     k_cache, v_cache, _, _ = random_cache(heads, kv_heads, d, bs, dtype)
-    tables = torch.randperm(64)[:16].view(2, 8)
-    q = torch.randn(120, heads, d).to(dtype)  # query of sequence 0 at each position
+    tables = torch.randperm(POOL)[:80].view(2, 40)
+    q = torch.randn(600, heads, d).to(dtype)  # query of sequence 0 at each position
 
     other = torch.randn(7, heads, d).to(dtype)  # rows of sequence 1
 
@@ -162,11 +198,14 @@ def test_a_row_gets_the_same_bits_however_it_is_batched(isa, dtype) -> None:
                 torch.tensor([p + 1]),
                 0.125,
             )
-            for p in range(120)
+            for p in range(600)
         ]
     )
     got, start = [], 0
-    for n in (37, 1, 50, 32):  # chunks of sequence 0, each batched with sequence 1
+    # chunks of sequence 0, each batched with sequence 1; one across the first 512-key
+    # part's end, and a decode of two parts (alone, its parts are spread over the threads;
+    # beside sequence 1, each task runs all its parts)
+    for n in (37, 1, 50, 32, 130, 1, 49, 250, 1, 49):
         mine = (0, start, q[start : start + n])
         if n == 1:
             got.append(run([mine, (1, 90, other[:1])])[:1])
