@@ -45,6 +45,9 @@ from model.device import cpu_flags, cpu_isa, native_isa
 from model.hardware import matmul_throughput, memory_bandwidth
 from model.weights import load_config
 from service import bench
+from service.bench_cli import wait_healthy
+from service.bench_report import cpu_model
+from service.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "llama-cl100k-135m"
@@ -54,7 +57,7 @@ FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "am
 def start(cmd: list[str], url: str, log: Path) -> subprocess.Popen:
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
-    bench.wait_healthy(proc, url, 600, f"{shlex.join(cmd)} (log: {log})")
+    wait_healthy(proc, url, 600, f"{shlex.join(cmd)} (log: {log})")
     return proc
 
 
@@ -144,7 +147,7 @@ def measure(systems: list[str], args: argparse.Namespace, slots: int) -> dict[st
     servers: dict[str, tuple[subprocess.Popen, str]] = {}
     try:
         for system in systems:
-            port = bench.free_port()
+            port = free_port()
             url = f"http://127.0.0.1:{port}"
             log = Path(args.out).with_suffix(f".{system}.{slots}.log")
             servers[system] = (
@@ -226,7 +229,7 @@ def main() -> None:
         systems = args.systems.split(",")
     flags = sorted(f for f in FLAGS if f in cpu_flags())
     header = {
-        "cpu": bench.cpu_model(),
+        "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "flags": flags,
         "kvserve_isa": cpu_isa(),

@@ -33,6 +33,7 @@ from model.audit import count_params, weight_bytes
 from model.hardware import matmul_throughput
 from model.loader import load
 from service import bench
+from service.bench_cli import spawn
 from service.config import Settings
 from service.engine.engine import LLMEngine
 
@@ -127,7 +128,7 @@ def http_vs_offline(path, engine, args, n, vocab) -> dict:
     reqs = bench.workload("fixed", n, args.prompt_len, args.output_len, vocab, 7)
     offline = run_batch(engine, [p for p, _ in reqs], args.output_len)["output_tok_s"]
     serve = f"--model {shlex.quote(str(path))} --dtype bfloat16 --max-num-seqs {args.concurrency}"
-    proc, url = bench.spawn(serve)
+    proc, url = spawn(serve)
     try:
         with bench.event_loop() as runner:
             runner.run(

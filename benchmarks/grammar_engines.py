@@ -33,7 +33,7 @@ import tiktoken
 import torch
 
 from model.tokenizer import DEFAULT_ENCODING
-from service.bench import cpu_model, write_report
+from service.bench_report import cpu_model, write_report
 from tests.api.json_schemas import SCHEMAS
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from service.bench import cpu_model, write_report
+from service.bench_report import cpu_model, write_report
 from service.engine.request import Request, SamplingParams
 from service.engine.sampler import Sampler
 

@@ -24,6 +24,8 @@ import tempfile
 from pathlib import Path
 
 from service import bench
+from service.bench_cli import wait_healthy
+from service.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,7 +84,7 @@ def run(args: argparse.Namespace, model: str, trees: dict[str, Path]) -> dict[st
     procs, urls = {}, {}
     try:
         for side, tree in trees.items():
-            port = bench.free_port()
+            port = free_port()
             cmd = [
                 sys.executable, "-m", "service.cli", "serve", "--model", model,
                 "--dtype", args.dtype, "--port", str(port),
@@ -93,7 +95,7 @@ def run(args: argparse.Namespace, model: str, trees: dict[str, Path]) -> dict[st
                 cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
             )
             urls[side] = f"http://127.0.0.1:{port}"
-            bench.wait_healthy(procs[side], urls[side], 600, f"kvserve at {side}")
+            wait_healthy(procs[side], urls[side], 600, f"kvserve at {side}")
         n = args.concurrency
         reqs = bench.workload(
             "fixed", (n + 1) * 2 * (args.rounds + 1), args.prompt_len, args.output_len, 100256, 0

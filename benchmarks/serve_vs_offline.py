@@ -29,6 +29,7 @@ from offline_throughput import OUT, checkpoint, run_batch
 from model.device import pick_device, pick_dtype
 from model.loader import load
 from service import bench
+from service.bench_cli import spawn
 from service.config import Settings
 from service.engine.engine import LLMEngine
 
@@ -62,7 +63,7 @@ def main() -> None:
     )
     if args.mixed_prefill_tokens is not None:
         serve_args += f" --mixed-prefill-tokens {args.mixed_prefill_tokens}"
-    proc, url = bench.spawn(serve_args)
+    proc, url = spawn(serve_args)
     try:
         device = pick_device("auto")
         loaded = load(path, pick_dtype(args.dtype, device), device)

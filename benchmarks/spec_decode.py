@@ -33,7 +33,7 @@ import torch
 from model.demo import init_weights
 from model.loader import load
 from model.transformer import Transformer
-from service.bench import cpu_model, write_report
+from service.bench_report import cpu_model, write_report
 from service.config import Settings
 from service.engine.engine import LLMEngine
 from service.engine.request import SamplingParams

@@ -24,7 +24,8 @@ from typing import Any
 
 import httpx
 
-from service.bench import cpu_model, spawn, write_report
+from service.bench_cli import spawn
+from service.bench_report import cpu_model, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "List some words:"

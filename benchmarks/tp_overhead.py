@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from service.bench import cpu_model
+from service.bench_report import cpu_model
 from service.launch import rendezvous
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -204,13 +204,13 @@ def main(argv: list[str] | None = None) -> int:
     dl.add_argument("--revision", default=None)
     dl.add_argument("--download-dir", default=None, help="default: HF_HOME's cache")
     dl.set_defaults(func=_cmd_download)
-    from service import bench
+    from service import bench_cli
 
     bn = sub.add_parser(
-        "bench", help="serving benchmark against a running server (see service/bench.py)"
+        "bench", help="serving benchmark against a running server (see service/bench_cli.py)"
     )
-    bench.add_arguments(bn)
-    bn.set_defaults(func=bench.run_cli)
+    bench_cli.add_arguments(bn)
+    bn.set_defaults(func=bench_cli.run_cli)
     args = parser.parse_args(argv)
     try:
         with torch.inference_mode():

@@ -7,7 +7,8 @@ import httpx
 import pytest
 
 from service import bench
-from service.bench import SSEData, main, run, workload
+from service.bench import SSEData, run, workload
+from service.bench_cli import main
 from tests.live_server import Server
 
 
