@@ -1,7 +1,13 @@
 """`kvserve bench` (and benchmarks/serve_bench.py): the serving benchmark against a
-running server, or one it starts (--spawn), over a sweep of concurrencies or at a request
-rate; prints a table, writes JSON and can plot the sweep. The client is service/bench.py,
-the report service/bench_report.py.
+running kvserve (or any OpenAI-style server), or one it starts (--spawn).
+
+Workloads: fixed lengths of random token-id prompts, or a synthetic chat-like mix of
+lengths. Closed loop at each of a sweep of concurrencies, or open loop at a Poisson
+request rate; bounded in request count and time. Each run reports request throughput,
+output and total tokens/s, TTFT, inter-token latency, time per output token and
+end-to-end latency (mean, p50, p90, p99) and errors; results go to JSON, and a sweep over
+concurrency can be plotted (matplotlib, optional). The client is service/bench.py, the
+report service/bench_report.py.
 """
 
 from __future__ import annotations
