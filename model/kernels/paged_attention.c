@@ -932,11 +932,12 @@ static inline void prefetch_block(const uint16_t *k, const uint16_t *v, int64_t 
     }
 }
 
-/* The blocks of one pass over a K/V head: its sequence's block table and the pass's
- * blocks first .. end - 1 (none where no pass follows). */
+/* The blocks of one pass over a K/V head: its sequence's block table, the pass's blocks
+ * first .. end - 1 (none where no pass follows) and the blocks of the group's passes in
+ * all (its last row's). */
 typedef struct {
     const int64_t *table;
-    int first, end, kvh;
+    int first, end, blocks, kvh;
 } pass_blocks;
 
 static void attend_group(const uint16_t *q, int q_stride, const uint16_t *k, const uint16_t *v,
@@ -1018,7 +1019,8 @@ static void attend_group(const uint16_t *q, int q_stride, const uint16_t *k, con
 /* Part `part` of a pass over K/V head kvh of a sequence of nblk blocks. */
 static inline pass_blocks pass_of(const int64_t *table, int nblk, int part, int kvh) {
     const int first = part * PART_BLOCKS;
-    pass_blocks p = {table, first, nblk < first + PART_BLOCKS ? nblk : first + PART_BLOCKS, kvh};
+    pass_blocks p = {table, first, nblk < first + PART_BLOCKS ? nblk : first + PART_BLOCKS,
+                     nblk, kvh};
     return p;
 }
 
@@ -1061,20 +1063,20 @@ void paged_attention_amx(const uint16_t *q, const uint16_t *k, const uint16_t *v
             const partials pt = {own_partials(&sp, &w), w.p1, KV * G};
             const pass_blocks cur = task_pass(&sp, lens, task, per_group, per_task, tables,
                                               row_seq, max_blocks);
-            const int nblk = (int)((lens[w.r0 + w.nr - 1] - 1) / BS) + 1;
             const pass_blocks after =
                 next < ntasks ? task_pass(&sp, lens, next, per_group, per_task, tables,
                                           row_seq, max_blocks)
-                              : (pass_blocks){NULL, 0, 0, 0};
+                              : (pass_blocks){NULL, 0, 0, 0, 0};
             for (int kvh = cur.kvh; kvh < cur.kvh + per_task; ++kvh) {
                 for (int p = w.p0; p < w.p1; ++p) {
-                    const pass_blocks here = pass_of(cur.table, nblk, p, kvh);
+                    const pass_blocks here = pass_of(cur.table, cur.blocks, p, kvh);
                     /* the pass after: the head's next part, the next head's first, or the
                      * next task's */
                     const pass_blocks then =
-                        p + 1 < w.p1                  ? pass_of(cur.table, nblk, p + 1, kvh)
-                        : kvh + 1 < cur.kvh + per_task ? pass_of(cur.table, nblk, w.p0, kvh + 1)
-                                                       : after;
+                        p + 1 < w.p1 ? pass_of(cur.table, cur.blocks, p + 1, kvh)
+                        : kvh + 1 < cur.kvh + per_task
+                            ? pass_of(cur.table, cur.blocks, w.p0, kvh + 1)
+                            : after;
                     attend_group(q, q_stride, k, v, &here, lens, out, w.r0, w.nr, kvh, KV,
                                  scale, alibi, &then, &sp, &pt, p);
                 }
