@@ -16,6 +16,14 @@
                              C(9.61849187e-3f)), f, C(5.55034131e-2f)), f,                 \
                    C(2.40226477e-1f)), f, C(6.93147182e-1f)), f, C(1.f))
 
+/* For a helper whose only effect is prefetching. GCC counts __builtin_prefetch as no
+ * side effect, so it can find such a function (its loops provably finite) `const` and
+ * delete the calls to it wherever it did not inline it first: linear_vec.c's k-step
+ * prefetch was compiled out that way at every level, with nothing to say so
+ * (benchmarks/RESULTS.md, round seventeen). Forced inline, the prefetches land in the
+ * caller; tests/model/test_kernel_build.py checks that each level's build has them. */
+#define PREFETCH_HELPER static inline __attribute__((always_inline)) void
+
 #if defined(__AMX_TILE__)
 #include <sys/syscall.h>
 #include <unistd.h>

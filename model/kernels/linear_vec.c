@@ -91,7 +91,7 @@ typedef __m256i vi;
 
 /* The weights PREFETCH bytes past a k step's into L1: one k step of either layout (two k
  * of bf16, four of int8) is 4 * NB bytes of a block. */
-static inline void prefetch_step(const void *wk) {
+PREFETCH_HELPER prefetch_step(const void *wk) {
     for (int off = 0; off < 4 * NB; off += 64)
         _mm_prefetch((const char *)wk + PREFETCH + off, _MM_HINT_T0);
 }

@@ -148,8 +148,8 @@ static inline float hsum(const vblk *v, int pieces) {
  * is fetched into L2 (on a pass's first block, the next too); fetching the next into L1
  * in one burst measured slower (benchmarks/RESULTS.md). `bytes`: one block of one K/V
  * head; the pass reads blocks first .. nblk - 1. */
-static inline void prefetch_ahead(const void *k, const void *v, const int64_t *table, int j,
-                                  int first, int nblk, int KV, int kvh, int64_t bytes) {
+PREFETCH_HELPER prefetch_ahead(const void *k, const void *v, const int64_t *table, int j,
+                                int first, int nblk, int KV, int kvh, int64_t bytes) {
     for (int a = j == first ? 1 : 2; a <= 2 && j + a < nblk; ++a) {
         const int64_t at = (table[j + a] * KV + kvh) * bytes;
         for (int64_t off = 0; off < bytes; off += 64) {
@@ -922,8 +922,8 @@ static void softmax_step(group_state *st, int nr, int64_t k0, int kvh, float sca
     st->active = active;
 }
 
-static inline void prefetch_block(const uint16_t *k, const uint16_t *v, int64_t blk, int KV,
-                                  int kvh) {
+PREFETCH_HELPER prefetch_block(const uint16_t *k, const uint16_t *v, int64_t blk, int KV,
+                                int kvh) {
     const char *pk = (const char *)(k + (blk * KV + kvh) * (int64_t)(D * BS));
     const char *pv = (const char *)(v + (blk * KV + kvh) * (int64_t)(D * BS));
     for (int off = 0; off < D * BS * 2; off += 64) {
