@@ -84,13 +84,18 @@ def cpu_identity() -> str:
     return "|".join(f"{k}={lines.get(k, '')}" for k in keys)
 
 
+def c_compiler() -> str | None:
+    """The C compiler the kernels are built with (cc, else gcc); None where there is none."""
+    return shutil.which("cc") or shutil.which("gcc")
+
+
 @functools.cache
 def build(source: str, flags: tuple[str, ...], tag: str) -> ctypes.CDLL | None:
     """Compile HERE/source with flags once per machine and CPU (cached by hash) and load
     it; a cached library that does not load is built again once."""
     if os.environ.get("KVSERVE_DISABLE_KERNELS"):
         return None
-    compiler = shutil.which("cc") or shutil.which("gcc")
+    compiler = c_compiler()
     if compiler is None:
         log.warning("no C compiler found: %s runs as torch ops", source)
         return None

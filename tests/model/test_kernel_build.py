@@ -14,7 +14,7 @@ import pytest
 
 from model.device import ISA_LEVELS, isa_flags
 from model.kernels.attention import ATTENTION_FLAGS
-from model.kernels.build import HERE
+from model.kernels.build import HERE, c_compiler
 from model.kernels.linear import VECTOR_FLAGS
 from tests.require import missing
 
@@ -34,7 +34,7 @@ def test_every_level_has_a_march() -> None:
 def functions(source: str, flags: list[str], level: str, tmp: Path) -> dict[str, list[str]]:
     """source compiled as the build compiles it at `level`, but for MARCH[level]: each
     function's instruction mnemonics."""
-    compiler = shutil.which("cc") or shutil.which("gcc")
+    compiler = c_compiler()
     if compiler is None:
         missing("cc", "no C compiler")
     if shutil.which("objdump") is None:
