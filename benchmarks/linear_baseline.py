@@ -46,11 +46,16 @@ LAYER = [(960, 576, False), (576, 576, False), (3072, 576, True), (576, 1536, Fa
 HEAD = (128256, 576, False)
 
 
+def source_of(kind: str, level: str) -> str:
+    """Where the `kind` linears at `level` are: linear_bf16.c's tiles for bf16 at amx, else
+    linear_vec.c."""
+    return "linear_bf16.c" if kind == "bf16" and level == "amx" else "linear_vec.c"
+
+
 def build_at(rev: str, level: str, tmp: Path, kind: str) -> ctypes._CFuncPtr:
-    """The `kind` linear as its source and headers were at `rev`, built for `level`:
-    linear_bf16.c's tiles for bf16 at amx, else linear_vec.c's linear_bf16_vec or
-    linear_int8."""
-    if kind == "bf16" and level == "amx":
+    """The `kind` linear as its source (source_of) and headers were at `rev`, built for
+    `level`: linear_bf16, or linear_vec.c's linear_bf16_vec or linear_int8."""
+    if source_of(kind, level) == "linear_bf16.c":
         lib = library_at(rev, "linear_bf16.c", BASE_FLAGS, tmp)
         bind(lib, "linear_bf16_init", "linear_bf16")
         if not lib.linear_bf16_init():
@@ -108,8 +113,7 @@ def main() -> None:
     rows_out = []
     with tempfile.TemporaryDirectory() as tmp:
         base = build_at(args.baseline, level, Path(tmp), args.kind)
-        source = "linear_bf16.c" if args.kind == "bf16" and level == "amx" else "linear_vec.c"
-        print(f"{source} at {level}, {args.kind}, threads {torch.get_num_threads()}: "
+        print(f"{source_of(args.kind, level)} at {level}, {args.kind}, threads {torch.get_num_threads()}: "
               f"this tree against {args.baseline}")  # fmt: skip
         print(f"{'rows':>5} {'part':>6} {'now ms':>9} {'baseline ms':>12} {'now/baseline':>13}")
         for m in args.rows:
