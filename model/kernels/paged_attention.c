@@ -236,6 +236,9 @@ static inline uint16_t bf16_store(float f) {  /* round to nearest even (no NaN h
 #define SPREAD_BYTES ((int64_t)16 << 20)       /* the most a call's partials may take */
 
 static inline int parts_of(int64_t len) { return (int)((len + PART_KEYS - 1) / PART_KEYS); }
+/* The partials a row of len keys leaves: one a part where it has more than one, else none
+ * (it writes its output straight). */
+static inline int partials_of(int64_t len) { return parts_of(len) > 1 ? parts_of(len) : 0; }
 
 typedef struct {
     int *starts, runs;   /* row runs (row_runs) */
@@ -253,7 +256,7 @@ static inline void split_plan_init(split_plan *sp, const int64_t *row_seq, const
     sp->starts = malloc(((size_t)R + 1) * sizeof *sp->starts);
     sp->runs = sp->units = row_runs(row_seq, R, rows_per_task, sp->starts);
     int64_t units = 0, slots = 0;
-    for (int r = 0; r < R; ++r) slots += parts_of(lens[r]) > 1 ? parts_of(lens[r]) : 0;
+    for (int r = 0; r < R; ++r) slots += partials_of(lens[r]);
     for (int i = 0; i < sp->runs; ++i) units += parts_of(lens[sp->starts[i + 1] - 1]);
     const int tasks = sp->runs * KV;
     if (units == sp->runs || tasks >= 4 * nthreads || tasks % nthreads == 0 ||
@@ -270,8 +273,8 @@ static inline void split_plan_init(split_plan *sp, const int64_t *row_seq, const
     }
     sp->first_unit[sp->runs] = (int)units;
     for (int r = 0, s = 0; r < R; ++r) {
-        sp->slot[r] = parts_of(lens[r]) > 1 ? s : -1;
-        s += parts_of(lens[r]) > 1 ? parts_of(lens[r]) : 0;
+        sp->slot[r] = partials_of(lens[r]) ? s : -1;
+        s += partials_of(lens[r]);
     }
 }
 
