@@ -837,23 +837,28 @@ DEFINE_KERNEL(paged_attention_bf16, uint16_t, bf16_load, bf16_store, uint16_t, k
 /* The AMX register state for this process (common.h). 1 when usable. */
 int paged_attention_amx_init(void) { return amx_request(); }
 
-#define SPAN (2 * BS)  /* keys per softmax step: blocks 2i and 2i + 1 */
+/* Blocks per softmax step (a part is whole steps: PART_BLOCKS is even). 4 made a
+ * 2,040-token prompt's attention 9% faster still, and decodes whose K/V come from memory
+ * 5-12% slower, whatever the prefetching tried (benchmarks/RESULTS.md, round eighteen). */
+#define STEP 2
+#define SPAN (STEP * BS)  /* keys per softmax step */
 
-/* tmm0, tmm6: scores of the two blocks (rows x 16 keys fp32); tmm1: 32 channels of q
- * (rows x 32 bf16); tmm2: 32 channels of K (16 channel pairs x 16 keys x 2); tmm3: p.v
- * (rows x 16 channels fp32); tmm4: 16 channels of V (8 key pairs x 16 x 2); tmm5, tmm7: p
- * of the two blocks (rows x 16 keys bf16). `rows`: the query rows of a task (up to 16).
- * Tile loads, stores and dot products cost by the row, so a decode task (GROUP rows)
- * runs its tiles at that height rather than 16 (measured faster: benchmarks/RESULTS.md);
- * each row's arithmetic is the same at any height. */
+/* tmm0, tmm1: the scores of the step's 2 blocks (rows x 16 keys fp32), and after them
+ * tmm0-3: 4 chunks of 16 channels of p.v (rows x 16 fp32), so that the tile unit overlaps
+ * their dot products and stores; tmm4: 32 channels of q (rows x 32 bf16); tmm5: 32
+ * channels of a block's K (16 channel pairs x 16 keys x 2); tmm6: p of one block (rows x
+ * 16 keys bf16); tmm7: 16 channels of a block's V (8 key pairs x 16 x 2). `rows`: the
+ * query rows of a task (up to 16). Tile loads, stores and dot products cost by the row,
+ * so a decode task (GROUP rows) runs its tiles at that height rather than 16 (measured
+ * faster: benchmarks/RESULTS.md); each row's arithmetic is the same at any height. */
 static void configure_attention(int rows) {
     tile_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int t = 0; t < 8; ++t) c.rows[t] = (uint8_t)rows, c.colsb[t] = 64;
-    c.rows[2] = 16;
-    c.rows[4] = BS / 2;
-    c.colsb[5] = c.colsb[7] = BS * 2;
+    c.rows[5] = 16;
+    c.rows[7] = BS / 2;
+    c.colsb[6] = BS * 2;
     _tile_loadconfig(&c);
 }
 
@@ -861,10 +866,11 @@ typedef struct {
     uint16_t q[16 * D] __attribute__((aligned(64)));
     float s[16 * SPAN] __attribute__((aligned(64)));
     uint16_t p[16 * SPAN] __attribute__((aligned(64)));
-    float pv[16 * 16] __attribute__((aligned(64)));
+    float pv[4 * 16 * 16] __attribute__((aligned(64)));  /* 4 chunks of 16 channels */
     float o[16 * D] __attribute__((aligned(64)));
+    float ps[16 * 16] __attribute__((aligned(64)));  /* the step's weights, lane sums */
+    float l[16 * 16] __attribute__((aligned(64)));   /* running sums, per row and lane */
     float m[16] __attribute__((aligned(64)));
-    float l[16] __attribute__((aligned(64)));
     float corr[16] __attribute__((aligned(64)));
     int64_t pos[16];
     __mmask16 active;  /* rows that see any key of the current step */
@@ -878,16 +884,48 @@ static inline __mmask16 visible(int64_t last, int first) {
     return _mm512_cmple_epi32_mask(lane, _mm512_set1_epi32(lim < 15 ? (int)lim : 15));
 }
 
-/* Scores of the step's keys k0 .. k0 + SPAN - 1 -> probabilities in st->p, running max
- * and sum and the correction per row. A row's keys past its position (or past the
- * sequence's blocks) get probability 0. The per-row reductions run one row at a time; the
- * corrections and running sums of all 16 rows are one vector each (lane i: row i). */
+/* Row i's scores of the step (keys k0 .. k0 + SPAN - 1, `last` the last it sees from k0)
+ * -> its probabilities in st->p, its step max in bmax[i] and its weights' lane sums in
+ * st->ps. Keys past the row's position (or past the sequence's blocks) get probability 0.
+ * FULL (a constant where inlined): the row sees every key of the step, the arithmetic of
+ * masks of all ones without computing them. */
+static inline __attribute__((always_inline)) void softmax_row(group_state *st, int i,
+                                                              int64_t last, int kvh,
+                                                              float scale, const float *alibi,
+                                                              float *bmax, const int FULL) {
+    const __m512 lane = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    __mmask16 keep[STEP];
+    __m512 x[STEP];
+    __m512 top = _mm512_set1_ps(st->m[i]);
+    for (int b = 0; b < STEP; ++b) {
+        keep[b] = FULL ? 0xFFFF : visible(last, b * BS);
+        x[b] = _mm512_mul_ps(_mm512_load_ps(st->s + i * SPAN + b * BS), _mm512_set1_ps(scale));
+        if (alibi) {  /* -slope * distance, distance = pos - key position */
+            const __m512 d = _mm512_sub_ps(_mm512_set1_ps((float)(last - b * BS)), lane);
+            x[b] = _mm512_fnmadd_ps(_mm512_set1_ps(alibi[kvh * G + i % G]), d, x[b]);
+        }
+        if (!FULL) x[b] = _mm512_mask_blend_ps(keep[b], _mm512_set1_ps(-1e30f), x[b]);
+        top = _mm512_max_ps(top, x[b]);
+    }
+    bmax[i] = _mm512_reduce_max_ps(top);
+    top = _mm512_set1_ps(bmax[i]);
+    __m512 sum = _mm512_setzero_ps();
+    for (int b = 0; b < STEP; ++b) {
+        const __m256bh p = _mm512_cvtneps_pbh(exp_masked(_mm512_sub_ps(x[b], top), keep[b]));
+        _mm256_store_si256((__m256i *)(st->p + i * SPAN + b * BS), (__m256i)p);
+        sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(p));  /* the weights p.v uses */
+    }
+    _mm512_store_ps(st->ps + i * 16, sum);
+}
+
+/* The step's scores (keys k0 .. k0 + SPAN - 1, in st->s) -> probabilities in st->p,
+ * running max and sum and the correction per row. The corrections of all 16 rows are one
+ * vector (lane i: row i); a row's running sum is 16 lane sums, added up at its end. */
 static void softmax_step(group_state *st, int nr, int64_t k0, int kvh, float scale,
                          const float *alibi) {
-    const __m512 lane = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    float bmax[16] __attribute__((aligned(64))), rowsum[16] __attribute__((aligned(64)));
+    float bmax[16] __attribute__((aligned(64)));
     __mmask16 active = 0;
-    for (int i = 0; i < 16; ++i) bmax[i] = st->m[i], rowsum[i] = 0.f;
+    for (int i = 0; i < 16; ++i) bmax[i] = st->m[i];
     for (int i = 0; i < nr; ++i) {
         if (st->pos[i] < k0) {  /* the row ends before this step */
             memset(st->p + i * SPAN, 0, SPAN * 2);
@@ -895,44 +933,29 @@ static void softmax_step(group_state *st, int nr, int64_t k0, int kvh, float sca
         }
         active |= (__mmask16)(1u << i);
         const int64_t last = st->pos[i] - k0;  /* the last key this row sees, from k0 */
-        const __mmask16 keep0 = visible(last, 0), keep1 = visible(last, BS);
-        __m512 s0 = _mm512_mul_ps(_mm512_load_ps(st->s + i * SPAN), _mm512_set1_ps(scale));
-        __m512 s1 = _mm512_mul_ps(_mm512_load_ps(st->s + i * SPAN + BS), _mm512_set1_ps(scale));
-        if (alibi) {  /* -slope * distance, distance = pos - key position */
-            const __m512 slope = _mm512_set1_ps(alibi[kvh * G + i % G]);
-            const __m512 d0 = _mm512_sub_ps(_mm512_set1_ps((float)last), lane);
-            s0 = _mm512_fnmadd_ps(slope, d0, s0);
-            s1 = _mm512_fnmadd_ps(slope, _mm512_sub_ps(d0, _mm512_set1_ps((float)BS)), s1);
-        }
-        s0 = _mm512_mask_blend_ps(keep0, _mm512_set1_ps(-1e30f), s0);
-        s1 = _mm512_mask_blend_ps(keep1, _mm512_set1_ps(-1e30f), s1);
-        bmax[i] = fmaxf(st->m[i], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
-        const __m512 top = _mm512_set1_ps(bmax[i]);
-        const __m256bh p0 = _mm512_cvtneps_pbh(exp_masked(_mm512_sub_ps(s0, top), keep0));
-        const __m256bh p1 = _mm512_cvtneps_pbh(exp_masked(_mm512_sub_ps(s1, top), keep1));
-        _mm256_store_si256((__m256i *)(st->p + i * SPAN), (__m256i)p0);
-        _mm256_store_si256((__m256i *)(st->p + i * SPAN + BS), (__m256i)p1);
-        /* the running sum adds the rounded weights that p.v uses */
-        rowsum[i] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_cvtpbh_ps(p0), _mm512_cvtpbh_ps(p1)));
+        if (last >= SPAN - 1)
+            softmax_row(st, i, last, kvh, scale, alibi, bmax, 1);
+        else
+            softmax_row(st, i, last, kvh, scale, alibi, bmax, 0);
     }
     const __m512 bm = _mm512_load_ps(bmax);
     __m512 corr = exp_masked(_mm512_sub_ps(_mm512_load_ps(st->m), bm), active);
     corr = _mm512_mask_blend_ps(active, _mm512_set1_ps(1.f), corr);
     _mm512_store_ps(st->corr, corr);
-    const __m512 l = _mm512_fmadd_ps(_mm512_load_ps(st->l), corr, _mm512_load_ps(rowsum));
-    _mm512_store_ps(st->l, _mm512_mask_blend_ps(active, _mm512_load_ps(st->l), l));
+    for (int i = 0; i < nr; ++i)
+        if (active >> i & 1)
+            _mm512_store_ps(st->l + i * 16,
+                            _mm512_fmadd_ps(_mm512_load_ps(st->l + i * 16),
+                                            _mm512_set1_ps(st->corr[i]),
+                                            _mm512_load_ps(st->ps + i * 16)));
     _mm512_store_ps(st->m, bm);
     st->active = active;
 }
 
-PREFETCH_HELPER prefetch_block(const uint16_t *k, const uint16_t *v, int64_t blk, int KV,
-                                int kvh) {
-    const char *pk = (const char *)(k + (blk * KV + kvh) * (int64_t)(D * BS));
-    const char *pv = (const char *)(v + (blk * KV + kvh) * (int64_t)(D * BS));
-    for (int off = 0; off < D * BS * 2; off += 64) {
-        __builtin_prefetch(pk + off);
-        __builtin_prefetch(pv + off);
-    }
+/* Block blk's keys or values (kv: the K or V pool) of head kvh, into L1. */
+PREFETCH_HELPER prefetch_block(const uint16_t *kv, int64_t blk, int KV, int kvh) {
+    const char *p = (const char *)(kv + (blk * KV + kvh) * (int64_t)(D * BS));
+    for (int off = 0; off < D * BS * 2; off += 64) __builtin_prefetch(p + off);
 }
 
 /* The blocks of one pass over a K/V head: its sequence's block table, the pass's blocks
@@ -943,6 +966,33 @@ typedef struct {
     int first, end, blocks, kvh;
 } pass_blocks;
 
+/* The keys or values (kv) of the STEP blocks from n of the pass `cur`, those past its end
+ * from the thread's next pass: fetched a step ahead, each as the step's own are done
+ * with (L1 holds a step's K and V and the next step's K or V, not both). */
+PREFETCH_HELPER prefetch_step(const uint16_t *kv, const pass_blocks *cur,
+                              const pass_blocks *next, int n, int KV, int kvh) {
+    for (int b = n; b < n + STEP; ++b)
+        if (b < cur->end)
+            prefetch_block(kv, cur->table[b], KV, kvh);
+        else if (next->first + b - cur->end < next->end)
+            prefetch_block(kv, next->table[next->first + b - cur->end], KV, next->kvh);
+}
+
+/* Block b of the step (at off[b] in the pool, where b < nb) times q's 32 channels in tile
+ * 4: its scores accumulate in tile t. */
+#define SCORE_TILE(t, b)                                                                \
+    if ((b) < nb) {                                                                      \
+        _tile_loadd(5, k + off[b] + c * BS, 64);                                         \
+        _tile_dpbf16ps(t, 4, 5);                                                         \
+    }
+/* p of block b (tile 6) times its V: chunk n (channels c0 + 16 n, where below D) of p.v
+ * accumulates in tile t. */
+#define PV_TILE(t, n, b)                                                                \
+    if (c0 + 16 * (n) < D) {                                                             \
+        _tile_loadd(7, v + off[b] + 2 * (c0 + 16 * (n)), D * 4);                         \
+        _tile_dpbf16ps(t, 6, 7);                                                         \
+    }
+
 static void attend_group(const uint16_t *q, int q_stride, const uint16_t *k, const uint16_t *v,
                          const pass_blocks *cur, const int64_t *lens, uint16_t *out, int r0,
                          int ntok, int kvh, int KV, float scale, const float *alibi,
@@ -952,65 +1002,68 @@ static void attend_group(const uint16_t *q, int q_stride, const uint16_t *k, con
     const int H = KV * G, nr = ntok * G, nblk = cur->end;
     const int64_t *table = cur->table;
     memset(st.o, 0, sizeof(float) * D * nr);
+    memset(st.l, 0, sizeof(float) * 16 * nr);
     for (int i = 0; i < 16; ++i) {
-        st.m[i] = -1e30f, st.l[i] = 0.f, st.pos[i] = -1;
+        st.m[i] = -1e30f, st.pos[i] = -1;
         if (i >= nr) continue;
         const int64_t row = r0 + i / G;
         memcpy(st.q + i * D, q + row * q_stride + (kvh * G + i % G) * D, D * 2);
         st.pos[i] = lens[row] - 1;
     }
-    for (int j = cur->first; j < nblk; j += 2) {  /* a step: blocks j and j + 1 (if any) */
-        const int two = j + 1 < nblk;
-        const int64_t off0 = (table[j] * KV + kvh) * (int64_t)(D * BS);
-        const int64_t off1 = two ? (table[j + 1] * KV + kvh) * (int64_t)(D * BS) : 0;
-        for (int n = j + 2; n < j + 4; ++n)  /* scattered blocks: fetch ahead */
-            if (n < nblk)
-                prefetch_block(k, v, table[n], KV, kvh);
-            else if (next->first + n - nblk < next->end)  /* the thread's next pass */
-                prefetch_block(k, v, next->table[next->first + n - nblk], KV, next->kvh);
+    for (int j = cur->first; j < nblk; j += STEP) {  /* a step: blocks j .. j + STEP - 1 */
+        const int nb = nblk - j < STEP ? nblk - j : STEP;  /* of them, in the sequence */
+        int64_t off[STEP];
+        for (int b = 0; b < nb; ++b) off[b] = (table[j + b] * KV + kvh) * (int64_t)(D * BS);
         _tile_zero(0);
-        _tile_zero(6);
+        _tile_zero(1);
         for (int c = 0; c < D; c += 32) {
-            _tile_loadd(1, st.q + c, D * 2);
-            _tile_loadd(2, k + off0 + c * BS, 64);
-            _tile_dpbf16ps(0, 1, 2);
-            if (two) {
-                _tile_loadd(2, k + off1 + c * BS, 64);
-                _tile_dpbf16ps(6, 1, 2);
-            }
+            _tile_loadd(4, st.q + c, D * 2);
+            SCORE_TILE(0, 0);
+            SCORE_TILE(1, 1);
         }
         _tile_stored(0, st.s, SPAN * 4);
-        _tile_stored(6, st.s + BS, SPAN * 4);
+        _tile_stored(1, st.s + BS, SPAN * 4);
+        prefetch_step(k, cur, next, j + STEP, KV, kvh);  /* scattered blocks: fetch ahead */
         softmax_step(&st, nr, (int64_t)j * BS, kvh, scale, alibi);
-        _tile_loadd(5, st.p, SPAN * 2);
-        _tile_loadd(7, st.p + BS, SPAN * 2);
-        for (int c = 0; c < D; c += 16) {
+        for (int c0 = 0; c0 < D; c0 += 64) {  /* 4 chunks of 16 channels at once */
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
             _tile_zero(3);
-            _tile_loadd(4, v + off0 + 2 * c, D * 4);
-            _tile_dpbf16ps(3, 5, 4);
-            if (two) {
-                _tile_loadd(4, v + off1 + 2 * c, D * 4);
-                _tile_dpbf16ps(3, 7, 4);
+            for (int b = 0; b < nb; ++b) {  /* in block order: the same sums in any batch */
+                _tile_loadd(6, st.p + b * BS, SPAN * 2);
+                PV_TILE(0, 0, b);
+                PV_TILE(1, 1, b);
+                PV_TILE(2, 2, b);
+                PV_TILE(3, 3, b);
             }
-            _tile_stored(3, st.pv, 64);
+            _tile_stored(0, st.pv, 64);
+            if (c0 + 16 < D) _tile_stored(1, st.pv + 256, 64);
+            if (c0 + 32 < D) _tile_stored(2, st.pv + 512, 64);
+            if (c0 + 48 < D) _tile_stored(3, st.pv + 768, 64);
             for (int i = 0; i < nr; ++i) {
                 if (!(st.active >> i & 1)) continue;
-                float *o = st.o + i * D + c;
-                _mm512_store_ps(o, _mm512_fmadd_ps(_mm512_load_ps(o), _mm512_set1_ps(st.corr[i]),
-                                                   _mm512_load_ps(st.pv + i * 16)));
+                const __m512 corr = _mm512_set1_ps(st.corr[i]);
+                for (int c = c0; c < c0 + 64 && c < D; c += 16) {
+                    float *o = st.o + i * D + c;
+                    const __m512 pv = _mm512_load_ps(st.pv + (c - c0) * 16 + i * 16);
+                    _mm512_store_ps(o, _mm512_fmadd_ps(_mm512_load_ps(o), corr, pv));
+                }
             }
         }
+        prefetch_step(v, cur, next, j + STEP, KV, kvh);
     }
     for (int i = 0; i < nr; ++i) {
         const int parts = parts_of(st.pos[i] + 1);
         if (part >= parts) continue;  /* the row ends before this part */
+        const float l = _mm512_reduce_add_ps(_mm512_load_ps(st.l + i * 16));
         if (parts > 1) {  /* a partial, combined by merge_parts */
             float *pa = partial_of(sp, pt, r0, i / G, part, kvh) + i % G * PARTIAL;
-            pa[0] = st.m[i], pa[1] = st.l[i];
+            pa[0] = st.m[i], pa[1] = l;
             memcpy(pa + 2, st.o + i * D, D * sizeof(float));
             continue;
         }
-        const __m512 inv = _mm512_set1_ps(1.f / st.l[i]);
+        const __m512 inv = _mm512_set1_ps(1.f / l);
         uint16_t *dst = out + ((r0 + i / G) * (int64_t)H + kvh * G + i % G) * D;
         for (int c = 0; c < D; c += 16)
             _mm256_storeu_si256((__m256i *)(dst + c),
