@@ -837,28 +837,28 @@ DEFINE_KERNEL(paged_attention_bf16, uint16_t, bf16_load, bf16_store, uint16_t, k
 /* The AMX register state for this process (common.h). 1 when usable. */
 int paged_attention_amx_init(void) { return amx_request(); }
 
-/* Blocks per softmax step (a part is whole steps: PART_BLOCKS is even). 4 made a
+/* Blocks per softmax step (the tile code below takes two: tmm0 and tmm6). 4 made a
  * 2,040-token prompt's attention 9% faster still, and decodes whose K/V come from memory
- * 5-12% slower, whatever the prefetching tried (benchmarks/RESULTS.md, round eighteen). */
+ * 5-12% slower, whatever the prefetching tried (benchmarks/RESULTS.md, round eighteen); a
+ * step's size is part of a row's arithmetic, so it is the same for every row. */
 #define STEP 2
-#define SPAN (STEP * BS)  /* keys per softmax step */
+#define SPAN (STEP * BS)  /* keys per softmax step: blocks 2i and 2i + 1 */
 
-/* tmm0, tmm1: the scores of the step's 2 blocks (rows x 16 keys fp32), and after them
- * tmm0-3: 4 chunks of 16 channels of p.v (rows x 16 fp32), so that the tile unit overlaps
- * their dot products and stores; tmm4: 32 channels of q (rows x 32 bf16); tmm5: 32
- * channels of a block's K (16 channel pairs x 16 keys x 2); tmm6: p of one block (rows x
- * 16 keys bf16); tmm7: 16 channels of a block's V (8 key pairs x 16 x 2). `rows`: the
- * query rows of a task (up to 16). Tile loads, stores and dot products cost by the row,
- * so a decode task (GROUP rows) runs its tiles at that height rather than 16 (measured
- * faster: benchmarks/RESULTS.md); each row's arithmetic is the same at any height. */
+/* tmm0, tmm6: scores of the two blocks (rows x 16 keys fp32); tmm1: 32 channels of q
+ * (rows x 32 bf16); tmm2: 32 channels of K (16 channel pairs x 16 keys x 2); tmm3: p.v
+ * (rows x 16 channels fp32); tmm4: 16 channels of V (8 key pairs x 16 x 2); tmm5, tmm7: p
+ * of the two blocks (rows x 16 keys bf16). `rows`: the query rows of a task (up to 16).
+ * Tile loads, stores and dot products cost by the row, so a decode task (GROUP rows)
+ * runs its tiles at that height rather than 16 (measured faster: benchmarks/RESULTS.md);
+ * each row's arithmetic is the same at any height. */
 static void configure_attention(int rows) {
     tile_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int t = 0; t < 8; ++t) c.rows[t] = (uint8_t)rows, c.colsb[t] = 64;
-    c.rows[5] = 16;
-    c.rows[7] = BS / 2;
-    c.colsb[6] = BS * 2;
+    c.rows[2] = 16;
+    c.rows[4] = BS / 2;
+    c.colsb[5] = c.colsb[7] = BS * 2;
     _tile_loadconfig(&c);
 }
 
@@ -866,7 +866,7 @@ typedef struct {
     uint16_t q[16 * D] __attribute__((aligned(64)));
     float s[16 * SPAN] __attribute__((aligned(64)));
     uint16_t p[16 * SPAN] __attribute__((aligned(64)));
-    float pv[4 * 16 * 16] __attribute__((aligned(64)));  /* 4 chunks of 16 channels */
+    float pv[16 * 16] __attribute__((aligned(64)));
     float o[16 * D] __attribute__((aligned(64)));
     float ps[16 * 16] __attribute__((aligned(64)));  /* the step's weights, lane sums */
     float l[16 * 16] __attribute__((aligned(64)));   /* running sums, per row and lane */
@@ -886,7 +886,7 @@ static inline __mmask16 visible(int64_t last, int first) {
 
 /* exp(x) for x <= 0, a probability rounded to bfloat16 next: vexp's steps with common.h's
  * cubic for 2^f in place of the degree-6 polynomial, three multiply-adds fewer (a
- * 2,040-token prompt's attention 10-13% faster; against float64 attention its error the
+ * 2,040-token prompt's attention 7-13% faster; against float64 attention its error the
  * same, max 7.91e-3 and mean 1.13e-4; benchmarks/RESULTS.md, round eighteen). Lanes
  * outside `keep` are 0. */
 static inline __m512 exp_p(__m512 x, __mmask16 keep) {
@@ -992,21 +992,6 @@ PREFETCH_HELPER prefetch_step(const uint16_t *kv, const pass_blocks *cur,
             prefetch_block(kv, next->table[next->first + b - cur->end], KV, next->kvh);
 }
 
-/* Block b of the step (at off[b] in the pool, where b < nb) times q's 32 channels in tile
- * 4: its scores accumulate in tile t. */
-#define SCORE_TILE(t, b)                                                                \
-    if ((b) < nb) {                                                                      \
-        _tile_loadd(5, k + off[b] + c * BS, 64);                                         \
-        _tile_dpbf16ps(t, 4, 5);                                                         \
-    }
-/* p of block b (tile 6) times its V: chunk n (channels c0 + 16 n, where below D) of p.v
- * accumulates in tile t. */
-#define PV_TILE(t, n, b)                                                                \
-    if (c0 + 16 * (n) < D) {                                                             \
-        _tile_loadd(7, v + off[b] + 2 * (c0 + 16 * (n)), D * 4);                         \
-        _tile_dpbf16ps(t, 6, 7);                                                         \
-    }
-
 static void attend_group(const uint16_t *q, int q_stride, const uint16_t *k, const uint16_t *v,
                          const pass_blocks *cur, const int64_t *lens, uint16_t *out, int r0,
                          int ntok, int kvh, int KV, float scale, const float *alibi,
@@ -1024,45 +1009,41 @@ static void attend_group(const uint16_t *q, int q_stride, const uint16_t *k, con
         memcpy(st.q + i * D, q + row * q_stride + (kvh * G + i % G) * D, D * 2);
         st.pos[i] = lens[row] - 1;
     }
-    for (int j = cur->first; j < nblk; j += STEP) {  /* a step: blocks j .. j + STEP - 1 */
-        const int nb = nblk - j < STEP ? nblk - j : STEP;  /* of them, in the sequence */
-        int64_t off[STEP];
-        for (int b = 0; b < nb; ++b) off[b] = (table[j + b] * KV + kvh) * (int64_t)(D * BS);
+    for (int j = cur->first; j < nblk; j += STEP) {  /* a step: blocks j and j + 1 (if any) */
+        const int two = j + 1 < nblk;
+        const int64_t off0 = (table[j] * KV + kvh) * (int64_t)(D * BS);
+        const int64_t off1 = two ? (table[j + 1] * KV + kvh) * (int64_t)(D * BS) : 0;
         _tile_zero(0);
-        _tile_zero(1);
+        _tile_zero(6);
         for (int c = 0; c < D; c += 32) {
-            _tile_loadd(4, st.q + c, D * 2);
-            SCORE_TILE(0, 0);
-            SCORE_TILE(1, 1);
+            _tile_loadd(1, st.q + c, D * 2);
+            _tile_loadd(2, k + off0 + c * BS, 64);
+            _tile_dpbf16ps(0, 1, 2);
+            if (two) {
+                _tile_loadd(2, k + off1 + c * BS, 64);
+                _tile_dpbf16ps(6, 1, 2);
+            }
         }
         _tile_stored(0, st.s, SPAN * 4);
-        _tile_stored(1, st.s + BS, SPAN * 4);
+        _tile_stored(6, st.s + BS, SPAN * 4);
         prefetch_step(k, cur, next, j + STEP, KV, kvh);  /* scattered blocks: fetch ahead */
         softmax_step(&st, nr, (int64_t)j * BS, kvh, scale, alibi);
-        for (int c0 = 0; c0 < D; c0 += 64) {  /* 4 chunks of 16 channels at once */
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
+        _tile_loadd(5, st.p, SPAN * 2);
+        _tile_loadd(7, st.p + BS, SPAN * 2);
+        for (int c = 0; c < D; c += 16) {
             _tile_zero(3);
-            for (int b = 0; b < nb; ++b) {  /* in block order: the same sums in any batch */
-                _tile_loadd(6, st.p + b * BS, SPAN * 2);
-                PV_TILE(0, 0, b);
-                PV_TILE(1, 1, b);
-                PV_TILE(2, 2, b);
-                PV_TILE(3, 3, b);
+            _tile_loadd(4, v + off0 + 2 * c, D * 4);
+            _tile_dpbf16ps(3, 5, 4);
+            if (two) {
+                _tile_loadd(4, v + off1 + 2 * c, D * 4);
+                _tile_dpbf16ps(3, 7, 4);
             }
-            _tile_stored(0, st.pv, 64);
-            if (c0 + 16 < D) _tile_stored(1, st.pv + 256, 64);
-            if (c0 + 32 < D) _tile_stored(2, st.pv + 512, 64);
-            if (c0 + 48 < D) _tile_stored(3, st.pv + 768, 64);
+            _tile_stored(3, st.pv, 64);
             for (int i = 0; i < nr; ++i) {
                 if (!(st.active >> i & 1)) continue;
-                const __m512 corr = _mm512_set1_ps(st.corr[i]);
-                for (int c = c0; c < c0 + 64 && c < D; c += 16) {
-                    float *o = st.o + i * D + c;
-                    const __m512 pv = _mm512_load_ps(st.pv + (c - c0) * 16 + i * 16);
-                    _mm512_store_ps(o, _mm512_fmadd_ps(_mm512_load_ps(o), corr, pv));
-                }
+                float *o = st.o + i * D + c;
+                _mm512_store_ps(o, _mm512_fmadd_ps(_mm512_load_ps(o), _mm512_set1_ps(st.corr[i]),
+                                                   _mm512_load_ps(st.pv + i * 16)));
             }
         }
         prefetch_step(v, cur, next, j + STEP, KV, kvh);
