@@ -838,9 +838,9 @@ DEFINE_KERNEL(paged_attention_bf16, uint16_t, bf16_load, bf16_store, uint16_t, k
 int paged_attention_amx_init(void) { return amx_request(); }
 
 /* Blocks per softmax step (the tile code below takes two: tmm0 and tmm6). 4 made a
- * 2,040-token prompt's attention 9% faster still, and decodes whose K/V come from memory
- * 5-12% slower, whatever the prefetching tried (benchmarks/RESULTS.md, round eighteen); a
- * step's size is part of a row's arithmetic, so it is the same for every row. */
+ * 2,040-token prompt's attention 6-9% faster still, and decodes whose K/V come from
+ * memory up to 12% slower, whatever the prefetching tried (benchmarks/RESULTS.md, round
+ * eighteen); a step's size is part of a row's arithmetic, so it is the same for every row. */
 #define STEP 2
 #define SPAN (STEP * BS)  /* keys per softmax step: blocks 2i and 2i + 1 */
 
