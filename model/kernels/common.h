@@ -1,5 +1,5 @@
 /* What the kernel sources share besides their entry points (kvserve.h): the exp
- * polynomial and the AMX set-up. The kernel build hashes every header in this directory
+ * polynomials and the AMX set-up. The kernel build hashes every header in this directory
  * with each source, so a change here rebuilds them all. */
 #ifndef KVSERVE_COMMON_H
 #define KVSERVE_COMMON_H
