@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from model.kernels.build import HERE, LINK_FLAGS
+from model.kernels.build import HERE, LINK_FLAGS, c_compiler
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,9 +38,12 @@ def library_at(rev: str | None, source: str, flags: list[str], tmp: Path) -> cty
                 ["git", "show", f"{rev}:{rel / name}"], cwd=ROOT, capture_output=True, check=True
             ).stdout
             (src / name).write_bytes(text)
+    compiler = c_compiler()
+    if compiler is None:
+        raise SystemExit("no C compiler (cc or gcc) to build the kernels with")
     obj, lib = src.parent / "kernel.o", src.parent / "kernel.so"
-    subprocess.run(["cc", *flags, "-c", str(src / source), "-o", str(obj)], check=True)
-    subprocess.run(["cc", *LINK_FLAGS, str(obj), "-o", str(lib), "-lm"], check=True)
+    subprocess.run([compiler, *flags, "-c", str(src / source), "-o", str(obj)], check=True)
+    subprocess.run([compiler, *LINK_FLAGS, str(obj), "-o", str(lib), "-lm"], check=True)
     return ctypes.CDLL(str(lib))
 
 

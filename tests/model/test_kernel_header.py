@@ -4,10 +4,9 @@ compiler gives them), so a mismatch fails here instead of corrupting memory."""
 
 import ctypes
 import re
-import shutil
 import subprocess
 
-from model.kernels.build import HEADER, PROTOTYPES
+from model.kernels.build import HEADER, PROTOTYPES, c_compiler
 from model.stack import _Args, _Layer
 from tests.require import missing
 
@@ -34,7 +33,8 @@ def test_ctypes_prototypes_match_the_header() -> None:
 def test_stack_structs_match_the_compilers_layout(tmp_path) -> None:
     """sizeof and every field's offsetof, as the C compiler lays out layer_args and
     stack_args, equal the ctypes mirrors in model/stack.py."""
-    if shutil.which("cc") is None:
+    compiler = c_compiler()
+    if compiler is None:
         missing("cc", "no C compiler")
     lines = []
     for c_name, mirror in (("layer_args", _Layer), ("stack_args", _Args)):
@@ -47,7 +47,7 @@ def test_stack_structs_match_the_compilers_layout(tmp_path) -> None:
         f'#include "{HEADER}"\nint main(void) {{\n' + "\n".join(lines) + "\nreturn 0;\n}\n"
     )
     exe = tmp_path / "layout"
-    build = subprocess.run(["cc", str(source), "-o", str(exe)], capture_output=True, text=True)
+    build = subprocess.run([compiler, str(source), "-o", str(exe)], capture_output=True, text=True)
     assert build.returncode == 0, build.stderr  # a field the header lacks fails here
     c_layout = {}
     for line in subprocess.run(

@@ -1,7 +1,6 @@
 """The C paged-attention kernels against torch's attention on gathered K/V."""
 
 import os
-import shutil
 import subprocess
 import sys
 
@@ -12,11 +11,12 @@ import torch.nn.functional as F
 from model.attention import PagedKVCache
 from model.config import ModelConfig
 from model.kernels.attention import attention_isa, paged_attention, paged_attention_supported
+from model.kernels.build import c_compiler
 from model.kernels.fused import fused_supported, greedy_tokens
 from model.layers import alibi_slopes
 
 pytestmark = pytest.mark.skipif(
-    shutil.which("cc") is None or bool(os.environ.get("KVSERVE_DISABLE_KERNELS")),
+    c_compiler() is None or bool(os.environ.get("KVSERVE_DISABLE_KERNELS")),
     reason="no C compiler, or kernels disabled",
 )
 

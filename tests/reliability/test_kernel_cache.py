@@ -4,13 +4,13 @@ not load is rebuilt instead of taking the server down."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import time
 
 import pytest
 
+from model.kernels.build import c_compiler
 from tests.reliability.conftest import Row
 from tests.require import missing
 
@@ -37,7 +37,7 @@ def build(cache, *args: str) -> str:
 
 def test_kernel_cache_is_keyed_by_cpu_and_survives_a_bad_library(tmp_path, row: Row) -> None:
     """Kernel cache shared between CPUs"""
-    if shutil.which("cc") is None:
+    if c_compiler() is None:
         missing("cc", "no C compiler")
     cache = tmp_path / "kernels"
     assert build(cache) == "loaded"
