@@ -58,6 +58,16 @@ typedef uint32_t ublk __attribute__((vector_size(BW * 4)));
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+
+/* exp(x) = 2^n * 2^f in AVX-512's own instructions (x <= 0, clamped at -87): returns f in
+ * [-0.5, 0.5], n = floor(x log2 e + 0.5) by vrndscaleps in *n; the caller takes 2^f from
+ * one of common.h's polynomials and scales by 2^n with vscalefps. */
+static inline __m512 exp_split(__m512 x, __m512 *n) {
+    x = _mm512_max_ps(_mm512_set1_ps(-87.f), x);
+    const __m512 u = _mm512_fmadd_ps(x, _mm512_set1_ps(EXP_LOG2E), _mm512_set1_ps(0.5f));
+    *n = _mm512_roundscale_ps(u, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    return _mm512_fmsub_ps(x, _mm512_set1_ps(EXP_LOG2E), *n);
+}
 #endif
 
 /* exp(x) for x <= 0 on a vector (common.h's polynomial), i = round(x log2 e) by
@@ -71,12 +81,9 @@ static inline vblk vexp(vblk x) {
      * instructions where the generic code compiled to 19 (a prompt's attention 7-10%
      * faster at avx512-bf16, no change beyond noise at avx512f; benchmarks/RESULTS.md,
      * round twelve) */
-    __m512 v;
+    __m512 v, n;
     memcpy(&v, &x, sizeof v);
-    v = _mm512_max_ps(_mm512_set1_ps(-87.f), v);
-    const __m512 u = _mm512_fmadd_ps(v, _mm512_set1_ps(EXP_LOG2E), _mm512_set1_ps(0.5f));
-    const __m512 n = _mm512_roundscale_ps(u, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_fmsub_ps(v, _mm512_set1_ps(EXP_LOG2E), n);
+    const __m512 f = exp_split(v, &n);
     const __m512 r = _mm512_scalef_ps(EXP2_POLY(f, _mm512_fmadd_ps, _mm512_set1_ps), n);
     memcpy(&x, &r, sizeof x);
     return x;
@@ -885,16 +892,14 @@ static inline __mmask16 visible(int64_t last, int first) {
     return _mm512_cmple_epi32_mask(lane, _mm512_set1_epi32(lim < 15 ? (int)lim : 15));
 }
 
-/* exp(x) for x <= 0, a probability rounded to bfloat16 next: vexp's steps with common.h's
- * cubic for 2^f in place of the degree-6 polynomial, three multiply-adds fewer (a
+/* exp(x) for x <= 0, a probability rounded to bfloat16 next: vexp's steps (exp_split) with
+ * common.h's cubic for 2^f in place of the degree-6 polynomial, three multiply-adds fewer (a
  * 2,040-token prompt's attention 7-13% faster; against float64 attention its error the
  * same, max 7.91e-3 and mean 1.13e-4; benchmarks/RESULTS.md, round eighteen). Lanes
  * outside `keep` are 0. */
 static inline __m512 exp_p(__m512 x, __mmask16 keep) {
-    x = _mm512_max_ps(_mm512_set1_ps(-87.f), x);
-    const __m512 u = _mm512_fmadd_ps(x, _mm512_set1_ps(EXP_LOG2E), _mm512_set1_ps(0.5f));
-    const __m512 n = _mm512_roundscale_ps(u, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_fmsub_ps(x, _mm512_set1_ps(EXP_LOG2E), n);
+    __m512 n;
+    const __m512 f = exp_split(x, &n);
     return _mm512_maskz_scalef_ps(keep, EXP2_CUBIC(f, _mm512_fmadd_ps, _mm512_set1_ps), n);
 }
 
