@@ -144,7 +144,11 @@ class Sampler:
             prompt_seen.scatter_(1, prompt_ids, True)
             any_seen = seen | prompt_seen[:, :v]
             rp = self.column(rep)
-            sub = torch.where(any_seen, torch.where(sub > 0, sub / rp, sub * rp), sub)
+            # a penalty near 0 (any > 0 is valid) divides past float32's range: held at its
+            # largest float, so that the draw's x - max stays a number (an infinity made
+            # the row's CDF NaN and drew a token a structured-output mask forbids)
+            boosted = (sub / rp).clamp_(max=torch.finfo(sub.dtype).max)
+            sub = torch.where(any_seen, torch.where(sub > 0, boosted, sub * rp), sub)
         freq = self.column([requests[i].params.frequency_penalty for i in rows])
         pres = self.column([requests[i].params.presence_penalty for i in rows])
         sub = sub - freq * counts - pres * seen.float()

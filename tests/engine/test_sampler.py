@@ -160,3 +160,21 @@ def test_top_k_in_a_batch_filters_its_own_rows_only() -> None:
     plain = torch.bincount(got[0::2], minlength=len(logits)).double() / (n // 2)
     p = torch.softmax(logits.double(), -1)
     assert ((plain - p).abs() <= 4 * (p * (1 - p) / (n // 2)).sqrt() + 1e-9).all(), plain
+
+
+def test_a_tiny_repetition_penalty_draws_an_allowed_token() -> None:
+    """repetition_penalty 5e-324 (valid: > 0) divides a seen token's positive logit past
+    float32's range; the draw must still pick among the tokens a structured-output mask
+    allows (an infinite logit made the row's CDF NaN, and a forbidden token was drawn:
+    a 500 from the grammar, found by tests/reliability/test_fuzz.py)."""
+    torch.manual_seed(0)
+    logits = torch.randn(1, V).abs() + 0.5  # every logit positive
+    allowed = torch.zeros(1, V, dtype=torch.bool)
+    allowed[0, [3, 17]] = True
+    for seed in range(20):
+        r = Request("r", [3, 17, 40], SamplingParams(temperature=1.0, repetition_penalty=5e-324,
+                                                      seed=seed), 0.0)  # fmt: skip
+        sampler = Sampler(V, torch.device("cpu"))
+        out = sampler.sample(logits.clone(), [r], [torch.Generator().manual_seed(seed)],
+                             mask=([0], allowed))  # fmt: skip
+        assert out.token_ids[0] in (3, 17), out.token_ids
