@@ -80,6 +80,31 @@ def _resolve_isa(forced: str | None) -> str:
     return forced
 
 
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's vendor as Linux reports it ('GenuineIntel', 'AuthenticAMD'; '' where not)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    line = next((line for line in text.splitlines() if line.startswith("vendor_id")), "")
+    return line.partition(":")[2].strip()
+
+
+def fma_passes(level: str) -> bool:
+    """Whether the bf16 vector linears at `level` take passes of four rows or more (the
+    compute-bound ones: a batch's decode step, a prefill) as bf16 -> float32 and FMA
+    rather than vdpbf16ps, whose bits they equal. Below avx512-bf16 there is no other way.
+    At avx512-bf16, on Intel's cores: vdpbf16ps issues at a quarter of the 512-bit FMA's
+    rate there, half its FLOPs (Emerald Rapids 1.28 against 5.2 G/s, Sapphire Rapids
+    1.75 against 6.9-7.2, benchmarks/RESULTS.md). Not on AMD's: on Zen 4 a 16-request
+    prefill took 1.48x as long at the avx512f level as at avx512-bf16 (an earlier FMA
+    pass; this one was not measured there, benchmarks/RESULTS.md)."""
+    return level in ("avx512f", "avx2") or (
+        level == "avx512-bf16" and cpu_vendor() == "GenuineIntel"
+    )
+
+
 def isa_flags(level: str) -> tuple[str, ...]:
     """Compiler flags, after -march=native, for a build at `level`."""
     return ISA_LEVELS[level][1] if level in ISA_LEVELS else ()

@@ -279,6 +279,57 @@ static inline __attribute__((always_inline)) void bf16_tile(const int NBLK, cons
             for (int j = 0; j < NV; ++j) vf_store(acc + (s * MR + r) * NB + j * VL, c[s][r][j]);
 }
 
+#if VL == 16
+/* AVX-512 passes of FMA_ROWS rows or more (compute-bound: a batch's decode step, a
+ * prefill) by convert + FMA: always at avx512f, and at avx512-bf16 where model/device.py's
+ * fma_passes finds vdpbf16ps the slower way (-DFMA_PASSES; on Emerald Rapids 16 rows took
+ * 0.70-0.90x the time, 256 rows 0.69-0.84x, 3 rows 1.0-1.1x: benchmarks/RESULTS.md). x's
+ * rows are widened to float32 once a pass, so that each FMA takes its row's k value as a
+ * broadcast from memory; each weight vector is converted once for all MR rows, its odd
+ * k's FMAs over every row, then its even k's: per lane the one-row pass's order, the
+ * same bits as vdpbf16ps. */
+#define FMA_ROWS 4
+#define XK 32  /* k per slice of widened x (the weight layout's k is a multiple of it) */
+static inline __attribute__((always_inline)) void bf16_tile_fma(
+    const int MR, const uint16_t *x, int k, const uint16_t *w, float *acc, const char *pf,
+    long pf_len) {
+    /* x in float32, slices of XK k with the MR rows' slices side by side: a k pair's
+     * broadcasts at fixed offsets from one pointer */
+    float xf[k * MR] __attribute__((aligned(64)));  /* 24 KB at k = 1,024 */
+    for (int s = 0; s < k / XK; ++s)
+        for (int r = 0; r < MR; ++r)
+            for (int i = 0; i < XK; ++i)
+                xf[(s * MR + r) * XK + i] = bf16_to_f32(x[(long)r * k + s * XK + i]);
+    vf c[MR_MAX][NV];
+    for (int r = 0; r < MR; ++r)
+        for (int j = 0; j < NV; ++j) c[r][j] = vf_zero();
+    long pf_done = 0;
+    const long pf_rate = PF_RATE(pf_len, k / 2);
+    for (int kp = 0; kp < k / 2; ++kp) {
+        PREFETCH_NEXT(pf, pf_rate, pf_done, kp + 1);
+        const uint16_t *wk = w + (long)kp * 2 * NB;
+        prefetch_step(wk);
+        const float *xs = xf + (2 * kp / XK * MR) * XK + 2 * kp % XK;
+        for (int j = 0; j < NV; ++j) {
+            const vi wv = vi_load(wk + j * 2 * VL);
+            const vf hi = hi_bf16(wv), lo = lo_bf16(wv);
+            /* hidden from GCC, which would otherwise hold the 2 * MR broadcasts for all
+             * of j and spill accumulators for them: a broadcast is a load, not an ALU op */
+            const float *xk = xs;
+            __asm__ volatile("" : "+r"(xk));
+            for (int r = 0; r < MR; ++r)
+                c[r][j] = vf_fma(hi, vf_set1(xk[r * XK + 1]), c[r][j]);
+            for (int r = 0; r < MR; ++r) c[r][j] = vf_fma(lo, vf_set1(xk[r * XK]), c[r][j]);
+        }
+    }
+    for (int r = 0; r < MR; ++r)
+        for (int j = 0; j < NV; ++j) vf_store(acc + r * NB + j * VL, c[r][j]);
+}
+#if !defined(__AVX512BF16__) || defined(FMA_PASSES)
+#define WIDE_FMA 1
+#endif
+#endif
+
 #if VL == 8
 /* AVX2 (16 registers): the block in slices of SV vectors, each over all of k, so that a
  * weight vector is converted once for all MR rows (one row per pass converted it for
@@ -517,6 +568,10 @@ static inline int passes_of(int m) {  /* the passes over one unit, all chunks */
     (MR == 1 ? bf16_tile(NBLK, MR, __VA_ARGS__) : bf16_tile_sliced(MR, __VA_ARGS__))
 #define INT8_TILE(NBLK, MR, ...) \
     (MR == 1 ? int8_tile(NBLK, MR, __VA_ARGS__) : int8_tile_sliced(MR, __VA_ARGS__))
+#elif defined(WIDE_FMA)
+#define BF16_TILE(NBLK, MR, ...) \
+    (MR < FMA_ROWS ? bf16_tile(NBLK, MR, __VA_ARGS__) : bf16_tile_fma(MR, __VA_ARGS__))
+#define INT8_TILE(NBLK, MR, ...) int8_tile(NBLK, MR, __VA_ARGS__)
 #else
 #define BF16_TILE(NBLK, MR, ...) bf16_tile(NBLK, MR, __VA_ARGS__)
 #define INT8_TILE(NBLK, MR, ...) int8_tile(NBLK, MR, __VA_ARGS__)
