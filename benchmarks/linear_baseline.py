@@ -30,14 +30,15 @@ from pathlib import Path
 import torch
 
 from benchmarks.kernel_at import alternate, library_at
+from model.device import isa_flags
 from model.kernels.build import BASE_FLAGS, bind
 from model.kernels.linear import (
+    VECTOR_FLAGS,
     int8_pack,
     linear_isa,
     linear_kernel,
     swiglu_layout,
     tile_layout,
-    vector_flags,
 )
 
 OUT = Path(__file__).parent / "out"
@@ -60,7 +61,7 @@ def build_at(rev: str, level: str, tmp: Path, kind: str) -> ctypes._CFuncPtr:
         if not lib.linear_bf16_init():
             raise SystemExit("the OS refuses the AMX tile state")
         return lib.linear_bf16
-    lib = library_at(rev, "linear_vec.c", list(vector_flags(level)), tmp)
+    lib = library_at(rev, "linear_vec.c", [*VECTOR_FLAGS, *isa_flags(level)], tmp)
     name = "linear_int8" if kind == "int8" else "linear_bf16_vec"
     bind(lib, name)
     return getattr(lib, name)

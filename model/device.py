@@ -91,23 +91,28 @@ def cpu_vendor() -> str:
     return line.partition(":")[2].strip()
 
 
-def fma_passes(level: str) -> bool:
-    """Whether the bf16 vector linears at `level` take passes of four rows or more (the
-    compute-bound ones: a batch's decode step, a prefill) as bf16 -> float32 and FMA
-    rather than vdpbf16ps, whose bits they equal. Below avx512-bf16 there is no other way.
-    At avx512-bf16, on Intel's cores: vdpbf16ps issues at a quarter of the 512-bit FMA's
-    rate there, half its FLOPs (Emerald Rapids 1.28 against 5.2 G/s, Sapphire Rapids
-    1.75 against 6.9-7.2, benchmarks/RESULTS.md). Not on AMD's: on Zen 4 a 16-request
-    prefill took 1.48x as long at the avx512f level as at avx512-bf16 (an earlier FMA
-    pass; this one was not measured there, benchmarks/RESULTS.md)."""
+def prefer_fma(level: str) -> bool:
+    """Whether the compute-bound bf16 work at `level` multiplies as bf16 -> float32 and
+    FMA rather than with vdpbf16ps: the linears' passes of four rows or more (a batch's
+    decode step, a prefill; the same bits either way) and the bf16 attention (the float32
+    kernel of the avx512f level). Below avx512-bf16 there is no other way. At avx512-bf16,
+    on Intel's cores: vdpbf16ps issues at a quarter of the 512-bit FMA's rate there, half
+    its FLOPs (Emerald Rapids 1.28 against 5.2 G/s, Sapphire Rapids 1.75 against 6.9-7.2;
+    a 2,040-token prompt's attention took 0.78x the time, decodes the same,
+    benchmarks/RESULTS.md). Not on AMD's: on Zen 4 a 16-request prefill took 1.48x as
+    long at the avx512f level as at avx512-bf16 (an earlier FMA pass; this one was not
+    measured there). The amx level keeps vdpbf16ps (its bf16 linears and, where the shape
+    fits, attention are on the tile unit; the rest was not measured)."""
     return level in ("avx512f", "avx2") or (
         level == "avx512-bf16" and cpu_vendor() == "GenuineIntel"
     )
 
 
 def isa_flags(level: str) -> tuple[str, ...]:
-    """Compiler flags, after -march=native, for a build at `level`."""
-    return ISA_LEVELS[level][1] if level in ISA_LEVELS else ()
+    """Compiler flags, after -march=native, for a build at `level` (PREFER_FMA where
+    prefer_fma says so at a level that has vdpbf16ps)."""
+    flags = ISA_LEVELS[level][1] if level in ISA_LEVELS else ()
+    return (*flags, "-DPREFER_FMA") if level == "avx512-bf16" and prefer_fma(level) else flags
 
 
 def pick_dtype(name: str, device: torch.device, quantization: str = "none") -> torch.dtype:

@@ -10,7 +10,7 @@ import logging
 
 import torch
 
-from model.device import cpu_isa, fma_passes, isa_flags
+from model.device import cpu_isa, isa_flags
 from model.kernels.build import BASE_FLAGS, bind, build, data_ptr, vector_level
 
 log = logging.getLogger("kvserve.kernels")
@@ -34,17 +34,11 @@ def _tiles() -> ctypes.CDLL | None:
     return lib
 
 
-def vector_flags(isa: str) -> tuple[str, ...]:
-    """linear_vec.c's compiler flags at `isa`, with FMA_PASSES where model/device.py's
-    fma_passes picks convert + FMA over vdpbf16ps for passes of several rows."""
-    return (*VECTOR_FLAGS, *isa_flags(isa), *(["-DFMA_PASSES"] if fma_passes(isa) else []))
-
-
 @functools.cache
 def _vector(isa: str) -> ctypes.CDLL | None:
     if isa == "baseline":  # below AVX2 + FMA: oneDNN's matmul instead
         return None
-    lib = build("linear_vec.c", vector_flags(isa), isa)
+    lib = build("linear_vec.c", (*VECTOR_FLAGS, *isa_flags(isa)), isa)
     if lib is None:
         return None
     bind(lib, "linear_bf16_vec", "linear_int8", "linear_vec_init")

@@ -282,7 +282,7 @@ static inline __attribute__((always_inline)) void bf16_tile(const int NBLK, cons
 #if VL == 16
 /* AVX-512 passes of FMA_ROWS rows or more (compute-bound: a batch's decode step, a
  * prefill) by convert + FMA: always at avx512f, and at avx512-bf16 where model/device.py's
- * fma_passes finds vdpbf16ps the slower way (-DFMA_PASSES; on Emerald Rapids 16 rows took
+ * prefer_fma finds vdpbf16ps the slower way (-DPREFER_FMA; on Emerald Rapids 16 rows took
  * 0.70-0.90x the time, 256 rows 0.69-0.84x, 3 rows 1.0-1.1x: benchmarks/RESULTS.md). x's
  * rows are widened to float32 once a pass, so that each FMA takes its row's k value as a
  * broadcast from memory; each weight vector is converted once for all MR rows, its odd
@@ -325,7 +325,7 @@ static inline __attribute__((always_inline)) void bf16_tile_fma(
     for (int r = 0; r < MR; ++r)
         for (int j = 0; j < NV; ++j) vf_store(acc + r * NB + j * VL, c[r][j]);
 }
-#if !defined(__AVX512BF16__) || defined(FMA_PASSES)
+#if !defined(__AVX512BF16__) || defined(PREFER_FMA)
 #define WIDE_FMA 1
 #endif
 #endif

@@ -595,8 +595,11 @@ void NAME(const QT *q, const T *k, const T *v, const int64_t *tables,           
 }
 
 DEFINE_KERNEL(paged_attention_f32, float, f32_id, f32_id, float, keys2_f32, vals2_f32)
-#if defined(__AVX512BF16__) && BS == 16 && D % 16 == 0
-/* bf16 with AVX-512 BF16 (and no tiles, or tiles not wanted): the same tasks and online
+#if defined(__AVX512BF16__) && !defined(PREFER_FMA) && BS == 16 && D % 16 == 0
+/* bf16 with AVX-512 BF16 (and no tiles, or tiles not wanted; where model/device.py's
+ * prefer_fma finds vdpbf16ps slower than the FMA, -DPREFER_FMA, the float32 kernel below
+ * instead: on Emerald Rapids 0.78x the time for a 2,040-token prompt, decodes the same,
+ * benchmarks/RESULTS.md): the same tasks and online
  * softmax, with the dot products done by vdpbf16ps on the cache's own pairs. q.k: each
  * 32-bit lane of a K vector holds a key's channels d, d + 1 (the layout above), so one
  * vdpbf16ps against q's (d, d + 1) pair adds both channels to 16 keys' scores, q taken as
@@ -818,7 +821,8 @@ void paged_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *
     split_plan_free(&sp);
 }
 #else
-/* bf16 queries and output (as the decoder stack's buffers hold them): float32 inside */
+/* bf16 queries and output (as the decoder stack's buffers hold them): float32 inside,
+ * the K/V widened and multiplied by FMA */
 DEFINE_KERNEL(paged_attention_bf16, uint16_t, bf16_load, bf16_store, uint16_t, keys2_bf16,
               vals2_bf16)
 #endif
