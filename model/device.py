@@ -98,7 +98,7 @@ def prefer_fma(level: str) -> bool:
     kernel of the avx512f level). Below avx512-bf16 there is no other way. At avx512-bf16,
     on Intel's cores: vdpbf16ps issues at a quarter of the 512-bit FMA's rate there, half
     its FLOPs (Emerald Rapids 1.28 against 5.2 G/s, Sapphire Rapids 1.75 against 6.9-7.2;
-    a 2,040-token prompt's attention took 0.78x the time, decodes the same,
+    a 2,040-token prompt's attention took 0.78-0.81x the time, decodes the same,
     benchmarks/RESULTS.md). Not on AMD's: on Zen 4 a 16-request prefill took 1.48x as
     long at the avx512f level as at avx512-bf16 (an earlier FMA pass; this one was not
     measured there). The amx level keeps vdpbf16ps (its bf16 linears and, where the shape

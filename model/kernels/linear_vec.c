@@ -4,7 +4,8 @@
  *
  * Built once per instruction set (model/kernels/linear.py passes -m flags for the level
  * model/device.py picks), from the same source:
- *   avx512-bf16  vdpbf16ps for bf16 (pairs of k per 32-bit lane), vpdpbusd for int8
+ *   avx512-bf16  vdpbf16ps for bf16 (pairs of k per 32-bit lane), vpdpbusd for int8; with
+ *                PREFER_FMA (Intel's cores), passes of FMA_ROWS rows or more as avx512f
  *   avx512f      bf16 -> float32 (a shift) and FMA; int8 by vpmaddubsw / vpmaddwd
  *   avx2         the same with 256-bit vectors (AVX2 + FMA: the portable floor)
  *   amx          avx512-bf16's code, and int8 on the tile unit (tdpbusd) from AMX_INT8_ROWS

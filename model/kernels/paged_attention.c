@@ -598,17 +598,17 @@ DEFINE_KERNEL(paged_attention_f32, float, f32_id, f32_id, float, keys2_f32, vals
 #if defined(__AVX512BF16__) && !defined(PREFER_FMA) && BS == 16 && D % 16 == 0
 /* bf16 with AVX-512 BF16 (and no tiles, or tiles not wanted; where model/device.py's
  * prefer_fma finds vdpbf16ps slower than the FMA, -DPREFER_FMA, the float32 kernel below
- * instead: on Emerald Rapids 0.78x the time for a 2,040-token prompt, decodes the same,
- * benchmarks/RESULTS.md): the same tasks and online
- * softmax, with the dot products done by vdpbf16ps on the cache's own pairs. q.k: each
- * 32-bit lane of a K vector holds a key's channels d, d + 1 (the layout above), so one
- * vdpbf16ps against q's (d, d + 1) pair adds both channels to 16 keys' scores, q taken as
- * the bf16 it is and the scale applied to the scores. p.v: a V vector holds 16 channels of
- * a token pair, so the probabilities go in as bf16 pairs, rounded as the AMX kernel
- * rounds them, and the running sum adds those rounded weights. Half the multiply-adds of
- * the float32 version and none of its conversions (16 decode rows: 12% faster with the
- * cache in memory, 30% in cache, benchmarks/RESULTS.md). A row's arithmetic is its own,
- * so its bits do not depend on what else is in the call. */
+ * instead: on Emerald Rapids 0.78-0.81x the time for a 2,040-token prompt, decodes the
+ * same, benchmarks/RESULTS.md): the same tasks and online softmax, with the dot products
+ * done by vdpbf16ps on the cache's own pairs. q.k: each 32-bit lane of a K vector holds
+ * a key's channels d, d + 1 (the layout above), so one vdpbf16ps against q's (d, d + 1)
+ * pair adds both channels to 16 keys' scores, q taken as the bf16 it is and the scale
+ * applied to the scores. p.v: a V vector holds 16 channels of a token pair, so the
+ * probabilities go in as bf16 pairs, rounded as the AMX kernel rounds them, and the
+ * running sum adds those rounded weights. Half the multiply-adds of the float32 version
+ * and none of its conversions (16 decode rows: 12% faster with the cache in memory, 30%
+ * in cache, benchmarks/RESULTS.md). A row's arithmetic is its own, so its bits do not
+ * depend on what else is in the call. */
 #define QK_CHAINS (D % 8 == 0 ? 4 : 1)
 /* Rows share a task as in DEFINE_KERNEL; a softmax step that leaves a row's running max
  * as it was skips its correction (exp(0) = 1: no expf, no rescaling), and a row's q.k
