@@ -22,15 +22,19 @@ def pick_device(name: str = "auto") -> torch.device:
 
 
 @functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as Linux reports them (empty where it does not)."""
+def _cpuinfo(field: str) -> str:
+    """The first CPU's `field` in /proc/cpuinfo ('' where Linux does not report it)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return frozenset()
-    return frozenset(
-        next((line.split() for line in text.splitlines() if line.startswith("flags")), [])
-    )
+        return ""
+    line = next((line for line in text.splitlines() if line.startswith(field)), "")
+    return line.partition(":")[2].strip()
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux reports them (empty where it does not)."""
+    return frozenset(_cpuinfo("flags").split())
 
 
 # The instruction-set levels kvserve's C kernels are built for, lowest first: the CPU
@@ -80,15 +84,9 @@ def _resolve_isa(forced: str | None) -> str:
     return forced
 
 
-@functools.cache
 def cpu_vendor() -> str:
     """The CPU's vendor as Linux reports it ('GenuineIntel', 'AuthenticAMD'; '' where not)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-    line = next((line for line in text.splitlines() if line.startswith("vendor_id")), "")
-    return line.partition(":")[2].strip()
+    return _cpuinfo("vendor_id")
 
 
 def prefer_fma(level: str) -> bool:

@@ -98,6 +98,20 @@ def rows_of(batch):
 DTYPES = [torch.float32, torch.bfloat16]  # bf16: the tile unit at the amx level
 
 
+def attend_batch(heads, kv_heads, d, bs, dtype, batch, slopes):
+    """BATCHES[batch] through the kernel on a random cache (seed 0, the same inputs on
+    every call): its output and torch's reference."""
+    torch.manual_seed(0)
+    k_cache, v_cache, k_ref, v_ref = random_cache(heads, kv_heads, d, bs, dtype)
+    assert paged_attention_supported(k_cache, heads, kv_heads, d)
+    row_seq, lens = rows_of(BATCHES[batch])
+    width = -(-int(lens.max()) // bs)  # each sequence's blocks, drawn independently
+    tables = torch.stack([torch.randperm(POOL)[:width] for _ in BATCHES[batch]])
+    q = torch.randn(len(lens), heads, d).to(dtype)
+    got = paged_attention(q, k_cache, v_cache, tables, lens, d**-0.5, slopes, row_seq)
+    return got, reference(q, k_ref, v_ref, tables, row_seq, lens, d**-0.5, slopes)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "d", "bs"),
@@ -106,19 +120,11 @@ DTYPES = [torch.float32, torch.bfloat16]  # bf16: the tile unit at the amx level
 @pytest.mark.parametrize("alibi", [False, True])
 @pytest.mark.parametrize("batch", list(BATCHES))
 def test_kernel_matches_torch(isa, dtype, heads, kv_heads, d, bs, alibi, batch) -> None:
-    torch.manual_seed(0)
-    k_cache, v_cache, k_ref, v_ref = random_cache(heads, kv_heads, d, bs, dtype)
-    assert paged_attention_supported(k_cache, heads, kv_heads, d)
-    row_seq, lens = rows_of(BATCHES[batch])
-    width = -(-int(lens.max()) // bs)  # each sequence's blocks, drawn independently
-    tables = torch.stack([torch.randperm(POOL)[:width] for _ in BATCHES[batch]])
-    q = torch.randn(len(lens), heads, d).to(dtype)
     slopes = alibi_slopes(heads) if alibi else None
-    got = paged_attention(q, k_cache, v_cache, tables, lens, d**-0.5, slopes, row_seq)
+    got, want = attend_batch(heads, kv_heads, d, bs, dtype, batch, slopes)
     assert got.dtype == dtype
     tiles = attention_isa(d, bs, heads // kv_heads, dtype) == "amx"
     assert tiles == (isa == "amx" and dtype == torch.bfloat16 and bs == 16 and d % 32 == 0)
-    want = reference(q, k_ref, v_ref, tables, row_seq, lens, d**-0.5, slopes)
     # fp32: exact math; bf16: the output is rounded to bf16 (and on AMX the probabilities)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (got.float() - want).abs().max().item() < tol

@@ -11,9 +11,8 @@ import torch
 import model.device
 from model.device import ISA_ENV, cpu_vendor, isa_flags, isa_missing, native_isa, prefer_fma
 from model.kernels import attention, linear
-from model.kernels.attention import paged_attention
 from model.kernels.linear import tile_layout, tile_linear
-from tests.model.test_kernels import BATCHES, POOL, random_cache, reference, rows_of
+from tests.model.test_kernels import BATCHES, attend_batch
 from tests.model.test_linear_kernels import bf16_reference, weights
 
 LEVEL = "avx512-bf16"
@@ -63,24 +62,15 @@ def test_linears_give_the_reference_bits(way: bool, rows: int, k: int) -> None:
         assert torch.equal(tile_linear(x, tile_layout(w), b), bf16_reference(x, w, b))
 
 
-def _attend(heads, kv_heads, d, batch):
-    torch.manual_seed(0)
-    k_cache, v_cache, k_ref, v_ref = random_cache(heads, kv_heads, d, 16, torch.bfloat16)
-    row_seq, lens = rows_of(BATCHES[batch])
-    width = -(-int(lens.max()) // 16)
-    tables = torch.stack([torch.randperm(POOL)[:width] for _ in BATCHES[batch]])
-    q = torch.randn(len(lens), heads, d).to(torch.bfloat16)
-    got = paged_attention(q, k_cache, v_cache, tables, lens, d**-0.5, None, row_seq)
-    return got, reference(q, k_ref, v_ref, tables, row_seq, lens, d**-0.5, None)
-
-
 @pytest.mark.parametrize(("heads", "kv_heads", "d"), [(9, 3, 64), (8, 2, 128)])
 @pytest.mark.parametrize("batch", list(BATCHES))
 def test_attention_matches_torch(
     way: bool, monkeypatch: pytest.MonkeyPatch, heads: int, kv_heads: int, d: int, batch: str
 ) -> None:
-    got, want = _attend(heads, kv_heads, d, batch)
+    got, want = attend_batch(heads, kv_heads, d, 16, torch.bfloat16, batch, None)
     assert (got.float() - want).abs().max().item() < 2e-2
     if way:  # the float32 kernel, as the avx512f level builds it
         monkeypatch.setenv(ISA_ENV, "avx512f")
-        assert torch.equal(_attend(heads, kv_heads, d, batch)[0], got)
+        assert torch.equal(
+            attend_batch(heads, kv_heads, d, 16, torch.bfloat16, batch, None)[0], got
+        )
