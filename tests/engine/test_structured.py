@@ -127,6 +127,20 @@ def test_preemption_and_n_keep_each_sequences_place_in_the_grammar() -> None:
     assert engine.blocks.num_used == 0
 
 
+def test_guides_of_one_constraint_are_independent(demo: LLMEngine) -> None:
+    """Every guide of a constraint starts at the grammar's start, however far the others
+    have gone (each is a copy of one never-advanced matcher)."""
+    c = Constraint("choice", json.dumps(["12", "34"]), "guided_choice")
+    tok = demo.tokenizer
+    one, two = tok.encode("1", add_bos=False)[0], tok.encode("3", add_bos=False)[0]
+    first = demo.grammars.guide(c)
+    assert first.accept(one) and not first.allows(two)
+    second = demo.grammars.guide(c)
+    assert second.allows(one) and second.allows(two)
+    assert second.accept(two) and not first.done and not second.done
+    assert demo.grammars.guide(c).allows(one)
+
+
 def test_a_parity_checkpoint_with_its_own_tokenizer(tmp_path: Path) -> None:
     """The small Llama checkpoint with a 300-token byte-level BPE of its own."""
     write_llama(tmp_path, tied=True)
