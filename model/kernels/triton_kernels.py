@@ -27,47 +27,53 @@ def _rope_store_kernel(
     k_cache_ptr,  # (NB, BS, KV, D)
     v_cache_ptr,
     slot_ptr,  # (T,) flat slot (block * BS + offset), -1: do not store
+    n_tokens,
     stride_t,
     H: tl.constexpr,
     KV: tl.constexpr,
     D: tl.constexpr,
     HALF_PAD: tl.constexpr,
+    HEADS_PAD: tl.constexpr,  # H + KV padded to a power of two
+    BLOCK_T: tl.constexpr,  # tokens per program
     HAS_ROPE: tl.constexpr,
     HAS_CACHE: tl.constexpr,
 ):
-    # one program per (token, head) over the query and key heads; a key head also
-    # stores its value head
-    t = tl.program_id(0)
-    head = tl.program_id(1)
+    # program p: tokens p * BLOCK_T ..., one row per (token, head) over the query and key
+    # heads; a key head's row also stores its value head
+    r = tl.arange(0, BLOCK_T * HEADS_PAD)
+    t = tl.program_id(0) * BLOCK_T + r // HEADS_PAD
+    head = r % HEADS_PAD
+    row_ok = (t < n_tokens) & (head < H + KV)
     half = D // 2
     i = tl.arange(0, HALF_PAD)
-    m = i < half
-    row = qkv_ptr + t.to(tl.int64) * stride_t + head * D
-    x1 = tl.load(row + i, mask=m, other=0.0)
-    x2 = tl.load(row + half + i, mask=m, other=0.0)
+    m = row_ok[:, None] & (i < half)[None, :]
+    row = (qkv_ptr + t.to(tl.int64) * stride_t + head * D)[:, None] + i[None, :]
+    x1 = tl.load(row, mask=m, other=0.0)
+    x2 = tl.load(row + half, mask=m, other=0.0)
     if HAS_ROPE:
-        c1 = tl.load(cos_ptr + t * D + i, mask=m, other=0.0).to(tl.float32)
-        c2 = tl.load(cos_ptr + t * D + half + i, mask=m, other=0.0).to(tl.float32)
-        s1 = tl.load(sin_ptr + t * D + i, mask=m, other=0.0).to(tl.float32)
-        s2 = tl.load(sin_ptr + t * D + half + i, mask=m, other=0.0).to(tl.float32)
+        pos = (t * D)[:, None] + i[None, :]  # each row reads its token's angles
+        c1 = tl.load(cos_ptr + pos, mask=m, other=0.0).to(tl.float32)
+        c2 = tl.load(cos_ptr + pos + half, mask=m, other=0.0).to(tl.float32)
+        s1 = tl.load(sin_ptr + pos, mask=m, other=0.0).to(tl.float32)
+        s2 = tl.load(sin_ptr + pos + half, mask=m, other=0.0).to(tl.float32)
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
         x1 = (f1 * c1 - f2 * s1).to(x1.dtype)
         x2 = (f2 * c2 + f1 * s2).to(x2.dtype)
-        tl.store(row + i, x1, mask=m)
-        tl.store(row + half + i, x2, mask=m)
-    if HAS_CACHE:  # noqa: SIM102 (a compile-time branch around a run-time one)
-        if head >= H:
-            slot = tl.load(slot_ptr + t).to(tl.int64)
-            if slot >= 0:
-                kv = head - H
-                dst = slot * (KV * D) + kv * D
-                tl.store(k_cache_ptr + dst + i, x1, mask=m)
-                tl.store(k_cache_ptr + dst + half + i, x2, mask=m)
-                v_row = row + KV * D  # value head kv sits KV heads after key head kv
-                v1 = tl.load(v_row + i, mask=m, other=0.0)
-                v2 = tl.load(v_row + half + i, mask=m, other=0.0)
-                tl.store(v_cache_ptr + dst + i, v1, mask=m)
-                tl.store(v_cache_ptr + dst + half + i, v2, mask=m)
+        tl.store(row, x1, mask=m)
+        tl.store(row + half, x2, mask=m)
+    if HAS_CACHE:
+        slot = tl.load(slot_ptr + t, mask=row_ok, other=-1).to(tl.int64)
+        store = m & ((head >= H) & (slot >= 0))[:, None]  # key heads of stored tokens
+        dst = (slot * (KV * D) + (head - H) * D)[:, None] + i[None, :]
+        tl.store(k_cache_ptr + dst, x1, mask=store)
+        tl.store(k_cache_ptr + dst + half, x2, mask=store)
+        v_row = row + KV * D  # value head kv sits KV heads after key head kv
+        tl.store(v_cache_ptr + dst, tl.load(v_row, mask=store, other=0.0), mask=store)
+        tl.store(v_cache_ptr + dst + half, tl.load(v_row + half, mask=store, other=0.0), mask=store)
+
+
+# rows ((token, head) pairs) per rope_store program: a token's heads at the least
+ROPE_ROWS = 64
 
 
 def rope_store(
@@ -84,32 +90,37 @@ def rope_store(
         return
     cos, sin = (rope[0].contiguous(), rope[1].contiguous()) if rope is not None else (qkv, qkv)
     k_cache, v_cache = cache if cache is not None else (qkv, qkv)
-    _rope_store_kernel[(t, n_heads + n_kv)](
+    heads_pad = triton.next_power_of_2(n_heads + n_kv)
+    block_t = max(1, ROPE_ROWS // heads_pad)
+    _rope_store_kernel[(triton.cdiv(t, block_t),)](
         qkv,
         cos,
         sin,
         k_cache,
         v_cache,
         slot_mapping if slot_mapping is not None else qkv,
+        t,
         qkv.stride(0),
         H=n_heads,
         KV=n_kv,
         D=d_head,
         HALF_PAD=triton.next_power_of_2(d_head // 2),
+        HEADS_PAD=heads_pad,
+        BLOCK_T=block_t,
         HAS_ROPE=rope is not None,
         HAS_CACHE=cache is not None,
     )
 
 
 @triton.jit
-def _attend_block(
+def _attend_tile(
     acc,  # (rows, D_PAD) fp32: the running sum of p.v
     m_i,  # (rows,) running max of the scores
     l_i,  # (rows,) running sum of exp(score - max)
     q,  # (rows, D_PAD)
     q_pos,  # (rows,) position of each query row: it sees keys at positions <= it
     slope,  # (rows,) ALiBi slope of each row's head (read when HAS_ALIBI)
-    j,  # which block of the sequence
+    j,  # which tile of the sequence's keys
     table_ptr,  # the sequence's block table
     k_cache_ptr,
     v_cache_ptr,
@@ -121,25 +132,27 @@ def _attend_block(
     KV: tl.constexpr,
     D: tl.constexpr,
     BS: tl.constexpr,
+    TILE: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """One block of keys into an online softmax (fp32): returns acc, m_i, l_i updated."""
-    offs = tl.arange(0, BS)
-    block = tl.load(table_ptr + j).to(tl.int64)
-    k_pos = j * BS + offs
-    kv_rows = (block * BS + offs) * (KV * D) + kv * D
-    kv_mask = (k_pos < seq_len)[:, None] & d_ok[None, :]
+    """One tile of TILE keys (TILE / BS blocks of the table, each key finding its own)
+    into an online softmax (fp32): returns acc, m_i, l_i updated."""
+    k_pos = j * TILE + tl.arange(0, TILE)
+    k_ok = k_pos < seq_len
+    block = tl.load(table_ptr + k_pos // BS, mask=k_ok, other=0).to(tl.int64)
+    kv_rows = (block * BS + k_pos % BS) * (KV * D) + kv * D
+    kv_mask = k_ok[:, None] & d_ok[None, :]
     k = tl.load(k_cache_ptr + kv_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(v_cache_ptr + kv_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (rows, BS) fp32
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (rows, TILE) fp32
     if HAS_ALIBI:
         s += slope[:, None] * (k_pos[None, :] - q_pos[:, None]).to(tl.float32)
-    visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos < seq_len)[None, :]
+    visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp(m_i - m_new)
@@ -172,6 +185,7 @@ def _paged_attention_kernel(
     D: tl.constexpr,
     D_PAD: tl.constexpr,
     BS: tl.constexpr,
+    TILE: tl.constexpr,  # keys per step of the online softmax
     BLOCK_G: tl.constexpr,  # G padded to a power of two
     BLOCK_Q: tl.constexpr,  # query tokens per program; BLOCK_Q * BLOCK_G rows
     HAS_ALIBI: tl.constexpr,
@@ -210,10 +224,10 @@ def _paged_attention_kernel(
         acc = tl.zeros([BLOCK_Q * BLOCK_G, D_PAD], tl.float32)
         last = tl.minimum(seq_len, cached + tl.minimum((qb + 1) * BLOCK_Q, q_len))
         table = block_tables_ptr + b.to(tl.int64) * stride_bt
-        for j in range(0, tl.cdiv(last, BS)):
-            acc, m_i, l_i = _attend_block(
+        for j in range(0, tl.cdiv(last, TILE)):
+            acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, q_pos, slope, j, table, k_cache_ptr, v_cache_ptr, seq_len,
-                kv, scale, d, d_ok, KV, D, BS, HAS_ALIBI, UPCAST, PRECISION,
+                kv, scale, d, d_ok, KV, D, BS, TILE, HAS_ALIBI, UPCAST, PRECISION,
             )  # fmt: skip
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_rows = (q_start + tok).to(tl.int64) * (KV * G * D) + head * D
@@ -243,6 +257,7 @@ def _decode_split_kernel(
     D: tl.constexpr,
     D_PAD: tl.constexpr,
     BS: tl.constexpr,
+    TILE: tl.constexpr,
     BLOCK_G: tl.constexpr,  # rows per program: G padded (at least 16 for tl.dot)
     SPLITS: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
@@ -250,15 +265,15 @@ def _decode_split_kernel(
     PRECISION: tl.constexpr,
 ):
     # flash-decoding: program (b, split, kv) attends sequence b's decode row over one
-    # contiguous share of its blocks; _combine_splits_kernel merges the shares
+    # contiguous share of its key tiles; _combine_splits_kernel merges the shares
     b = tl.program_id(0)
     split = tl.program_id(1)
     kv = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    n_blocks = tl.cdiv(seq_len, BS)
-    per = tl.cdiv(n_blocks, SPLITS)
+    n_tiles = tl.cdiv(seq_len, TILE)
+    per = tl.cdiv(n_tiles, SPLITS)
     first = split * per
-    last = tl.minimum(first + per, n_blocks)
+    last = tl.minimum(first + per, n_tiles)
     g = tl.arange(0, BLOCK_G)
     row_ok = g < G
     head = kv * G + g
@@ -279,9 +294,9 @@ def _decode_split_kernel(
     q_pos = tl.zeros([BLOCK_G], tl.int32) + (seq_len - 1)  # the decode row sees every key
     table = block_tables_ptr + b.to(tl.int64) * stride_bt
     for j in range(first, last):
-        acc, m_i, l_i = _attend_block(
+        acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, q_pos, slope, j, table, k_cache_ptr, v_cache_ptr, seq_len,
-            kv, scale, d, d_ok, KV, D, BS, HAS_ALIBI, UPCAST, PRECISION,
+            kv, scale, d, d_ok, KV, D, BS, TILE, HAS_ALIBI, UPCAST, PRECISION,
         )  # fmt: skip
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -323,12 +338,15 @@ def _combine_splits_kernel(
 
 
 # Programs a GPU runs at once, about (an H100 has 132 SMs): a decode batch with fewer
-# sequence x K/V-head programs than this splits each sequence's blocks over more programs
+# sequence x K/V-head programs than this splits each sequence's keys over more programs
 SPLIT_TARGET, MAX_SPLITS = 128, 16
+# Keys per step of the online softmax (FlashAttention's BLOCK_N): several blocks of the
+# paged cache at once, a block size's worth at the least
+KEY_TILE = 64
 
 
 def decode_splits(num_seqs: int, n_kv: int) -> int:
-    """How many shares of its blocks each decode row's attention is split into: from the
+    """How many shares of its keys each decode row's attention is split into: from the
     batch shape alone (never the lengths), so a CUDA graph of a bucket keeps it. In the
     interpreter a program costs host time instead of filling idle SMs: one pass there
     (the tests ask for splits explicitly)."""
@@ -381,7 +399,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention of a flattened batch of decodes and prefill chunks over the paged cache
     (the new tokens' K/V already stored) -> (T, H, D) in q's dtype. One launch for the
-    whole batch, or, for a batch of decodes too small to fill the GPU, each row's blocks
+    whole batch, or, for a batch of decodes too small to fill the GPU, each row's keys
     split over several programs and merged (flash-decoding). A sequence of seq_len 0 (a
     padding row) gives zeros."""
     t, h, d = q.shape
@@ -395,6 +413,7 @@ def paged_attention(
         D=d,
         D_PAD=max(16, triton.next_power_of_2(d)),
         BS=bs,
+        TILE=max(bs, KEY_TILE),
         BLOCK_G=block_g,
         HAS_ALIBI=alibi is not None,
         UPCAST=upcast,
