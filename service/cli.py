@@ -1,22 +1,33 @@
-"""The `kvserve` command."""
+"""The `kvserve` command.
+
+torch and the model load when a command that needs them runs, not at import: `--help`
+and a bad flag or KVSERVE_* variable answer in a fraction of a second."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-import torch
+from service.config import Settings, add_arguments, load_settings
 
-from model.audit import audit
-from model.device import dtype_name, pick_device, pick_dtype
-from model.generate import generate
-from model.loader import load
-from model.tokenizer import TokenizerError
-from model.weights import CheckpointError
+
+def _with_torch(command: Callable[..., int]) -> Callable[..., int]:
+    """Run a command under torch.inference_mode()."""
+
+    @functools.wraps(command)
+    def run(*args: object) -> int:
+        import torch
+
+        with torch.inference_mode():
+            return command(*args)
+
+    return run
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -29,7 +40,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+@_with_torch
 def _cmd_generate(args: argparse.Namespace) -> int:
+    from model.device import dtype_name, pick_device, pick_dtype
+    from model.generate import generate
+    from model.loader import load
+
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     t0 = time.perf_counter()
@@ -65,7 +81,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+@_with_torch
 def _cmd_audit(args: argparse.Namespace) -> int:
+    from model.audit import audit
+    from model.device import dtype_name, pick_device, pick_dtype
+    from model.loader import load
+
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     loaded = load(args.model, dtype, device)
@@ -89,8 +110,12 @@ def _plan_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     return load_config(args.model) if args.model else demo_config()
 
 
+@_with_torch
 def _cmd_plan(args: argparse.Namespace) -> int:
+    import torch
+
     from model.audit import plan
+    from model.device import dtype_name, pick_device, pick_dtype
     from model.hardware import Machine
 
     cfg = _plan_config(args)
@@ -146,12 +171,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from service.config import load_settings
+    return _serve(load_settings(args))  # a setting that does not parse stops here
+
+
+@_with_torch
+def _serve(settings: Settings) -> int:
     from service.server import serve
 
-    return serve(load_settings(args))
+    return serve(settings)
 
 
+@_with_torch
 def _cmd_download(args: argparse.Namespace) -> int:
     from model.hub import download
 
@@ -160,8 +190,6 @@ def _cmd_download(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from service.config import add_arguments
-
     parser = argparse.ArgumentParser(prog="kvserve", description="kvserve: LLM inference service")
     sub = parser.add_subparsers(dest="command", required=True)
     srv = sub.add_parser("serve", help="serve the OpenAI API (flags override KVSERVE_* variables)")
@@ -213,9 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     bn.set_defaults(func=bench_cli.run_cli)
     args = parser.parse_args(argv)
     try:
-        with torch.inference_mode():
-            return args.func(args)
-    except (CheckpointError, TokenizerError, ValueError) as exc:
+        return args.func(args)
+    except ValueError as exc:  # a bad setting; CheckpointError and TokenizerError are ValueErrors
         print(f"kvserve: error: {exc}", file=sys.stderr)
         return 2
 
