@@ -70,3 +70,25 @@ def test_backend_graphs_and_seqs_per_step() -> None:
     assert settings_from_argv(["--max-num-seqs", "8"]).seqs_per_step("cuda") == 8
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         settings_from_argv(["--gpu-memory-utilization", "1.5"])
+
+
+def test_a_setting_that_does_not_parse_stops_the_cli_before_torch_loads() -> None:
+    """`kvserve serve` with a bad flag or KVSERVE_* variable, and `--help`, answer without
+    importing torch (seconds of start-up) first."""
+    import subprocess
+    import sys
+
+    check = (
+        "import sys\n"
+        "from service.cli import main\n"
+        "assert main(['serve', '--max-num-seqs', '-1']) == 2\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "try:\n"
+        "    main(['serve', '--help'])\n"
+        "except SystemExit as e:\n"
+        "    assert e.code == 0\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "kvserve: error: max_num_seqs must be > 0, got -1" in out.stderr
