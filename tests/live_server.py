@@ -39,6 +39,22 @@ class Server:
                 return h
             time.sleep(0.05)
 
+    def wait_healthy(self, timeout: float = 120.0) -> Server:
+        """Wait until /health answers 200 (servers started with wait=False start side by
+        side: their imports overlap)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {_tail(self.log_path)}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"server did not become healthy: {_tail(self.log_path)}")
+
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -81,17 +97,4 @@ def start_server(
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
     server = Server(proc, f"http://127.0.0.1:{port}", log_path)
-    if wait:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited: {_tail(log_path)}")
-            try:
-                if httpx.get(server.url + "/health", timeout=2).status_code == 200:
-                    return server
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        server.stop()
-        raise RuntimeError(f"server did not become healthy: {_tail(log_path)}")
-    return server
+    return server.wait_healthy() if wait else server

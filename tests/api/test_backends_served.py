@@ -37,18 +37,16 @@ def test_triton_serves_the_cpu_backends_tokens(family: str, tmp_path: Path) -> N
         "logprobs": 1,
     }
     answers = {}
-    for name in ("cpu", "triton"):
-        srv = start_server(  # float32: the backends' arithmetic, not bf16 rounding, compared
-            str(tmp_path),
-            "--model",
-            str(tmp_path),
-            "--attention-backend",
-            name,
-            "--dtype",
-            "float32",
-        )
-        try:
-            with httpx.Client(base_url=srv.url, timeout=300) as c:
+    # both servers start side by side; float32: the backends' arithmetic, not bf16
+    # rounding, compared
+    flags = ["--model", str(tmp_path), "--dtype", "float32"]
+    servers = {
+        name: start_server(str(tmp_path), *flags, "--attention-backend", name, wait=False)
+        for name in ("cpu", "triton")
+    }
+    try:
+        for name, srv in servers.items():
+            with httpx.Client(base_url=srv.wait_healthy().url, timeout=300) as c:
                 card = c.get(f"/v1/models/{tmp_path.name}").json()
                 assert card["memory"]["attention_backend"]["name"] == name
                 r = c.post("/v1/completions", json=body)
@@ -56,7 +54,8 @@ def test_triton_serves_the_cpu_backends_tokens(family: str, tmp_path: Path) -> N
                 choice = r.json()["choices"][0]
                 answers[name] = (choice["text"], choice["logprobs"]["token_logprobs"])
             assert "attention backend " + name in Path(srv.log_path).read_text()
-        finally:
+    finally:
+        for srv in servers.values():
             srv.stop()
     (cpu_text, cpu_lp), (tr_text, tr_lp) = answers["cpu"], answers["triton"]
     assert tr_text == cpu_text and len(tr_lp) == 20

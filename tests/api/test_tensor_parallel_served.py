@@ -32,8 +32,8 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return checkpoint("llama_kv_split", tmp_path_factory.mktemp("llama"))
 
 
-def serve(ckpt: Path, tmp: Path, *args: str) -> Server:
-    return start_server(str(tmp), "--model", str(ckpt), "--dtype", "float32", *args)
+def serve(ckpt: Path, tmp: Path, *args: str, wait: bool = True) -> Server:
+    return start_server(str(tmp), "--model", str(ckpt), "--dtype", "float32", *args, wait=wait)
 
 
 def rank_pids(server: Server) -> list[int]:
@@ -54,13 +54,14 @@ def complete(server: Server, model: str) -> tuple[str, list[float]]:
 @pytest.mark.parametrize("family", list(WRITERS))
 def test_two_ranks_serve_one_ranks_tokens(family: str, tmp_path: Path) -> None:
     ckpt = checkpoint(family, tmp_path / family)
-    one = serve(ckpt, tmp_path)
+    one = serve(ckpt, tmp_path, wait=False)  # both start side by side
+    two = serve(ckpt, tmp_path, "--tensor-parallel-size", "2", wait=False)
     try:
-        ref_text, ref_lps = complete(one, ckpt.name)
+        ref_text, ref_lps = complete(one.wait_healthy(), ckpt.name)
     finally:
         one.stop()
-    two = serve(ckpt, tmp_path, "--tensor-parallel-size", "2")
     try:
+        two.wait_healthy()
         assert len(rank_pids(two)) == 1  # rank 1, started by the server
         text, lps = complete(two, ckpt.name)
         card = httpx.get(f"{two.url}/v1/models/{ckpt.name}", timeout=30).json()
