@@ -49,19 +49,10 @@ def counters(server: Server) -> dict[str, float]:
 
 
 def test_speculative_servers_give_the_plain_text(ckpts: dict[str, Path], tmp_path: Path) -> None:
-    model = ["--model", str(ckpts["target"]), "--served-model-name", "target"]
-    plain = start_server(str(tmp_path), *model, "--dtype", "float32")
-    try:
-        want, streamed = complete(plain)
-        assert streamed == want and want
-        assert counters(plain) == {
-            "kvserve_spec_decode_draft_tokens_total": 0.0,
-            "kvserve_spec_decode_accepted_tokens_total": 0.0,
-        }
-    finally:
-        plain.stop()
+    model = ["--model", str(ckpts["target"]), "--served-model-name", "target", "--dtype", "float32"]
+    always = ["--speculative-min-speedup", "0"]  # the counts below, whatever the clock
     # accepted / drafted: n-grams of a repeating output, the model itself, another model
-    for flags, share in (
+    cases = [
         (["--speculative-method", "ngram"], lambda r: r > 0),
         (
             ["--speculative-method", "draft", "--speculative-model", str(ckpts["target"])],
@@ -71,18 +62,29 @@ def test_speculative_servers_give_the_plain_text(ckpts: dict[str, Path], tmp_pat
             ["--speculative-method", "draft", "--speculative-model", str(ckpts["other"])],
             lambda r: r < 1,
         ),
-    ):
-        always = ["--speculative-min-speedup", "0"]  # the counts below, whatever the clock
-        server = start_server(str(tmp_path), *model, "--dtype", "float32", *flags, *always)
-        try:
-            assert complete(server) == (want, want), flags
+    ]
+    # the plain server and the three speculative ones start side by side
+    plain = start_server(str(tmp_path), *model, wait=False)
+    servers = [start_server(str(tmp_path), *model, *f, *always, wait=False) for f, _ in cases]
+    try:
+        want, streamed = complete(plain.wait_healthy())
+        assert streamed == want and want
+        assert counters(plain) == {
+            "kvserve_spec_decode_draft_tokens_total": 0.0,
+            "kvserve_spec_decode_accepted_tokens_total": 0.0,
+        }
+        plain.stop()
+        for server, (flags, share) in zip(servers, cases, strict=True):
+            assert complete(server.wait_healthy()) == (want, want), flags
             seen = counters(server)
             drafted = seen["kvserve_spec_decode_draft_tokens_total"]
             accepted = seen["kvserve_spec_decode_accepted_tokens_total"]
             assert drafted > 0 and share(accepted / drafted), (flags, seen)
             assert server.wait_idle()["kv_cache"]["blocks_used"] == 0
-        finally:
             assert server.stop() == 0
+    finally:
+        for server in (plain, *servers):
+            server.stop()
 
 
 def test_a_draft_of_another_tokenizer_stops_start_up(ckpts: dict[str, Path]) -> None:
