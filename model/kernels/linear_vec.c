@@ -172,6 +172,26 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even; NaN sta
 
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
+/* *buf, grown to at least `bytes` (its contents not kept). */
+static void *kept_buffer(void **buf, size_t *cap, size_t bytes) {
+    if (bytes > *cap) {
+        free(*buf);
+        *buf = malloc(bytes);
+        *cap = bytes;
+    }
+    return *buf;
+}
+
+/* The calling thread's buffer of n floats, 64-byte aligned, kept for its next pass: x's
+ * rows widened to float32 (6 k floats a pass: 344 KB at k = 14,336), which on the stack
+ * overflowed OpenMP workers started with a small OMP_STACKSIZE (256K crashed there) */
+static inline float *widened_rows(size_t n) {
+    static __thread void *buf;
+    static __thread size_t cap;
+    const uintptr_t p = (uintptr_t)kept_buffer(&buf, &cap, n * sizeof(float) + 63);
+    return (float *)((p + 63) & ~(uintptr_t)63);
+}
+
 /* exp(x) (common.h's polynomial), n = rint(x log2 e); x clamped to [-87, 88] so that 2^n
  * is a normal float built from its bits. */
 #define SCALAR(c) (c)
@@ -296,7 +316,7 @@ static inline __attribute__((always_inline)) void bf16_tile_fma(
     long pf_len) {
     /* x in float32, slices of XK k with the MR rows' slices side by side: a k pair's
      * broadcasts at fixed offsets from one pointer */
-    float xf[k * MR] __attribute__((aligned(64)));  /* 24 KB at k = 1,024 */
+    float *const xf = widened_rows((size_t)k * MR);  /* 24 KB at k = 1,024 */
     for (int s = 0; s < k / XK; ++s)
         for (int r = 0; r < MR; ++r)
             for (int i = 0; i < XK; ++i)
@@ -341,7 +361,7 @@ static inline __attribute__((always_inline)) void bf16_tile_fma(
 static inline __attribute__((always_inline)) void bf16_tile_sliced(
     const int MR, const uint16_t *x, int k, const uint16_t *w, float *acc, const char *pf,
     long pf_len) {
-    float xf[MR_MAX][k] __attribute__((aligned(32)));  /* 16 KB a thread at k = 1,024 */
+    float(*const xf)[k] = (float(*)[k])widened_rows((size_t)MR * k);  /* 16 KB at k = 1,024 */
     for (int r = 0; r < MR; ++r)
         for (int i = 0; i < k; ++i) xf[r][i] = bf16_to_f32(x[(long)r * k + i]);
     long pf_done = 0;
@@ -765,16 +785,6 @@ int linear_vec_init(void) { return 1; }
 #define AMX_INT8(m, k) 0
 #define linear_int8_amx(...) ((void)0)
 #endif
-
-/* *buf, grown to at least `bytes` (its contents not kept). */
-static void *kept_buffer(void **buf, size_t *cap, size_t bytes) {
-    if (bytes > *cap) {
-        free(*buf);
-        *buf = malloc(bytes);
-        *cap = bytes;
-    }
-    return *buf;
-}
 
 void linear_int8(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
                  uint16_t *scratch, int m, int n, int k, int nthreads) {

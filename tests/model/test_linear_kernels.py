@@ -4,6 +4,11 @@ int8 weights (linear_vec.c). Against fp32 matmul, bit for bit against a referenc
 vector code's arithmetic, a row's result independent of the rows beside it, and the fused
 SwiGLU against the unfused ops."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,6 +24,8 @@ from model.kernels.linear import (
     tile_linear_supported,
 )
 from model.layers import Linear, SwiGLU
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
@@ -198,3 +205,23 @@ def test_swiglu_module_packs_fused_where_the_shape_allows(isa: str, quantization
     odd = SwiGLU(ModelConfig(vocab_size=8, d_model=64, n_layers=1, n_heads=2, d_ff=96))
     odd.to(torch.bfloat16).pack(quantization)  # 2 x 96 rows: no whole gate/up block pairs
     assert not odd.w_in.gated and odd.w_in.packed
+
+
+def test_a_long_row_runs_on_a_small_worker_stack(isa: str) -> None:
+    """A pass's rows widened to float32 live in a per-thread heap buffer: an OpenMP worker
+    started with OMP_STACKSIZE=256K runs k = 28,672 (Llama-3-70B's FFN), 16 rows, where
+    the widened rows on its stack (458-688 KB) overflowed it."""
+    code = (
+        "import torch\n"
+        "from model.kernels.linear import tile_layout, tile_linear\n"
+        "k = 28672\n"
+        "w = (torch.randn(64, k) / k**0.5).to(torch.bfloat16)\n"
+        "x = torch.randn(16, k).to(torch.bfloat16)\n"
+        "y = tile_linear(x, tile_layout(w), None).float()\n"
+        "assert torch.allclose(y, x.float() @ w.float().T, atol=0.05, rtol=0.02)\n"
+    )
+    env = {**os.environ, "OMP_STACKSIZE": "256K"}  # KVSERVE_CPU_ISA: the isa fixture's
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT
+    )
+    assert out.returncode == 0, f"exit {out.returncode}: {out.stderr[-2000:]}"
