@@ -58,6 +58,9 @@ def test_two_ranks_serve_one_ranks_tokens(family: str, tmp_path: Path) -> None:
     two = serve(ckpt, tmp_path, "--tensor-parallel-size", "2", wait=False)
     try:
         ref_text, ref_lps = complete(one.wait_healthy(), ckpt.name)
+    except BaseException:
+        two.stop()
+        raise
     finally:
         one.stop()
     try:
