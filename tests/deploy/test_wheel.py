@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.live_server import free_port
+from tests.live_server import Server, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,14 +65,7 @@ def test_the_built_wheel_serves(tmp_path: Path) -> None:
         )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(1200):
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, log.read_text()[-3000:]
-            subprocess.run(["sleep", "0.1"], check=False)
+        Server(proc, url, str(log)).wait_healthy()  # fails with the log's tail if it exits
         page = httpx.get(url + "/", timeout=10)
         assert page.status_code == 200 and "<html" in page.text.lower()
         body = {"prompt": "Hello", "max_tokens": 8, "temperature": 0}
