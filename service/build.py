@@ -19,13 +19,13 @@ import torch
 from model.audit import audit, floors
 from model.device import dtype_name, pick_device, pick_dtype
 from model.hardware import matmul_throughput, memory_bandwidth
-from model.hub import ModelNotFound, resolve
+from model.hub import ModelNotFound, ModelSource, resolve
 from model.loader import load
 from model.parallel import TensorParallel, join, unsplittable
 from model.tokenizer import Tokenizer
 from model.transformer import Transformer
 from model.weights import load_config
-from service.config import Settings
+from service.config import Settings, quantization_conflict
 from service.engine.engine import LLMEngine
 from service.engine.stats import EngineObserver
 
@@ -51,15 +51,21 @@ def build(
     With tensor_parallel_size > 1 every rank calls this (rank 0 then serves, the others
     follow its steps: service/engine/ranks.py)."""
     device = pick_device(settings.device)
+    why = quantization_conflict(
+        settings.quantization, settings.attention_backend, settings.dtype, device.type
+    )
+    if why is not None:  # `--device auto` found a GPU
+        raise ValueError(why)
     dtype = pick_dtype(settings.dtype, device, settings.quantization)
     # a local directory, or a Hub repo id from the cache (downloaded when reachable)
     source = resolve(settings.model, settings.revision, settings.download_dir)
+    draft_source = _draft_source(settings)  # found before either model is read
     tp = _join_ranks(settings, device, source.path if source else None)
     if tp is not None and device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", tp.rank)))
     loaded = load(source.path if source else None, dtype, device, tp)
     model_id = settings.served_model_name or (source.model_id if source else loaded.model_id)
-    draft = _load_draft(settings, dtype, device, loaded.tokenizer)
+    draft = _load_draft(draft_source, dtype, device, loaded.tokenizer)
     engine = LLMEngine(
         loaded.model, loaded.tokenizer, settings, observer=observer(model_id), draft=draft
     )
@@ -126,18 +132,23 @@ def build(
     )
 
 
-def _load_draft(
-    settings: Settings, dtype: torch.dtype, device: torch.device, tokenizer: Tokenizer
-) -> Transformer | None:
-    """The speculative draft model (--speculative-model), which must tokenize as the
-    served model does: its proposals are token ids of the same vocabulary."""
+def _draft_source(settings: Settings) -> ModelSource | None:
+    """Where the speculative draft model (--speculative-model) is (None: no draft)."""
     if settings.speculative_model is None:
         return None
     try:
-        source = resolve(settings.speculative_model, None, settings.download_dir)
+        return resolve(settings.speculative_model, None, settings.download_dir)
     except ModelNotFound as e:
         raise ModelNotFound(f"speculative_model: {e}") from None
-    assert source is not None  # resolve gives None for no model only
+
+
+def _load_draft(
+    source: ModelSource | None, dtype: torch.dtype, device: torch.device, tokenizer: Tokenizer
+) -> Transformer | None:
+    """The speculative draft model, which must tokenize as the served model does: its
+    proposals are token ids of the same vocabulary."""
+    if source is None:
+        return None
     draft = load(source.path, dtype, device)
     probe = "Speculative decoding: the draft's ids must be the model's. 12345 ünïcödé"
     theirs = draft.tokenizer
@@ -158,14 +169,28 @@ def _join_ranks(
     world = settings.tensor_parallel_size
     if world == 1:
         return None
-    from model.demo import demo_config
-
-    cfg = load_config(model_dir) if model_dir is not None else demo_config()
-    why = unsplittable(cfg, world)
-    if why is not None:
-        raise ValueError(f"tensor_parallel_size: {why}")
+    check_split(settings, model_dir)
     tp = join(world, device, settings.rank_timeout)
     if device.type == "cpu":
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
     return tp
+
+
+def check_split(settings: Settings, model_dir: Path | None) -> None:
+    """A ValueError when the model (its config.json; None: the demo model) does not split
+    over tensor_parallel_size ranks: checked by `kvserve serve` before it starts its
+    ranks, and by each rank before it joins them."""
+    from model.demo import demo_config
+
+    cfg = load_config(model_dir) if model_dir is not None else demo_config()
+    why = unsplittable(cfg, settings.tensor_parallel_size)
+    if why is not None:
+        raise ValueError(f"tensor_parallel_size: {why}")
+
+
+def model_dir(settings: Settings) -> Path | None:
+    """The served model's directory (a Hub model's from the cache, downloaded when
+    missing and reachable; None: the demo model)."""
+    source = resolve(settings.model, settings.revision, settings.download_dir)
+    return source.path if source else None

@@ -24,6 +24,31 @@ QUANTIZATIONS = ("none", "int8")
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
 
 
+def quantization_conflict(quantization: str, backend: str, dtype: str, device: str) -> str | None:
+    """Why `quantization` cannot run with this attention backend, dtype and device (None:
+    it can). int8 weights run on the cpu backend's C kernels, with bfloat16 activations and
+    KV cache. Checked on the settings, then on the device `auto` resolved to, before any
+    weight is read."""
+    if quantization == "none":
+        return None
+    if backend in ("torch", "triton"):
+        return (
+            f"quantization {quantization} runs on the cpu backend's C kernels, not on the "
+            f"{backend} backend (use --attention-backend cpu or auto)"
+        )
+    if dtype in ("float32", "float16"):
+        return (
+            f"quantization {quantization} computes with bfloat16 activations and KV cache, "
+            f"not {dtype} (use --dtype bfloat16 or auto)"
+        )
+    if device not in ("auto", "cpu"):
+        return (
+            f"quantization {quantization} runs on the CPU's C kernels, not on {device} "
+            "(use --device cpu)"
+        )
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class Settings:
     model: str | None = field(
@@ -206,6 +231,11 @@ class Settings:
             raise ValueError(
                 f"quantization must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}"
             )
+        why = quantization_conflict(
+            self.quantization, self.attention_backend, self.dtype, self.device
+        )
+        if why is not None:
+            raise ValueError(why)
         if self.speculative_method not in SPECULATIVE_METHODS:
             raise ValueError(
                 f"speculative_method must be one of {list(SPECULATIVE_METHODS)}, "

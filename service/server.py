@@ -82,9 +82,14 @@ def serve(settings: Settings) -> int:
     world = settings.tensor_parallel_size
     if world > 1 and env_rank() != 0:
         return follow(settings)  # a rank started by torchrun or by rank 0 below
+    started_by_hand = world > 1 and "RANK" not in os.environ
+    if started_by_hand:  # a model that does not split stops here, before any rank starts
+        from service.build import check_split, model_dir
+
+        check_split(settings, model_dir(settings))
     app = create_app(settings)
     ranks = None
-    if world > 1 and "RANK" not in os.environ:  # started by hand: start ranks 1..N-1
+    if started_by_hand:  # start ranks 1..N-1
         shared = rendezvous(world)
         os.environ.update(shared | {"RANK": "0", "LOCAL_RANK": "0"})  # read by build()
         ranks = RankProcesses(settings, shared, lambda r, s: _rank_exited(app, r, s))

@@ -72,6 +72,24 @@ def test_backend_graphs_and_seqs_per_step() -> None:
         settings_from_argv(["--gpu-memory-utilization", "1.5"])
 
 
+def test_int8_weights_with_settings_that_cannot_run_them_stop_at_the_settings() -> None:
+    """int8 runs on the cpu backend's C kernels with bf16 activations: a backend, dtype
+    or device that rules that out is a settings error, found before any weight is read."""
+    for flags, needle in [
+        (["--attention-backend", "torch"], "not on the torch backend"),
+        (["--attention-backend", "triton"], "not on the triton backend"),
+        (["--dtype", "float32"], "bfloat16 activations and KV cache, not float32"),
+        (["--dtype", "float16"], "not float16"),
+        (["--device", "cuda"], "not on cuda"),
+        (["--device", "cuda:1"], "not on cuda:1"),
+    ]:
+        with pytest.raises(ValueError, match=needle):
+            settings_from_argv(["--quantization", "int8", *flags])
+        settings_from_argv(flags)  # fine without int8
+    for flags in ([], ["--attention-backend", "cpu"], ["--dtype", "bfloat16"], ["--device", "cpu"]):
+        assert settings_from_argv(["--quantization", "int8", *flags]).quantization == "int8"
+
+
 def test_a_setting_that_does_not_parse_stops_the_cli_before_torch_loads() -> None:
     """`kvserve serve` with a bad flag or KVSERVE_* variable, and `--help`, answer without
     importing torch (seconds of start-up) first."""
@@ -82,6 +100,7 @@ def test_a_setting_that_does_not_parse_stops_the_cli_before_torch_loads() -> Non
         "import sys\n"
         "from service.cli import main\n"
         "assert main(['serve', '--max-num-seqs', '-1']) == 2\n"
+        "assert main(['serve', '--quantization', 'int8', '--dtype', 'float32']) == 2\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
         "try:\n"
         "    main(['serve', '--help'])\n"
