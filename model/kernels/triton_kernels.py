@@ -33,17 +33,17 @@ def _rope_store_kernel(
     KV: tl.constexpr,
     D: tl.constexpr,
     HALF_PAD: tl.constexpr,
-    HEADS_PAD: tl.constexpr,  # H + KV padded to a power of two
-    BLOCK_T: tl.constexpr,  # tokens per program
+    ROWS: tl.constexpr,  # (token, head) rows per program
     HAS_ROPE: tl.constexpr,
     HAS_CACHE: tl.constexpr,
 ):
-    # program p: tokens p * BLOCK_T ..., one row per (token, head) over the query and key
-    # heads; a key head's row also stores its value head
-    r = tl.arange(0, BLOCK_T * HEADS_PAD)
-    t = tl.program_id(0) * BLOCK_T + r // HEADS_PAD
-    head = r % HEADS_PAD
-    row_ok = (t < n_tokens) & (head < H + KV)
+    # program p: rows p * ROWS ... of the (token, head) pairs over the query and key heads,
+    # token-major, every lane a real row (a program may start or end inside a token); a
+    # key head's row also stores its value head
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    t = r // (H + KV)
+    head = (r % (H + KV)).to(tl.int32)
+    row_ok = t < n_tokens
     half = D // 2
     i = tl.arange(0, HALF_PAD)
     m = row_ok[:, None] & (i < half)[None, :]
@@ -72,7 +72,7 @@ def _rope_store_kernel(
         tl.store(v_cache_ptr + dst + half, tl.load(v_row + half, mask=store, other=0.0), mask=store)
 
 
-# rows ((token, head) pairs) per rope_store program: a token's heads at the least
+# rows ((token, head) pairs) per rope_store program
 ROPE_ROWS = 64
 
 
@@ -90,9 +90,7 @@ def rope_store(
         return
     cos, sin = (rope[0].contiguous(), rope[1].contiguous()) if rope is not None else (qkv, qkv)
     k_cache, v_cache = cache if cache is not None else (qkv, qkv)
-    heads_pad = triton.next_power_of_2(n_heads + n_kv)
-    block_t = max(1, ROPE_ROWS // heads_pad)
-    _rope_store_kernel[(triton.cdiv(t, block_t),)](
+    _rope_store_kernel[(triton.cdiv(t * (n_heads + n_kv), ROPE_ROWS),)](
         qkv,
         cos,
         sin,
@@ -105,8 +103,7 @@ def rope_store(
         KV=n_kv,
         D=d_head,
         HALF_PAD=triton.next_power_of_2(d_head // 2),
-        HEADS_PAD=heads_pad,
-        BLOCK_T=block_t,
+        ROWS=ROPE_ROWS,
         HAS_ROPE=rope is not None,
         HAS_CACHE=cache is not None,
     )
