@@ -188,14 +188,21 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, seconds, any device")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--json", type=Path, default=OUT / "gpu_bench.json")
+    ap.add_argument(
+        "--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES),
+        help="which shapes, in this order (the JSON is rewritten after each one)",
+    )  # fmt: skip
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    shapes = {"smoke": SMOKE} if args.smoke else SHAPES
+    shapes = {"smoke": SMOKE} if args.smoke else {name: SHAPES[name] for name in args.shapes}
     sizes = (16, 16, 8, 4, 4, 16, [2, 4], 4) if args.smoke else (128, 256, 256, 512, 256, 2048, [32, 64, 128], 64)  # fmt: skip
     (args.prompt_len, args.output_len, args.requests, args.offline_in, args.offline_out,
      args.prefill_len, args.hf_batches, args.concurrency) = sizes  # fmt: skip
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    results = {name: measure(name, shape, args, device) for name, shape in shapes.items()}
+    results: dict[str, dict] = {}
+    for name, shape in shapes.items():  # a run cut short keeps the shapes it finished
+        results[name] = measure(name, shape, args, device)
+        write_json(args.json, gpu, results)
     print(f"\ndevice: {gpu}, torch {torch.__version__}")
     print(f"{'model':14s} {'floor ms':>9s} {'graphs ms':>10s} {'eager ms':>9s} {'x floor':>8s} "
           f"{'offline t/s':>12s} {'x HF':>6s} {'prefill t/s':>12s} {'x roof':>7s} {'HTTP/off':>9s}")  # fmt: skip
@@ -204,9 +211,12 @@ def main() -> None:
               f"{r['decode_ms_eager']:9.2f} {r['decode_vs_floor']:8.2f} {r['offline_tok_s']:12.1f} "
               f"{r['offline_vs_hf']:6.1f} {r['prefill_tok_s']:12.0f} {r['prefill_vs_roofline']:7.2f} "
               f"{100 * r['http']['ratio']:8.1f}%")  # fmt: skip
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"device": gpu, "torch": torch.__version__, "results": results}, indent=2))  # fmt: skip
     print(f"wrote {args.json}")
+
+
+def write_json(path: Path, gpu: str, results: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"device": gpu, "torch": torch.__version__, "results": results}, indent=2))  # fmt: skip
 
 
 if __name__ == "__main__":

