@@ -189,7 +189,7 @@ def check_split(settings: Settings, model_dir: Path | None) -> None:
         raise ValueError(f"tensor_parallel_size: {why}")
 
 
-def model_dir(settings: Settings) -> Path | None:
+def served_model_dir(settings: Settings) -> Path | None:
     """The served model's directory (a Hub model's from the cache, downloaded when
     missing and reachable; None: the demo model)."""
     source = resolve(settings.model, settings.revision, settings.download_dir)

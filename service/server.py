@@ -84,9 +84,9 @@ def serve(settings: Settings) -> int:
         return follow(settings)  # a rank started by torchrun or by rank 0 below
     started_by_hand = world > 1 and "RANK" not in os.environ
     if started_by_hand:  # a model that does not split stops here, before any rank starts
-        from service.build import check_split, model_dir
+        from service.build import check_split, served_model_dir
 
-        check_split(settings, model_dir(settings))
+        check_split(settings, served_model_dir(settings))
     app = create_app(settings)
     ranks = None
     if started_by_hand:  # start ranks 1..N-1
