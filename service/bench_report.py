@@ -132,8 +132,16 @@ def write_report(path: str | Path, report: dict[str, Any]) -> None:
 
 
 def cpu_model() -> str:
-    """The CPU's model name, as /proc/cpuinfo gives it (what RESULTS.md names)."""
+    """The CPU's model name, as /proc/cpuinfo gives it (what RESULTS.md names), with its
+    family and model numbers: a VM's CPU is often only "Intel(R) Xeon(R) Processor",
+    which Sapphire and Emerald Rapids both are."""
+    info: dict[str, str] = {}
     for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
+        if not line.strip():
+            break  # the first CPU's block
+        key, _, value = line.partition(":")
+        info.setdefault(key.strip(), value.strip())
+    name = info.get("model name") or platform.processor() or "unknown"
+    if "cpu family" in info and "model" in info:
+        name += f" (family {info['cpu family']}, model {info['model']})"
+    return name

@@ -5,7 +5,6 @@ set (`make reliability`), the table is written there as markdown at the end of t
 from __future__ import annotations
 
 import os
-import platform
 import subprocess
 import time
 from collections.abc import Iterator
@@ -13,6 +12,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from model.device import cpu_isa
+from service.bench_report import cpu_model
 from tests.live_server import Server, start_server
 
 ROWS: list[Row] = []
@@ -101,7 +102,7 @@ def render(rows: list[Row]) -> str:
         "`make reliability` (longer soak: `KVSERVE_SOAK_SECONDS=600 make reliability`).",
         "",
         f"Last run: {time.strftime('%Y-%m-%d %H:%M')} · commit {_commit()} · "
-        f"{platform.machine()}, {os.cpu_count()} cores",
+        f"{cpu_model()}, {os.cpu_count()} cores, kernels at {cpu_isa()}",
         "",
         "| Scenario | Load | Measured | Result |",
         "|---|---|---|---|",
@@ -115,5 +116,6 @@ def render(rows: list[Row]) -> str:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     path = os.environ.get("KVSERVE_RELIABILITY_REPORT")
     if path and ROWS:
+        report = render(ROWS)  # before the file is opened: it is part of the commit's state
         with open(path, "w") as f:
-            f.write(render(ROWS))
+            f.write(report)
