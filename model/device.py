@@ -89,6 +89,15 @@ def cpu_vendor() -> str:
     return _cpuinfo("vendor_id")
 
 
+def onednn_packs_bf16() -> bool:
+    """Whether torch's oneDNN takes a prepacked bf16 weight on this CPU: it needs
+    AVX-NE-CONVERT or AVX-512 BW/VL/DQ (torch refuses the reorder otherwise). An
+    AVX2-only CPU (AMD Zen 3, Intel before Skylake-SP) has neither; there a bf16 linear
+    outside the shapes of kvserve's kernels stays with F.linear."""
+    flags = cpu_flags()
+    return "avx_ne_convert" in flags or {"avx512bw", "avx512vl", "avx512dq"} <= flags
+
+
 def prefer_fma(level: str) -> bool:
     """Whether the compute-bound bf16 work at `level` multiplies as bf16 -> float32 and
     FMA rather than with vdpbf16ps: the linears' passes of four rows or more (a batch's

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.config import ModelConfig, RopeScaling
+from model.device import onednn_packs_bf16
 from model.kernels.linear import (
     int8_pack,
     int8_supported,
@@ -25,7 +26,8 @@ class Linear(nn.Linear):
     bf16 on the CPU, where the shape allows (out features a multiple of 64, in features
     of 32): kvserve's own kernels in one layout for every batch size and instruction set
     (AMX tiles, model/kernels/linear_bf16.c, or vector code, linear_vec.c), which compute
-    each row the same way whatever the batch; otherwise oneDNN's prepacked layout.
+    each row the same way whatever the batch; otherwise oneDNN's prepacked layout where
+    the CPU lets oneDNN pack bf16 (model.device.onednn_packs_bf16), else F.linear.
     quantization='int8': the weight becomes int8 with a float32 scale per output feature
     (linear_vec.c), where the shape allows. pack() keeps only the packed copy (the
     parameter becomes a meta tensor that still reports the shape), so it is the last thing
@@ -49,8 +51,10 @@ class Linear(nn.Linear):
             if self.gated:
                 w, b = swiglu_layout(w), swiglu_layout(b) if b is not None else None
             self._tiles, self._bias32, self.int8 = (int8_pack if int8 else tile_layout)(w), b, int8
-        else:
+        elif onednn_packs_bf16():
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        else:
+            return  # F.linear on the plain weight (see onednn_packs_bf16)
         self.weight = nn.Parameter(
             torch.empty(self.weight.shape, dtype=w.dtype, device="meta"), requires_grad=False
         )

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from model.device import onednn_packs_bf16
 from model.kernels.linear import linear_isa
 from model.loader import load
 from service.config import Settings
@@ -47,11 +48,13 @@ def test_int8_logits_stay_close_to_bf16(tmp_path: Path) -> None:
         engines[quantization] = LLMEngine(loaded.model, loaded.tokenizer, settings)
         models[quantization] = engines[quantization].model
     assert models["int8"].layers[0].attn.wo.int8
-    # qkv: 96 rows, not whole 64-feature blocks: neither kernel's layout, oneDNN's
-    assert models["int8"].layers[0].attn.wqkv.kernel == "onednn"
+    # qkv: 96 rows, not whole 64-feature blocks: neither kernel's layout; oneDNN's, or
+    # F.linear where oneDNN cannot pack bf16
+    other = "onednn" if onednn_packs_bf16() else "torch"
+    assert models["int8"].layers[0].attn.wqkv.kernel == other
     card = engines["int8"].backend.describe()
-    assert card["linears"]["onednn"] == len(models["int8"].layers)
-    assert card["linear_isa"] == f"{linear_isa('int8')}, onednn"  # most linears first
+    assert card["linears"][other] == len(models["int8"].layers)
+    assert card["linear_isa"] == f"{linear_isa('int8')}, {other}"  # most linears first
     gen = torch.Generator().manual_seed(0)
     agree, err, scale = [], [], []
     for _ in range(4):

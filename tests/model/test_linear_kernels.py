@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from model.config import ModelConfig
+from model.device import onednn_packs_bf16
 from model.kernels.linear import (
     int8_pack,
     int8_quantize,
@@ -148,8 +149,17 @@ def test_leading_dimensions_and_empty_input(isa: str) -> None:
         assert run(x[:0], w, None, int8).shape == (0, 3, 64)
 
 
+@pytest.mark.parametrize("onednn", [True, False], ids=["onednn", "no-onednn"])
 @pytest.mark.parametrize("quantization", ["none", "int8"])
-def test_linear_packs_where_the_shape_allows(isa: str, quantization: str) -> None:
+def test_linear_packs_where_the_shape_allows(
+    isa: str, quantization: str, onednn: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if onednn and not onednn_packs_bf16():
+        pytest.skip(
+            "oneDNN packs bf16 weights with AVX-NE-CONVERT or AVX-512 BW/VL/DQ; this CPU has neither"
+        )
+    # no-onednn: what an AVX2-only CPU does, on every CPU
+    monkeypatch.setattr("model.layers.onednn_packs_bf16", lambda: onednn)
     fits, odd = Linear(96, 128, bias=True), Linear(96, 100, bias=False)
     for layer in (fits, odd):
         layer.to(torch.bfloat16)
@@ -159,9 +169,11 @@ def test_linear_packs_where_the_shape_allows(isa: str, quantization: str) -> Non
         layer.pack(quantization=quantization)
     assert fits._tiles is not None and fits._packed is None
     assert fits.int8 == (quantization == "int8")
-    assert odd._tiles is None and odd._packed is not None  # 100 features: oneDNN's layout
+    # 100 features: oneDNN's layout, or F.linear on the weight as it was
+    assert odd._tiles is None and odd.kernel == ("onednn" if onednn else "torch")
+    assert fits.packed and fits.weight.device.type == "meta"
+    assert odd.packed == (odd.weight.device.type == "meta") == onednn
     for layer, want in zip((fits, odd), before):
-        assert layer.packed and layer.weight.device.type == "meta"
         tol = 3e-2 if layer.int8 else 8e-3
         torch.testing.assert_close(layer(x).float(), want, rtol=tol, atol=tol)
 
