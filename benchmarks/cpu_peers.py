@@ -34,7 +34,6 @@ import shlex
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +41,7 @@ import torch
 
 from model.audit import batch_floor
 from model.device import cpu_flags, cpu_isa, native_isa
-from model.hardware import matmul_throughput, memory_bandwidth
+from model.hardware import bf16_kernel_rate, matmul_throughput, memory_bandwidth
 from model.weights import load_config
 from service import bench
 from service.bench_cli import wait_healthy
@@ -97,28 +96,14 @@ COMPUTE: list[float] = []  # bf16 FLOP/s, one probe per concurrent round
 
 
 def bf16_matmul_rate() -> float:
-    """The best rate a step's bf16 matmuls reach here: kvserve's bf16 linear kernel on 256
-    rows against a weight that stays in cache, or PyTorch's bf16 matmul (2048^3) if that
-    is faster. Not PyTorch's where KVSERVE_CPU_ISA holds the kernels below the CPU's own
-    level: oneDNN would still use the CPU's best units (AMX), a ceiling the servers under
-    test are not allowed to reach."""
-    from model.kernels.linear import tile_layout, tile_linear, tile_linear_supported
-
-    own = cpu_isa() == native_isa()
-    rate = matmul_throughput(torch.bfloat16) if own else 0.0
-    w = torch.randn(1536, 576).to(torch.bfloat16)
-    if tile_linear_supported(w):
-        packed, x = tile_layout(w), torch.randn(256, 576).to(torch.bfloat16)
-        best = min(_seconds(lambda: tile_linear(x, packed, None)) for _ in range(10))
-        rate = max(rate, 2 * 256 * 1536 * 576 / best)
-    return rate or matmul_throughput(torch.bfloat16)  # no kernel at this level: oneDNN's
-
-
-def _seconds(fn, calls: int = 20) -> float:  # type: ignore[no-untyped-def]
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - start) / calls
+    """The best rate a step's bf16 matmuls reach here (model.hardware.matmul_throughput:
+    kvserve's bf16 linear kernel or PyTorch's bf16 matmul, whichever is faster), the
+    kernel's alone where KVSERVE_CPU_ISA holds the kernels below the CPU's own level:
+    oneDNN would still use the CPU's best units (AMX), a ceiling the servers under test
+    are not allowed to reach."""
+    if cpu_isa() == native_isa():
+        return matmul_throughput(torch.bfloat16)
+    return bf16_kernel_rate() or matmul_throughput(torch.bfloat16)
 
 
 def weight_bytes(model_dir: Path) -> dict[str, int]:
