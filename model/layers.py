@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from model.config import ModelConfig, RopeScaling
 from model.device import onednn_packs_bf16
 from model.kernels.linear import (
+    TILE_N,
     int8_pack,
     int8_supported,
     swiglu_layout,
@@ -23,15 +24,16 @@ from model.kernels.linear import (
 class Linear(nn.Linear):
     """nn.Linear that can hand its weight to a CPU matmul kernel in a prepacked layout.
 
-    bf16 on the CPU, where the shape allows (out features a multiple of 64, in features
-    of 32): kvserve's own kernels in one layout for every batch size and instruction set
-    (AMX tiles, model/kernels/linear_bf16.c, or vector code, linear_vec.c), which compute
-    each row the same way whatever the batch; otherwise oneDNN's prepacked layout where
-    the CPU lets oneDNN pack bf16 (model.device.onednn_packs_bf16), else F.linear.
-    quantization='int8': the weight becomes int8 with a float32 scale per output feature
-    (linear_vec.c), where the shape allows. pack() keeps only the packed copy (the
-    parameter becomes a meta tensor that still reports the shape), so it is the last thing
-    done to a model.
+    bf16 on the CPU, where the in features are a multiple of 32: kvserve's own kernels in
+    one layout for every batch size and instruction set (AMX tiles,
+    model/kernels/linear_bf16.c, or vector code, linear_vec.c), which compute each row the
+    same way whatever the batch; out features that are not whole 64-feature blocks (a
+    GPT-2 head's 50,257) get zero rows up to the next block, and the output is cut back.
+    Otherwise oneDNN's prepacked layout where the CPU lets oneDNN pack bf16
+    (model.device.onednn_packs_bf16), else F.linear. quantization='int8': the weight
+    becomes int8 with a float32 scale per output feature (linear_vec.c), where the in
+    features are a multiple of 4. pack() keeps only the packed copy (the parameter becomes
+    a meta tensor that still reports the shape), so it is the last thing done to a model.
     """
 
     _packed: Tensor | None = None  # oneDNN's layout
@@ -39,18 +41,24 @@ class Linear(nn.Linear):
     _bias32: Tensor | None = None
     int8 = False  # _tiles holds int8 weights
     gated = False  # packed as a fused SwiGLU (pack(swiglu=True)): forward gives silu(g) * u
+    pad = 0  # zero output rows in _tiles past out_features
 
     def pack(self, swiglu: bool = False, quantization: str = "none") -> None:
         """swiglu: this is the (gate | up) projection of a SwiGLU; where the kernels take
         it, forward then returns silu(gate) * up in one pass (see `gated`)."""
         w = self.weight.detach()
-        int8 = quantization == "int8" and int8_supported(w)
-        if int8 or tile_linear_supported(w):
+        pad = -w.shape[0] % TILE_N
+        padded = F.pad(w, (0, 0, 0, pad)) if pad else w
+        int8 = quantization == "int8" and int8_supported(padded)
+        if int8 or tile_linear_supported(padded):
             b = self.bias.detach().float() if self.bias is not None else None
-            self.gated = swiglu and w.shape[0] % 128 == 0
+            if pad and b is not None:
+                b = F.pad(b, (0, pad))
+            self.gated = swiglu and not pad and w.shape[0] % 128 == 0
             if self.gated:
-                w, b = swiglu_layout(w), swiglu_layout(b) if b is not None else None
-            self._tiles, self._bias32, self.int8 = (int8_pack if int8 else tile_layout)(w), b, int8
+                padded, b = swiglu_layout(w), swiglu_layout(b) if b is not None else None
+            self._tiles = (int8_pack if int8 else tile_layout)(padded)
+            self._bias32, self.int8, self.pad = b, int8, pad
         elif onednn_packs_bf16():
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
         else:
@@ -73,8 +81,9 @@ class Linear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         if self._tiles is not None:
-            shape = tuple(self.weight.shape) if self.int8 else None
-            return tile_linear(x, self._tiles, self._bias32, self.gated, shape)
+            shape = (self.out_features + self.pad, self.in_features) if self.int8 else None
+            out = tile_linear(x, self._tiles, self._bias32, self.gated, shape)
+            return out[..., : self.out_features].contiguous() if self.pad else out
         if self._packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")

@@ -92,7 +92,9 @@ class DecoderStack:
                 and isinstance(block.ffn_norm, RMSNorm)
                 and isinstance(block.ffn, SwiGLU)
                 and block.ffn.w_in.gated
-                and all(isinstance(m, Linear) and m._tiles is not None for m in linears)
+                and all(
+                    isinstance(m, Linear) and m._tiles is not None and not m.pad for m in linears
+                )
                 and len({m.int8 for m in linears}) == 1
             ):
                 return None

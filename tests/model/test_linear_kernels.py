@@ -160,22 +160,30 @@ def test_linear_packs_where_the_shape_allows(
         )
     # no-onednn: what an AVX2-only CPU does, on every CPU
     monkeypatch.setattr("model.layers.onednn_packs_bf16", lambda: onednn)
-    fits, odd = Linear(96, 128, bias=True), Linear(96, 100, bias=False)
-    for layer in (fits, odd):
+    # whole blocks; 100 features padded to 128; 90 in features, neither kernel's
+    fits, padded, odd = Linear(96, 128), Linear(96, 100), Linear(90, 100, bias=False)
+    layers = (fits, padded, odd)
+    for layer in layers:
         layer.to(torch.bfloat16)
-    x = torch.randn(5, 96).to(torch.bfloat16)
-    before = [F.linear(x, layer.weight, layer.bias).float() for layer in (fits, odd)]
-    for layer in (fits, odd):
+    xs = [torch.randn(5, layer.in_features).to(torch.bfloat16) for layer in layers]
+    before = [F.linear(x, layer.weight, layer.bias).float() for x, layer in zip(xs, layers)]
+    for layer in layers:
         layer.pack(quantization=quantization)
-    assert fits._tiles is not None and fits._packed is None
-    assert fits.int8 == (quantization == "int8")
-    # 100 features: oneDNN's layout, or F.linear on the weight as it was
+    for layer in (fits, padded):
+        assert layer._tiles is not None and layer._packed is None
+        assert layer.int8 == (quantization == "int8")
+        assert layer.packed and layer.weight.device.type == "meta"
+    assert (fits.pad, padded.pad) == (0, 28)
+    # oneDNN's layout, or F.linear on the weight as it was
     assert odd._tiles is None and odd.kernel == ("onednn" if onednn else "torch")
-    assert fits.packed and fits.weight.device.type == "meta"
     assert odd.packed == (odd.weight.device.type == "meta") == onednn
-    for layer, want in zip((fits, odd), before):
+    for layer, x, want in zip(layers, xs, before):
+        got = layer(x)
+        assert got.shape == want.shape and got.is_contiguous()
         tol = 3e-2 if layer.int8 else 8e-3
-        torch.testing.assert_close(layer(x).float(), want, rtol=tol, atol=tol)
+        torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+    # the padded rows change nothing a row is computed from: alone as in the batch
+    assert torch.equal(padded(xs[1][2:3]), padded(xs[1])[2:3])
 
 
 @pytest.mark.parametrize("int8", [False, True], ids=["bf16", "int8"])

@@ -76,6 +76,10 @@ def test_models_and_steps_it_does_not_take_run_as_modules(isa: str) -> None:
     assert stack_model(norm="layernorm")._stack is None
     assert stack_model(position="alibi")._stack is None
     assert stack_model(norm_placement="post")._stack is None
+    # head size 32, groups of 3 as above, but 96 + 64 qkv features: padded to 192, which
+    # the stack's C code does not cut back
+    padded = stack_model(d_model=96, n_heads=3, n_kv_heads=1)
+    assert padded.layers[0].attn.wqkv.pad == 32 and padded._stack is None
     model = stack_model()
     fp32_cache = PagedKVCache(model.cfg, 4, 16, torch.float32, "cpu")
     meta = AttentionMetadata.paged([[0]], [0], [3], 16)
