@@ -23,7 +23,9 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
+from model.device import onednn_packs_bf16
 from model.kernels.linear import (
     int8_pack,
     linear_isa,
@@ -70,7 +72,13 @@ def main() -> None:
     kind = "int8" if int8 else "bf16"
     pack = int8_pack if int8 else tile_layout
     tiles = [pack(swiglu_layout(w) if w.shape == gate_up else w) for w in plain]
-    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in plain]
+    # the reference: oneDNN's prepacked bf16 matmul, or torch's F.linear on a CPU where
+    # oneDNN cannot pack bf16 (AVX2 only: model.device.onednn_packs_bf16)
+    ref_name = "oneDNN" if onednn_packs_bf16() else "torch"
+    if onednn_packs_bf16():
+        refs = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in plain]
+    else:
+        refs = plain
     del plain
     flops_per_row = sum(2 * n * k for n, k in shapes)
 
@@ -78,23 +86,26 @@ def main() -> None:
         for x, w, shape in zip(xs, tiles, shapes, strict=True):
             tile_linear(x, w, None, swiglu=shape == gate_up, shape=shape if int8 else None)
 
-    def onednn_pass(xs) -> None:
-        for x, w in zip(xs, onednn, strict=True):
-            torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    def ref_pass(xs) -> None:
+        for x, w in zip(xs, refs, strict=True):
+            if ref_name == "torch":
+                F.linear(x, w)
+            else:
+                torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
 
     rows_out = []
     print(f"kvserve's {kind} kernel: {linear_isa(kind)}; threads {torch.get_num_threads()}")
     print(
-        f"{'rows':>5} {'kvserve ms':>9} {'oneDNN ms':>10} {'speed-up':>9} {'kvserve TFLOP/s':>14}"
+        f"{'rows':>5} {'kvserve ms':>9} {ref_name + ' ms':>10} {'speed-up':>9} {'kvserve TFLOP/s':>14}"
     )
     for m in args.rows:
         inputs = {k: torch.randn(m, k).to(torch.bfloat16) for k in {k for _, k in shapes}}
         xs = [inputs[k] for _, k in shapes]
         t_ms = median_ms(lambda xs=xs: tile_pass(xs), args.repeats)
-        d_ms = median_ms(lambda xs=xs: onednn_pass(xs), args.repeats)
+        d_ms = median_ms(lambda xs=xs: ref_pass(xs), args.repeats)
         tflops = m * flops_per_row / (t_ms / 1000) / 1e12
         print(f"{m:5d} {t_ms:9.2f} {d_ms:10.2f} {d_ms / t_ms:8.2f}x {tflops:14.2f}")
-        rows_out.append({"rows": m, "kvserve_ms": t_ms, "onednn_ms": d_ms})
+        rows_out.append({"rows": m, "kvserve_ms": t_ms, "reference_ms": d_ms})
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(
         json.dumps(
@@ -102,6 +113,7 @@ def main() -> None:
                 "threads": torch.get_num_threads(),
                 "weights": kind,
                 "kernel": linear_isa(kind),
+                "reference": ref_name,
                 "runs": rows_out,
             },
             indent=2,
