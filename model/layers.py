@@ -41,7 +41,7 @@ class Linear(nn.Linear):
     _bias32: Tensor | None = None
     int8 = False  # _tiles holds int8 weights
     gated = False  # packed as a fused SwiGLU (pack(swiglu=True)): forward gives silu(g) * u
-    pad = 0  # zero output rows in _tiles past out_features
+    pad = 0  # zero output rows in _tiles past the weight's
 
     def pack(self, swiglu: bool = False, quantization: str = "none") -> None:
         """swiglu: this is the (gate | up) projection of a SwiGLU; where the kernels take
@@ -81,9 +81,10 @@ class Linear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         if self._tiles is not None:
-            shape = (self.out_features + self.pad, self.in_features) if self.int8 else None
+            n, k = self.weight.shape  # the meta weight's: the features before padding
+            shape = (n + self.pad, k) if self.int8 else None
             out = tile_linear(x, self._tiles, self._bias32, self.gated, shape)
-            return out[..., : self.out_features].contiguous() if self.pad else out
+            return out[..., :n].contiguous() if self.pad else out
         if self._packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
