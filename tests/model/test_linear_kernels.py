@@ -182,7 +182,7 @@ def test_linear_packs_where_the_shape_allows(
         assert got.shape == want.shape and got.is_contiguous()
         tol = 3e-2 if layer.int8 else 8e-3
         torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
-    # the padded rows change nothing a row is computed from: alone as in the batch
+    # with the padding, a row's result is still the same alone as in a batch
     assert torch.equal(padded(xs[1][2:3]), padded(xs[1])[2:3])
 
 
