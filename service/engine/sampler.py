@@ -264,7 +264,12 @@ def _top_p(probs: Tensor, top_p: Tensor) -> Tensor:
         before = top.cumsum(dim=-1) - top  # mass strictly before each token
         # a row is done once its set lies within its k most likely tokens
         done = (before[:, -1] + top[:, -1] >= p[:, 0]) if k < v else None
-        kept = top.masked_fill_(before >= p, 0.0)  # the top token always survives
+        drop = before >= p
+        # the top token always survives, also where top_p is 0 in float32: the API takes
+        # any top_p > 0, and 5e-324 rounds to 0 here (nothing kept, and the draw fell
+        # past the row's end: a token outside a grammar's mask)
+        drop[:, 0] = False
+        kept = top.masked_fill_(drop, 0.0)
         if done is None or bool(done.all()):
             if whole:
                 return out.scatter_(1, order, kept)

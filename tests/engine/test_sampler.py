@@ -145,6 +145,20 @@ def test_top_p_rows_of_one_batch_go_as_far_as_each_needs() -> None:
     assert widths == [(3, 256), (2, 4096), (1, 20_000)]
 
 
+def test_a_top_p_below_float32s_range_keeps_the_most_likely_token() -> None:
+    """top_p = 5e-324 passes the API's > 0 and is 0 in the sampler's float32 column: the
+    row keeps its most likely token (it kept none, and the draw fell past the row's end)."""
+    logits = torch.randn(V, generator=torch.Generator().manual_seed(3))
+    logits[V - 1] = -50.0  # the last id, where an empty row's draw landed
+    got = draws(logits, 8, temperature=1.0, top_p=5e-324)
+    assert got.tolist() == [int(logits.argmax())] * 8
+    probs = torch.softmax(logits, -1)[None].expand(2, -1)
+    kept = _top_p(probs, torch.zeros(2, 1))
+    assert (kept > 0).sum(-1).tolist() == [1, 1] and kept.argmax(-1).tolist() == [
+        int(logits.argmax())
+    ] * 2
+
+
 def test_top_k_in_a_batch_filters_its_own_rows_only() -> None:
     """Rows with top_k and rows without, in one batch: each keeps its own distribution."""
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -30.0, 1.5, 0.25])
