@@ -56,7 +56,7 @@ class Linear(nn.Linear):
                 b = F.pad(b, (0, pad))
             self.gated = swiglu and not pad and w.shape[0] % 128 == 0
             if self.gated:
-                padded, b = swiglu_layout(w), swiglu_layout(b) if b is not None else None
+                padded, b = swiglu_layout(padded), swiglu_layout(b) if b is not None else None
             self._tiles = (int8_pack if int8 else tile_layout)(padded)
             self._bias32, self.int8, self.pad = b, int8, pad
         elif onednn_packs_bf16():
