@@ -74,11 +74,13 @@ def main() -> None:
     tiles = [pack(swiglu_layout(w) if w.shape == gate_up else w) for w in plain]
     # the reference: oneDNN's prepacked bf16 matmul, or torch's F.linear on a CPU where
     # oneDNN cannot pack bf16 (AVX2 only: model.device.onednn_packs_bf16)
-    ref_name = "oneDNN" if onednn_packs_bf16() else "torch"
     if onednn_packs_bf16():
-        refs = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in plain]
+        ref_name, refs = "oneDNN", [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in plain]
+
+        def ref_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
     else:
-        refs = plain
+        ref_name, refs, ref_linear = "torch", plain, F.linear
     del plain
     flops_per_row = sum(2 * n * k for n, k in shapes)
 
@@ -88,10 +90,7 @@ def main() -> None:
 
     def ref_pass(xs) -> None:
         for x, w in zip(xs, refs, strict=True):
-            if ref_name == "torch":
-                F.linear(x, w)
-            else:
-                torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+            ref_linear(x, w)
 
     rows_out = []
     print(f"kvserve's {kind} kernel: {linear_isa(kind)}; threads {torch.get_num_threads()}")
