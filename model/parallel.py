@@ -155,10 +155,17 @@ def env_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+# how long a rank waits for every other rank to join the group: ranks start side by side
+# but reach the join apart by their start-up (imports, a loaded host), which is not what
+# --rank-timeout bounds; a rank that never arrives still fails the join
+JOIN_TIMEOUT_FLOOR_S = 60.0
+
+
 def join(world: int, device: torch.device, timeout_s: float) -> TensorParallel:
     """Join the process group of `world` ranks (from RANK, WORLD_SIZE, MASTER_ADDR and
     MASTER_PORT): NCCL on CUDA, gloo on the CPU. A collective that waits longer than
-    `timeout_s` for a rank raises, so a dead or hung rank cannot hang the others."""
+    `timeout_s` for a rank raises, so a dead or hung rank cannot hang the others; the
+    join itself waits max(timeout_s, JOIN_TIMEOUT_FLOOR_S) for the last rank."""
     given = int(os.environ.get("WORLD_SIZE", world))
     if given != world:
         raise ValueError(f"tensor_parallel_size is {world} but WORLD_SIZE is {given}")
@@ -176,9 +183,12 @@ def join(world: int, device: torch.device, timeout_s: float) -> TensorParallel:
         # the interpreter, and a rank could abort as it exits. Imported here, it holds None.
         import torch.distributed.nn  # noqa: F401
 
+        joining = timedelta(seconds=max(timeout_s, JOIN_TIMEOUT_FLOOR_S))
+        store, rank, _ = next(dist.rendezvous("env://", env_rank(), world, timeout=joining))
         dist.init_process_group(
             "nccl" if device.type == "cuda" else "gloo",
-            rank=env_rank(),
+            store=store,
+            rank=rank,
             world_size=world,
             timeout=timedelta(seconds=timeout_s),
             device_id=device if device.type == "cuda" else None,

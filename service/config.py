@@ -96,7 +96,8 @@ class Settings:
         default=60.0,
         metadata={
             "help": "seconds a tensor-parallel rank waits on another before the server "
-            "fails (/health 503, non-zero exit) instead of hanging"
+            "fails (/health 503, non-zero exit) instead of hanging (joining at start-up "
+            "waits at least 60)"
         },
     )
     kv_cache_gib: float = field(
