@@ -7,6 +7,7 @@ others follow, and writes what it saw to OUT as JSON."""
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -50,12 +51,24 @@ def serve(engine) -> dict[str, object]:  # type: ignore[no-untyped-def]
     return {"tokens": tokens, "logprobs": logprobs}
 
 
-def left_cleanly() -> int:
+def _thread_name(tid: str) -> str:
+    try:
+        return Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+    except FileNotFoundError:
+        return "(exited)"
+
+
+def left_cleanly(within: float = 5.0) -> int:
     """After leaving the process group a rank runs no thread but its own: a gloo worker
-    thread still alive when the interpreter finalises can abort the process (SIGABRT)."""
-    threads = len(os.listdir("/proc/self/task"))
-    if threads != 1:
-        print(f"{threads - 1} threads outlive the process group", flush=True)
+    thread still alive when the interpreter finalises can abort the process (SIGABRT).
+    A thread already on its way out gets `within` seconds to finish (on a loaded host
+    the check can run before it is scheduled)."""
+    deadline = time.monotonic() + within
+    while len(tasks := os.listdir("/proc/self/task")) != 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if len(tasks) != 1:
+        names = sorted(_thread_name(t) for t in tasks)
+        print(f"{len(tasks) - 1} threads outlive the process group: {names}", flush=True)
         return 3
     return 0
 
