@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test test-fast reliability lint clean
+.PHONY: serve test test-fast reliability fuzz lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,10 @@ test: $(STAMP) $(SYSDEPS)
 # (KVSERVE_SOAK_SECONDS=600 for a longer soak).
 reliability: $(STAMP) $(SYSDEPS)
 	KVSERVE_RELIABILITY_REPORT=tests/RELIABILITY.md $(PY) -m pytest -q tests/reliability $(PYTEST_ARGS)
+
+# the API fuzz scenario with new random draws (CI runs a fixed set); repeat to explore
+fuzz: $(STAMP)
+	KVSERVE_FUZZ=random $(PY) -m pytest -q tests/reliability/test_fuzz.py $(PYTEST_ARGS)
 
 # without the parity runs against transformers and the reliability scenarios
 test-fast: $(STAMP)
