@@ -6,8 +6,10 @@ Every weight of the 30 layers (qkv 960x576, o 576x576, gate|up 3072x576, down 57
 and the tied head (49152x576) is a separate random tensor, so each pass streams 270 MB
 the way a decode step does, not a weight that sits in cache. kvserve runs gate|up as the
 model does, one SwiGLU pass whose epilogue stores silu(gate) * up (oneDNN's pass is the
-plain matmul). Times one pass (median of repeats) per row count. Prints a table and
-writes JSON. With --quantization int8 kvserve's pass is its int8 linears (int8_pack) and
+plain matmul). Times one pass (median of repeats) per row count, and next to it a plain
+read of kvserve's weights (each viewed as float32 and summed by torch, call by call: the
+bytes the pass must stream, the bandwidth one row's pass can at best reach). Prints a
+table and writes JSON. With --quantization int8 kvserve's pass is its int8 linears (int8_pack) and
 oneDNN's stays bf16.
 
     python benchmarks/linear_kernels.py --rows 1 4 16 64 256 2048
@@ -92,19 +94,33 @@ def main() -> None:
         for x, w in zip(xs, refs, strict=True):
             ref_linear(x, w)
 
+    words = [w.view(torch.float32) for w in tiles]  # every byte of the weights
+
+    def read_pass() -> None:
+        for w in words:
+            w.sum()
+
+    weight_bytes = sum(w.numel() * 4 for w in words)
+
     rows_out = []
     print(f"kvserve's {kind} kernel: {linear_isa(kind)}; threads {torch.get_num_threads()}")
     print(
-        f"{'rows':>5} {'kvserve ms':>9} {ref_name + ' ms':>10} {'speed-up':>9} {'kvserve TFLOP/s':>14}"
+        f"{'rows':>5} {'kvserve ms':>9} {ref_name + ' ms':>10} {'speed-up':>9} "
+        f"{'kvserve TFLOP/s':>14} {'read ms':>8} {'kvserve GB/s':>12} {'read GB/s':>9}"
     )
     for m in args.rows:
         inputs = {k: torch.randn(m, k).to(torch.bfloat16) for k in {k for _, k in shapes}}
         xs = [inputs[k] for _, k in shapes]
         t_ms = median_ms(lambda xs=xs: tile_pass(xs), args.repeats)
         d_ms = median_ms(lambda xs=xs: ref_pass(xs), args.repeats)
+        r_ms = median_ms(read_pass, args.repeats)
         tflops = m * flops_per_row / (t_ms / 1000) / 1e12
-        print(f"{m:5d} {t_ms:9.2f} {d_ms:10.2f} {d_ms / t_ms:8.2f}x {tflops:14.2f}")
-        rows_out.append({"rows": m, "kvserve_ms": t_ms, "reference_ms": d_ms})
+        gbs, read_gbs = weight_bytes / t_ms / 1e6, weight_bytes / r_ms / 1e6
+        print(
+            f"{m:5d} {t_ms:9.2f} {d_ms:10.2f} {d_ms / t_ms:8.2f}x {tflops:14.2f} "
+            f"{r_ms:8.2f} {gbs:12.1f} {read_gbs:9.1f}"
+        )
+        rows_out.append({"rows": m, "kvserve_ms": t_ms, "reference_ms": d_ms, "read_ms": r_ms})
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(
         json.dumps(
@@ -113,6 +129,7 @@ def main() -> None:
                 "weights": kind,
                 "kernel": linear_isa(kind),
                 "reference": ref_name,
+                "weight_bytes": weight_bytes,
                 "runs": rows_out,
             },
             indent=2,
