@@ -41,7 +41,7 @@ def one_rank(ckpt: Path) -> dict[str, object]:
 
 
 def two_ranks(ckpt: Path, out: Path, **kw: object) -> dict[str, object]:
-    results = run_ranks(2, [str(ckpt), str(out)], **kw)
+    results = run_ranks(2, ["-m", "tests.engine.tp_rank", str(ckpt), str(out)], **kw)
     for rank, r in enumerate(results):
         assert r.returncode == 0, f"rank {rank} failed:\n{r.stdout[-3000:]}"
     report = json.loads(out.read_text())

@@ -23,14 +23,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def run_ranks(
     world: int,
-    args: list[str],
+    argv: list[str],
     master: str = "127.0.0.1",
     wrap: list[list[str]] | None = None,
     env: list[dict[str, str]] | None = None,
     timeout: float = 240,
 ) -> list[subprocess.CompletedProcess]:
-    """Run `python -m tests.engine.tp_rank *args` as `world` ranks; wrap[r]: a command
-    prefix for rank r (ip netns exec NS); env[r]: its extra variables."""
+    """Run `python *argv` (`-m tests.engine.tp_rank CKPT OUT`, or `-c CODE`) as `world`
+    ranks; wrap[r]: a command prefix for rank r (ip netns exec NS); env[r]: its extra
+    variables."""
     shared = rendezvous(world) | {
         "MASTER_ADDR": master,
         "PYTHONPATH": str(ROOT),
@@ -42,7 +43,7 @@ def run_ranks(
         extra = env[rank] if env else {}
         procs.append(
             subprocess.Popen(
-                [*prefix, sys.executable, "-m", "tests.engine.tp_rank", *args],
+                [*prefix, sys.executable, *argv],
                 env=os.environ | shared | extra | {"RANK": str(rank), "LOCAL_RANK": str(rank)},
                 cwd=ROOT,
                 stdout=subprocess.PIPE,
