@@ -9,8 +9,8 @@ model does, one SwiGLU pass whose epilogue stores silu(gate) * up (oneDNN's pass
 plain matmul). Times one pass (median of repeats) per row count, and next to it a plain
 read of kvserve's weights (each viewed as float32 and summed by torch, call by call: the
 bytes the pass must stream, the bandwidth one row's pass can at best reach). Prints a
-table and writes JSON. With --quantization int8 kvserve's pass is its int8 linears (int8_pack) and
-oneDNN's stays bf16.
+table and writes JSON. With --quantization int8 kvserve's pass is its int8 linears
+(int8_pack) and oneDNN's stays bf16.
 
     python benchmarks/linear_kernels.py --rows 1 4 16 64 256 2048
     KVSERVE_CPU_ISA=avx512-bf16 python benchmarks/linear_kernels.py --quantization int8
