@@ -51,8 +51,11 @@ class StepBuffers:
         host, dev = self._bufs.get(name, (None, None))
         if host is None or host.numel() < n:
             size = max(n, 2 * host.numel() if host is not None else 256)
-            host = torch.empty(size, dtype=torch.int32, pin_memory=True)
-            dev = torch.empty(size, dtype=torch.int32, device=self.device)
+            # plain tensors, whatever mode the first caller runs in: an inference tensor
+            # could not be written outside inference mode
+            with torch.inference_mode(False):
+                host = torch.empty(size, dtype=torch.int32, pin_memory=True)
+                dev = torch.empty(size, dtype=torch.int32, device=self.device)
             self._bufs[name] = (host, dev)
         host.numpy()[:n] = values
         dev[:n].copy_(host[:n], non_blocking=True)

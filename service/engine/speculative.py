@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
 from service.engine.ranks import Step
 from service.engine.request import Request
@@ -104,6 +105,7 @@ class DraftModel:
         """Compute the draft's K/V of the target's step (no logits)."""
         self.runner.forward(Step(step.tokens, step.block_tables, step.starts, step.num_new, []))
 
+    @torch.inference_mode()  # as the target's forwards (ModelRunner.run)
     def propose(self, requests: Sequence[Request], wanted: Sequence[int]) -> list[list[int]]:
         """Up to wanted[i] greedy tokens of the draft after request i's tokens, in
         max(wanted) batched forwards of one token per sequence."""
