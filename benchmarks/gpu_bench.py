@@ -8,8 +8,8 @@ written by transformers; for each, in the same run:
   measured here);
 - offline throughput of 256 requests x (512 in, 256 out) against transformers
   `generate` at its best batch size;
-- prefill of 8 x 2048 tokens, tokens/s against the roofline (measured bf16 matmul
-  FLOP/s / 2 x parameters);
+- prefill of 8 x 2048 tokens (the context less one where shorter), tokens/s against the
+  roofline (measured bf16 matmul FLOP/s / 2 x parameters);
 - HTTP streaming at concurrency 64 against the offline engine on the same requests.
 
 Prints a table and writes JSON. `--smoke` runs the same code on tiny shapes (the CPU, in
@@ -92,6 +92,20 @@ def engine_for(path: Path, device: torch.device, dtype: torch.dtype, **settings)
     return LLMEngine(loaded.model, loaded.tokenizer, Settings(**settings))
 
 
+def kv_blocks(args) -> int:
+    """A KV pool that holds every request of the largest run at once, for each engine of
+    this process. The default (--gpu-memory-utilization) sizes one engine per process,
+    as a server is: it counts the process's other engines as used and leaves the second
+    nothing. The served run (its own process) is sized by that default."""
+    block = Settings().block_size
+    need = max(
+        args.requests * -(-(args.offline_in + args.offline_out) // block),
+        4 * args.concurrency * -(-(args.prompt_len + args.output_len) // block),
+        8 * -(-args.prefill_len // block),
+    )
+    return need + 256
+
+
 def hf_best(path, device, dtype, prompts, out_len, batches) -> dict:
     import transformers as tf
 
@@ -115,8 +129,11 @@ def hf_best(path, device, dtype, prompts, out_len, batches) -> dict:
 
 
 def prefill(engine: LLMEngine, n: int, length: int, vocab: int, device: torch.device) -> float:
-    prompts = [torch.randint(0, vocab, (length,)).tolist() for _ in range(n)]
-    run_batch(engine, prompts[:1], 1)  # warm-up
+    """Prompt tokens/s of n prompts of `length` (one token out), after the same run on
+    other prompts: the first step of a new token count loads the kernels it picks (a
+    ~0.3-0.5 s stall on the H100), which is start-up, not prefill."""
+    warm, prompts = ([torch.randint(0, vocab, (length,)).tolist() for _ in range(n)] for _ in "ab")
+    run_batch(engine, warm, 1)
     sync(device)
     t0 = time.perf_counter()
     run_batch(engine, prompts, 1)
@@ -146,8 +163,10 @@ def measure(name: str, shape: dict, args, device: torch.device) -> dict:
     dtype = torch.bfloat16
     path = checkpoint(args.out / f"{name}-random", shape, dtype)
     print(f"{name}: {path}")
-    eng = engine_for(path, device, dtype, max_num_seqs=args.concurrency)
+    blocks = kv_blocks(args)
+    eng = engine_for(path, device, dtype, max_num_seqs=args.concurrency, num_kv_blocks=blocks)
     cfg, vocab = eng.model.cfg, eng.model.cfg.vocab_size
+    prefill_len = min(args.prefill_len, eng.max_model_len - 1)  # and one token out
     floor_ms = 1000 * weight_bytes(cfg, "bfloat16") / copy_bandwidth(device)
     flops = matmul_throughput(dtype, device, n=1024 if args.smoke else 8192)
     # prefill computes the head for one row a sequence: the layers' weights are the work
@@ -155,14 +174,16 @@ def measure(name: str, shape: dict, args, device: torch.device) -> dict:
     prompt = torch.randint(0, vocab, (args.prompt_len,)).tolist()
     run_single(eng, prompt, 8)  # warm-up
     graphs = run_single(eng, prompt, args.output_len)
-    eager_eng = engine_for(path, device, dtype, max_num_seqs=args.concurrency, enforce_eager=True)
+    eager_eng = engine_for(
+        path, device, dtype, max_num_seqs=args.concurrency, enforce_eager=True, num_kv_blocks=blocks
+    )
     eager = run_single(eager_eng, prompt, args.output_len)
     del eager_eng
     prompts = [torch.randint(0, vocab, (args.offline_in,)).tolist() for _ in range(args.requests)]
-    big = engine_for(path, device, dtype, max_num_seqs=256)
+    big = engine_for(path, device, dtype, max_num_seqs=256, num_kv_blocks=blocks)
     run_batch(big, prompts[:4], 4)  # warm-up
     offline = run_batch(big, prompts, args.offline_out)
-    pre = prefill(big, 8, args.prefill_len, vocab, device)
+    pre = prefill(big, 8, prefill_len, vocab, device)
     del big
     hf = hf_best(path, device, dtype, prompts, args.offline_out, args.hf_batches)
     http = http_vs_offline(path, eng, args, 4 * args.concurrency, vocab)
@@ -176,6 +197,8 @@ def measure(name: str, shape: dict, args, device: torch.device) -> dict:
         "offline_tok_s": offline["output_tok_s"],
         "hf": hf,
         "offline_vs_hf": offline["output_tok_s"] / hf["output_tok_s"],
+        "prefill_len": prefill_len,
+        "kv_blocks": blocks,
         "prefill_tok_s": pre,
         "prefill_roofline_tok_s": roofline,
         "prefill_vs_roofline": pre / roofline,
