@@ -6,7 +6,7 @@ whether a step waits on the host (Python, metadata, sampling) or on kernels, and
     PYTHONPATH=. python benchmarks/gpu_profile.py --shapes smollm2-135m llama-3.2-1b
 
 The prefill runs after one prompt's warm-up only, so a step of a token count not seen
-before shows its first-use cost (on the H100, 0.3-0.5 s loading the kernels it picks).
+before shows its first-use cost (0.3-0.5 s on the H100).
 `--smoke` runs the tiny shape on any device (how the script is checked without a GPU).
 Writes each profile table to --tables (a folder) and prints a summary last.
 """
