@@ -1,7 +1,7 @@
 """The `triton` backend: kvserve's Triton kernels (model/kernels/triton_kernels.py) for
-RoPE + KV store and for paged attention over a flattened batch of decodes and prefill
-chunks, in one launch each per layer, with no mask and no gather. Its KV layout is the
-reference's, (num_blocks, block_size, KV, head_dim) per layer.
+the residual add + RMSNorm, RoPE + KV store and paged attention over a flattened batch of
+decodes and prefill chunks, in one launch each per layer, with no mask and no gather. Its
+KV layout is the reference's, (num_blocks, block_size, KV, head_dim) per layer.
 
 Its step metadata is int32 and built from persistent host buffers (pinned on CUDA) with
 non-blocking copies, so building it never waits for the device; nothing in the forward
@@ -16,11 +16,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from model.attention import AttentionMetadata
 from model.backends.reference import TorchBackend, split_heads
 from model.config import ModelConfig
+from model.layers import RMSNorm
 
 
 def unsupported(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> str | None:
@@ -118,6 +119,14 @@ class TritonBackend(TorchBackend):
             query_start=put("starts", starts),
             seq_lens_t=put("seq_lens", cached + q),
         )
+
+    def add_norm(self, norm: nn.Module, x: Tensor, delta: Tensor | None) -> tuple[Tensor, Tensor]:
+        """RMSNorm in one kernel with the residual add before it (x updated in place, as
+        the cpu backend does); LayerNorm as the reference computes it."""
+        fused = isinstance(norm, RMSNorm) and x.is_contiguous() and norm.weight.dtype == x.dtype
+        if fused and (delta is None or delta.dtype == x.dtype):
+            return x, self.kernels.add_rms_norm(x, delta, norm.weight, norm.eps)
+        return super().add_norm(norm, x, delta)
 
     def rope_store(
         self,

@@ -1,4 +1,6 @@
-"""kvserve's Triton kernels for the GPU backend (model/backends/triton.py).
+"""kvserve's Triton kernels for the GPU backend (model/backends/triton_backend.py): the
+residual add + RMSNorm, RoPE + KV store, and paged attention (one pass, or split over
+programs and merged for small decode batches).
 
 They read the paged KV cache in the layout every GPU paged kernel reads: per layer
 K and V of (num_blocks, block_size, KV, D). On a machine without a GPU they run in
@@ -107,6 +109,69 @@ def rope_store(
         HAS_ROPE=rope is not None,
         HAS_CACHE=cache is not None,
     )
+
+
+@triton.jit
+def _rounded(f, dtype: tl.constexpr):
+    """fp32 -> dtype, to nearest even. bf16 is rounded by hand first (exact after): the
+    interpreter's cast truncates, so the kernel gives the GPU's bits there too."""
+    if dtype == tl.bfloat16:
+        u = f.to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+        f = u.to(tl.float32, bitcast=True)
+    return f.to(dtype)
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr,  # (T, D), x + delta written back in place
+    delta_ptr,  # (T, D), read when HAS_DELTA
+    w_ptr,  # (D,)
+    out_ptr,  # (T, D)
+    eps,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
+):
+    # program t: row t. The sum is rounded to x's dtype before the norm reads it, and the
+    # normalised row before the weight multiplies it (HF's RMSNorm; the cpu backend's
+    # add_rms_norm): one pass instead of torch's add, upcast, norm, downcast and scale
+    row = tl.program_id(0).to(tl.int64) * D
+    i = tl.arange(0, D_PAD)
+    ok = i < D
+    x = tl.load(x_ptr + row + i, mask=ok, other=0.0)
+    if HAS_DELTA:
+        d = tl.load(delta_ptr + row + i, mask=ok, other=0.0)
+        x = _rounded(x.to(tl.float32) + d.to(tl.float32), x_ptr.dtype.element_ty)
+        tl.store(x_ptr + row + i, x, mask=ok)
+    f = x.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(f * f, 0) / D + eps)
+    normed = _rounded(f * inv, x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + i, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row + i, _rounded(w * normed, out_ptr.dtype.element_ty), mask=ok)
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """x (T, D) contiguous += delta in place (when given); returns weight * rmsnorm(x) in
+    x's dtype, one launch for the batch."""
+    t, d = x.shape
+    out = torch.empty_like(x)
+    if t == 0:
+        return out
+    _add_rms_norm_kernel[(t,)](
+        x,
+        delta.contiguous() if delta is not None else x,
+        weight,
+        out,
+        eps,
+        D=d,
+        D_PAD=triton.next_power_of_2(d),
+        HAS_DELTA=delta is not None,
+        num_warps=4 if d <= 2048 else 8,
+    )
+    return out
 
 
 @triton.jit

@@ -55,6 +55,27 @@ def test_triton_attention_matches_reference_on_cuda(shape, dtype) -> None:
     torch.testing.assert_close(out, ref, atol=2e-2 if dtype == torch.bfloat16 else 1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("d", [576, 2048, 4096])
+def test_fused_add_rms_norm_matches_reference_on_cuda(d: int) -> None:
+    """The residual add in place and the RMSNorm in one kernel: the reference's sum bit
+    for bit, its norm within a rare ulp (the sum of squares in another order)."""
+    from model.layers import RMSNorm
+
+    cfg = ModelConfig(vocab_size=8, d_model=d, n_layers=1, n_heads=1, n_kv_heads=1, d_ff=8)
+    dev = torch.device("cuda")
+    triton = select_backend("triton", dev, torch.bfloat16, cfg, 16)
+    norm = RMSNorm(d, 1e-5).to(dev, torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(d, device=dev) + 0.5)
+    x = (torch.randn(300, d, device=dev) * 3).to(torch.bfloat16)
+    delta = torch.randn(300, d, device=dev).to(torch.bfloat16)
+    x_ref, h_ref = TorchBackend(dev).add_norm(norm, x.clone(), delta)
+    x_out, h = triton.add_norm(norm, x.clone(), delta)
+    assert torch.equal(x_out, x_ref)
+    torch.testing.assert_close(h.float(), h_ref.float(), atol=0, rtol=2**-7)
+    assert (h != h_ref).float().mean() < 0.01
+
+
 def test_cuda_default_is_triton_with_graphs_and_matches_eager() -> None:
     model = small_model().to("cuda", torch.bfloat16)
     engine = cuda_engine(model)

@@ -184,3 +184,30 @@ def test_decode_splits_follow_the_batch_shape_only(monkeypatch) -> None:
     assert decode_splits(1, 8) == MAX_SPLITS  # one stream: fill the GPU with shares
     assert decode_splits(4, 8) == 4
     assert decode_splits(64, 8) == 1  # enough programs already: one pass
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d", [64, 576], ids=lambda d: f"d{d}")  # 576: SmolLM2's, padded
+@pytest.mark.parametrize("add", [True, False], ids=["add", "no-add"])
+def test_add_rms_norm_matches_reference(dtype, d, add) -> None:
+    """The residual add (in place) and the RMSNorm in one kernel give the reference's
+    x + delta and weight * norm(x + delta), x's dtype throughout."""
+    from model.layers import RMSNorm
+
+    cfg = ModelConfig(vocab_size=8, d_model=d, n_layers=1, n_heads=1, n_kv_heads=1, d_ff=8)
+    triton = make_backend("triton", cfg, 16, dtype)
+    norm = RMSNorm(d, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(d) + 0.5)
+    x = (torch.randn(7, d) * 3).to(dtype)
+    delta = torch.randn(7, d).to(dtype) if add else None
+    x_ref, h_ref = TorchBackend().add_norm(norm, x.clone(), delta)
+    mine = x.clone()
+    x_out, h = triton.add_norm(norm, mine, delta)
+    assert x_out.data_ptr() == mine.data_ptr() and h.dtype == dtype
+    assert torch.equal(x_out, x_ref)  # one rounding of the same sum
+    if dtype == torch.float32:
+        torch.testing.assert_close(h, h_ref, atol=1e-5, rtol=1e-5)
+    else:  # the sum of squares in another order: at most a rare ulp, then rounded the same
+        torch.testing.assert_close(h.float(), h_ref.float(), atol=0, rtol=2**-7)
+        assert (h != h_ref).float().mean() < 0.01
