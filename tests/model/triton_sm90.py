@@ -1,0 +1,151 @@
+"""Compile every Triton kernel of model/kernels/triton_kernels.py for an H100 (sm_90)
+with Triton's own compiler and ptxas, no GPU needed: the interpreter that the CPU tests
+run the kernels in accepts code the GPU compiler rejects, and this catches it. Each
+variant is a launch the backend makes (dtype, GQA group, head size, the constexpr
+branches), written the way the launchers in triton_kernels.py call the kernels.
+
+    python -m tests.model.triton_sm90     # TRITON_INTERPRET unset; one line per variant
+
+tests/model/test_triton_compile.py runs it in a subprocess (the test session itself has
+the interpreter on).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from model.kernels import triton_kernels as K
+
+H100 = GPUTarget("cuda", 90, 32)
+
+
+def _rope(dt: str, d: int, rope: bool, cache: bool) -> tuple:
+    ptr = f"*{dt}"
+    types = dict(qkv_ptr=ptr, cos_ptr=ptr, sin_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr,
+                 slot_ptr="*i32" if cache else ptr, n_tokens="i32", stride_t="i32")  # fmt: skip
+    consts = dict(H=9, KV=3, D=d, HALF_PAD=triton.next_power_of_2(d // 2), ROWS=K.ROPE_ROWS,
+                  HAS_ROPE=rope, HAS_CACHE=cache)  # fmt: skip
+    return K._rope_store_kernel, types, consts, 4
+
+
+def _attention_consts(dt: str, group: int, d: int, alibi: bool) -> dict:
+    upcast = dt == "fp32"
+    return dict(G=group, KV=2, D=d, D_PAD=max(16, triton.next_power_of_2(d)), BS=16,
+                TILE=K.KEY_TILE, BLOCK_G=triton.next_power_of_2(group), HAS_ALIBI=alibi,
+                UPCAST=upcast, PRECISION="ieee" if upcast else "tf32")  # fmt: skip
+
+
+def _paged(dt: str, group: int, d: int, alibi: bool, block_q: int) -> tuple:
+    ptr = f"*{dt}"
+    types = dict(q_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, out_ptr=ptr,
+                 block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_ptr="*i32",
+                 alibi_ptr="*fp32" if alibi else ptr, scale="fp32", stride_qt="i32",
+                 stride_qh="i32", stride_bt="i32")  # fmt: skip
+    consts = _attention_consts(dt, group, d, alibi) | dict(BLOCK_Q=block_q)
+    return K._paged_attention_kernel, types, consts, 4
+
+
+def _split(dt: str, group: int, d: int, alibi: bool, splits: int) -> tuple:
+    ptr = f"*{dt}"
+    types = dict(q_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, part_ptr="*fp32",
+                 lse_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i32",
+                 alibi_ptr="*fp32" if alibi else ptr, scale="fp32", stride_qt="i32",
+                 stride_qh="i32", stride_bt="i32")  # fmt: skip
+    consts = _attention_consts(dt, group, d, alibi)
+    consts |= dict(BLOCK_G=max(16, consts["BLOCK_G"]), SPLITS=splits)
+    return K._decode_split_kernel, types, consts, 4
+
+
+def _combine(dt: str, d: int, splits: int) -> tuple:
+    types = dict(part_ptr="*fp32", lse_ptr="*fp32", out_ptr=f"*{dt}")
+    consts = dict(H=6, D=d, D_PAD=max(16, triton.next_power_of_2(d)), SPLITS=splits,
+                  SPLITS_PAD=triton.next_power_of_2(splits))  # fmt: skip
+    return K._combine_splits_kernel, types, consts, 4
+
+
+def _norm(dt: str, d: int, delta: bool) -> tuple:
+    ptr = f"*{dt}"
+    types = dict(x_ptr=ptr, delta_ptr=ptr, w_ptr=ptr, out_ptr=ptr, eps="fp32")
+    consts = dict(D=d, D_PAD=triton.next_power_of_2(d), HAS_DELTA=delta)
+    return K._add_rms_norm_kernel, types, consts, 4 if d <= 2048 else 8
+
+
+VARIANTS = {
+    "rope_store bf16 d64": _rope("bf16", 64, True, True),
+    "rope_store fp32 d80 no-rope": _rope("fp32", 80, False, True),
+    "rope_store bf16 d128 no-cache": _rope("bf16", 128, True, False),
+    "paged_attention bf16 g4 d64 decode": _paged("bf16", 4, 64, False, 4),
+    "paged_attention bf16 g3 d64 prefill": _paged("bf16", 3, 64, False, 16),
+    "paged_attention fp32 g1 d80 alibi": _paged("fp32", 1, 80, True, 16),
+    "decode_split bf16 g4 d128": _split("bf16", 4, 128, False, 16),
+    "decode_split fp32 g3 d80 alibi": _split("fp32", 3, 80, True, 4),
+    "combine_splits bf16 d64": _combine("bf16", 64, 16),
+    "add_rms_norm bf16 d576": _norm("bf16", 576, True),
+    "add_rms_norm fp32 d2048 no-add": _norm("fp32", 2048, False),
+    "add_rms_norm bf16 d4096": _norm("bf16", 4096, True),
+}
+
+
+def compile_variant(fn, types: dict[str, str], consts: dict, num_warps: int) -> bytes:
+    """The kernel's cubin for the H100; every parameter typed or given, or a ValueError
+    naming the one that is not (the table above has drifted from the kernel)."""
+    signature = {}
+    for p in fn.params:
+        if p.is_constexpr:
+            if p.name not in consts:
+                raise ValueError(f"{fn.__name__}: no value for constexpr {p.name}")
+            signature[p.name] = "constexpr"
+        elif p.name in types:
+            signature[p.name] = types[p.name]
+        else:
+            raise ValueError(f"{fn.__name__}: no type for argument {p.name}")
+    extra = (set(types) | set(consts)) - {p.name for p in fn.params}
+    if extra:
+        raise ValueError(f"{fn.__name__}: no parameters named {sorted(extra)}")
+    src = ASTSource(fn=fn, signature=signature, constexprs=consts)
+    kernel = triton.compile(src, target=H100, options={"num_warps": num_warps})
+    return kernel.asm["cubin"]
+
+
+def resources(cubin: bytes) -> str:
+    """Registers and stack (spills) per thread, from the cuobjdump Triton ships."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run(
+            [str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True
+        ).stdout
+    fields = next((ln.split() for ln in out.splitlines() if "REG:" in ln), [])
+    return " ".join(f for f in fields if f.startswith(("REG:", "STACK:"))) or "no usage line"
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("TRITON_INTERPRET=1: the kernels are the interpreter's, not compilable")
+        return 2
+    failed = 0
+    for name, (fn, types, consts, warps) in VARIANTS.items():
+        t0 = time.perf_counter()
+        try:
+            cubin = compile_variant(fn, types, consts, warps)
+        except Exception as exc:  # report every variant, then fail
+            failed += 1
+            print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[-1500:]}")
+            continue
+        took = time.perf_counter() - t0
+        print(f"ok {name}: {len(cubin)} bytes of sm_90 code, {resources(cubin)}, {took:.1f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
