@@ -189,10 +189,15 @@ def test_decode_splits_follow_the_batch_shape_only(monkeypatch) -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("d", [64, 576], ids=lambda d: f"d{d}")  # 576: SmolLM2's, padded
 @pytest.mark.parametrize("add", [True, False], ids=["add", "no-add"])
-def test_add_rms_norm_matches_reference(dtype, d, add) -> None:
+@pytest.mark.parametrize("rows", [1, 4], ids=lambda r: f"{r}-rows-a-program")
+def test_add_rms_norm_matches_reference(dtype, d, add, rows, monkeypatch) -> None:
     """The residual add (in place) and the RMSNorm in one kernel give the reference's
-    x + delta and weight * norm(x + delta), x's dtype throughout."""
+    x + delta and weight * norm(x + delta), x's dtype throughout; one row a program (as
+    on a GPU) or several, the last program part empty."""
+    from model.kernels import triton_kernels
     from model.layers import RMSNorm
+
+    monkeypatch.setattr(triton_kernels, "NORM_ROWS", rows)
 
     cfg = ModelConfig(vocab_size=8, d_model=d, n_layers=1, n_heads=1, n_kv_heads=1, d_ff=8)
     triton = make_backend("triton", cfg, 16, dtype)
