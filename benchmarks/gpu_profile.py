@@ -8,7 +8,7 @@ whether a step waits on the host (Python, metadata, sampling) or on kernels, and
 The prefill runs after one prompt's warm-up only, so a step of a token count not seen
 before shows its first-use cost (0.3-0.5 s on the H100).
 `--smoke` runs the tiny shape on any device (how the script is checked without a GPU).
-Writes each profile table to --tables (a folder) and prints a summary last.
+Writes every profile table to one file (--tables) and prints a summary last.
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ def add(engine, prompts: list[list[int]], out_len: int) -> None:
         engine.add_request(f"p{time.monotonic_ns()}", p, params)
 
 
-def profile(engine, device: torch.device, prompts, out_len: int, skip: int, path: Path) -> str:
-    """Run the requests, profiling the steps after the first `skip`; the table by device
-    time (by host time where there is no GPU) goes to path; returns its head."""
+def profile(engine, device: torch.device, prompts, out_len: int, skip: int) -> tuple[str, str]:
+    """Run the requests, profiling the steps after the first `skip` -> the tables by
+    device time (host time where there is no GPU) and by host time, and the first's head."""
     add(engine, prompts, out_len)
     for _ in range(skip):
         engine.step()
@@ -62,13 +62,13 @@ def profile(engine, device: torch.device, prompts, out_len: int, skip: int, path
     by_host = prof.key_averages().table(
         sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60
     )
-    path.write_text(f"by {key}\n{by_device}\n\nby self_cpu_time_total\n{by_host}\n")
-    return "\n".join(by_device.splitlines()[:14])
+    tables = f"by {key}\n{by_device}\n\nby self_cpu_time_total\n{by_host}\n"
+    return tables, "\n".join(by_device.splitlines()[:14])
 
 
-def python_profile(engine, prompt: list[int], steps: int, path: Path) -> str:
-    """cProfile of `steps` single-stream decode steps: the host's Python by own time
-    (written to path; returns the head)."""
+def python_profile(engine, prompt: list[int], steps: int) -> tuple[str, str]:
+    """cProfile of `steps` single-stream decode steps -> the host's Python by own time,
+    and its head."""
     import cProfile
     import io
     import pstats
@@ -82,10 +82,9 @@ def python_profile(engine, prompt: list[int], steps: int, path: Path) -> str:
     prof.disable()
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
-    path.write_text(buf.getvalue())
     lines = [ln for ln in buf.getvalue().splitlines() if ln.strip()]
     start = next(i for i, ln in enumerate(lines) if ln.lstrip().startswith("ncalls"))
-    return "\n".join(lines[start : start + 16])
+    return buf.getvalue(), "\n".join(lines[start : start + 16])
 
 
 def measure(name: str, shape: dict, args, device: torch.device) -> dict:
@@ -105,11 +104,13 @@ def measure(name: str, shape: dict, args, device: torch.device) -> dict:
         eng.step()
     add(eng, [single], args.decode_steps + 1)
     dec = timed_steps(eng, device)[1:]  # the prompt's step out
-    tables = args.tables
-    tables.mkdir(parents=True, exist_ok=True)
-    pre_head = profile(eng, device, prompts[:2], 1, 0, tables / f"{name}-prefill.txt")
-    dec_head = profile(eng, device, [single], 33, 1, tables / f"{name}-decode.txt")
-    py_head = python_profile(eng, single, 64, tables / f"{name}-decode-python.txt")
+    pre_tables, pre_head = profile(eng, device, prompts[:2], 1, 0)
+    dec_tables, dec_head = profile(eng, device, [single], 33, 1)
+    py_tables, py_head = python_profile(eng, single, 64)
+    with args.tables.open("a") as f:  # one file: a lent GPU host brings back few
+        for what, text in (("prefill", pre_tables), ("decode", dec_tables),
+                           ("decode, host Python (cProfile)", py_tables)):  # fmt: skip
+            f.write(f"===== {name}: {what}\n{text}\n")
     return {
         "prefill_step_ms": [round(ms, 2) for ms in pre],
         "prefill_tokens": len(prompts) * plen,
@@ -127,10 +128,12 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="the tiny shape, any device")
     ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     ap.add_argument("--out", type=Path, default=OUT, help="where the checkpoints are written")
-    ap.add_argument("--tables", type=Path, default=OUT / "gpu_profile")
+    ap.add_argument("--tables", type=Path, default=OUT / "gpu_profile.txt")
     ap.add_argument("--prefills", type=int, default=8, help="prompts of the context less one")
     ap.add_argument("--decode-steps", type=int, default=64)
     args = ap.parse_args()
+    args.tables.parent.mkdir(parents=True, exist_ok=True)
+    args.tables.write_text("")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shapes = {"smoke": SMOKE} if args.smoke else {n: SHAPES[n] for n in args.shapes}
     results = {name: measure(name, shape, args, device) for name, shape in shapes.items()}

@@ -14,7 +14,8 @@
 #       folder of their own, runs the steps named, in this order (default: tests bench):
 #       tests = `pytest -m gpu`, bench = gpu_bench.py, profile = gpu_profile.py (where a
 #       step's time goes), and writes the logs and JSON to $OUT (default
-#       benchmarks/out/gpu). SECONDS (default 540) bounds the whole run;
+#       benchmarks/out/gpu; eight files for all three steps, as many as a lent device
+#       machine brings back). SECONDS (default 540) bounds the whole run;
 #       KVSERVE_GPU_SHAPES (space-separated) picks gpu_bench's shapes.
 #
 # Where there is no CUDA the same `run` skips the tests (naming CUDA) and runs gpu_bench's
@@ -87,7 +88,7 @@ cuda=$($py -c 'import torch; print(int(torch.cuda.is_available()))')
 if [[ $steps == *" tests "* ]]; then
     log "tests (pytest -m gpu), up to $(( $(left) / 3 )) s"
     timeout $(( $(left) / 3 )) $py -m pytest -v -rs --durations=0 -m gpu tests/engine/test_gpu.py \
-        -p no:cacheprovider --junitxml="$out/gpu_tests.xml" > "$out/gpu_tests.log" 2>&1
+        -p no:cacheprovider > "$out/gpu_tests.log" 2>&1
     log "tests: exit $? ($(tail -1 "$out/gpu_tests.log"))"
 fi
 
@@ -109,7 +110,7 @@ if [[ $steps == *" profile "* ]]; then
     log "gpu_profile, up to $(left) s"
     if [ "$cuda" = 1 ]; then args=(--shapes "${shapes[@]}"); else args=(--smoke); fi
     timeout "$(left)" $py benchmarks/gpu_profile.py "${args[@]}" --out "$scratch" \
-        --tables "$out/profile" > "$out/gpu_profile.log" 2>&1
+        --tables "$out/gpu_profile_tables.txt" > "$out/gpu_profile.log" 2>&1
     log "gpu_profile: exit $?"
     tail -4 "$out/gpu_profile.log" | tee -a "$out/session.log"
 fi
