@@ -129,9 +129,10 @@ def hf_best(path, device, dtype, prompts, out_len, batches) -> dict:
 
 
 def prefill(engine: LLMEngine, n: int, length: int, vocab: int, device: torch.device) -> float:
-    """Prompt tokens/s of n prompts of `length` (one token out), after the same run on
-    other prompts: the first step of a new token count stalled 0.3-0.5 s on the H100 (a
-    first-use cost, gone in a second run), which is start-up, not prefill."""
+    """Prompt tokens/s of n fresh prompts of `length` (one token out; a prompt run before
+    would come from the prefix cache), after the same run on other prompts: the first
+    step of a new shape stalled 0.3-0.5 s on the H100 (a first-use cost, gone in a second
+    run), which is start-up, not prefill."""
     warm, prompts = ([torch.randint(0, vocab, (length,)).tolist() for _ in range(n)] for _ in "ab")
     run_batch(engine, warm, 1)
     sync(device)

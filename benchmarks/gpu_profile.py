@@ -5,8 +5,9 @@ whether a step waits on the host (Python, metadata, sampling) or on kernels, and
 
     PYTHONPATH=. python benchmarks/gpu_profile.py --shapes smollm2-135m llama-3.2-1b
 
-The prefill runs after one prompt's warm-up only, so a step of a token count not seen
-before shows its first-use cost (0.3-0.5 s on the H100).
+Every phase draws fresh prompts (none is in the prefix cache), and the timed prefill
+follows a warm-up run of the same step shapes: the first step of a new shape paid
+0.3-0.5 s on the H100 (benchmarks/RESULTS.md).
 `--smoke` runs the tiny shape on any device (how the script is checked without a GPU).
 Writes every profile table to one file (--tables) and prints a summary last.
 """
@@ -92,10 +93,14 @@ def measure(name: str, shape: dict, args, device: torch.device) -> dict:
     path = checkpoint(args.out / f"{name}-random", shape, dtype)
     eng = engine_for(path, device, dtype, max_num_seqs=64, num_kv_blocks=4096)
     vocab, plen = eng.model.cfg.vocab_size, eng.max_model_len - 1
-    prompts = [torch.randint(0, vocab, (plen,)).tolist() for _ in range(args.prefills)]
-    add(eng, prompts[:1], 1)  # warm-up: every kernel of a prefill compiled
+
+    def fresh(n: int) -> list[list[int]]:  # prompts no earlier run left in the prefix cache
+        return [torch.randint(0, vocab, (plen,)).tolist() for _ in range(n)]
+
+    add(eng, fresh(args.prefills), 1)  # warm-up: the same step shapes, their kernels built
     while eng.has_unfinished():
         eng.step()
+    prompts = fresh(args.prefills)
     add(eng, prompts, 1)
     pre = timed_steps(eng, device)
     single = torch.randint(0, vocab, (128,)).tolist()
@@ -104,7 +109,7 @@ def measure(name: str, shape: dict, args, device: torch.device) -> dict:
         eng.step()
     add(eng, [single], args.decode_steps + 1)
     dec = timed_steps(eng, device)[1:]  # the prompt's step out
-    pre_tables, pre_head = profile(eng, device, prompts[:2], 1, 0)
+    pre_tables, pre_head = profile(eng, device, fresh(2), 1, 0)
     dec_tables, dec_head = profile(eng, device, [single], 33, 1)
     py_tables, py_head = python_profile(eng, single, 64)
     with args.tables.open("a") as f:  # one file: a lent GPU host brings back few

@@ -156,8 +156,8 @@ def _add_rms_norm_kernel(
 
 
 # rows per add_rms_norm program: one on a GPU (a row is a program's worth there); in the
-# interpreter a program costs host time whatever its size (the suite's triton engine test
-# took 28.6 s at one row a program, 20.9 at 64, 19.5 with torch's norm)
+# interpreter a program costs host time whatever its size, so 64 (the suite's Triton
+# tests near their time with torch's norm: benchmarks/RESULTS.md)
 NORM_ROWS = 64 if INTERPRET else 1
 
 
