@@ -18,12 +18,12 @@ import torch
 from torch import Tensor, nn
 
 from model.attention import AttentionMetadata
-from model.backends.reference import TorchBackend, split_heads
+from model.backends.reference import TorchBackend, fusable_rms_norm, split_heads
 from model.config import ModelConfig
 from model.kernels.attention import attention_isa, paged_attention, paged_attention_supported
 from model.kernels.fused import add_rms_norm, fused_supported, greedy_tokens, rope_store
 from model.kernels.linear import linear_isa
-from model.layers import Linear, RMSNorm
+from model.layers import Linear
 
 
 def unsupported(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> str | None:
@@ -106,8 +106,7 @@ class CpuBackend(TorchBackend):
         return super().greedy(logits)
 
     def add_norm(self, norm: nn.Module, x: Tensor, delta: Tensor | None) -> tuple[Tensor, Tensor]:
-        fused = isinstance(norm, RMSNorm) and x.is_contiguous()
-        if fused and (delta is None or delta.dtype == x.dtype):  # x updated in place
+        if fusable_rms_norm(norm, x, delta):  # x updated in place
             return x, add_rms_norm(x, delta, norm.weight, norm.eps)
         return super().add_norm(norm, x, delta)
 

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from model.attention import AttentionMetadata
 from model.config import ModelConfig
-from model.layers import apply_rope
+from model.layers import RMSNorm, apply_rope
 
 NON_FINITE = -1  # the token of a row whose logits were not all finite
 
@@ -24,6 +24,14 @@ def flag_non_finite(tokens: Tensor, row_max: Tensor) -> list[int]:
     """Each row's token, or NON_FINITE where its max is not finite (a NaN or +inf anywhere
     shows in the max), so the engine fails just that request; one device -> host copy."""
     return torch.where(torch.isfinite(row_max), tokens, NON_FINITE).tolist()
+
+
+def fusable_rms_norm(norm: nn.Module, x: Tensor, delta: Tensor | None) -> bool:
+    """Whether a backend's one-pass add + RMSNorm kernel takes this add_norm: an RMSNorm
+    over a contiguous x, the weight and delta (if any) in x's dtype (the kernels read all
+    three as one type and update x in place)."""
+    same = norm.weight.dtype == x.dtype and (delta is None or delta.dtype == x.dtype)
+    return isinstance(norm, RMSNorm) and x.is_contiguous() and same
 
 
 def split_heads(qkv: Tensor, n_heads: int, n_kv: int, d_head: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -19,9 +19,8 @@ import torch
 from torch import Tensor, nn
 
 from model.attention import AttentionMetadata
-from model.backends.reference import TorchBackend, split_heads
+from model.backends.reference import TorchBackend, fusable_rms_norm, split_heads
 from model.config import ModelConfig
-from model.layers import RMSNorm
 
 
 def unsupported(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> str | None:
@@ -123,8 +122,7 @@ class TritonBackend(TorchBackend):
     def add_norm(self, norm: nn.Module, x: Tensor, delta: Tensor | None) -> tuple[Tensor, Tensor]:
         """RMSNorm in one kernel with the residual add before it (x updated in place, as
         the cpu backend does); LayerNorm as the reference computes it."""
-        fused = isinstance(norm, RMSNorm) and x.is_contiguous() and norm.weight.dtype == x.dtype
-        if fused and (delta is None or delta.dtype == x.dtype):
+        if fusable_rms_norm(norm, x, delta):
             return x, self.kernels.add_rms_norm(x, delta, norm.weight, norm.eps)
         return super().add_norm(norm, x, delta)
 
