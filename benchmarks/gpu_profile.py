@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 from gpu_bench import SHAPES, SMOKE, checkpoint, engine_for, sync
-from offline_throughput import OUT
+from offline_throughput import OUT, run_batch
 
 from service.engine.request import SamplingParams
 
@@ -97,16 +97,12 @@ def measure(name: str, shape: dict, args, device: torch.device) -> dict:
     def fresh(n: int) -> list[list[int]]:  # prompts no earlier run left in the prefix cache
         return [torch.randint(0, vocab, (plen,)).tolist() for _ in range(n)]
 
-    add(eng, fresh(args.prefills), 1)  # warm-up: the same step shapes, their kernels built
-    while eng.has_unfinished():
-        eng.step()
+    run_batch(eng, fresh(args.prefills), 1)  # warm-up: the same step shapes, kernels built
     prompts = fresh(args.prefills)
     add(eng, prompts, 1)
     pre = timed_steps(eng, device)
     single = torch.randint(0, vocab, (128,)).tolist()
-    add(eng, [single], 16)  # warm-up
-    while eng.has_unfinished():
-        eng.step()
+    run_batch(eng, [single], 16)  # warm-up
     add(eng, [single], args.decode_steps + 1)
     dec = timed_steps(eng, device)[1:]  # the prompt's step out
     pre_tables, pre_head = profile(eng, device, fresh(2), 1, 0)
