@@ -161,6 +161,11 @@ def _add_rms_norm_kernel(
 NORM_ROWS = 64 if INTERPRET else 1
 
 
+def norm_warps(d: int) -> int:
+    """Warps of an add_rms_norm program over rows of d."""
+    return 4 if d <= 2048 else 8
+
+
 def add_rms_norm(
     x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
@@ -181,7 +186,7 @@ def add_rms_norm(
         D_PAD=triton.next_power_of_2(d),
         ROWS=NORM_ROWS,
         HAS_DELTA=delta is not None,
-        num_warps=4 if d <= 2048 else 8,
+        num_warps=norm_warps(d),
     )
     return out
 

@@ -76,7 +76,7 @@ def _norm(dt: str, d: int, delta: bool) -> tuple:
     ptr = f"*{dt}"
     types = dict(x_ptr=ptr, delta_ptr=ptr, w_ptr=ptr, out_ptr=ptr, n_rows="i32", eps="fp32")
     consts = dict(D=d, D_PAD=triton.next_power_of_2(d), ROWS=K.NORM_ROWS, HAS_DELTA=delta)
-    return K._add_rms_norm_kernel, types, consts, 4 if d <= 2048 else 8
+    return K._add_rms_norm_kernel, types, consts, K.norm_warps(d)
 
 
 VARIANTS = {
