@@ -238,7 +238,8 @@ def test_loading_the_kernels_keeps_subnormal_floats() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [7, 16, 49152 + 5])
-def test_greedy_tokens_are_torch_max_and_isfinite(dtype, n) -> None:
+def test_greedy_tokens_are_torch_max_and_isfinite(isa, dtype, n) -> None:
+    """At every level: AVX-512's 16 lanes, AVX2's two sets of 8, the scalar tail."""
     if not fused_supported(torch.empty(1, dtype=dtype)):
         pytest.skip("no C compiler")
     gen = torch.Generator().manual_seed(n)
