@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from model.config import ModelConfig
 from model.layers import Linear
+from model.pages import HugeArena
 
 if TYPE_CHECKING:
     from model.backends import Backend
@@ -60,7 +61,11 @@ class PagedKVCache:
         # one more block than asked: the null block, always zero and never handed out,
         # pads block tables so padding never reads another request's K/V
         shape = (2, cfg.n_layers, num_blocks + 1, cfg.kv_heads * block_size * cfg.head_dim)
-        self.data = torch.zeros(shape, dtype=dtype, device=device)
+        if torch.device(device).type == "cpu":  # read at every decode step: huge pages
+            nbytes = torch.Size(shape).numel() * dtype.itemsize
+            self.data = HugeArena(nbytes).empty(shape, dtype).zero_()
+        else:
+            self.data = torch.zeros(shape, dtype=dtype, device=device)
         # views made once: a decode step asks for each layer's
         self._layers = backend.kv_views(self.data, cfg, num_blocks + 1, block_size)
 

@@ -18,6 +18,7 @@ from model.layers import (
     rope_tables,
     sinusoidal_table,
 )
+from model.pages import HugeArena
 from model.parallel import TensorParallel
 from model.stack import DecoderStack
 
@@ -125,9 +126,18 @@ class Transformer(nn.Module):
             ffn = isinstance(module, SwiGLU) and not module.w_in.packed
             if ffn or (isinstance(module, Linear) and not module.packed):
                 module.pack(quantization=quantization)
+        self._gather_packed()
         if self.tp is None:  # the one-call stack has no all-reduce between its layers
             self._stack = DecoderStack.build(self.cfg, self.layers, getattr(self, "norm", None))
         return True
+
+    def _gather_packed(self) -> None:
+        """Every kvserve-layout weight into one huge-page arena (model/pages.py), each
+        original dropped as its copy lands, so the model never holds two of them all."""
+        linears = [m for m in self.modules() if isinstance(m, Linear) and m._tiles is not None]
+        arena = HugeArena(HugeArena.size_of([m._tiles for m in linears]))
+        for m in linears:
+            m._tiles = arena.take(m._tiles)
 
     @property
     def device(self) -> torch.device:
