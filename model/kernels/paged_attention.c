@@ -407,8 +407,8 @@ static inline int step_blocks(int64_t rest, int *n) {
 /* A block's p.v into row r (its probabilities p, n tokens). One value vector feeds G
  * FMAs, and each accumulator adds the tokens in order. With 32 vector registers every
  * channel chunk's accumulators stay in them through the block; with AVX2's 16 they
- * spilled to memory at every token, so there the chunks go one at a time (the same
- * bits either way; benchmarks/RESULTS.md, round nine). */
+ * spilled to memory at every token, so there the chunks go two at a time where G <= 4
+ * (PV_CHUNKS), else one (benchmarks/RESULTS.md, rounds nine and twenty-five). */
 #if defined(__AVX512F__)
 #define PV_BLOCK(VALS)                                                                    \
     do {                                                                                  \
@@ -426,19 +426,25 @@ static inline int step_blocks(int64_t rest, int *n) {
         memcpy(r->acc, acc, sizeof acc);                                                  \
     } while (0)
 #else
+/* AVX2: 2G accumulators where G <= 4, independent chains enough for the FMA's latency
+ * (as SCORE_PASS takes for the scores). */
+#define PV_CHUNKS (G <= 4 && (D / DV) % 2 == 0 ? 2 : 1)
 #define PV_BLOCK(VALS)                                                                    \
     do {                                                                                  \
-        for (int c = 0; c < D / DV; ++c) {                                                \
-            vch acc[G];                                                                   \
-            for (int g = 0; g < G; ++g) acc[g] = r->acc[g][c];                            \
-            for (int t = 0; t < n; t += 2) {                                              \
-                vch v0, v1;                                                               \
-                VALS(vb, t, c, &v0, &v1);                                                 \
-                for (int g = 0; g < G; ++g) acc[g] += p[g][t] * v0;                       \
-                if (t + 1 < n)                                                            \
-                    for (int g = 0; g < G; ++g) acc[g] += p[g][t + 1] * v1;               \
-            }                                                                             \
-            for (int g = 0; g < G; ++g) r->acc[g][c] = acc[g];                            \
+        for (int c = 0; c < D / DV; c += PV_CHUNKS) {                                     \
+            vch acc[PV_CHUNKS][G];                                                        \
+            for (int h = 0; h < PV_CHUNKS; ++h)                                           \
+                for (int g = 0; g < G; ++g) acc[h][g] = r->acc[g][c + h];                 \
+            for (int t = 0; t < n; t += 2)                                                \
+                for (int h = 0; h < PV_CHUNKS; ++h) {                                     \
+                    vch v0, v1;                                                           \
+                    VALS(vb, t, c + h, &v0, &v1);                                         \
+                    for (int g = 0; g < G; ++g) acc[h][g] += p[g][t] * v0;                \
+                    if (t + 1 < n)                                                        \
+                        for (int g = 0; g < G; ++g) acc[h][g] += p[g][t + 1] * v1;        \
+                }                                                                         \
+            for (int h = 0; h < PV_CHUNKS; ++h)                                           \
+                for (int g = 0; g < G; ++g) r->acc[g][c + h] = acc[h][g];                 \
         }                                                                                 \
     } while (0)
 #endif
@@ -462,6 +468,31 @@ static inline void vec_row_flush(vec_row *r, float *dest) {
     }
     r->dirty = 0;
 }
+
+/* The scores of NPC pieces of BW keys (pieces u .. u + NPC - 1 of the step's blocks) for
+ * the G heads of row r, into sc. Each key vector feeds G FMAs; the G * NPC accumulators
+ * are independent chains, which the FMA's latency wants several of (G alone is 1 to 4
+ * for most models). Two pieces where 2G accumulators and their key vectors fit in the
+ * registers (16 at AVX2). Every row takes the same passes over its blocks, so its bits
+ * still do not depend on the batch (the library is built with -ffast-math: the bits are
+ * this code's, not those of the one-piece loop it replaced; with the two-chunk PV_BLOCK a
+ * 1,900-token decode's attention took 17-24% less time on an AVX2 Zen 3, RESULTS.md). */
+#define SCORE_PIECES (G <= 4 ? 2 : 1)
+#define SCORE_PASS(NPC, KEYS)                                                             \
+    do {                                                                                  \
+        vblk acc_[NPC][G];                                                                \
+        for (int p_ = 0; p_ < NPC; ++p_)                                                  \
+            for (int g = 0; g < G; ++g) acc_[p_][g] = (vblk){0};                          \
+        for (int d = 0; d < D; d += 2)                                                    \
+            for (int p_ = 0; p_ < NPC; ++p_) {                                            \
+                vblk k0, k1;                                                              \
+                KEYS(kbs[(u + p_) / NP], d, (u + p_) % NP * BW, &k0, &k1);                \
+                for (int g = 0; g < G; ++g) acc_[p_][g] += r->qs[g][d] * k0;              \
+                for (int g = 0; g < G; ++g) acc_[p_][g] += r->qs[g][d + 1] * k1;          \
+            }                                                                             \
+        for (int p_ = 0; p_ < NPC; ++p_)                                                  \
+            for (int g = 0; g < G; ++g) sc[g][u + p_] = acc_[p_][g];                      \
+    } while (0)
 
 #define DEFINE_KERNEL(NAME, QT, QLOAD, QSTORE, T, KEYS, VALS)                             \
 void NAME(const QT *q, const T *k, const T *v, const int64_t *tables,                     \
@@ -519,19 +550,15 @@ void NAME(const QT *q, const T *k, const T *v, const int64_t *tables,           
                 int ns[STEP_BLOCKS];                                                      \
                 const int nb = step_blocks(rest, ns);                                     \
                 vblk sc[G][STEP_BLOCKS * NP];                                             \
-                for (int b = 0; b < nb; ++b)                                              \
-                    for (int x = 0; x < NP; ++x) {                                        \
-                        vblk *to = &sc[0][b * NP + x];                                    \
-                        for (int g = 0; g < G; ++g) to[g * STEP_BLOCKS * NP] = (vblk){0}; \
-                        for (int d = 0; d < D; d += 2) {  /* a key vector feeds G FMAs */ \
-                            vblk k0, k1;                                                  \
-                            KEYS(kbs[b], d, x * BW, &k0, &k1);                            \
-                            for (int g = 0; g < G; ++g)                                   \
-                                to[g * STEP_BLOCKS * NP] += r->qs[g][d] * k0;             \
-                            for (int g = 0; g < G; ++g)                                   \
-                                to[g * STEP_BLOCKS * NP] += r->qs[g][d + 1] * k1;         \
-                        }                                                                 \
+                for (int u = 0; u < nb * NP;) {  /* pieces of BW keys: block u / NP */    \
+                    if (SCORE_PIECES == 2 && u + 1 < nb * NP) {                           \
+                        SCORE_PASS(2, KEYS);                                              \
+                        u += 2;                                                           \
+                    } else {                                                              \
+                        SCORE_PASS(1, KEYS);                                              \
+                        u += 1;                                                           \
                     }                                                                     \
+                }                                                                         \
                 float pb[STEP_BLOCKS][G][BS];                                             \
                 for (int g = 0; g < G; ++g) {                                             \
                     for (int b = 0; b < nb; ++b) {                                        \
