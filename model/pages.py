@@ -1,9 +1,11 @@
 """Huge pages for the memory a CPU decode step streams: the packed linear weights, read
-whole every step. In 4 KB pages a 360 MB pass walks the page tables ~90,000 times; where
-Linux backs the memory with 2 MB transparent huge pages (THP) it walks them ~180 times. Most
-distributions leave THP to memory that asks for it (madvise mode); torch's allocator never
-asks. On an AVX2-only Zen 3 a batch-1 decode step of the 180M Llama checkpoint took
-~5% less time with the weights here (benchmarks/huge_pages.py, benchmarks/RESULTS.md).
+whole every step, and the KV pool, whose blocks a long context reads all over. In 4 KB
+pages a 360 MB pass walks the page tables ~90,000 times; where Linux backs the memory with
+2 MB transparent huge pages (THP) it walks them ~180 times. Most distributions leave THP to
+memory that asks for it (madvise mode); torch's allocator never asks. On an AVX2-only Zen 3
+a bf16 decode step of the 180M Llama checkpoint took 2-6% less time at a 128-token
+context and 13% less at 2,000 tokens; int8's measured the same either way
+(benchmarks/huge_pages.py, benchmarks/RESULTS.md).
 
 `HugeArena` is one allocation, 2 MB aligned and advised MADV_HUGEPAGE before anything
 touches it, that tensors are copied into one at a time. KVSERVE_HUGE_PAGES=0 turns the
@@ -49,9 +51,9 @@ def huge_pages() -> bool:
 
 
 class HugeArena:
-    """`nbytes` of CPU memory, untouched until take() copies into it. Where huge_pages(),
-    its 2 MB-aligned span is advised MADV_HUGEPAGE first, so the pages the copies fault in
-    are huge ones (as many as Linux can find free)."""
+    """`nbytes` of CPU memory, untouched until take() copies into it or empty()'s caller
+    writes it. Where huge_pages(), its 2 MB-aligned span is advised MADV_HUGEPAGE first,
+    so the pages those writes fault in are huge ones (as many as Linux can find free)."""
 
     def __init__(self, nbytes: int) -> None:
         self.advised = huge_pages()
