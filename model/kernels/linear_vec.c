@@ -119,15 +119,18 @@ PREFETCH_HELPER prefetch_step(const void *wk) {
 #define KEEP_INT8(v) ((void)0)
 #endif
 #if MR_MAX >= 6
-#define NBLK_MAX 4
+#define NBLK_MAX 4   /* blocks a pass holds in registers at once */
+#define ROW_BLOCKS 4 /* blocks a one-row pass takes */
 #else
 #define NBLK_MAX 1
+#define ROW_BLOCKS 2 /* in turns (bf16_row_turns) */
 #endif
+_Static_assert(ROW_BLOCKS <= NBLK_MAX * MR_MAX, "a pass's acc holds NBLK_MAX * MR_MAX blocks' rows");
 
-/* Blocks a pass of `rows` rows takes at once: one row, 4 blocks; two rows, 2; more rows
- * (up to MR_MAX), one. */
+/* Blocks a pass of `rows` rows takes at once: one row, ROW_BLOCKS; two rows, 2 where
+ * they fit in registers; more rows (up to MR_MAX), one. */
 static inline int blocks_for(int rows) {
-    return rows == 1 ? NBLK_MAX : (rows == 2 && NBLK_MAX >= 2 ? 2 : 1);
+    return rows == 1 ? ROW_BLOCKS : (rows == 2 && NBLK_MAX >= 2 ? 2 : 1);
 }
 
 /* Calls FN(NBLK, MR, ...) with the shape as constants, for the shapes blocks_for gives. */
@@ -139,7 +142,9 @@ static inline int blocks_for(int rows) {
     else if (rows == 5) FN(1, 5, __VA_ARGS__);                                           \
     else
 #else
-#define WIDE_TILES(FN, nblk, rows, ...)
+#define WIDE_TILES(FN, nblk, rows, ...)                                                  \
+    if (nblk == 2) FN(2, 1, __VA_ARGS__);                                                \
+    else
 #endif
 #define TILE_SWITCH(FN, nblk, rows, ...)                                                 \
     do {                                                                                 \
@@ -394,6 +399,44 @@ static inline __attribute__((always_inline)) void bf16_tile_sliced(
 }
 #endif
 
+#if VL == 8
+/* One row against NT consecutive blocks at AVX2, whose 16 registers hold one block's
+ * accumulators: the blocks take turns of TURN_STEPS k steps (1 KB of each), their
+ * accumulators parked in acc between turns. NT streams of weights in flight instead of
+ * one, which a core's prefetchers read faster (Zen 3, one row, paired medians: the
+ * layers' linears 0.85-0.93x the time of one block a pass, the LM head 0.82-0.95x;
+ * benchmarks/kernel_revisions.py, RESULTS.md round twenty-six). No software prefetch:
+ * with turns it cost more than it brought. Each lane still sums its k in order, so the
+ * bits are bf16_tile's. */
+#define TURN_STEPS 4
+static inline __attribute__((always_inline)) void bf16_row_turns(const int NT,
+                                                                  const uint16_t *x, int k,
+                                                                  const uint16_t *w,
+                                                                  float *acc) {
+    for (int j = 0; j < NT * NB; ++j) acc[j] = 0.f;
+    for (int k0 = 0; k0 < k / 2; k0 += TURN_STEPS) {
+        const int k1 = k0 + TURN_STEPS < k / 2 ? k0 + TURN_STEPS : k / 2;
+        for (int s = 0; s < NT; ++s) {
+            vf c[NV];
+            for (int j = 0; j < NV; ++j) c[j] = _mm256_load_ps(acc + s * NB + j * VL);
+            for (int kp = k0; kp < k1; ++kp) {
+                const uint16_t *wk = w + (long)s * k * NB + (long)kp * 2 * NB;
+                uint32_t pair;
+                memcpy(&pair, x + 2 * kp, sizeof pair);
+                const vf xe = vf_set1(bf16_to_f32((uint16_t)pair));
+                const vf xo = vf_set1(bf16_to_f32((uint16_t)(pair >> 16)));
+                for (int j = 0; j < NV; ++j) {
+                    const vi wv = vi_load(wk + j * 2 * VL);
+                    c[j] = vf_fma(hi_bf16(wv), xo, c[j]);
+                    c[j] = vf_fma(lo_bf16(wv), xe, c[j]);
+                }
+            }
+            for (int j = 0; j < NV; ++j) vf_store(acc + s * NB + j * VL, c[j]);
+        }
+    }
+}
+#endif
+
 /* ---- int8 ---------------------------------------------------------------------------- */
 
 /* The 4 int8 of x at k .. k + 3 times those of the weights' lanes, summed into each lane. */
@@ -482,6 +525,31 @@ static inline __attribute__((always_inline)) void int8_tile_sliced(
         }
         for (int r = 0; r < MR; ++r)
             for (int j = 0; j < SV; ++j) vi_store(acc + r * NB + (j0 + j) * VL, c[r][j]);
+    }
+}
+#endif
+
+#if VL == 8
+/* int8's bf16_row_turns: turns of TURN_STEPS k quads (1 KB of a block each). */
+static inline __attribute__((always_inline)) void int8_row_turns(const int NT,
+                                                                  const uint8_t *xq, int k,
+                                                                  const int8_t *w,
+                                                                  int32_t *acc) {
+    for (int j = 0; j < NT * NB; ++j) acc[j] = 0;
+    for (int k0 = 0; k0 < k / 4; k0 += TURN_STEPS) {
+        const int k1 = k0 + TURN_STEPS < k / 4 ? k0 + TURN_STEPS : k / 4;
+        for (int s = 0; s < NT; ++s) {
+            vi c[NV];
+            for (int j = 0; j < NV; ++j) c[j] = vi_load(acc + s * NB + j * VL);
+            for (int kq = k0; kq < k1; ++kq) {
+                const int8_t *wk = w + (long)s * k * NB + (long)kq * 4 * NB;
+                int32_t quad;
+                memcpy(&quad, xq + 4 * kq, sizeof quad);
+                const vi xb = vi_set1(quad);
+                for (int j = 0; j < NV; ++j) c[j] = dot4(c[j], xb, vi_load(wk + j * 4 * VL));
+            }
+            for (int j = 0; j < NV; ++j) vi_store(acc + s * NB + j * VL, c[j]);
+        }
     }
 }
 #endif
@@ -585,10 +653,14 @@ static inline int passes_of(int m) {  /* the passes over one unit, all chunks */
     } while (0)
 
 #if VL == 8
-#define BF16_TILE(NBLK, MR, ...) \
-    (MR == 1 ? bf16_tile(NBLK, MR, __VA_ARGS__) : bf16_tile_sliced(MR, __VA_ARGS__))
-#define INT8_TILE(NBLK, MR, ...) \
-    (MR == 1 ? int8_tile(NBLK, MR, __VA_ARGS__) : int8_tile_sliced(MR, __VA_ARGS__))
+#define BF16_TILE(NBLK, MR, x, k, w, acc, pf, pf_len)                                    \
+    (NBLK > 1   ? bf16_row_turns(NBLK, x, k, w, acc)                                     \
+     : MR == 1 ? bf16_tile(1, 1, x, k, w, acc, pf, pf_len)                               \
+               : bf16_tile_sliced(MR, x, k, w, acc, pf, pf_len))
+#define INT8_TILE(NBLK, MR, x, k, w, acc, pf, pf_len)                                    \
+    (NBLK > 1   ? int8_row_turns(NBLK, x, k, w, acc)                                     \
+     : MR == 1 ? int8_tile(1, 1, x, k, w, acc, pf, pf_len)                               \
+               : int8_tile_sliced(MR, x, k, w, acc, pf, pf_len))
 #elif defined(WIDE_FMA)
 #define BF16_TILE(NBLK, MR, ...) \
     (MR < FMA_ROWS ? bf16_tile(NBLK, MR, __VA_ARGS__) : bf16_tile_fma(MR, __VA_ARGS__))

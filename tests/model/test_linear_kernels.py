@@ -103,6 +103,23 @@ def test_vector_code_gives_the_bits_of_its_reference(
         assert torch.equal(run(x, w, b, int8), ref(x, w, b))
 
 
+@pytest.mark.parametrize("k", [36, 100])  # 9 and 25 steps of 4: the last turn is short
+@pytest.mark.parametrize("n", [128, 192])  # one row: two blocks in turns, and one alone
+def test_int8_row_whose_k_is_not_whole_turns(isa: str, k: int, n: int) -> None:
+    """At AVX2 a one-row pass takes its blocks in turns of 4 k quads (linear_vec.c,
+    int8_row_turns); an int8 k need only be a multiple of 4."""
+    w, bias = weights(n, k, seed=k)
+    x = torch.randn(1, k).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2):  # the pairs fall differently between the threads' shares
+            torch.set_num_threads(n_threads)
+            for b in (None, bias):
+                assert torch.equal(run(x, w, b, True), int8_reference(x, w, b))
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("int8", [False, True], ids=["bf16", "int8"])
 # 576: 9 blocks, two threads share one: by passes in vector code, by halves in AMX tiles
 @pytest.mark.parametrize("n", [512, 576])
