@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import accumulate
+from itertools import accumulate, chain
 from typing import TYPE_CHECKING
 
 import torch
@@ -199,34 +199,50 @@ class AttentionMetadata:
         """A batch over the paged cache: sequence b already has cached_lens[b] tokens and
         adds query_lens[b] new ones; its block table must cover the new total. Shorter
         tables are padded with `pad_block` (PagedKVCache.null_block when serving)."""
-        meta = cls._build(cached_lens, query_lens, device)
+        _check_lens(cached_lens, query_lens)
+        positions: list[int] = []
         slots: list[int] = []
         for table, start, n in zip(block_tables, cached_lens, query_lens, strict=True):
             if (start + n + block_size - 1) // block_size > len(table):
                 raise ValueError(
                     f"block table of {len(table)} blocks cannot hold {start + n} tokens"
                 )
-            slots.extend(
-                table[p // block_size] * block_size + p % block_size
-                for p in range(start, start + n)
-            )
+            span = range(start, start + n)
+            positions.extend(span)
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in span)
         width = max(len(t) for t in block_tables)
-        padded = [list(t) + [pad_block] * (width - len(t)) for t in block_tables]
-        meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
-        meta.slot_blocks = meta.slot_mapping // block_size
-        meta.slot_offsets = meta.slot_mapping % block_size
-        meta.block_tables = torch.tensor(padded, dtype=torch.long, device=device)
-        meta.row_lens = meta.positions + 1
-        return meta
+        # every index of the step in one tensor (one host -> device copy), viewed per field
+        fields = [
+            positions,
+            slots,
+            [s // block_size for s in slots],
+            [s % block_size for s in slots],
+            [p + 1 for p in positions],
+        ]
+        if max(query_lens) > 1:  # the sequence of each row (decodes: row b is sequence b)
+            fields.append([b for b, n in enumerate(query_lens) for _ in range(n)])
+        for t in block_tables:
+            fields += [t, [pad_block] * (width - len(t))]
+        flat = torch.tensor(list(chain.from_iterable(fields)), dtype=torch.long).to(device)
+        n_rows = len(fields) - 2 * len(block_tables)
+        rows = flat[: n_rows * len(positions)].view(n_rows, -1)
+        return cls(
+            positions=rows[0],
+            query_lens=list(query_lens),
+            seq_lens=[c + q for c, q in zip(cached_lens, query_lens, strict=True)],
+            slot_mapping=rows[1],
+            slot_blocks=rows[2],
+            slot_offsets=rows[3],
+            block_tables=flat[rows.numel() :].view(-1, width),
+            row_lens=rows[4],
+            row_seq=rows[5] if n_rows > 5 else None,
+        )
 
     @classmethod
     def _build(
         cls, cached_lens: Sequence[int], query_lens: Sequence[int], device: torch.device | str
     ) -> AttentionMetadata:
-        if len(cached_lens) != len(query_lens) or not query_lens:
-            raise ValueError("need one cached length and one query length per sequence")
-        if min(query_lens) <= 0:
-            raise ValueError("every sequence needs at least one new token")
+        _check_lens(cached_lens, query_lens)
         seq_lens = [c + q for c, q in zip(cached_lens, query_lens, strict=True)]
         # whole-batch ops, not one arange per sequence (benchmarks/RESULTS.md)
         cached_t = torch.tensor(list(cached_lens), dtype=torch.long)
@@ -244,6 +260,13 @@ class AttentionMetadata:
             seq_lens=seq_lens,
             row_seq=row_seq.to(device) if row_seq is not None else None,
         )
+
+
+def _check_lens(cached_lens: Sequence[int], query_lens: Sequence[int]) -> None:
+    if len(cached_lens) != len(query_lens) or not query_lens:
+        raise ValueError("need one cached length and one query length per sequence")
+    if min(query_lens) <= 0:
+        raise ValueError("every sequence needs at least one new token")
 
 
 def _dense_view(

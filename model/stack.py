@@ -74,6 +74,7 @@ class DecoderStack:
         self._block_size = 0
         self._weights: ctypes.Array[_Layer] | None = None
         self._kernels: dict[str, int] | None = None
+        self._rows: tuple[int, dict[str, Tensor], _Args] | None = None  # see _buffers()
 
     @classmethod
     def build(
@@ -116,6 +117,7 @@ class DecoderStack:
             self._kernels = stack_kernels(cfg.head_dim, kv_cache.block_size, group, self.kind)
             self._weights = self._layer_args(kv_cache) if self._kernels else None
             self._cache, self._block_size = weakref.ref(kv_cache), kv_cache.block_size
+            self._rows = None  # their arguments point at the old cache's layers
         return self._kernels is not None
 
     def _layer_args(self, kv_cache: PagedKVCache) -> ctypes.Array[_Layer]:
@@ -145,45 +147,53 @@ class DecoderStack:
         meta: AttentionMetadata,
         rope: tuple[Tensor, Tensor],  # cos, sin (T, head_dim) at the tokens' positions
     ) -> Tensor:
-        """-> the final norm's output (T, d), as the module path's add_norm gives it.
-        Call takes() with this step's cache first."""
-        cfg, t = self.cfg, x.shape[0]
-        h, kv, dh = cfg.n_heads, cfg.kv_heads, cfg.head_dim
-
-        def buf(width: int) -> Tensor:
-            return torch.empty((t, width), dtype=torch.bfloat16)
-
-        tables = meta.block_tables.contiguous()
-        buffers = {
-            "x": x,
-            "h": buf(cfg.d_model),
-            "qkv": buf((h + 2 * kv) * dh),
-            "attn": buf(h * dh),
-            "o": buf(cfg.d_model),
-            "act": buf(cfg.d_ff),
-            "gate": buf(cfg.d_ff),
-            "delta": buf(cfg.d_model),
-        }
+        """-> the final norm's output (T, d), as the module path's add_norm gives it; a
+        buffer of this stack's that the next call overwrites. Call takes() with this
+        step's cache first."""
+        t = x.shape[0]
+        if self._rows is None or self._rows[0] != t:
+            self._rows = self._buffers(t)
+        _, buffers, args = self._rows
         step = {  # held here until the call returns: contiguous() may copy
             "cos_t": rope[0].contiguous(),
             "sin_t": rope[1].contiguous(),
             "slot_blocks": meta.slot_blocks.contiguous(),
             "slot_offsets": meta.slot_offsets.contiguous(),
-            "tables": tables,
+            "tables": meta.block_tables.contiguous(),
             "row_seq": meta.row_seq.contiguous() if meta.row_seq is not None else None,
             "lens": meta.row_lens.contiguous(),
         }
-        dims = (len(self.layers), t, cfg.d_model, h, kv, dh, cfg.d_ff)
+        for name, value in step.items():
+            setattr(args, name, data_ptr(value))
+        args.x, args.max_blocks = x.data_ptr(), step["tables"].shape[1]
+        args.nthreads = torch.get_num_threads()
+        stack_forward(args)
+        return buffers["h"]
+
+    def _buffers(self, t: int) -> tuple[int, dict[str, Tensor], _Args]:
+        """The work buffers of a call of t rows and the arguments that point at them (the
+        step's own fields are filled per call). Kept from one call to the next: a decode
+        batch's row count repeats step after step."""
+        cfg = self.cfg
+        h, kv, dh = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        widths = {
+            "h": cfg.d_model,
+            "qkv": (h + 2 * kv) * dh,
+            "attn": h * dh,
+            "o": cfg.d_model,
+            "act": cfg.d_ff,
+            "gate": cfg.d_ff,
+            "delta": cfg.d_model,
+        }
+        buffers = {k: torch.empty((t, n), dtype=torch.bfloat16) for k, n in widths.items()}
+        dims = (len(self.layers), t, cfg.d_model, h, kv, dh, cfg.d_ff, self._block_size)
         args = _Args(
             **self._kernels,
-            **dict(zip(_DIMS, (*dims, self._block_size, tables.shape[1]), strict=True)),
-            nthreads=torch.get_num_threads(),
+            **dict(zip(_DIMS, (*dims, 0), strict=True)),
             eps=cfg.norm_eps,
             scale=dh**-0.5,
             w=self._weights,
             final_norm=self.final_norm.weight.data_ptr(),
-            **{k: data_ptr(v) for k, v in step.items()},
             **{k: v.data_ptr() for k, v in buffers.items()},
         )
-        stack_forward(args)
-        return buffers["h"]
+        return t, buffers, args

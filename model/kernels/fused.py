@@ -105,8 +105,10 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
     """(B, V) logits (fused_supported) -> each row's first argmax, or -1 for a row whose
     maximum is not finite (a NaN or +inf in it, or nothing above -inf)."""
     rows, n = logits.shape
-    out = torch.empty(rows, dtype=torch.int64)
+    # a ctypes array, not a tensor: a step's few ids, read back without a torch op (each
+    # one costs tens of microseconds in a decode step, whose weights evict the caches)
+    out = (ctypes.c_int64 * rows)()
     getattr(fused_library(), f"greedy_{_SUFFIX[logits.dtype]}")(
-        logits.data_ptr(), rows, n, out.data_ptr(), torch.get_num_threads()
+        logits.data_ptr(), rows, n, ctypes.addressof(out), torch.get_num_threads()
     )
-    return out.tolist()
+    return list(out)

@@ -147,7 +147,9 @@ class ModelRunner:
         decodes = len(step.logit_rows) == len(step.tokens) == len(step.num_new)
         if decodes and self.graphs is not None and self.graphs.bucket(len(step.tokens)):
             return self.graphs.run(tokens, meta)  # (S, V)
-        return self.model(tokens, meta, self.kv_cache, self._to_device(step.logit_rows))
+        # decodes: every row is a logit row, in order, so no rows to pick
+        rows = None if decodes else self._to_device(step.logit_rows)
+        return self.model(tokens, meta, self.kv_cache, rows)
 
     @torch.inference_mode()
     def follow(self) -> None:
