@@ -8,7 +8,8 @@ shows (benchmarks/RESULTS.md).
 The weights are those of the 180M Llama-3-style checkpoint cpu_peers.py serves (30 layers
 of qkv 960x576, o 576x576, gate|up 3072x576 as one SwiGLU pass, down 576x1536; the head
 128256x576), each a separate random tensor, so a pass streams the weights from memory
-the way a decode step does. Per row count, the median of --repeats passes of the layers'
+the way a decode step does; they sit in one huge-page arena, as the engine's do
+(model/pages.py). Per row count, the median of --repeats passes of the layers'
 120 linears and of the head, for each build; the two builds take turns going first.
 --kind int8 times the int8 linears (int8_pack's weights) instead. Prints a table and
 writes JSON. Check a result against the same source at both ends (--baseline HEAD on a
@@ -40,6 +41,7 @@ from model.kernels.linear import (
     swiglu_layout,
     tile_layout,
 )
+from model.pages import HugeArena
 
 OUT = Path(__file__).parent / "out"
 LAYER = [(960, 576, False), (576, 576, False), (3072, 576, True), (576, 1536, False)]
@@ -109,6 +111,8 @@ def main() -> None:
         w = torch.randn(n, k).div_(k**0.5).to(torch.bfloat16)
         w = swiglu_layout(w) if swiglu else w
         weights.append(int8_pack(w) if args.kind == "int8" else tile_layout(w))
+    arena = HugeArena(HugeArena.size_of(weights))  # where the engine puts them
+    weights = [arena.take(w) for w in weights]
     parts = {"layers": (weights[:-1], layer_shapes), "head": (weights[-1:], [HEAD])}
     rows_out = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -403,11 +403,11 @@ static inline __attribute__((always_inline)) void bf16_tile_sliced(
 /* One row against NT consecutive blocks at AVX2, whose 16 registers hold one block's
  * accumulators: the blocks take turns of TURN_STEPS k steps (1 KB of each), their
  * accumulators parked in acc between turns. NT streams of weights in flight instead of
- * one, which a core's prefetchers read faster (Zen 3, one row, paired medians: the
- * layers' linears 0.85-0.93x the time of one block a pass, the LM head 0.82-0.95x;
- * benchmarks/kernel_revisions.py, RESULTS.md round twenty-six). No software prefetch:
- * with turns it cost more than it brought. Each lane still sums its k in order, so the
- * bits are bf16_tile's. */
+ * one, which a core's prefetchers read faster (Zen 3, one row, bf16: the layers'
+ * linears 0.85-0.91x the time of one block a pass, the LM head 0.82-0.94x; int8 0.88-0.98x
+ * and 0.86-0.92x; benchmarks/linear_baseline.py, RESULTS.md round twenty-six). No
+ * software prefetch: with turns it cost more than it brought. Each lane still sums its k
+ * in order, so the bits are bf16_tile's. */
 #define TURN_STEPS 4
 static inline __attribute__((always_inline)) void bf16_row_turns(const int NT,
                                                                   const uint16_t *x, int k,
