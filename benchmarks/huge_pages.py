@@ -13,7 +13,6 @@ overall; prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import random
 import statistics
@@ -24,15 +23,12 @@ import torch
 from benchmarks.engine_steps import steps
 from model.device import cpu_isa
 from model.layers import Linear
-from model.pages import huge_pages
+from model.pages import MADV_NOHUGEPAGE, huge_pages, madvise
 from service.build import build
 from service.config import Settings
 
 OUT = Path(__file__).parent / "out"
 MODEL = Path(__file__).resolve().parents[1].parent / "peers" / "models" / "llama-cl100k-135m"
-
-
-MADV_NOHUGEPAGE = 15  # linux/mman.h
 
 
 def plain_copy(t: torch.Tensor) -> torch.Tensor:
@@ -41,9 +37,7 @@ def plain_copy(t: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(t)
     ptr, nbytes = out.data_ptr(), out.numel() * out.element_size()
     start = ptr + (-ptr % 4096)
-    libc = ctypes.CDLL(None)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    libc.madvise(start, max(0, (ptr + nbytes - start) // 4096 * 4096), MADV_NOHUGEPAGE)
+    madvise(start, max(0, (ptr + nbytes - start) // 4096 * 4096), MADV_NOHUGEPAGE)
     return out.copy_(t)
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 HUGE_PAGE = 2 << 20
-MADV_HUGEPAGE = 14  # linux/mman.h
+MADV_HUGEPAGE, MADV_NOHUGEPAGE = 14, 15  # linux/mman.h
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 HUGE_PAGES_ENV = "KVSERVE_HUGE_PAGES"
 ALIGN = 64  # each tensor's start in the arena: the kernels' vector loads
@@ -37,6 +37,13 @@ def _madvise() -> ctypes._CFuncPtr | None:
     fn = ctypes.CDLL(None, use_errno=True).madvise
     fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
     return fn
+
+
+def madvise(address: int, nbytes: int, advice: int) -> bool:
+    """Linux's madvise on [address, address + nbytes) (address page-aligned); False where
+    there is no madvise or Linux refuses the advice."""
+    fn = _madvise()
+    return fn is not None and fn(address, nbytes, advice) == 0
 
 
 def huge_pages() -> bool:
@@ -63,7 +70,7 @@ class HugeArena:
         self._raw = torch.empty(span + pad, dtype=torch.uint8)  # no page touched yet
         start = -self._raw.data_ptr() % pad
         self._bytes = self._raw[start : start + nbytes]
-        if self.advised and _madvise()(self._bytes.data_ptr(), span, MADV_HUGEPAGE) != 0:
+        if self.advised and not madvise(self._bytes.data_ptr(), span, MADV_HUGEPAGE):
             self.advised = False  # e.g. a kernel built without THP: plain pages
         self._used = 0
 
