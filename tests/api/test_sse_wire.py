@@ -70,6 +70,7 @@ def test_streamed_logprobs_cover_every_token(server: Server) -> None:
         "max_tokens": 40,
         "temperature": 1.0,
         "seed": 3,
+        "ignore_eos": True,
         "logprobs": 2,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -85,6 +86,7 @@ def test_streamed_logprobs_cover_every_token(server: Server) -> None:
         "stream": True,
         "stream_options": {"include_usage": True},
         "seed": 4,
+        "ignore_eos": True,
         "temperature": 1.0,
     }
     _, events = raw_events(server, "/v1/chat/completions", chat)

@@ -48,6 +48,7 @@ def test_metrics_lint_and_count_traffic(server: Server) -> None:
             json={
                 "messages": [{"role": "user", "content": "hi"}],
                 "max_tokens": 20,
+                "ignore_eos": True,  # sampled at temperature 1: may draw <|endoftext|>
                 "stream": True,
             },
         ) as s:
@@ -71,9 +72,9 @@ def test_metrics_lint_and_count_traffic(server: Server) -> None:
 
     assert delta("kvserve_time_to_first_token_seconds_count{}") == 5
     assert delta("kvserve_e2e_request_latency_seconds_count{}") == 5
+    assert delta("kvserve_generation_tokens_total{}") == 4 * 30 + 20
     assert delta("kvserve_inter_token_latency_seconds_count{}") == 4 * 29 + 19
     assert delta("kvserve_time_per_output_token_seconds_count{}") == 5
-    assert delta("kvserve_generation_tokens_total{}") == 4 * 30 + 20
     assert delta("kvserve_requests_finished_total{finish_reason=length}") == 5
     assert delta("kvserve_requests_rejected_total{reason=invalid_request}") == 1
     assert delta("kvserve_http_requests_total{route=/v1/completions,status=200}") == 4
