@@ -58,7 +58,8 @@ def test_triton_attention_matches_reference_on_cuda(shape, dtype) -> None:
 @pytest.mark.parametrize("d", [576, 2048, 4096])
 def test_fused_add_rms_norm_matches_reference_on_cuda(d: int) -> None:
     """The residual add in place and the RMSNorm in one kernel: the reference's sum bit
-    for bit, its norm within a rare ulp (the sum of squares in another order)."""
+    for bit, its norm rarely apart: the sum of squares in another order can move x * rstd
+    by an ulp, and the weight's product, rounded again, up to two (2**-6 relative)."""
     from model.layers import RMSNorm
 
     cfg = ModelConfig(vocab_size=8, d_model=d, n_layers=1, n_heads=1, n_kv_heads=1, d_ff=8)
@@ -72,7 +73,7 @@ def test_fused_add_rms_norm_matches_reference_on_cuda(d: int) -> None:
     x_ref, h_ref = TorchBackend(dev).add_norm(norm, x.clone(), delta)
     x_out, h = triton.add_norm(norm, x.clone(), delta)
     assert torch.equal(x_out, x_ref)
-    torch.testing.assert_close(h.float(), h_ref.float(), atol=0, rtol=2**-7)
+    torch.testing.assert_close(h.float(), h_ref.float(), atol=0, rtol=2**-6)
     assert (h != h_ref).float().mean() < 0.01
 
 
