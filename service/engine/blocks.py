@@ -115,7 +115,7 @@ class BlockManager:
         return root_digest(self.namespace, request.params.cache_salt)
 
     def _tokens(self, request: Request, i: int) -> tuple[int, ...]:
-        return tuple(request.token_ids[i * self.block_size : (i + 1) * self.block_size])
+        return tuple(request.tokens(i * self.block_size, (i + 1) * self.block_size))
 
     def _match(self, key: bytes, tokens: tuple[int, ...], parent: int | bytes | None) -> int | None:
         """The cached block under `key`, if it holds exactly these tokens on top of

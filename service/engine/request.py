@@ -172,6 +172,16 @@ class Request:
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def tokens(self, start: int, stop: int) -> list[int]:
+        """token_ids[start:stop] (0 <= start <= stop) without building token_ids: a decode
+        step reads one token of a context that may be thousands long."""
+        p = len(self.prompt_ids)
+        if start >= p:
+            return self.output_ids[start - p : stop - p]
+        if stop <= p:
+            return self.prompt_ids[start:stop]
+        return self.prompt_ids[start:] + self.output_ids[: stop - p]
+
     @property
     def remaining(self) -> int:
         """Tokens to compute before the next sample (prompt chunk(s), or 1 for a decode)."""

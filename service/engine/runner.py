@@ -87,8 +87,7 @@ class ModelRunner:
         sampled: list[Request] = []  # a request once per row it samples
         gens: list[torch.Generator | None] = []
         for seq in batch.seqs:
-            ids = seq.request.token_ids
-            tokens.extend(ids[seq.start : seq.start + seq.num_new])
+            tokens.extend(seq.request.tokens(seq.start, seq.start + seq.num_new))
             tokens.extend(seq.drafts)  # speculative: each draft's position samples too
             if seq.sample:
                 rows = 1 + len(seq.drafts)

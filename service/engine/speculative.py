@@ -120,7 +120,7 @@ class DraftModel:
             tables.append(r.block_table[:full] + own)
             starts.append(pos)
         drafts: list[list[int]] = [[] for _ in requests]
-        last = [r.token_ids[-1] for r in requests]
+        last = [(r.output_ids or r.prompt_ids)[-1] for r in requests]
         live = list(range(len(requests)))
         for j in range(max(ks, default=0)):
             live = [i for i in live if len(drafts[i]) < ks[i]]

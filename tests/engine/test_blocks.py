@@ -88,3 +88,15 @@ def test_prefix_hit_and_lru_eviction() -> None:
     d = Request("d", [50] * 16, PARAMS, 0.0)
     bm.allocate(d, [], 16)
     assert bm.cached == {} and bm.lookup(b) == []
+
+
+@given(st.lists(st.integers(0, 99), min_size=1, max_size=6), st.lists(st.integers(0, 99), max_size=6), st.data())  # fmt: skip
+def test_a_requests_token_range_is_that_slice_of_its_tokens(
+    prompt: list[int], output: list[int], data: st.DataObject
+) -> None:
+    """Request.tokens(start, stop), which the runner and the prefix cache read, is
+    token_ids[start:stop] wherever the range falls: in the prompt, the output, or both."""
+    r = Request("r", prompt, PARAMS, 0.0, output_ids=output)
+    start = data.draw(st.integers(0, r.num_tokens))
+    stop = data.draw(st.integers(start, r.num_tokens))
+    assert r.tokens(start, stop) == r.token_ids[start:stop]
