@@ -78,6 +78,9 @@ export PYTHONPATH="$site:$PWD"
 {
     $py -c 'import sys, torch, triton; print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__, "cuda", torch.cuda.is_available())'
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
+    # the host's CPU: the engine's Python and the HTTP server run there (HTTP against
+    # offline depends on it)
+    lscpu | grep -E "^Model name|^CPU\(s\)|^Thread" | tr -s ' '
 } 2>&1 | tee -a "$out/session.log"
 # what kvserve imports, before any time goes to the tests
 $py -c 'import fastapi, uvicorn, llguidance, service.api.app
