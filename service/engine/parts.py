@@ -9,8 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from model.attention import PagedKVCache
 from model.backends import Backend, select_backend
+from model.config import ModelConfig
 from model.tokenizer import Tokenizer
 from model.transformer import Transformer
 from service.config import Settings
@@ -39,6 +42,21 @@ class EngineParts:
     speculator: Speculator
 
 
+def _backend(
+    settings: Settings, device: torch.device, dtype: torch.dtype, cfg: ModelConfig
+) -> Backend:
+    """The attention backend the settings ask for. int8 weights run on the cpu backend's
+    kernels alone, so with them `auto` means cpu: where it cannot run, the reason is the
+    error (not torch's refusal of the weights after it was picked instead)."""
+    name = settings.attention_backend
+    if settings.quantization == "none" or name != "auto":
+        return select_backend(name, device, dtype, cfg, settings.block_size)
+    try:
+        return select_backend("cpu", device, dtype, cfg, settings.block_size)
+    except ValueError as exc:
+        raise ValueError(f"quantization {settings.quantization}: {exc}") from None
+
+
 def assemble(
     model: Transformer, tokenizer: Tokenizer, settings: Settings, draft: Transformer | None
 ) -> EngineParts:
@@ -49,9 +67,7 @@ def assemble(
     max_num_seqs = settings.seqs_per_step(device)
     max_model_len = min(settings.max_model_len or model.cfg.max_position, model.cfg.max_position)
     local = model.local_cfg  # the shapes this rank holds (the model's, on one rank)
-    backend = select_backend(
-        settings.attention_backend, model.device, model.dtype, local, settings.block_size
-    )
+    backend = _backend(settings, model.device, model.dtype, local)
     ranks = Ranks(model.tp, model.device) if model.tp is not None else None
     num_blocks = kv_block_budget(model, settings, max_num_seqs, draft)
     if ranks is not None:

@@ -72,3 +72,17 @@ def test_int8_refuses_fp32_activations_and_other_backends() -> None:
         make_engine(bf16, attention_backend="torch", quantization="int8")
     with pytest.raises(ValueError, match="quantization must be one of"):
         make_engine(bf16, attention_backend="cpu", quantization="fp4")
+
+
+def test_int8_with_the_auto_backend_names_why_the_cpu_backend_cannot_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With int8 weights `auto` is the cpu backend: where its kernels cannot run, the
+    error says why, instead of torch (auto's fallback) refusing the weights."""
+    import model.backends.cpu as cpu
+
+    monkeypatch.setattr(cpu, "unsupported", lambda *_: "the C kernels did not build (test)")
+    bf16 = small_model(**SHAPE).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"quantization int8: .*did not build \(test\)"):
+        make_engine(bf16, attention_backend="auto", quantization="int8")
+    assert make_engine(bf16, attention_backend="auto").backend.name == "torch"  # no int8
