@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from model.backends import REFERENCE, Backend
-from model.backends.reference import flag_non_finite
+from model.backends.reference import NON_FINITE, flag_non_finite
 from service.engine.output import TokenLogprobs
 from service.engine.request import Request, SamplingParams
 
@@ -74,6 +74,36 @@ class Sampler:
         )
         if simple:  # the backend's argmax: no fp32 copy of the logits
             return SampleResult(self.greedy(logits), [None] * len(requests))
+        tokens, peak, raw, cdf = self._choose(logits, requests, generators, mask)
+        token_list = flag_non_finite(tokens, peak)
+        return SampleResult(token_list, self._logprobs(raw, requests, token_list), cdf)
+
+    def pick(
+        self,
+        logits: Tensor,
+        requests: Sequence[Request],
+        generators: Sequence[torch.Generator | None],
+    ) -> Tensor:
+        """The sampled ids (B,) left on the device, NON_FINITE in a row whose logits are
+        not finite: sample()'s tokens without reading them (async scheduling reads them a
+        step later). For requests without logprobs, penalties or grammars, whose sampling
+        needs nothing from the host that is not known before the forward."""
+        if all(r.params.greedy and not r.params.logit_bias for r in requests):
+            best = logits.max(dim=-1)
+            return torch.where(torch.isfinite(best.values), best.indices, NON_FINITE)
+        tokens, peak, _, _ = self._choose(logits, requests, generators, None)
+        return torch.where(torch.isfinite(peak), tokens, NON_FINITE)
+
+    def _choose(
+        self,
+        logits: Tensor,
+        requests: Sequence[Request],
+        generators: Sequence[torch.Generator | None],
+        mask: tuple[list[int], Tensor] | None,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """On the device: the chosen ids (B,), each row's peak logit (non-finite: the model
+        failed), the raw fp32 logits the logprobs read and the draw's CDFs (or None)."""
+        params = [r.params for r in requests]
         logits = logits.float()
         peak = logits.amax(dim=-1)  # of the model's logits: non-finite means it failed
         keep_raw = any(p.logprobs is not None for p in params)  # logprobs: of the raw logits
@@ -101,8 +131,7 @@ class Sampler:
             best = logits.max(dim=-1).indices
             drawn, cdf = self._draw(logits, requests, generators, mine)
             tokens = torch.where(self.tensor(greedy, torch.bool), best, drawn)
-        token_list = flag_non_finite(tokens, peak)
-        return SampleResult(token_list, self._logprobs(raw, requests, token_list), cdf)
+        return tokens, peak, raw, cdf
 
     def index(self, rows: Sequence[int]) -> Tensor:
         """Row numbers as an index tensor on the sampler's device."""
