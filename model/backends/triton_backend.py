@@ -35,20 +35,40 @@ def unsupported(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> str | 
 class StepBuffers:
     """Persistent host buffers (pinned on CUDA) and their device twins, one per name,
     grown when a step needs more: a step's int32 metadata is written on the host and
-    copied without blocking. The engine reads each step's sampled tokens before the next
-    step writes these buffers again, so a copy is never overwritten in flight."""
+    copied without blocking. Two sets, a step each in turn: with async scheduling the
+    engine writes a step's metadata while the step before may not have run its copies
+    yet; a set is written again only once the copies of the step that last used it are
+    done (an event recorded after them)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.pinned = device.type == "cuda"
-        self._bufs: dict[str, tuple[Tensor, Tensor]] = {}
+        self._sets: list[dict[str, tuple[Tensor, Tensor]]] = [{}, {}]
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+
+    def begin(self) -> None:
+        """A step's puts start: the other set, once its last copies have run."""
+        if self.pinned:
+            self._turn ^= 1
+            if (done := self._copied[self._turn]) is not None:
+                done.synchronize()
+
+    def end(self) -> None:
+        """A step's puts are queued: mark where its set's copies end."""
+        if self.pinned:
+            done = self._copied[self._turn] or torch.cuda.Event()
+            done.record()
+            self._copied[self._turn] = done
 
     def put(self, name: str, values: Sequence[int] | np.ndarray) -> Tensor:
-        """values -> an int32 device tensor (valid until the next put of this name)."""
+        """values -> an int32 device tensor (valid until the set is written again, two
+        steps later)."""
         if not self.pinned:  # host and device are one: a fresh tensor, nothing to race
             return torch.as_tensor(np.asarray(values, dtype=np.int32))
         n = len(values)
-        host, dev = self._bufs.get(name, (None, None))
+        bufs = self._sets[self._turn]
+        host, dev = bufs.get(name, (None, None))
         if host is None or host.numel() < n:
             size = max(n, 2 * host.numel() if host is not None else 256)
             # plain tensors, whatever mode the first caller runs in: an inference tensor
@@ -56,7 +76,7 @@ class StepBuffers:
             with torch.inference_mode(False):
                 host = torch.empty(size, dtype=torch.int32, pin_memory=True)
                 dev = torch.empty(size, dtype=torch.int32, device=self.device)
-            self._bufs[name] = (host, dev)
+            bufs[name] = (host, dev)
         host.numpy()[:n] = values
         dev[:n].copy_(host[:n], non_blocking=True)
         return dev[:n]
@@ -109,7 +129,8 @@ class TritonBackend(TorchBackend):
             tables[i, : len(table)] = table
         slots = tables[row_seq, positions // block_size] * block_size + positions % block_size
         put = self.buffers.put
-        return AttentionMetadata(
+        self.buffers.begin()
+        meta = AttentionMetadata(
             positions=put("positions", positions).long(),
             query_lens=list(query_lens),
             seq_lens=(cached + q).tolist(),
@@ -118,6 +139,8 @@ class TritonBackend(TorchBackend):
             query_start=put("starts", starts),
             seq_lens_t=put("seq_lens", cached + q),
         )
+        self.buffers.end()
+        return meta
 
     def add_norm(self, norm: nn.Module, x: Tensor, delta: Tensor | None) -> tuple[Tensor, Tensor]:
         """RMSNorm in one kernel with the residual add before it (x updated in place, as
@@ -167,8 +190,10 @@ class TritonBackend(TorchBackend):
         return out.view(q.shape[0], q.shape[1] * q.shape[2])
 
     def _fill(self, meta: AttentionMetadata) -> None:
+        self.buffers.begin()
         meta.query_start = self.buffers.put("starts", _query_starts(meta.query_lens))
         meta.seq_lens_t = self.buffers.put("seq_lens", meta.seq_lens)
+        self.buffers.end()
         meta.block_tables = meta.block_tables.to(torch.int32)
 
 
