@@ -22,6 +22,7 @@ CPU_MAX_NUM_SEQS, CUDA_MAX_NUM_SEQS = 64, 256
 ATTENTION_BACKENDS = ("auto", "cpu", "triton", "torch")
 QUANTIZATIONS = ("none", "int8")
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
+ASYNC_SCHEDULING = ("auto", "on", "off")
 
 
 def quantization_conflict(quantization: str, backend: str, dtype: str, device: str) -> str | None:
@@ -124,6 +125,15 @@ class Settings:
     )
     enforce_eager: bool = field(
         default=False, metadata={"help": "no CUDA graphs: run every step eagerly"}
+    )
+    async_scheduling: str = field(
+        default="auto",
+        metadata={
+            "help": "queue each step on the device before the previous step's tokens are "
+            "read, so the host's scheduling and outputs run while the device computes: "
+            "auto (on CUDA, without tensor parallelism or speculative decoding), on (also "
+            "on the CPU, where nothing overlaps), off"
+        },
     )
     disable_prefix_caching: bool = field(
         default=False,
@@ -242,6 +252,18 @@ class Settings:
                 f"speculative_method must be one of {list(SPECULATIVE_METHODS)}, "
                 f"got {self.speculative_method!r}"
             )
+        if self.async_scheduling not in ASYNC_SCHEDULING:
+            raise ValueError(
+                f"async_scheduling must be one of {list(ASYNC_SCHEDULING)}, "
+                f"got {self.async_scheduling!r}"
+            )
+        if self.async_scheduling == "on" and (
+            self.speculative_method != "none" or self.tensor_parallel_size > 1
+        ):
+            raise ValueError(
+                "async_scheduling: on runs one rank without speculative decoding (drafts "
+                "and other ranks need each step's tokens on the host); use auto or off"
+            )
         if (self.speculative_method == "draft") != (self.speculative_model is not None):
             raise ValueError(
                 "speculative_model: --speculative-method draft needs --speculative-model, "
@@ -280,6 +302,13 @@ class Settings:
         if self.max_num_seqs is not None:
             return self.max_num_seqs
         return CUDA_MAX_NUM_SEQS if device_type == "cuda" else CPU_MAX_NUM_SEQS
+
+    def async_steps(self, device_type: str) -> bool:
+        """Whether the engine queues a step before reading the last one's tokens."""
+        if self.async_scheduling == "auto":
+            plain = self.speculative_method == "none" and self.tensor_parallel_size == 1
+            return plain and device_type == "cuda"
+        return self.async_scheduling == "on"
 
     def mixed_prefill_cap(self, device_type: str) -> int | None:
         """The engine's cap on prompt tokens in a step with decodes (None: no cap)."""

@@ -129,7 +129,7 @@ class BlockManager:
 
     def _request_hashes(self, request: Request) -> list[bytes]:
         known = self._hashes.get(request.request_id, [])
-        if len(known) < request.num_tokens // self.block_size:
+        if len(known) < request.num_known // self.block_size:
             known = chain_hashes(request.token_ids, self.block_size, known, self._root(request))
             self._hashes[request.request_id] = known
         return known

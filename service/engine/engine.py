@@ -14,6 +14,7 @@ from service.engine.output import RequestOutput, TextState, make_output
 from service.engine.parts import assemble
 from service.engine.ranks import RankError
 from service.engine.request import FinishReason, ParamError, Request, SamplingParams, Status
+from service.engine.runner import Launched
 from service.engine.scheduler import SchedulerOutput
 from service.engine.speculative import accepted_drafts
 from service.engine.stats import EngineObserver, EngineSnapshot, EngineStats
@@ -46,6 +47,12 @@ class LLMEngine:
         self.blocks, self.scheduler, self.runner = parts.blocks, parts.scheduler, parts.runner
         self.eos_ids, self.grammars = parts.eos_ids, parts.grammars
         self.speculator = parts.speculator
+        # async scheduling (parts.py decides): the step in flight, whose tokens are read
+        # after the next step is queued; and the requests that need each step's tokens
+        # read before the next is scheduled (while one is running, every step is read)
+        self.async_scheduling = parts.async_scheduling
+        self.in_flight: Launched | None = None
+        self._read_each_step: set[str] = set()
         self.jump_forward = not settings.disable_jump_forward
         self.requests: dict[str, Request] = {}
         self.texts: dict[str, TextState] = {}
@@ -103,6 +110,8 @@ class LLMEngine:
                 request.guide = self.grammars.guide(p.constraint)
             first = first or request
             self.requests[rid] = request
+            if p.reads_each_step:
+                self._read_each_step.add(rid)
             self.texts[rid] = TextState(self.tokenizer, p.stop, p.skip_special_tokens)
             self.scheduler.add(request)
         return ids
@@ -116,8 +125,8 @@ class LLMEngine:
 
     def drop(self, request_id: str) -> None:
         """Remove a request whose add failed part way, handing nothing out."""
-        request = self.requests.pop(request_id, None)
-        self.texts.pop(request_id, None)
+        request = self.requests.get(request_id)
+        self._forget(request_id)
         if request is not None:
             self.scheduler.remove(request)
 
@@ -132,7 +141,11 @@ class LLMEngine:
         )
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        """Requests to step, or a step in flight whose tokens someone still waits for."""
+        if self.scheduler.has_work:
+            return True
+        flight = self.in_flight
+        return flight is not None and not all(s.request.finished for s in flight.batch.seqs)
 
     # ---- tensor-parallel ranks (model/parallel.py, service/engine/ranks.py) ------------
 
@@ -153,31 +166,60 @@ class LLMEngine:
     # ---- the step ----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One step. With async scheduling the step is queued on the device before the
+        previous step's tokens are read: the host schedules and prepares step N + 1, and
+        hands out step N's tokens, while the device computes. A request's token still on
+        the device is pending (Request.num_pending): the next step feeds it from the
+        device, and a request that it finishes has computed one token in vain."""
         t0 = self.clock()
+        prev, self.in_flight = self.in_flight, None
+        chain = self.async_scheduling and not self._read_each_step
+        outputs: list[RequestOutput] = []
+        if prev is not None and not chain:  # a request now needs the tokens first
+            outputs, prev = self._collect(prev), None
         self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         self.stats.preemptions += len(batch.preempted)
         self.stats.prefix_queried_tokens += batch.prefix_queried
         self.stats.prefix_hit_tokens += batch.prefix_hits
-        if not batch.seqs:
-            return []
-        for seq in batch.seqs:
-            if seq.request.first_scheduled_time is None:
-                seq.request.first_scheduled_time = t0
-        try:
-            result = self.runner.run(batch)
-        except RankError:  # the ranks are out of step: nothing can run any more
-            raise
-        except Exception as exc:  # a failed forward fails this batch's requests only
-            return self._fail_batch(batch, exc)
-        outputs = self._update(batch, result.token_ids, result.logprobs)
-        seconds = self.clock() - t0
-        if all(s.sample and s.num_new == 1 for s in batch.seqs):  # decodes only
-            drafted = any(s.drafts for s in batch.seqs)
-            tokens = sum(len(o.token_ids) for o in outputs)
-            self.speculator.observe(drafted, tokens, len(batch.seqs), seconds)
-        self._observe("on_step", seconds, batch.num_tokens, len(batch.seqs))
+        launched = None
+        if batch.seqs:
+            for seq in batch.seqs:
+                if seq.request.first_scheduled_time is None:
+                    seq.request.first_scheduled_time = t0
+            try:
+                launched = self.runner.launch(batch, prev, read_later=chain)
+            except RankError:  # the ranks are out of step: nothing can run any more
+                raise
+            except Exception as exc:  # a failed forward fails this batch's requests only
+                outputs += self._fail_batch(batch, exc)
+        if launched is not None:
+            for seq in batch.seqs:  # counted now: the next step is scheduled after them
+                seq.request.num_computed += seq.num_new
+                if chain and seq.sample:
+                    seq.request.num_pending += 1
+        if prev is not None:
+            outputs += self._collect(prev)
+        if launched is not None and chain:
+            self.in_flight = launched
+        elif launched is not None:
+            own = self._collect(launched)
+            outputs += own
+            if all(s.sample and s.num_new == 1 for s in batch.seqs):  # decodes only
+                drafted = any(s.drafts for s in batch.seqs)
+                tokens = sum(len(o.token_ids) for o in own)
+                self.speculator.observe(drafted, tokens, len(batch.seqs), self.clock() - t0)
+        if batch.seqs:
+            self._observe("on_step", self.clock() - t0, batch.num_tokens, len(batch.seqs))
         return outputs
+
+    def _collect(self, launched: Launched) -> list[RequestOutput]:
+        """Read a launched step's tokens and hand them out."""
+        try:
+            result = self.runner.read(launched)
+        except Exception as exc:  # the device failed the step: its requests fail
+            return self._fail_batch(launched.batch, exc)
+        return self._update(launched, result.token_ids, result.logprobs)
 
     def _observe(self, event: str, *args: object) -> None:
         """Tell the observer; a failing observer is logged, never fatal to the step."""
@@ -188,20 +230,21 @@ class LLMEngine:
         except Exception:
             log.exception("metrics observer failed in %s", event)
 
-    def _update(
-        self, batch: SchedulerOutput, tokens: list[int], logprobs: list
-    ) -> list[RequestOutput]:
+    def _update(self, launched: Launched, tokens: list[int], logprobs: list) -> list[RequestOutput]:
         now = self.clock()
         outputs: list[RequestOutput] = []
         intervals: list[float] = []
         k = 0
-        for seq in batch.seqs:
+        for seq in launched.batch.seqs:
             request = seq.request
             rows = 1 + len(seq.drafts) if seq.sample else 0
             chosen, lps = tokens[k : k + rows], logprobs[k : k + rows]
             k += rows
+            if seq.sample and launched.ids is not None:
+                request.num_pending -= 1  # read now
+            if request.finished:  # aborted, or finished by the step before (async)
+                continue
             try:
-                request.num_computed += seq.num_new
                 if not seq.sample:
                     self.blocks.cache_full_blocks(request)
                     continue
@@ -281,7 +324,7 @@ class LLMEngine:
             return FinishReason.STOP
         if request.guide is not None and request.guide.done:  # the grammar is complete
             return FinishReason.STOP
-        if len(request.output_ids) >= p.max_tokens or request.num_tokens >= self.max_model_len:
+        if len(request.output_ids) >= p.max_tokens or request.num_known >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 
@@ -299,14 +342,19 @@ class LLMEngine:
         text = text_state.take(final=request.finished)
         output = make_output(request, tokens, text, logprobs)
         if request.finished:
-            self.requests.pop(request.request_id, None)
-            self.texts.pop(request.request_id, None)
+            self._forget(request.request_id)
             self._observe("on_finished", output)
         return output
 
+    def _forget(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+        self.texts.pop(request_id, None)
+        self._read_each_step.discard(request_id)
+
     def _fail_batch(self, batch: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         message = f"generation failed: {type(exc).__name__}: {exc}"
-        return [self._fail(seq.request, message) for seq in batch.seqs]
+        # not those finished since it was scheduled (async scheduling: by the step before)
+        return [self._fail(s.request, message) for s in batch.seqs if not s.request.finished]
 
     def _fail(self, request: Request, message: str) -> RequestOutput:
         """Finish the request as failed and hand out its last output (held-back text is
@@ -316,7 +364,6 @@ class LLMEngine:
         else:
             self._finish(request, FinishReason.ERROR, message)
         output = make_output(request, [], "", [])
-        self.requests.pop(request.request_id, None)
-        self.texts.pop(request.request_id, None)
+        self._forget(request.request_id)
         self._observe("on_finished", output)
         return output

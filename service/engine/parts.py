@@ -40,6 +40,7 @@ class EngineParts:
     grammars: Grammars  # structured outputs: nothing is built until a request asks
     runner: ModelRunner
     speculator: Speculator
+    async_scheduling: bool  # queue a step before reading the last one's tokens (engine.py)
 
 
 def _backend(
@@ -114,6 +115,7 @@ def assemble(
         grammars,
         runner,
         speculator,
+        settings.async_steps(device) and ranks is None and speculator.method == "none",
     )
 
 

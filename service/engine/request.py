@@ -30,6 +30,7 @@ class FinishReason(enum.StrEnum):
     ERROR = "error"
 
 
+PENDING = -2  # a sampled token still on the device (async scheduling): its value is unread
 EMPTY_PROMPT = "prompt: must not be empty"  # the one message, whatever form the prompt took
 CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -122,6 +123,13 @@ class SamplingParams:
         return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
 
     @property
+    def reads_each_step(self) -> bool:
+        """Sampling that reads the request's tokens on the host (penalties), fetches
+        logprobs or follows a grammar: async scheduling reads each step's tokens before
+        scheduling the next while such a request runs."""
+        return self.logprobs is not None or self.needs_penalties or self.constraint is not None
+
+    @property
     def needs_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
 
@@ -159,10 +167,29 @@ class Request:
     error: str | None = None
     guide: object | None = None  # its place in its constraint's grammar (structured.Guide)
     draft_ids: list[int] = field(default_factory=list)  # proposed next tokens (speculative)
+    # sampled by a step whose ids are not read yet (async scheduling, engine.py): counted
+    # in num_tokens, so the next step is scheduled before they are known
+    num_pending: int = 0
 
     @property
     def num_tokens(self) -> int:
+        """Tokens the request holds, the pending ones included (what the scheduler sees)."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
+
+    @property
+    def num_known(self) -> int:
+        """Tokens whose ids the host has read: len(token_ids)."""
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_generated(self) -> int:
+        """Output tokens sampled so far, the pending ones included."""
+        return len(self.output_ids) + self.num_pending
+
+    @property
+    def last_is_pending(self) -> bool:
+        """Its pending token will be its last (max_tokens): nothing to schedule after it."""
+        return self.num_pending > 0 and self.num_generated >= self.params.max_tokens
 
     @property
     def num_prompt(self) -> int:
@@ -173,14 +200,17 @@ class Request:
         return self.prompt_ids + self.output_ids
 
     def tokens(self, start: int, stop: int) -> list[int]:
-        """token_ids[start:stop] (0 <= start <= stop) without building token_ids: a decode
-        step reads one token of a context that may be thousands long."""
+        """token_ids[start:stop] (0 <= start <= stop <= num_tokens) without building
+        token_ids: a decode step reads one token of a context that may be thousands long.
+        PENDING stands for a pending token's id."""
         p = len(self.prompt_ids)
-        if start >= p:
-            return self.output_ids[start - p : stop - p]
         if stop <= p:
             return self.prompt_ids[start:stop]
-        return self.prompt_ids[start:] + self.output_ids[: stop - p]
+        lo = max(start - p, 0)
+        out = self.output_ids[lo : stop - p]
+        if len(out) < stop - p - lo:  # the pending tokens' places
+            out = out + [PENDING] * (stop - p - lo - len(out))
+        return self.prompt_ids[start:] + out if start < p else out
 
     @property
     def remaining(self) -> int:
@@ -197,6 +227,10 @@ class Request:
 
     @property
     def ready(self) -> bool:
-        """Schedulable: an n>1 sibling waits until the first one's prompt is cached."""
+        """Schedulable: an n>1 sibling waits until the first one's prompt is cached (its
+        prompt computed and its first token read: async scheduling registers the prompt's
+        blocks then)."""
         w = self.wait_for
-        return w is None or w.finished or w.num_computed >= w.num_prompt
+        if w is None or w.finished:
+            return True
+        return w.num_computed >= w.num_prompt and w.first_token_time is not None

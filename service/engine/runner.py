@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -11,11 +12,27 @@ from model.transformer import Transformer
 from service.engine.cuda_graphs import DecodeGraphs
 from service.engine.guided import GuidedSampler
 from service.engine.ranks import Clear, RankError, Ranks, Step
-from service.engine.request import Request
+from service.engine.request import PENDING, Request
 from service.engine.sampler import Sampler, SampleResult
 from service.engine.scheduler import SchedulerOutput
 from service.engine.speculative import DraftModel
 from service.engine.structured import Masks
+
+
+@dataclass(slots=True)
+class Launched:
+    """A step queued on the device: its sampled tokens, read (result), or not yet read
+    (async scheduling): ids on the device, where the next step's inputs come from, with
+    each sampling request's row, and their copy on the way to the host (copied, an event
+    recorded after the copy: reading it waits for this step alone, not for the step
+    queued after it)."""
+
+    batch: SchedulerOutput
+    result: SampleResult | None
+    ids: torch.Tensor | None = None
+    rows: dict[str, int] | None = None
+    host_ids: torch.Tensor | None = None
+    copied: torch.cuda.Event | None = None
 
 
 class ModelRunner:
@@ -64,7 +81,7 @@ class ModelRunner:
         pool = self.generators.setdefault(request.request_id, [])
         while len(pool) <= row:
             pool.append(torch.Generator(device=self.device))
-        pool[row].manual_seed(_mix(seed, len(request.output_ids) + row))
+        pool[row].manual_seed(_mix(seed, request.num_generated + row))
         return pool[row]
 
     def clear_blocks(self, blocks: list[int]) -> None:
@@ -77,17 +94,31 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
 
-    @torch.inference_mode()
     def run(self, batch: SchedulerOutput) -> SampleResult:
         """Forward every scheduled chunk; sample for the sequences whose chunk ends at
         their last token. Results are in the order of those sequences in the batch, one per
         sampled row: a sequence with k drafts has k + 1 (service/engine/speculative.py)."""
+        return self.read(self.launch(batch))
+
+    @torch.inference_mode()
+    def launch(
+        self, batch: SchedulerOutput, prev: Launched | None = None, read_later: bool = False
+    ) -> Launched:
+        """Queue the batch's forward and sampling on the device. prev: the step still in
+        flight whose sampled ids are this batch's PENDING input tokens (async scheduling:
+        they go from its ids to this forward's inputs on the device, never through the
+        host). read_later: leave the sampled ids on the device (Sampler.pick) for read()
+        to fetch after the next step is queued; else they are read now."""
         tokens: list[int] = []
         logit_rows: list[int] = []
         sampled: list[Request] = []  # a request once per row it samples
         gens: list[torch.Generator | None] = []
+        fill: list[tuple[int, int]] = []  # (row of tokens, row of prev's ids)
         for seq in batch.seqs:
             tokens.extend(seq.request.tokens(seq.start, seq.start + seq.num_new))
+            if tokens[-1] == PENDING:  # its one unread token: the last, a decode's input
+                assert prev is not None and prev.ids is not None, "a pending token, no step"
+                fill.append((len(tokens) - 1, prev.rows[seq.request.request_id]))
             tokens.extend(seq.drafts)  # speculative: each draft's position samples too
             if seq.sample:
                 rows = 1 + len(seq.drafts)
@@ -101,9 +132,11 @@ class ModelRunner:
             [s.num_new + len(s.drafts) for s in batch.seqs],
             logit_rows,
         )
+        filled = (fill, prev.ids) if fill else None  # type: ignore[union-attr]
         if self.ranks is None:
-            logits = self.forward(step)
+            logits = self.forward(step, filled)
         else:  # more than one rank: a failed forward may leave them out of step
+            assert filled is None, "async scheduling sends no pending tokens to other ranks"
             self.ranks.send(step)
             try:
                 logits = self.forward(step)
@@ -112,11 +145,33 @@ class ModelRunner:
         if self.draft is not None:  # the draft model's K/V follow the target's
             self.draft.mirror(step)
         if logits is None:
-            return SampleResult([], [])
+            return Launched(batch, SampleResult([], []))
+        if read_later:
+            rows = {r.request_id: i for i, r in enumerate(sampled)}
+            ids = self.sampler.pick(logits, sampled, gens)
+            if not self._pin:  # the CPU: computed already
+                return Launched(batch, None, ids, rows, ids)
+            host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            host.copy_(ids, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+            return Launched(batch, None, ids, rows, host, copied)
         guided = [i for i, r in enumerate(sampled) if r.guide is not None]
         if not guided or self.guided is None:
-            return self.sampler.sample(logits, sampled, gens)
-        return self.guided.sample(logits, sampled, gens, guided, self._busy(logits))
+            return Launched(batch, self.sampler.sample(logits, sampled, gens))
+        busy = self._busy(logits)
+        return Launched(batch, self.guided.sample(logits, sampled, gens, guided, busy))
+
+    @staticmethod
+    def read(launched: Launched) -> SampleResult:
+        """The launched step's sampled tokens on the host (waits for the device)."""
+        if launched.result is not None:
+            return launched.result
+        assert launched.host_ids is not None
+        if launched.copied is not None:
+            launched.copied.synchronize()
+        ids = launched.host_ids.tolist()
+        return SampleResult(ids, [None] * len(ids))
 
     @staticmethod
     def _busy(logits: torch.Tensor) -> Callable[[], bool] | None:
@@ -128,8 +183,12 @@ class ModelRunner:
         done.record()
         return lambda: not done.query()
 
-    def forward(self, step: Step) -> torch.Tensor | None:
-        """The logits (S, V) of the step's sampled rows (None: it samples none)."""
+    def forward(
+        self, step: Step, fill: tuple[list[tuple[int, int]], torch.Tensor] | None = None
+    ) -> torch.Tensor | None:
+        """The logits (S, V) of the step's sampled rows (None: it samples none). fill:
+        the rows of step.tokens that are PENDING and, for each, its row in the ids (the
+        previous step's samples, on the device) that holds it."""
         meta = self.backend.metadata(
             step.block_tables,
             step.starts,
@@ -139,6 +198,8 @@ class ModelRunner:
             self.kv_cache.null_block,
         )
         tokens = self._to_device(step.tokens)
+        if fill is not None:
+            tokens = self._fill(tokens, *fill)
         if not step.logit_rows:  # a prompt chunk (or a draft model's mirror): K/V only
             self.model(tokens, meta, self.kv_cache, self._to_device([]))
             return None
@@ -149,6 +210,18 @@ class ModelRunner:
         # decodes: every row is a logit row, in order, so no rows to pick
         rows = None if decodes else self._to_device(step.logit_rows)
         return self.model(tokens, meta, self.kv_cache, rows)
+
+    def _fill(
+        self, tokens: torch.Tensor, rows: list[tuple[int, int]], ids: torch.Tensor
+    ) -> torch.Tensor:
+        """tokens with its PENDING rows taken from ids (a NON_FINITE id reads as token 0:
+        its request fails when the ids are read; the row only has to be a valid index)."""
+        ids = ids.clamp(min=0)
+        if len(rows) == len(ids) == len(tokens) and all(a == b for a, b in rows):
+            return ids  # every sequence decodes its pending token, in the same order
+        dst, src = zip(*rows, strict=True)
+        tokens[self._to_device(list(dst))] = ids[self._to_device(list(src))]
+        return tokens
 
     @torch.inference_mode()
     def follow(self) -> None:

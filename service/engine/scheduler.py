@@ -84,6 +84,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.last_is_pending:  # async scheduling: nothing comes after it
+                i += 1
+                continue
             chunk = request.remaining > 1
             n = min(request.remaining, budget, prefill if chunk else budget)
             if n == 0:  # no prefill allowance left this step: it continues next step

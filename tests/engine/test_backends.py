@@ -77,13 +77,17 @@ def test_decode_graphs_pad_to_their_bucket_and_match_eager() -> None:
         graphs.run(torch.zeros(7, dtype=torch.long), meta)
 
 
-def test_engine_replays_decode_graphs_and_runs_other_steps_eagerly() -> None:
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_engine_replays_decode_graphs_and_runs_other_steps_eagerly(async_scheduling: str) -> None:
     """Through the engine: decode-only steps go to the graphs (here replayed eagerly),
-    prefill and mixed steps do not, and the tokens are those of a run without graphs."""
+    prefill and mixed steps do not, and the tokens are those of a run without graphs
+    (with async scheduling too: the graphs' inputs then come from the step before)."""
     requests = {f"r{i}": ([7 * i + 1] * (3 + 5 * i), greedy(6 + i)) for i in range(4)}
     plain = make_engine(MODEL, block_size=16, attention_backend="triton")
     want = {rid: tokens_of(o) for rid, o in run_all(plain, requests).items()}
-    engine = make_engine(MODEL, block_size=16, attention_backend="triton")
+    engine = make_engine(
+        MODEL, block_size=16, attention_backend="triton", async_scheduling=async_scheduling
+    )
     graphs = DecodeGraphs(MODEL, engine.kv_cache, 16, 512, capture=False)
     sizes: list[int] = []
     run = graphs.run

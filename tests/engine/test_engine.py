@@ -1,16 +1,21 @@
 """The engine end to end on small random models (CPU)."""
 
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from model.generate import generate
-from service.engine.engine import ContextLengthError
+from service.engine.engine import ContextLengthError, LLMEngine
 from service.engine.request import ParamError, SamplingParams
+from service.engine.scheduler import SchedulerOutput
 from tests.engine.helpers import greedy, make_engine, run_all, small_model, tokens_of
 
 MODEL = small_model()
+# the engine reading each step's tokens before the next is scheduled, and queueing the next
+# first (async scheduling, which CUDA runs by default): the same outputs
+ASYNC = pytest.mark.parametrize("async_scheduling", ["off", "on"])
 
 
 def mixed_requests(n: int, seed: int = 0) -> dict[str, tuple[list[int], SamplingParams]]:
@@ -30,19 +35,34 @@ def alone(requests: dict) -> dict[str, list[int]]:
     }
 
 
-def test_sixteen_mixed_requests_batched_equal_each_alone() -> None:
+def stepped(engine: LLMEngine, on_batch: Callable[[SchedulerOutput], None]) -> dict[str, list[int]]:
+    """Step the engine until it is done, calling on_batch with each batch as it is
+    scheduled (before it runs); every request's tokens."""
+    schedule = engine.scheduler.schedule
+
+    def recorded() -> SchedulerOutput:
+        batch = schedule()
+        on_batch(batch)
+        return batch
+
+    engine.scheduler.schedule = recorded  # type: ignore[method-assign]
+    outputs: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.token_ids)
+    return outputs
+
+
+@ASYNC
+def test_sixteen_mixed_requests_batched_equal_each_alone(async_scheduling: str) -> None:
     requests = mixed_requests(16)
-    engine = make_engine(MODEL)
+    engine = make_engine(MODEL, async_scheduling=async_scheduling)
     steps = []
     for rid, (prompt, params) in requests.items():
         engine.add_request(rid, prompt, params)
-    outputs: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        batch = engine.scheduler.schedule()
-        steps.append([(s.request.in_prefill, s.num_new) for s in batch.seqs])
-        result = engine.runner.run(batch)
-        for out in engine._update(batch, result.token_ids, result.logprobs):
-            outputs.setdefault(out.request_id, []).extend(out.token_ids)
+    outputs = stepped(
+        engine, lambda batch: steps.append([(s.request.in_prefill, s.num_new) for s in batch.seqs])
+    )
     assert outputs == alone(requests)
     # budgets held, and prefill chunks were mixed with decodes in the same step
     assert all(sum(n for _, n in s) <= 64 and len(s) <= 16 for s in steps)
@@ -50,75 +70,91 @@ def test_sixteen_mixed_requests_batched_equal_each_alone() -> None:
     assert engine.blocks.num_used == 0
 
 
-def test_steps_with_decodes_cap_their_prompt_tokens() -> None:
+@ASYNC
+def test_steps_with_decodes_cap_their_prompt_tokens(async_scheduling: str) -> None:
     """With mixed_prefill_tokens, a step that carries decodes computes at most that many
     prompt tokens (new prompts and mid-prompt chunks alike); a step without decodes still
     fills the whole budget; the tokens are those of each request alone."""
     requests = mixed_requests(16, seed=2)
-    engine = make_engine(MODEL, mixed_prefill_tokens=8)
+    engine = make_engine(MODEL, mixed_prefill_tokens=8, async_scheduling=async_scheduling)
     for rid, (prompt, params) in requests.items():
         engine.add_request(rid, prompt, params)
-    outputs: dict[str, list[int]] = {}
-    mixed = prefill_only = 0
-    while engine.has_unfinished():
-        batch = engine.scheduler.schedule()
+    counts = {"mixed": 0, "prefill_only": 0}
+
+    def check(batch: SchedulerOutput) -> None:
         decodes = [s for s in batch.seqs if not s.request.in_prefill and s.num_new == 1]
         chunks = sum(s.num_new for s in batch.seqs if s.num_new > 1)
         assert batch.num_tokens <= 64
         if decodes:
             assert chunks <= 8, [(s.request.request_id, s.num_new) for s in batch.seqs]
-            mixed += bool(chunks)
+            counts["mixed"] += bool(chunks)
         elif chunks > 8:
-            prefill_only += 1
-        result = engine.runner.run(batch)
-        for out in engine._update(batch, result.token_ids, result.logprobs):
-            outputs.setdefault(out.request_id, []).extend(out.token_ids)
+            counts["prefill_only"] += 1
+
+    outputs = stepped(engine, check)
+    mixed, prefill_only = counts["mixed"], counts["prefill_only"]
     assert mixed and prefill_only  # both kinds of step happened
     assert outputs == alone(requests)
     assert engine.blocks.num_used == 0
     with pytest.raises(ValueError, match="mixed_prefill_tokens"):
-        make_engine(MODEL, mixed_prefill_tokens=-1)  # 0 is no cap
+        make_engine(
+            MODEL, mixed_prefill_tokens=-1, async_scheduling=async_scheduling
+        )  # 0 is no cap
 
 
-def test_small_pool_preempts_and_outputs_are_unchanged() -> None:
+@ASYNC
+def test_small_pool_preempts_and_outputs_are_unchanged(async_scheduling: str) -> None:
     requests = mixed_requests(16, seed=1)
-    engine = make_engine(MODEL, num_kv_blocks=40)
+    engine = make_engine(MODEL, num_kv_blocks=40, async_scheduling=async_scheduling)
     outputs = run_all(engine, requests)
     assert engine.stats.preemptions > 0
     assert {rid: tokens_of(o) for rid, o in outputs.items()} == alone(requests)
     assert engine.blocks.num_used == 0
 
 
-def test_shared_prefix_is_computed_once() -> None:
+@ASYNC
+def test_shared_prefix_is_computed_once(async_scheduling: str) -> None:
     prefix = list(range(10, 18))  # two blocks of 4
     a, b = [*prefix, 1, 2, 3], [*prefix, 4, 5]
-    engine = make_engine(MODEL)
+    engine = make_engine(MODEL, async_scheduling=async_scheduling)
     first = run_all(engine, {"a": (a, greedy(6))})
     assert engine.stats.prefix_hit_tokens == 0
     second = run_all(engine, {"b": (b, greedy(6))})
     assert engine.stats.prefix_hit_tokens == 8
     assert second["b"][-1].num_cached_tokens == 8
-    cold = make_engine(MODEL, disable_prefix_caching=True)
+    cold = make_engine(MODEL, disable_prefix_caching=True, async_scheduling=async_scheduling)
     ref = run_all(cold, {"a": (a, greedy(6)), "b": (b, greedy(6))})
     assert tokens_of(first["a"]) == tokens_of(ref["a"])
     assert tokens_of(second["b"]) == tokens_of(ref["b"])
 
 
-def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch() -> None:
+@ASYNC
+def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch(async_scheduling: str) -> None:
     params = SamplingParams(
         max_tokens=20, temperature=0.9, top_p=0.95, top_k=50, seed=1234, ignore_eos=True
     )
     prompt = [5, 6, 7, 8, 9]
-    solo = tokens_of(run_all(make_engine(MODEL), {"s": (prompt, params)})["s"])
+    solo = tokens_of(
+        run_all(make_engine(MODEL, async_scheduling=async_scheduling), {"s": (prompt, params)})["s"]
+    )
     busy_requests = mixed_requests(10, seed=3)
     busy_requests["s"] = (prompt, params)
     busy_requests |= {
         f"x{i}": ([1, 2, 3], SamplingParams(max_tokens=15, temperature=1.0)) for i in range(5)
     }
-    busy = run_all(make_engine(MODEL, num_kv_blocks=60), busy_requests)
+    busy = run_all(
+        make_engine(MODEL, num_kv_blocks=60, async_scheduling=async_scheduling), busy_requests
+    )
     assert tokens_of(busy["s"]) == solo
     other_seed = SamplingParams(max_tokens=20, temperature=0.9, seed=99, ignore_eos=True)
-    assert tokens_of(run_all(make_engine(MODEL), {"s": (prompt, other_seed)})["s"]) != solo
+    assert (
+        tokens_of(
+            run_all(
+                make_engine(MODEL, async_scheduling=async_scheduling), {"s": (prompt, other_seed)}
+            )["s"]
+        )
+        != solo
+    )
 
 
 def test_logprobs_equal_log_softmax_of_a_full_forward() -> None:
@@ -137,9 +173,10 @@ def test_logprobs_equal_log_softmax_of_a_full_forward() -> None:
         assert all(abs(a - b) < 1e-4 for (_, a), b in zip(lp.top, values.tolist()))
 
 
-def test_stop_string_across_token_boundary() -> None:
+@ASYNC
+def test_stop_string_across_token_boundary(async_scheduling: str) -> None:
     model = small_model(vocab=100277, d_model=32)
-    engine = make_engine(model)
+    engine = make_engine(model, async_scheduling=async_scheduling)
     prompt = [791, 4062, 14198, 39935]
     free_run = run_all(engine, {"f": (prompt, greedy(30))})["f"]
     tokens = tokens_of(free_run)
@@ -162,8 +199,9 @@ def test_stop_string_across_token_boundary() -> None:
     assert engine.blocks.num_used == 0
 
 
-def test_abort_mid_generation_returns_every_block() -> None:
-    engine = make_engine(MODEL)
+@ASYNC
+def test_abort_mid_generation_returns_every_block(async_scheduling: str) -> None:
+    engine = make_engine(MODEL, async_scheduling=async_scheduling)
     idle = engine.blocks.num_used
     engine.add_request("a", list(range(30)), greedy(50))
     engine.add_request("b", list(range(40, 60)), greedy(50))
@@ -177,8 +215,9 @@ def test_abort_mid_generation_returns_every_block() -> None:
     assert engine.requests == {} and engine.texts == {}
 
 
-def test_n_siblings_share_prompt_blocks() -> None:
-    engine = make_engine(MODEL)
+@ASYNC
+def test_n_siblings_share_prompt_blocks(async_scheduling: str) -> None:
+    engine = make_engine(MODEL, async_scheduling=async_scheduling)
     prompt = list(range(1, 22))  # 5 full blocks of 4
     params = SamplingParams(max_tokens=8, temperature=1.0, n=3, seed=7, ignore_eos=True)
     ids = engine.add_request("n", prompt, params)
@@ -260,7 +299,8 @@ def test_sampled_id_the_tokenizer_does_not_define() -> None:
     assert tokens_of(run_all(engine, {"v": ([791], greedy(3))})["v"])  # still serving
 
 
-def test_non_finite_logits_fail_that_request_alone() -> None:
+@ASYNC
+def test_non_finite_logits_fail_that_request_alone(async_scheduling: str) -> None:
     """A NaN in the model's path for one request fails it with an error; the others in
     the same batch get exactly their clean outputs, and its blocks leave nothing behind.
     (Untied head: a NaN embedding row then touches only sequences containing that token.)"""
@@ -272,7 +312,7 @@ def test_non_finite_logits_fail_that_request_alone() -> None:
     with torch.no_grad():
         model.embed.weight[13] = float("nan")
     requests["bad"] = ([5, 13, 7, 9] * 5, greedy(10))
-    engine = make_engine(model)
+    engine = make_engine(model, async_scheduling=async_scheduling)
     outputs = run_all(engine, requests)
     bad = outputs["bad"][-1]
     assert bad.finished and bad.finish_reason.value == "error" and "non-finite" in bad.error

@@ -148,26 +148,50 @@ def test_structured_outputs_on_cuda() -> None:
     assert engine.blocks.num_used == 0
 
 
-def test_one_host_sync_per_decode_step() -> None:
-    """With torch's sync debug mode on, a decode step (graphs or eager) warns exactly
-    once: the sampled token ids coming back to the host."""
+@pytest.mark.parametrize("pool", [256, 24])  # 24 blocks of 16: preempts (on the CPU)
+def test_async_scheduling_on_cuda_gives_the_read_each_step_outputs(pool: int) -> None:
+    """On CUDA the engine queues a step before it reads the last one's tokens (the
+    default): greedy, sampled, stopped, biased and n > 1 requests get the tokens of the
+    engine that reads every step (graphs on in both; in float32, where a batch one row
+    larger, as async scheduling runs a request that just stopped for one more step, is
+    far less likely than in bf16 to move an argmax)."""
+    from tests.engine.test_async_scheduling import run, workload
+
+    model = small_model().to("cuda", torch.float32)
+    outputs = {}
+    for mode in ("auto", "off"):
+        engine = cuda_engine(model, num_kv_blocks=pool, async_scheduling=mode)
+        assert engine.runner.graphs is not None
+        assert engine.async_scheduling == (mode == "auto")
+        outputs[mode], chained = run(engine, workload(3))
+        assert (chained > 0) == (mode == "auto")
+    assert outputs["auto"] == outputs["off"]
+
+
+@pytest.mark.parametrize("graphs,mode", [(True, "auto"), (False, "auto"), (True, "off")])
+def test_one_host_sync_per_decode_step(graphs: bool, mode: str) -> None:
+    """With torch's sync debug mode on, a decode step (graphs or eager) that reads its
+    own tokens warns exactly once: the sampled token ids coming back to the host. With
+    async scheduling (the default) it warns never: the previous step's ids come in a
+    copy queued after that step's sampling, and the host waits on an event recorded
+    after the copy, not on the stream (which holds the step just queued)."""
     model = small_model().to("cuda", torch.bfloat16)
-    for graphs in (True, False):
-        engine = cuda_engine(model, enforce_eager=not graphs)
-        for i in range(4):
-            engine.add_request(f"r{i}", [5 + i] * (10 + i), greedy(12))
-        for _ in range(3):  # prefill and the first decodes, outside the count
+    engine = cuda_engine(model, enforce_eager=not graphs, async_scheduling=mode)
+    for i in range(4):
+        engine.add_request(f"r{i}", [5 + i] * (10 + i), greedy(12))
+    for _ in range(3):  # prefill and the first decodes, outside the count
+        engine.step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             engine.step()
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                engine.step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        syncs = [w for w in caught if "synchroniz" in str(w.message)]
-        assert len(syncs) == 1, [str(w.message) for w in syncs]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == (mode == "off"), [str(w.message) for w in syncs]
+    assert (engine.in_flight is not None) == (mode == "auto")
 
 
 def test_decode_step_is_one_graph_launch() -> None:
