@@ -3,11 +3,12 @@
 Random-weight checkpoints of the Llama-3.2-1B shape and the SmolLM2-135M shape, bf16,
 written by transformers; for each, in the same run:
 
-- single-stream decode (128 prompt tokens, 256 out), ms/token with CUDA graphs and
-  eagerly, against the weight-bandwidth floor (weight bytes / device copy bandwidth
-  measured here);
-- offline throughput of 256 requests x (512 in, 256 out) against transformers
-  `generate` at its best batch size;
+- single-stream decode (128 prompt tokens, 256 out), ms/token with CUDA graphs (async
+  scheduling on, and off on the same engine) and eagerly, against the weight-bandwidth
+  floor (weight bytes / device copy bandwidth measured here);
+- offline throughput of 256 requests x (512 in, 256 out), async scheduling on and off
+  alternated, two runs each (the better one reported), fresh prompts every run after a
+  warm-up run of the same shapes, against transformers `generate` at its best batch size;
 - prefill of 8 x 2048 tokens (the context less one where shorter), tokens/s against the
   roofline (measured bf16 matmul FLOP/s / 2 x parameters);
 - HTTP streaming at concurrency 64 against the offline engine on the same requests.
@@ -24,6 +25,7 @@ import argparse
 import json
 import shlex
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -160,6 +162,17 @@ def http_vs_offline(path, engine, args, n, vocab) -> dict:
             "ratio": served["output_tok_s"] / offline, "errors": served["errors"]}  # fmt: skip
 
 
+def without_async(engine: LLMEngine, run: Callable[[LLMEngine], dict]) -> dict:
+    """run(engine) with the engine reading every step's tokens before it schedules the next
+    (async scheduling off; the same engine, graphs and pool): what async scheduling
+    saves, measured beside it."""
+    was, engine.async_scheduling = engine.async_scheduling, False
+    try:
+        return run(engine)
+    finally:
+        engine.async_scheduling = was
+
+
 def measure(name: str, shape: dict, args, device: torch.device) -> dict:
     dtype = torch.bfloat16
     path = checkpoint(args.out / f"{name}-random", shape, dtype)
@@ -175,15 +188,25 @@ def measure(name: str, shape: dict, args, device: torch.device) -> dict:
     prompt = torch.randint(0, vocab, (args.prompt_len,)).tolist()
     run_single(eng, prompt, 8)  # warm-up
     graphs = run_single(eng, prompt, args.output_len)
+    read_each = without_async(eng, lambda e: run_single(e, prompt, args.output_len))
     eager_eng = engine_for(
         path, device, dtype, max_num_seqs=args.concurrency, enforce_eager=True, num_kv_blocks=blocks
     )
     eager = run_single(eager_eng, prompt, args.output_len)
     del eager_eng
-    prompts = [torch.randint(0, vocab, (args.offline_in,)).tolist() for _ in range(args.requests)]
+
+    def fresh() -> list[list[int]]:  # a prompt run before would come from the prefix cache
+        return [torch.randint(0, vocab, (args.offline_in,)).tolist() for _ in range(args.requests)]
+
+    prompts = fresh()
     big = engine_for(path, device, dtype, max_num_seqs=256, num_kv_blocks=blocks)
-    run_batch(big, prompts[:4], 4)  # warm-up
-    offline = run_batch(big, prompts, args.offline_out)
+    # warm-up: the timed runs' step shapes (a shape's first step compiles kernels)
+    run_batch(big, fresh(), args.offline_out)
+    runs: dict[bool, list[dict]] = {True: [], False: []}
+    for on in (True, False, True, False):  # async scheduling on and off, alternated
+        batch = fresh()
+        runs[on].append(without_async(big, lambda e, b=batch: run_batch(e, b, args.offline_out)) if not on else run_batch(big, batch, args.offline_out))  # fmt: skip
+    offline, offline_read_each = (max(runs[on], key=lambda r: r["output_tok_s"]) for on in (True, False))  # fmt: skip
     pre = prefill(big, 8, prefill_len, vocab, device)
     del big
     hf = hf_best(path, device, dtype, prompts, args.offline_out, args.hf_batches)
@@ -193,9 +216,16 @@ def measure(name: str, shape: dict, args, device: torch.device) -> dict:
         "cuda_graphs": eng.runner.graphs is not None,
         "floor_ms_per_token": floor_ms,
         "decode_ms_graphs": graphs["decode_ms_per_token"],
+        "async_scheduling": eng.async_scheduling,
+        "decode_ms_graphs_read_each_step": read_each["decode_ms_per_token"],
         "decode_ms_eager": eager["decode_ms_per_token"],
         "decode_vs_floor": graphs["decode_ms_per_token"] / floor_ms,
         "offline_tok_s": offline["output_tok_s"],
+        "offline_tok_s_read_each_step": offline_read_each["output_tok_s"],
+        "offline_runs_tok_s": {
+            ("async" if on else "read_each_step"): [r["output_tok_s"] for r in rs]
+            for on, rs in runs.items()
+        },
         "hf": hf,
         "offline_vs_hf": offline["output_tok_s"] / hf["output_tok_s"],
         "prefill_len": prefill_len,
@@ -228,12 +258,16 @@ def main() -> None:
         results[name] = measure(name, shape, args, device)
         write_json(args.json, gpu, results)
     print(f"\ndevice: {gpu}, torch {torch.__version__}")
-    print(f"{'model':14s} {'floor ms':>9s} {'graphs ms':>10s} {'eager ms':>9s} {'x floor':>8s} "
-          f"{'offline t/s':>12s} {'x HF':>6s} {'prefill t/s':>12s} {'x roof':>7s} {'HTTP/off':>9s}")  # fmt: skip
+    print("(sync: async scheduling off, each step's tokens read before the next is queued)")
+    print(f"{'model':14s} {'floor ms':>9s} {'graphs ms':>10s} {'sync ms':>8s} {'eager ms':>9s} "
+          f"{'x floor':>8s} {'offline t/s':>12s} {'sync t/s':>9s} {'x HF':>6s} {'prefill t/s':>12s} "
+          f"{'x roof':>7s} {'HTTP/off':>9s}")  # fmt: skip
     for name, r in results.items():
         print(f"{name:14s} {r['floor_ms_per_token']:9.2f} {r['decode_ms_graphs']:10.2f} "
-              f"{r['decode_ms_eager']:9.2f} {r['decode_vs_floor']:8.2f} {r['offline_tok_s']:12.1f} "
-              f"{r['offline_vs_hf']:6.1f} {r['prefill_tok_s']:12.0f} {r['prefill_vs_roofline']:7.2f} "
+              f"{r['decode_ms_graphs_read_each_step']:8.2f} {r['decode_ms_eager']:9.2f} "
+              f"{r['decode_vs_floor']:8.2f} {r['offline_tok_s']:12.1f} "
+              f"{r['offline_tok_s_read_each_step']:9.1f} {r['offline_vs_hf']:6.1f} "
+              f"{r['prefill_tok_s']:12.0f} {r['prefill_vs_roofline']:7.2f} "
               f"{100 * r['http']['ratio']:8.1f}%")  # fmt: skip
     print(f"wrote {args.json}")
 

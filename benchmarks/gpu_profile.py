@@ -27,7 +27,9 @@ from service.engine.request import SamplingParams
 
 
 def timed_steps(engine, device: torch.device) -> list[float]:
-    """ms of each step until the engine is idle, synced per step."""
+    """ms of each step until the engine is idle, synced per step: a step's host and
+    device time in turn, with nothing overlapped (async scheduling's overlap is in
+    gpu_bench's decode ms/token)."""
     steps = []
     while engine.has_unfinished():
         sync(device)
