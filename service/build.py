@@ -81,6 +81,7 @@ def build(
         "attention_backend": backend,
         "quantization": settings.quantization,
         "cuda_graphs": engine.runner.graphs is not None,
+        "async_scheduling": engine.async_scheduling,
         "block_size": settings.block_size,
         "kv_blocks": engine.blocks.num_blocks,
         "kv_pool_sequences_of_max_len": report["kv_pool_tokens"] // engine.max_model_len,
@@ -89,7 +90,7 @@ def build(
     }
     log.info(
         "engine ready%s: device %s, dtype %s, weights %s, attention backend %s%s, CUDA graphs "
-        "%s, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d",
+        "%s, async scheduling %s, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d",
         f" (rank {tp.rank} of {tp.world})" if tp is not None else "",
         device,
         name,
@@ -97,6 +98,7 @@ def build(
         backend["name"],
         f" (ISA {backend['isa']}, linears {backend['linear_isa']})" if "isa" in backend else "",
         "on" if engine.runner.graphs is not None else "off",
+        "on" if engine.async_scheduling else "off",
         engine.blocks.num_blocks,
         settings.block_size,
         engine.kv_cache.nbytes / (1 << 20),
