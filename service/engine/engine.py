@@ -1,4 +1,5 @@
-"""LLMEngine.step(): schedule -> run -> update. Synchronous, deterministic, testable."""
+"""LLMEngine.step(): schedule -> run -> update. Deterministic and testable; with async
+scheduling (on CUDA) a step is queued before the previous step's tokens are read."""
 
 from __future__ import annotations
 
