@@ -68,6 +68,7 @@ class PagedKVCache:
             self.data = torch.zeros(shape, dtype=dtype, device=device)
         # views made once: a decode step asks for each layer's
         self._layers = backend.kv_views(self.data, cfg, num_blocks + 1, block_size)
+        self._block_nbytes = self.data[:, :, 0].numel() * self.data.element_size()
 
     @property
     def null_block(self) -> int:
@@ -79,8 +80,9 @@ class PagedKVCache:
 
     @property
     def block_nbytes(self) -> int:
-        """K and V of one block across all layers."""
-        return self.data[:, :, 0].numel() * self.data.element_size()
+        """K and V of one block across all layers (the engine's snapshot reads it every
+        step)."""
+        return self._block_nbytes
 
     @property
     def nbytes(self) -> int:

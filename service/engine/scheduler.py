@@ -68,7 +68,9 @@ class Scheduler:
         out = SchedulerOutput()
         budget = prefill = self.max_num_batched_tokens
         cap = self.mixed_prefill_tokens
-        if cap is not None and any(r.remaining == 1 for r in self.running):
+        if cap is not None and any(
+            r.remaining == 1 and not r.last_is_pending for r in self.running
+        ):
             prefill = min(prefill, cap)  # decodes ride in this step: keep it short
         budget, prefill = self._schedule_running(out, budget, prefill)
         if not out.preempted:  # no room was found for running work: admit nothing new
