@@ -210,7 +210,7 @@ class LLMEngine:
                 drafted = any(s.drafts for s in batch.seqs)
                 tokens = sum(len(o.token_ids) for o in own)
                 self.speculator.observe(drafted, tokens, len(batch.seqs), self.clock() - t0)
-        if batch.seqs:
+        if launched is not None:
             self._observe("on_step", self.clock() - t0, batch.num_tokens, len(batch.seqs))
         return outputs
 
