@@ -20,10 +20,15 @@ from model.layers import RMSNorm, apply_rope
 NON_FINITE = -1  # the token of a row whose logits were not all finite
 
 
-def flag_non_finite(tokens: Tensor, row_max: Tensor) -> list[int]:
+def mark_non_finite(tokens: Tensor, row_max: Tensor) -> Tensor:
     """Each row's token, or NON_FINITE where its max is not finite (a NaN or +inf anywhere
-    shows in the max), so the engine fails just that request; one device -> host copy."""
-    return torch.where(torch.isfinite(row_max), tokens, NON_FINITE).tolist()
+    shows in the max), so the engine fails just that request; left on the device."""
+    return torch.where(torch.isfinite(row_max), tokens, NON_FINITE)
+
+
+def flag_non_finite(tokens: Tensor, row_max: Tensor) -> list[int]:
+    """mark_non_finite's ids on the host: one device -> host copy."""
+    return mark_non_finite(tokens, row_max).tolist()
 
 
 def fusable_rms_norm(norm: nn.Module, x: Tensor, delta: Tensor | None) -> bool:

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from model.backends import REFERENCE, Backend
-from model.backends.reference import NON_FINITE, flag_non_finite
+from model.backends.reference import flag_non_finite, mark_non_finite
 from service.engine.output import TokenLogprobs
 from service.engine.request import Request, SamplingParams
 
@@ -90,9 +90,9 @@ class Sampler:
         needs nothing from the host that is not known before the forward."""
         if all(r.params.greedy and not r.params.logit_bias for r in requests):
             best = logits.max(dim=-1)
-            return torch.where(torch.isfinite(best.values), best.indices, NON_FINITE)
+            return mark_non_finite(best.indices, best.values)
         tokens, peak, _, _ = self._choose(logits, requests, generators, None)
-        return torch.where(torch.isfinite(peak), tokens, NON_FINITE)
+        return mark_non_finite(tokens, peak)
 
     def _choose(
         self,
