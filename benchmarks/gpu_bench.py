@@ -162,11 +162,12 @@ def http_vs_offline(path, engine, args, n, vocab) -> dict:
             "ratio": served["output_tok_s"] / offline, "errors": served["errors"]}  # fmt: skip
 
 
-def without_async(engine: LLMEngine, run: Callable[[LLMEngine], dict]) -> dict:
-    """run(engine) with the engine reading every step's tokens before it schedules the next
-    (async scheduling off; the same engine, graphs and pool): what async scheduling
-    saves, measured beside it."""
-    was, engine.async_scheduling = engine.async_scheduling, False
+def scheduled(engine: LLMEngine, on: bool, run: Callable[[LLMEngine], dict]) -> dict:
+    """run(engine) with async scheduling as the engine has it (on) or off, the engine then
+    reading every step's tokens before it schedules the next (the same engine, graphs and
+    pool): what async scheduling saves, measured beside it."""
+    was = engine.async_scheduling
+    engine.async_scheduling = was and on
     try:
         return run(engine)
     finally:
@@ -188,7 +189,7 @@ def measure(name: str, shape: dict, args, device: torch.device) -> dict:
     prompt = torch.randint(0, vocab, (args.prompt_len,)).tolist()
     run_single(eng, prompt, 8)  # warm-up
     graphs = run_single(eng, prompt, args.output_len)
-    read_each = without_async(eng, lambda e: run_single(e, prompt, args.output_len))
+    read_each = scheduled(eng, False, lambda e: run_single(e, prompt, args.output_len))
     eager_eng = engine_for(
         path, device, dtype, max_num_seqs=args.concurrency, enforce_eager=True, num_kv_blocks=blocks
     )
@@ -205,7 +206,7 @@ def measure(name: str, shape: dict, args, device: torch.device) -> dict:
     runs: dict[bool, list[dict]] = {True: [], False: []}
     for on in (True, False, True, False):  # async scheduling on and off, alternated
         batch = fresh()
-        runs[on].append(without_async(big, lambda e, b=batch: run_batch(e, b, args.offline_out)) if not on else run_batch(big, batch, args.offline_out))  # fmt: skip
+        runs[on].append(scheduled(big, on, lambda e, b=batch: run_batch(e, b, args.offline_out)))
     offline, offline_read_each = (max(runs[on], key=lambda r: r["output_tok_s"]) for on in (True, False))  # fmt: skip
     pre = prefill(big, 8, prefill_len, vocab, device)
     del big
