@@ -151,18 +151,52 @@ static inline float hsum(const vblk *v, int pieces) {
     return s;
 }
 
-/* Blocks are scattered: while block j of a sequence's `table` is read, the one after next
- * is fetched into L2 (on a pass's first block, the next too); fetching the next into L1
- * in one burst measured slower (benchmarks/RESULTS.md). `bytes`: one block of one K/V
- * head; the pass reads blocks first .. nblk - 1. */
+/* Block b of `table`: every line of its K and V for head kvh (`bytes` each), into L2. */
+PREFETCH_HELPER prefetch_block_now(const void *k, const void *v, const int64_t *table, int b,
+                                    int KV, int kvh, int64_t bytes) {
+    const int64_t at = (table[b] * KV + kvh) * bytes;
+    for (int64_t off = 0; off < bytes; off += 64) {
+        __builtin_prefetch((const char *)k + at + off, 0, 2);
+        __builtin_prefetch((const char *)v + at + off, 0, 2);
+    }
+}
+
+/* The AVX-512 BF16 kernel's prefetch. Blocks are scattered: while block j of a sequence's
+ * `table` is read, the one after next is fetched into L2 (on a pass's first block, the
+ * next too); fetching the next into L1 in one burst measured slower (benchmarks/
+ * RESULTS.md). `bytes`: one block of one K/V head; the pass reads blocks first .. nblk -
+ * 1. The other vector kernels spread theirs through the score pass (prefetch_share). */
 PREFETCH_HELPER prefetch_ahead(const void *k, const void *v, const int64_t *table, int j,
                                 int first, int nblk, int KV, int kvh, int64_t bytes) {
-    for (int a = j == first ? 1 : 2; a <= 2 && j + a < nblk; ++a) {
-        const int64_t at = (table[j + a] * KV + kvh) * bytes;
-        for (int64_t off = 0; off < bytes; off += 64) {
-            __builtin_prefetch((const char *)k + at + off, 0, 2);
-            __builtin_prefetch((const char *)v + at + off, 0, 2);
-        }
+    for (int a = j == first ? 1 : 2; a <= 2 && j + a < nblk; ++a)
+        prefetch_block_now(k, v, table, j + a, KV, kvh, bytes);
+}
+
+/* The vector kernels' prefetch (DEFINE_KERNEL): spread through the reads, not in bursts.
+ * A task's first block is read on demand and the one after it fetched at once; from then
+ * on, while the score pass over block jb runs, each channel pair's iteration fetches the
+ * same lines (those channels' keys, and as many bytes of values) of block jb + 2, into
+ * L2. A decode row's blocks come from memory (a step's weights evicted them) in 2 KB
+ * pieces scattered over the pool, one K/V head of a block each, which the hardware
+ * prefetchers do not follow; prefetch_ahead's burst of a whole block's lines at a step's
+ * start (64 lines a block, four blocks a step) filled the core's miss buffers and
+ * stalled the scores behind it. One row of 1,024 tokens, 30 layers' caches from memory,
+ * AVX2 Zen 3: 20-30% less time (benchmarks/RESULTS.md, round twenty-nine). */
+#define AHEAD_BLOCKS 2
+/* Block jb + AHEAD_BLOCKS's K and V for head kvh, as bytes (NULL: past the task's nblk
+ * blocks). */
+static inline const char *block_ahead(const void *kv, const int64_t *table, int jb, int nblk,
+                                      int KV, int kvh, int64_t bytes) {
+    const int fb = jb + AHEAD_BLOCKS;
+    return fb < nblk ? (const char *)kv + (table[fb] * KV + kvh) * bytes : NULL;
+}
+/* The lines of a K and a V block (`bytes` each) that channel pair d's share of the score
+ * pass stands for: bytes / (D / 2) of each, from d / 2 of those shares in. */
+PREFETCH_HELPER prefetch_share(const char *kb, const char *vb, int d, int64_t bytes) {
+    const int64_t share = bytes / (D / 2), at = (int64_t)(d / 2) * share;
+    for (int64_t off = 0; off < share; off += 64) {
+        __builtin_prefetch(kb + at + off, 0, 2);
+        __builtin_prefetch(vb + at + off, 0, 2);
     }
 }
 
@@ -476,20 +510,32 @@ static inline void vec_row_flush(vec_row *r, float *dest) {
  * registers (16 at AVX2). Every row takes the same passes over its blocks, so its bits
  * still do not depend on the batch (the library is built with -ffast-math: the bits are
  * this code's, not those of the one-piece loop it replaced; with the two-chunk PV_BLOCK a
- * 1,900-token decode's attention took 17-24% less time on an AVX2 Zen 3, RESULTS.md). */
+ * 1,900-token decode's attention took 17-24% less time on an AVX2 Zen 3, RESULTS.md).
+ * The lead row's pass also fetches the blocks AHEAD_BLOCKS after those it starts, a share
+ * each channel pair (prefetch_share); it reads DEFINE_KERNEL's tab, bytes and nblk. */
 #define SCORE_PIECES (G <= 4 ? 2 : 1)
 #define SCORE_PASS(NPC, KEYS)                                                             \
     do {                                                                                  \
         vblk acc_[NPC][G];                                                                \
         for (int p_ = 0; p_ < NPC; ++p_)                                                  \
             for (int g = 0; g < G; ++g) acc_[p_][g] = (vblk){0};                          \
-        for (int d = 0; d < D; d += 2)                                                    \
+        const char *fk_[NPC], *fv_[NPC];  /* blocks to fetch: where a piece starts one */ \
+        for (int p_ = 0; p_ < NPC; ++p_) {                                                \
+            const int at_ = (u + p_) % NP == 0 && lead;                                   \
+            const int jb_ = j + (u + p_) / NP;                                            \
+            fk_[p_] = at_ ? block_ahead(k, tab, jb_, nblk, KV, kvh, bytes) : NULL;        \
+            fv_[p_] = at_ ? block_ahead(v, tab, jb_, nblk, KV, kvh, bytes) : NULL;        \
+        }                                                                                 \
+        for (int d = 0; d < D; d += 2) {                                                  \
+            for (int p_ = 0; p_ < NPC; ++p_)                                              \
+                if (fk_[p_]) prefetch_share(fk_[p_], fv_[p_], d, bytes);                  \
             for (int p_ = 0; p_ < NPC; ++p_) {                                            \
                 vblk k0, k1;                                                              \
                 KEYS(kbs[(u + p_) / NP], d, (u + p_) % NP * BW, &k0, &k1);                \
                 for (int g = 0; g < G; ++g) acc_[p_][g] += r->qs[g][d] * k0;              \
                 for (int g = 0; g < G; ++g) acc_[p_][g] += r->qs[g][d + 1] * k1;          \
             }                                                                             \
+        }                                                                                 \
         for (int p_ = 0; p_ < NPC; ++p_)                                                  \
             for (int g = 0; g < G; ++g) sc[g][u + p_] = acc_[p_][g];                      \
     } while (0)
@@ -508,6 +554,7 @@ void NAME(const QT *q, const T *k, const T *v, const int64_t *tables,           
         const int r0 = w.r0, nr = w.nr, first = w.p0 * PART_BLOCKS;                       \
         const partials pt = {own_partials(&sp, &w), w.p1, H};                             \
         const int64_t seq = row_seq ? row_seq[r0] : r0;                                   \
+        const int64_t *tab = tables + seq * max_blocks, bytes = D * BS * sizeof(T);       \
         vec_row rows[ROWS_PER_TASK];                                                      \
         int nblk = 0;                                                                     \
         for (int i = 0; i < nr; ++i) {                                                    \
@@ -535,14 +582,15 @@ void NAME(const QT *q, const T *k, const T *v, const int64_t *tables,           
                                       partial_of(&sp, &pt, r0, i, part - 1, kvh));        \
             const T *kbs[STEP_BLOCKS], *vbs[STEP_BLOCKS];                                 \
             for (int b = 0; b < STEP_BLOCKS && j + b < nblk; ++b) {                       \
-                const int64_t blk = tables[seq * max_blocks + j + b];                     \
+                const int64_t blk = tab[j + b];                                           \
                 kbs[b] = k + (blk * KV + kvh) * (int64_t)(D * BS);                        \
                 vbs[b] = v + (blk * KV + kvh) * (int64_t)(D * BS);                        \
-                prefetch_ahead(k, v, tables + seq * max_blocks, j + b, first, nblk, KV,   \
-                               kvh, (int64_t)(D * BS * sizeof(T)));                       \
             }                                                                             \
+            if (j == first && first + 1 < nblk)  /* the block after the first, at once */ \
+                prefetch_block_now(k, v, tab, first + 1, KV, kvh, bytes);                 \
             for (int i = 0; i < nr; ++i) {                                                \
                 vec_row *r = &rows[i];                                                    \
+                const int lead = i == nr - 1;  /* the run's longest row fetches ahead */ \
                 const int64_t end = r->len < part_end ? r->len : part_end;                \
                 const int64_t rest = end - (int64_t)j * BS;                               \
                 if (rest <= 0) continue;                                                  \
