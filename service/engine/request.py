@@ -124,10 +124,12 @@ class SamplingParams:
 
     @property
     def reads_each_step(self) -> bool:
-        """Sampling that reads the request's tokens on the host (penalties), fetches
-        logprobs or follows a grammar: async scheduling reads each step's tokens before
-        scheduling the next while such a request runs."""
-        return self.logprobs is not None or self.needs_penalties or self.constraint is not None
+        """Sampling that follows a grammar, whose mask for the next step needs this step's
+        token on the host: async scheduling reads each step's tokens before scheduling the
+        next while such a request runs. (Penalties and logprobs do not: the penalties
+        count the token not read yet from the device, the logprobs come back with the
+        ids.)"""
+        return self.constraint is not None
 
     @property
     def needs_penalties(self) -> bool:

@@ -13,7 +13,7 @@ from service.engine.cuda_graphs import DecodeGraphs
 from service.engine.guided import GuidedSampler
 from service.engine.ranks import Clear, RankError, Ranks, Step
 from service.engine.request import PENDING, Request
-from service.engine.sampler import Sampler, SampleResult
+from service.engine.sampler import LogprobRows, Sampler, SampleResult, token_logprobs
 from service.engine.scheduler import SchedulerOutput
 from service.engine.speculative import DraftModel
 from service.engine.structured import Masks
@@ -25,7 +25,7 @@ class Launched:
     (async scheduling): ids on the device, where the next step's inputs come from, with
     each sampling request's row, and their copy on the way to the host (copied, an event
     recorded after the copy: reading it waits for this step alone, not for the step
-    queued after it)."""
+    queued after it), with the logprobs of the rows that ask for them."""
 
     batch: SchedulerOutput
     result: SampleResult | None
@@ -33,6 +33,7 @@ class Launched:
     rows: dict[str, int] | None = None
     host_ids: torch.Tensor | None = None
     copied: torch.cuda.Event | None = None
+    logprobs: LogprobRows | None = None  # on their way to the host with the ids
 
 
 class ModelRunner:
@@ -114,11 +115,13 @@ class ModelRunner:
         sampled: list[Request] = []  # a request once per row it samples
         gens: list[torch.Generator | None] = []
         fill: list[tuple[int, int]] = []  # (row of tokens, row of prev's ids)
+        unread: dict[str, int] = {}  # request -> its pending token's row of prev's ids
         for seq in batch.seqs:
             tokens.extend(seq.request.tokens(seq.start, seq.start + seq.num_new))
             if tokens[-1] == PENDING:  # its one unread token: the last, a decode's input
                 assert prev is not None and prev.ids is not None, "a pending token, no step"
-                fill.append((len(tokens) - 1, prev.rows[seq.request.request_id]))
+                unread[seq.request.request_id] = prev.rows[seq.request.request_id]
+                fill.append((len(tokens) - 1, unread[seq.request.request_id]))
             tokens.extend(seq.drafts)  # speculative: each draft's position samples too
             if seq.sample:
                 rows = 1 + len(seq.drafts)
@@ -148,14 +151,16 @@ class ModelRunner:
             return Launched(batch, SampleResult([], []))
         if read_later:
             rows = {r.request_id: i for i, r in enumerate(sampled)}
-            ids = self.sampler.pick(logits, sampled, gens)
+            pending = None
+            if unread and any(r.params.needs_penalties for r in sampled):
+                pending = self._unread_ids(sampled, unread, prev.ids)  # type: ignore[union-attr]
+            ids, lp = self.sampler.pick(logits, sampled, gens, pending)
             if not self._pin:  # the CPU: computed already
-                return Launched(batch, None, ids, rows, ids)
-            host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-            host.copy_(ids, non_blocking=True)
+                return Launched(batch, None, ids, rows, ids, logprobs=lp)
+            host, host_lp = _to_host(ids), lp.moved(_to_host) if lp is not None else None
             copied = torch.cuda.Event()
             copied.record()
-            return Launched(batch, None, ids, rows, host, copied)
+            return Launched(batch, None, ids, rows, host, copied, host_lp)
         guided = [i for i, r in enumerate(sampled) if r.guide is not None]
         if not guided or self.guided is None:
             return Launched(batch, self.sampler.sample(logits, sampled, gens))
@@ -171,7 +176,15 @@ class ModelRunner:
         if launched.copied is not None:
             launched.copied.synchronize()
         ids = launched.host_ids.tolist()
-        return SampleResult(ids, [None] * len(ids))
+        return SampleResult(ids, token_logprobs(launched.logprobs, ids))
+
+    def _unread_ids(
+        self, sampled: list[Request], unread: dict[str, int], ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Each sampled row's token not read yet, from the step in flight's ids (B,), -1
+        for none (and for a NON_FINITE id, whose request fails when it is read)."""
+        index = self._to_device([unread.get(r.request_id, -1) for r in sampled])
+        return torch.where(index < 0, -1, ids[index.clamp(min=0)])
 
     @staticmethod
     def _busy(logits: torch.Tensor) -> Callable[[], bool] | None:
@@ -242,3 +255,10 @@ def _mix(seed: int, position: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
     return (z ^ (z >> 31)) >> 1
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A non-blocking copy of a device tensor into pinned host memory (complete once an
+    event recorded after it has)."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)

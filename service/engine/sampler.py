@@ -13,7 +13,7 @@ the model's raw distribution (log_softmax of the logits).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +23,40 @@ from model.backends import REFERENCE, Backend
 from model.backends.reference import flag_non_finite, mark_non_finite
 from service.engine.output import TokenLogprobs
 from service.engine.request import Request, SamplingParams
+
+
+@dataclass(slots=True)
+class LogprobRows:
+    """The logprobs of the batch rows that ask for them, as tensors (on the device until
+    read): rows, each one's count of top entries asked for, the chosen token's logprob
+    (R,) and the most likely tokens' (R, K) values and ids, most likely first."""
+
+    rows: list[int]
+    counts: list[int]
+    chosen: Tensor
+    top_values: Tensor
+    top_ids: Tensor
+
+    def moved(self, move: Callable[[Tensor], Tensor]) -> LogprobRows:
+        """The same rows with each tensor passed through move (a copy to the host)."""
+        tensors = (move(self.chosen), move(self.top_values), move(self.top_ids))
+        return LogprobRows(self.rows, self.counts, *tensors)
+
+    def per_row(self, tokens: list[int]) -> list[TokenLogprobs | None]:
+        """One entry per batch row (tokens: the rows' chosen ids, read): a row that asked
+        and whose logits were finite gets its TokenLogprobs, the others None."""
+        result: list[TokenLogprobs | None] = [None] * len(tokens)
+        chosen, values, ids = self.chosen.tolist(), self.top_values.tolist(), self.top_ids.tolist()
+        for j, i in enumerate(self.rows):
+            if tokens[i] >= 0:
+                n = self.counts[j]
+                top = list(zip(ids[j][:n], values[j][:n], strict=True))
+                result[i] = TokenLogprobs(tokens[i], chosen[j], top)
+        return result
+
+
+def token_logprobs(lp: LogprobRows | None, tokens: list[int]) -> list[TokenLogprobs | None]:
+    return lp.per_row(tokens) if lp is not None else [None] * len(tokens)
 
 
 @dataclass(slots=True)
@@ -67,32 +101,31 @@ class Sampler:
         an fp32 copy that the sampler edits. mask: the rows that
         are constrained (structured outputs) and, for each, the tokens it may take (R, V)
         bool; applied after bias and penalties, before the choice."""
-        params = [r.params for r in requests]
-        simple = mask is None and all(
-            p.greedy and not p.logit_bias and not p.needs_penalties and p.logprobs is None
-            for p in params
-        )
-        if simple:  # the backend's argmax: no fp32 copy of the logits
+        if mask is None and all(_plain(r.params) for r in requests):
+            # the backend's argmax: no fp32 copy of the logits
             return SampleResult(self.greedy(logits), [None] * len(requests))
         tokens, peak, raw, cdf = self._choose(logits, requests, generators, mask)
         token_list = flag_non_finite(tokens, peak)
-        return SampleResult(token_list, self._logprobs(raw, requests, token_list), cdf)
+        lp = self._logprob_rows(raw, requests, tokens)
+        return SampleResult(token_list, token_logprobs(lp, token_list), cdf)
 
     def pick(
         self,
         logits: Tensor,
         requests: Sequence[Request],
         generators: Sequence[torch.Generator | None],
-    ) -> Tensor:
-        """The sampled ids (B,) left on the device, NON_FINITE in a row whose logits are
-        not finite: sample()'s tokens without reading them (async scheduling reads them a
-        step later). For requests without logprobs, penalties or grammars, whose sampling
-        needs nothing from the host that is not known before the forward."""
-        if all(r.params.greedy and not r.params.logit_bias for r in requests):
+        pending: Tensor | None = None,
+    ) -> tuple[Tensor, LogprobRows | None]:
+        """sample()'s choice left on the device (async scheduling reads it a step later):
+        the ids (B,), NON_FINITE in a row whose logits are not finite, and the logprobs of
+        the rows that ask for them. pending: each row's token not read yet (B,), -1 for
+        none, which the penalties count as output (the host's output_ids lack it). For
+        requests without grammars, whose masks need the tokens on the host."""
+        if all(_plain(r.params) for r in requests):
             best = logits.max(dim=-1)
-            return mark_non_finite(best.indices, best.values)
-        tokens, peak, _, _ = self._choose(logits, requests, generators, None)
-        return mark_non_finite(tokens, peak)
+            return mark_non_finite(best.indices, best.values), None
+        tokens, peak, raw, _ = self._choose(logits, requests, generators, None, pending)
+        return mark_non_finite(tokens, peak), self._logprob_rows(raw, requests, tokens)
 
     def _choose(
         self,
@@ -100,6 +133,7 @@ class Sampler:
         requests: Sequence[Request],
         generators: Sequence[torch.Generator | None],
         mask: tuple[list[int], Tensor] | None,
+        pending: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """On the device: the chosen ids (B,), each row's peak logit (non-finite: the model
         failed), the raw fp32 logits the logprobs read and the draw's CDFs (or None)."""
@@ -111,7 +145,7 @@ class Sampler:
         if any(p.logit_bias for p in params):
             logits = self._apply_bias(logits, requests)
         if any(p.needs_penalties for p in params):
-            logits = self._apply_penalties(logits, requests)
+            logits = self._apply_penalties(logits, requests, pending)
         if mask is not None:
             rows, allowed = mask
             if len(rows) == len(requests):  # every row constrained: in place, no gather
@@ -156,12 +190,17 @@ class Sampler:
             logits.index_put_(index, self.tensor(values), accumulate=True)
         return logits
 
-    def _apply_penalties(self, logits: Tensor, requests: Sequence[Request]) -> Tensor:
+    def _apply_penalties(
+        self, logits: Tensor, requests: Sequence[Request], pending: Tensor | None = None
+    ) -> Tensor:
         rows = [i for i, r in enumerate(requests) if r.params.needs_penalties]
         idx = self.tensor(rows, torch.long)
         sub = logits[idx]  # (P, V)
         v = sub.shape[1]
         out_ids = self._padded([requests[i].output_ids for i in rows], v)  # (P, W)
+        if pending is not None:  # the unread tokens, a column more (none: the pad)
+            last = pending[idx]
+            out_ids = torch.cat([out_ids, torch.where(last < 0, v, last).unsqueeze(1)], dim=1)
         counts = torch.zeros(len(rows), v + 1, device=logits.device)
         counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=counts.dtype))
         counts = counts[:, :v]  # (P, V) occurrences in the output
@@ -242,26 +281,26 @@ class Sampler:
                 u[k] = torch.rand(n, generator=g, device=self.device)
         return u
 
-    def _logprobs(
-        self, raw: Tensor, requests: Sequence[Request], tokens: list[int]
-    ) -> list[TokenLogprobs | None]:
-        rows = [
-            i for i, r in enumerate(requests) if r.params.logprobs is not None and tokens[i] >= 0
-        ]
-        result: list[TokenLogprobs | None] = [None] * len(requests)
+    def _logprob_rows(
+        self, raw: Tensor, requests: Sequence[Request], tokens: Tensor
+    ) -> LogprobRows | None:
+        """On the device, for the rows that ask: the log_softmax of the raw logits at the
+        chosen ids (B,) and its top entries (a row whose logits were not finite reads
+        NaN here; LogprobRows.per_row leaves it out)."""
+        rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
         if not rows:
-            return result
+            return None
         idx = self.tensor(rows, torch.long)
         lp = torch.log_softmax(raw[idx], dim=-1)  # (R, V)
-        chosen = lp.gather(1, self.tensor([tokens[i] for i in rows], torch.long)[:, None])
-        n_top = max(requests[i].params.logprobs or 0 for i in rows)
-        top_vals, top_ids = lp.topk(max(n_top, 1), dim=-1)
-        chosen_l, vals_l, ids_l = chosen[:, 0].tolist(), top_vals.tolist(), top_ids.tolist()
-        for j, i in enumerate(rows):
-            n = requests[i].params.logprobs or 0
-            top = list(zip(ids_l[j][:n], vals_l[j][:n], strict=True))
-            result[i] = TokenLogprobs(tokens[i], chosen_l[j], top)
-        return result
+        chosen = lp.gather(1, tokens[idx].unsqueeze(1)).squeeze(1)
+        counts = [requests[i].params.logprobs or 0 for i in rows]
+        top_values, top_ids = lp.topk(max(*counts, 1), dim=-1)
+        return LogprobRows(rows, counts, chosen, top_values, top_ids)
+
+
+def _plain(p: SamplingParams) -> bool:
+    """Greedy with nothing to apply first and nothing to report: the argmax alone."""
+    return p.greedy and not p.logit_bias and not p.needs_penalties and p.logprobs is None
 
 
 def invert(cdf: Tensor, u: Tensor) -> Tensor:

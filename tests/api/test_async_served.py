@@ -1,7 +1,7 @@
 """`kvserve serve --async-scheduling on` (the default on CUDA, forced here on the CPU): the
 same answers over HTTP as the server that reads every step, with streams, n > 1, stop
-strings and a logprobs request (which makes the engine read every step while it runs)
-in one batch; streams that leave mid-way free their blocks."""
+strings, logprobs and penalties (which async scheduling keeps on the device) in one
+batch; streams that leave mid-way free their blocks."""
 
 import asyncio
 import json
@@ -32,6 +32,8 @@ BODIES = [
      "stop": ["a", "e", "i", "o", "u"]},
     {"prompt": "With logprobs", "max_tokens": 12, "temperature": 0, "logprobs": 2,
      "ignore_eos": True},
+    {"prompt": "Penalised", "max_tokens": 20, "temperature": 0, "frequency_penalty": 1.5,
+     "presence_penalty": 0.5, "repetition_penalty": 1.2, "logprobs": 1, "ignore_eos": True},
 ]  # fmt: skip
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from service.config import Settings
 from service.engine.engine import LLMEngine
-from service.engine.request import PENDING, Request, SamplingParams
+from service.engine.request import PENDING, Constraint, Request, SamplingParams
 from tests.engine.helpers import greedy, make_engine, small_model
 
 MODEL = small_model()
@@ -17,15 +17,16 @@ MODEL = small_model()
 
 def workload(seed: int) -> dict[str, tuple[list[int], SamplingParams]]:
     """Greedy and sampled (seeded) requests, stop ids that end some early, logit bias,
-    n > 1, prompts that share prefixes, lengths from one token to a few blocks."""
+    n > 1, penalties (which count the token not read yet), logprobs, prompts that share
+    prefixes, lengths from one token to a few blocks."""
     rng = random.Random(seed)
     shared = [rng.randrange(300) for _ in range(12)]
     requests = {}
-    for i in range(14):
+    for i in range(18):
         prompt = [rng.randrange(300) for _ in range(rng.randint(1, 30))]
         if i % 3 == 0:
             prompt = shared + prompt
-        kind = i % 5
+        kind = i % 8
         if kind == 0:
             params = greedy(rng.randint(1, 30))
         elif kind == 1:  # stops at whatever the model draws first among these
@@ -37,8 +38,17 @@ def workload(seed: int) -> dict[str, tuple[list[int], SamplingParams]]:
             )  # fmt: skip
         elif kind == 3:
             params = greedy(12, logit_bias=((7, 5.0), (8, -100.0)))
-        else:
+        elif kind == 4:
             params = SamplingParams(max_tokens=9, temperature=1.0, n=2, seed=i, ignore_eos=True)
+        elif kind == 5:  # a greedy row that repeats itself unless its last token counts
+            params = greedy(rng.randint(10, 30), frequency_penalty=2.0, presence_penalty=0.5)
+        elif kind == 6:
+            params = SamplingParams(
+                max_tokens=rng.randint(5, 25), temperature=0.9, seed=seed * 100 + i,
+                repetition_penalty=1.4, logprobs=3, ignore_eos=True,
+            )  # fmt: skip
+        else:
+            params = greedy(rng.randint(3, 20), logprobs=0)
         requests[f"r{i}"] = (prompt, params)
     return requests
 
@@ -61,6 +71,22 @@ def run(engine: LLMEngine, requests: dict) -> tuple[dict, int]:
     return got, chained
 
 
+def same_outputs(a: dict, b: dict) -> bool:
+    """The same tokens, finish reasons, logprob ids, and logprobs to float32's last bits
+    (a step of another size can round a logit differently: async scheduling computes a
+    token in vain for a request that stopped on a token not read yet)."""
+    assert a.keys() == b.keys()
+    for rid in a:
+        (tokens, reason, lps), (tokens_b, reason_b, lps_b) = a[rid], b[rid]
+        assert (tokens, reason) == (tokens_b, reason_b), rid
+        assert len(lps) == len(lps_b), rid
+        for x, y in zip(lps, lps_b, strict=True):
+            assert x.token_id == y.token_id and x.logprob == pytest.approx(y.logprob, abs=1e-5)
+            assert [t for t, _ in x.top] == [t for t, _ in y.top], rid
+            assert [v for _, v in x.top] == pytest.approx([v for _, v in y.top], abs=1e-5)
+    return True
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("pool", [256, 48])  # 48 blocks of 4: preemptions
 def test_async_gives_every_steps_outputs(seed: int, pool: int) -> None:
@@ -71,21 +97,41 @@ def test_async_gives_every_steps_outputs(seed: int, pool: int) -> None:
         assert (chained > 0) == (mode == "on")
         if pool == 48:
             assert engine.stats.preemptions > 0
-    assert outputs["on"] == outputs["off"]
+    assert same_outputs(outputs["on"], outputs["off"])
     reasons = {reason for _, reason, _ in outputs["on"].values()}
     assert reasons == {"stop", "length"}  # both ends happened
 
 
-def test_requests_that_need_each_steps_tokens_are_read_each_step() -> None:
-    """Penalties (which read the output on the host), logprobs and grammars need the
-    tokens before the next step: while such a request runs no step stays in flight,
-    and the engine chains again once it is gone."""
-    reads = {
-        "p": ([1, 2, 3], greedy(20, presence_penalty=1.5, repetition_penalty=1.3)),
-        "l": ([4, 5, 6], greedy(8, logprobs=3)),
+def test_penalties_and_logprobs_keep_the_steps_chained() -> None:
+    """Penalties count the token still on the device and logprobs come back with the ids:
+    requests with them do not make the engine read each step."""
+    requests = {
+        f"r{i}": ([i, i + 1, i + 2], greedy(20, frequency_penalty=1.0, logprobs=2))
+        for i in range(4)
     }
-    assert all(params.reads_each_step for _, params in reads.values())
-    requests = workload(2) | reads
+    engine = make_engine(MODEL, async_scheduling="on")
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    steps = chained = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        chained += engine.in_flight is not None
+    assert chained == steps - 1  # every step but the last left one in flight
+
+
+def test_grammars_are_read_each_step() -> None:
+    """A grammar's mask for the next step needs this step's token on the host: while a
+    constrained request runs no step stays in flight, and the engine chains again once it
+    is gone."""
+    grammar = SamplingParams(
+        max_tokens=12,
+        temperature=1.0,
+        seed=3,
+        constraint=Constraint("regex", "[0-9]{4,9}", "regex"),
+    )
+    assert grammar.reads_each_step
+    requests = workload(2) | {"g": ([1, 2, 3], grammar)}
     off, _ = run(make_engine(MODEL, async_scheduling="off"), dict(requests))
     engine = make_engine(MODEL, async_scheduling="on")
     for rid, (prompt, params) in requests.items():
@@ -95,7 +141,7 @@ def test_requests_that_need_each_steps_tokens_are_read_each_step() -> None:
     while engine.has_unfinished():
         for out in engine.step():
             got.setdefault(out.request_id, []).extend(out.token_ids)
-        if {"p", "l"} & engine.requests.keys():
+        if "g" in engine.requests:
             assert engine.in_flight is None
         else:
             chained_after += engine.in_flight is not None

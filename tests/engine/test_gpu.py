@@ -154,8 +154,9 @@ def test_async_scheduling_on_cuda_gives_the_read_each_step_outputs(pool: int) ->
     default): greedy, sampled, stopped, biased and n > 1 requests get the tokens of the
     engine that reads every step (graphs on in both; in float32, where a batch one row
     larger, as async scheduling runs a request that just stopped for one more step, is
-    far less likely than in bf16 to move an argmax)."""
-    from tests.engine.test_async_scheduling import run, workload
+    far less likely than in bf16 to move an argmax); penalties and logprobs too, the
+    logprobs to float32's last bits."""
+    from tests.engine.test_async_scheduling import run, same_outputs, workload
 
     model = small_model().to("cuda", torch.float32)
     outputs = {}
@@ -165,20 +166,25 @@ def test_async_scheduling_on_cuda_gives_the_read_each_step_outputs(pool: int) ->
         assert engine.async_scheduling == (mode == "auto")
         outputs[mode], chained = run(engine, workload(3))
         assert (chained > 0) == (mode == "auto")
-    assert outputs["auto"] == outputs["off"]
+    assert same_outputs(outputs["auto"], outputs["off"])
 
 
-@pytest.mark.parametrize("graphs,mode", [(True, "auto"), (False, "auto"), (True, "off")])
-def test_one_host_sync_per_decode_step(graphs: bool, mode: str) -> None:
+@pytest.mark.parametrize(
+    "graphs,mode,extras",
+    [(True, "auto", False), (False, "auto", False), (True, "off", False), (True, "auto", True)],
+)
+def test_one_host_sync_per_decode_step(graphs: bool, mode: str, extras: bool) -> None:
     """With torch's sync debug mode on, a decode step (graphs or eager) that reads its
     own tokens warns exactly once: the sampled token ids coming back to the host. With
     async scheduling (the default) it warns never: the previous step's ids come in a
     copy queued after that step's sampling, and the host waits on an event recorded
-    after the copy, not on the stream (which holds the step just queued)."""
+    after the copy, not on the stream (which holds the step just queued). extras: every
+    request with penalties and logprobs, which async scheduling keeps on the device."""
     model = small_model().to("cuda", torch.bfloat16)
     engine = cuda_engine(model, enforce_eager=not graphs, async_scheduling=mode)
+    more = dict(frequency_penalty=0.5, repetition_penalty=1.2, logprobs=2) if extras else {}
     for i in range(4):
-        engine.add_request(f"r{i}", [5 + i] * (10 + i), greedy(12))
+        engine.add_request(f"r{i}", [5 + i] * (10 + i), greedy(12, **more))
     for _ in range(3):  # prefill and the first decodes, outside the count
         engine.step()
     torch.cuda.synchronize()

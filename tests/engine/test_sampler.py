@@ -49,6 +49,38 @@ def test_bias_and_penalties_batched_equal_each_request_alone() -> None:
     ]
 
 
+def test_penalties_count_a_token_not_read_yet() -> None:
+    """pick's pending tokens (async scheduling: a row's last token still on the device)
+    count as output: the same logits as with the token in output_ids, the same choice,
+    the same logprobs; -1 counts nothing."""
+    torch.manual_seed(1)
+    logits = torch.randn(3, V) * 3
+    kw = dict(frequency_penalty=0.9, presence_penalty=0.4, repetition_penalty=1.3, logprobs=2)
+    read = [request([1], [4, 4, 9], **kw), request([5], [5], **kw), request([7], [2], **kw)]
+    unread = [request([1], [4, 4], **kw), request([5], [], **kw), request([7], [2], **kw)]
+    pending = torch.tensor([9, 5, -1])
+    sampler = Sampler(V, torch.device("cpu"))
+    want = sampler._apply_penalties(logits.clone(), read)
+    torch.testing.assert_close(sampler._apply_penalties(logits.clone(), unread, pending), want)
+    ids, lp = sampler.pick(logits.clone(), unread, [None] * 3, pending)
+    result = sampler.sample(logits.clone(), read, [None] * 3)
+    assert ids.tolist() == result.token_ids == want.argmax(dim=-1).tolist()
+    assert lp is not None and lp.per_row(ids.tolist()) == result.logprobs
+
+
+def test_logprobs_skip_rows_whose_logits_are_not_finite() -> None:
+    logits = torch.randn(3, V)
+    logits[1, 3] = float("nan")
+    reqs = [request([1], [], logprobs=1) for _ in range(3)]
+    result = Sampler(V, torch.device("cpu")).sample(logits, reqs, [None] * 3)
+    assert result.token_ids[1] == -1  # NON_FINITE
+    assert result.logprobs[1] is None
+    assert [lp.token_id for lp in (result.logprobs[0], result.logprobs[2])] == [
+        int(logits[0].argmax()),
+        int(logits[2].argmax()),
+    ]
+
+
 def draws(logits: torch.Tensor, n: int, **params: object) -> torch.Tensor:
     """n draws from one row's distribution: n rows in one batch, the default generator."""
     sampler = Sampler(logits.shape[0], torch.device("cpu"))
