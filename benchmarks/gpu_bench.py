@@ -9,6 +9,8 @@ written by transformers; for each, in the same run:
 - offline throughput of 256 requests x (512 in, 256 out), async scheduling on and off
   alternated, two runs each (the better one reported), fresh prompts every run after a
   warm-up run of the same shapes, against transformers `generate` at its best batch size;
+  and one run each way with every 8th request asking for logprobs and a frequency
+  penalty (which async scheduling keeps on the device);
 - prefill of 8 x 2048 tokens (the context less one where shorter), tokens/s against the
   roofline (measured bf16 matmul FLOP/s / 2 x parameters);
 - HTTP streaming at concurrency 64 against the offline engine on the same requests.
@@ -56,6 +58,7 @@ LLAMA_32_1B = dict(
 SMOKE = dict(SMOLLM2_135M, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, vocab_size=2048)  # fmt: skip
 SHAPES = {"llama-3.2-1b": LLAMA_32_1B, "smollm2-135m": SMOLLM2_135M}
+MIXED = dict(logprobs=1, frequency_penalty=0.5)  # what some of the offline requests ask for
 
 
 def copy_bandwidth(device: torch.device, mib: int = 1024) -> float:
@@ -208,6 +211,11 @@ def measure(name: str, shape: dict, args, device: torch.device) -> dict:
         batch = fresh()
         runs[on].append(scheduled(big, on, lambda e, b=batch: run_batch(e, b, args.offline_out)))
     offline, offline_read_each = (max(runs[on], key=lambda r: r["output_tok_s"]) for on in (True, False))  # fmt: skip
+
+    def mixed(e: LLMEngine) -> dict:  # every 8th request with logprobs and a penalty
+        return run_batch(e, fresh(), args.offline_out, lambda i: MIXED if i % 8 == 0 else {})
+
+    mixed_runs = {on: scheduled(big, on, mixed)["output_tok_s"] for on in (True, False)}
     pre = prefill(big, 8, prefill_len, vocab, device)
     del big
     hf = hf_best(path, device, dtype, prompts, args.offline_out, args.hf_batches)
@@ -226,6 +234,9 @@ def measure(name: str, shape: dict, args, device: torch.device) -> dict:
         "offline_runs_tok_s": {
             ("async" if on else "read_each_step"): [r["output_tok_s"] for r in rs]
             for on, rs in runs.items()
+        },
+        "offline_mixed_tok_s": {
+            ("async" if on else "read_each_step"): v for on, v in mixed_runs.items()
         },
         "hf": hf,
         "offline_vs_hf": offline["output_tok_s"] / hf["output_tok_s"],
@@ -270,6 +281,10 @@ def main() -> None:
               f"{r['offline_tok_s_read_each_step']:9.1f} {r['offline_vs_hf']:6.1f} "
               f"{r['prefill_tok_s']:12.0f} {r['prefill_vs_roofline']:7.2f} "
               f"{100 * r['http']['ratio']:8.1f}%")  # fmt: skip
+    for name, r in results.items():
+        m = r["offline_mixed_tok_s"]
+        print(f"{name}: offline with every 8th request asking for logprobs and a penalty: "
+              f"{m['async']:.1f} tok/s async, {m['read_each_step']:.1f} reading each step")  # fmt: skip
     print(f"wrote {args.json}")
 
 

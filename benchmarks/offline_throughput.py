@@ -15,6 +15,7 @@ import argparse
 import json
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -106,9 +107,17 @@ class _StepKinds:
         pass
 
 
-def run_batch(engine: LLMEngine, prompts: list[list[int]], out_len: int) -> dict[str, float]:
-    params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
+def run_batch(
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    out_len: int,
+    extras: Callable[[int], dict] | None = None,
+) -> dict[str, float]:
+    """Every prompt as a greedy request of out_len tokens at once, run to the end;
+    extras(i): more SamplingParams fields for request i (none by default)."""
     for i, p in enumerate(prompts):
+        more = extras(i) if extras is not None else {}
+        params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True, **more)
         engine.add_request(f"b{i}-{time.monotonic_ns()}", p, params)
     decode_times: list[float] = []
     generated = 0
