@@ -151,10 +151,16 @@ static inline float hsum(const vblk *v, int pieces) {
     return s;
 }
 
+/* Where block b of `table` keeps head kvh: its byte offset in the K cache and in the V
+ * cache (`bytes` a block of one head). */
+static inline int64_t block_at(const int64_t *table, int b, int KV, int kvh, int64_t bytes) {
+    return (table[b] * KV + kvh) * bytes;
+}
+
 /* Block b of `table`: every line of its K and V for head kvh (`bytes` each), into L2. */
 PREFETCH_HELPER prefetch_block_now(const void *k, const void *v, const int64_t *table, int b,
                                     int KV, int kvh, int64_t bytes) {
-    const int64_t at = (table[b] * KV + kvh) * bytes;
+    const int64_t at = block_at(table, b, KV, kvh, bytes);
     for (int64_t off = 0; off < bytes; off += 64) {
         __builtin_prefetch((const char *)k + at + off, 0, 2);
         __builtin_prefetch((const char *)v + at + off, 0, 2);
@@ -183,13 +189,6 @@ PREFETCH_HELPER prefetch_ahead(const void *k, const void *v, const int64_t *tabl
  * stalled the scores behind it. One row of 1,024 tokens, 30 layers' caches from memory,
  * AVX2 Zen 3: 20-30% less time (benchmarks/RESULTS.md, round twenty-nine). */
 #define AHEAD_BLOCKS 2
-/* Block jb + AHEAD_BLOCKS's K and V for head kvh, as bytes (NULL: past the task's nblk
- * blocks). */
-static inline const char *block_ahead(const void *kv, const int64_t *table, int jb, int nblk,
-                                      int KV, int kvh, int64_t bytes) {
-    const int fb = jb + AHEAD_BLOCKS;
-    return fb < nblk ? (const char *)kv + (table[fb] * KV + kvh) * bytes : NULL;
-}
 /* The lines of a K and a V block (`bytes` each) that channel pair d's share of the score
  * pass stands for: bytes / (D / 2) of each, from d / 2 of those shares in. */
 PREFETCH_HELPER prefetch_share(const char *kb, const char *vb, int d, int64_t bytes) {
@@ -519,16 +518,17 @@ static inline void vec_row_flush(vec_row *r, float *dest) {
         vblk acc_[NPC][G];                                                                \
         for (int p_ = 0; p_ < NPC; ++p_)                                                  \
             for (int g = 0; g < G; ++g) acc_[p_][g] = (vblk){0};                          \
-        const char *fk_[NPC], *fv_[NPC];  /* blocks to fetch: where a piece starts one */ \
+        int64_t ahead_[NPC];  /* where a piece starts a block: the one to fetch, or -1 */ \
         for (int p_ = 0; p_ < NPC; ++p_) {                                                \
-            const int at_ = (u + p_) % NP == 0 && lead;                                   \
-            const int jb_ = j + (u + p_) / NP;                                            \
-            fk_[p_] = at_ ? block_ahead(k, tab, jb_, nblk, KV, kvh, bytes) : NULL;        \
-            fv_[p_] = at_ ? block_ahead(v, tab, jb_, nblk, KV, kvh, bytes) : NULL;        \
+            const int fb_ = j + (u + p_) / NP + AHEAD_BLOCKS;                             \
+            const int at_ = lead && (u + p_) % NP == 0 && fb_ < nblk;                     \
+            ahead_[p_] = at_ ? block_at(tab, fb_, KV, kvh, bytes) : -1;                   \
         }                                                                                 \
         for (int d = 0; d < D; d += 2) {                                                  \
             for (int p_ = 0; p_ < NPC; ++p_)                                              \
-                if (fk_[p_]) prefetch_share(fk_[p_], fv_[p_], d, bytes);                  \
+                if (ahead_[p_] >= 0)                                                      \
+                    prefetch_share((const char *)k + ahead_[p_],                          \
+                                   (const char *)v + ahead_[p_], d, bytes);               \
             for (int p_ = 0; p_ < NPC; ++p_) {                                            \
                 vblk k0, k1;                                                              \
                 KEYS(kbs[(u + p_) / NP], d, (u + p_) % NP * BW, &k0, &k1);                \
