@@ -69,6 +69,29 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+def missing(systems: list[str], peers: Path) -> list[str]:
+    """What the systems need from build.sh's PEERS_DIR that is not there, each with how
+    to make it (build.sh writes the HF checkpoint and the f32/bf16 GGUFs, not Q8_0)."""
+    lacking = []
+    if not (peers / "models" / MODEL).is_dir():
+        lacking.append(f"{peers / 'models' / MODEL} (run ../shared/peers/build.sh {peers})")
+    for system in systems:
+        kind, variant = system.split("-", 1)
+        if kind != "llama":
+            continue
+        server = peers / "llama.cpp" / "build" / "bin" / "llama-server"
+        gguf = peers / "models" / f"{MODEL}-{variant}.gguf"
+        if not server.exists():
+            lacking.append(f"{server} (run ../shared/peers/build.sh {peers})")
+        if not gguf.exists():
+            lacking.append(
+                f"{gguf} (make it with llama.cpp's convert_hf_to_gguf.py "
+                f"{peers / 'models' / MODEL} --outtype {variant} --outfile {gguf}, "
+                "in build.sh's venv)"
+            )
+    return sorted(set(lacking))
+
+
 def command(
     system: str, peers: Path, port: int, slots: int, threads: int, llama_args: list[str]
 ) -> list[str]:
@@ -212,6 +235,8 @@ def main() -> None:
         systems += ["kvserve-fp32", "llama-f32"]
     if args.systems:
         systems = args.systems.split(",")
+    if lacking := missing(systems, args.peers):
+        sys.exit("cpu_peers: missing\n  " + "\n  ".join(lacking))
     flags = sorted(f for f in FLAGS if f in cpu_flags())
     header = {
         "cpu": cpu_model(),
