@@ -30,6 +30,12 @@
  * asks for the next k step's B tiles (4 KB) while this one's dot products run. 2 KB or
  * 8-16 KB ahead measured slower (benchmarks/linear_kernels.py, 1-16 rows). */
 #define PREFETCH_AHEAD 4096
+/* ... and the step after that into L2 (8 KB ahead): on an Emerald Rapids VM the tile
+ * loads read one stream at ~17 GB/s where the vector code's four streams read ~29; with
+ * this second prefetch one row's linears took 0.80-0.93x as long, 2-16 rows' 0.81-1.06x
+ * (benchmarks/RESULTS.md, round thirty). On Sapphire Rapids an L2 prefetch 12-24 KB ahead
+ * had measured the same within 1-4% (round seventeen). */
+#define L2_AHEAD 8192
 #define M_CHUNK 256    /* rows of x kept hot in L2 while the weight blocks pass */
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -103,8 +109,10 @@ static void amx_1x4(const uint16_t *x, const uint16_t *w, const float *bias, uin
     amx_zero_c();
     for (int kk = 0; kk < k; kk += KSTEP) {
         const uint16_t *b = w + (long)(kk / 2) * (2 * NB);
-        for (int off = 0; off < KSTEP / 2 * NB * 4; off += 64)
+        for (int off = 0; off < KSTEP / 2 * NB * 4; off += 64) {
             _mm_prefetch((const char *)b + PREFETCH_AHEAD + off, _MM_HINT_T0);
+            _mm_prefetch((const char *)b + L2_AHEAD + off, _MM_HINT_T1);
+        }
         AMX_1X4_STEP(_tile_dpbf16ps, x + kk, k * 2, b);
     }
     HAND_OVER(e, n, rows, NB, bias, out, gate, AMX_STORE_1X4(acc));
@@ -121,6 +129,8 @@ static void amx_1x2(const uint16_t *x, const uint16_t *w, const float *bias, uin
         for (int off = 0; off < KSTEP / 2 * NB * 4; off += 256) {  /* its half of each row */
             _mm_prefetch((const char *)b + PREFETCH_AHEAD + off, _MM_HINT_T0);
             _mm_prefetch((const char *)b + PREFETCH_AHEAD + off + 64, _MM_HINT_T0);
+            _mm_prefetch((const char *)b + L2_AHEAD + off, _MM_HINT_T1);
+            _mm_prefetch((const char *)b + L2_AHEAD + off + 64, _MM_HINT_T1);
         }
         _tile_loadd(4, x + kk, k * 2);
         _tile_loadd(5, b, 256);
