@@ -6,11 +6,11 @@
  * B operand, so a B tile is 16 k-pair rows at a stride of 256 bytes, and one weight
  * block streams through contiguously.
  *
- * Every M runs on the tile unit, one row included: at batch 1 it still reads the weight
- * faster than oneDNN's prepacked matmul (benchmarks/RESULTS.md), and each output element
- * is the same sequence of tile dot products whatever M is and whichever rows share its
- * tile, so a row's output does not depend on what else is in the batch (the attention
- * kernel, model/kernels/paged_attention.c, gives the same promise for its part).
+ * From three rows on every call runs on the tile unit, and each output element is the same
+ * sequence of tile dot products whatever M is and whichever rows share its tile; one or
+ * two rows take a vector pass that computes the tile unit's own sums (vec_blocks), so a
+ * row's output does not depend on what else is in the batch (the attention kernel,
+ * model/kernels/paged_attention.c, gives the same promise for its part).
  * A SwiGLU's gate and up projections can run as one weight whose blocks alternate gate,
  * up (linear_bf16 with a scratch buffer): the up block's epilogue stores silu(gate) * up.
  * Built and loaded by model/kernels/linear.py.
@@ -30,11 +30,10 @@
  * asks for the next k step's B tiles (4 KB) while this one's dot products run. 2 KB or
  * 8-16 KB ahead measured slower (benchmarks/linear_kernels.py, 1-16 rows). */
 #define PREFETCH_AHEAD 4096
-/* ... and the step after that into L2 (8 KB ahead): on an Emerald Rapids VM the tile
- * loads read one stream at ~17 GB/s where the vector code's four streams read ~29; with
- * this second prefetch one row's linears took 0.80-0.93x as long, 2-16 rows' 0.81-1.06x
- * (benchmarks/RESULTS.md, round thirty). On Sapphire Rapids an L2 prefetch 12-24 KB ahead
- * had measured the same within 1-4% (round seventeen). */
+/* ... and the step after that into L2 (8 KB ahead): on an Emerald Rapids VM one row's
+ * linears took 0.80-0.93x as long with it, 2-16 rows' 0.81-1.06x (benchmarks/RESULTS.md,
+ * round thirty; one and two rows now take vec_blocks). On Sapphire Rapids an L2 prefetch
+ * 12-24 KB ahead had measured the same within 1-4% (round seventeen). */
 #define L2_AHEAD 8192
 #define M_CHUNK 256    /* rows of x kept hot in L2 while the weight blocks pass */
 
@@ -159,6 +158,122 @@ static void amx_2x2(const uint16_t *x, const uint16_t *w, const float *bias, uin
     HAND_OVER(e, n, 32, 32, bias, out, gate, AMX_STORE_2X2(acc));
 }
 
+/* ---- few rows in vector code, with the tile unit's sums ------------------------------
+ * One tdpbf16ps step (16 k pairs) adds to each output c + RNE(E + O), where E sums the
+ * pairs' even products and O their odd ones, each from zero in k order with one rounding
+ * per product (exact in float32), denormals flushed in and out. A scratch probe matched
+ * that model bit for bit, where no order of single sums did (benchmarks/RESULTS.md, round
+ * thirty). So a vector pass computes it too, FMAs under MXCSR's DAZ and FTZ, and gives a
+ * row the bits the tiles give it in any batch. At one or two rows it reads the weights in
+ * several streams, as the vector linears do, where the tile pass reads one: on an Emerald
+ * Rapids VM, in one process, one row's layers 11.2 against 12.1 ms, the head 7.1 against
+ * 7.7 (linear_vec.c's vdpbf16ps pass 10.8 and 6.7; benchmarks/RESULTS.md, round thirty). */
+#define VEC_ROWS 2      /* calls of up to this many rows take the vector pass */
+#define VEC_TURNS 4     /* segments whose turns alternate */
+#define VEC_PAIRS 4     /* k pairs a segment's turn takes (1 KB of a block) */
+#define VEC_AHEAD 2048  /* bytes of a segment's weights asked for ahead, into L1 */
+
+/* One segment of a block (V vectors of 16 features, at w) for MR rows of x: k pairs kp0
+ * .. kp0 + VEC_PAIRS - 1 of a tile step, into its sums of even and odd products, parked
+ * in eo (MR x 2 x 64 floats) between turns. */
+static inline __attribute__((always_inline)) void vec_turn(const int MR, const int V,
+                                                            const uint16_t *x, int k,
+                                                            const uint16_t *w, int kp0,
+                                                            float *eo) {
+    __m512 e[2][4], o[2][4];
+    for (int r = 0; r < MR; ++r)
+        for (int j = 0; j < V; ++j) {
+            e[r][j] = _mm512_load_ps(eo + (2 * r) * NB + j * 16);
+            o[r][j] = _mm512_load_ps(eo + (2 * r + 1) * NB + j * 16);
+        }
+    for (int kp = kp0; kp < kp0 + VEC_PAIRS; ++kp) {
+        const uint16_t *wk = w + (long)kp * 2 * NB;
+        for (int j = 0; j < V; ++j)
+            _mm_prefetch((const char *)wk + VEC_AHEAD + j * 64, _MM_HINT_T0);
+        __m512 lo[4], hi[4];
+        for (int j = 0; j < V; ++j) {
+            const __m512i wv = _mm512_loadu_si512((const void *)(wk + j * 32));
+            lo[j] = _mm512_castsi512_ps(_mm512_slli_epi32(wv, 16));
+            hi[j] = _mm512_castsi512_ps(
+                _mm512_and_si512(wv, _mm512_set1_epi32((int)0xFFFF0000u)));
+        }
+        for (int r = 0; r < MR; ++r) {
+            uint32_t pair;
+            memcpy(&pair, x + (long)r * k + 2 * kp, sizeof pair);
+            const __m512 xe = _mm512_castsi512_ps(_mm512_set1_epi32((int)(pair << 16)));
+            const __m512 xo = _mm512_castsi512_ps(_mm512_set1_epi32((int)(pair & 0xFFFF0000u)));
+            for (int j = 0; j < V; ++j) {
+                e[r][j] = _mm512_fmadd_ps(lo[j], xe, e[r][j]);
+                o[r][j] = _mm512_fmadd_ps(hi[j], xo, o[r][j]);
+            }
+        }
+    }
+    for (int r = 0; r < MR; ++r)
+        for (int j = 0; j < V; ++j) {
+            _mm512_store_ps(eo + (2 * r) * NB + j * 16, e[r][j]);
+            _mm512_store_ps(eo + (2 * r + 1) * NB + j * 16, o[r][j]);
+        }
+}
+
+/* Rows 0..m - 1 (m <= VEC_ROWS) against half blocks h0..h1 - 1 (run_blocks' share):
+ * VEC_TURNS segments at a time, each a whole block or a half at the share's edge, take
+ * turns of VEC_PAIRS k pairs, so that their weight streams are all in flight; at each
+ * tile step's end, c + (E + O). Every segment's result goes to the epilogue in order, as
+ * the tile passes hand theirs over. */
+static void vec_blocks(const uint16_t *x, const uint16_t *w, const float *bias,
+                       uint16_t *out, uint16_t *scratch, int m, int n, int k, int h0, int h1,
+                       epilogue *e) {
+    const long block_elems = (long)k * NB;
+    const int stride = scratch ? n / 2 : n;
+    const unsigned csr = _mm_getcsr();
+    float acc[VEC_TURNS][VEC_ROWS * NB] __attribute__((aligned(64)));
+    float eo[VEC_TURNS][VEC_ROWS * 2 * NB] __attribute__((aligned(64)));
+    for (int h = h0; h < h1;) {
+        int seg_h[VEC_TURNS], seg_w[VEC_TURNS], ns = 0;  /* first half, halves */
+        for (; ns < VEC_TURNS && h < h1; ++ns) {
+            const int halves = h % 2 == 0 && h + 2 <= h1 ? 2 : 1;
+            seg_h[ns] = h, seg_w[ns] = halves;
+            h += halves;
+        }
+        for (int s = 0; s < ns; ++s) memset(acc[s], 0, sizeof acc[s]);
+        _mm_setcsr(csr | 0x8040);  /* FTZ and DAZ for the sums, as the tile unit's */
+        for (int kk = 0; kk < k; kk += KSTEP) {
+            memset(eo, 0, sizeof eo);
+            for (int kp = kk / 2; kp < kk / 2 + KSTEP / 2; kp += VEC_PAIRS)
+                for (int s = 0; s < ns; ++s) {
+                    const uint16_t *ws = w + seg_h[s] / 2 * block_elems + seg_h[s] % 2 * 64;
+                    if (seg_w[s] == 2 && m == 1) vec_turn(1, 4, x, k, ws, kp, eo[s]);
+                    else if (seg_w[s] == 2) vec_turn(2, 4, x, k, ws, kp, eo[s]);
+                    else if (m == 1) vec_turn(1, 2, x, k, ws, kp, eo[s]);
+                    else vec_turn(2, 2, x, k, ws, kp, eo[s]);
+                }
+            for (int s = 0; s < ns; ++s)  /* the tile step's c + (E + O) */
+                for (int r = 0; r < m; ++r)
+                    for (int j = 0; j < seg_w[s] * 2; ++j) {
+                        float *a = acc[s] + r * NB + j * 16;
+                        const float *even = eo[s] + 2 * r * NB + j * 16, *odd = even + NB;
+                        const __m512 sum =
+                            _mm512_add_ps(_mm512_load_ps(even), _mm512_load_ps(odd));
+                        _mm512_store_ps(a, _mm512_add_ps(_mm512_load_ps(a), sum));
+                    }
+        }
+        _mm_setcsr(csr);  /* the epilogue as the tile passes run it */
+        for (int s = 0; s < ns; ++s) {
+            const int b = seg_h[s] / 2, c0 = seg_h[s] % 2 * 32, width = seg_w[s] * 32;
+            uint16_t *dst = out + b * NB;
+            const uint16_t *gate = 0;
+            if (scratch) {
+                dst = (b % 2 ? out : scratch) + b / 2 * NB;
+                gate = b % 2 ? scratch + b / 2 * NB + c0 : 0;
+            }
+            const float *mine = acc[s];
+            HAND_OVER(e, stride, m, width, bias ? bias + b * NB + c0 : 0, dst + c0, gate, {
+                for (int r = 0; r < m; ++r) memcpy(acc + r * width, mine + r * NB, width * 4);
+            });
+        }
+    }
+}
+
 /* Rows m0..m1 of x against halves h0..h1 - 1 of one 64-feature block (both, or one at
  * the edge of a thread's share); *configured tracks the tile shape. Pairs of 16-row
  * tiles go one half-block at a time, so the half-block's weights (32 features x K) stay
@@ -209,6 +324,11 @@ static void run_blocks(const uint16_t *x, const uint16_t *w, const float *bias, 
     epilogue e;
     e.cur = 0;
     e.rows = 0;
+    if (m <= VEC_ROWS) {
+        vec_blocks(x, w, bias, out, scratch, m, n, k, h0, h1, &e);
+        flush(&e, stride);
+        return;
+    }
     for (int m0 = 0; m0 < m; m0 += M_CHUNK) {
         const int m1 = m0 + M_CHUNK < m ? m0 + M_CHUNK : m;
         for (int h = h0; h < h1;) {

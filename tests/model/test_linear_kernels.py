@@ -52,6 +52,27 @@ def bf16_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) 
     return (acc + bias if bias is not None else acc).to(torch.bfloat16)
 
 
+def tile_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The AMX tile unit's arithmetic (tdpbf16ps), which linear_bf16.c's vector pass for
+    few rows computes too: per step of 16 k pairs, the even k's products summed from zero
+    in order, the odd k's likewise (each product exact in float32), and c + (even + odd);
+    denormals flushed. Then + bias and one bf16 rounding."""
+    xf, wf = flush(x.float()), flush(w.float())
+    acc = torch.zeros(x.shape[0], w.shape[0])
+    for k0 in range(0, w.shape[1], 32):
+        even, odd = torch.zeros_like(acc), torch.zeros_like(acc)
+        for kp in range(k0 // 2, k0 // 2 + 16):
+            even = flush(even + xf[:, 2 * kp, None] * wf[None, :, 2 * kp])
+            odd = flush(odd + xf[:, 2 * kp + 1, None] * wf[None, :, 2 * kp + 1])
+        acc = flush(acc + flush(even + odd))
+    return (acc + bias if bias is not None else acc).to(torch.bfloat16)
+
+
+def flush(t: torch.Tensor) -> torch.Tensor:
+    """float32 denormals to zero (of the same sign), as the tile unit stores them."""
+    return torch.where(t.abs() < torch.finfo(torch.float32).tiny, t * 0, t)
+
+
 def int8_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """int8 weights and rows: q = rint(x * (127 / max|x|)) per row, exact integer dot
     products, float(sum) * (row scale * weight scale) + bias, one bf16 rounding."""
@@ -93,14 +114,35 @@ def test_vector_code_gives_the_bits_of_its_reference(
     """Every vector level computes the same bits (vdpbf16ps and the FMA path add the same
     exact products in the same order; int8 sums are exact, on the AMX tile unit too, which
     takes int8 from 8 rows where k is a multiple of 64), so each is checked against one
-    reference; on AMX the bf16 tiles sum in their own order (the fp32 test covers them)."""
-    if isa == "amx" and not int8:
-        pytest.skip("AMX tiles accumulate in the tile unit's order: covered against fp32")
+    reference; at amx, bf16 against the tile unit's arithmetic (tiles from 3 rows, the
+    vector pass that gives their bits below)."""
     w, bias = weights(192, k, seed=rows)
     x = torch.randn(rows, k).to(torch.bfloat16)
-    ref = int8_reference if int8 else bf16_reference
+    ref = int8_reference if int8 else tile_reference if isa == "amx" else bf16_reference
     for b in (None, bias):
         assert torch.equal(run(x, w, b, int8), ref(x, w, b))
+
+
+@pytest.mark.parametrize("isa", ["amx"], indirect=True)  # the level with the tile unit
+def test_amx_rows_flush_denormals_alone_as_in_a_batch(isa: str) -> None:
+    """At amx one or two rows take linear_bf16.c's vector pass and more the tiles: sums and
+    products in float32's denormal range (flushed by the tile unit, and by the vector
+    pass under DAZ and FTZ) give the same bits either way, and the tile reference's."""
+    w, _ = weights(256, 96, seed=7)
+    x = torch.randn(40, 96)
+    x[:10] *= 2.0**-64  # rows 0-9 against features 0-127: products and sums near 2^-126
+    w = w.float()
+    w[:128] *= 2.0**-60
+    w[128:, :32] *= 2.0**-125  # features 128-255: a tile step of denormal products
+    x, w = x.to(torch.bfloat16), w.to(torch.bfloat16)
+    x[3, 5] = x[8, 70] = torch.tensor(2.0**-130).to(torch.bfloat16)  # denormal inputs
+    w[200, 1] = torch.tensor(-(2.0**-128)).to(torch.bfloat16)
+    full = run(x, w, None, int8=False)
+    tiny = full[:10, :128].float().abs() < torch.finfo(torch.float32).tiny
+    assert tiny.any() and not tiny.all(), "the sums should straddle float32's smallest normal"
+    assert torch.equal(full, tile_reference(x, w, None))
+    for lo, hi in ((0, 1), (3, 4), (7, 9)):
+        assert torch.equal(run(x[lo:hi], w, None, int8=False), full[lo:hi])
 
 
 @pytest.mark.parametrize("k", [36, 100])  # 9 and 25 steps of 4: the last turn is short
