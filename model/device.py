@@ -109,7 +109,8 @@ def prefer_fma(level: str) -> bool:
     benchmarks/RESULTS.md). Not on AMD's: on Zen 4 a 16-request prefill took 1.48x as
     long at the avx512f level as at avx512-bf16 (an earlier FMA pass; this one was not
     measured there). The amx level keeps vdpbf16ps (its bf16 linears and, where the shape
-    fits, attention are on the tile unit; the rest was not measured)."""
+    fits, attention are on the tile unit, one or two rows' linears in FMAs that add as
+    the tiles do, model/kernels/linear_bf16.c; the rest was not measured)."""
     return level in ("avx512f", "avx2") or (
         level == "avx512-bf16" and cpu_vendor() == "GenuineIntel"
     )

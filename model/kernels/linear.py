@@ -50,8 +50,9 @@ def _vector(isa: str) -> ctypes.CDLL | None:
 
 def linear_kernel(kind: str) -> ctypes._CFuncPtr | None:
     """The C function for 'bf16' (tile_layout weights) or 'int8' (int8_pack blobs)
-    linears at this CPU's level (linear_isa): bf16 at amx in linear_bf16.c's tiles,
-    everything else in linear_vec.c's build for the level; None where it is not built."""
+    linears at this CPU's level (linear_isa): bf16 at amx in linear_bf16.c (the tiles,
+    and for one or two rows vector code with the tiles' sums), everything else in
+    linear_vec.c's build for the level; None where it is not built."""
     isa = linear_isa(kind)
     if kind == "bf16" and isa == "amx":
         return _tiles().linear_bf16
