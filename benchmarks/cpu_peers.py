@@ -69,6 +69,14 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+def llama_files(peers: Path, variant: str) -> tuple[Path, Path]:
+    """build.sh's llama-server and the checkpoint's GGUF of `variant` (bf16, q8_0, f32)."""
+    return (
+        peers / "llama.cpp" / "build" / "bin" / "llama-server",
+        peers / "models" / f"{MODEL}-{variant}.gguf",
+    )
+
+
 def missing(systems: list[str], peers: Path) -> list[str]:
     """What the systems need from build.sh's PEERS_DIR that is not there, each with how
     to make it (build.sh writes the HF checkpoint and the f32/bf16 GGUFs, not Q8_0)."""
@@ -79,8 +87,7 @@ def missing(systems: list[str], peers: Path) -> list[str]:
         kind, variant = system.split("-", 1)
         if kind != "llama":
             continue
-        server = peers / "llama.cpp" / "build" / "bin" / "llama-server"
-        gguf = peers / "models" / f"{MODEL}-{variant}.gguf"
+        server, gguf = llama_files(peers, variant)
         if not server.exists():
             lacking.append(f"{server} (run ../shared/peers/build.sh {peers})")
         if not gguf.exists():
@@ -100,8 +107,7 @@ def command(
     kind, variant = system.split("-", 1)
     if kind == "llama":
         ctx = 2048 if slots == 1 else 4096
-        server = peers / "llama.cpp" / "build" / "bin" / "llama-server"
-        gguf = peers / "models" / f"{MODEL}-{variant}.gguf"
+        server, gguf = llama_files(peers, variant)
         return [
             str(server), "-m", str(gguf), "-t", str(threads), "-np", str(slots), "-c", str(ctx),
             "--host", "127.0.0.1", "--port", str(port), *llama_args,
