@@ -21,6 +21,28 @@
 #define EXP2_CUBIC(f, MADD, C)                                                           \
     MADD(MADD(MADD(C(0.0550089255f), f, C(0.242210954f)), f, C(0.693282902f)), f, C(1.f))
 
+/* The linear kernels' (linear_bf16.c, linear_vec.c) weight block: 64 output features. */
+#define LINEAR_NB 64
+
+/* Where a linear's block b's results go: plain, columns b * 64 of out (row stride n);
+ * SwiGLU (w's blocks alternate gate, up), gate block 2i into scratch and up block 2i + 1,
+ * reading it, into columns i * 64 of out (both row stride n / 2). */
+typedef struct {
+    uint16_t *dst;
+    const uint16_t *gate;
+    int stride;
+} target;
+
+static inline target block_target(uint16_t *out, uint16_t *scratch, int n, int b) {
+    target t = {out + b * LINEAR_NB, 0, n};
+    if (scratch) {
+        t.stride = n / 2;
+        t.dst = (b % 2 ? out : scratch) + b / 2 * LINEAR_NB;
+        t.gate = b % 2 ? scratch + b / 2 * LINEAR_NB : 0;
+    }
+    return t;
+}
+
 /* For a helper whose only effect is prefetching. GCC counts __builtin_prefetch as no
  * side effect, so it can find such a function (its loops provably finite) `const` and
  * delete the calls to it wherever it did not inline it first: linear_vec.c's k-step

@@ -24,7 +24,7 @@
 #include <omp.h>
 #endif
 
-#define NB 64          /* output features per block */
+#define NB LINEAR_NB    /* output features per block */
 #define KSTEP 32       /* k per AMX tile */
 /* The 1x4 kernel streams its weight block from memory (few rows: nothing to reuse); it
  * asks for the next k step's B tiles (4 KB) while this one's dot products run. 2 KB or
@@ -219,22 +219,13 @@ static inline __attribute__((always_inline)) void vec_turn(const int MR, const i
  * where h starts it and the share holds it, else the one half. */
 static inline int halves_at(int h, int h1) { return h % 2 == 0 && h + 2 <= h1 ? 2 : 1; }
 
-/* Where block b's results go (run_blocks' layouts): its columns of out, or for a SwiGLU
- * the gate block's in scratch and the up block's in out, with *gate the rounded gate an
- * up block multiplies (else NULL). */
-static inline uint16_t *block_out(uint16_t *out, uint16_t *scratch, int b,
-                                  const uint16_t **gate) {
-    *gate = scratch && b % 2 ? scratch + b / 2 * NB : 0;
-    return scratch ? (b % 2 ? out : scratch) + b / 2 * NB : out + b * NB;
-}
-
 /* Rows 0..m - 1 (m <= VEC_ROWS) against half blocks h0..h1 - 1 (run_blocks' share):
  * VEC_TURNS segments at a time, each a whole block or a half at the share's edge, take
  * turns of VEC_PAIRS k pairs, so that their weight streams are all in flight; at each
  * tile step's end, c + (E + O). Every segment's result goes to the epilogue in order, as
  * the tile passes hand theirs over. */
 static void vec_blocks(const uint16_t *x, const uint16_t *w, const float *bias,
-                       uint16_t *out, uint16_t *scratch, int m, int stride, int k, int h0,
+                       uint16_t *out, uint16_t *scratch, int m, int n, int k, int h0,
                        int h1, epilogue *e) {
     const long block_elems = (long)k * NB;
     const unsigned csr = _mm_getcsr();
@@ -271,11 +262,10 @@ static void vec_blocks(const uint16_t *x, const uint16_t *w, const float *bias,
         _mm_setcsr(csr);  /* the epilogue as the tile passes run it */
         for (int s = 0; s < ns; ++s) {
             const int b = seg_h[s] / 2, c0 = seg_h[s] % 2 * 32, width = seg_w[s] * 32;
-            const uint16_t *gate;
-            uint16_t *dst = block_out(out, scratch, b, &gate);
+            const target t = block_target(out, scratch, n, b);
             const float *mine = acc[s];
-            HAND_OVER(e, stride, m, width, bias ? bias + b * NB + c0 : 0, dst + c0,
-                      gate ? gate + c0 : 0, {
+            HAND_OVER(e, t.stride, m, width, bias ? bias + b * NB + c0 : 0, t.dst + c0,
+                      t.gate ? t.gate + c0 : 0, {
                 for (int r = 0; r < m; ++r) memcpy(acc + r * width, mine + r * NB, width * 4);
             });
         }
@@ -333,7 +323,7 @@ static void run_blocks(const uint16_t *x, const uint16_t *w, const float *bias, 
     e.cur = 0;
     e.rows = 0;
     if (m <= VEC_ROWS) {
-        vec_blocks(x, w, bias, out, scratch, m, stride, k, h0, h1, &e);
+        vec_blocks(x, w, bias, out, scratch, m, n, k, h0, h1, &e);
         flush(&e, stride);
         return;
     }
@@ -342,10 +332,9 @@ static void run_blocks(const uint16_t *x, const uint16_t *w, const float *bias, 
         for (int h = h0; h < h1;) {
             const int b = h / 2, first = h % 2, last = first + halves_at(h, h1);
             h += last - first;
-            const uint16_t *gate;
-            uint16_t *dst = block_out(out, scratch, b, &gate);
-            amx_rows(x, w + b * block_elems, bias ? bias + b * NB : 0, dst, gate, m0, m1, stride,
-                     k, first, last, &configured, &e);
+            const target t = block_target(out, scratch, n, b);
+            amx_rows(x, w + b * block_elems, bias ? bias + b * NB : 0, t.dst, t.gate, m0, m1,
+                     t.stride, k, first, last, &configured, &e);
         }
     }
     flush(&e, stride);

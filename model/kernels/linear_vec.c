@@ -37,7 +37,7 @@
 #include <omp.h>
 #endif
 
-#define NB 64       /* output features per block */
+#define NB LINEAR_NB  /* output features per block */
 #define M_CHUNK 64  /* rows kept hot while a thread's weight blocks pass */
 #define PREFETCH 2048  /* bytes of the weight stream fetched ahead */
 
@@ -238,25 +238,6 @@ static inline __attribute__((always_inline)) void store_cols(const int W, const 
 static inline void store_row(const float *acc, const float *bias, uint16_t *out,
                              const uint16_t *gate) {
     store_cols(NB, acc, bias, out, gate);
-}
-
-/* Where block b's results go: plain, columns b * NB of out (row stride n); SwiGLU (w's
- * blocks alternate gate, up), gate block 2i into scratch and up block 2i + 1, reading it,
- * into columns i * NB of out (both row stride n / 2). */
-typedef struct {
-    uint16_t *dst;
-    const uint16_t *gate;
-    int stride;
-} target;
-
-static inline target block_target(uint16_t *out, uint16_t *scratch, int n, int b) {
-    target t = {out + b * NB, 0, n};
-    if (scratch) {
-        t.stride = n / 2;
-        t.dst = (b % 2 ? out : scratch) + b / 2 * NB;
-        t.gate = b % 2 ? scratch + b / 2 * NB : 0;
-    }
-    return t;
 }
 
 /* ---- bf16 ---------------------------------------------------------------------------- */
