@@ -49,12 +49,24 @@ def library_at(rev: str | None, source: str, flags: list[str], tmp: Path) -> cty
 
 def alternate(a: Callable[[], None], b: Callable[[], None], repeats: int) -> tuple[float, float]:
     """Median ms of a and of b over repeats turns, each turn's first alternating."""
-    a(), b()
-    times: tuple[list[float], list[float]] = ([], [])
+    ta, tb = alternate_parts({"": a}, {"": b}, repeats)
+    return ta[""], tb[""]
+
+
+def alternate_parts(
+    a: dict[str, Callable[[], None]], b: dict[str, Callable[[], None]], repeats: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Median ms of each part of a and of b over repeats turns: a turn runs all of one
+    side's parts in order, then the other's, the first side alternating."""
+    for side in (a, b):
+        for fn in side.values():
+            fn()
+    times: tuple[dict, dict] = ({p: [] for p in a}, {p: [] for p in b})
     for i in range(repeats):
         order = ((a, times[0]), (b, times[1]))
-        for fn, out in order if i % 2 == 0 else order[::-1]:
-            start = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times[0]), 1000 * statistics.median(times[1])
+        for side, out in order if i % 2 == 0 else order[::-1]:
+            for part, fn in side.items():
+                start = time.perf_counter()
+                fn()
+                out[part].append(time.perf_counter() - start)
+    return tuple({p: 1000 * statistics.median(t) for p, t in side.items()} for side in times)

@@ -9,8 +9,13 @@ The weights are those of the 180M Llama-3-style checkpoint cpu_peers.py serves (
 of qkv 960x576, o 576x576, gate|up 3072x576 as one SwiGLU pass, down 576x1536; the head
 128256x576), each a separate random tensor, so a pass streams the weights from memory
 the way a decode step does; they sit in one huge-page arena, as the engine's do
-(model/pages.py). Per row count, the median of --repeats passes of the layers'
-120 linears and of the head, for each build; the two builds take turns going first.
+(model/pages.py). Per row count, the median of --repeats turns for each build, a turn
+being its layers' 120 linears and then its head, in a decode step's order; the two
+builds take turns going first. A part timed alone over and over finds some of itself
+still in L3 from its last pass, which a step never does: on an Emerald Rapids VM (300
+MB of L3, of which a 64 MB buffer read at 42 GB/s and 128 MB at 24) the head alone took 3.8
+ms a pass, and 6.0 ms inside the engine's decode step (benchmarks/RESULTS.md, round
+thirty-one).
 --kind int8 times the int8 linears (int8_pack's weights) instead. Prints a table and
 writes JSON. Check a result against the same source at both ends (--baseline HEAD on a
 clean tree): at 2,048 int8 rows on the AMX machine that check gave ratios of 0.82-1.01
@@ -30,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.kernel_at import alternate, library_at
+from benchmarks.kernel_at import alternate_parts, library_at
 from model.device import isa_flags
 from model.kernels.build import BASE_FLAGS, bind
 from model.kernels.linear import (
@@ -121,12 +126,15 @@ def main() -> None:
               f"this tree against {args.baseline}")  # fmt: skip
         print(f"{'rows':>5} {'part':>6} {'now ms':>9} {'baseline ms':>12} {'now/baseline':>13}")
         for m in args.rows:
-            for part, (ws, shapes) in parts.items():
-                t_now, t_base = alternate(
-                    passes(now, ws, shapes, m), passes(base, ws, shapes, m), args.repeats
-                )
-                print(f"{m:5d} {part:>6} {t_now:9.2f} {t_base:12.2f} {t_now / t_base:13.3f}")
-                rows_out.append({"rows": m, "part": part, "now_ms": t_now, "baseline_ms": t_base})
+            t_now, t_base = alternate_parts(
+                {part: passes(now, ws, shapes, m) for part, (ws, shapes) in parts.items()},
+                {part: passes(base, ws, shapes, m) for part, (ws, shapes) in parts.items()},
+                args.repeats,
+            )
+            for part in parts:
+                now_ms, base_ms = t_now[part], t_base[part]
+                print(f"{m:5d} {part:>6} {now_ms:9.2f} {base_ms:12.2f} {now_ms / base_ms:13.3f}")
+                rows_out.append({"rows": m, "part": part, "now_ms": now_ms, "baseline_ms": base_ms})
     args.json.parent.mkdir(parents=True, exist_ok=True)
     report = {"level": level, "kind": args.kind, "baseline": args.baseline, "runs": rows_out}
     args.json.write_text(json.dumps(report, indent=2))
