@@ -173,6 +173,13 @@ static void amx_2x2(const uint16_t *x, const uint16_t *w, const float *bias, uin
 #define VEC_PAIRS 4     /* k pairs a segment's turn takes (1 KB of a block) */
 #define VEC_AHEAD 2048  /* bytes of a segment's weights asked for ahead, into L1 */
 
+/* The even and the odd k's weights of a vector of 16 (feature, k-pair) bf16 pairs, as
+ * float32 (exact). */
+static inline __m512 even_k(__m512i wv) { return _mm512_castsi512_ps(_mm512_slli_epi32(wv, 16)); }
+static inline __m512 odd_k(__m512i wv) {
+    return _mm512_castsi512_ps(_mm512_and_si512(wv, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
 /* One segment of a block (V vectors of 16 features, at w) for MR rows of x: k pairs kp0
  * .. kp0 + VEC_PAIRS - 1 of a tile step, into its sums of even and odd products, parked
  * in eo (MR x 2 x 64 floats) between turns. */
@@ -193,15 +200,13 @@ static inline __attribute__((always_inline)) void vec_turn(const int MR, const i
         __m512 lo[4], hi[4];
         for (int j = 0; j < V; ++j) {
             const __m512i wv = _mm512_loadu_si512((const void *)(wk + j * 32));
-            lo[j] = _mm512_castsi512_ps(_mm512_slli_epi32(wv, 16));
-            hi[j] = _mm512_castsi512_ps(
-                _mm512_and_si512(wv, _mm512_set1_epi32((int)0xFFFF0000u)));
+            lo[j] = even_k(wv), hi[j] = odd_k(wv);
         }
         for (int r = 0; r < MR; ++r) {
             uint32_t pair;
             memcpy(&pair, x + (long)r * k + 2 * kp, sizeof pair);
-            const __m512 xe = _mm512_castsi512_ps(_mm512_set1_epi32((int)(pair << 16)));
-            const __m512 xo = _mm512_castsi512_ps(_mm512_set1_epi32((int)(pair & 0xFFFF0000u)));
+            const __m512i xb = _mm512_set1_epi32((int)pair);
+            const __m512 xe = even_k(xb), xo = odd_k(xb);
             for (int j = 0; j < V; ++j) {
                 e[r][j] = _mm512_fmadd_ps(lo[j], xe, e[r][j]);
                 o[r][j] = _mm512_fmadd_ps(hi[j], xo, o[r][j]);
@@ -215,50 +220,98 @@ static inline __attribute__((always_inline)) void vec_turn(const int MR, const i
         }
 }
 
+/* One row against REG_BLOCKS whole blocks in a row (w0 the first), all of K, the sums
+ * held in registers (E and O of three blocks are 24 of the 32): acc[s] += E + O at each
+ * tile step's end. vec_turn's operations in its order, so its bits; without the turns'
+ * trips through memory a decode step's linears took 0.93-0.98x the time on an Emerald
+ * Rapids VM (benchmarks/RESULTS.md, round thirty-one). */
+#define REG_BLOCKS 3
+static void vec_row(const uint16_t *x, int k, const uint16_t *w0, long block_elems,
+                    float (*acc)[VEC_ROWS * NB]) {
+    for (int kk = 0; kk < k; kk += KSTEP) {
+        __m512 e[REG_BLOCKS][4], o[REG_BLOCKS][4];
+        for (int s = 0; s < REG_BLOCKS; ++s)
+            for (int j = 0; j < 4; ++j) e[s][j] = o[s][j] = _mm512_setzero_ps();
+        for (int kp = kk / 2; kp < kk / 2 + KSTEP / 2; ++kp) {
+            uint32_t pair;
+            memcpy(&pair, x + 2 * kp, sizeof pair);
+            const __m512i xb = _mm512_set1_epi32((int)pair);
+            const __m512 xe = even_k(xb), xo = odd_k(xb);
+            for (int s = 0; s < REG_BLOCKS; ++s) {
+                const uint16_t *wk = w0 + s * block_elems + (long)kp * 2 * NB;
+                for (int j = 0; j < 4; ++j) {
+                    _mm_prefetch((const char *)wk + VEC_AHEAD + j * 64, _MM_HINT_T0);
+                    const __m512i wv = _mm512_loadu_si512((const void *)(wk + j * 32));
+                    e[s][j] = _mm512_fmadd_ps(even_k(wv), xe, e[s][j]);
+                    o[s][j] = _mm512_fmadd_ps(odd_k(wv), xo, o[s][j]);
+                }
+            }
+        }
+        for (int s = 0; s < REG_BLOCKS; ++s)
+            for (int j = 0; j < 4; ++j) {
+                float *a = acc[s] + j * 16;
+                const __m512 sum = _mm512_add_ps(e[s][j], o[s][j]);
+                _mm512_store_ps(a, _mm512_add_ps(_mm512_load_ps(a), sum));
+            }
+    }
+}
+
+/* Rows 0..m - 1 against ns segments (a segment: seg_w[s] halves from half block
+ * seg_h[s]) in turns of VEC_PAIRS k pairs, so that their weight streams are all in
+ * flight; at each tile step's end, acc[s] += E + O. */
+static void vec_turns(const uint16_t *x, const uint16_t *w, long block_elems, int m, int k,
+                      const int *seg_h, const int *seg_w, int ns,
+                      float (*acc)[VEC_ROWS * NB]) {
+    float eo[VEC_TURNS][VEC_ROWS * 2 * NB] __attribute__((aligned(64)));
+    for (int kk = 0; kk < k; kk += KSTEP) {
+        memset(eo, 0, sizeof eo);
+        for (int kp = kk / 2; kp < kk / 2 + KSTEP / 2; kp += VEC_PAIRS)
+            for (int s = 0; s < ns; ++s) {
+                const uint16_t *ws = w + seg_h[s] / 2 * block_elems + seg_h[s] % 2 * 64;
+                if (seg_w[s] == 2 && m == 1) vec_turn(1, 4, x, k, ws, kp, eo[s]);
+                else if (seg_w[s] == 2) vec_turn(2, 4, x, k, ws, kp, eo[s]);
+                else if (m == 1) vec_turn(1, 2, x, k, ws, kp, eo[s]);
+                else vec_turn(2, 2, x, k, ws, kp, eo[s]);
+            }
+        for (int s = 0; s < ns; ++s)  /* the tile step's c + (E + O) */
+            for (int r = 0; r < m; ++r)
+                for (int j = 0; j < seg_w[s] * 2; ++j) {
+                    float *a = acc[s] + r * NB + j * 16;
+                    const float *even = eo[s] + 2 * r * NB + j * 16, *odd = even + NB;
+                    const __m512 sum = _mm512_add_ps(_mm512_load_ps(even), _mm512_load_ps(odd));
+                    _mm512_store_ps(a, _mm512_add_ps(_mm512_load_ps(a), sum));
+                }
+    }
+}
+
 /* Half blocks from h (of a share ending at h1) that one pass takes: block h / 2 whole
  * where h starts it and the share holds it, else the one half. */
 static inline int halves_at(int h, int h1) { return h % 2 == 0 && h + 2 <= h1 ? 2 : 1; }
 
 /* Rows 0..m - 1 (m <= VEC_ROWS) against half blocks h0..h1 - 1 (run_blocks' share):
- * VEC_TURNS segments at a time, each a whole block or a half at the share's edge, take
- * turns of VEC_PAIRS k pairs, so that their weight streams are all in flight; at each
- * tile step's end, c + (E + O). Every segment's result goes to the epilogue in order, as
- * the tile passes hand theirs over. */
+ * segments, each a whole block or a half at the share's edge, VEC_TURNS at a time in
+ * turns (vec_turns), or for one row REG_BLOCKS whole blocks at a time in registers
+ * (vec_row). Every segment's result goes to the epilogue in order, as the tile passes
+ * hand theirs over. */
 static void vec_blocks(const uint16_t *x, const uint16_t *w, const float *bias,
                        uint16_t *out, uint16_t *scratch, int m, int n, int k, int h0,
                        int h1, epilogue *e) {
     const long block_elems = (long)k * NB;
     const unsigned csr = _mm_getcsr();
     float acc[VEC_TURNS][VEC_ROWS * NB] __attribute__((aligned(64)));
-    float eo[VEC_TURNS][VEC_ROWS * 2 * NB] __attribute__((aligned(64)));
     for (int h = h0; h < h1;) {
+        const int in_registers = m == 1 && h % 2 == 0 && h + 2 * REG_BLOCKS <= h1;
         int seg_h[VEC_TURNS], seg_w[VEC_TURNS], ns = 0;  /* first half, halves */
-        for (; ns < VEC_TURNS && h < h1; ++ns) {
+        for (; ns < (in_registers ? REG_BLOCKS : VEC_TURNS) && h < h1; ++ns) {
             seg_h[ns] = h, seg_w[ns] = halves_at(h, h1);
             h += seg_w[ns];
         }
         for (int s = 0; s < ns; ++s) memset(acc[s], 0, sizeof acc[s]);
         _mm_setcsr(csr | 0x8040);  /* FTZ and DAZ for the sums, as the tile unit's */
-        for (int kk = 0; kk < k; kk += KSTEP) {
-            memset(eo, 0, sizeof eo);
-            for (int kp = kk / 2; kp < kk / 2 + KSTEP / 2; kp += VEC_PAIRS)
-                for (int s = 0; s < ns; ++s) {
-                    const uint16_t *ws = w + seg_h[s] / 2 * block_elems + seg_h[s] % 2 * 64;
-                    if (seg_w[s] == 2 && m == 1) vec_turn(1, 4, x, k, ws, kp, eo[s]);
-                    else if (seg_w[s] == 2) vec_turn(2, 4, x, k, ws, kp, eo[s]);
-                    else if (m == 1) vec_turn(1, 2, x, k, ws, kp, eo[s]);
-                    else vec_turn(2, 2, x, k, ws, kp, eo[s]);
-                }
-            for (int s = 0; s < ns; ++s)  /* the tile step's c + (E + O) */
-                for (int r = 0; r < m; ++r)
-                    for (int j = 0; j < seg_w[s] * 2; ++j) {
-                        float *a = acc[s] + r * NB + j * 16;
-                        const float *even = eo[s] + 2 * r * NB + j * 16, *odd = even + NB;
-                        const __m512 sum =
-                            _mm512_add_ps(_mm512_load_ps(even), _mm512_load_ps(odd));
-                        _mm512_store_ps(a, _mm512_add_ps(_mm512_load_ps(a), sum));
-                    }
-        }
+        if (in_registers)
+            vec_row(x, k, w + seg_h[0] / 2 * block_elems, block_elems, acc);
+        else
+            vec_turns(x, w, block_elems, m, k, seg_h, seg_w, ns, acc);
         _mm_setcsr(csr);  /* the epilogue as the tile passes run it */
         for (int s = 0; s < ns; ++s) {
             const int b = seg_h[s] / 2, c0 = seg_h[s] % 2 * 32, width = seg_w[s] * 32;

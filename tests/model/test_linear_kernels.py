@@ -4,9 +4,11 @@ int8 weights (linear_vec.c). Against fp32 matmul, bit for bit against a referenc
 vector code's arithmetic, a row's result independent of the rows beside it, and the fused
 SwiGLU against the unfused ops."""
 
+import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -57,6 +59,12 @@ def tile_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) 
     few rows computes too: per step of 16 k pairs, the even k's products summed from zero
     in order, the odd k's likewise (each product exact in float32), and c + (even + odd);
     denormals flushed. Then + bias and one bf16 rounding."""
+    acc = tile_sums(x, w)
+    return (acc + bias if bias is not None else acc).to(torch.bfloat16)
+
+
+def tile_sums(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """tile_reference's float32 sums, before the bias."""
     xf, wf = flush(x.float()), flush(w.float())
     acc = torch.zeros(x.shape[0], w.shape[0])
     for k0 in range(0, w.shape[1], 32):
@@ -65,7 +73,15 @@ def tile_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) 
             even = flush(even + xf[:, 2 * kp, None] * wf[None, :, 2 * kp])
             odd = flush(odd + xf[:, 2 * kp + 1, None] * wf[None, :, 2 * kp + 1])
         acc = flush(acc + flush(even + odd))
-    return (acc + bias if bias is not None else acc).to(torch.bfloat16)
+    return acc
+
+
+def revealing_bias(sums: torch.Tensor) -> torch.Tensor:
+    """Minus `sums` (one row's float32 outputs) with their last 8 bits of mantissa cleared:
+    sums + this bias is exactly those 8 bits, which bf16 holds, so a kernel's output with
+    this bias shows any difference in how it summed, where a bf16 rounding of the sums
+    themselves hides most."""
+    return -(sums.view(torch.int32) & ~0xFF).view(torch.float32)
 
 
 def flush(t: torch.Tensor) -> torch.Tensor:
@@ -84,6 +100,18 @@ def int8_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) 
     acc = (xq.double() @ q.double().T).float()  # exact: |sums| < 2^24
     y = acc * ((amax / 127)[:, None] * scale[None, :])
     return (y + bias if bias is not None else y).to(torch.bfloat16)
+
+
+@contextlib.contextmanager
+def threads(n: int) -> Iterator[None]:
+    """torch's (and so the kernels') thread count n inside: the threads' shares of the
+    weight blocks fall differently."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def run(x, w, bias, int8: bool, swiglu: bool = False) -> torch.Tensor:
@@ -141,8 +169,29 @@ def test_amx_rows_flush_denormals_alone_as_in_a_batch(isa: str) -> None:
     tiny = full[:10, :128].float().abs() < torch.finfo(torch.float32).tiny
     assert tiny.any() and not tiny.all(), "the sums should straddle float32's smallest normal"
     assert torch.equal(full, tile_reference(x, w, None))
-    for lo, hi in ((0, 1), (3, 4), (7, 9)):
-        assert torch.equal(run(x[lo:hi], w, None, int8=False), full[lo:hi])
+    for n_threads in (1, 2):  # one thread's share of 8 half blocks: 3 blocks in registers
+        with threads(n_threads):
+            for lo, hi in ((0, 1), (3, 4), (7, 9)):
+                assert torch.equal(run(x[lo:hi], w, None, int8=False), full[lo:hi])
+
+
+@pytest.mark.parametrize("isa", ["amx"], indirect=True)  # the level with the tile unit
+@pytest.mark.parametrize("k", [96, 128])
+def test_amx_one_row_in_registers_and_in_turns_gives_the_tiles_bits(isa: str, k: int) -> None:
+    """At amx one row takes three whole blocks at a time in registers (linear_bf16.c's
+    vec_row) and the rest of a thread's share in turns (vec_turns): 14 blocks fall to 1, 2
+    and 3 threads as 4 groups and 2 blocks; 2 groups and a block each; and shares starting
+    or ending with half a block. Checked with revealing_bias, alone and in a batch (the
+    tiles)."""
+    w, _ = weights(896, k, seed=k)
+    x = torch.randn(20, k).to(torch.bfloat16)
+    for i in (0, 7):
+        bias = revealing_bias(tile_sums(x[i : i + 1], w)[0])
+        want = tile_reference(x[i : i + 1], w, bias)
+        assert torch.equal(run(x, w, bias, int8=False)[i : i + 1], want)
+        for n_threads in (1, 2, 3):
+            with threads(n_threads):
+                assert torch.equal(run(x[i : i + 1], w, bias, int8=False), want)
 
 
 @pytest.mark.parametrize("k", [36, 100])  # 9 and 25 steps of 4: the last turn is short
@@ -152,14 +201,10 @@ def test_int8_row_whose_k_is_not_whole_turns(isa: str, k: int, n: int) -> None:
     int8_row_turns); an int8 k need only be a multiple of 4."""
     w, bias = weights(n, k, seed=k)
     x = torch.randn(1, k).to(torch.bfloat16)
-    threads = torch.get_num_threads()
-    try:
-        for n_threads in (1, 2):  # the pairs fall differently between the threads' shares
-            torch.set_num_threads(n_threads)
+    for n_threads in (1, 2):  # the pairs fall differently between the threads' shares
+        with threads(n_threads):
             for b in (None, bias):
                 assert torch.equal(run(x, w, b, True), int8_reference(x, w, b))
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("int8", [False, True], ids=["bf16", "int8"])
@@ -176,16 +221,12 @@ def test_a_row_gives_the_same_bits_alone_in_any_batch_and_thread_count(
         assert torch.equal(run(x[i : i + 1], w, bias, int8)[0], full[i])
     for lo, hi in ((5, 50), (7, 9), (298, 300)):
         assert torch.equal(run(x[lo:hi], w, bias, int8), full[lo:hi])
-    threads = torch.get_num_threads()
-    try:
-        # shares of whole blocks, split at their edges by passes or (AMX) half blocks
-        for n_threads in (1, 3):
-            torch.set_num_threads(n_threads)
+    # shares of whole blocks, split at their edges by passes or (AMX) half blocks
+    for n_threads in (1, 3):
+        with threads(n_threads):
             assert torch.equal(run(x, w, bias, int8), full)
             for lo, hi in ((0, 1), (17, 19)):
                 assert torch.equal(run(x[lo:hi], w, bias, int8), full[lo:hi])
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_int8_error_against_fp32_matmul(isa: str) -> None:
