@@ -46,12 +46,18 @@ def weights(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 def bf16_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The vector code's arithmetic: per output, in k-pair order, the odd k's product then
     the even one's added in float32 (each product exact), + bias, one bf16 rounding."""
+    acc = bf16_sums(x, w)
+    return (acc + bias if bias is not None else acc).to(torch.bfloat16)
+
+
+def bf16_sums(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """bf16_reference's float32 sums, before the bias."""
     xf, wf = x.float(), w.float()
     acc = torch.zeros(x.shape[0], w.shape[0])
     for kp in range(w.shape[1] // 2):
         acc = acc + xf[:, 2 * kp + 1, None] * wf[None, :, 2 * kp + 1]
         acc = acc + xf[:, 2 * kp, None] * wf[None, :, 2 * kp]
-    return (acc + bias if bias is not None else acc).to(torch.bfloat16)
+    return acc
 
 
 def tile_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -143,11 +149,16 @@ def test_vector_code_gives_the_bits_of_its_reference(
     exact products in the same order; int8 sums are exact, on the AMX tile unit too, which
     takes int8 from 8 rows where k is a multiple of 64), so each is checked against one
     reference; at amx, bf16 against the tile unit's arithmetic (tiles from 3 rows, the
-    vector pass that gives their bits below)."""
+    vector pass that gives their bits below). bf16 also with the last row's
+    revealing_bias, which shows its sums' last bits (int8's sums are exact)."""
     w, bias = weights(192, k, seed=rows)
     x = torch.randn(rows, k).to(torch.bfloat16)
     ref = int8_reference if int8 else tile_reference if isa == "amx" else bf16_reference
-    for b in (None, bias):
+    biases = [None, bias]
+    if not int8:
+        sums = tile_sums if isa == "amx" else bf16_sums
+        biases.append(revealing_bias(sums(x[-1:], w)[0]))
+    for b in biases:
         assert torch.equal(run(x, w, b, int8), ref(x, w, b))
 
 
