@@ -13,8 +13,8 @@ the way a decode step does; they sit in one huge-page arena, as the engine's do
 being its layers' 120 linears and then its head, in a decode step's order; the two
 builds take turns going first. A part timed alone over and over finds some of itself
 still in L3 from its last pass, which a step never does: on an Emerald Rapids VM (300
-MB of L3, of which a 64 MB buffer read at 42 GB/s and 128 MB at 24) the head alone took 3.8
-ms a pass, and 6.0 ms inside the engine's decode step (benchmarks/RESULTS.md, round
+MB of L3, of which a 64 MB buffer read at 42 GB/s and 128 MB at 24) the head alone took
+3.8 ms a pass, and 6.0 ms inside the engine's decode step (benchmarks/RESULTS.md, round
 thirty-one).
 --kind int8 times the int8 linears (int8_pack's weights) instead. Prints a table and
 writes JSON. Check a result against the same source at both ends (--baseline HEAD on a

@@ -175,7 +175,9 @@ static void amx_2x2(const uint16_t *x, const uint16_t *w, const float *bias, uin
 
 /* The even and the odd k's weights of a vector of 16 (feature, k-pair) bf16 pairs, as
  * float32 (exact). */
-static inline __m512 even_k(__m512i wv) { return _mm512_castsi512_ps(_mm512_slli_epi32(wv, 16)); }
+static inline __m512 even_k(__m512i wv) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wv, 16));
+}
 static inline __m512 odd_k(__m512i wv) {
     return _mm512_castsi512_ps(_mm512_and_si512(wv, _mm512_set1_epi32((int)0xFFFF0000u)));
 }
@@ -223,8 +225,8 @@ static inline __attribute__((always_inline)) void vec_turn(const int MR, const i
 /* One row against REG_BLOCKS whole blocks in a row (w0 the first), all of K, the sums
  * held in registers (E and O of three blocks are 24 of the 32): acc[s] += E + O at each
  * tile step's end. vec_turn's operations in its order, so its bits; without the turns'
- * trips through memory a decode step's linears took 0.93-0.98x the time on an Emerald
- * Rapids VM (benchmarks/RESULTS.md, round thirty-one). */
+ * trips through memory one row's layers took 0.96-0.97x the time and the head 0.90-0.96x
+ * on an Emerald Rapids VM, in one process (benchmarks/RESULTS.md, round thirty-one). */
 #define REG_BLOCKS 3
 static void vec_row(const uint16_t *x, int k, const uint16_t *w0, long block_elems,
                     float (*acc)[VEC_ROWS * NB]) {
