@@ -182,6 +182,11 @@ static inline __m512 odd_k(__m512i wv) {
     return _mm512_castsi512_ps(_mm512_and_si512(wv, _mm512_set1_epi32((int)0xFFFF0000u)));
 }
 
+/* A tile step's end for 16 outputs: *a = c + (E + O), the tile unit's order. */
+static inline void step_end(float *a, __m512 even, __m512 odd) {
+    _mm512_store_ps(a, _mm512_add_ps(_mm512_load_ps(a), _mm512_add_ps(even, odd)));
+}
+
 /* One segment of a block (V vectors of 16 features, at w) for MR rows of x: k pairs kp0
  * .. kp0 + VEC_PAIRS - 1 of a tile step, into its sums of even and odd products, parked
  * in eo (MR x 2 x 64 floats) between turns. */
@@ -250,11 +255,7 @@ static void vec_row(const uint16_t *x, int k, const uint16_t *w0, long block_ele
             }
         }
         for (int s = 0; s < REG_BLOCKS; ++s)
-            for (int j = 0; j < 4; ++j) {
-                float *a = acc[s] + j * 16;
-                const __m512 sum = _mm512_add_ps(e[s][j], o[s][j]);
-                _mm512_store_ps(a, _mm512_add_ps(_mm512_load_ps(a), sum));
-            }
+            for (int j = 0; j < 4; ++j) step_end(acc[s] + j * 16, e[s][j], o[s][j]);
     }
 }
 
@@ -275,13 +276,11 @@ static void vec_turns(const uint16_t *x, const uint16_t *w, long block_elems, in
                 else if (m == 1) vec_turn(1, 2, x, k, ws, kp, eo[s]);
                 else vec_turn(2, 2, x, k, ws, kp, eo[s]);
             }
-        for (int s = 0; s < ns; ++s)  /* the tile step's c + (E + O) */
+        for (int s = 0; s < ns; ++s)
             for (int r = 0; r < m; ++r)
                 for (int j = 0; j < seg_w[s] * 2; ++j) {
-                    float *a = acc[s] + r * NB + j * 16;
                     const float *even = eo[s] + 2 * r * NB + j * 16, *odd = even + NB;
-                    const __m512 sum = _mm512_add_ps(_mm512_load_ps(even), _mm512_load_ps(odd));
-                    _mm512_store_ps(a, _mm512_add_ps(_mm512_load_ps(a), sum));
+                    step_end(acc[s] + r * NB + j * 16, _mm512_load_ps(even), _mm512_load_ps(odd));
                 }
     }
 }
