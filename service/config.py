@@ -338,7 +338,7 @@ def _parse(f: dataclasses.Field, raw: str) -> Any:
     if "tuple" in kind:
         return tuple(s.strip() for s in raw.split(",") if s.strip())
     if kind.startswith("bool"):
-        if raw.lower() in ("1", "true", "yes", "on", ""):
+        if raw.lower() in ("1", "true", "yes", "on"):
             return True
         if raw.lower() in ("0", "false", "no", "off"):
             return False
@@ -347,8 +347,6 @@ def _parse(f: dataclasses.Field, raw: str) -> Any:
         return int(raw)
     if kind.startswith("float"):
         return float(raw)
-    if raw == "" and "None" in kind:
-        return None
     return raw
 
 
@@ -366,14 +364,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def load_settings(
     args: argparse.Namespace | None = None, env: Mapping[str, str] | None = None
 ) -> Settings:
-    """Flags win over KVSERVE_* variables, which win over the defaults."""
+    """Flags win over KVSERVE_* variables, which win over the defaults. An empty value is
+    no value, for every type: compose and Kubernetes pass an unset `${VAR:-}` as ""."""
     env = os.environ if env is None else env
     values: dict[str, Any] = {}
     for f in fields(Settings):
         raw = getattr(args, f.name, None) if args is not None else None
-        if raw is None:
+        if raw is None or raw == "":
             raw = env.get("KVSERVE_" + f.name.upper())
-        if raw is None:
+        if raw is None or raw == "":
             continue
         try:
             values[f.name] = _parse(f, raw) if isinstance(raw, str) else raw

@@ -25,6 +25,8 @@ from model.device import cpu_isa
 log = logging.getLogger("kvserve.kernels")
 
 HERE = Path(__file__).parent
+CACHE_ENV = "KVSERVE_KERNEL_CACHE"  # where built libraries are kept (empty: the default)
+DISABLE_ENV = "KVSERVE_DISABLE_KERNELS"  # any non-empty value: build none
 HEADER = HERE / "kvserve.h"  # the prototypes and structs every kernel source includes
 BASE_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC"]
 # Linked in a separate step without the math flags: linking with -ffast-math would add
@@ -64,7 +66,7 @@ def bind(lib: ctypes.CDLL, *names: str) -> None:
 
 def _cache_dir() -> Path:
     default = Path.home() / ".cache" / "kvserve" / "kernels"
-    return Path(os.environ.get("KVSERVE_KERNEL_CACHE", default))
+    return Path(os.environ.get(CACHE_ENV) or default)
 
 
 def cpu_identity() -> str:
@@ -93,7 +95,7 @@ def c_compiler() -> str | None:
 def build(source: str, flags: tuple[str, ...], tag: str) -> ctypes.CDLL | None:
     """Compile HERE/source with flags once per machine and CPU (cached by hash) and load
     it; a cached library that does not load is built again once."""
-    if os.environ.get("KVSERVE_DISABLE_KERNELS"):
+    if os.environ.get(DISABLE_ENV):
         return None
     compiler = c_compiler()
     if compiler is None:

@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 from service.config import (
@@ -111,3 +113,68 @@ def test_a_setting_that_does_not_parse_stops_the_cli_before_torch_loads() -> Non
     out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "kvserve: error: max_num_seqs must be > 0, got -1" in out.stderr
+
+
+def every_variable() -> list[str]:
+    """Every KVSERVE_* variable kvserve reads: one per setting, and the kernels' four."""
+    from dataclasses import fields
+
+    from model.device import ISA_ENV
+    from model.kernels.build import CACHE_ENV, DISABLE_ENV
+    from model.pages import HUGE_PAGES_ENV
+
+    names = ["KVSERVE_" + f.name.upper() for f in fields(Settings)]
+    return [*names, ISA_ENV, CACHE_ENV, DISABLE_ENV, HUGE_PAGES_ENV]
+
+
+def test_an_empty_variable_is_an_unset_one_for_every_setting() -> None:
+    """compose and Kubernetes pass `${VAR:-}` as "": numbers, switches, lists, paths and
+    names alike take their default, one at a time and all at once."""
+    for name in every_variable():
+        assert load_settings(None, {name: ""}) == Settings(), name
+    assert load_settings(None, dict.fromkeys(every_variable(), "")) == Settings()
+    # an empty flag is no flag either: the variable (or the default) stands
+    s = settings_from_argv(["--max-num-seqs", "", "--model", ""])
+    assert s.max_num_seqs is None and s.model is None
+
+
+def test_empty_kernel_variables_take_their_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pathlib import Path
+
+    from model import device, pages
+    from model.kernels import build
+
+    monkeypatch.setenv(build.CACHE_ENV, "")
+    assert build._cache_dir() == Path.home() / ".cache" / "kvserve" / "kernels"
+    monkeypatch.setenv(device.ISA_ENV, "")
+    assert device.cpu_isa() == device.native_isa()
+    monkeypatch.setenv(pages.HUGE_PAGES_ENV, "")
+    with_empty = pages.huge_pages()
+    monkeypatch.delenv(pages.HUGE_PAGES_ENV)
+    assert with_empty == pages.huge_pages()
+    monkeypatch.setenv(build.DISABLE_ENV, "")
+    assert not os.environ.get(build.DISABLE_ENV)  # how build() reads it: "" builds
+
+
+def test_a_server_started_with_every_variable_empty_serves_the_defaults(tmp_path) -> None:
+    """The compose file's `${KVSERVE_MAX_NUM_SEQS:-}` and friends, all at once, on a real
+    server: it starts, serves the default model, and logs the default block size and
+    scheduling."""
+    import httpx
+
+    from tests.live_server import start_server
+
+    srv = start_server(str(tmp_path), env=dict.fromkeys(every_variable(), ""))
+    try:
+        with srv.client() as c:
+            assert [m["id"] for m in c.get("/v1/models").json()["data"]] == [
+                "kvserve-demo-random"
+            ]
+            r = c.post("/v1/completions", json={"prompt": "empty", "max_tokens": 4})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+    finally:
+        assert srv.stop() == 0
+    log = open(srv.log_path).read()
+    assert "cannot parse" not in log
+    assert f"KV blocks of {Settings().block_size} tokens" in log and "async scheduling off" in log
