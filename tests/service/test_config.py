@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 
@@ -139,8 +140,6 @@ def test_an_empty_variable_is_an_unset_one_for_every_setting() -> None:
 
 
 def test_empty_kernel_variables_take_their_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pathlib import Path
-
     from model import device, pages
     from model.kernels import build
 
@@ -167,14 +166,12 @@ def test_a_server_started_with_every_variable_empty_serves_the_defaults(tmp_path
     srv = start_server(str(tmp_path), env=dict.fromkeys(every_variable(), ""))
     try:
         with srv.client() as c:
-            assert [m["id"] for m in c.get("/v1/models").json()["data"]] == [
-                "kvserve-demo-random"
-            ]
+            assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["kvserve-demo-random"]
             r = c.post("/v1/completions", json={"prompt": "empty", "max_tokens": 4})
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
     finally:
         assert srv.stop() == 0
-    log = open(srv.log_path).read()
+    log = Path(srv.log_path).read_text()
     assert "cannot parse" not in log
     assert f"KV blocks of {Settings().block_size} tokens" in log and "async scheduling off" in log
