@@ -1,5 +1,6 @@
 """The deployment files, checked by the real tools."""
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -31,19 +32,19 @@ def test_hadolint_dockerfile() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_both_images_install_the_pinned_torch_and_copy_what_exists() -> None:
-    """Each variant's torch comes from constraints.txt's pin (the GPU one PyPI's CUDA
-    build, not a base image's own torch), kvserve is installed as its built wheel under
-    the same constraints, and every path the Dockerfile copies is in the repository."""
+def test_both_variants_install_the_pinned_torch_and_check_its_build() -> None:
+    """One runtime stage installs either variant's torch at constraints.txt's pin (the
+    CPU one by its +cpu local version, from TORCH_INDEX_URL or the variant's own index)
+    and fails the build unless torch's CUDA matches the variant; kvserve goes in as its
+    built wheel under the same constraints; every path the Dockerfile copies exists."""
     text = (ROOT / "Dockerfile").read_text()
-    pin = (ROOT / "constraints.txt").read_text()
-    assert "torch==2.13.0" in pin
-    stages = text.split("\nFROM ")
-    gpu = next(s for s in stages if s.startswith("base AS torch-gpu"))
-    cpu = next(s for s in stages if s.startswith("base AS torch-cpu"))
-    for stage in (gpu, cpu):
-        assert "pip install --no-cache-dir -c constraints.txt torch==2.13.0" in stage
-    assert "download.pytorch.org/whl/cpu" in cpu and "whl/cpu" not in gpu
+    assert "torch==2.13.0" in (ROOT / "constraints.txt").read_text()
+    runtime = text.split("\nFROM base AS runtime\n")[1]
+    assert "gpu) spec=torch==2.13.0;" in runtime and "cpu) spec=torch==2.13.0+cpu;" in runtime
+    assert "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}" in runtime
+    assert "${TORCH_INDEX_URL:-https://pypi.org/simple}" in runtime
+    assert 'pip install --no-cache-dir -c constraints.txt "$spec" --index-url "$index"' in runtime
+    assert "torch.version.cuda" in runtime and "bool(cuda) == want" in runtime
     assert "pytorch/pytorch" not in text  # no base image with a torch of its own
     # the runtime installs the built wheel (what users install), not the source tree
     assert "pip wheel --no-cache-dir --no-deps -w /wheels ." in text
@@ -53,6 +54,20 @@ def test_both_images_install_the_pinned_torch_and_copy_what_exists() -> None:
         if line.startswith("COPY ") and "--from=" not in line:
             for src in line.split()[1:-1]:
                 assert (ROOT / src).exists(), f"Dockerfile copies {src}, which is missing"
+
+
+def test_every_stage_is_one_the_image_needs() -> None:
+    """The legacy builder builds every stage before the target, BuildKit only those the
+    target uses: with no stage the image does not use, both build the same."""
+    text = (ROOT / "Dockerfile").read_text()
+    stages = re.findall(r"^FROM \S+ AS (\S+)$", text, flags=re.M)
+    assert stages[-1] == "runtime"
+    for name in stages[:-1]:
+        after = text.split(f" AS {name}\n", 1)[1]
+        assert re.search(rf"^(FROM {name} |COPY --from={name} )", after, flags=re.M), (
+            f"stage {name} is not used by a later one"
+        )
+    assert "${VARIANT}" not in text  # no stage picked by a build argument
 
 
 def test_promtool_check_config() -> None:
