@@ -14,21 +14,9 @@ import httpx
 import pytest
 
 from tests.live_server import free_port, start_server
-from tests.model.hf_checkpoints import write_llama, write_tokenizer
+from tests.model.hf_checkpoints import write_hub_cache
 
 pytestmark = pytest.mark.slow
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
-
-
-def hub_cache(root: Path, repo: str) -> Path:
-    repo_dir = root / ("models--" + repo.replace("/", "--"))
-    snapshot = repo_dir / "snapshots" / COMMIT
-    snapshot.mkdir(parents=True)
-    (repo_dir / "refs").mkdir()
-    (repo_dir / "refs" / "main").write_text(COMMIT)
-    write_llama(snapshot, tied=True)
-    write_tokenizer(snapshot)
-    return snapshot
 
 
 def kvserve(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -40,7 +28,7 @@ def kvserve(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
 
 def test_serve_a_repo_id_from_the_cache_offline(tmp_path: Path) -> None:
     cache = tmp_path / "hf"
-    snapshot = hub_cache(cache, "org/tiny-llama")
+    snapshot = write_hub_cache(cache, "org/tiny-llama")
     env = {"HF_HUB_OFFLINE": "1"}
     srv = start_server(
         str(tmp_path), "--model", "org/tiny-llama", "--download-dir", str(cache), env=env

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import httpx
 from tests.require import missing
 
 VENV = Path(sys.prefix)
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy/grafana/dashboards/kvserve.json"
 
 
 def tool(name: str, *candidates: Path) -> str:
@@ -91,3 +93,30 @@ def running_prometheus(
         proc.terminate()
         proc.wait(20)
         log.close()
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    """The Grafana dashboard's queries: (panel title, PromQL)."""
+    dash = json.loads(DASHBOARD.read_text())
+    return [(p["title"], t["expr"]) for p in dash["panels"] for t in p["targets"]]
+
+
+def empty_dashboard_queries(prom: str, rate_window: str, wait_s: float) -> list[str]:
+    """The dashboard's queries that return no data from the Prometheus at `prom`, asked
+    again for up to wait_s while any is empty (scrapes lag on a loaded machine); a query
+    Prometheus rejects fails at once."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        empty = []
+        for title, expr in dashboard_queries():
+            query = expr.replace("$__rate_interval", rate_window)
+            resp = httpx.get(prom + "/api/v1/query", params={"query": query}, timeout=10)
+            body = resp.json()
+            assert resp.status_code == 200 and body["status"] == "success", (
+                f"{title}: {query}: {body}"
+            )
+            if not body["data"]["result"]:
+                empty.append(f"{title}: {query}")
+        if not empty or time.monotonic() > deadline:
+            return empty
+        time.sleep(1)

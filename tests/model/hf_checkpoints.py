@@ -79,3 +79,19 @@ def write_tokenizer(path: Path, vocab_size: int = 300) -> None:
     )
     hf.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 50, trainer)
     hf.save(str(path / "tokenizer.json"))
+
+
+HUB_COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def write_hub_cache(root: Path, repo: str) -> Path:
+    """A tiny Llama and its tokenizer in a Hugging Face cache at `root` (the hub/ folder),
+    laid out as huggingface_hub lays it out: refs/main -> snapshots/<commit>/..."""
+    repo_dir = root / ("models--" + repo.replace("/", "--"))
+    snapshot = repo_dir / "snapshots" / HUB_COMMIT
+    snapshot.mkdir(parents=True)
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text(HUB_COMMIT)
+    write_llama(snapshot, tied=True)
+    write_tokenizer(snapshot)
+    return snapshot
