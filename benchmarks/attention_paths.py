@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from model.attention import PagedKVCache
 from model.backends import select_backend
+from model.kv_cache import PagedKVCache
 from model.weights import load_model
 
 OUT = Path(__file__).parent / "out"

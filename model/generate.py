@@ -7,7 +7,9 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from model.attention import AttentionMetadata, PagedKVCache
+from model.backends.base import Backend
+from model.kv_cache import PagedKVCache
+from model.metadata import AttentionMetadata
 from model.transformer import Transformer
 
 
@@ -17,12 +19,14 @@ def generate(
     prompt_ids: Sequence[int],
     max_new_tokens: int,
     *,
+    backend: Backend,
     temperature: float = 0.0,
     eos_ids: Sequence[int] = (),
     seed: int | None = None,
     block_size: int = 16,
 ) -> Iterator[int]:
-    """Yield up to max_new_tokens ids: greedy at temperature 0, else sampled."""
+    """Yield up to max_new_tokens ids: greedy at temperature 0, else sampled; `backend`
+    runs the cache and attention (model/backends' select_backend gives one)."""
     if not prompt_ids:
         raise ValueError("prompt must contain at least one token")
     total = len(prompt_ids) + max_new_tokens
@@ -32,7 +36,7 @@ def generate(
             f"context length {model.cfg.max_position}"
         )
     n_blocks = -(-total // block_size)
-    cache = PagedKVCache(model.cfg, n_blocks, block_size, model.dtype, model.device)
+    cache = PagedKVCache(model.cfg, n_blocks, block_size, model.dtype, model.device, backend)
     table = [list(range(n_blocks))]
     gen = torch.Generator(device=model.device)
     if seed is not None:

@@ -14,11 +14,12 @@ import weakref
 import torch
 from torch import Tensor, nn
 
-from model.attention import AttentionMetadata, PagedKVCache
 from model.config import ModelConfig
 from model.kernels.build import data_ptr
 from model.kernels.stack import stack_forward, stack_kernels
+from model.kv_cache import PagedKVCache
 from model.layers import Linear, RMSNorm, SwiGLU
+from model.metadata import AttentionMetadata
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from model.attention import Attention, AttentionMetadata, PagedKVCache
-from model.backends import REFERENCE, Backend
+from model.attention import Attention
+from model.backends.base import Backend
+from model.backends.reference import REFERENCE
 from model.config import ModelConfig
+from model.kv_cache import PagedKVCache
 from model.layers import (
     Linear,
     SwiGLU,
@@ -18,6 +20,7 @@ from model.layers import (
     rope_tables,
     sinusoidal_table,
 )
+from model.metadata import AttentionMetadata
 from model.pages import HugeArena
 from model.parallel import TensorParallel
 from model.stack import DecoderStack

@@ -42,6 +42,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 @_with_torch
 def _cmd_generate(args: argparse.Namespace) -> int:
+    from model.backends import select_backend
     from model.device import dtype_name, pick_device, pick_dtype
     from model.generate import generate
     from model.loader import load
@@ -61,10 +62,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     sys.stdout.write(args.prompt)
     t0 = time.perf_counter()
     n = 0
+    model = loaded.model
+    backend = select_backend("auto", device, dtype, model.cfg, block_size=16)
     for token in generate(
-        loaded.model,
+        model,
         prompt,
         args.max_tokens,
+        backend=backend,
         temperature=args.temperature,
         eos_ids=tok.eos_ids,
         seed=args.seed,

@@ -22,12 +22,12 @@ import torch
 
 from model.backends import cpu as cpu_backend
 from model.backends import triton_backend
+from model.backends.base import Backend
 from model.backends.reference import REFERENCE, TorchBackend
 from model.config import ModelConfig
 
 log = logging.getLogger("kvserve.backend")
 
-Backend = TorchBackend  # every backend is one: the reference's interface, overridden
 BACKEND_NAMES = ("auto", "cpu", "triton", "torch")
 
 __all__ = ["BACKEND_NAMES", "REFERENCE", "Backend", "select_backend"]

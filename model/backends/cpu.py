@@ -17,13 +17,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from model.attention import AttentionMetadata
 from model.backends.reference import TorchBackend, fusable_rms_norm, split_heads
 from model.config import ModelConfig
 from model.kernels.attention import attention_isa, paged_attention, paged_attention_supported
 from model.kernels.fused import add_rms_norm, fused_supported, greedy_tokens, rope_store
 from model.kernels.linear import linear_isa
 from model.layers import Linear
+from model.metadata import AttentionMetadata
 
 
 def unsupported(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> str | None:

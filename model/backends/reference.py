@@ -1,7 +1,7 @@
 """The `torch` backend: plain PyTorch ops, the readable reference every other backend is
 tested against. Its KV layout is the one GPU paged kernels read, per layer K and V of
 (num_blocks, block_size, KV, D); attention gathers each sequence's blocks and runs SDPA
-with a dense mask. It is also the base class: a backend overrides what it does faster.
+with a dense mask. The other backends subclass it and override what they do faster.
 """
 
 from __future__ import annotations
@@ -13,22 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model.attention import AttentionMetadata
+from model.backends.base import flag_non_finite
 from model.config import ModelConfig
 from model.layers import RMSNorm, apply_rope
-
-NON_FINITE = -1  # the token of a row whose logits were not all finite
-
-
-def mark_non_finite(tokens: Tensor, row_max: Tensor) -> Tensor:
-    """Each row's token, or NON_FINITE where its max is not finite (a NaN or +inf anywhere
-    shows in the max), so the engine fails just that request; left on the device."""
-    return torch.where(torch.isfinite(row_max), tokens, NON_FINITE)
-
-
-def flag_non_finite(tokens: Tensor, row_max: Tensor) -> list[int]:
-    """mark_non_finite's ids on the host: one device -> host copy."""
-    return mark_non_finite(tokens, row_max).tolist()
+from model.metadata import AttentionMetadata
 
 
 def fusable_rms_norm(norm: nn.Module, x: Tensor, delta: Tensor | None) -> bool:

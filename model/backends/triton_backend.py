@@ -18,9 +18,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from model.attention import AttentionMetadata
 from model.backends.reference import TorchBackend, fusable_rms_norm, split_heads
 from model.config import ModelConfig
+from model.metadata import AttentionMetadata
 
 
 def unsupported(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> str | None:

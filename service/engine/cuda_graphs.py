@@ -20,7 +20,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from model.attention import AttentionMetadata, PagedKVCache
+from model.kv_cache import PagedKVCache
+from model.metadata import AttentionMetadata
 from model.transformer import Transformer
 
 

@@ -7,16 +7,16 @@ import dataclasses
 import logging
 import time
 
-from model.backends.reference import NON_FINITE
+from model.backends.base import NON_FINITE
 from model.tokenizer import Tokenizer
 from model.transformer import Transformer
 from service.config import Settings
+from service.engine.batch import SchedulerOutput
 from service.engine.output import RequestOutput, TextState, make_output
 from service.engine.parts import assemble
 from service.engine.ranks import RankError
 from service.engine.request import FinishReason, ParamError, Request, SamplingParams, Status
 from service.engine.runner import Launched
-from service.engine.scheduler import SchedulerOutput
 from service.engine.speculative import accepted_drafts
 from service.engine.stats import EngineObserver, EngineSnapshot, EngineStats
 

@@ -11,19 +11,20 @@ from dataclasses import dataclass
 
 import torch
 
-from model.attention import PagedKVCache
 from model.backends import Backend, select_backend
 from model.config import ModelConfig
+from model.kv_cache import PagedKVCache
 from model.tokenizer import Tokenizer
 from model.transformer import Transformer
 from service.config import Settings
 from service.engine.blocks import BlockManager
 from service.engine.cuda_graphs import decode_graphs
+from service.engine.draft import DraftModel, blocks_per_proposal
 from service.engine.memory import kv_block_budget
 from service.engine.ranks import Ranks
 from service.engine.runner import ModelRunner
 from service.engine.scheduler import Scheduler
-from service.engine.speculative import DraftModel, Speculator, blocks_per_proposal
+from service.engine.speculative import Speculator
 from service.engine.structured import Grammars, Masks
 
 
@@ -92,6 +93,7 @@ def assemble(
         and device == "cuda"
     )
     eos_ids = frozenset(tokenizer.eos_ids) | frozenset(model.cfg.eos_token_ids)
+    drafter = _draft_model(draft, settings, num_blocks, model.cfg.vocab_size) if draft else None
     grammars = Grammars(tokenizer, model.cfg.vocab_size, sorted(eos_ids))
     runner = ModelRunner(
         model,
@@ -100,9 +102,9 @@ def assemble(
         settings.quantization,
         ranks,
         Masks(grammars),
-        _draft_model(draft, settings, num_blocks, model.cfg.vocab_size) if draft else None,
+        drafter.mirror if drafter else None,
     )
-    speculator = Speculator(settings, max_model_len, runner.draft)
+    speculator = Speculator(settings, max_model_len, drafter)
     return EngineParts(
         max_num_seqs,
         max_model_len,

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from model.parallel import TensorParallel
+from service.engine.batch import Step
 
 log = logging.getLogger("kvserve.ranks")
 HEARTBEAT_S = 1.0
@@ -26,17 +27,6 @@ HEARTBEAT_S = 1.0
 
 class RankError(RuntimeError):
     """A rank failed, died or stopped answering; the engine cannot go on."""
-
-
-@dataclass(frozen=True, slots=True)
-class Step:
-    """One forward's inputs, in plain ints: what every rank needs to run it."""
-
-    tokens: list[int]
-    block_tables: list[list[int]]
-    starts: list[int]  # tokens each sequence already has in the cache
-    num_new: list[int]
-    logit_rows: list[int]  # rows of `tokens` whose logits are sampled
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,15 +7,14 @@ from dataclasses import dataclass
 
 import torch
 
-from model.attention import PagedKVCache
+from model.kv_cache import PagedKVCache
 from model.transformer import Transformer
+from service.engine.batch import SchedulerOutput, Step
 from service.engine.cuda_graphs import DecodeGraphs
 from service.engine.guided import GuidedSampler
-from service.engine.ranks import Clear, RankError, Ranks, Step
+from service.engine.ranks import Clear, RankError, Ranks
 from service.engine.request import PENDING, Request
 from service.engine.sampler import LogprobRows, Sampler, SampleResult, token_logprobs
-from service.engine.scheduler import SchedulerOutput
-from service.engine.speculative import DraftModel
 from service.engine.structured import Masks
 
 
@@ -45,15 +44,15 @@ class ModelRunner:
         quantization: str = "none",
         ranks: Ranks | None = None,
         masks: Masks | None = None,
-        draft: DraftModel | None = None,
+        mirror: Callable[[Step], None] | None = None,
     ) -> None:
         """graphs: builds the CUDA graphs of decode steps (after the weights are
         prepared); None runs every step eagerly. quantization: of the linear weights, as
         the backend's prepare() takes it. ranks: the tensor-parallel step channel (rank 0
         sends every forward's inputs, the others follow()). masks: the allowed tokens of
-        constrained requests (structured outputs). draft: the speculative draft model,
-        whose cache each forward is mirrored into."""
-        self.model, self.ranks, self.draft = model, ranks, draft
+        constrained requests (structured outputs). mirror: runs after each forward with
+        its inputs (the speculative draft model computes its own K/V of them)."""
+        self.model, self.ranks, self.mirror = model, ranks, mirror
         self.backend = kv_cache.backend
         # the weight layouts its linears read
         self.packed = self.backend.prepare(model, quantization)
@@ -145,8 +144,8 @@ class ModelRunner:
                 logits = self.forward(step)
             except Exception as exc:
                 raise RankError(f"a tensor-parallel forward failed: {exc}") from exc
-        if self.draft is not None:  # the draft model's K/V follow the target's
-            self.draft.mirror(step)
+        if self.mirror is not None:  # the draft model's K/V follow the target's
+            self.mirror(step)
         if logits is None:
             return Launched(batch, SampleResult([], []))
         if read_later:

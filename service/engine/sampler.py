@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from model.backends import REFERENCE, Backend
-from model.backends.reference import flag_non_finite, mark_non_finite
+from model.backends.base import Backend, flag_non_finite, mark_non_finite
+from model.backends.reference import REFERENCE
 from service.engine.output import TokenLogprobs
 from service.engine.request import Request, SamplingParams
 

@@ -11,31 +11,10 @@ re-queues at the front, to be recomputed from its prompt plus what it has genera
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
+from service.engine.batch import ScheduledSeq, SchedulerOutput
 from service.engine.blocks import BlockManager
 from service.engine.request import Request, Status
-
-
-@dataclass(slots=True)
-class ScheduledSeq:
-    request: Request
-    start: int  # tokens already cached before this step
-    num_new: int  # tokens computed this step
-    sample: bool  # the chunk reaches the last token: sample the next one
-    drafts: list[int] = field(default_factory=list)  # proposed tokens computed after it
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    seqs: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    prefix_queried: int = 0  # prompt tokens looked up in the prefix cache this step
-    prefix_hits: int = 0  # ... and found there
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new + len(s.drafts) for s in self.seqs)
 
 
 class Scheduler:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from model.attention import PagedKVCache
+from model.kv_cache import PagedKVCache
 from service.engine.cuda_graphs import DecodeGraphs, bucket_sizes
 from tests.engine.helpers import greedy, make_engine, run_all, small_model, tokens_of
 from tests.engine.test_engine import mixed_requests

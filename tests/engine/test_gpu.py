@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.attention import AttentionMetadata, PagedKVCache
 from model.backends import select_backend
 from model.backends.reference import TorchBackend
 from model.config import ModelConfig
+from model.kv_cache import PagedKVCache
+from model.metadata import AttentionMetadata
 from service.config import Settings
 from service.engine.engine import LLMEngine
 from tests.engine.helpers import greedy, run_all, small_model, tokenizer, tokens_of

@@ -24,6 +24,11 @@ def make_backend(
         missing(name, f"backend {name} cannot run here: {e}")
 
 
+def auto_backend(cfg: ModelConfig, dtype: torch.dtype, block_size: int = 16) -> Backend:
+    """What the engine chooses on this CPU for this shape (`auto`)."""
+    return select_backend("auto", torch.device("cpu"), dtype, cfg, block_size)
+
+
 def block_size_for(name: str, wanted: int) -> int:
     """The Triton kernels take power-of-two blocks of at least 16 tokens."""
     return max(wanted, 16) if name == "triton" else wanted

@@ -7,11 +7,16 @@ import torch
 
 from model.demo import DEMO_MODEL_ID, build_demo_model
 from model.device import pick_dtype
-from model.generate import generate
+from model.generate import generate as generate_with
 from model.loader import load
 from model.tokenizer import TokenizerError
+from tests.model.backends import auto_backend
 from tests.model.hf_checkpoints import write_llama
 from tests.model.test_config import LLAMA_HF
+
+
+def generate(model, prompt: list[int], n: int, **kw: object) -> object:
+    return generate_with(model, prompt, n, backend=auto_backend(model.cfg, model.dtype), **kw)
 
 
 def test_demo_model_is_deterministic_and_fast() -> None:

@@ -8,12 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model.attention import PagedKVCache
 from model.config import ModelConfig
 from model.kernels.attention import attention_isa, paged_attention, paged_attention_supported
 from model.kernels.build import c_compiler
 from model.kernels.fused import fused_supported, greedy_tokens
+from model.kv_cache import PagedKVCache
 from model.layers import alibi_slopes
+from tests.model.backends import auto_backend
 
 pytestmark = pytest.mark.skipif(
     c_compiler() is None or bool(os.environ.get("KVSERVE_DISABLE_KERNELS")),
@@ -30,7 +31,7 @@ def random_cache(heads, kv_heads, d, bs, dtype, nb=POOL):
     cfg = ModelConfig(
         vocab_size=8, d_model=heads * d, n_layers=1, n_heads=heads, n_kv_heads=kv_heads, d_ff=8
     )
-    cache = PagedKVCache(cfg, nb, bs, dtype, "cpu")
+    cache = PagedKVCache(cfg, nb, bs, dtype, "cpu", auto_backend(cfg, dtype, bs))
     k_ref = torch.randn(nb + 1, kv_heads, bs, d).to(dtype)
     v_ref = torch.randn(nb + 1, kv_heads, bs, d).to(dtype)
     k_cache, v_cache = cache.layer(0)

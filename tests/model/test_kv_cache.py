@@ -5,8 +5,9 @@ import itertools
 import pytest
 import torch
 
-from model.attention import AttentionMetadata, PagedKVCache
-from tests.model.backends import BACKENDS, block_size_for, make_backend
+from model.kv_cache import PagedKVCache
+from model.metadata import AttentionMetadata
+from tests.model.backends import BACKENDS, auto_backend, block_size_for, make_backend
 from tests.model.helpers import tiny_model
 
 SCHEMES = [
@@ -112,7 +113,9 @@ def test_paged_equals_dense_with_logits_indices() -> None:
     model = tiny_model(n_kv_heads=1)
     tokens = torch.randint(0, 97, (30,))
     dense = model(tokens)
-    cache = PagedKVCache(model.cfg, 8, 16, torch.float32, "cpu")
+    cache = PagedKVCache(
+        model.cfg, 8, 16, torch.float32, "cpu", auto_backend(model.cfg, torch.float32)
+    )
     meta = AttentionMetadata.paged([[6, 3]], [0], [30], 16)
     last = model(tokens, meta, cache, logits_indices=torch.tensor([29]))
     assert torch.allclose(last[0], dense[29], atol=1e-5, rtol=0)

@@ -6,10 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.attention import PagedKVCache
 from model.kernels.linear import tile_linear_supported
+from model.kv_cache import PagedKVCache
 from model.layers import Linear
 from model.pages import ALIGN, HUGE_PAGE, HUGE_PAGES_ENV, HugeArena, huge_pages
+from tests.model.backends import auto_backend
 from tests.model.helpers import tiny_model
 
 SHAPE = dict(vocab_size=256, d_model=192, n_heads=6, n_kv_heads=2, d_ff=128, max_position=256)
@@ -82,7 +83,7 @@ def test_packed_weights_share_one_arena_and_give_the_same_logits(
 
 def test_the_cpu_kv_pool_is_zeroed_in_an_arena() -> None:
     cfg = tiny_model(**SHAPE).cfg
-    cache = PagedKVCache(cfg, num_blocks=300, block_size=16, dtype=torch.bfloat16, device="cpu")
+    cache = PagedKVCache(cfg, 300, 16, torch.bfloat16, "cpu", auto_backend(cfg, torch.bfloat16))
     assert not cache.data.any() and cache.data.is_contiguous()
     if huge_pages():
         assert "hg" in vm_flags(cache.data.data_ptr())

@@ -6,8 +6,10 @@ import weakref
 import pytest
 import torch
 
-from model.attention import AttentionMetadata, PagedKVCache
 from model.kernels.stack import stack_kernels
+from model.kv_cache import PagedKVCache
+from model.metadata import AttentionMetadata
+from tests.model.backends import auto_backend
 from tests.model.helpers import tiny_model
 
 # tile-friendly: linears in multiples of 64 features, head size 32, GQA groups of 3
@@ -58,11 +60,25 @@ def test_one_call_gives_the_bits_of_the_modules(
     assert model._stack.kind == ("int8" if quantization == "int8" else "bf16")
     gen = torch.Generator().manual_seed(0)
     tokens = [torch.randint(0, 256, (41,), generator=gen) for _ in range(2)]
-    fast_cache = PagedKVCache(model.cfg, 12, block_size, torch.bfloat16, "cpu")
+    fast_cache = PagedKVCache(
+        model.cfg,
+        12,
+        block_size,
+        torch.bfloat16,
+        "cpu",
+        auto_backend(model.cfg, torch.bfloat16, block_size),
+    )
     assert model._stack.takes(fast_cache, AttentionMetadata.paged([[0]], [0], [3], block_size))
     fast = run_steps(model, fast_cache, tokens)
     stack, model._stack = model._stack, None
-    slow_cache = PagedKVCache(model.cfg, 12, block_size, torch.bfloat16, "cpu")
+    slow_cache = PagedKVCache(
+        model.cfg,
+        12,
+        block_size,
+        torch.bfloat16,
+        "cpu",
+        auto_backend(model.cfg, torch.bfloat16, block_size),
+    )
     slow = run_steps(model, slow_cache, tokens)
     model._stack = stack
     for a, b in zip(fast, slow, strict=True):
@@ -81,11 +97,15 @@ def test_models_and_steps_it_does_not_take_run_as_modules(isa: str) -> None:
     padded = stack_model(d_model=96, n_heads=3, n_kv_heads=1)
     assert padded.layers[0].attn.wqkv.pad == 32 and padded._stack is None
     model = stack_model()
-    fp32_cache = PagedKVCache(model.cfg, 4, 16, torch.float32, "cpu")
+    fp32_cache = PagedKVCache(
+        model.cfg, 4, 16, torch.float32, "cpu", auto_backend(model.cfg, torch.float32)
+    )
     meta = AttentionMetadata.paged([[0]], [0], [3], 16)
     assert not model._stack.takes(fp32_cache, meta)
     assert not model._stack.takes(None, AttentionMetadata.dense(3, "cpu"))
-    cache = PagedKVCache(model.cfg, 4, 16, torch.bfloat16, "cpu")
+    cache = PagedKVCache(
+        model.cfg, 4, 16, torch.bfloat16, "cpu", auto_backend(model.cfg, torch.bfloat16)
+    )
     assert model._stack.takes(cache, meta)
     gone = weakref.ref(cache)
     del cache  # the model outlives its engine's cache without keeping it

@@ -8,10 +8,11 @@ sequence does not use is filled with NaN: a stray read shows up in the output.
 import pytest
 import torch
 
-from model.attention import AttentionMetadata, PagedKVCache
 from model.backends.reference import TorchBackend
 from model.config import ModelConfig
+from model.kv_cache import PagedKVCache
 from model.layers import alibi_slopes
+from model.metadata import AttentionMetadata
 from tests.model.backends import make_backend
 
 # (H, KV, head_dim, block_size): GQA groups 1, 3, 4, 8; head sizes 64, 80, 128

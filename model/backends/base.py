@@ -1,0 +1,96 @@
+"""What a backend is (model/backends/__init__.py chooses one): the interface the model,
+the KV cache and the engine's runner call, and the one convention every backend's
+sampling helpers share, how a row with non-finite logits is marked. The model core
+imports this module alone of model/backends."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from model.config import ModelConfig
+from model.metadata import AttentionMetadata
+
+NON_FINITE = -1  # the token of a row whose logits were not all finite
+
+
+def mark_non_finite(tokens: Tensor, row_max: Tensor) -> Tensor:
+    """Each row's token, or NON_FINITE where its max is not finite (a NaN or +inf anywhere
+    shows in the max), so the engine fails just that request; left on the device."""
+    return torch.where(torch.isfinite(row_max), tokens, NON_FINITE)
+
+
+def flag_non_finite(tokens: Tensor, row_max: Tensor) -> list[int]:
+    """mark_non_finite's ids on the host: one device -> host copy."""
+    return mark_non_finite(tokens, row_max).tolist()
+
+
+class Backend(Protocol):
+    """How this machine runs the model's hardware-bound parts: the KV layout, the step's
+    metadata, RoPE + KV store, attention, the residual add + norm, the linears' weight
+    layout and the greedy pick. `torch` (model/backends/reference.py) is the reference."""
+
+    name: str
+    device: torch.device
+    reason: str  # why it was chosen, for the start-up log
+
+    def describe(self) -> dict[str, Any]:
+        """What /v1/models/{id} and the start-up log line report."""
+        ...
+
+    def check_cache(self, cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> None:
+        """Raise ValueError if this backend's cache cannot take this shape."""
+        ...
+
+    def kv_views(
+        self, data: Tensor, cfg: ModelConfig, num_blocks: int, block_size: int
+    ) -> list[tuple[Tensor, Tensor]]:
+        """Per layer K and V views of the pool `data` (2, layers, num_blocks, elements)."""
+        ...
+
+    def prepare(self, model: nn.Module, quantization: str = "none") -> bool:
+        """Put the weights in the layouts this backend's linears read; whether it did."""
+        ...
+
+    def metadata(
+        self,
+        block_tables: Sequence[Sequence[int]],
+        cached_lens: Sequence[int],
+        query_lens: Sequence[int],
+        block_size: int,
+        device: torch.device | str,
+        pad_block: int,
+    ) -> AttentionMetadata: ...
+
+    def greedy(self, logits: Tensor) -> list[int]:
+        """(B, V) logits -> each row's first argmax, or NON_FINITE."""
+        ...
+
+    def add_norm(
+        self, norm: nn.Module, x: Tensor, delta: Tensor | None
+    ) -> tuple[Tensor, Tensor]: ...
+
+    def rope_store(
+        self,
+        qkv: Tensor,
+        rope: tuple[Tensor, Tensor] | None,
+        n_heads: int,
+        n_kv: int,
+        d_head: int,
+        cache: tuple[Tensor, Tensor] | None,
+        meta: AttentionMetadata,
+    ) -> tuple[Tensor, Tensor, Tensor]: ...
+
+    def attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        cache: tuple[Tensor, Tensor] | None,
+        meta: AttentionMetadata,
+        scale: float,
+        alibi: Tensor | None,
+    ) -> Tensor: ...

@@ -1,0 +1,41 @@
+"""What one engine step carries: the scheduler's choice (SchedulerOutput, the only thing
+the runner sees of it) and the forward's inputs in plain ints (Step, what every rank and
+the draft model's mirror run)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from service.engine.request import Request
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    request: Request
+    start: int  # tokens already cached before this step
+    num_new: int  # tokens computed this step
+    sample: bool  # the chunk reaches the last token: sample the next one
+    drafts: list[int] = field(default_factory=list)  # proposed tokens computed after it
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    prefix_queried: int = 0  # prompt tokens looked up in the prefix cache this step
+    prefix_hits: int = 0  # ... and found there
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new + len(s.drafts) for s in self.seqs)
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One forward's inputs, in plain ints: what every rank needs to run it."""
+
+    tokens: list[int]
+    block_tables: list[list[int]]
+    starts: list[int]  # tokens each sequence already has in the cache
+    num_new: list[int]
+    logit_rows: list[int]  # rows of `tokens` whose logits are sampled
