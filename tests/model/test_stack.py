@@ -60,25 +60,12 @@ def test_one_call_gives_the_bits_of_the_modules(
     assert model._stack.kind == ("int8" if quantization == "int8" else "bf16")
     gen = torch.Generator().manual_seed(0)
     tokens = [torch.randint(0, 256, (41,), generator=gen) for _ in range(2)]
-    fast_cache = PagedKVCache(
-        model.cfg,
-        12,
-        block_size,
-        torch.bfloat16,
-        "cpu",
-        auto_backend(model.cfg, torch.bfloat16, block_size),
-    )
+    backend = auto_backend(model.cfg, torch.bfloat16, block_size)
+    fast_cache = PagedKVCache(model.cfg, 12, block_size, torch.bfloat16, "cpu", backend)
     assert model._stack.takes(fast_cache, AttentionMetadata.paged([[0]], [0], [3], block_size))
     fast = run_steps(model, fast_cache, tokens)
     stack, model._stack = model._stack, None
-    slow_cache = PagedKVCache(
-        model.cfg,
-        12,
-        block_size,
-        torch.bfloat16,
-        "cpu",
-        auto_backend(model.cfg, torch.bfloat16, block_size),
-    )
+    slow_cache = PagedKVCache(model.cfg, 12, block_size, torch.bfloat16, "cpu", backend)
     slow = run_steps(model, slow_cache, tokens)
     model._stack = stack
     for a, b in zip(fast, slow, strict=True):
