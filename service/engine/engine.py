@@ -7,17 +7,16 @@ import dataclasses
 import logging
 import time
 
-from model.backends.base import NON_FINITE
 from model.tokenizer import Tokenizer
 from model.transformer import Transformer
 from service.config import Settings
 from service.engine.batch import SchedulerOutput
-from service.engine.output import RequestOutput, TextState, make_output
-from service.engine.parts import assemble
+from service.engine.output import RequestOutput, TextState
+from service.engine.parts import EngineParts, assemble
+from service.engine.postprocess import PostProcessor
 from service.engine.ranks import RankError
-from service.engine.request import FinishReason, ParamError, Request, SamplingParams, Status
+from service.engine.request import FinishReason, ParamError, Request, SamplingParams
 from service.engine.runner import Launched
-from service.engine.speculative import accepted_drafts
 from service.engine.stats import EngineObserver, EngineSnapshot, EngineStats
 
 log = logging.getLogger("kvserve.engine")
@@ -35,30 +34,39 @@ class LLMEngine:
         settings: Settings,
         observer: EngineObserver | None = None,
         draft: Transformer | None = None,
+        parts: EngineParts | None = None,
     ) -> None:
         """settings: what the engine reads of them (the sizes, budgets, backend,
         quantization and speculation); its parts are assembled from them once
-        (service/engine/parts.py). draft: the speculative draft model
-        (--speculative-method draft)."""
+        (service/engine/parts.py) unless given (a test's own). draft: the speculative
+        draft model (--speculative-method draft)."""
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
         self.observer = observer
-        parts = assemble(model, tokenizer, settings, draft)
+        parts = parts or assemble(model, tokenizer, settings, draft)
         self.max_num_seqs, self.max_model_len = parts.max_num_seqs, parts.max_model_len
         self.backend, self.ranks, self.kv_cache = parts.backend, parts.ranks, parts.kv_cache
         self.blocks, self.scheduler, self.runner = parts.blocks, parts.scheduler, parts.runner
         self.eos_ids, self.grammars = parts.eos_ids, parts.grammars
         self.speculator = parts.speculator
         # async scheduling (parts.py decides): the step in flight, whose tokens are read
-        # after the next step is queued; and the requests that need each step's tokens
-        # read before the next is scheduled (while one is running, every step is read)
+        # after the next step is queued (unless a request in PostProcessor.read_each_step
+        # needs each step's tokens before the next is scheduled)
         self.async_scheduling = parts.async_scheduling
         self.in_flight: Launched | None = None
-        self._read_each_step: set[str] = set()
-        self.jump_forward = not settings.disable_jump_forward
-        self.requests: dict[str, Request] = {}
-        self.texts: dict[str, TextState] = {}
         self.stats = EngineStats()
         self.clock = time.monotonic
+        self.post = PostProcessor(
+            self.scheduler,
+            self.blocks,
+            self.runner,
+            self.stats,
+            self.eos_ids,
+            self.max_model_len,
+            not settings.disable_jump_forward,
+            self._observe,
+            self.clock,
+        )
+        self.requests, self.texts = self.post.requests, self.post.texts
 
     # ---- admission -------------------------------------------------------------------
 
@@ -112,7 +120,7 @@ class LLMEngine:
             first = first or request
             self.requests[rid] = request
             if p.reads_each_step:
-                self._read_each_step.add(rid)
+                self.post.read_each_step.add(rid)
             self.texts[rid] = TextState(self.tokenizer, p.stop, p.skip_special_tokens)
             self.scheduler.add(request)
         return ids
@@ -121,13 +129,13 @@ class LLMEngine:
         request = self.requests.get(request_id)
         if request is None:
             return None
-        self._finish(request, FinishReason.ABORT)
-        return self._emit(request, [], [])
+        self.post.finish(request, FinishReason.ABORT)
+        return self.post.emit(request, [], [])
 
     def drop(self, request_id: str) -> None:
         """Remove a request whose add failed part way, handing nothing out."""
         request = self.requests.get(request_id)
-        self._forget(request_id)
+        self.post.forget(request_id)
         if request is not None:
             self.scheduler.remove(request)
 
@@ -167,60 +175,79 @@ class LLMEngine:
     # ---- the step ----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One step. With async scheduling the step is queued on the device before the
-        previous step's tokens are read: the host schedules and prepares step N + 1, and
-        hands out step N's tokens, while the device computes. A request's token still on
-        the device is pending (Request.num_pending): the next step feeds it from the
-        device, and a request that it finishes has computed one token in vain."""
+        """One step: schedule -> run -> postprocess. With async scheduling the step is
+        queued on the device before the previous step's tokens are read: the host
+        schedules and prepares step N + 1, and hands out step N's tokens, while the device
+        computes. A request's token still on the device is pending (Request.num_pending):
+        the next step feeds it from the device, and a request that it finishes has
+        computed one token in vain."""
         t0 = self.clock()
         prev, self.in_flight = self.in_flight, None
-        chain = self.async_scheduling and not self._read_each_step
+        chain = self.async_scheduling and not self.post.read_each_step
         outputs: list[RequestOutput] = []
         if prev is not None and not chain:  # a request now needs the tokens first
             outputs, prev = self._collect(prev), None
+        batch = self._schedule(t0)
+        launched = self._launch(batch, prev, chain, outputs) if batch.seqs else None
+        if prev is not None:
+            outputs += self._collect(prev)
+        if launched is None:
+            return outputs
+        if chain:
+            self.in_flight = launched
+        else:
+            own = self._collect(launched)
+            outputs += own
+            self._observe_speculation(batch, own, t0)
+        self._observe("on_step", self.clock() - t0, batch.num_tokens, len(batch.seqs))
+        return outputs
+
+    def _schedule(self, now: float) -> SchedulerOutput:
+        """The speculator's drafts, then the scheduler's batch, counted."""
         self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         self.stats.preemptions += len(batch.preempted)
         self.stats.prefix_queried_tokens += batch.prefix_queried
         self.stats.prefix_hit_tokens += batch.prefix_hits
-        launched = None
-        if batch.seqs:
-            for seq in batch.seqs:
-                if seq.request.first_scheduled_time is None:
-                    seq.request.first_scheduled_time = t0
-            try:
-                launched = self.runner.launch(batch, prev, read_later=chain)
-            except RankError:  # the ranks are out of step: nothing can run any more
-                raise
-            except Exception as exc:  # a failed forward fails this batch's requests only
-                outputs += self._fail_batch(batch, exc)
-        if launched is not None:
-            for seq in batch.seqs:  # counted now: the next step is scheduled after them
-                seq.request.num_computed += seq.num_new
-                if chain and seq.sample:
-                    seq.request.num_pending += 1
-        if prev is not None:
-            outputs += self._collect(prev)
-        if launched is not None and chain:
-            self.in_flight = launched
-        elif launched is not None:
-            own = self._collect(launched)
-            outputs += own
-            if all(s.sample and s.num_new == 1 for s in batch.seqs):  # decodes only
-                drafted = any(s.drafts for s in batch.seqs)
-                tokens = sum(len(o.token_ids) for o in own)
-                self.speculator.observe(drafted, tokens, len(batch.seqs), self.clock() - t0)
-        if launched is not None:
-            self._observe("on_step", self.clock() - t0, batch.num_tokens, len(batch.seqs))
-        return outputs
+        for seq in batch.seqs:
+            if seq.request.first_scheduled_time is None:
+                seq.request.first_scheduled_time = now
+        return batch
+
+    def _launch(
+        self, batch: SchedulerOutput, prev: Launched | None, chain: bool, outputs: list
+    ) -> Launched | None:
+        """Queue the batch's forward (after `prev`'s, whose pending tokens it reads on the
+        device); a failed forward fails this batch's requests only, into `outputs`."""
+        try:
+            launched = self.runner.launch(batch, prev, read_later=chain)
+        except RankError:  # the ranks are out of step: nothing can run any more
+            raise
+        except Exception as exc:
+            outputs += self.post.fail_batch(batch, exc)
+            return None
+        for seq in batch.seqs:  # counted now: the next step is scheduled after them
+            seq.request.num_computed += seq.num_new
+            if chain and seq.sample:
+                seq.request.num_pending += 1
+        return launched
+
+    def _observe_speculation(
+        self, batch: SchedulerOutput, outputs: list[RequestOutput], t0: float
+    ) -> None:
+        """A step of decodes only tells the speculator what it gave and took."""
+        if all(s.sample and s.num_new == 1 for s in batch.seqs):
+            drafted = any(s.drafts for s in batch.seqs)
+            tokens = sum(len(o.token_ids) for o in outputs)
+            self.speculator.observe(drafted, tokens, len(batch.seqs), self.clock() - t0)
 
     def _collect(self, launched: Launched) -> list[RequestOutput]:
         """Read a launched step's tokens and hand them out."""
         try:
             result = self.runner.read(launched)
         except Exception as exc:  # the device failed the step: its requests fail
-            return self._fail_batch(launched.batch, exc)
-        return self._update(launched, result.token_ids, result.logprobs)
+            return self.post.fail_batch(launched.batch, exc)
+        return self.post.update(launched, result.token_ids, result.logprobs)
 
     def _observe(self, event: str, *args: object) -> None:
         """Tell the observer; a failing observer is logged, never fatal to the step."""
@@ -230,141 +257,3 @@ class LLMEngine:
             getattr(self.observer, event)(*args)
         except Exception:
             log.exception("metrics observer failed in %s", event)
-
-    def _update(self, launched: Launched, tokens: list[int], logprobs: list) -> list[RequestOutput]:
-        now = self.clock()
-        outputs: list[RequestOutput] = []
-        intervals: list[float] = []
-        k = 0
-        for seq in launched.batch.seqs:
-            request = seq.request
-            rows = 1 + len(seq.drafts) if seq.sample else 0
-            chosen, lps = tokens[k : k + rows], logprobs[k : k + rows]
-            k += rows
-            if seq.sample and launched.ids is not None:
-                request.num_pending -= 1  # read now
-            if request.finished:  # aborted, or finished by the step before (async)
-                continue
-            try:
-                if not seq.sample:
-                    self.blocks.cache_full_blocks(request)
-                    continue
-                accepted = accepted_drafts(seq.drafts, chosen)
-                self.stats.spec_draft_tokens += len(seq.drafts)
-                self.stats.spec_accepted_tokens += accepted
-                out = self._accept(request, chosen[: accepted + 1], lps, accepted, now, intervals)
-                outputs.append(out)
-            except Exception as exc:  # a bug hit by this request fails it alone
-                log.exception("request %s failed in the engine", request.request_id)
-                if request.request_id in self.requests:  # not handed out yet
-                    outputs.append(self._fail(request, f"internal error: {type(exc).__name__}"))
-        if intervals:
-            self._observe("on_token_intervals", intervals)
-        return outputs
-
-    def _accept(
-        self,
-        request: Request,
-        tokens: list[int],
-        logprobs: list,
-        drafts: int,
-        now: float,
-        intervals: list[float],
-    ) -> RequestOutput:
-        """The request's next tokens, appended in turn until one stops it, and handed out.
-        More than one when speculative drafts were accepted: the first `drafts` of them,
-        whose K/V this step computed (the last is the step's own choice, not computed yet).
-        Also more than one when the request's grammar forces what follows (jump-forward,
-        `_jumps`): those tokens' K/V are computed in its next step, with the token after
-        them. They arrive together: the first after the time since the last step's, the
-        rest at no interval."""
-        taken: list[int] = []
-        reason: FinishReason | None = None
-        pending = list(tokens)
-        while len(taken) < len(pending):
-            token = pending[len(taken)]
-            if token == NON_FINITE:  # this request alone fails; its K/V are not kept
-                self.runner.clear_blocks(self.blocks.uncache_owned(request))
-                message = "generation failed: the model produced non-finite logits (NaN or inf)"
-                return self._fail(request, message)
-            request.output_ids.append(token)
-            taken.append(token)
-            self.stats.generation_tokens += 1
-            if request.guide is not None and not request.guide.accept(token):
-                why = request.guide.error or f"token {token} is outside its grammar"
-                return self._fail(request, f"structured output failed: {why}")
-            reason = self._stop_reason(request, token)
-            if reason is not None:
-                break
-            if len(taken) == len(pending) and self._jumps(request):
-                pending.extend(request.guide.forced())  # type: ignore[union-attr]
-        request.num_computed += min(drafts, len(taken))
-        self.blocks.cache_full_blocks(request)
-        if request.first_token_time is None:
-            request.first_token_time = now
-        else:
-            intervals.append(now - request.last_token_time)  # type: ignore[operator]
-        intervals.extend([0.0] * (len(taken) - 1))
-        request.last_token_time = now
-        if reason is not None:
-            self._finish(request, reason)
-        lps = [lp for lp in logprobs[: len(taken)] if lp is not None]
-        return self._emit(request, taken, lps)
-
-    def _jumps(self, request: Request) -> bool:
-        """Whether the tokens a request's grammar forces are appended at once (jump-forward):
-        they take no step of their own, and their K/V are computed with the request's
-        next token. Not for requests that ask for logprobs (forced tokens have none)."""
-        return self.jump_forward and request.guide is not None and request.params.logprobs is None
-
-    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
-        p = request.params
-        if token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos):
-            return FinishReason.STOP
-        if self.texts[request.request_id].push(token):
-            return FinishReason.STOP
-        if request.guide is not None and request.guide.done:  # the grammar is complete
-            return FinishReason.STOP
-        if len(request.output_ids) >= p.max_tokens or request.num_known >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
-
-    def _finish(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
-        request.status = Status.FINISHED
-        request.finish_reason = reason
-        request.error = error
-        request.finish_time = self.clock()
-        self.scheduler.remove(request)
-        self.runner.release(request.request_id)
-        self.stats.finished[reason.value] += 1
-
-    def _emit(self, request: Request, tokens: list[int], logprobs: list) -> RequestOutput:
-        text_state = self.texts[request.request_id]
-        text = text_state.take(final=request.finished)
-        output = make_output(request, tokens, text, logprobs)
-        if request.finished:
-            self._forget(request.request_id)
-            self._observe("on_finished", output)
-        return output
-
-    def _forget(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
-        self.texts.pop(request_id, None)
-        self._read_each_step.discard(request_id)
-
-    def _fail_batch(self, batch: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
-        message = f"generation failed: {type(exc).__name__}: {exc}"
-        # not those finished since it was scheduled (async scheduling: by the step before)
-        return [self._fail(s.request, message) for s in batch.seqs if not s.request.finished]
-
-    def _fail(self, request: Request, message: str) -> RequestOutput:
-        """Finish the request as failed and hand out its last output (held-back text is
-        dropped: the text state may be what failed)."""
-        if request.finished:  # it failed while being handed out
-            request.finish_reason, request.error = FinishReason.ERROR, message
-        else:
-            self._finish(request, FinishReason.ERROR, message)
-        output = make_output(request, [], "", [])
-        self._forget(request.request_id)
-        self._observe("on_finished", output)
-        return output
