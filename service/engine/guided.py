@@ -34,8 +34,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from service.engine.draws import invert
 from service.engine.request import Request, SamplingParams
-from service.engine.sampler import Sampler, SampleResult, invert
+from service.engine.sampler import Sampler, SampleResult
 from service.engine.structured import Masks
 
 # further choices a rejected plain row tries before its mask: the grammar checks one

@@ -12,9 +12,10 @@ from model.transformer import Transformer
 from service.engine.batch import SchedulerOutput, Step
 from service.engine.cuda_graphs import DecodeGraphs
 from service.engine.guided import GuidedSampler
+from service.engine.logprobs import LogprobRows, token_logprobs
 from service.engine.ranks import Clear, RankError, Ranks
 from service.engine.request import PENDING, Request
-from service.engine.sampler import LogprobRows, Sampler, SampleResult, token_logprobs
+from service.engine.sampler import Sampler, SampleResult
 from service.engine.structured import Masks
 
 

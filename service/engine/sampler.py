@@ -6,14 +6,13 @@ structured-output masks (tokens a constrained request's grammar forbids), then g
 argmax, or temperature, top_k, top_p, min_p and a draw. A draw inverts the row's CDF at
 one uniform number from the request's own generator (seeded requests), so the same seed
 gives the same tokens whatever else is in the batch; one number per row, not one per
-vocabulary entry (an Exp(1) noise race over 16 rows of a 100k vocabulary measured 44 ms
-on the CPU, the CDF ~2 ms: benchmarks/RESULTS.md). Logprobs are those of
-the model's raw distribution (log_softmax of the logits).
+vocabulary entry (an Exp(1) noise race costs far more on the CPU: docs/decisions.md).
+Logprobs are those of the model's raw distribution (log_softmax of the logits).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,42 +20,10 @@ from torch import Tensor
 
 from model.backends.base import Backend, flag_non_finite, mark_non_finite
 from model.backends.reference import REFERENCE
+from service.engine.draws import invert, top_p_filter
+from service.engine.logprobs import LogprobRows, token_logprobs
 from service.engine.output import TokenLogprobs
 from service.engine.request import Request, SamplingParams
-
-
-@dataclass(slots=True)
-class LogprobRows:
-    """The logprobs of the batch rows that ask for them, as tensors (on the device until
-    read): rows, each one's count of top entries asked for, the chosen token's logprob
-    (R,) and the most likely tokens' (R, K) values and ids, most likely first."""
-
-    rows: list[int]
-    counts: list[int]
-    chosen: Tensor
-    top_values: Tensor
-    top_ids: Tensor
-
-    def moved(self, move: Callable[[Tensor], Tensor]) -> LogprobRows:
-        """The same rows with each tensor passed through move (a copy to the host)."""
-        tensors = (move(self.chosen), move(self.top_values), move(self.top_ids))
-        return LogprobRows(self.rows, self.counts, *tensors)
-
-    def per_row(self, tokens: list[int]) -> list[TokenLogprobs | None]:
-        """One entry per batch row (tokens: the rows' chosen ids, read): a row that asked
-        and whose logits were finite gets its TokenLogprobs, the others None."""
-        result: list[TokenLogprobs | None] = [None] * len(tokens)
-        chosen, values, ids = self.chosen.tolist(), self.top_values.tolist(), self.top_ids.tolist()
-        for j, i in enumerate(self.rows):
-            if tokens[i] >= 0:
-                n = self.counts[j]
-                top = list(zip(ids[j][:n], values[j][:n], strict=True))
-                result[i] = TokenLogprobs(tokens[i], chosen[j], top)
-        return result
-
-
-def token_logprobs(lp: LogprobRows | None, tokens: list[int]) -> list[TokenLogprobs | None]:
-    return lp.per_row(tokens) if lp is not None else [None] * len(tokens)
 
 
 @dataclass(slots=True)
@@ -264,7 +231,7 @@ class Sampler:
             probs.masked_fill_(below_k, 0.0)
         if any(p.top_p < 1 for p in params):
             top_p = self.column([p.top_p for p in params])
-            probs = _top_p(probs / probs.sum(dim=-1, keepdim=True), top_p)
+            probs = top_p_filter(probs / probs.sum(dim=-1, keepdim=True), top_p)
         if any(p.min_p > 0 for p in params):  # relative to the row's largest: no normalising
             min_p = self.column([p.min_p for p in params])
             probs.masked_fill_(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
@@ -301,48 +268,3 @@ class Sampler:
 def _plain(p: SamplingParams) -> bool:
     """Greedy with nothing to apply first and nothing to report: the argmax alone."""
     return p.greedy and not p.logit_bias and not p.needs_penalties and p.logprobs is None
-
-
-def invert(cdf: Tensor, u: Tensor) -> Tensor:
-    """Draws: the token of each uniform number in u (R, N) under the CDF of its row of
-    cdf (R, V), unnormalised: the first token whose cdf exceeds u times the row's mass."""
-    picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
-    return picked.clamp_(max=cdf.shape[1] - 1)
-
-
-# On the CPU top_p looks for its tokens among each row's most likely first (a model's
-# distribution usually has its top_p mass in a few hundred tokens): a full sort of
-# 16 x 128k floats measured 80 ms there, topk(256) 2 ms and topk(4096) 11 ms; a row whose
-# set is not among them goes on alone, so one flat row does not sort the batch. On a GPU
-# the sort is cheap, and checking whether the candidates suffice would wait for the device
-TOP_P_CANDIDATES = (256, 4096)
-
-
-def _top_p(probs: Tensor, top_p: Tensor) -> Tensor:
-    """Keep the smallest set of most likely tokens whose mass reaches top_p (a (B, 1)
-    column) per row; probs normalised."""
-    v = probs.shape[1]
-    candidates = [k for k in TOP_P_CANDIDATES if k < v] if probs.device.type == "cpu" else []
-    out = torch.zeros_like(probs)
-    rows = torch.arange(len(probs), device=probs.device)  # the rows still looking
-    for k in (*candidates, v):
-        whole = len(rows) == len(probs)
-        top, order = (probs if whole else probs[rows]).topk(k, dim=-1)  # most likely first
-        p = top_p if whole else top_p[rows]
-        before = top.cumsum(dim=-1) - top  # mass strictly before each token
-        # a row is done once its set lies within its k most likely tokens
-        done = (before[:, -1] + top[:, -1] >= p[:, 0]) if k < v else None
-        drop = before >= p
-        # the top token always survives, also where top_p is 0 in float32: the API takes
-        # any top_p > 0, and 5e-324 rounds to 0 here (nothing kept, and the draw fell
-        # past the row's end: a token outside a grammar's mask)
-        drop[:, 0] = False
-        kept = top.masked_fill_(drop, 0.0)
-        if done is None or bool(done.all()):
-            if whole:
-                return out.scatter_(1, order, kept)
-            return out.index_copy_(0, rows, probs.new_zeros(len(rows), v).scatter_(1, order, kept))
-        spread = probs.new_zeros(int(done.sum()), v).scatter_(1, order[done], kept[done])
-        out.index_copy_(0, rows[done], spread)
-        rows = rows[~done]
-    return out  # not reached: the last pass (k = v) takes every row left

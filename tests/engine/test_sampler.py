@@ -3,8 +3,9 @@
 import pytest
 import torch
 
+from service.engine.draws import TOP_P_CANDIDATES, top_p_filter
 from service.engine.request import Request, SamplingParams
-from service.engine.sampler import TOP_P_CANDIDATES, Sampler, _top_p
+from service.engine.sampler import Sampler
 
 V = 50
 
@@ -134,7 +135,7 @@ def test_a_seeded_draw_is_the_same_alone_and_in_a_batch() -> None:
 
 
 def test_top_p_among_the_candidates_keeps_what_a_full_sort_keeps() -> None:
-    """_top_p looks among each row's most likely tokens first, and sorts the whole row
+    """top_p_filter looks among each row's most likely tokens first, and sorts the whole row
     only when their mass falls short: both give the full sort's set."""
 
     def by_sorting(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -147,7 +148,7 @@ def test_top_p_among_the_candidates_keeps_what_a_full_sort_keeps() -> None:
         probs = torch.softmax(logits * scale, dim=-1)
         assert bool((probs.topk(TOP_P_CANDIDATES[0]).values.sum(-1) >= 0.9).all()) == inside
         top_p = torch.full((4, 1), 0.9, dtype=probs.dtype)
-        assert torch.equal(_top_p(probs, top_p), by_sorting(probs, 0.9))
+        assert torch.equal(top_p_filter(probs, top_p), by_sorting(probs, 0.9))
 
 
 def test_top_p_rows_of_one_batch_go_as_far_as_each_needs() -> None:
@@ -172,7 +173,7 @@ def test_top_p_rows_of_one_batch_go_as_far_as_each_needs() -> None:
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch.Tensor, "topk", topk)
-        got = _top_p(probs, torch.full((3, 1), 0.9, dtype=probs.dtype))
+        got = top_p_filter(probs, torch.full((3, 1), 0.9, dtype=probs.dtype))
     assert torch.equal(got, want)
     assert widths == [(3, 256), (2, 4096), (1, 20_000)]
 
@@ -185,7 +186,7 @@ def test_a_top_p_below_float32s_range_keeps_the_most_likely_token() -> None:
     got = draws(logits, 8, temperature=1.0, top_p=5e-324)
     assert got.tolist() == [int(logits.argmax())] * 8
     probs = torch.softmax(logits, -1)[None].expand(2, -1)
-    kept = _top_p(probs, torch.zeros(2, 1))
+    kept = top_p_filter(probs, torch.zeros(2, 1))
     assert (kept > 0).sum(-1).tolist() == [1, 1] and kept.argmax(-1).tolist() == [
         int(logits.argmax())
     ] * 2
