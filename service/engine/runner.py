@@ -11,12 +11,12 @@ from model.kv_cache import PagedKVCache
 from model.transformer import Transformer
 from service.engine.batch import SchedulerOutput, Step
 from service.engine.cuda_graphs import DecodeGraphs
-from service.engine.guided import GuidedSampler
 from service.engine.logprobs import LogprobRows, token_logprobs
 from service.engine.ranks import Clear, RankError, Ranks
 from service.engine.request import PENDING, Request
 from service.engine.sampler import Sampler, SampleResult
 from service.engine.structured import Masks
+from service.engine.structured_sampling import StructuredSampler
 
 
 @dataclass(slots=True)
@@ -61,7 +61,7 @@ class ModelRunner:
         self.device = model.device
         self.block_size = kv_cache.block_size
         self.sampler = Sampler(model.cfg.vocab_size, self.device, self.backend)
-        self.guided = GuidedSampler(self.sampler, masks) if masks is not None else None
+        self.structured = StructuredSampler(self.sampler, masks) if masks is not None else None
         self.generators: dict[str, list[torch.Generator]] = {}  # seeded request's rows
         self._pin = self.device.type == "cuda"
         self.graphs = graphs() if graphs is not None else None
@@ -161,11 +161,11 @@ class ModelRunner:
             copied = torch.cuda.Event()
             copied.record()
             return Launched(batch, None, ids, rows, host, copied, host_lp)
-        guided = [i for i, r in enumerate(sampled) if r.guide is not None]
-        if not guided or self.guided is None:
+        constrained = [i for i, r in enumerate(sampled) if r.guide is not None]
+        if not constrained or self.structured is None:
             return Launched(batch, self.sampler.sample(logits, sampled, gens))
         busy = self._busy(logits)
-        return Launched(batch, self.guided.sample(logits, sampled, gens, guided, busy))
+        return Launched(batch, self.structured.sample(logits, sampled, gens, constrained, busy))
 
     @staticmethod
     def read(launched: Launched) -> SampleResult:

@@ -2,7 +2,7 @@
 one of a list of choices, or a grammar (Lark, or GBNF converted to it), by llguidance
 (chosen by measurement against xgrammar and outlines-core: benchmarks/RESULTS.md).
 
-Each constrained sequence has a `Guide` (its matcher). service/engine/guided.py decides
+Each constrained sequence has a `Guide` (its matcher). service/engine/structured_sampling.py decides
 which rows need their `Masks` and when (after the step's first choices; on a GPU also
 while the forward runs). A guide advances with every token the sequence accepts, says
 which tokens the grammar forces next (jump-forward) and when the grammar is complete
@@ -172,7 +172,7 @@ class _Vocab:
 class Masks:
     """The allowed tokens of constrained rows, as llguidance writes them: one bit per
     token, packed into int32 words (R, (V + 31) // 32). When they are computed is
-    service/engine/guided.py's decision."""
+    service/engine/structured_sampling.py's decision."""
 
     def __init__(self, grammars: Grammars) -> None:
         self.grammars = grammars

@@ -1,5 +1,5 @@
 """Constrained rows choose from the masked distribution on each of their paths
-(service/engine/guided.py): further choices from the first draw's distribution, a choice
+(service/engine/structured_sampling.py): further choices from the first draw's distribution, a choice
 among a small mask's tokens alone, a second draw over the whole vocabulary under the
 mask. The grammar is the regex [0-9] over cl100k: ten single-digit tokens allowed out of
 100k; the logits put the digits' share of the mass where each path is taken."""
@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from model.tokenizer import Tokenizer
-from service.engine import guided
-from service.engine.guided import GuidedSampler
+from service.engine import structured_sampling
 from service.engine.request import Constraint, Request, SamplingParams
 from service.engine.sampler import Sampler
 from service.engine.structured import Grammars, Masks, unpack
+from service.engine.structured_sampling import StructuredSampler
 
 DIGIT = Constraint("regex", "[0-9]", "guided_regex")
 ROWS, ROUNDS = 16, 125  # 2,000 draws a case
@@ -25,13 +25,13 @@ CHI2_6DOF_P001 = 22.46
 
 
 @pytest.fixture(scope="module")
-def setup() -> tuple[Grammars, GuidedSampler, list[int]]:
+def setup() -> tuple[Grammars, StructuredSampler, list[int]]:
     tok = Tokenizer.default()
     grammars = Grammars(tok, tok.vocab_size, tok.eos_ids)
     sampler = Sampler(tok.vocab_size, torch.device("cpu"))
     digits = [tok.encode(str(d), add_bos=False)[0] for d in range(10)]
     assert len(set(digits)) == 10
-    return grammars, GuidedSampler(sampler, Masks(grammars)), digits
+    return grammars, StructuredSampler(sampler, Masks(grammars)), digits
 
 
 def row(vocab: int, digits: list[int], digit_share: float) -> torch.Tensor:
@@ -70,8 +70,8 @@ def chi2(counts: Counter, digits: list[int], expected: list[float]) -> float:
 @pytest.mark.parametrize(
     ("case", "share", "sparse"),
     [
-        ("further draws from the first's CDF", 0.5, guided.SPARSE),
-        ("a draw among the mask's ten tokens", 1e-9, guided.SPARSE),
+        ("further draws from the first's CDF", 0.5, structured_sampling.SPARSE),
+        ("a draw among the mask's ten tokens", 1e-9, structured_sampling.SPARSE),
         ("a second draw over the vocabulary under the mask", 1e-9, 0),
     ],
 )
@@ -79,17 +79,17 @@ def test_a_sampled_row_draws_from_the_masked_distribution(
     setup, monkeypatch: pytest.MonkeyPatch, case: str, share: float, sparse: int
 ) -> None:
     grammars, _, digits = setup
-    monkeypatch.setattr(guided, "SPARSE", sparse)
+    monkeypatch.setattr(structured_sampling, "SPARSE", sparse)
     calls: Counter = Counter()
     for name in ("_candidates", "_choose_among"):
-        real = getattr(GuidedSampler, name)
+        real = getattr(StructuredSampler, name)
 
         def spy(*a, _real=real, _name=name, **kw):  # type: ignore[no-untyped-def]
             out = _real(*a, **kw)
             calls[_name] += len(out)  # rows that chose this way
             return out
 
-        monkeypatch.setattr(GuidedSampler, name, spy)
+        monkeypatch.setattr(StructuredSampler, name, spy)
     counts = draws(setup, row(grammars.vocab_size, digits, share), SamplingParams(temperature=1.0))
     expected = [w / 55 for w in range(1, 11)]
     assert chi2(counts, digits, expected) < CHI2_9DOF_P001, (case, counts)
@@ -135,14 +135,14 @@ def test_rows_masked_while_the_device_computes(
     rows of both kinds draw from the masked distribution."""
     grammars, _, digits = setup
     early: list[int] = []
-    real = GuidedSampler._masks_while
+    real = StructuredSampler._masks_while
 
     def spy(*a, **kw):  # type: ignore[no-untyped-def]
         out = real(*a, **kw)
         early.append(len(out))
         return out
 
-    monkeypatch.setattr(GuidedSampler, "_masks_while", spy)
+    monkeypatch.setattr(StructuredSampler, "_masks_while", spy)
     counts = draws(
         setup,
         row(grammars.vocab_size, digits, share),

@@ -52,7 +52,7 @@ def _plain(p: SamplingParams) -> bool:
     return not (p.filters or p.logit_bias or p.needs_penalties or p.logprobs is not None)
 
 
-class GuidedSampler:
+class StructuredSampler:
     def __init__(self, sampler: Sampler, masks: Masks) -> None:
         self.sampler, self.masks = sampler, masks
 
