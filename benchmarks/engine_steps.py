@@ -1,5 +1,5 @@
-"""The offline engine's step times, one row per dtype: the measurement behind
-benchmarks/RESULTS.md's table of instruction-set levels (run it under
+"""The offline engine's step times, one row per dtype: the measurement behind the
+instruction-set levels' table in docs/kernels.md (run it under
 `KVSERVE_CPU_ISA=avx2|avx512f|avx512-bf16` to force a level below the CPU's own).
 
 The engine is built from `Settings` as the server builds it (the checkpoint, --dtype,

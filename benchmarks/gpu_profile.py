@@ -6,8 +6,8 @@ whether a step waits on the host (Python, metadata, sampling) or on kernels, and
     PYTHONPATH=. python benchmarks/gpu_profile.py --shapes smollm2-135m llama-3.2-1b
 
 Every phase draws fresh prompts (none is in the prefix cache), and the timed prefill
-follows a warm-up run of the same step shapes: the first step of a new shape paid
-0.3-0.5 s on the H100 (benchmarks/RESULTS.md).
+follows a warm-up run of the same step shapes: the first step of a new shape pays for
+compiling and autotuning its kernels.
 `--smoke` runs the tiny shape on any device (how the script is checked without a GPU).
 Writes every profile table to one file (--tables) and prints a summary last.
 """

@@ -2,7 +2,7 @@
 (with the headers beside it then), compiled with given flags and loaded; and the timing
 loop that alternates two builds' calls in one process. What linear_baseline.py and
 attention_baseline.py are made of: a kernel change measured without the drift between
-two runs minutes apart that this kind of machine shows (benchmarks/RESULTS.md)."""
+two runs minutes apart that a shared machine shows."""
 
 from __future__ import annotations
 

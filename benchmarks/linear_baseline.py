@@ -2,8 +2,7 @@
 level (or KVSERVE_CPU_ISA's) and loaded into one process, their calls alternating: the
 vector code (model/kernels/linear_vec.c), or at the amx level the bf16 tiles
 (linear_bf16.c; int8 is linear_vec.c's amx build there too). A change to the kernel
-measured without the drift between two runs minutes apart that this kind of machine
-shows (benchmarks/RESULTS.md).
+measured without the drift between two runs minutes apart that a shared machine shows.
 
 The weights are those of the 180M Llama-3-style checkpoint cpu_peers.py serves (30 layers
 of qkv 960x576, o 576x576, gate|up 3072x576 as one SwiGLU pass, down 576x1536; the head
@@ -12,10 +11,8 @@ the way a decode step does; they sit in one huge-page arena, as the engine's do
 (model/pages.py). Per row count, the median of --repeats turns for each build, a turn
 being its layers' 120 linears and then its head, in a decode step's order; the two
 builds take turns going first. A part timed alone over and over finds some of itself
-still in L3 from its last pass, which a step never does: on an Emerald Rapids VM (300
-MB of L3, of which a 64 MB buffer read at 42 GB/s and 128 MB at 24) the head alone took
-3.8 ms a pass, and 6.0 ms inside the engine's decode step (benchmarks/RESULTS.md, round
-thirty-one).
+still in L3 from its last pass, which a step never does (on a CPU with a large L3 the
+head alone measured far faster than inside the engine's decode step: docs/decisions.md).
 --kind int8 times the int8 linears (int8_pack's weights) instead. Prints a table and
 writes JSON. Check a result against the same source at both ends (--baseline HEAD on a
 clean tree): at 2,048 int8 rows on the AMX machine that check gave ratios of 0.82-1.01

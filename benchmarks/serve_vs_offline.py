@@ -6,8 +6,8 @@ at the concurrency (service/bench.py's client), and the offline engine through t
 waves (the same number of requests, `max_num_seqs` = the concurrency, submitted at once,
 and the server's cap on prompt tokens in a step with decodes).
 Pairs take turns going first, so a drift in the machine's speed falls on both sides; each
-run draws fresh prompts, so no run finds the last one's prefixes cached. On a shared VM
-two commands minutes apart differ by 10% on their own; this measures both sides within
+run draws fresh prompts, so no run finds the last one's prefixes cached. On a shared
+machine two commands minutes apart differ on their own; this measures both sides within
 seconds of each other. Prints every pair and the medians; writes JSON.
 
     python benchmarks/serve_vs_offline.py --concurrency 32 --pairs 6

@@ -104,11 +104,8 @@ def prefer_fma(level: str) -> bool:
     decode step, a prefill; the same bits either way) and the bf16 attention (the float32
     kernel of the avx512f level). Below avx512-bf16 there is no other way. At avx512-bf16,
     on Intel's cores: vdpbf16ps issues at a quarter of the 512-bit FMA's rate there, half
-    its FLOPs (Emerald Rapids 1.28 against 5.2 G/s, Sapphire Rapids 1.75 against 6.9-7.2;
-    a 2,040-token prompt's attention took 0.78-0.81x the time, decodes the same,
-    benchmarks/RESULTS.md). Not on AMD's: on Zen 4 a 16-request prefill took 1.48x as
-    long at the avx512f level as at avx512-bf16 (an earlier FMA pass; this one was not
-    measured there). The amx level keeps vdpbf16ps (its bf16 linears and, where the shape
+    its FLOPs. Not on AMD's, where the avx512f level's FMAs measured slower (both in
+    docs/decisions.md). The amx level keeps vdpbf16ps (its bf16 linears and, where the shape
     fits, attention are on the tile unit, one or two rows' linears in FMAs that add as
     the tiles do, model/kernels/linear_bf16.c; the rest was not measured)."""
     return level in ("avx512f", "avx2") or (
@@ -125,8 +122,8 @@ def isa_flags(level: str) -> tuple[str, ...]:
 
 def pick_dtype(name: str, device: torch.device, quantization: str = "none") -> torch.dtype:
     """'auto' is bf16 on CUDA, on CPUs where kvserve's bf16 kernels run (AVX2 and up:
-    a bf16 decode step measured 5-6x faster than fp32's at every level, prefill faster
-    from AVX-512F up, benchmarks/RESULTS.md) and for int8 weights (whose activations are
+    measured faster than fp32 at every level: docs/decisions.md) and for int8 weights
+    (whose activations are
     bf16); fp32 on older CPUs."""
     if name == "auto":
         bf16 = (

@@ -173,7 +173,7 @@ class AttentionMetadata:
     ) -> AttentionMetadata:
         _check_lens(cached_lens, query_lens)
         seq_lens = [c + q for c, q in zip(cached_lens, query_lens, strict=True)]
-        # whole-batch ops, not one arange per sequence (benchmarks/RESULTS.md)
+        # whole-batch ops, not one arange per sequence (a host cost paid every step)
         cached_t = torch.tensor(list(cached_lens), dtype=torch.long)
         row_seq = None
         if max(query_lens) == 1:

@@ -2,10 +2,8 @@
 whole every step, and the KV pool, whose blocks a long context reads all over. In 4 KB
 pages a 360 MB pass walks the page tables ~90,000 times; where Linux backs the memory with
 2 MB transparent huge pages (THP) it walks them ~180 times. Most distributions leave THP to
-memory that asks for it (madvise mode); torch's allocator never asks. On an AVX2-only Zen 3
-a bf16 decode step of the 180M Llama checkpoint took 13% less time at a 2,000-token
-context, 2-6% less at 128 tokens in most runs (not settled); int8's measured the same
-(benchmarks/huge_pages.py, benchmarks/RESULTS.md).
+memory that asks for it (madvise mode); torch's allocator never asks. What that is worth
+(benchmarks/huge_pages.py): docs/decisions.md.
 
 `HugeArena` is one allocation, 2 MB aligned and advised MADV_HUGEPAGE before anything
 touches it, that tensors are copied into one at a time. KVSERVE_HUGE_PAGES=0 turns the

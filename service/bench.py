@@ -177,8 +177,8 @@ def client_transport(
 ) -> tuple[httpx.AsyncBaseTransport | None, tuple[type[BaseException], ...], str]:
     """The httpx client's transport: aiohttp's (httpx-aiohttp, the `bench` extra) where
     installed, else httpx's own. Per streamed event the aiohttp transport costs the client
-    about a third of the CPU (16,384 events: 0.37 s against 1.0 s, benchmarks/RESULTS.md),
-    and on a machine shared with the server that CPU is taken from the server measured.
+    about a third of the CPU (docs/decisions.md), and on a machine shared with the server
+    that CPU is taken from the server measured.
     Returns the transport (None: httpx's default), the errors a request may raise through
     it, and its name for the report."""
     try:

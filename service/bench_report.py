@@ -132,9 +132,9 @@ def write_report(path: str | Path, report: dict[str, Any]) -> None:
 
 
 def cpu_model() -> str:
-    """The CPU's model name, as /proc/cpuinfo gives it (what RESULTS.md names), with its
-    family and model numbers: a VM's CPU is often only "Intel(R) Xeon(R) Processor",
-    which Sapphire and Emerald Rapids both are."""
+    """The CPU's model name, as /proc/cpuinfo gives it (what the results name), with its
+    family and model numbers: a virtual machine's CPU is often only "Intel(R) Xeon(R)
+    Processor", which Sapphire and Emerald Rapids both are."""
     info: dict[str, str] = {}
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if not line.strip():

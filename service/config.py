@@ -13,8 +13,8 @@ GiB = 1 << 30
 # On the CPU a 2048-token prefill step costs about 16 steps of 32 decodes, so 128 prompt
 # tokens cost about one: a step that also decodes takes at most this many, and running
 # streams wait about one more decode step for a new prompt instead of ~16
-# (benchmarks/RESULTS.md has the measurements). On CUDA a prefill chunk is short next to
-# a step's fixed cost and there is no cap.
+# (docs/decisions.md). On CUDA a prefill chunk is short next to a step's fixed cost and
+# there is no cap.
 CPU_MIXED_PREFILL_TOKENS = 128
 # sequences a step may carry: a GPU is far from its compute bound at 64 decodes (vLLM
 # defaults to 256); two CPU cores are not

@@ -46,8 +46,8 @@ static inline target block_target(uint16_t *out, uint16_t *scratch, int n, int b
 /* For a helper whose only effect is prefetching. GCC counts __builtin_prefetch as no
  * side effect, so it can find such a function (its loops provably finite) `const` and
  * delete the calls to it wherever it did not inline it first: linear_vec.c's k-step
- * prefetch was compiled out that way at every level, with nothing to say so
- * (benchmarks/RESULTS.md, round seventeen). Forced inline, the prefetches land in the
+ * prefetch was compiled out that way at every level, with nothing to say so. Forced
+ * inline, the prefetches land in the
  * caller; tests/model/test_kernel_build.py checks that each level's build has them. */
 #define PREFETCH_HELPER static inline __attribute__((always_inline)) void
 

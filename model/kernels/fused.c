@@ -116,7 +116,7 @@ DEFINE_ROPE_STORE(rope_store_bf16, uint16_t, bf16_load, bf16_store)
 /* Greedy decoding over rows of logits: out[r] = the first index of row r's maximum, or -1
  * where that maximum is not finite (a NaN or +inf anywhere, or every value -inf): what
  * torch.max(dim=-1) followed by isfinite() says, in one read of the logits (torch's bf16
- * max reduction is several times slower: benchmarks/RESULTS.md). */
+ * max reduction is several times slower). */
 #define DEFINE_GREEDY(NAME, T, LOAD)                                                     \
 void NAME(const T *x, int rows, int n, int64_t *out, int nthreads) {                     \
     const long work = (long)rows * n;                                                    \
@@ -179,8 +179,7 @@ static inline __m256 lanes_load_bf16(const uint16_t *p) {
 static inline __m256 lanes_load_f32(const float *p) { return _mm256_loadu_ps(p); }
 #define LANES_LOAD(T) _Generic((T *)0, uint16_t *: lanes_load_bf16, float *: lanes_load_f32)
 /* As AVX-512's, in two sets of 8 lanes (one set's compare and blend wait on each other;
- * the scalar loop took 230 us for a 128k vocabulary's bf16 row on an AVX2-only Zen 3,
- * benchmarks/RESULTS.md). */
+ * the scalar loop was far slower at AVX2: docs/decisions.md). */
 #define GREEDY_LANES(T)                                                                  \
     if (n >= 16) {                                                                       \
         __m256 vbest[2] = {_mm256_set1_ps(-INFINITY), _mm256_set1_ps(-INFINITY)};        \

@@ -18,7 +18,7 @@ log = logging.getLogger("kvserve.kernels")
 TILE_N, TILE_K = 64, 32  # the weight layout's feature block; k per tile
 # linear_vec.c's float epilogue is the same arithmetic at every vector width; without
 # -fno-trapping-math GCC kept the SwiGLU epilogue's clamp as a branch at AVX2 and left
-# the loop scalar (benchmarks/RESULTS.md, round ten)
+# the loop scalar
 VECTOR_FLAGS = [*BASE_FLAGS, "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
 
 

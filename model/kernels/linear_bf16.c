@@ -30,10 +30,7 @@
  * asks for the next k step's B tiles (4 KB) while this one's dot products run. 2 KB or
  * 8-16 KB ahead measured slower (benchmarks/linear_kernels.py, 1-16 rows). */
 #define PREFETCH_AHEAD 4096
-/* ... and the step after that into L2 (8 KB ahead): on an Emerald Rapids VM one row's
- * linears took 0.80-0.93x as long with it, 2-16 rows' 0.81-1.06x (benchmarks/RESULTS.md,
- * round thirty; one and two rows now take vec_blocks). On Sapphire Rapids an L2 prefetch
- * 12-24 KB ahead had measured the same within 1-4% (round seventeen). */
+/* ... and the step after that into L2 (8 KB ahead; measured: docs/decisions.md). */
 #define L2_AHEAD 8192
 #define M_CHUNK 256    /* rows of x kept hot in L2 while the weight blocks pass */
 
@@ -162,12 +159,10 @@ static void amx_2x2(const uint16_t *x, const uint16_t *w, const float *bias, uin
  * One tdpbf16ps step (16 k pairs) adds to each output c + RNE(E + O), where E sums the
  * pairs' even products and O their odd ones, each from zero in k order with one rounding
  * per product (exact in float32), denormals flushed in and out. A scratch probe matched
- * that model bit for bit, where no order of single sums did (benchmarks/RESULTS.md, round
- * thirty). So a vector pass computes it too, FMAs under MXCSR's DAZ and FTZ, and gives a
- * row the bits the tiles give it in any batch. At one or two rows it reads the weights in
- * several streams, as the vector linears do, where the tile pass reads one: on an Emerald
- * Rapids VM, in one process, one row's layers 11.2 against 12.1 ms, the head 7.1 against
- * 7.7 (linear_vec.c's vdpbf16ps pass 10.8 and 6.7; benchmarks/RESULTS.md, round thirty). */
+ * that model bit for bit, where no order of single sums did. So a vector pass computes it
+ * too, FMAs under MXCSR's DAZ and FTZ, and gives a row the bits the tiles give it in any
+ * batch. At one or two rows it reads the weights in several streams, as the vector
+ * linears do, where the tile pass reads one (measured: docs/decisions.md). */
 #define VEC_ROWS 2      /* calls of up to this many rows take the vector pass */
 #define VEC_TURNS 4     /* segments whose turns alternate */
 #define VEC_PAIRS 4     /* k pairs a segment's turn takes (1 KB of a block) */
@@ -229,9 +224,8 @@ static inline __attribute__((always_inline)) void vec_turn(const int MR, const i
 
 /* One row against REG_BLOCKS whole blocks in a row (w0 the first), all of K, the sums
  * held in registers (E and O of three blocks are 24 of the 32): acc[s] += E + O at each
- * tile step's end. vec_turn's operations in its order, so its bits; without the turns'
- * trips through memory one row's layers took 0.96-0.97x the time and the head 0.90-0.96x
- * on an Emerald Rapids VM, in one process (benchmarks/RESULTS.md, round thirty-one). */
+ * tile step's end. vec_turn's operations in its order, so its bits, without the turns'
+ * trips through memory (measured: docs/decisions.md). */
 #define REG_BLOCKS 3
 static void vec_row(const uint16_t *x, int k, const uint16_t *w0, long block_elems,
                     float (*acc)[VEC_ROWS * NB]) {
@@ -402,8 +396,7 @@ static void run_blocks(const uint16_t *x, const uint16_t *w, const float *bias, 
 void linear_bf16(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
                  uint16_t *scratch, int m, int n, int k, int nthreads) {
     /* Threads share half blocks: 9 blocks on two threads are 4.5 each, not 5 against 4
-     * (the layers' linears 1-2% faster at one row, 4-8% from 256 rows; benchmarks/
-     * RESULTS.md, round fifteen). A SwiGLU's gate/up pairs stay whole on one thread. */
+     * (docs/decisions.md). A SwiGLU's gate/up pairs stay whole on one thread. */
     const int unit = scratch ? 4 : 1;  /* half blocks that stay together */
     const int units = n / NB * 2 / unit;
     if (nthreads > units) nthreads = units;

@@ -79,8 +79,8 @@ typedef __m256i vi;
 /* A pass of more than two rows computes long enough for its weight block to come from
  * L2: each such pass also pulls its share of the thread's next block into L2 (pf_len
  * bytes from pf, spread evenly over the pass's k steps), so the memory streams while the
- * passes compute and the next block's first pass does not wait for DRAM (16 rows: the
- * layers' linears 9% and the LM head 18% faster, benchmarks/RESULTS.md). Called at each
+ * passes compute and the next block's first pass does not wait for DRAM (measured:
+ * docs/decisions.md). Called at each
  * step `it`, with the bytes issued so far in `done` and `rate` from PF_RATE for the
  * pass's `its` steps: a division per step cost more than the prefetches at AVX2. */
 #define PF_RATE(pf_len, its) ((((long)(pf_len) << 16) + (its) - 1) / (its))
@@ -99,8 +99,8 @@ PREFETCH_HELPER prefetch_step(const void *wk) {
 
 /* The weight vectors of a k step, loaded once for all MR rows. Left to itself GCC loads
  * them again for every row (the loads are cheaper to redo than registers to hold, by its
- * measure): 24 loads for 24 dot products at 6 rows, and the tile ran at 78% of the speed
- * it reaches with the vectors held (benchmarks/RESULTS.md). An empty asm that "changes"
+ * measure): 24 loads for 24 dot products at 6 rows, and the tile ran well below the speed
+ * it reaches with the vectors held (docs/decisions.md). An empty asm that "changes"
  * them makes a reload impossible. Only where vdpbf16ps / vpdpbusd take the vectors as
  * they are: at the lower levels each is converted or split before use, and holding them
  * spilled others (AVX2 bf16, 256 rows: 168 -> 96 GFLOP/s). */
@@ -217,7 +217,7 @@ static const float NO_BIAS[NB];  /* zeros: acc + 0.f, as the plain store adds */
 /* One row's W results (a block of NB, or half a block from the AMX int8 2x2 pass): + bias,
  * rounded; with a gate row, silu(gate) * up. W is a constant wherever it is inlined. The
  * SwiGLU loop reads its bias from memory in every case: a `bias ? bias[j] : 0.f` in it
- * kept GCC from vectorizing it (3.3 against 0.8 ns an element, benchmarks/RESULTS.md). */
+ * kept GCC from vectorizing it (docs/decisions.md). */
 static inline __attribute__((always_inline)) void store_cols(const int W, const float *acc,
                                                                const float *bias,
                                                                uint16_t *out,
@@ -289,8 +289,7 @@ static inline __attribute__((always_inline)) void bf16_tile(const int NBLK, cons
 #if VL == 16
 /* AVX-512 passes of FMA_ROWS rows or more (compute-bound: a batch's decode step, a
  * prefill) by convert + FMA: always at avx512f, and at avx512-bf16 where model/device.py's
- * prefer_fma finds vdpbf16ps the slower way (-DPREFER_FMA; on Emerald Rapids 16 rows took
- * 0.70-0.90x the time, 256 rows 0.69-0.84x, 3 rows 1.0-1.1x: benchmarks/RESULTS.md). x's
+ * prefer_fma finds vdpbf16ps the slower way (-DPREFER_FMA; measured: docs/decisions.md). x's
  * rows are widened to float32 once a pass, so that each FMA takes its row's k value as a
  * broadcast from memory; each weight vector is converted once for all MR rows, its odd
  * k's FMAs over every row, then its even k's: per lane the one-row pass's order, the
@@ -342,7 +341,7 @@ static inline __attribute__((always_inline)) void bf16_tile_fma(
  * weight vector is converted once for all MR rows (one row per pass converted it for
  * every row: conversions as many as FMAs); x's rows widened to float32 once, so each
  * row's k pair is two broadcasts from memory. The same FMAs in the same order per lane
- * as the one-row pass, so the same bits (benchmarks/RESULTS.md, round ten). */
+ * as the one-row pass, so the same bits. */
 #define SV 2
 static inline __attribute__((always_inline)) void bf16_tile_sliced(
     const int MR, const uint16_t *x, int k, const uint16_t *w, float *acc, const char *pf,
@@ -384,9 +383,8 @@ static inline __attribute__((always_inline)) void bf16_tile_sliced(
 /* One row against NT consecutive blocks at AVX2, whose 16 registers hold one block's
  * accumulators: the blocks take turns of TURN_STEPS k steps (1 KB of each), their
  * accumulators parked in acc between turns. NT streams of weights in flight instead of
- * one, which a core's prefetchers read faster (Zen 3, one row, bf16: the layers'
- * linears 0.85-0.91x the time of one block a pass, the LM head 0.82-0.94x; int8 0.88-0.98x
- * and 0.86-0.92x; benchmarks/linear_baseline.py, RESULTS.md round twenty-six). No
+ * one, which a core's prefetchers read faster (benchmarks/linear_baseline.py; measured:
+ * docs/decisions.md). No
  * software prefetch: with turns it cost more than it brought. Each lane still sums its k
  * in order, so the bits are bf16_tile's. */
 #define TURN_STEPS 4
@@ -542,8 +540,8 @@ static void quantize_rows(const uint16_t *x, int m, int k, uint8_t *xq, float *s
     for (int r = 0; r < m; ++r) {
         const uint16_t *xr = x + (long)r * k;
         /* max |x| on the bf16 bits: without the sign they order as the values do. GCC
-         * vectorizes this integer max; the float one stayed a chain of scalar vmaxss (a
-         * third of an int8 prefill's linears, benchmarks/RESULTS.md). A NaN (above
+         * vectorizes this integer max; the float one stayed a chain of scalar vmaxss
+         * (docs/decisions.md). A NaN (above
          * 0x7f80) is skipped, as the float comparison below skips it. */
         unsigned top = 0;
         for (int i = 0; i < k; ++i) {
@@ -577,8 +575,8 @@ static void quantize_rows(const uint16_t *x, int m, int k, uint8_t *xq, float *s
  * unit-major order, so a unit at a share's edge is split between two threads by passes
  * (each pass is the same rows against the same block whoever runs it: the same bits).
  * Shares of whole units left one thread idle at the end: 9 blocks (d = 576) over two
- * threads is 5 against 4, and such a call at 16 rows took as long as one of 10 blocks
- * (benchmarks/RESULTS.md). A call of one or two rows takes the blocks blocks_for() says
+ * threads is 5 against 4, and such a call at 16 rows took as long as one of 10 blocks.
+ * A call of one or two rows takes the blocks blocks_for() says
  * at a time in a single pass: there the shares are whole units (in a longer call a chunk
  * of one or two rows takes one block a pass). Within a share, for each chunk of
  * rows, each of its units while the passes go over it; results go out in block order (a
@@ -692,8 +690,8 @@ static inline __attribute__((always_inline)) void store_int8_row(
  * tile unit's B operand at a stride of 256 bytes, and sums them exactly in int32, as
  * vpdpbusd does: the same sums, so the same bits, at any number of rows and in either
  * pass below. Used from AMX_INT8_ROWS rows up where k is whole 64-byte tile rows; below
- * 8 rows the VNNI passes measured as fast or faster, from 16 up the tiles faster
- * (benchmarks/RESULTS.md). The passes are linear_bf16.c's: 32 rows against half a block
+ * 8 rows the VNNI passes measured as fast or faster, from 16 up the tiles faster. The
+ * passes are linear_bf16.c's: 32 rows against half a block
  * (2 x 2 tiles, the half-block's weights staying in L1 while a chunk's rows pass), and up
  * to 16 rows against a whole block (1 x 4) for the rows left over. */
 #define AMX_INT8_ROWS 8

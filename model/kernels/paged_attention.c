@@ -35,8 +35,7 @@
 #define BS BLOCK_SIZE
 #define G GROUP
 /* Vectors are at most the CPU's width, VW floats: GCC keeps a wider generic vector in
- * memory and moves it through general registers (at AVX2, 8-float vectors instead of
- * 16 made the kernel 1.7-3.1x faster; benchmarks/RESULTS.md, round ten). A block's
+ * memory and moves it through general registers (docs/decisions.md). A block's
  * scores are NP pieces of BW tokens. */
 #if defined(__AVX512F__)
 #define VW 16
@@ -78,9 +77,7 @@ static inline vblk vexp(vblk x) {
 #if defined(__AVX512F__) && BW == 16
     /* the same steps in AVX-512's own instructions, the same bits: the floor by
      * vrndscaleps, 2^n by vscalefps (exact: n >= -125 and the polynomial is near 1); 11
-     * instructions where the generic code compiled to 19 (a prompt's attention 7-10%
-     * faster at avx512-bf16, no change beyond noise at avx512f; benchmarks/RESULTS.md,
-     * round twelve) */
+     * instructions where the generic code compiled to 19 (docs/decisions.md) */
     __m512 v, n;
     memcpy(&v, &x, sizeof v);
     const __m512 f = exp_split(v, &n);
@@ -169,8 +166,8 @@ PREFETCH_HELPER prefetch_block_now(const void *k, const void *v, const int64_t *
 
 /* The AVX-512 BF16 kernel's prefetch. Blocks are scattered: while block j of a sequence's
  * `table` is read, the one after next is fetched into L2 (on a pass's first block, the
- * next too); fetching the next into L1 in one burst measured slower (benchmarks/
- * RESULTS.md). `bytes`: one block of one K/V head; the pass reads blocks first .. nblk -
+ * next too); fetching the next into L1 in one burst measured slower. `bytes`: one block
+ * of one K/V head; the pass reads blocks first .. nblk -
  * 1. The other vector kernels spread theirs through the score pass (prefetch_share). */
 PREFETCH_HELPER prefetch_ahead(const void *k, const void *v, const int64_t *table, int j,
                                 int first, int nblk, int KV, int kvh, int64_t bytes) {
@@ -186,8 +183,7 @@ PREFETCH_HELPER prefetch_ahead(const void *k, const void *v, const int64_t *tabl
  * pieces scattered over the pool, one K/V head of a block each, which the hardware
  * prefetchers do not follow; prefetch_ahead's burst of a whole block's lines at a step's
  * start (64 lines a block, four blocks a step) filled the core's miss buffers and
- * stalled the scores behind it. One row of 1,024 tokens, 30 layers' caches from memory,
- * AVX2 Zen 3: 20-30% less time (benchmarks/RESULTS.md, round twenty-nine). */
+ * stalled the scores behind it (docs/decisions.md). */
 #define AHEAD_BLOCKS 2
 /* The lines of a K and a V block (`bytes` each) that channel pair d's share of the score
  * pass stands for: bytes / (D / 2) of each, from d / 2 of those shares in. */
@@ -227,13 +223,11 @@ static inline __m512 exp_masked(__m512 x, __mmask16 keep) {
  * each K/V block is read once for all of them (from L1 after the first row), and the
  * rows' work overlaps where one row's blocks wait on each other's running max. A block
  * that leaves a row's running max as it was takes its correction, exp(0) = 1, without
- * calling expf. Neither changes a row's arithmetic, so neither changes its bits
- * (benchmarks/RESULTS.md, round nine). */
+ * calling expf. Neither changes a row's arithmetic, so neither changes its bits. */
 #define ROWS_PER_TASK 8
 /* Blocks per online-softmax step: one running max, one sum and at most one correction for
- * their keys, not one of each per block (a 2,040-token prompt's attention 24% faster at
- * avx2 and avx512f, 7-9% at avx512-bf16; 8 blocks gained nothing more; benchmarks/
- * RESULTS.md, round eleven). Every row steps from its first block, so a row's arithmetic
+ * their keys, not one of each per block (docs/decisions.md). Every row steps from its
+ * first block, so a row's arithmetic
  * is the same in any batch. */
 #define STEP_BLOCKS 4
 
@@ -266,7 +260,7 @@ static inline uint16_t bf16_store(float f) {  /* round to nearest even (no NaN h
  * and combined once every task has run. Else a task runs all the parts of its run in
  * turn, its partials in a buffer of its own, and combines them at its end (a long
  * prompt's chunk: nothing written beyond the cache). Spreading tasks that already shared
- * evenly measured slower (benchmarks/RESULTS.md, round sixteen). */
+ * evenly measured slower. */
 #define PART_KEYS 512
 #define PART_BLOCKS (PART_KEYS / BS)
 #if PART_BLOCKS < 1 || PART_BLOCKS % STEP_BLOCKS || PART_BLOCKS % 2
@@ -441,7 +435,7 @@ static inline int step_blocks(int64_t rest, int *n) {
  * FMAs, and each accumulator adds the tokens in order. With 32 vector registers every
  * channel chunk's accumulators stay in them through the block; with AVX2's 16 they
  * spilled to memory at every token, so there the chunks go two at a time where G <= 4
- * (PV_CHUNKS), else one (benchmarks/RESULTS.md, rounds nine and twenty-five). */
+ * (PV_CHUNKS), else one. */
 #if defined(__AVX512F__)
 #define PV_BLOCK(VALS)                                                                    \
     do {                                                                                  \
@@ -508,8 +502,7 @@ static inline void vec_row_flush(vec_row *r, float *dest) {
  * for most models). Two pieces where 2G accumulators and their key vectors fit in the
  * registers (16 at AVX2). Every row takes the same passes over its blocks, so its bits
  * still do not depend on the batch (the library is built with -ffast-math: the bits are
- * this code's, not those of the one-piece loop it replaced; with the two-chunk PV_BLOCK a
- * 1,900-token decode's attention took 17-24% less time on an AVX2 Zen 3, RESULTS.md).
+ * this code's, not those of the one-piece loop it replaced; docs/decisions.md).
  * The lead row's pass also fetches the blocks AHEAD_BLOCKS after those it starts, a share
  * each channel pair (prefetch_share); it reads DEFINE_KERNEL's tab, bytes and nblk. */
 #define SCORE_PIECES (G <= 4 ? 2 : 1)
@@ -673,23 +666,22 @@ DEFINE_KERNEL(paged_attention_f32, float, f32_id, f32_id, float, keys2_f32, vals
 #if defined(__AVX512BF16__) && !defined(PREFER_FMA) && BS == 16 && D % 16 == 0
 /* bf16 with AVX-512 BF16 (and no tiles, or tiles not wanted; where model/device.py's
  * prefer_fma finds vdpbf16ps slower than the FMA, -DPREFER_FMA, the float32 kernel below
- * instead: on Emerald Rapids 0.78-0.81x the time for a 2,040-token prompt, decodes the
- * same, benchmarks/RESULTS.md): the same tasks and online softmax, with the dot products
+ * instead: docs/decisions.md): the same tasks and online softmax, with the dot products
  * done by vdpbf16ps on the cache's own pairs. q.k: each 32-bit lane of a K vector holds
  * a key's channels d, d + 1 (the layout above), so one vdpbf16ps against q's (d, d + 1)
  * pair adds both channels to 16 keys' scores, q taken as the bf16 it is and the scale
  * applied to the scores. p.v: a V vector holds 16 channels of a token pair, so the
  * probabilities go in as bf16 pairs, rounded as the AMX kernel rounds them, and the
  * running sum adds those rounded weights. Half the multiply-adds of the float32 version
- * and none of its conversions (16 decode rows: 12% faster with the cache in memory, 30%
- * in cache, benchmarks/RESULTS.md). A row's arithmetic is its own, so its bits do not
+ * and none of its conversions (docs/decisions.md). A row's arithmetic is its own, so its
+ * bits do not
  * depend on what else is in the call. */
 #define QK_CHAINS (D % 8 == 0 ? 4 : 1)
 /* Rows share a task as in DEFINE_KERNEL; a softmax step that leaves a row's running max
  * as it was skips its correction (exp(0) = 1: no expf, no rescaling), and a row's q.k
  * scores are computed two blocks at a time (each q broadcast serves both). Each row's
- * arithmetic is its own whatever else is in the call, so are its bits; a 2,040-token
- * prompt's attention took 25% less time (benchmarks/RESULTS.md, round nine). */
+ * arithmetic is its own whatever else is in the call, so are its bits
+ * (docs/decisions.md). */
 
 typedef struct {  /* one query row's online softmax over one K/V head's group */
     uint32_t qp[G][D / 2];  /* q's channel pairs, as bf16 pairs */
@@ -923,10 +915,10 @@ DEFINE_KERNEL(paged_attention_bf16, uint16_t, bf16_load, bf16_store, uint16_t, k
 /* The AMX register state for this process (common.h). 1 when usable. */
 int paged_attention_amx_init(void) { return amx_request(); }
 
-/* Blocks per softmax step (the tile code below takes two: tmm0 and tmm6). 4 made a
- * 2,040-token prompt's attention 6-9% faster still, and decodes whose K/V come from
- * memory up to 12% slower, whatever the prefetching tried (benchmarks/RESULTS.md, round
- * eighteen); a step's size is part of a row's arithmetic, so it is the same for every row. */
+/* Blocks per softmax step (the tile code below takes two: tmm0 and tmm6). 4 made prompts
+ * faster still and decodes whose K/V come from memory slower, whatever the prefetching
+ * tried (docs/decisions.md); a step's size is part of a row's arithmetic, so it is the
+ * same for every row. */
 #define STEP 2
 #define SPAN (STEP * BS)  /* keys per softmax step: blocks 2i and 2i + 1 */
 _Static_assert(SPAN == 32, "a step's probabilities are one vector of 32 bf16");
@@ -936,7 +928,7 @@ _Static_assert(SPAN == 32, "a step's probabilities are one vector of 32 bf16");
  * (rows x 16 channels fp32); tmm4: 16 channels of V (8 key pairs x 16 x 2); tmm5, tmm7: p
  * of the two blocks (rows x 16 keys bf16). `rows`: the query rows of a task (up to 16).
  * Tile loads, stores and dot products cost by the row, so a decode task (GROUP rows)
- * runs its tiles at that height rather than 16 (measured faster: benchmarks/RESULTS.md);
+ * runs its tiles at that height rather than 16 (measured faster);
  * each row's arithmetic is the same at any height. */
 static void configure_attention(int rows) {
     tile_config c;
@@ -972,9 +964,8 @@ static inline __mmask16 visible(int64_t last, int first) {
 }
 
 /* exp(x) for x <= 0, a probability rounded to bfloat16 next: vexp's steps (exp_split) with
- * common.h's cubic for 2^f in place of the degree-6 polynomial, three multiply-adds fewer (a
- * 2,040-token prompt's attention 7-13% faster; against float64 attention its error the
- * same, max 7.91e-3 and mean 1.13e-4; benchmarks/RESULTS.md, round eighteen). Lanes
+ * common.h's cubic for 2^f in place of the degree-6 polynomial, three multiply-adds fewer
+ * (docs/decisions.md). Lanes
  * outside `keep` are 0. */
 static inline __m512 exp_p(__m512 x, __mmask16 keep) {
     __m512 n;
@@ -1010,8 +1001,7 @@ static inline __attribute__((always_inline)) void softmax_row(group_state *st, i
     /* the step's two blocks as one vector of 32 bf16 (the upper half from the first
      * argument), and the weights p.v uses summed, a pair of keys a lane, by one dot
      * product with ones, where each block had been converted back to float32 and added
-     * (a 2,040-token prompt's attention 5-6% faster; benchmarks/RESULTS.md, round
-     * eighteen) */
+     * (docs/decisions.md) */
     const __m512bh p = _mm512_cvtne2ps_pbh(exp_p(_mm512_sub_ps(x[1], top), keep[1]),
                                            exp_p(_mm512_sub_ps(x[0], top), keep[0]));
     _mm512_store_si512((__m512i *)(st->p + i * SPAN), (__m512i)p);
@@ -1069,8 +1059,7 @@ typedef struct {
 
 /* The keys or values (kv) of the STEP blocks from n of the pass `cur`, those past its end
  * from the thread's next pass: fetched a step ahead, each as the step's own are done
- * with (both at the step's start kept decodes from memory 3-10% slower;
- * benchmarks/RESULTS.md, round eighteen). */
+ * with (both at the step's start kept decodes from memory slower). */
 PREFETCH_HELPER prefetch_step(const uint16_t *kv, const pass_blocks *cur,
                               const pass_blocks *next, int n, int KV, int kvh) {
     for (int b = n; b < n + STEP; ++b)

@@ -4,8 +4,7 @@
  * paged attention (paged_attention.c). It computes exactly what Block.forward does with
  * those kernels, in the same order on the same buffers, so the bits are the same; what it
  * saves is the interpreter between them: about seven Python calls, their argument
- * conversions and output allocations per layer (benchmarks/RESULTS.md has what that was
- * worth).
+ * conversions and output allocations per layer.
  *
  * The kernels live in their own libraries (the attention one is built per head size), so
  * they come in as function pointers. Each keeps its own OpenMP parallel regions. Built and

@@ -157,7 +157,7 @@ def _add_rms_norm_kernel(
 
 # rows per add_rms_norm program: one on a GPU (a row is a program's worth there); in the
 # interpreter a program costs host time whatever its size, so 64 (the suite's Triton
-# tests near their time with torch's norm: benchmarks/RESULTS.md)
+# tests near their time with torch's norm)
 NORM_ROWS = 64 if INTERPRET else 1
 
 

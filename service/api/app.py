@@ -86,8 +86,7 @@ def create_app(
                 # What loading made (the model's modules, the tokenizer's and the grammar
                 # engine's tables) lives as long as the process: out of the collector's
                 # sight, a full collection, which holds the GIL and so every stream, scans
-                # only what serving made since (the 180M checkpoint's server: 155-162 ms
-                # against ~0, benchmarks/RESULTS.md)
+                # only what serving made since (docs/decisions.md)
                 gc.collect()
                 gc.freeze()
                 app.state.serving = serving

@@ -19,7 +19,8 @@ from prometheus_client.registry import Collector
 from service.engine.output import RequestOutput
 from service.engine.stats import EngineSnapshot
 
-# 1 ms .. ~5 min: a CPU's seconds-long TTFT and a GPU's milliseconds both resolve.
+# from a millisecond to about five minutes: a CPU's seconds-long TTFT and a GPU's
+# milliseconds both resolve.
 LATENCY_BUCKETS = (
     0.001,
     0.0025,
@@ -41,7 +42,7 @@ LATENCY_BUCKETS = (
     163.84,
     327.68,
 )
-# 1 ms .. ~10 s, finer at the low end: per-token times.
+# from a millisecond to about ten seconds, finer at the low end: per-token times.
 TOKEN_BUCKETS = (
     0.001,
     0.002,

@@ -48,8 +48,8 @@ class AsyncEngine:
     """`build` runs in the engine thread, which then steps the engine: all of PyTorch's
     work (loading, warm-up, every forward) stays on that one thread. On the CPU a second
     thread running torch ops gets its own OpenMP team; with more OpenMP threads than
-    cores their workers sleep between ops, which measured 1.7x slower per token
-    (benchmarks/RESULTS.md)."""
+    cores their workers sleep between ops, which is far slower per token
+    (docs/decisions.md)."""
 
     def __init__(self, build: Callable[[], LLMEngine], stuck_after_s: float = 60.0) -> None:
         self._build = build

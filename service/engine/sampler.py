@@ -207,8 +207,8 @@ class Sampler:
         """The drawn ids (B,) and the rows' CDFs (B, V). inplace: logits (fp32) may be
         overwritten. One (B, V) buffer, edited in place:
         x - max, over the temperature, top_k, exp (unnormalised probabilities: the draw
-        scales u by each row's mass), the CDF. On the CPU each pass over 16 x 128k floats
-        costs ~1 ms, and a new buffer as much again (its pages are touched the first time)."""
+        scales u by each row's mass), the CDF. On the CPU each pass over the logits costs,
+        and a new buffer as much again (its pages are touched the first time)."""
         params = [r.params for r in requests]
         peak = logits.amax(dim=-1, keepdim=True)
         scaled = logits.sub_(peak) if inplace else logits - peak
@@ -227,7 +227,7 @@ class Sampler:
                 kth = kth.masked_fill(~active, float("-inf"))
             below_k = scaled < kth
         probs = scaled.exp_()  # (B, V), each row's largest 1
-        if below_k is not None:  # zeroed after exp: exp of -inf measured 3x exp of a float
+        if below_k is not None:  # zeroed after exp: exp of -inf is the slower exp
             probs.masked_fill_(below_k, 0.0)
         if any(p.top_p < 1 for p in params):
             top_p = self.column([p.top_p for p in params])

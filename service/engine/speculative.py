@@ -39,8 +39,8 @@ if TYPE_CHECKING:
 
 # n-gram lookup: the longest suffix of 4 down to 2 tokens that occurred before
 NGRAM_MAX, NGRAM_MIN = 4, 2
-# the measured rule: steps between probes of the way not taken, and the moving average's
-# weight of a new step (~10 steps of memory: the VM's step times move 10-20% between steps)
+# steps between probes of the way not taken, and the moving average's weight of a new
+# step (~10 steps of memory, against step times' noise: docs/decisions.md)
 PROBE_EVERY, EMA_WEIGHT = 16, 0.1
 
 

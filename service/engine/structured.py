@@ -1,6 +1,6 @@
 """Structured outputs: a request's output held to a JSON Schema, any JSON object, a regex,
 one of a list of choices, or a grammar (Lark, or GBNF converted to it), by llguidance
-(chosen by measurement against xgrammar and outlines-core: benchmarks/RESULTS.md).
+(chosen by measurement against xgrammar and outlines-core: docs/decisions.md).
 
 Each constrained sequence has a `Guide` (its matcher). service/engine/structured_sampling.py decides
 which rows need their `Masks` and when (after the step's first choices; on a GPU also

@@ -39,8 +39,8 @@ from service.engine.request import Request, SamplingParams
 from service.engine.sampler import Sampler, SampleResult
 from service.engine.structured import Masks
 
-# further choices a rejected plain row tries before its mask: the grammar checks one
-# token in ~2 us, a mask costs 20 us to 1.5 ms at 100k tokens (benchmarks/RESULTS.md)
+# further choices a rejected plain row tries before its mask: checking a token is far
+# cheaper than computing a mask over the vocabulary (docs/decisions.md)
 CANDIDATES = 8
 # a mask allowing at most this many tokens: the choice reads those tokens' logits alone
 # (the grammar's structure: a quote, a comma, a digit) instead of the whole vocabulary

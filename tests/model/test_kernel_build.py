@@ -70,9 +70,8 @@ def mnemonics_of(found: dict[str, list[str]], entry: str) -> list[str]:
 @pytest.mark.parametrize("level", list(ISA_LEVELS))
 def test_linear_tiles_keep_their_k_step_prefetch(level: str, tmp_path: Path) -> None:
     """linear_vec.c's tiles fetch the weights PREFETCH bytes ahead into L1 (prefetch_step,
-    prefetcht0) in the bf16 and the int8 linears: without it, one row's layers took
-    1.14x and the head 1.27x as long at avx512-bf16 (benchmarks/RESULTS.md, round
-    seventeen)."""
+    prefetcht0) in the bf16 and the int8 linears: without it one row's linears took far
+    longer (docs/decisions.md)."""
     found = functions("linear_vec.c", VECTOR_FLAGS, level, tmp_path)
     for entry in ("linear_bf16_vec", "linear_int8"):
         assert "prefetcht0" in mnemonics_of(found, entry), entry
