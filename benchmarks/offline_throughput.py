@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from results import record
 
 from model.audit import weight_bytes
 from model.device import DTYPES, dtype_name
@@ -200,6 +201,9 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--json", type=Path, default=OUT / "offline_throughput.json")
+    ap.add_argument(
+        "--no-record", dest="record", action="store_false", help="leave docs/results.md as is"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -241,6 +245,23 @@ def main() -> None:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2))
     print(f"\nwrote {args.json}")
+    if args.record:
+        record("offline_throughput", headline(results, args))
+
+
+def headline(results: dict, args: argparse.Namespace) -> dict[str, str]:
+    """The run's numbers for the results table."""
+    rows = {}
+    shape = f"SmolLM2-135M shape, {args.requests} x ({args.prompt_len} in, {args.output_len} out)"
+    for run in results["runs"]:
+        rows[f"{shape}, {run['dtype']}"] = f"{run['batch']['output_tok_s']:.1f} tok/s" + (
+            f", {run['x_hf']:.2f}x transformers generate" if "x_hf" in run else ""
+        )
+        rows[f"one request's decode, {run['dtype']}"] = (
+            f"{run['single']['decode_ms_per_token']:.2f} ms/token, "
+            f"{run['single']['x_floor']:.2f}x the weight-bandwidth floor"
+        )
+    return rows
 
 
 def print_table(results: dict) -> None:

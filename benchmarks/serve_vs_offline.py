@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 from offline_throughput import OUT, checkpoint, run_batch
+from results import record
 
 from model.device import pick_device, pick_dtype
 from model.loader import load
@@ -53,6 +54,9 @@ def main() -> None:
         help="both sides; 0: no cap (default: the server's default for the device)",
     )
     ap.add_argument("--json", type=Path, default=OUT / "serve_vs_offline.json")
+    ap.add_argument(
+        "--no-record", dest="record", action="store_false", help="leave docs/results.md as is"
+    )
     args = ap.parse_args()
     path = args.model or checkpoint(OUT / "smollm2-135m-random")
     conc, n = args.concurrency, args.requests or 4 * args.concurrency
@@ -129,6 +133,17 @@ def main() -> None:
     print(f"wrote {args.json}")
     if any(p["http"]["errors"] for p in pairs):
         sys.exit(1)
+    if args.record:
+        shape = "SmolLM2-135M shape" if args.model is None else args.model.name
+        record(
+            "serve_vs_offline",
+            {
+                f"HTTP against offline, {shape}, {args.dtype}, {conc} streams": (
+                    f"{100 * result['median_ratio']:.1f}% (median of {len(pairs)} pairs; "
+                    f"{http_med:.0f} against {off_med:.0f} tok/s)"
+                )
+            },
+        )
 
 
 def print_pair(i: int, pair: dict, conc: int) -> None:
