@@ -42,7 +42,7 @@ class LLMEngine:
         draft model (--speculative-method draft)."""
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
         self.observer = observer
-        parts = parts or assemble(model, tokenizer, settings, draft)
+        parts = parts if parts is not None else assemble(model, tokenizer, settings, draft)
         self.max_num_seqs, self.max_model_len = parts.max_num_seqs, parts.max_model_len
         self.backend, self.ranks, self.kv_cache = parts.backend, parts.ranks, parts.kv_cache
         self.blocks, self.scheduler, self.runner = parts.blocks, parts.scheduler, parts.runner
