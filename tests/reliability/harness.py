@@ -93,14 +93,16 @@ def _install_fault(spec: str) -> None:
         LLMEngine.add_request = failing_add  # type: ignore[method-assign]
         return
     if kind == "raise-in-update":
-        stop_reason = LLMEngine._stop_reason
+        from service.engine.postprocess import PostProcessor
 
-        def failing_stop(self: LLMEngine, request: Any, new_token: int) -> Any:
+        stop_reason = PostProcessor._stop_reason
+
+        def failing_stop(self: PostProcessor, request: Any, new_token: int) -> Any:
             if token in request.prompt_ids:
                 raise RuntimeError(f"injected fault while taking a token (token {token})")
             return stop_reason(self, request, new_token)
 
-        LLMEngine._stop_reason = failing_stop  # type: ignore[method-assign]
+        PostProcessor._stop_reason = failing_stop  # type: ignore[method-assign]
         return
     if kind == "raise-in-observer":
         from service.api.metrics import Metrics
