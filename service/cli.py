@@ -63,12 +63,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     n = 0
     model = loaded.model
-    backend = select_backend("auto", device, dtype, model.cfg, block_size=16)
+    block_size = 16  # the cache is this run's alone: any size the backend takes
+    backend = select_backend("auto", device, dtype, model.cfg, block_size)
     for token in generate(
         model,
         prompt,
         args.max_tokens,
         backend=backend,
+        block_size=block_size,
         temperature=args.temperature,
         eos_ids=tok.eos_ids,
         seed=args.seed,

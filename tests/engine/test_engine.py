@@ -6,12 +6,11 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from model.generate import generate
 from service.engine.batch import SchedulerOutput
 from service.engine.engine import ContextLengthError, LLMEngine
 from service.engine.request import ParamError, SamplingParams
 from tests.engine.helpers import greedy, make_engine, run_all, small_model, tokens_of
-from tests.model.backends import auto_backend
+from tests.model.backends import generate_auto
 
 MODEL = small_model()
 # the engine reading each step's tokens before the next is scheduled, and queueing the next
@@ -32,10 +31,7 @@ def mixed_requests(n: int, seed: int = 0) -> dict[str, tuple[list[int], Sampling
 
 def alone(requests: dict) -> dict[str, list[int]]:
     return {
-        rid: list(
-            generate(MODEL, p, params.max_tokens, backend=auto_backend(MODEL.cfg, MODEL.dtype))
-        )
-        for rid, (p, params) in requests.items()
+        rid: generate_auto(MODEL, p, params.max_tokens) for rid, (p, params) in requests.items()
     }
 
 
@@ -311,10 +307,7 @@ def test_non_finite_logits_fail_that_request_alone(async_scheduling: str) -> Non
     model = small_model(tie_embeddings=False)
     requests = {k: v for k, v in mixed_requests(8, seed=7).items() if 13 not in v[0]}
     clean = {
-        rid: list(
-            generate(model, p, params.max_tokens, backend=auto_backend(model.cfg, model.dtype))
-        )
-        for rid, (p, params) in requests.items()
+        rid: generate_auto(model, p, params.max_tokens) for rid, (p, params) in requests.items()
     }
     with torch.no_grad():
         model.embed.weight[13] = float("nan")

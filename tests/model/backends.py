@@ -8,6 +8,7 @@ import torch
 
 from model.backends import Backend, select_backend
 from model.config import ModelConfig
+from model.generate import generate
 from tests.require import missing
 
 BACKENDS = ("cpu", "torch", "triton")
@@ -27,6 +28,12 @@ def make_backend(
 def auto_backend(cfg: ModelConfig, dtype: torch.dtype, block_size: int = 16) -> Backend:
     """What the engine chooses on this CPU for this shape (`auto`)."""
     return select_backend("auto", torch.device("cpu"), dtype, cfg, block_size)
+
+
+def generate_auto(model, prompt_ids: list[int], max_new_tokens: int, **kw: object) -> list[int]:
+    """model/generate.py's tokens on the backend `auto` chooses here, its default block size."""
+    backend = auto_backend(model.cfg, model.dtype)
+    return list(generate(model, prompt_ids, max_new_tokens, backend=backend, **kw))
 
 
 def block_size_for(name: str, wanted: int) -> int:

@@ -7,16 +7,11 @@ import torch
 
 from model.demo import DEMO_MODEL_ID, build_demo_model
 from model.device import pick_dtype
-from model.generate import generate as generate_with
 from model.loader import load
 from model.tokenizer import TokenizerError
-from tests.model.backends import auto_backend
+from tests.model.backends import generate_auto
 from tests.model.hf_checkpoints import write_llama
 from tests.model.test_config import LLAMA_HF
-
-
-def generate(model, prompt: list[int], n: int, **kw: object) -> object:
-    return generate_with(model, prompt, n, backend=auto_backend(model.cfg, model.dtype), **kw)
 
 
 def test_demo_model_is_deterministic_and_fast() -> None:
@@ -28,10 +23,10 @@ def test_demo_model_is_deterministic_and_fast() -> None:
     for (n, a), (_, b) in zip(loaded.model.named_parameters(), other.named_parameters()):
         assert torch.equal(a, b), n
     prompt = loaded.tokenizer.encode("The quick brown fox")
-    a = list(generate(loaded.model, prompt, 8))
-    assert a == list(generate(other, prompt, 8)) and len(a) == 8
-    s1 = list(generate(other, prompt, 8, temperature=1.0, seed=3))
-    assert s1 == list(generate(other, prompt, 8, temperature=1.0, seed=3))
+    a = generate_auto(loaded.model, prompt, 8)
+    assert a == generate_auto(other, prompt, 8) and len(a) == 8
+    s1 = generate_auto(other, prompt, 8, temperature=1.0, seed=3)
+    assert s1 == generate_auto(other, prompt, 8, temperature=1.0, seed=3)
 
 
 def test_tokenizer_larger_than_vocab_is_refused(tmp_path: Path) -> None:
@@ -43,9 +38,9 @@ def test_tokenizer_larger_than_vocab_is_refused(tmp_path: Path) -> None:
 def test_generate_rejects_overlong_requests() -> None:
     model = build_demo_model()
     with pytest.raises(ValueError, match="context length"):
-        list(generate(model, [1] * 4000, 200))
+        generate_auto(model, [1] * 4000, 200)
     with pytest.raises(ValueError, match="at least one token"):
-        list(generate(model, [], 2))
+        generate_auto(model, [], 2)
 
 
 def test_cli_generate_and_audit(capsys: pytest.CaptureFixture[str]) -> None:

@@ -6,10 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.generate import generate
 from model.kv_cache import PagedKVCache
 from model.weights import load_model
-from tests.model.backends import BACKENDS, auto_backend, make_backend
+from tests.model.backends import BACKENDS, generate_auto, make_backend
 from tests.model.hf_checkpoints import write_gpt2, write_llama, write_qwen2
 
 pytestmark = pytest.mark.slow
@@ -42,9 +41,7 @@ def test_logits_and_greedy_match_transformers(family: str, tmp_path: Path) -> No
         attention_mask=torch.ones(1, 16, dtype=torch.long),
         pad_token_id=0,
     )[0, 16:].tolist()
-    our_out = list(
-        generate(ours, prompt.tolist(), 32, backend=auto_backend(ours.cfg, ours.dtype))
-    )  # no eos: 32 tokens like min_new_tokens
+    our_out = generate_auto(ours, prompt.tolist(), 32)  # no eos: 32 tokens like min_new_tokens
     assert our_out == hf_out
 
 
