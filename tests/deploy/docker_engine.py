@@ -136,11 +136,10 @@ def base_images(engine: Engine, workdir: Path) -> bool:
     return engine.image_label(BASE_IMAGE, STAND_IN_LABEL) == STAND_IN_REV
 
 
-def _host_index() -> tuple[str, str | None]:
-    """The index the host's pip uses, and the CA bundle it trusts (None: the default)."""
+def _host_index() -> str:
+    """The index the host's pip uses."""
     index = os.environ.get("PIP_INDEX_URL") or _pip_config("global.index-url")
-    cert = os.environ.get("PIP_CERT") or _pip_config("global.cert")
-    return index or "https://pypi.org/simple", cert
+    return index or "https://pypi.org/simple"
 
 
 def _pip_config(key: str) -> str | None:
@@ -164,7 +163,7 @@ def _build_base(engine: Engine, root: Path) -> None:
     for crt in Path("/usr/local/share/ca-certificates").glob("*.crt"):
         shutil.copy(crt, root / "usr/local/share/ca-certificates" / crt.name)
     run("chroot", str(root), "update-ca-certificates")
-    index, _ = _host_index()
+    index = _host_index()
     (root / "etc/pip.conf").write_text(
         f"[global]\nindex-url = {index}\ncert = /etc/ssl/certs/ca-certificates.crt\n"
         f"trusted-host = {BRIDGE_GATEWAY}\ndisable-pip-version-check = 1\n"

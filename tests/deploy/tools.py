@@ -105,10 +105,10 @@ def empty_dashboard_queries(prom: str, rate_window: str, wait_s: float) -> list[
     """The dashboard's queries that return no data from the Prometheus at `prom`, asked
     again for up to wait_s while any is empty (scrapes lag on a loaded machine); a query
     Prometheus rejects fails at once."""
-    deadline = time.monotonic() + wait_s
+    deadline, queries = time.monotonic() + wait_s, dashboard_queries()
     while True:
         empty = []
-        for title, expr in dashboard_queries():
+        for title, expr in queries:
             query = expr.replace("$__rate_interval", rate_window)
             resp = httpx.get(prom + "/api/v1/query", params={"query": query}, timeout=10)
             body = resp.json()
