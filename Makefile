@@ -47,9 +47,10 @@ reliability: $(STAMP) $(SYSDEPS)
 fuzz: $(STAMP)
 	KVSERVE_FUZZ=random $(PY) -m pytest -q tests/reliability/test_fuzz.py $(PYTEST_ARGS)
 
-# without the parity runs against transformers and the reliability scenarios
+# without the parity runs against transformers and the reliability scenarios, and the
+# kernel tests at this CPU's own ISA level, each once (make test runs the whole matrix)
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow and not reliability" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow and not reliability" --kernel-matrix native $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

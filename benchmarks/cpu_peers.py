@@ -40,8 +40,8 @@ from typing import Any
 import torch
 
 from model.audit import batch_floor
-from model.device import cpu_flags, cpu_isa, native_isa
-from model.hardware import bf16_kernel_rate, matmul_throughput, memory_bandwidth
+from model.backends.cpu.isa import cpu_flags, cpu_isa, native_isa
+from model.backends.machine import bf16_kernel_rate, matmul_throughput, memory_bandwidth
 from model.weights import load_config
 from service import bench
 from service.bench_cli import wait_healthy
@@ -125,7 +125,7 @@ COMPUTE: list[float] = []  # bf16 FLOP/s, one probe per concurrent round
 
 
 def bf16_matmul_rate() -> float:
-    """The best rate a step's bf16 matmuls reach here (model.hardware.matmul_throughput:
+    """The best rate a step's bf16 matmuls reach here (model.backends.machine.matmul_throughput:
     kvserve's bf16 linear kernel or PyTorch's bf16 matmul, whichever is faster), the
     kernel's alone where KVSERVE_CPU_ISA holds the kernels below the CPU's own level:
     oneDNN would still use the CPU's best units (AMX), a ceiling the servers under test

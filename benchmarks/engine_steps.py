@@ -31,12 +31,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from model.device import DTYPES, cpu_isa
+from benchmarks.common import OUT
+from model.backends.cpu.isa import cpu_isa
+from model.backends.device import DTYPES
 from service.build import build
 from service.config import Settings
 from service.engine.request import SamplingParams
 
-OUT = Path(__file__).parent / "out"
 MODEL = Path(__file__).resolve().parents[1].parent / "peers" / "models" / "llama-cl100k-135m"
 COLUMNS = ("batch1_prefill", "batch1_decode", "batch16_first", "batch16_decode", "long_prefill")
 

@@ -24,40 +24,31 @@ seconds) so that the script itself is tested where there is no GPU.
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from offline_throughput import OUT, SMOLLM2_135M, run_batch, run_single, write_tokenizer
 
+from benchmarks.common import (
+    OUT,
+    SHAPES,
+    SMOKE,
+    checkpoint,
+    engine_for,
+    run_batch,
+    run_single,
+    sync,
+    write_json,
+)
 from model.audit import count_params, weight_bytes
-from model.hardware import matmul_throughput
-from model.loader import load
+from model.backends.machine import matmul_throughput
 from service import bench
 from service.bench_cli import spawn
 from service.config import Settings
 from service.engine.engine import LLMEngine
 
-LLAMA_32_1B = dict(
-    vocab_size=128256,
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_hidden_layers=16,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    max_position_embeddings=4096,
-    rope_theta=500000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=True,
-    bos_token_id=0,
-    eos_token_id=0,
-)
-SMOKE = dict(SMOLLM2_135M, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, vocab_size=2048)  # fmt: skip
-SHAPES = {"llama-3.2-1b": LLAMA_32_1B, "smollm2-135m": SMOLLM2_135M}
 MIXED = dict(logprobs=1, frequency_penalty=0.5)  # what some of the offline requests ask for
 
 
@@ -73,28 +64,6 @@ def copy_bandwidth(device: torch.device, mib: int = 1024) -> float:
         sync(device)
         best = min(best, time.perf_counter() - t0)
     return 2 * x.numel() * 4 / best
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def checkpoint(path: Path, shape: dict, dtype: torch.dtype) -> Path:
-    if not (path / "config.json").exists():
-        import transformers as tf
-
-        torch.manual_seed(0)
-        model = tf.LlamaForCausalLM(tf.LlamaConfig(**shape)).to(dtype)
-        model.save_pretrained(path)
-    if not (path / "tokenizer.json").exists():
-        write_tokenizer(path, shape["vocab_size"])
-    return path
-
-
-def engine_for(path: Path, device: torch.device, dtype: torch.dtype, **settings) -> LLMEngine:
-    loaded = load(path, dtype, device)
-    return LLMEngine(loaded.model, loaded.tokenizer, Settings(**settings))
 
 
 def kv_blocks(args) -> int:
@@ -268,7 +237,7 @@ def main() -> None:
     results: dict[str, dict] = {}
     for name, shape in shapes.items():  # a run cut short keeps the shapes it finished
         results[name] = measure(name, shape, args, device)
-        write_json(args.json, gpu, results)
+        write_json(args.json, {"device": gpu, "torch": torch.__version__, "results": results})
     print(f"\ndevice: {gpu}, torch {torch.__version__}")
     print("(sync: async scheduling off, each step's tokens read before the next is queued)")
     print(f"{'model':14s} {'floor ms':>9s} {'graphs ms':>10s} {'sync ms':>8s} {'eager ms':>9s} "
@@ -285,12 +254,6 @@ def main() -> None:
         m = r["offline_mixed_tok_s"]
         print(f"{name}: offline with every 8th request asking for logprobs and a penalty: "
               f"{m['async']:.1f} tok/s async, {m['read_each_step']:.1f} reading each step")  # fmt: skip
-    print(f"wrote {args.json}")
-
-
-def write_json(path: Path, gpu: str, results: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"device": gpu, "torch": torch.__version__, "results": results}, indent=2))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -20,9 +20,8 @@ import time
 from pathlib import Path
 
 import torch
-from gpu_bench import SHAPES, SMOKE, checkpoint, engine_for, sync
-from offline_throughput import OUT, run_batch
 
+from benchmarks.common import OUT, SHAPES, SMOKE, checkpoint, engine_for, run_batch, sync
 from service.engine.request import SamplingParams
 
 

@@ -33,7 +33,7 @@ from model.loader import load
 from service.config import Settings
 from service.engine.engine import LLMEngine
 from service.engine.request import SamplingParams
-from tests.model import hf_checkpoints as hf
+from tests import factories as hf
 
 ROOT = Path(__file__).resolve().parents[1]
 

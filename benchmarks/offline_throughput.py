@@ -6,162 +6,27 @@ client at that concurrency would); then one request alone (time to first token, 
 weight-bandwidth floor); then, when transformers is installed, HF `generate` at batch 8
 in the same dtype, in the same run. Prints a table and writes JSON.
 
-    python benchmarks/offline_throughput.py --dtype float32 bfloat16
+    PYTHONPATH=. .venv/bin/python benchmarks/offline_throughput.py --dtype float32 bfloat16
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from results import record
 
+from benchmarks.common import OUT, checkpoint, run_batch, run_single, write_json
+from benchmarks.results import record
 from model.audit import weight_bytes
-from model.device import DTYPES, dtype_name
-from model.hardware import memory_bandwidth
+from model.backends.device import DTYPES, dtype_name
+from model.backends.machine import memory_bandwidth
 from model.tokenizer import Tokenizer
 from model.weights import load_model
 from service.config import Settings
 from service.engine.engine import LLMEngine
-from service.engine.request import SamplingParams
-
-OUT = Path(__file__).parent / "out"
-SMOLLM2_135M = dict(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    max_position_embeddings=2048,
-    rope_theta=100000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=True,
-    bos_token_id=0,
-    eos_token_id=0,
-)
-
-
-def checkpoint(path: Path) -> Path:
-    """Write (once) a random-weight checkpoint with transformers' own save_pretrained, and
-    a byte-level BPE tokenizer.json trained here on Python's sources to the model's
-    vocabulary size, so that `kvserve serve` can serve the directory."""
-    if not (path / "config.json").exists():
-        import transformers as tf
-
-        torch.manual_seed(0)
-        model = tf.LlamaForCausalLM(tf.LlamaConfig(**SMOLLM2_135M))
-        model.save_pretrained(path)
-    if not (path / "tokenizer.json").exists():
-        write_tokenizer(path)
-    return path
-
-
-def _utf8(path: Path) -> bool:
-    try:
-        path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return True
-
-
-def write_tokenizer(path: Path, vocab_size: int = SMOLLM2_135M["vocab_size"]) -> None:
-    import sysconfig
-
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    # the whole standard library: enough text for one merge per vocabulary id, so that
-    # every id the random model samples decodes to text
-    files = [f for f in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")) if _utf8(f)]
-    tok.train([str(f) for f in files], trainer)
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
-
-
-class _StepKinds:
-    """An engine observer that notes whether each step was decodes only (one new token
-    per sequence)."""
-
-    def __init__(self) -> None:
-        self.decode_only = False
-
-    def on_step(self, seconds: float, num_tokens: int, num_seqs: int) -> None:
-        self.decode_only = num_tokens == num_seqs
-
-    def on_token_intervals(self, seconds: list[float]) -> None:
-        pass
-
-    def on_finished(self, output: object) -> None:
-        pass
-
-
-def run_batch(
-    engine: LLMEngine,
-    prompts: list[list[int]],
-    out_len: int,
-    extras: Callable[[int], dict] | None = None,
-) -> dict[str, float]:
-    """Every prompt as a greedy request of out_len tokens at once, run to the end;
-    extras(i): more SamplingParams fields for request i (none by default)."""
-    for i, p in enumerate(prompts):
-        more = extras(i) if extras is not None else {}
-        params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True, **more)
-        engine.add_request(f"b{i}-{time.monotonic_ns()}", p, params)
-    decode_times: list[float] = []
-    generated = 0
-    kinds, observer = _StepKinds(), engine.observer
-    engine.observer = kinds
-    t0 = time.perf_counter()
-    try:
-        while engine.has_unfinished():
-            s0 = time.perf_counter()
-            outs = engine.step()
-            dt = time.perf_counter() - s0
-            generated += sum(len(o.token_ids) for o in outs)
-            if outs and kinds.decode_only:
-                decode_times.append(dt)
-    finally:
-        engine.observer = observer
-    total = time.perf_counter() - t0
-    return {
-        "requests": len(prompts),
-        "output_tokens": generated,
-        "seconds": total,
-        "output_tok_s": generated / total,
-        "mean_decode_step_ms": 1000 * sum(decode_times) / max(1, len(decode_times)),
-    }
-
-
-def run_single(engine: LLMEngine, prompt: list[int], out_len: int) -> dict[str, float]:
-    params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
-    engine.add_request(f"single-{time.monotonic_ns()}", prompt, params)
-    t0 = time.perf_counter()
-    first = None
-    n = 0
-    while engine.has_unfinished():
-        outs = engine.step()
-        n += sum(len(o.token_ids) for o in outs)
-        if first is None and n:
-            first = time.perf_counter()
-    end = time.perf_counter()
-    assert first is not None
-    return {
-        "ttft_ms": 1000 * (first - t0),
-        "decode_ms_per_token": 1000 * (end - first) / max(1, n - 1),
-    }
 
 
 def run_hf(
@@ -242,9 +107,7 @@ def main() -> None:
         results["runs"].append(run)
         del engine, model
     print_table(results)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(results, indent=2))
-    print(f"\nwrote {args.json}")
+    write_json(args.json, results)
     if args.record:
         record("offline_throughput", headline(results, args))
 

@@ -10,7 +10,7 @@ run draws fresh prompts, so no run finds the last one's prefixes cached. On a sh
 machine two commands minutes apart differ on their own; this measures both sides within
 seconds of each other. Prints every pair and the medians; writes JSON.
 
-    python benchmarks/serve_vs_offline.py --concurrency 32 --pairs 6
+    PYTHONPATH=. .venv/bin/python benchmarks/serve_vs_offline.py --concurrency 32 --pairs 6
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import sys
 from pathlib import Path
 
 import torch
-from offline_throughput import OUT, checkpoint, run_batch
-from results import record
 
-from model.device import pick_device, pick_dtype
+from benchmarks.common import OUT, checkpoint, run_batch
+from benchmarks.results import record
+from model.backends.device import pick_device, pick_dtype
 from model.loader import load
 from service import bench
 from service.bench_cli import spawn

@@ -25,11 +25,11 @@ import dataclasses
 import random
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmarks.common import OUT
 from model.demo import init_weights
 from model.loader import load
 from model.transformer import Transformer
@@ -37,8 +37,6 @@ from service.bench_report import cpu_model, write_report
 from service.config import Settings
 from service.engine.engine import LLMEngine
 from service.engine.request import SamplingParams
-
-OUT = Path(__file__).parent / "out"
 
 
 def prompts(kind: str, n: int, vocab: int, seed: int) -> list[list[int]]:

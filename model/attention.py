@@ -8,7 +8,6 @@ from torch import Tensor, nn
 
 from model.backends.base import Backend
 from model.config import ModelConfig
-from model.layers import Linear
 from model.metadata import AttentionMetadata
 
 
@@ -20,8 +19,8 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv, self.d_head = cfg.n_heads, cfg.kv_heads, cfg.head_dim
         qkv_out = (self.n_heads + 2 * self.n_kv) * self.d_head
-        self.wqkv = Linear(cfg.d_model, qkv_out, bias=cfg.qkv_bias)
-        self.wo = Linear(self.n_heads * self.d_head, cfg.d_model, bias=cfg.attn_out_bias)
+        self.wqkv = nn.Linear(cfg.d_model, qkv_out, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(self.n_heads * self.d_head, cfg.d_model, bias=cfg.attn_out_bias)
 
     def forward(
         self,

@@ -8,7 +8,6 @@ from torch import Tensor
 
 from model.backends.base import Backend
 from model.config import ModelConfig
-from model.pages import HugeArena
 
 
 class PagedKVCache:
@@ -42,11 +41,7 @@ class PagedKVCache:
         # one more block than asked: the null block, always zero and never handed out,
         # pads block tables so padding never reads another request's K/V
         shape = (2, cfg.n_layers, num_blocks + 1, cfg.kv_heads * block_size * cfg.head_dim)
-        if torch.device(device).type == "cpu":  # read at every decode step: huge pages
-            nbytes = torch.Size(shape).numel() * dtype.itemsize
-            self.data = HugeArena(nbytes).empty(shape, dtype).zero_()
-        else:
-            self.data = torch.zeros(shape, dtype=dtype, device=device)
+        self.data = backend.kv_pool(shape, dtype, device)
         # views made once: a decode step asks for each layer's
         self._layers = backend.kv_views(self.data, cfg, num_blocks + 1, block_size)
         self._block_nbytes = self.data[:, :, 0].numel() * self.data.element_size()

@@ -9,89 +9,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.config import ModelConfig, RopeScaling
-from model.device import onednn_packs_bf16
-from model.kernels.linear import (
-    TILE_N,
-    int8_pack,
-    int8_supported,
-    swiglu_layout,
-    tile_layout,
-    tile_linear,
-    tile_linear_supported,
-)
-
-
-class Linear(nn.Linear):
-    """nn.Linear that can hand its weight to a CPU matmul kernel in a prepacked layout.
-
-    bf16 on the CPU, where the in features are a multiple of 32: kvserve's own kernels in
-    one layout for every batch size and instruction set (AMX tiles,
-    model/kernels/linear_bf16.c, or vector code, linear_vec.c), which compute each row the
-    same way whatever the batch; out features that are not whole 64-feature blocks (a
-    GPT-2 head's 50,257) get zero rows up to the next block, and the output is cut back.
-    Otherwise oneDNN's prepacked layout where the CPU lets oneDNN pack bf16
-    (model.device.onednn_packs_bf16), else F.linear. quantization='int8': the weight
-    becomes int8 with a float32 scale per output feature (linear_vec.c), where the in
-    features are a multiple of 4. pack() keeps only the packed copy (the parameter becomes
-    a meta tensor that still reports the shape), so it is the last thing done to a model.
-    """
-
-    _packed: Tensor | None = None  # oneDNN's layout
-    _tiles: Tensor | None = None  # tile_layout(), or int8_pack()'s blob when int8
-    _bias32: Tensor | None = None
-    int8 = False  # _tiles holds int8 weights
-    gated = False  # packed as a fused SwiGLU (pack(swiglu=True)): forward gives silu(g) * u
-    pad = 0  # zero output rows in _tiles past the weight's
-
-    def pack(self, swiglu: bool = False, quantization: str = "none") -> None:
-        """swiglu: this is the (gate | up) projection of a SwiGLU; where the kernels take
-        it, forward then returns silu(gate) * up in one pass (see `gated`)."""
-        w = self.weight.detach()
-        pad = -w.shape[0] % TILE_N
-        padded = F.pad(w, (0, 0, 0, pad)) if pad else w
-        int8 = quantization == "int8" and int8_supported(padded)
-        if int8 or tile_linear_supported(padded):
-            b = self.bias.detach().float() if self.bias is not None else None
-            if pad and b is not None:
-                b = F.pad(b, (0, pad))
-            self.gated = swiglu and not pad and w.shape[0] % 128 == 0
-            if self.gated:
-                padded, b = swiglu_layout(padded), swiglu_layout(b) if b is not None else None
-            self._tiles = (int8_pack if int8 else tile_layout)(padded)
-            self._bias32, self.int8, self.pad = b, int8, pad
-        elif onednn_packs_bf16():
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-        else:
-            return  # F.linear on the plain weight (see onednn_packs_bf16)
-        self.weight = nn.Parameter(
-            torch.empty(self.weight.shape, dtype=w.dtype, device="meta"), requires_grad=False
-        )
-
-    @property
-    def packed(self) -> bool:
-        return self._tiles is not None or self._packed is not None
-
-    @property
-    def kernel(self) -> str:
-        """What forward() runs: kvserve's 'int8' or 'bf16' kernel, 'onednn' (its
-        prepacked layout) or 'torch' (F.linear)."""
-        if self._tiles is not None:
-            return "int8" if self.int8 else "bf16"
-        return "onednn" if self._packed is not None else "torch"
-
-    def forward(self, x: Tensor) -> Tensor:
-        if self._tiles is not None:
-            n, k = self.weight.shape  # the meta weight's: the features before padding
-            shape = (n + self.pad, k) if self.int8 else None
-            out = tile_linear(x, self._tiles, self._bias32, self.gated, shape)
-            return out[..., :n].contiguous() if self.pad else out
-        if self._packed is None:
-            return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
-
-
-def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
 
 
 class RMSNorm(nn.Module):
@@ -133,16 +50,10 @@ class SwiGLU(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.d_ff = cfg.d_ff
-        self.w_in = Linear(cfg.d_model, 2 * cfg.d_ff, bias=cfg.mlp_bias)
-        self.w_out = Linear(cfg.d_ff, cfg.d_model, bias=cfg.mlp_bias)
-
-    def pack(self, quantization: str = "none") -> None:
-        self.w_in.pack(swiglu=True, quantization=quantization)
-        self.w_out.pack(quantization=quantization)
+        self.w_in = nn.Linear(cfg.d_model, 2 * cfg.d_ff, bias=cfg.mlp_bias)
+        self.w_out = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.w_in.gated:  # the tile kernel applied silu(gate) * up already
-            return self.w_out(self.w_in(x))
         gate, up = self.w_in(x).split(self.d_ff, dim=-1)  # (T, d_ff) each
         return self.w_out(F.silu(gate) * up)
 
@@ -160,8 +71,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.act = _ACTIVATIONS[cfg.ffn]
-        self.w_in = Linear(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias)
-        self.w_out = Linear(cfg.d_ff, cfg.d_model, bias=cfg.mlp_bias)
+        self.w_in = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias)
+        self.w_out = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.w_out(self.act(self.w_in(x)))

@@ -6,24 +6,13 @@ import torch
 from torch import Tensor, nn
 
 from model.attention import Attention
-from model.backends.base import Backend
+from model.backends.base import Backend, FusedLayers
 from model.backends.reference import REFERENCE
 from model.config import ModelConfig
 from model.kv_cache import PagedKVCache
-from model.layers import (
-    Linear,
-    SwiGLU,
-    alibi_slopes,
-    can_pack,
-    make_ffn,
-    make_norm,
-    rope_tables,
-    sinusoidal_table,
-)
+from model.layers import alibi_slopes, make_ffn, make_norm, rope_tables, sinusoidal_table
 from model.metadata import AttentionMetadata
-from model.pages import HugeArena
 from model.parallel import TensorParallel
-from model.stack import DecoderStack
 
 
 def _unsplit(x: Tensor) -> Tensor:
@@ -68,7 +57,8 @@ class Transformer(nn.Module):
 
     With `tp` (model/parallel.py) this is one rank's share of the model: its heads, FFN
     features and vocab rows; `cfg` stays the whole model's, `local_cfg` is the shapes this
-    rank holds (what its KV cache is laid out by)."""
+    rank holds (what its KV cache is laid out by). A backend's prepare may swap modules
+    for its own (the CPU's packed linears) and install `fused_layers`."""
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
@@ -79,12 +69,13 @@ class Transformer(nn.Module):
         if cfg.position == "learned":
             self.pos_embed = nn.Embedding(cfg.max_position, cfg.d_model)
         self.layers = nn.ModuleList(Block(self.local_cfg, tp) for _ in range(cfg.n_layers))
-        self._head: Linear | None = None  # packed copy of a tied head (pack_weights)
-        self._stack: DecoderStack | None = None  # the layers as one C call (pack_weights)
+        self.fused_layers: FusedLayers | None = None
         if cfg.norm_placement == "pre":
             self.norm = make_norm(cfg)
+        # None: the head is the embedding table (until a backend packs a copy of it)
+        self.lm_head: nn.Module | None = None
         if not cfg.tie_embeddings:
-            self.lm_head = Linear(cfg.d_model, vocab, bias=False)
+            self.lm_head = nn.Linear(cfg.d_model, vocab, bias=False)
         self.rebuild_tables(self.embed.weight.device)
 
     def rebuild_tables(self, device: torch.device) -> None:
@@ -110,37 +101,6 @@ class Transformer(nn.Module):
         out = super()._apply(fn, recurse)
         self.rebuild_tables(self.embed.weight.device)
         return out
-
-    def pack_weights(self, quantization: str = "none") -> bool:
-        """Prepack every linear weight (CPU bf16): kvserve's kernel layout where the shape
-        allows (a SwiGLU's gate and up fused), int8 with quantization='int8', oneDNN's
-        elsewhere. The model cannot be moved or re-typed afterwards. Returns whether it
-        packed."""
-        if not can_pack(self.device, self.dtype):
-            return False
-        if self.cfg.tie_embeddings and self._head is None:
-            # The lookup keeps the plain table; the head gets a packed copy (vocab x d
-            # more bytes, less in int8) in the linears' layout.
-            head = Linear(*self.embed.weight.shape[::-1], bias=False, device="meta")
-            head.weight = nn.Parameter(self.embed.weight.detach(), requires_grad=False)
-            head.pack(quantization=quantization)
-            self._head = head
-        for module in self.modules():  # a SwiGLU comes before its linears and packs both
-            ffn = isinstance(module, SwiGLU) and not module.w_in.packed
-            if ffn or (isinstance(module, Linear) and not module.packed):
-                module.pack(quantization=quantization)
-        self._gather_packed()
-        if self.tp is None:  # the one-call stack has no all-reduce between its layers
-            self._stack = DecoderStack.build(self.cfg, self.layers, getattr(self, "norm", None))
-        return True
-
-    def _gather_packed(self) -> None:
-        """Every kvserve-layout weight into one huge-page arena (model/pages.py), each
-        original dropped as its copy lands, so the model never holds two of them all."""
-        linears = [m for m in self.modules() if isinstance(m, Linear) and m._tiles is not None]
-        arena = HugeArena(HugeArena.size_of([m._tiles for m in linears]))
-        for m in linears:
-            m._tiles = arena.take(m._tiles)
 
     @property
     def device(self) -> torch.device:
@@ -182,8 +142,8 @@ class Transformer(nn.Module):
         if self._rope is not None:
             rope = (self._rope[0][positions], self._rope[1][positions])  # (T, dh) each
         backend = kv_cache.backend if kv_cache is not None else REFERENCE
-        if self._stack is not None and self._stack.takes(kv_cache, meta):
-            x = self._stack.forward(x, meta, rope)  # the layers and the final norm
+        if self.fused_layers is not None and self.fused_layers.takes(kv_cache, meta):
+            x = self.fused_layers.forward(x, meta, rope)  # the layers and the final norm
         else:
             delta = None
             for i, layer in enumerate(self.layers):
@@ -195,12 +155,8 @@ class Transformer(nn.Module):
             if not logits_indices.numel():  # the K/V were the point: no head (on any rank)
                 return x.new_empty((0, self.cfg.vocab_size))
             x = x.index_select(0, logits_indices)
-        if self._head is not None:
-            logits = self._head(x)
-        elif not self.cfg.tie_embeddings:
-            logits = self.lm_head(x)
-        else:
-            logits = x @ self.embed.weight.t()  # (T, V), or (T, vocab rows) on a rank
+        # no head module: the embedding table, (T, V) or (T, vocab rows) on a rank
+        logits = self.lm_head(x) if self.lm_head is not None else x @ self.embed.weight.t()
         if self.tp is not None:
             return self.tp.gather_vocab(logits, self.cfg.vocab_size)
         return logits

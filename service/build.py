@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from model.audit import audit, floors
-from model.device import dtype_name, pick_device, pick_dtype
-from model.hardware import matmul_throughput, memory_bandwidth
+from model.backends.device import dtype_name, pick_device, pick_dtype
+from model.backends.machine import matmul_throughput, memory_bandwidth
 from model.hub import ModelNotFound, ModelSource, resolve
 from model.loader import load
 from model.parallel import TensorParallel, join, unsplittable

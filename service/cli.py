@@ -43,7 +43,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 @_with_torch
 def _cmd_generate(args: argparse.Namespace) -> int:
     from model.backends import select_backend
-    from model.device import dtype_name, pick_device, pick_dtype
+    from model.backends.device import dtype_name, pick_device, pick_dtype
     from model.generate import generate
     from model.loader import load
 
@@ -90,7 +90,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 @_with_torch
 def _cmd_audit(args: argparse.Namespace) -> int:
     from model.audit import audit
-    from model.device import dtype_name, pick_device, pick_dtype
+    from model.backends.device import dtype_name, pick_device, pick_dtype
     from model.loader import load
 
     device = pick_device(args.device)
@@ -121,8 +121,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     import torch
 
     from model.audit import plan
-    from model.device import dtype_name, pick_device, pick_dtype
-    from model.hardware import Machine
+    from model.backends.device import dtype_name, pick_device, pick_dtype
+    from model.backends.machine import Machine
 
     cfg = _plan_config(args)
     device = pick_device(args.device)

@@ -21,7 +21,7 @@ import os
 import torch
 
 from model.backends import cpu as cpu_backend
-from model.backends import triton_backend
+from model.backends import triton as triton_backend
 from model.backends.base import Backend
 from model.backends.reference import REFERENCE, TorchBackend
 from model.config import ModelConfig

@@ -28,6 +28,19 @@ def flag_non_finite(tokens: Tensor, row_max: Tensor) -> list[int]:
     return mark_non_finite(tokens, row_max).tolist()
 
 
+class FusedLayers(Protocol):
+    """The decoder layers and the final norm as one call, which a backend's prepare may
+    install on a model (Transformer.fused_layers) for the steps it takes."""
+
+    def takes(self, kv_cache: Any, meta: AttentionMetadata) -> bool:
+        """Whether forward() runs this step (its cache and metadata)."""
+        ...
+
+    def forward(self, x: Tensor, meta: AttentionMetadata, rope: tuple[Tensor, Tensor]) -> Tensor:
+        """Embeddings (T, d) -> the final norm's output (T, d)."""
+        ...
+
+
 class Backend(Protocol):
     """How this machine runs the model's hardware-bound parts: the KV layout, the step's
     metadata, RoPE + KV store, attention, the residual add + norm, the linears' weight
@@ -43,6 +56,12 @@ class Backend(Protocol):
 
     def check_cache(self, cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> None:
         """Raise ValueError if this backend's cache cannot take this shape."""
+        ...
+
+    def kv_pool(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
+    ) -> Tensor:
+        """The zeroed KV pool (2, layers, blocks, elements) the cache views."""
         ...
 
     def kv_views(

@@ -49,6 +49,12 @@ class TorchBackend:
     def check_cache(self, cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> None:
         """Raise ValueError if this backend's cache cannot take this shape."""
 
+    def kv_pool(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
+    ) -> Tensor:
+        """The zeroed KV pool (2, layers, blocks, elements) the cache views."""
+        return torch.zeros(shape, dtype=dtype, device=device)
+
     def kv_views(
         self, data: Tensor, cfg: ModelConfig, num_blocks: int, block_size: int
     ) -> list[tuple[Tensor, Tensor]]:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from model.audit import kv_bytes_per_token
-from model.device import dtype_name
+from model.backends.device import dtype_name
 from model.transformer import Transformer
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ import httpx
 
 from model.audit import kv_bytes_per_token
 from model.demo import demo_config
-from tests.live_server import start_server
+from tests.factories import start_server
 
 
 def test_kv_oversubscription_is_429_with_retry_after(tmp_path) -> None:

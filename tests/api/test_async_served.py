@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from tests.api.test_disconnect import aborted, stream
-from tests.live_server import Server, start_server
+from tests.factories import Server, start_server
 
 
 @pytest.fixture(scope="module")

@@ -6,11 +6,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.live_server import start_server
+from tests.factories import start_server, write_gpt2, write_llama, write_qwen2, write_tokenizer
 from tests.model.backends import make_backend
-from tests.model.hf_checkpoints import write_gpt2, write_llama, write_qwen2, write_tokenizer
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.interpreter]
 
 WRITERS = {
     "llama_gqa": lambda p: write_llama(p, tied=False),

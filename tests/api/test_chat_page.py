@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from tests.live_server import Server
+from tests.factories import Server
 from tests.require import missing
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"

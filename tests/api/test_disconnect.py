@@ -6,7 +6,7 @@ import json
 
 import httpx
 
-from tests.live_server import Server
+from tests.factories import Server
 
 
 async def stream(

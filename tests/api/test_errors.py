@@ -6,7 +6,7 @@ import json
 import httpx
 import pytest
 
-from tests.live_server import Server, start_server
+from tests.factories import Server, start_server
 
 
 def assert_error(

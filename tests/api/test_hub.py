@@ -13,8 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.live_server import free_port, start_server
-from tests.model.hf_checkpoints import write_hub_cache
+from tests.factories import free_port, start_server, write_hub_cache
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ import time
 
 import httpx
 
-from tests.live_server import start_server
+from tests.factories import start_server
 
 
 def test_queue_cap_answers_429_and_admitted_requests_complete(tmp_path) -> None:

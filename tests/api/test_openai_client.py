@@ -7,7 +7,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.completion import Completion as CompletionChunk
 
-from tests.live_server import Server
+from tests.factories import Server
 
 
 @pytest.fixture(scope="module")

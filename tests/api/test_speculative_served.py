@@ -10,8 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.live_server import Server, free_port, start_server
-from tests.model.hf_checkpoints import write_llama, write_tokenizer
+from tests.factories import Server, free_port, start_server, write_llama, write_tokenizer
 
 pytestmark = pytest.mark.slow
 SPAN = [(37 * i + 11) % 290 for i in range(16)]

@@ -2,7 +2,7 @@
 
 import json
 
-from tests.live_server import Server
+from tests.factories import Server
 
 
 def raw_events(server: Server, path: str, body: dict) -> tuple[bytes, list[bytes]]:

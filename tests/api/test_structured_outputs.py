@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from tests.api.json_schemas import SCHEMAS
-from tests.live_server import Server
+from tests.factories import Server
 
 MODEL = "kvserve-demo-random"
 

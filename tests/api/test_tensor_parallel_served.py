@@ -13,8 +13,7 @@ import httpx
 import pytest
 
 from tests.engine.tp_ranks import WRITERS
-from tests.live_server import Server, start_server
-from tests.model.hf_checkpoints import write_tokenizer
+from tests.factories import Server, start_server, write_tokenizer
 
 pytestmark = pytest.mark.slow
 BODY = {"prompt": [(7 * i + 3) % 290 for i in range(40)], "max_tokens": 20, "temperature": 0,

@@ -18,7 +18,7 @@ import pytest
 
 from tests.deploy.docker_engine import Engine, base_images, docker_engine, run, torch_index
 from tests.deploy.tools import dashboard_queries, empty_dashboard_queries
-from tests.model.hf_checkpoints import write_hub_cache
+from tests.factories import write_hub_cache
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]

@@ -20,7 +20,7 @@ import yaml
 
 from service.config import load_settings
 from tests.deploy.tools import running_prometheus
-from tests.live_server import free_port, start_server
+from tests.factories import free_port, start_server
 from tests.require import missing
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,9 +8,9 @@ import httpx
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from model.device import dtype_name, pick_dtype
+from model.backends.device import dtype_name, pick_dtype
 from tests.deploy.tools import promtool
-from tests.live_server import Server
+from tests.factories import Server
 
 
 def scrape(server: Server) -> dict[str, float]:

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from tests.deploy.tools import dashboard_queries, empty_dashboard_queries, running_prometheus
-from tests.live_server import Server, free_port
+from tests.factories import Server, free_port
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.live_server import Server
+from tests.factories import Server
 from tests.require import missing
 
 ROOT = Path(__file__).resolve().parents[2]

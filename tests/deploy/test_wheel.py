@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.live_server import Server, free_port
+from tests.factories import Server, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,7 +43,7 @@ def test_the_built_wheel_serves(tmp_path: Path) -> None:
     run(sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(src))
     wheel = next(tmp_path.glob("kvserve-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
-    for needed in ("model/kernels/fused.c", "model/kernels/kvserve.h",
+    for needed in ("model/backends/cpu/kernels/fused.c", "model/backends/cpu/kernels/kvserve.h",
                    "service/api/static/index.html"):  # fmt: skip
         assert needed in names, f"the wheel lacks {needed}"
     venv = tmp_path / "venv"

@@ -7,7 +7,8 @@ import pytest
 
 from service.engine.async_engine import AsyncEngine, EngineDeadError
 from service.engine.request import ParamError, SamplingParams
-from tests.engine.helpers import greedy, make_engine, small_model
+from tests.engine.helpers import greedy
+from tests.factories import make_engine, small_model
 
 MODEL = small_model()
 

@@ -10,7 +10,8 @@ import pytest
 from service.config import Settings
 from service.engine.engine import LLMEngine
 from service.engine.request import PENDING, Constraint, Request, SamplingParams
-from tests.engine.helpers import greedy, make_engine, small_model
+from tests.engine.helpers import greedy
+from tests.factories import make_engine, small_model
 
 MODEL = small_model()
 

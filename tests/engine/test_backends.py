@@ -5,8 +5,9 @@ import torch
 
 from model.kv_cache import PagedKVCache
 from service.engine.cuda_graphs import DecodeGraphs, bucket_sizes
-from tests.engine.helpers import greedy, make_engine, run_all, small_model, tokens_of
+from tests.engine.helpers import greedy, run_all, tokens_of
 from tests.engine.test_engine import mixed_requests
+from tests.factories import make_engine, small_model
 from tests.model.backends import BACKENDS, make_backend
 
 MODEL = small_model()

@@ -9,7 +9,8 @@ import torch
 from service.engine.batch import SchedulerOutput
 from service.engine.engine import ContextLengthError, LLMEngine
 from service.engine.request import ParamError, SamplingParams
-from tests.engine.helpers import greedy, make_engine, run_all, small_model, tokens_of
+from tests.engine.helpers import greedy, run_all, tokens_of
+from tests.factories import make_engine, small_model
 from tests.model.backends import generate_auto
 
 MODEL = small_model()

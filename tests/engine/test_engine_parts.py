@@ -11,7 +11,8 @@ from service.engine.engine import LLMEngine
 from service.engine.parts import assemble
 from service.engine.runner import Launched
 from service.engine.sampler import SampleResult
-from tests.engine.helpers import greedy, run_all, small_model, tokenizer, tokens_of
+from tests.engine.helpers import greedy, run_all, tokens_of
+from tests.factories import small_model, tokenizer
 
 
 class ScriptedRunner:

@@ -18,8 +18,9 @@ from model.kv_cache import PagedKVCache
 from model.metadata import AttentionMetadata
 from service.config import Settings
 from service.engine.engine import LLMEngine
-from tests.engine.helpers import greedy, run_all, small_model, tokenizer, tokens_of
+from tests.engine.helpers import greedy, run_all, tokens_of
 from tests.engine.test_engine import mixed_requests
+from tests.factories import small_model, tokenizer
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]

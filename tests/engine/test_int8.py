@@ -7,13 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.kernels.linear import linear_isa
+from model.backends.cpu.kernels.linear import linear_isa
+from model.backends.cpu.packed import PackedLinear
 from model.loader import load
 from service.config import Settings
 from service.engine.engine import LLMEngine
-from tests.engine.helpers import make_engine, run_all, small_model, tokens_of
+from tests.engine.helpers import run_all, tokens_of
 from tests.engine.test_engine import mixed_requests
-from tests.model.hf_checkpoints import write_llama, write_tokenizer
+from tests.factories import make_engine, small_model, write_llama, write_tokenizer
 
 # linears in whole 64-feature blocks, so every one of them is int8
 SHAPE = dict(vocab=320, d_model=192, n_heads=6, n_kv_heads=2, d_ff=128)
@@ -23,8 +24,8 @@ def test_int8_requests_batched_give_the_tokens_each_gets_alone() -> None:
     model = small_model(**SHAPE).to(torch.bfloat16)
     requests = mixed_requests(10)
     engine = make_engine(model, block_size=16, attention_backend="cpu", quantization="int8")
-    assert all(m.int8 for m in model.modules() if hasattr(m, "int8") and m.packed)
-    assert model._stack is not None and model._stack.kind == "int8"
+    assert all(m.int8 for m in model.modules() if isinstance(m, PackedLinear))
+    assert model.fused_layers is not None and model.fused_layers.kind == "int8"
     # /v1/models/{id} names what the int8 linears run, not the bf16 kernels' level
     card = engine.backend.describe()
     assert card["linear_isa"] == linear_isa("int8")

@@ -16,7 +16,8 @@ from service.config import Settings
 from service.engine.engine import LLMEngine
 from service.engine.request import Request, SamplingParams
 from service.engine.speculative import Speculator, ngram_drafts
-from tests.engine.helpers import greedy, make_engine, run_all, tokens_of
+from tests.engine.helpers import greedy, run_all, tokens_of
+from tests.factories import make_engine
 from tests.model.backends import BACKENDS, block_size_for, make_backend
 
 

@@ -23,7 +23,7 @@ from service.engine.request import Constraint, SamplingParams
 from service.engine.structured import ConstraintError
 from tests.api.json_schemas import SCHEMAS
 from tests.engine.helpers import greedy, run_all, tokens_of
-from tests.model.hf_checkpoints import write_llama, write_tokenizer
+from tests.factories import write_llama, write_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import torch
 from service.build import build
 from tests.engine.tp_rank import dense_tokens, serve, settings
 from tests.engine.tp_ranks import WRITERS, run_ranks
-from tests.model.hf_checkpoints import write_tokenizer
+from tests.factories import write_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from service.launch import rendezvous
-from tests.model.hf_checkpoints import write_gpt2, write_llama, write_qwen2
+from tests.factories import write_gpt2, write_llama, write_qwen2
 
 # the checkpoints the tensor-parallel tests split: K/V heads split over 2 ranks, and
 # fewer K/V heads than ranks (each holds a replica), q/k/v biases, GPT-2's fused Conv1D

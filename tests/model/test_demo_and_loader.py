@@ -5,12 +5,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from model.backends.device import pick_dtype
 from model.demo import DEMO_MODEL_ID, build_demo_model
-from model.device import pick_dtype
 from model.loader import load
 from model.tokenizer import TokenizerError
+from tests.factories import write_llama
 from tests.model.backends import generate_auto
-from tests.model.hf_checkpoints import write_llama
 from tests.model.test_config import LLAMA_HF
 
 
@@ -123,7 +123,7 @@ def test_cli_plan(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
 def test_auto_dtype_is_bf16_on_cuda_and_where_the_bf16_kernels_run(
     monkeypatch: pytest.MonkeyPatch, level: str, want: torch.dtype
 ) -> None:
-    import model.device as device
+    import model.backends.device as device
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     monkeypatch.setattr(device, "cpu_isa", lambda: level)
@@ -137,7 +137,7 @@ def test_auto_dtype_is_bf16_on_cuda_and_where_the_bf16_kernels_run(
 def test_isa_levels_follow_the_cpu_flags_and_kvserve_cpu_isa(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import model.device as device
+    import model.backends.cpu.isa as device
 
     zen4 = {"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni"}
     monkeypatch.setattr(device, "cpu_flags", lambda: frozenset(zen4))

@@ -8,8 +8,8 @@ import torch
 
 from model.kv_cache import PagedKVCache
 from model.weights import load_model
+from tests.factories import write_gpt2, write_llama, write_qwen2
 from tests.model.backends import BACKENDS, generate_auto, make_backend
-from tests.model.hf_checkpoints import write_gpt2, write_llama, write_qwen2
 
 pytestmark = pytest.mark.slow
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from model.device import ISA_LEVELS, isa_flags
-from model.kernels.attention import ATTENTION_FLAGS
-from model.kernels.build import HERE, c_compiler
-from model.kernels.linear import VECTOR_FLAGS
+from model.backends.cpu.isa import ISA_LEVELS, isa_flags
+from model.backends.cpu.kernels.attention import ATTENTION_FLAGS
+from model.backends.cpu.kernels.build import HERE, c_compiler
+from model.backends.cpu.kernels.linear import VECTOR_FLAGS
 from tests.require import missing
 
 # A CPU of each level for -march (the builds themselves use -march=native).

@@ -1,4 +1,4 @@
-"""The Python mirrors of model/kernels/kvserve.h: the ctypes prototypes and the stack's
+"""The Python mirrors of model/backends/cpu/kernels/kvserve.h: the ctypes prototypes and the stack's
 argument structs, checked against the header (and the structs against the layout the C
 compiler gives them), so a mismatch fails here instead of corrupting memory."""
 
@@ -6,8 +6,8 @@ import ctypes
 import re
 import subprocess
 
-from model.kernels.build import HEADER, PROTOTYPES, c_compiler
-from model.stack import _Args, _Layer
+from model.backends.cpu.kernels.build import HEADER, PROTOTYPES, c_compiler
+from model.backends.cpu.stack import _Args, _Layer
 from tests.require import missing
 
 C_TYPES = {"float": ctypes.c_float, "int": ctypes.c_int, "void": None}
@@ -32,7 +32,7 @@ def test_ctypes_prototypes_match_the_header() -> None:
 
 def test_stack_structs_match_the_compilers_layout(tmp_path) -> None:
     """sizeof and every field's offsetof, as the C compiler lays out layer_args and
-    stack_args, equal the ctypes mirrors in model/stack.py."""
+    stack_args, equal the ctypes mirrors in model/backends/cpu/stack.py."""
     compiler = c_compiler()
     if compiler is None:
         missing("cc", "no C compiler")

@@ -8,10 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from model.backends.cpu.kernels.attention import (
+    attention_isa,
+    paged_attention,
+    paged_attention_supported,
+)
+from model.backends.cpu.kernels.build import c_compiler
+from model.backends.cpu.kernels.fused import fused_supported, greedy_tokens
 from model.config import ModelConfig
-from model.kernels.attention import attention_isa, paged_attention, paged_attention_supported
-from model.kernels.build import c_compiler
-from model.kernels.fused import fused_supported, greedy_tokens
 from model.kv_cache import PagedKVCache
 from model.layers import alibi_slopes
 from tests.model.backends import auto_backend
@@ -227,8 +231,8 @@ def test_loading_the_kernels_keeps_subnormal_floats() -> None:
     (crtfastmath.o); our kernels must not change how the rest of kvserve computes."""
     code = (
         "import torch\n"
-        "from model.kernels.attention import attention_library\n"
-        "from model.kernels.fused import fused_library\n"
+        "from model.backends.cpu.kernels.attention import attention_library\n"
+        "from model.backends.cpu.kernels.fused import fused_library\n"
         "assert attention_library(64, 16, 3) is not None and fused_library() is not None\n"
         "tiny = torch.tensor([1e-40], dtype=torch.float32)\n"
         "print(5e-324 * 1.0 > 0, bool((tiny * 1.0 > 0).all()))\n"

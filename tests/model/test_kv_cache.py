@@ -7,8 +7,8 @@ import torch
 
 from model.kv_cache import PagedKVCache
 from model.metadata import AttentionMetadata
+from tests.factories import tiny_model
 from tests.model.backends import BACKENDS, auto_backend, block_size_for, make_backend
-from tests.model.helpers import tiny_model
 
 SCHEMES = [
     dict(position="rope"),

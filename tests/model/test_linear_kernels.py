@@ -1,5 +1,5 @@
 """kvserve's linear kernels at every instruction-set level the CPU runs (the `isa`
-fixture): AMX tiles (model/kernels/linear_bf16.c) and vector code (linear_vec.c) for bf16,
+fixture): AMX tiles (model/backends/cpu/kernels/linear_bf16.c) and vector code (linear_vec.c) for bf16,
 int8 weights (linear_vec.c). Against fp32 matmul, bit for bit against a reference of the
 vector code's arithmetic, a row's result independent of the rows beside it, and the fused
 SwiGLU against the unfused ops."""
@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from model.config import ModelConfig
-from model.device import onednn_packs_bf16
-from model.kernels.linear import (
+from model.backends.cpu.isa import onednn_packs_bf16
+from model.backends.cpu.kernels.linear import (
     int8_pack,
     int8_quantize,
     linear_isa,
@@ -26,7 +26,9 @@ from model.kernels.linear import (
     tile_linear,
     tile_linear_supported,
 )
-from model.layers import Linear, SwiGLU
+from model.backends.cpu.packed import GatedSwiGLU, PackedLinear, pack_linear, swap_linears
+from model.config import ModelConfig
+from model.layers import SwiGLU
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -270,28 +272,31 @@ def test_linear_packs_where_the_shape_allows(
             "oneDNN packs bf16 weights with AVX-NE-CONVERT or AVX-512 BW/VL/DQ; this CPU has neither"
         )
     # no-onednn: what an AVX2-only CPU does, on every CPU
-    monkeypatch.setattr("model.layers.onednn_packs_bf16", lambda: onednn)
+    monkeypatch.setattr("model.backends.cpu.packed.onednn_packs_bf16", lambda: onednn)
     # whole blocks; 100 features padded to 128; 90 in features, neither kernel's
-    fits, padded, odd = Linear(96, 128), Linear(96, 100), Linear(90, 100, bias=False)
-    layers = (fits, padded, odd)
-    for layer in layers:
+    plain = [nn.Linear(96, 128), nn.Linear(96, 100), nn.Linear(90, 100, bias=False)]
+    for layer in plain:
         layer.to(torch.bfloat16)
-    xs = [torch.randn(5, layer.in_features).to(torch.bfloat16) for layer in layers]
-    before = [F.linear(x, layer.weight, layer.bias).float() for x, layer in zip(xs, layers)]
-    for layer in layers:
-        layer.pack(quantization=quantization)
+    xs = [torch.randn(5, layer.in_features).to(torch.bfloat16) for layer in plain]
+    before = [F.linear(x, layer.weight, layer.bias).float() for x, layer in zip(xs, plain)]
+    layers = [pack_linear(layer, quantization=quantization) for layer in plain]
+    fits, padded, odd = layers
     for layer in (fits, padded):
-        assert layer._tiles is not None and layer._packed is None
-        assert layer.int8 == (quantization == "int8")
-        assert layer.packed and layer.weight.device.type == "meta"
+        assert isinstance(layer, PackedLinear) and layer._tiles is not None
+        assert layer._packed is None and layer.int8 == (quantization == "int8")
+        assert layer.weight.device.type == "meta" and layer.weight.shape == (layer.out_features, 96)
     assert (fits.pad, padded.pad) == (0, 28)
-    # oneDNN's layout, or F.linear on the weight as it was
-    assert odd._tiles is None and odd.kernel == ("onednn" if onednn else "torch")
-    assert odd.packed == (odd.weight.device.type == "meta") == onednn
+    # oneDNN's layout, or the nn.Linear as it was (F.linear on its weight)
+    if onednn:
+        assert isinstance(odd, PackedLinear) and odd._tiles is None and odd.kernel == "onednn"
+        assert odd.weight.device.type == "meta"
+    else:
+        assert odd is plain[2]
+    assert pack_linear(fits, quantization=quantization) is fits  # packed once
     for layer, x, want in zip(layers, xs, before):
         got = layer(x)
         assert got.shape == want.shape and got.is_contiguous()
-        tol = 3e-2 if layer.int8 else 8e-3
+        tol = 3e-2 if getattr(layer, "int8", False) else 8e-3
         torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
     # with the padding, a row's result is still the same alone as in a batch
     assert torch.equal(padded(xs[1][2:3]), padded(xs[1])[2:3])
@@ -327,15 +332,20 @@ def test_swiglu_module_packs_fused_where_the_shape_allows(isa: str, quantization
     torch.manual_seed(0)
     ffn = SwiGLU(cfg).to(torch.bfloat16)
     x = torch.randn(5, 64).to(torch.bfloat16)
+    holder = nn.ModuleDict({"ffn": ffn})
     with torch.no_grad():
         want = ffn(x)
-        ffn.pack(quantization)
-        assert ffn.w_in.gated and ffn.w_out.packed and ffn.w_in.int8 == (quantization == "int8")
+        swap_linears(holder, quantization)
+        fused = holder["ffn"]
+        assert isinstance(fused, GatedSwiGLU) and fused.w_in.gated
+        assert isinstance(fused.w_out, PackedLinear)
+        assert fused.w_in.int8 == (quantization == "int8")
         tol = 6e-2 if quantization == "int8" else 2e-2
-        torch.testing.assert_close(ffn(x).float(), want.float(), rtol=tol, atol=tol / 10)
+        torch.testing.assert_close(fused(x).float(), want.float(), rtol=tol, atol=tol / 10)
     odd = SwiGLU(ModelConfig(vocab_size=8, d_model=64, n_layers=1, n_heads=2, d_ff=96))
-    odd.to(torch.bfloat16).pack(quantization)  # 2 x 96 rows: no whole gate/up block pairs
-    assert not odd.w_in.gated and odd.w_in.packed
+    holder = nn.ModuleDict({"ffn": odd.to(torch.bfloat16)})
+    swap_linears(holder, quantization)  # 2 x 96 rows: no whole gate/up block pairs
+    assert holder["ffn"] is odd and isinstance(odd.w_in, PackedLinear) and not odd.w_in.gated
 
 
 def test_a_long_row_runs_on_a_small_worker_stack(isa: str) -> None:
@@ -344,7 +354,7 @@ def test_a_long_row_runs_on_a_small_worker_stack(isa: str) -> None:
     the widened rows on its stack (458-688 KB) overflowed it."""
     code = (
         "import torch\n"
-        "from model.kernels.linear import tile_layout, tile_linear\n"
+        "from model.backends.cpu.kernels.linear import tile_layout, tile_linear\n"
         "k = 28672\n"
         "w = (torch.randn(64, k) / k**0.5).to(torch.bfloat16)\n"
         "x = torch.randn(16, k).to(torch.bfloat16)\n"

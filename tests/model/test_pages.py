@@ -1,4 +1,4 @@
-"""Huge pages for what a CPU step streams (model/pages.py): the arena, the packed weights
+"""Huge pages for what a CPU step streams (model/backends/cpu/pages.py): the arena, the packed weights
 and the KV pool in it, and the same results whether Linux gives huge pages or not."""
 
 from pathlib import Path
@@ -6,12 +6,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.kernels.linear import tile_linear_supported
+from model.backends.cpu import prepare_model
+from model.backends.cpu.kernels.linear import tile_linear_supported
+from model.backends.cpu.packed import PackedLinear
+from model.backends.cpu.pages import ALIGN, HUGE_PAGE, HUGE_PAGES_ENV, HugeArena, huge_pages
 from model.kv_cache import PagedKVCache
-from model.layers import Linear
-from model.pages import ALIGN, HUGE_PAGE, HUGE_PAGES_ENV, HugeArena, huge_pages
+from tests.factories import tiny_model
 from tests.model.backends import auto_backend
-from tests.model.helpers import tiny_model
 
 SHAPE = dict(vocab_size=256, d_model=192, n_heads=6, n_kv_heads=2, d_ff=128, max_position=256)
 
@@ -69,9 +70,11 @@ def test_packed_weights_share_one_arena_and_give_the_same_logits(
     for env in ("0", "1"):
         monkeypatch.setenv(HUGE_PAGES_ENV, env)
         model = tiny_model(seed=3, n_layers=2, **SHAPE).to(torch.bfloat16)
-        model.pack_weights(quantization)
+        prepare_model(model, quantization)
         tiles = [
-            m._tiles for m in model.modules() if isinstance(m, Linear) and m._tiles is not None
+            m._tiles
+            for m in model.modules()
+            if isinstance(m, PackedLinear) and m._tiles is not None
         ]
         assert len(tiles) == 2 * 4 + 1  # four a layer and the tied head's packed copy
         assert len({t.untyped_storage().data_ptr() for t in tiles}) == 1

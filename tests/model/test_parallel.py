@@ -10,7 +10,7 @@ import torch
 from model.config import ModelConfig
 from model.parallel import TensorParallel, unsplittable
 from model.weights import load_model, share_of
-from tests.model.hf_checkpoints import write_gpt2, write_llama, write_qwen2
+from tests.factories import write_gpt2, write_llama, write_qwen2
 
 WRITERS = {
     "llama": lambda p: write_llama(p, tied=False),  # 8 heads, 2 K/V heads

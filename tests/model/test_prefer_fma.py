@@ -1,6 +1,6 @@
 """At the avx512-bf16 level the compute-bound bf16 work (the linears' passes of four rows or
 more, the bf16 attention) multiplies either with vdpbf16ps or as bf16 -> float32 and FMA,
-by the CPU's vendor (model/device.py's prefer_fma). The level's own tests run the CPU's
+by the CPU's vendor (model/backends/cpu/isa.py's prefer_fma). The level's own tests run the CPU's
 choice; these force each way in turn, so that any CPU with AVX-512-BF16 checks both,
 whichever its vendor: the linears against the vector code's reference bit for bit, the
 attention against torch (and the FMA way against the avx512f level's bits)."""
@@ -8,10 +8,17 @@ attention against torch (and the FMA way against the avx512f level's bits)."""
 import pytest
 import torch
 
-import model.device
-from model.device import ISA_ENV, cpu_vendor, isa_flags, isa_missing, native_isa, prefer_fma
-from model.kernels import attention, linear
-from model.kernels.linear import tile_layout, tile_linear
+from model.backends.cpu import isa
+from model.backends.cpu.isa import (
+    ISA_ENV,
+    cpu_vendor,
+    isa_flags,
+    isa_missing,
+    native_isa,
+    prefer_fma,
+)
+from model.backends.cpu.kernels import attention, linear
+from model.backends.cpu.kernels.linear import tile_layout, tile_linear
 from tests.model.test_kernels import BATCHES, attend_batch
 from tests.model.test_linear_kernels import bf16_reference, weights
 
@@ -32,9 +39,9 @@ def way(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
             f"the {LEVEL} kernels need CPU flags {', '.join(lacking)}; this CPU runs up to "
             f"{native_isa()}"
         )
-    own = model.device.prefer_fma
+    own = isa.prefer_fma
     monkeypatch.setattr(
-        model.device, "prefer_fma", lambda level: request.param if level == LEVEL else own(level)
+        isa, "prefer_fma", lambda level: request.param if level == LEVEL else own(level)
     )
     monkeypatch.setenv(ISA_ENV, LEVEL)
     _rebuild()

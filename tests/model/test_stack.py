@@ -1,4 +1,4 @@
-"""The decoder stack as one C call (model/stack.py) gives the module path's bits, at every
+"""The decoder stack as one C call (model/backends/cpu/stack.py) gives the module path's bits, at every
 instruction-set level the CPU runs (the `isa` fixture), with bf16 and with int8 weights."""
 
 import weakref
@@ -6,11 +6,12 @@ import weakref
 import pytest
 import torch
 
-from model.kernels.stack import stack_kernels
+from model.backends.cpu import prepare_model
+from model.backends.cpu.kernels.stack import stack_kernels
 from model.kv_cache import PagedKVCache
 from model.metadata import AttentionMetadata
+from tests.factories import tiny_model
 from tests.model.backends import auto_backend
-from tests.model.helpers import tiny_model
 
 # tile-friendly: linears in multiples of 64 features, head size 32, GQA groups of 3
 SHAPE = dict(vocab_size=256, d_model=192, n_heads=6, n_kv_heads=2, d_ff=128, max_position=256)
@@ -18,7 +19,7 @@ SHAPE = dict(vocab_size=256, d_model=192, n_heads=6, n_kv_heads=2, d_ff=128, max
 
 def stack_model(quantization: str = "none", **overrides: object):
     model = tiny_model(seed=3, n_layers=3, **{**SHAPE, **overrides}).to(torch.bfloat16)
-    model.pack_weights(quantization)
+    prepare_model(model, quantization)
     return model
 
 
@@ -56,18 +57,20 @@ def test_one_call_gives_the_bits_of_the_modules(
     isa: str, bias: bool, quantization: str, block_size: int
 ) -> None:
     model = stack_model(quantization, qkv_bias=bias, attn_out_bias=bias, mlp_bias=bias)
-    assert model._stack is not None
-    assert model._stack.kind == ("int8" if quantization == "int8" else "bf16")
+    assert model.fused_layers is not None
+    assert model.fused_layers.kind == ("int8" if quantization == "int8" else "bf16")
     gen = torch.Generator().manual_seed(0)
     tokens = [torch.randint(0, 256, (41,), generator=gen) for _ in range(2)]
     backend = auto_backend(model.cfg, torch.bfloat16, block_size)
     fast_cache = PagedKVCache(model.cfg, 12, block_size, torch.bfloat16, "cpu", backend)
-    assert model._stack.takes(fast_cache, AttentionMetadata.paged([[0]], [0], [3], block_size))
+    assert model.fused_layers.takes(
+        fast_cache, AttentionMetadata.paged([[0]], [0], [3], block_size)
+    )
     fast = run_steps(model, fast_cache, tokens)
-    stack, model._stack = model._stack, None
+    stack, model.fused_layers = model.fused_layers, None
     slow_cache = PagedKVCache(model.cfg, 12, block_size, torch.bfloat16, "cpu", backend)
     slow = run_steps(model, slow_cache, tokens)
-    model._stack = stack
+    model.fused_layers = stack
     for a, b in zip(fast, slow, strict=True):
         assert torch.equal(a, b)
     assert torch.equal(fast_cache.data, slow_cache.data)
@@ -76,24 +79,24 @@ def test_one_call_gives_the_bits_of_the_modules(
 
 @torch.no_grad()
 def test_models_and_steps_it_does_not_take_run_as_modules(isa: str) -> None:
-    assert stack_model(norm="layernorm")._stack is None
-    assert stack_model(position="alibi")._stack is None
-    assert stack_model(norm_placement="post")._stack is None
+    assert stack_model(norm="layernorm").fused_layers is None
+    assert stack_model(position="alibi").fused_layers is None
+    assert stack_model(norm_placement="post").fused_layers is None
     # head size 32, groups of 3 as above, but 96 + 64 qkv features: padded to 192, which
     # the stack's C code does not cut back
     padded = stack_model(d_model=96, n_heads=3, n_kv_heads=1)
-    assert padded.layers[0].attn.wqkv.pad == 32 and padded._stack is None
+    assert padded.layers[0].attn.wqkv.pad == 32 and padded.fused_layers is None
     model = stack_model()
     fp32_cache = PagedKVCache(
         model.cfg, 4, 16, torch.float32, "cpu", auto_backend(model.cfg, torch.float32)
     )
     meta = AttentionMetadata.paged([[0]], [0], [3], 16)
-    assert not model._stack.takes(fp32_cache, meta)
-    assert not model._stack.takes(None, AttentionMetadata.dense(3, "cpu"))
+    assert not model.fused_layers.takes(fp32_cache, meta)
+    assert not model.fused_layers.takes(None, AttentionMetadata.dense(3, "cpu"))
     cache = PagedKVCache(
         model.cfg, 4, 16, torch.bfloat16, "cpu", auto_backend(model.cfg, torch.bfloat16)
     )
-    assert model._stack.takes(cache, meta)
+    assert model.fused_layers.takes(cache, meta)
     gone = weakref.ref(cache)
     del cache  # the model outlives its engine's cache without keeping it
     assert gone() is None

@@ -15,6 +15,8 @@ from model.layers import alibi_slopes
 from model.metadata import AttentionMetadata
 from tests.model.backends import make_backend
 
+pytestmark = pytest.mark.interpreter
+
 # (H, KV, head_dim, block_size): GQA groups 1, 3, 4, 8; head sizes 64, 80, 128
 SHAPES = [(4, 4, 64, 16), (6, 2, 80, 16), (8, 2, 128, 32), (8, 1, 64, 32), (12, 4, 80, 32)]
 # (cached, new) per sequence
@@ -104,7 +106,7 @@ def test_padding_rows_give_zeros_and_leave_real_rows_alone() -> None:
         query_start=torch.arange(len(batch) + pad + 1, dtype=torch.int32),
         seq_lens_t=torch.cat([meta.seq_lens_t, torch.zeros(pad, dtype=torch.int32)]),
     )
-    from model.kernels import triton_kernels
+    from model.backends.triton import kernels as triton_kernels
 
     for splits in (1, 4):  # one pass, and flash-decoding's shares
         out = triton_kernels.paged_attention(
@@ -158,7 +160,7 @@ def test_split_decode_matches_reference(splits, alibi, dtype) -> None:
     """Flash-decoding: each decode row's blocks split into shares (more shares than a
     short sequence has blocks, too) and merged by their log-sum-exp give the one-pass
     answer."""
-    from model.kernels import triton_kernels
+    from model.backends.triton import kernels as triton_kernels
 
     shape = SHAPES[2]  # GQA 4, head_dim 128, blocks of 32
     batch = [(0, 1), (31, 1), (200, 1), (450, 1)]
@@ -178,8 +180,8 @@ def test_split_decode_matches_reference(splits, alibi, dtype) -> None:
 
 
 def test_decode_splits_follow_the_batch_shape_only(monkeypatch) -> None:
-    from model.kernels import triton_kernels
-    from model.kernels.triton_kernels import MAX_SPLITS, decode_splits
+    from model.backends.triton import kernels as triton_kernels
+    from model.backends.triton.kernels import MAX_SPLITS, decode_splits
 
     monkeypatch.setattr(triton_kernels, "INTERPRET", False)  # the GPU's policy
     assert decode_splits(1, 8) == MAX_SPLITS  # one stream: fill the GPU with shares
@@ -195,7 +197,7 @@ def test_add_rms_norm_matches_reference(dtype, d, add, rows, monkeypatch) -> Non
     """The residual add (in place) and the RMSNorm in one kernel give the reference's
     x + delta and weight * norm(x + delta), x's dtype throughout; one row a program (as
     on a GPU) or several, the last program part empty."""
-    from model.kernels import triton_kernels
+    from model.backends.triton import kernels as triton_kernels
     from model.layers import RMSNorm
 
     monkeypatch.setattr(triton_kernels, "NORM_ROWS", rows)

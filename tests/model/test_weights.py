@@ -8,8 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from model.weights import CheckpointError, load_model, save_native
-from tests.model.helpers import tiny_model
-from tests.model.hf_checkpoints import write_llama
+from tests.factories import tiny_model, write_llama
 
 
 def test_native_roundtrip_for_configs_hf_cannot_express(tmp_path: Path) -> None:

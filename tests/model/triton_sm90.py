@@ -1,8 +1,8 @@
-"""Compile every Triton kernel of model/kernels/triton_kernels.py for an H100 (sm_90)
+"""Compile every Triton kernel of model/backends/triton/kernels.py for an H100 (sm_90)
 with Triton's own compiler and ptxas, no GPU needed: the interpreter that the CPU tests
 run the kernels in accepts code the GPU compiler rejects, and this catches it. Each
 variant is a launch the backend makes (dtype, GQA group, head size, the constexpr
-branches), written the way the launchers in triton_kernels.py call the kernels.
+branches), written the way the launchers in model/backends/triton/kernels.py call the kernels.
 
     python -m tests.model.triton_sm90     # TRITON_INTERPRET unset; one line per variant
 
@@ -23,7 +23,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from model.kernels import triton_kernels as K
+from model.backends.triton import kernels as K
 
 H100 = GPUTarget("cuda", 90, 32)
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from model.device import cpu_isa
+from model.backends.cpu.isa import cpu_isa
 from service.bench_report import cpu_model
-from tests.live_server import Server, start_server
+from tests.factories import Server, start_server
 
 ROWS: list[Row] = []
 

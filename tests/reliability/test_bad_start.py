@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.live_server import free_port
-from tests.model.hf_checkpoints import write_llama
+from tests.factories import free_port, write_llama
 from tests.reliability.conftest import Row
 
 pytestmark = pytest.mark.reliability  # make test-fast leaves these out

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
-from tests.live_server import Server
+from tests.factories import Server
 from tests.reliability.conftest import Row, harness
 
 pytestmark = pytest.mark.reliability  # make test-fast leaves these out

@@ -10,15 +10,15 @@ import time
 
 import pytest
 
-from model.kernels.build import c_compiler
+from model.backends.cpu.kernels.build import c_compiler
 from tests.reliability.conftest import Row
 from tests.require import missing
 
 pytestmark = pytest.mark.reliability  # make test-fast leaves these out
 
 BUILD = """
-import sys, model.kernels.build as b
-from model.kernels.fused import fused_library
+import sys, model.backends.cpu.kernels.build as b
+from model.backends.cpu.kernels.fused import fused_library
 if len(sys.argv) > 1:
     b.cpu_identity = lambda: sys.argv[1]  # another machine's CPU
 lib = fused_library()

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.live_server import Server
+from tests.factories import Server
 from tests.reliability.conftest import Row, harness
 
 pytestmark = pytest.mark.reliability  # make test-fast leaves these out

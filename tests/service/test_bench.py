@@ -9,7 +9,7 @@ import pytest
 from service import bench
 from service.bench import SSEData, run, workload
 from service.bench_cli import main
-from tests.live_server import Server
+from tests.factories import Server
 
 
 def test_closed_and_open_loop(server: Server, tmp_path) -> None:

@@ -120,9 +120,9 @@ def every_variable() -> list[str]:
     """Every KVSERVE_* variable kvserve reads: one per setting, and the kernels' four."""
     from dataclasses import fields
 
-    from model.device import ISA_ENV
-    from model.kernels.build import CACHE_ENV, DISABLE_ENV
-    from model.pages import HUGE_PAGES_ENV
+    from model.backends.cpu.isa import ISA_ENV
+    from model.backends.cpu.kernels.build import CACHE_ENV, DISABLE_ENV
+    from model.backends.cpu.pages import HUGE_PAGES_ENV
 
     names = ["KVSERVE_" + f.name.upper() for f in fields(Settings)]
     return [*names, ISA_ENV, CACHE_ENV, DISABLE_ENV, HUGE_PAGES_ENV]
@@ -140,8 +140,9 @@ def test_an_empty_variable_is_an_unset_one_for_every_setting() -> None:
 
 
 def test_empty_kernel_variables_take_their_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
-    from model import device, pages
-    from model.kernels import build
+    from model.backends.cpu import isa as device
+    from model.backends.cpu import pages
+    from model.backends.cpu.kernels import build
 
     monkeypatch.setenv(build.CACHE_ENV, "")
     assert build._cache_dir() == Path.home() / ".cache" / "kvserve" / "kernels"
@@ -161,7 +162,7 @@ def test_a_server_started_with_every_variable_empty_serves_the_defaults(tmp_path
     scheduling."""
     import httpx
 
-    from tests.live_server import start_server
+    from tests.factories import start_server
 
     srv = start_server(str(tmp_path), env=dict.fromkeys(every_variable(), ""))
     try:

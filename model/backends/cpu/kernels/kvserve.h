@@ -1,0 +1,104 @@
+/* Every entry point of kvserve's C kernels and the argument structs they share: the one
+ * declaration of each. Each kernel source includes this file, so the compiler checks its
+ * definitions against it; model/backends/cpu/kernels/build.py and model/backends/cpu/stack.py mirror it with
+ * ctypes, and tests/model/test_kernel_header.py checks those mirrors against it (the
+ * prototypes' arguments, and the structs' sizes and offsets as the compiler lays them out).
+ * The kernel build hashes this header with each source, so a change here rebuilds them. */
+#ifndef KVSERVE_KERNELS_H
+#define KVSERVE_KERNELS_H
+
+#include <stdint.h>
+
+/* fused.c */
+void add_rms_norm_f32(float *x, const float *delta, const float *weight, float *out, int rows,
+                      int d, float eps, int nthreads);
+void add_rms_norm_bf16(uint16_t *x, const uint16_t *delta, const uint16_t *weight,
+                       uint16_t *out, int rows, int d, float eps, int nthreads);
+void rope_store_f32(float *qkv, const float *cos_t, const float *sin_t, int rows, int H, int KV,
+                    int D, float *k_cache, float *v_cache, const int64_t *slot_blocks,
+                    const int64_t *slot_offsets, int BS, int nthreads);
+void rope_store_bf16(uint16_t *qkv, const uint16_t *cos_t, const uint16_t *sin_t, int rows,
+                     int H, int KV, int D, uint16_t *k_cache, uint16_t *v_cache,
+                     const int64_t *slot_blocks, const int64_t *slot_offsets, int BS,
+                     int nthreads);
+void greedy_f32(const float *x, int rows, int n, int64_t *out, int nthreads);
+void greedy_bf16(const uint16_t *x, int rows, int n, int64_t *out, int nthreads);
+
+/* paged_attention.c (built per HEAD_DIM, BLOCK_SIZE and GROUP) */
+void paged_attention_f32(const float *q, const float *k, const float *v, const int64_t *tables,
+                         const int64_t *row_seq, const int64_t *lens, float *out, int R,
+                         int q_stride, int KV, int max_blocks, float scale, const float *alibi,
+                         int nthreads);
+void paged_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                          const int64_t *tables, const int64_t *row_seq, const int64_t *lens,
+                          uint16_t *out, int R, int q_stride, int KV, int max_blocks,
+                          float scale, const float *alibi, int nthreads);
+int paged_attention_amx_init(void);
+void paged_attention_amx(const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                         const int64_t *tables, const int64_t *row_seq, const int64_t *lens,
+                         uint16_t *out, int R, int q_stride, int KV, int max_blocks, float scale,
+                         const float *alibi, int nthreads);
+
+/* linear_bf16.c */
+int linear_bf16_init(void);
+void linear_bf16(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
+                 uint16_t *scratch, int m, int n, int k, int nthreads);
+
+/* linear_vec.c (built per instruction set): the same contract as linear_bf16; for
+ * linear_int8, w is int8_pack's blob (int8 weights, then float32 scales and int32 sums).
+ * linear_vec_init: 1 when the build can run (its amx build asks for the tile state). */
+int linear_vec_init(void);
+void linear_bf16_vec(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
+                     uint16_t *scratch, int m, int n, int k, int nthreads);
+void linear_int8(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
+                 uint16_t *scratch, int m, int n, int k, int nthreads);
+
+/* stack.c: the decoder layers as one call, over the kernels above as function pointers */
+typedef void (*norm_fn)(uint16_t *x, const uint16_t *delta, const uint16_t *weight,
+                        uint16_t *out, int rows, int d, float eps, int nthreads);
+typedef void (*linear_fn)(const uint16_t *x, const uint16_t *w, const float *bias,
+                          uint16_t *out, uint16_t *scratch, int m, int n, int k, int nthreads);
+typedef void (*rope_fn)(uint16_t *qkv, const uint16_t *cos_t, const uint16_t *sin_t,
+                        int rows, int H, int KV, int D, uint16_t *k_cache, uint16_t *v_cache,
+                        const int64_t *slot_blocks, const int64_t *slot_offsets,
+                        int block_size, int nthreads);
+typedef void (*attention_fn)(const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                             const int64_t *tables, const int64_t *row_seq,
+                             const int64_t *lens, uint16_t *out, int R, int q_stride, int KV,
+                             int max_blocks, float scale, const float *alibi, int nthreads);
+
+/* One layer's weights in the kernels' layouts; biases are float32 or NULL. */
+typedef struct {
+    const uint16_t *attn_norm;
+    const uint16_t *wqkv;
+    const float *bqkv;
+    const uint16_t *wo;
+    const float *bo;
+    const uint16_t *ffn_norm;
+    const uint16_t *w_in; /* (gate | up) in swiglu_layout: the linear stores silu(g) * u */
+    const float *b_in;
+    const uint16_t *w_out;
+    const float *b_out;
+    uint16_t *k_cache, *v_cache;
+} layer_args;
+
+typedef struct {
+    norm_fn norm;
+    linear_fn linear;
+    rope_fn rope;
+    attention_fn attend;
+    int layers, rows, d, heads, kv, head_dim, ff, block_size, max_blocks, nthreads;
+    float eps, scale;
+    const layer_args *w;
+    const uint16_t *final_norm;
+    /* this step: (rows, head_dim) rotations, slots of the new tokens, the attention rows */
+    const uint16_t *cos_t, *sin_t;
+    const int64_t *slot_blocks, *slot_offsets, *tables, *row_seq, *lens;
+    /* (rows, width) buffers: x the residual stream (the embeddings on entry), h the normed
+     * input of each sublayer and on return the final norm's output */
+    uint16_t *x, *h, *qkv, *attn, *o, *act, *gate, *delta;
+} stack_args;
+
+void stack_forward(const stack_args *a);
+
+#endif

@@ -1,0 +1,163 @@
+"""The linear layers' kernels: bf16 on the AMX tile unit (model/backends/cpu/kernels/linear_bf16.c),
+bf16 and int8 in vector code (linear_vec.c, whose amx build also takes int8 to the tile
+unit), and the weight layouts they read."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+
+import torch
+
+from model.backends.cpu.isa import cpu_isa, isa_flags
+from model.backends.cpu.kernels.build import BASE_FLAGS, bind, build, data_ptr, vector_level
+
+log = logging.getLogger("kvserve.kernels")
+
+TILE_N, TILE_K = 64, 32  # the weight layout's feature block; k per tile
+# linear_vec.c's float epilogue is the same arithmetic at every vector width; without
+# -fno-trapping-math GCC kept the SwiGLU epilogue's clamp as a branch at AVX2 and left
+# the loop scalar
+VECTOR_FLAGS = [*BASE_FLAGS, "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
+
+
+@functools.cache
+def _tiles() -> ctypes.CDLL | None:
+    lib = build("linear_bf16.c", tuple(BASE_FLAGS), "all")
+    if lib is None:
+        return None
+    bind(lib, "linear_bf16_init", "linear_bf16")
+    if not lib.linear_bf16_init():  # built without AMX, or the OS refuses the tile state
+        log.info("no AMX tiles here: bf16 linears run in vector code")
+        return None
+    return lib
+
+
+@functools.cache
+def _vector(isa: str) -> ctypes.CDLL | None:
+    if isa == "baseline":  # below AVX2 + FMA: oneDNN's matmul instead
+        return None
+    lib = build("linear_vec.c", (*VECTOR_FLAGS, *isa_flags(isa)), isa)
+    if lib is None:
+        return None
+    bind(lib, "linear_bf16_vec", "linear_int8", "linear_vec_init")
+    if not lib.linear_vec_init():  # the amx build, where the OS refuses the tile state
+        log.info("no AMX tiles here: int8 linears run in vector code")
+        return None
+    return lib
+
+
+def linear_kernel(kind: str) -> ctypes._CFuncPtr | None:
+    """The C function for 'bf16' (tile_layout weights) or 'int8' (int8_pack blobs)
+    linears at this CPU's level (linear_isa): bf16 at amx in linear_bf16.c (the tiles,
+    and for one or two rows vector code with the tiles' sums), everything else in
+    linear_vec.c's build for the level; None where it is not built."""
+    isa = linear_isa(kind)
+    if kind == "bf16" and isa == "amx":
+        return _tiles().linear_bf16
+    lib = _vector(isa)
+    if lib is None:
+        return None
+    return lib.linear_int8 if kind == "int8" else lib.linear_bf16_vec
+
+
+def linear_isa(kind: str) -> str:
+    """Which code linear_kernel(kind) runs: 'amx' where the level is amx and its build
+    loads (bf16: linear_bf16.c's tiles; int8: linear_vec.c's amx build, on the tile unit
+    from 8 rows, VNNI below), the vector level otherwise."""
+    if cpu_isa() != "amx":
+        return vector_level()
+    tiles = _vector("amx") if kind == "int8" else _tiles()
+    return "amx" if tiles is not None else vector_level()
+
+
+def tile_linear_supported(weight: torch.Tensor) -> bool:
+    n, k = weight.shape
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and n % TILE_N == 0
+        and k % TILE_K == 0
+        and linear_kernel("bf16") is not None
+    )
+
+
+def int8_supported(weight: torch.Tensor) -> bool:
+    n, k = weight.shape
+    return (
+        weight.device.type == "cpu"
+        and n % TILE_N == 0
+        and k % 4 == 0
+        and linear_kernel("int8") is not None
+    )
+
+
+def tile_layout(weight: torch.Tensor) -> torch.Tensor:
+    """(N, K) -> (N/64, K/2, 64, 2): the layout linear_bf16.c and linear_vec.c read."""
+    n, k = weight.shape
+    return weight.reshape(n // TILE_N, TILE_N, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def int8_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) -> int8 q (N, K) and float32 scales (N,): symmetric per output feature,
+    q = round(w / s) with s = max|w| / 127 over the feature's K weights."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1) / 127
+    q = torch.round(w / torch.where(scale > 0, scale, 1)[:, None]).clamp(-127, 127)
+    return q.to(torch.int8), scale
+
+
+def int8_pack(weight: torch.Tensor) -> torch.Tensor:
+    """(N, K) -> the uint8 blob linear_int8 reads: q in (N/64, K/4, 64, 4), then the N
+    float32 scales, then N int32 values 128 * sum(q) (the VNNI path's offset)."""
+    q, scale = int8_quantize(weight)
+    n, k = q.shape
+    blocks = q.reshape(n // TILE_N, TILE_N, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+    comp = (q.to(torch.int32).sum(dim=1) * 128).to(torch.int32)
+    parts = [blocks.view(torch.uint8).flatten(), scale.view(torch.uint8), comp.view(torch.uint8)]
+    return torch.cat(parts)
+
+
+def swiglu_layout(weight: torch.Tensor) -> torch.Tensor:
+    """Rows of a fused (gate | up) weight (2F, ...) or bias (2F,) reordered so that its
+    64-row blocks alternate gate, up: the order tile_linear(swiglu=True) reads (F a
+    multiple of 64)."""
+    f = weight.shape[0] // 2
+    blocks = weight.reshape(2, f // TILE_N, TILE_N, *weight.shape[1:]).transpose(0, 1)
+    return blocks.reshape(weight.shape)
+
+
+def tile_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    swiglu: bool = False,
+    shape: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """x (..., K) bf16 @ W^T + bias -> (..., N) bf16; bias fp32 or None. W: in tile_layout
+    (bf16), or an int8_pack blob of the given (N, K) `shape`. swiglu: W and bias are a
+    SwiGLU's (gate | up) in swiglu_layout, and the result is silu(x @ Wg^T + bg) *
+    (x @ Wu^T + bu), (..., N/2), in the same pass."""
+    if shape is None:
+        blocks, half_k, _, _ = weight.shape
+        n, k = blocks * TILE_N, half_k * 2
+    else:
+        n, k = shape
+    width = n // 2 if swiglu else n
+    flat = x.reshape(-1, k).to(torch.bfloat16).contiguous()
+    out = torch.empty((flat.shape[0], width), dtype=torch.bfloat16)
+    if flat.shape[0]:
+        scratch = torch.empty_like(out) if swiglu else None  # the rounded gate
+        linear_kernel("bf16" if shape is None else "int8")(
+            flat.data_ptr(),
+            weight.data_ptr(),
+            data_ptr(bias),
+            out.data_ptr(),
+            data_ptr(scratch),
+            flat.shape[0],
+            n,
+            k,
+            torch.get_num_threads(),
+        )
+    return out.view(*x.shape[:-1], width)

@@ -1,0 +1,34 @@
+/* A whole stack of pre-norm Llama decoder layers (RMSNorm, RoPE, paged attention, SwiGLU)
+ * in bf16 as one call, for CPUs where every part runs as kvserve's own kernel: the AMX
+ * tile linears (linear_bf16.c), the fused norm and RoPE-and-store (fused.c) and the AMX
+ * paged attention (paged_attention.c). It computes exactly what Block.forward does with
+ * those kernels, in the same order on the same buffers, so the bits are the same; what it
+ * saves is the interpreter between them: about seven Python calls, their argument
+ * conversions and output allocations per layer.
+ *
+ * The kernels live in their own libraries (the attention one is built per head size), so
+ * they come in as function pointers. Each keeps its own OpenMP parallel regions. Built and
+ * loaded by model/backends/cpu/kernels/stack.py; model/backends/cpu/stack.py fills in the arguments.
+ */
+#include <stddef.h>
+
+#include "kvserve.h"
+
+void stack_forward(const stack_args *a) {
+    const int T = a->rows, d = a->d, H = a->heads, KV = a->kv, D = a->head_dim;
+    const int nqkv = (H + 2 * KV) * D, nt = a->nthreads;
+    for (int l = 0; l < a->layers; ++l) {
+        const layer_args *w = a->w + l;
+        a->norm(a->x, l ? a->delta : NULL, w->attn_norm, a->h, T, d, a->eps, nt);
+        a->linear(a->h, w->wqkv, w->bqkv, a->qkv, NULL, T, nqkv, d, nt);
+        a->rope(a->qkv, a->cos_t, a->sin_t, T, H, KV, D, w->k_cache, w->v_cache,
+                a->slot_blocks, a->slot_offsets, a->block_size, nt);
+        a->attend(a->qkv, w->k_cache, w->v_cache, a->tables, a->row_seq, a->lens, a->attn, T,
+                  nqkv, KV, a->max_blocks, a->scale, NULL, nt);
+        a->linear(a->attn, w->wo, w->bo, a->o, NULL, T, d, H * D, nt);
+        a->norm(a->x, a->o, w->ffn_norm, a->h, T, d, a->eps, nt);
+        a->linear(a->h, w->w_in, w->b_in, a->act, a->gate, T, 2 * a->ff, d, nt);
+        a->linear(a->act, w->w_out, w->b_out, a->delta, NULL, T, d, a->ff, nt);
+    }
+    a->norm(a->x, a->layers ? a->delta : NULL, a->final_norm, a->h, T, d, a->eps, nt);
+}

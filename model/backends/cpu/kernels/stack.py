@@ -1,0 +1,46 @@
+"""A decoder stack as one call (model/backends/cpu/kernels/stack.c): the addresses of the kernels it
+calls, and the call."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+from model.backends.cpu.kernels.attention import amx_attention, attention_library
+from model.backends.cpu.kernels.build import BASE_FLAGS, bind, build
+from model.backends.cpu.kernels.fused import fused_library
+from model.backends.cpu.kernels.linear import linear_kernel
+
+
+@functools.cache
+def _stack() -> ctypes.CDLL | None:
+    lib = build("stack.c", tuple(BASE_FLAGS), "all")
+    if lib is not None:
+        bind(lib, "stack_forward")
+    return lib
+
+
+def stack_kernels(d_head: int, block_size: int, group: int, kind: str) -> dict[str, int] | None:
+    """Addresses of the kernels model/backends/cpu/kernels/stack.c calls for a bf16 model whose
+    attention has this shape and whose linears are all of `kind` ('bf16' or 'int8'), at
+    this CPU's level; None unless all of them are built here."""
+    attention, fused = attention_library(d_head, block_size, group), fused_library()
+    linear = linear_kernel(kind)
+    if attention is None or fused is None or linear is None or _stack() is None:
+        return None
+    amx = amx_attention(attention, d_head, block_size)
+
+    def address(fn: object) -> int:
+        return ctypes.cast(fn, ctypes.c_void_p).value
+
+    return {
+        "norm": address(fused.add_rms_norm_bf16),
+        "linear": address(linear),
+        "rope": address(fused.rope_store_bf16),
+        "attend": address(attention.paged_attention_amx if amx else attention.paged_attention_bf16),
+    }
+
+
+def stack_forward(args: ctypes.Structure) -> None:
+    """Run model/backends/cpu/kernels/stack.c on a filled-in stack_args (model/backends/cpu/stack.py)."""
+    _stack().stack_forward(ctypes.addressof(args))

@@ -1,0 +1,175 @@
+"""The CPU backend's linears: `pack_model` swaps each nn.Linear of a loaded model for a
+PackedLinear holding its weight in the layout a CPU matmul kernel reads, the way
+gpt-fast's quantize.py swaps modules, then gathers those weights into one huge-page arena.
+
+The layouts, by what the weight allows (bf16 on the CPU):
+- kvserve's kernels (AMX tiles, kernels/linear_bf16.c, or vector code, linear_vec.c),
+  where the in features are a multiple of 32: one layout for every batch size and
+  instruction set, each row computed the same way whatever the batch. Out features that
+  are not whole 64-feature blocks (a GPT-2 head's 50,257) get zero rows up to the next
+  block, and the output is cut back.
+- quantization='int8': int8 weights with a float32 scale per output feature
+  (linear_vec.c), where the in features are a multiple of 4.
+- oneDNN's prepacked layout where the CPU lets oneDNN pack bf16 (isa.onednn_packs_bf16);
+  else the nn.Linear stays.
+
+A SwiGLU whose (gate | up) projection takes kvserve's layout becomes a GatedSwiGLU: the
+kernel applies silu(gate) * up in the same pass. Packing keeps only the packed copy, so
+it is the last thing done to a model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from model.backends.cpu.isa import onednn_packs_bf16
+from model.backends.cpu.kernels.linear import (
+    TILE_N,
+    int8_pack,
+    int8_supported,
+    swiglu_layout,
+    tile_layout,
+    tile_linear,
+    tile_linear_supported,
+)
+from model.backends.cpu.pages import HugeArena
+from model.layers import SwiGLU
+
+
+class PackedLinear(nn.Module):
+    """A linear whose weight lives in a CPU kernel's layout. `weight` is a meta tensor
+    that still reports the (out, in) shape; `bias` stays as loaded."""
+
+    _packed: Tensor | None = None  # oneDNN's layout
+    _tiles: Tensor | None = None  # tile_layout(), or int8_pack()'s blob when int8
+    _bias32: Tensor | None = None
+    int8 = False  # _tiles holds int8 weights
+    gated = False  # a SwiGLU's (gate | up) in swiglu_layout: forward gives silu(g) * u
+    pad = 0  # zero output rows in _tiles past the weight's
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        w = linear.weight
+        self.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), False)
+        self.bias = linear.bias
+
+    @property
+    def kernel(self) -> str:
+        """What forward() runs: kvserve's 'int8' or 'bf16' kernel, or 'onednn'."""
+        if self._tiles is not None:
+            return "int8" if self.int8 else "bf16"
+        return "onednn"
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self._tiles is not None:
+            n, k = self.out_features, self.in_features
+            shape = (n + self.pad, k) if self.int8 else None
+            out = tile_linear(x, self._tiles, self._bias32, self.gated, shape)
+            return out[..., :n].contiguous() if self.pad else out
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+
+
+def pack_linear(
+    linear: nn.Linear, swiglu: bool = False, quantization: str = "none"
+) -> nn.Linear | PackedLinear:
+    """`linear` in the first layout its weight takes (see the module's docstring), or
+    `linear` itself where none does (or it is packed already). swiglu: it is a SwiGLU's
+    (gate | up) projection."""
+    if type(linear) is not nn.Linear:
+        return linear
+    w = linear.weight.detach()
+    pad = -w.shape[0] % TILE_N
+    padded = F.pad(w, (0, 0, 0, pad)) if pad else w
+    int8 = quantization == "int8" and int8_supported(padded)
+    if int8 or tile_linear_supported(padded):
+        out = PackedLinear(linear)
+        b = linear.bias.detach().float() if linear.bias is not None else None
+        if pad and b is not None:
+            b = F.pad(b, (0, pad))
+        out.gated = swiglu and not pad and w.shape[0] % 128 == 0
+        if out.gated:
+            padded, b = swiglu_layout(padded), swiglu_layout(b) if b is not None else None
+        out._tiles = (int8_pack if int8 else tile_layout)(padded)
+        out._bias32, out.int8, out.pad = b, int8, pad
+        return out
+    if onednn_packs_bf16():
+        out = PackedLinear(linear)
+        out._packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        return out
+    return linear
+
+
+class GatedSwiGLU(nn.Module):
+    """A SwiGLU whose (gate | up) kernel gives silu(gate) * up itself."""
+
+    def __init__(self, w_in: PackedLinear, w_out: nn.Module) -> None:
+        super().__init__()
+        self.w_in, self.w_out = w_in, w_out
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w_out(self.w_in(x))
+
+
+def can_pack(model: nn.Module) -> bool:
+    return (
+        model.device.type == "cpu"
+        and model.dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+    )
+
+
+def pack_model(model: nn.Module, quantization: str = "none") -> bool:
+    """Swap every linear of a Transformer (model/transformer.py) for its packed form and
+    a tied head for a packed copy of the embedding table; gather the kvserve-layout
+    weights into one huge-page arena. Returns whether it packed; the model cannot be
+    moved or re-typed after."""
+    if not can_pack(model):
+        return False
+    if model.cfg.tie_embeddings and model.lm_head is None:
+        # The lookup keeps the plain table; the head gets a packed copy (vocab x d more
+        # bytes, less in int8) in the linears' layout.
+        head = nn.Linear(*model.embed.weight.shape[::-1], bias=False, device="meta")
+        head.weight = nn.Parameter(model.embed.weight.detach(), requires_grad=False)
+        if isinstance(packed := pack_linear(head, quantization=quantization), PackedLinear):
+            model.lm_head = packed
+    swap_linears(model, quantization)
+    _gather(model)
+    return True
+
+
+def swap_linears(module: nn.Module, quantization: str = "none") -> None:
+    """Each nn.Linear under `module` for pack_linear's form of it; a SwiGLU whose
+    (gate | up) packs gated for a GatedSwiGLU. Packed modules stay as they are."""
+    for name, child in module.named_children():
+        if isinstance(child, SwiGLU):
+            w_in = pack_linear(child.w_in, swiglu=True, quantization=quantization)
+            w_out = pack_linear(child.w_out, quantization=quantization)
+            if isinstance(w_in, PackedLinear) and w_in.gated:
+                setattr(module, name, GatedSwiGLU(w_in, w_out))
+            else:
+                child.w_in, child.w_out = w_in, w_out
+        elif type(child) is nn.Linear:
+            setattr(module, name, pack_linear(child, quantization=quantization))
+        else:
+            swap_linears(child, quantization)
+
+
+def _gather(model: nn.Module) -> None:
+    """Every kvserve-layout weight into one huge-page arena (pages.py), each original
+    dropped as its copy lands, so the model never holds two of them all."""
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear) and m._tiles is not None]
+    arena = HugeArena(HugeArena.size_of([m._tiles for m in linears]))
+    for m in linears:
+        m._tiles = arena.take(m._tiles)
+
+
+def linear_kernels(model: nn.Module) -> list[str]:
+    """What each linear of a model runs: a PackedLinear's kernel, 'torch' for nn.Linear."""
+    return [
+        m.kernel if isinstance(m, PackedLinear) else "torch"
+        for m in model.modules()
+        if isinstance(m, PackedLinear | nn.Linear)
+    ]

@@ -1,0 +1,201 @@
+"""The decoder layers as one C call (kernels/stack.c), for the case the CPU path is built
+around: a pre-norm RoPE/RMSNorm/SwiGLU model in bf16 whose linears all took kvserve's
+kernel layout (bf16, or all int8), over a bf16 paged cache, at every instruction-set
+level. Same kernels, same order, same bits as the modules; it drops the per-layer Python
+between them and holds no GIL while the layers run. The model calls it through
+model.backends.base.FusedLayers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+
+import torch
+from torch import Tensor, nn
+
+from model.backends.cpu.kernels.build import data_ptr
+from model.backends.cpu.kernels.stack import stack_forward, stack_kernels
+from model.backends.cpu.packed import GatedSwiGLU, PackedLinear
+from model.config import ModelConfig
+from model.kv_cache import PagedKVCache
+from model.layers import RMSNorm
+from model.metadata import AttentionMetadata
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        (name, _P)
+        for name in (
+            "attn_norm",
+            "wqkv",
+            "bqkv",
+            "wo",
+            "bo",
+            "ffn_norm",
+            "w_in",
+            "b_in",
+            "w_out",
+            "b_out",
+            "k_cache",
+            "v_cache",
+        )
+    ]
+
+
+_DIMS = ("layers", "rows", "d", "heads", "kv", "head_dim", "ff", "block_size", "max_blocks")
+_STEP = ("cos_t", "sin_t", "slot_blocks", "slot_offsets", "tables", "row_seq", "lens")
+_BUFFERS = ("x", "h", "qkv", "attn", "o", "act", "gate", "delta")
+
+
+class _Args(ctypes.Structure):
+    _fields_ = [
+        *[(name, _P) for name in ("norm", "linear", "rope", "attend")],
+        *[(name, _I) for name in (*_DIMS, "nthreads")],
+        ("eps", _F),
+        ("scale", _F),
+        ("w", ctypes.POINTER(_Layer)),
+        ("final_norm", _P),
+        *[(name, _P) for name in (*_STEP, *_BUFFERS)],
+    ]
+
+
+class DecoderStack:
+    """Installed by the backend's prepare where the model qualifies (build() returns None
+    otherwise); forward() where the step qualifies (takes())."""
+
+    def __init__(self, cfg: ModelConfig, layers: nn.ModuleList, final_norm: RMSNorm) -> None:
+        self.cfg = cfg
+        self.layers = layers
+        self.final_norm = final_norm
+        # the cache the layer arguments point into; weak, so a model outliving its engine
+        # does not keep the engine's KV pool alive
+        self._cache: weakref.ref[PagedKVCache] | None = None
+        self._block_size = 0
+        self._weights: ctypes.Array[_Layer] | None = None
+        self._kernels: dict[str, int] | None = None
+        self._rows: tuple[int, dict[str, Tensor], _Args] | None = None  # see _buffers()
+
+    @classmethod
+    def build(
+        cls, cfg: ModelConfig, layers: nn.ModuleList, final_norm: nn.Module
+    ) -> DecoderStack | None:
+        if (
+            cfg.norm_placement != "pre"
+            or cfg.position != "rope"
+            or not isinstance(final_norm, RMSNorm)
+        ):
+            return None
+        for block in layers:
+            linears = (block.attn.wqkv, block.attn.wo, block.ffn.w_in, block.ffn.w_out)
+            if not (
+                isinstance(block.attn_norm, RMSNorm)
+                and isinstance(block.ffn_norm, RMSNorm)
+                and isinstance(block.ffn, GatedSwiGLU)
+                and all(
+                    isinstance(m, PackedLinear) and m._tiles is not None and not m.pad
+                    for m in linears
+                )
+                and len({m.int8 for m in linears}) == 1
+            ):
+                return None
+        return cls(cfg, layers, final_norm)
+
+    @property
+    def kind(self) -> str:
+        """Which linear kernel the layers' weights are packed for."""
+        return "int8" if self.layers[0].attn.wqkv.int8 else "bf16"
+
+    def takes(self, kv_cache: PagedKVCache | None, meta: AttentionMetadata) -> bool:
+        if kv_cache is None or kv_cache.backend.name != "cpu" or meta.slot_blocks is None:
+            return False
+        if kv_cache.data.dtype != torch.bfloat16 or kv_cache.data.device.type != "cpu":
+            return False
+        if self._cache is None or self._cache() is not kv_cache:
+            cfg = self.cfg
+            group = cfg.n_heads // cfg.kv_heads
+            self._kernels = stack_kernels(cfg.head_dim, kv_cache.block_size, group, self.kind)
+            self._weights = self._layer_args(kv_cache) if self._kernels else None
+            self._cache, self._block_size = weakref.ref(kv_cache), kv_cache.block_size
+            self._rows = None  # their arguments point at the old cache's layers
+        return self._kernels is not None
+
+    def _layer_args(self, kv_cache: PagedKVCache) -> ctypes.Array[_Layer]:
+        out = (_Layer * len(self.layers))()
+        for i, block in enumerate(self.layers):
+            k_cache, v_cache = kv_cache.layer(i)
+            attn, ffn = block.attn, block.ffn
+            out[i] = _Layer(
+                block.attn_norm.weight.data_ptr(),
+                attn.wqkv._tiles.data_ptr(),
+                data_ptr(attn.wqkv._bias32),
+                attn.wo._tiles.data_ptr(),
+                data_ptr(attn.wo._bias32),
+                block.ffn_norm.weight.data_ptr(),
+                ffn.w_in._tiles.data_ptr(),
+                data_ptr(ffn.w_in._bias32),
+                ffn.w_out._tiles.data_ptr(),
+                data_ptr(ffn.w_out._bias32),
+                k_cache.data_ptr(),
+                v_cache.data_ptr(),
+            )
+        return out
+
+    def forward(
+        self,
+        x: Tensor,  # (T, d) embeddings, bf16: updated in place into the residual stream
+        meta: AttentionMetadata,
+        rope: tuple[Tensor, Tensor],  # cos, sin (T, head_dim) at the tokens' positions
+    ) -> Tensor:
+        """-> the final norm's output (T, d), as the module path's add_norm gives it; a
+        buffer of this stack's that the next call overwrites. Call takes() with this
+        step's cache first."""
+        t = x.shape[0]
+        if self._rows is None or self._rows[0] != t:
+            self._rows = self._buffers(t)
+        _, buffers, args = self._rows
+        step = {  # held here until the call returns: contiguous() may copy
+            "cos_t": rope[0].contiguous(),
+            "sin_t": rope[1].contiguous(),
+            "slot_blocks": meta.slot_blocks.contiguous(),
+            "slot_offsets": meta.slot_offsets.contiguous(),
+            "tables": meta.block_tables.contiguous(),
+            "row_seq": meta.row_seq.contiguous() if meta.row_seq is not None else None,
+            "lens": meta.row_lens.contiguous(),
+        }
+        for name, value in step.items():
+            setattr(args, name, data_ptr(value))
+        args.x, args.max_blocks = x.data_ptr(), step["tables"].shape[1]
+        args.nthreads = torch.get_num_threads()
+        stack_forward(args)
+        return buffers["h"]
+
+    def _buffers(self, t: int) -> tuple[int, dict[str, Tensor], _Args]:
+        """The work buffers of a call of t rows and the arguments that point at them (the
+        step's own fields are filled per call). Kept from one call to the next: a decode
+        batch's row count repeats step after step."""
+        cfg = self.cfg
+        h, kv, dh = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        widths = {
+            "h": cfg.d_model,
+            "qkv": (h + 2 * kv) * dh,
+            "attn": h * dh,
+            "o": cfg.d_model,
+            "act": cfg.d_ff,
+            "gate": cfg.d_ff,
+            "delta": cfg.d_model,
+        }
+        buffers = {k: torch.empty((t, n), dtype=torch.bfloat16) for k, n in widths.items()}
+        dims = (len(self.layers), t, cfg.d_model, h, kv, dh, cfg.d_ff, self._block_size)
+        args = _Args(
+            **self._kernels,
+            **dict(zip(_DIMS, (*dims, 0), strict=True)),
+            eps=cfg.norm_eps,
+            scale=dh**-0.5,
+            w=self._weights,
+            final_norm=self.final_norm.weight.data_ptr(),
+            **{k: v.data_ptr() for k, v in buffers.items()},
+        )
+        return t, buffers, args

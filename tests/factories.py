@@ -1,0 +1,248 @@
+"""The test suite's factories: random-weight models, engines over them, Hugging Face
+checkpoints written by transformers itself (with tokenizers and Hub caches), and live
+`kvserve serve` processes on 127.0.0.1. Tests build what they need from these."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import torch
+
+from model.config import ModelConfig
+from model.demo import init_weights
+from model.tokenizer import Tokenizer
+from model.transformer import Transformer
+from service.config import Settings
+from service.engine.engine import LLMEngine
+from service.launch import free_port
+
+# ---- models and engines ------------------------------------------------------------
+
+
+def tiny_model(seed: int = 0, **overrides: object) -> Transformer:
+    fields = dict(vocab_size=97, d_model=32, n_layers=2, n_heads=4, d_ff=48, max_position=96)
+    fields.update(overrides)
+    model = Transformer(ModelConfig(**fields))
+    init_weights(model, seed, std=0.1)
+    return model.eval()
+
+
+_TOKENIZER = None
+
+
+def tokenizer() -> Tokenizer:
+    global _TOKENIZER
+    if _TOKENIZER is None:
+        _TOKENIZER = Tokenizer.default()
+    return _TOKENIZER
+
+
+def small_model(vocab: int = 300, **overrides: object):
+    fields = dict(vocab_size=vocab, n_kv_heads=2, max_position=512)
+    fields.update(overrides)
+    return tiny_model(**fields)
+
+
+def make_engine(model=None, draft=None, **settings: object) -> LLMEngine:
+    """An engine on Settings (no cap on prompt tokens in a step with decodes unless
+    given); draft: a speculative draft model (with speculative_method draft)."""
+    defaults = dict(
+        num_kv_blocks=256,
+        block_size=4,
+        max_num_seqs=16,
+        max_num_batched_tokens=64,
+        mixed_prefill_tokens=0,
+    )
+    defaults.update(settings)
+    return LLMEngine(model or small_model(), tokenizer(), Settings(**defaults), draft=draft)
+
+
+# ---- Hugging Face checkpoints -------------------------------------------------------
+
+TINY_LLAMA = dict(
+    vocab_size=384,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=3,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rope_theta=5000.0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def write_llama(path: Path, *, tied: bool, seed: int = 0, **extra: object) -> object:
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    cfg = tf.LlamaConfig(**{**TINY_LLAMA, **extra}, tie_word_embeddings=tied)
+    model = tf.LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def write_qwen2(path: Path, seed: int = 0) -> object:
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    cfg = tf.Qwen2Config(**TINY_LLAMA, tie_word_embeddings=True)
+    model = tf.Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():  # transformers inits biases to zero; make them matter
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    model.save_pretrained(path)
+    return model
+
+
+def write_gpt2(path: Path, seed: int = 0) -> object:
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    cfg = tf.GPT2Config(
+        vocab_size=384,
+        n_embd=64,
+        n_layer=3,
+        n_head=4,
+        n_positions=128,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    model = tf.GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.1)
+    model.save_pretrained(path)
+    return model
+
+
+def write_tokenizer(path: Path, vocab_size: int = 300) -> None:
+    """A byte-level BPE of vocab_size tokens (the 256 bytes, merges, two specials) trained
+    by `tokenizers` on a little text, so a small checkpoint can be served."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    hf = Tokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|bos|>", "<|eos|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    hf.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 50, trainer)
+    hf.save(str(path / "tokenizer.json"))
+
+
+HUB_COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def write_hub_cache(root: Path, repo: str) -> Path:
+    """A tiny Llama and its tokenizer in a Hugging Face cache at `root` (the hub/ folder),
+    laid out as huggingface_hub lays it out: refs/main -> snapshots/<commit>/..."""
+    repo_dir = root / ("models--" + repo.replace("/", "--"))
+    snapshot = repo_dir / "snapshots" / HUB_COMMIT
+    snapshot.mkdir(parents=True)
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text(HUB_COMMIT)
+    write_llama(snapshot, tied=True)
+    write_tokenizer(snapshot)
+    return snapshot
+
+
+# ---- live servers -------------------------------------------------------------------
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    url: str
+    log_path: str
+
+    def client(self, **kw: object) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=60, **kw)
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=10).json()
+
+    def wait_idle(self, timeout: float = 10.0) -> dict:
+        """Wait until no request runs or waits and no KV block is in use."""
+        deadline = time.monotonic() + timeout
+        while True:
+            h = self.health()
+            if (h["running"], h["waiting"], h["kv_cache"]["blocks_used"]) == (
+                0,
+                0,
+                0,
+            ) or time.monotonic() > deadline:
+                return h
+            time.sleep(0.05)
+
+    def wait_healthy(self, timeout: float = 120.0) -> Server:
+        """Wait until /health answers 200 (servers started with wait=False start side by
+        side: their imports overlap)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {_tail(self.log_path)}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"server did not become healthy: {_tail(self.log_path)}")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def _tail(path: str) -> str:
+    with open(path) as f:
+        return f.read()[-2000:]
+
+
+def start_server(
+    tmp_dir: str,
+    *args: str,
+    wait: bool = True,
+    module: str = "service.cli",
+    env: dict[str, str] | None = None,
+) -> Server:
+    """`python -m <module> serve --port <free> ...`; `module` may be a launcher that wraps
+    the real CLI (tests.reliability.harness), `env` adds environment variables."""
+    port = free_port()
+    log_path = os.path.join(tmp_dir, f"server-{port}.log")
+    cmd = [
+        sys.executable,
+        "-m",
+        module,
+        "serve",
+        "--port",
+        str(port),
+        "--kv-cache-gib",
+        "0.25",
+        *args,
+    ]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
+    server = Server(proc, f"http://127.0.0.1:{port}", log_path)
+    return server.wait_healthy() if wait else server
