@@ -52,6 +52,7 @@ def build_state(settings: Settings) -> ServingState:
     async_engine = AsyncEngine(make_engine, stuck_after_s=settings.stuck_after)
     async_engine.start()
     done = built[0]
+    done.engine.grammars.prepare()  # structured outputs' token table, before any request
     metrics[0].attach_engine(async_engine.snapshot, done.info, done.device_memory)
     return ServingState(
         settings=settings.replace(max_num_seqs=done.engine.max_num_seqs),

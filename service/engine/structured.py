@@ -91,8 +91,9 @@ class Guide:
 
 
 class Grammars:
-    """llguidance for one tokenizer: the token table is built once (about a second for a
-    100k vocabulary), on the first constrained request; compiled grammars are cached."""
+    """llguidance for one tokenizer: the token table is built once (about half a second
+    for a 100k vocabulary, much of it holding the GIL), by prepare() or else on the first
+    constrained request; compiled grammars and their start matchers are cached."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: Sequence[int]) -> None:
         self._tokenizer, self._vocab, self._eos = tokenizer, vocab_size, list(eos_ids)
@@ -117,9 +118,17 @@ class Grammars:
                 self._ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(vocab))
             return self._ll
 
+    def prepare(self) -> None:
+        """Build the token table now: a server does it before it takes requests, so that
+        the first constrained request does not hold the GIL from the engine's steps."""
+        self._lltokenizer()
+
     def check(self, c: Constraint) -> None:
-        """Raise ConstraintError if the constraint does not compile."""
-        self._compiled(c)
+        """Raise ConstraintError if the constraint does not compile. Also builds its
+        start matcher (tens of ms for a large grammar; llguidance releases the GIL), so
+        the caller pays for it, off the engine's step: the front calls this in a worker
+        thread, and guide() on the engine thread then copies the cached matcher."""
+        self._start(c)
 
     @functools.lru_cache(maxsize=256)  # noqa: B019 - one Grammars per engine, for its life
     def _compiled(self, c: Constraint) -> str:

@@ -59,6 +59,7 @@ ORDER = (
     "Oversized",
     "Forged",
     "Disconnect",
+    "Grammar",
     "Overload",
     "Soak",
     "Bad checkpoints",
