@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -48,7 +49,7 @@ def record(benchmark: str, rows: dict[str, str], where: str | None = None) -> No
     store = json.loads(STORE.read_text()) if STORE.exists() else []
     where = where or machine()
     store = [e for e in store if (e["benchmark"], e["machine"]) != (benchmark, where)]
-    command = " ".join(["PYTHONPATH=. python", Path(sys.argv[0]).as_posix(), *sys.argv[1:]])
+    command = "PYTHONPATH=. python " + shlex.join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])
     day = datetime.date.today().isoformat()
     store.append(
         {"benchmark": benchmark, "machine": where, "rows": rows, "date": day, "command": command}

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import OUT, checkpoint, run_batch
+from benchmarks.common import OUT, SMOKE, SMOLLM2_135M, checkpoint, run_batch
 from benchmarks.results import record
 from model.backends.device import pick_device, pick_dtype
 from model.loader import load
@@ -39,7 +39,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--model", type=Path, default=None, help="default: the SmolLM2-135M shape")
+    ap.add_argument(
+        "--model", type=Path, default=None, help="default: a random checkpoint of --shape"
+    )
+    ap.add_argument(
+        "--shape",
+        choices=["smollm2-135m", "tiny"],
+        default="smollm2-135m",
+        help="tiny: 2 layers of 64 features, whose forward costs little, so the host's work "
+        "per token dominates as on a GPU (the CPU proxy for the serving path)",
+    )
+    ap.add_argument("--serve-args", default="", help="more `kvserve serve` flags")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--requests", type=int, default=None, help="per run (default 4 x conc.)")
@@ -58,12 +68,13 @@ def main() -> None:
         "--no-record", dest="record", action="store_false", help="leave docs/results.md as is"
     )
     args = ap.parse_args()
-    path = args.model or checkpoint(OUT / "smollm2-135m-random")
+    shape = SMOKE if args.shape == "tiny" else SMOLLM2_135M
+    path = args.model or checkpoint(OUT / f"{args.shape}-random", shape)
     conc, n = args.concurrency, args.requests or 4 * args.concurrency
 
     serve_args = (
         f"--model {shlex.quote(str(path))} --dtype {args.dtype} --max-num-seqs {max(64, conc)} "
-        f"--kv-cache-gib {args.kv_cache_gib}"
+        f"--kv-cache-gib {args.kv_cache_gib} {args.serve_args}"
     )
     if args.mixed_prefill_tokens is not None:
         serve_args += f" --mixed-prefill-tokens {args.mixed_prefill_tokens}"
@@ -134,11 +145,14 @@ def main() -> None:
     if any(p["http"]["errors"] for p in pairs):
         sys.exit(1)
     if args.record:
-        shape = "SmolLM2-135M shape" if args.model is None else args.model.name
+        name = f"{args.shape} shape" if args.model is None else args.model.name
+        extra = f", {args.serve_args.strip()}" if args.serve_args.strip() else ""
+        # one row set per shape and server flags: each keeps its own latest run
+        variant = "" if args.shape == "smollm2-135m" and not extra else f" ({name}{extra})"
         record(
-            "serve_vs_offline",
+            f"serve_vs_offline{variant}",
             {
-                f"HTTP against offline, {shape}, {args.dtype}, {conc} streams": (
+                f"HTTP against offline, {name}, {args.dtype}, {conc} streams{extra}": (
                     f"{100 * result['median_ratio']:.1f}% (median of {len(pairs)} pairs; "
                     f"{http_med:.0f} against {off_med:.0f} tok/s)"
                 )

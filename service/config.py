@@ -23,6 +23,7 @@ ATTENTION_BACKENDS = ("auto", "cpu", "triton", "torch")
 QUANTIZATIONS = ("none", "int8")
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
 ASYNC_SCHEDULING = ("auto", "on", "off")
+ENGINE_PROCESS = ("auto", "on", "off")
 
 
 def quantization_conflict(quantization: str, backend: str, dtype: str, device: str) -> str | None:
@@ -133,6 +134,14 @@ class Settings:
             "read, so the host's scheduling and outputs run while the device computes: "
             "auto (on CUDA, without tensor parallelism or speculative decoding), on (also "
             "on the CPU, where nothing overlaps), off"
+        },
+    )
+    engine_process: str = field(
+        default="auto",
+        metadata={
+            "help": "run the engine core (schedule, forward, sample) in its own process, "
+            "the HTTP server in this one: on, off (one process, the engine in a thread), "
+            "auto (off: see docs/operations.md for the measurement behind it)"
         },
     )
     disable_prefix_caching: bool = field(
@@ -251,6 +260,15 @@ class Settings:
             raise ValueError(
                 f"speculative_method must be one of {list(SPECULATIVE_METHODS)}, "
                 f"got {self.speculative_method!r}"
+            )
+        if self.engine_process not in ENGINE_PROCESS:
+            raise ValueError(
+                f"engine_process must be one of {list(ENGINE_PROCESS)}, got {self.engine_process!r}"
+            )
+        if self.engine_process == "on" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "engine_process: on runs one rank's engine in its own process; with "
+                "--tensor-parallel-size > 1 use auto or off"
             )
         if self.async_scheduling not in ASYNC_SCHEDULING:
             raise ValueError(

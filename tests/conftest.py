@@ -1,10 +1,9 @@
 import os
-from collections.abc import Iterator
 
 import pytest
 import torch
 
-from tests.factories import Server, start_server
+from tests.factories import ENGINE_MODES, start_server
 
 if not torch.cuda.is_available():
     # the Triton kernels run in Triton's interpreter; it is chosen when they are defined,
@@ -67,9 +66,14 @@ def _native_only(config: pytest.Config, items: list[pytest.Item]) -> None:
         items[:] = keep
 
 
-@pytest.fixture(scope="session")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """One live `kvserve serve` (demo model) shared by the API and deploy tests."""
-    srv = start_server(str(tmp_path_factory.mktemp("srv")), "--max-num-seqs", "32")
+@pytest.fixture(scope="session", params=list(ENGINE_MODES))
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """One live `kvserve serve` (demo model) shared by the API and deploy tests, in each
+    engine mode: the engine in a thread of the server's process, and in its own process
+    (--engine-process): every test that takes it runs against both."""
+    mode = ENGINE_MODES[request.param]
+    srv = start_server(
+        str(tmp_path_factory.mktemp("srv")), "--max-num-seqs", "32", "--engine-process", mode
+    )
     yield srv
     srv.stop()

@@ -161,12 +161,16 @@ def write_hub_cache(root: Path, repo: str) -> Path:
 
 # ---- live servers -------------------------------------------------------------------
 
+# the two ways a server runs its engine (--engine-process): tests that serve run in both
+ENGINE_MODES = {"engine-thread": "off", "engine-process": "on"}
+
 
 @dataclass
 class Server:
     proc: subprocess.Popen
     url: str
     log_path: str
+    mode: str = "engine-thread"  # a key of ENGINE_MODES, where a fixture says
 
     def client(self, **kw: object) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=60, **kw)

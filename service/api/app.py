@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.api import chat, completions
+from service.api.chat_template import ChatTemplate
 from service.api.metrics import Metrics
 from service.api.middleware import BodyLimit, Gate, count_rejection
 from service.api.protocol import APIError, DetokenizeRequest, TokenizeRequest
@@ -30,9 +31,12 @@ STATIC = Path(__file__).with_name("static")
 
 
 def build_state(settings: Settings) -> ServingState:
-    """Start the engine (its thread loads the model: service/build.py) and assemble the
-    serving state. Blocking; every torch op happens in the engine thread (AsyncEngine)."""
-    from service.api.chat_template import ChatTemplate
+    """Start the engine and assemble the serving state. Blocking. The engine runs in a
+    thread of this process (AsyncEngine: its thread loads the model, service/build.py,
+    and does every torch op) or, with --engine-process on, in a process of its own
+    (EngineClient: service/engine/core.py)."""
+    if settings.engine_process == "on":  # "auto" is off: docs/operations.md says why
+        return _engine_process_state(settings)
     from service.build import Built, build
     from service.engine.async_engine import AsyncEngine
     from service.engine.engine import LLMEngine
@@ -62,7 +66,28 @@ def build_state(settings: Settings) -> ServingState:
         template=ChatTemplate.for_model(done.model_dir),
         audit=done.audit,
         metrics=metrics[0],
-        measure_floors=done.floors,
+        measure_floors=lambda: async_engine.call(done.floors),
+    )
+
+
+def _engine_process_state(settings: Settings) -> ServingState:
+    from service.engine.client import EngineClient
+
+    client = EngineClient(settings, stuck_after_s=settings.stuck_after)
+    ready = client.start()
+    metrics = Metrics(ready.model_id)
+    client.observer = metrics
+    metrics.attach_engine(client.snapshot, ready.info, client.device_memory)
+    model_dir = Path(ready.model_dir) if ready.model_dir else None
+    return ServingState(
+        settings=settings.replace(max_num_seqs=ready.max_num_seqs),
+        engine=client,
+        tokenizer=client.tokenizer,
+        model_id=ready.model_id,
+        template=ChatTemplate.for_model(model_dir),
+        audit=ready.audit,
+        metrics=metrics,
+        measure_floors=client.floors,
     )
 
 
@@ -238,7 +263,7 @@ def _install_routes(app: FastAPI) -> None:
         state.check_model(model_id)
         card = model_card(state, True)
         if state.floors is None:  # measured on the engine thread, once
-            state.floors = await state.engine.call(state.measure_floors)
+            state.floors = await state.measure_floors()
         card["memory"] = {**card["memory"], "floors": state.floors}
         return JSONResponse(card)
 

@@ -18,7 +18,7 @@ from service.api.protocol import APIError, SamplingFields
 from service.api.state import ServingState
 from service.api.structured import constraint_of
 from service.engine.async_engine import EngineDeadError, RequestFailed
-from service.engine.engine import ContextLengthError
+from service.engine.checks import ContextLengthError
 from service.engine.output import RequestOutput
 from service.engine.request import ParamError, SamplingParams
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,20 +16,25 @@ from service.api.metrics import Metrics
 from service.api.protocol import APIError
 from service.config import Settings
 from service.engine.async_engine import AsyncEngine
+from service.engine.client import EngineClient
+
+
+async def _no_floors() -> dict[str, Any]:
+    return {}
 
 
 @dataclass
 class ServingState:
     settings: Settings
-    engine: AsyncEngine
+    engine: AsyncEngine | EngineClient
     tokenizer: Tokenizer
     model_id: str
     template: ChatTemplate
     audit: dict[str, Any]
     metrics: Metrics
-    # this machine's floors for the model (torch work: run on the engine thread), and
-    # their first measurement
-    measure_floors: Callable[[], dict[str, Any]] = dict
+    # measures this machine's floors for the model (torch work: the engine runs it
+    # between steps), and their first measurement
+    measure_floors: Callable[[], Awaitable[dict[str, Any]]] = _no_floors
     floors: dict[str, Any] | None = None
     inflight: int = 0  # admitted sequences not yet finished
     inflight_tokens: int = 0  # their KV demand: prompt + max_tokens each

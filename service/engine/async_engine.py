@@ -116,28 +116,19 @@ class AsyncEngine:
 
     # ---- the caller side -------------------------------------------------------------
 
-    async def generate(
+    def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[list[RequestOutput]]:
         """Deltas for the request (and its n > 1 siblings) until all have finished.
-        Leaving the iterator early (client gone, cancelled) aborts the request."""
+        Leaving the iterator early (client gone, cancelled) aborts the request. Called
+        from the event loop (the stream's queue belongs to it)."""
         if not self.alive:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), [])
         self._send(("add", request_id, prompt_ids, params, stream))
         if not self.alive:  # it died (or stopped) after the check above: nobody will answer
             raise EngineDeadError(f"engine is not running: {self.error!r}")
-        remaining = params.n
-        try:
-            while remaining:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                remaining -= sum(1 for o in item if o.finished)
-                yield item
-        finally:
-            if remaining:
-                self.abort(request_id)
+        return deltas(stream.queue, params.n, lambda: self.abort(request_id))
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
@@ -280,6 +271,24 @@ class AsyncEngine:
     def _deliver(stream: _Stream, item: list[RequestOutput] | BaseException) -> None:
         with contextlib.suppress(RuntimeError):  # the caller's loop closed: nobody listens
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+
+async def deltas(
+    queue: asyncio.Queue[list[RequestOutput] | BaseException], n: int, abort: Callable[[], None]
+) -> AsyncIterator[list[RequestOutput]]:
+    """A request's deltas from its queue until its n sequences have finished (an error put
+    on the queue is raised); leaving early calls abort()."""
+    remaining = n
+    try:
+        while remaining:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            remaining -= sum(1 for o in item if o.finished)
+            yield item
+    finally:
+        if remaining:
+            abort()
 
 
 def _settle(

@@ -11,6 +11,7 @@ from model.tokenizer import Tokenizer
 from model.transformer import Transformer
 from service.config import Settings
 from service.engine.batch import SchedulerOutput
+from service.engine.checks import Limits, check_request
 from service.engine.output import RequestOutput, TextState
 from service.engine.parts import EngineParts, assemble
 from service.engine.postprocess import PostProcessor
@@ -20,10 +21,6 @@ from service.engine.runner import Launched
 from service.engine.stats import EngineObserver, EngineSnapshot, EngineStats
 
 log = logging.getLogger("kvserve.engine")
-
-
-class ContextLengthError(ParamError):
-    """Prompt + max_tokens exceed the context (the API answers context_length_exceeded)."""
 
 
 class LLMEngine:
@@ -74,29 +71,15 @@ class LLMEngine:
     def block_bytes(self) -> int:
         return self.kv_cache.block_nbytes
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_ids:
-            raise ParamError("prompt", "must not be empty")
+    @property
+    def limits(self) -> Limits:
+        """What a request is checked against (a front process checks with them too)."""
         vocab = self.model.cfg.vocab_size
-        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ParamError("prompt", f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
-        total = len(prompt_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ContextLengthError(
-                "max_tokens" if len(prompt_ids) < self.max_model_len else "prompt",
-                f"this model's maximum context length is {self.max_model_len} tokens; the "
-                f"request has {len(prompt_ids)} prompt tokens and max_tokens "
-                f"{params.max_tokens} ({total} in total)",
-            )
-        if params.constraint is not None:
-            self.grammars.check(params.constraint)  # ConstraintError: a 400 naming the param
-        if self.blocks.blocks_for(total) > self.blocks.num_blocks:
-            capacity = self.blocks.num_blocks * self.blocks.block_size
-            raise ContextLengthError(
-                "max_tokens",
-                f"prompt + max_tokens ({total}) exceed the KV cache capacity of {capacity} tokens",
-            )
+        return Limits(vocab, self.max_model_len, self.blocks.num_blocks, self.blocks.block_size)
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ParamError / ContextLengthError (service/engine/checks.py)."""
+        check_request(prompt_ids, params, self.limits, self.grammars)
 
     def add_request(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams

@@ -6,8 +6,9 @@ import signal
 import time
 
 import httpx
+import pytest
 
-from tests.factories import start_server
+from tests.factories import ENGINE_MODES, start_server
 
 
 def test_queue_cap_answers_429_and_admitted_requests_complete(tmp_path) -> None:
@@ -41,8 +42,9 @@ def test_queue_cap_answers_429_and_admitted_requests_complete(tmp_path) -> None:
         server.stop()
 
 
-def test_sigterm_drains_then_exits_zero(tmp_path) -> None:
-    server = start_server(str(tmp_path))
+@pytest.mark.parametrize("mode", list(ENGINE_MODES))
+def test_sigterm_drains_then_exits_zero(tmp_path, mode: str) -> None:
+    server = start_server(str(tmp_path), "--engine-process", ENGINE_MODES[mode])
     body = {
         "prompt": "long",
         "max_tokens": 300,

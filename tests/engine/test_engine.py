@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from service.engine.batch import SchedulerOutput
-from service.engine.engine import ContextLengthError, LLMEngine
+from service.engine.checks import ContextLengthError
+from service.engine.engine import LLMEngine
 from service.engine.request import ParamError, SamplingParams
 from tests.engine.helpers import greedy, run_all, tokens_of
 from tests.factories import make_engine, small_model

@@ -51,17 +51,25 @@ def _debug_state(app: Any) -> dict[str, Any]:
     by_type = collections.Counter(f"{type(o).__module__}.{type(o).__qualname__}" for o in objects)
     state = app.state.serving
     engine = state.engine
+    if hasattr(engine, "engine"):  # the engine in this process (AsyncEngine): its objects
+        inner = engine.engine
+        requests, waiting = len(inner.requests), len(inner.scheduler.waiting)
+        running, blocks_used = len(inner.scheduler.running), inner.blocks.num_used
+    else:  # --engine-process on: what the engine process published after its last step
+        snap = engine.snapshot()
+        requests, waiting = snap.running + snap.waiting, snap.waiting
+        running, blocks_used = snap.running, snap.kv_blocks_used
     return {
         "rss_bytes": _rss_bytes(),
         "gc_objects": len(objects),
         "gc_frozen": gc.get_freeze_count(),
         "tracked": {name.rpartition(".")[2]: by_type.get(name, 0) for name in TRACKED},
-        "engine_requests": len(engine.engine.requests),
+        "engine_requests": requests,
         "engine_streams": len(engine._streams),
         "inflight": state.inflight,
-        "waiting": len(engine.engine.scheduler.waiting),
-        "running": len(engine.engine.scheduler.running),
-        "blocks_used": engine.engine.blocks.num_used,
+        "waiting": waiting,
+        "running": running,
+        "blocks_used": blocks_used,
     }
 
 

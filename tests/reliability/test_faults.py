@@ -1,11 +1,15 @@
-"""Engine faults: non-finite logits fail one request only; a dead engine loop turns
-/health 503 at once and ends the process with a non-zero status."""
+"""Engine faults: non-finite logits fail one request only; a dead engine loop, or a killed
+engine process (--engine-process on), turns /health 503 at once and ends the server with
+a non-zero status; a killed front takes its engine process with it."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -73,6 +77,21 @@ def test_non_finite_logits_fail_only_that_request(tmp_path, row: Row) -> None:
     assert health["status"] == "ok" and health["kv_cache"]["blocks_used"] == 0
 
 
+async def health_turns(client: httpx.AsyncClient, t0: float) -> tuple[float | None, list[int]]:
+    """Poll /health for up to 5 s from t0: when it stopped answering 200 (seconds after t0,
+    None: it never did) and every status seen (0: the process had gone)."""
+    statuses: list[int] = []
+    while time.perf_counter() - t0 < 5:
+        try:
+            statuses.append((await client.get("/health", timeout=1)).status_code)
+        except httpx.TransportError:
+            statuses.append(0)
+        if statuses[-1] != 200:
+            return time.perf_counter() - t0, statuses
+        await asyncio.sleep(0.02)
+    return None, statuses
+
+
 def test_engine_death_fails_health_and_exits_non_zero(tmp_path, row: Row) -> None:
     """Engine loop dies"""
     server = harness(tmp_path, fault=f"die-on-token:{FATAL}")
@@ -84,16 +103,7 @@ def test_engine_death_fails_health_and_exits_non_zero(tmp_path, row: Row) -> Non
                 await asyncio.sleep(0.3)  # it is decoding
                 t0 = time.perf_counter()
                 trigger = asyncio.ensure_future(complete(client, [FATAL], stream=False))
-                statuses, turned = [], None
-                while time.perf_counter() - t0 < 5:
-                    try:
-                        statuses.append((await client.get("/health", timeout=1)).status_code)
-                    except httpx.TransportError:
-                        statuses.append(0)  # the process has gone
-                    if statuses[-1] != 200:
-                        turned = time.perf_counter() - t0
-                        break
-                    await asyncio.sleep(0.02)
+                turned, statuses = await health_turns(client, t0)
                 await asyncio.gather(trigger, return_exceptions=True)
                 result = await inflight
                 return result, turned, statuses
@@ -178,3 +188,77 @@ def test_exceptions_inside_the_engine_fail_only_their_request(tmp_path, row: Row
     assert metrics == 200
     assert "failed to start" in log and "failed in the engine" in log  # with request ids
     assert "metrics observer failed" in log
+
+
+def engine_process(front: int) -> int:
+    """The pid of the engine core process a `kvserve serve --engine-process on` started."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == front and b"multiprocessing.spawn" in cmdline:
+            return int(stat.parent.name)
+    raise AssertionError(f"no engine process under {front}")
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_engine_process_killed_fails_health_and_exits_non_zero(tmp_path, row: Row) -> None:
+    """Engine process killed (kill -9)"""
+    server = harness(tmp_path, "--engine-process", "on")
+    try:
+        engine = engine_process(server.proc.pid)
+
+        async def main() -> tuple[dict, float | None, list[int]]:
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+                inflight = asyncio.ensure_future(complete(client, "A long answer", True, 3000))
+                await asyncio.sleep(0.5)  # it is decoding
+                t0 = time.perf_counter()
+                os.kill(engine, signal.SIGKILL)
+                turned, statuses = await health_turns(client, t0)
+                return await inflight, turned, statuses
+
+        inflight, turned, statuses = asyncio.run(main())
+        code = server.proc.wait(30)
+    finally:
+        server.stop()
+    row.load = "kill -9 of the engine core process (--engine-process on) while a request streams"
+    row.add(
+        f"/health turned {statuses[-1]} {turned * 1000:.0f} ms after the kill"
+        if turned is not None
+        else "/health never turned"
+    )
+    row.add(
+        f"the in-flight stream ended with an error event: "
+        f"`{(inflight['error'] or {}).get('message', '')[:80]}`; server exit status {code}"
+    )
+    assert turned is not None and turned < 1.0 and statuses[-1] in (503, 0)
+    assert inflight["error"] is not None and "engine" in inflight["error"]["message"]
+    assert code not in (0, None)
+
+
+def test_front_process_killed_takes_the_engine_process_with_it(tmp_path, row: Row) -> None:
+    """Engine process outliving its front"""
+    server = harness(tmp_path, "--engine-process", "on")
+    try:
+        engine = engine_process(server.proc.pid)
+        assert alive(engine)
+        t0 = time.perf_counter()
+        server.proc.kill()  # kill -9 of the front: nothing tells the engine
+        server.proc.wait(10)
+        while alive(engine) and time.perf_counter() - t0 < 10:
+            time.sleep(0.05)
+        gone = time.perf_counter() - t0
+    finally:
+        server.stop()
+    row.load = "kill -9 of the server's front process (--engine-process on)"
+    row.add(f"the engine core process exited {gone * 1000:.0f} ms later, its memory freed")
+    assert not alive(engine)

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.factories import Server
+from tests.factories import ENGINE_MODES, Server
 from tests.reliability.conftest import Row, harness
 
 pytestmark = pytest.mark.reliability  # make test-fast leaves these out
@@ -19,15 +19,20 @@ MAX_SEQS, MAX_QUEUE = 4, 16
 BURST = 5 * MAX_QUEUE
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+@pytest.fixture(scope="module", params=list(ENGINE_MODES))
+def server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
     srv = harness(
         tmp_path_factory.mktemp("overload"),
+        "--engine-process",
+        ENGINE_MODES[request.param],
         "--max-num-seqs",
         str(MAX_SEQS),
         "--max-queue",
         str(MAX_QUEUE),
     )
+    srv.mode = request.param
     yield srv
     srv.stop()
 
@@ -97,6 +102,7 @@ def test_overload_sheds_excess_with_429(server: Server, row: Row) -> None:
         f"{BURST} concurrent requests (32 tokens each) against --max-num-seqs {MAX_SEQS} "
         f"--max-queue {MAX_QUEUE}"
     )
+    row.load += f", {server.mode}"
     row.add(
         f"{len(ok)} completed, {len(shed)} got 429 + Retry-After; slowest 429 after "
         f"{max(t for _, t, _ in shed) * 1000:.0f} ms, first completion after {first_ok * 1000:.0f} ms"

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.factories import Server
+from tests.factories import ENGINE_MODES, Server
 from tests.reliability.conftest import Row, harness
 
 pytestmark = pytest.mark.reliability  # make test-fast leaves these out
@@ -21,12 +21,21 @@ REQUESTS, CONCURRENCY, MAX_TOKENS = 300, 32, 24
 DROPS = ["keep", "during-prefill", "before-first-token", "mid-stream"]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+@pytest.fixture(scope="module", params=list(ENGINE_MODES))
+def server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
     # a small step budget spreads the longer prompts' prefill over several steps
     srv = harness(
-        tmp_path_factory.mktemp("storm"), "--max-num-seqs", "32", "--max-num-batched-tokens", "256"
+        tmp_path_factory.mktemp("storm"),
+        "--engine-process",
+        ENGINE_MODES[request.param],
+        "--max-num-seqs",
+        "32",
+        "--max-num-batched-tokens",
+        "256",
     )
+    srv.mode = request.param
     yield srv
     srv.stop()
 
@@ -132,6 +141,7 @@ def test_disconnect_storm_leaks_nothing(server: Server, row: Row) -> None:
 
     dropped = REQUESTS - outcomes["completed"]
     row.load = f"{REQUESTS} streaming requests (8–400 prompt tokens, {MAX_TOKENS} out), concurrency {CONCURRENCY}"
+    row.load += f", {server.mode}"
     row.add(
         "dropped "
         + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items()) if k != "completed")

@@ -75,6 +75,16 @@ def test_backend_graphs_and_seqs_per_step() -> None:
         settings_from_argv(["--gpu-memory-utilization", "1.5"])
 
 
+def test_engine_process_mode() -> None:
+    assert Settings().engine_process == "auto"
+    assert settings_from_argv(["--engine-process", "on"]).engine_process == "on"
+    assert load_settings(None, {"KVSERVE_ENGINE_PROCESS": "off"}).engine_process == "off"
+    with pytest.raises(ValueError, match="engine_process must be one of"):
+        settings_from_argv(["--engine-process", "yes"])
+    with pytest.raises(ValueError, match="engine_process: on runs one rank"):
+        settings_from_argv(["--engine-process", "on", "--tensor-parallel-size", "2"])
+
+
 def test_int8_weights_with_settings_that_cannot_run_them_stop_at_the_settings() -> None:
     """int8 runs on the cpu backend's C kernels with bf16 activations: a backend, dtype
     or device that rules that out is a settings error, found before any weight is read."""

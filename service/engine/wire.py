@@ -1,0 +1,95 @@
+"""What crosses between a front process and the engine core process (service/engine/core.py
+and client.py): typed messages, msgpack-encoded by msgspec. A step's outputs for every
+request travel as one message, with the engine's snapshot and the observer's events."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from service.engine.checks import Limits
+from service.engine.output import RequestOutput
+from service.engine.request import SamplingParams
+from service.engine.stats import EngineSnapshot
+
+# ---- front -> engine -------------------------------------------------------------------
+
+
+class Add(msgspec.Struct, tag=True, array_like=True):
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+class Abort(msgspec.Struct, tag=True, array_like=True):
+    request_id: str
+
+
+class Floors(msgspec.Struct, tag=True, array_like=True):
+    """Measure this machine's floors for the model (torch work, between steps)."""
+
+
+class Shutdown(msgspec.Struct, tag=True, array_like=True):
+    """Finish: the engine ends what is in flight with an error and exits."""
+
+
+ToEngine = Add | Abort | Floors | Shutdown
+
+# ---- engine -> front -------------------------------------------------------------------
+
+
+class StepEvent(msgspec.Struct, tag=True, array_like=True):
+    seconds: float
+    num_tokens: int
+    num_seqs: int
+
+
+class Intervals(msgspec.Struct, tag=True, array_like=True):
+    seconds: list[float]
+
+
+class Finished(msgspec.Struct, tag=True, array_like=True):
+    output: RequestOutput
+
+
+Event = StepEvent | Intervals | Finished
+
+
+class Ready(msgspec.Struct, tag=True, array_like=True):
+    limits: Limits
+    eos_ids: list[int]  # the tokenizer's, as the engine loaded it
+    stop_ids: list[int]  # every id that ends a sequence (the tokenizer's and the config's)
+    max_num_seqs: int
+    model_id: str
+    model_dir: str | None
+    audit: dict[str, Any]
+    info: dict[str, str]
+    snapshot: EngineSnapshot
+
+
+class Step(msgspec.Struct, tag=True, array_like=True):
+    outputs: list[RequestOutput]
+    failed: list[tuple[str, str]]  # (request id, why): an add the engine could not take
+    snapshot: EngineSnapshot
+    events: list[Event]
+    busy: bool
+    device_memory: tuple[int, int] | None
+
+
+class FloorsResult(msgspec.Struct, tag=True, array_like=True):
+    floors: dict[str, Any] | None
+    error: str | None = None
+
+
+class Failed(msgspec.Struct, tag=True, array_like=True):
+    """The engine could not start, or its loop died: why."""
+
+    error: str
+
+
+FromEngine = Ready | Step | FloorsResult | Failed
+
+encode = msgspec.msgpack.Encoder().encode
+decode_to_engine = msgspec.msgpack.Decoder(ToEngine).decode
+decode_from_engine = msgspec.msgpack.Decoder(FromEngine).decode
