@@ -17,10 +17,11 @@ from service.api.chat_template import ChatTemplateError
 from service.api.protocol import APIError, SamplingFields
 from service.api.state import ServingState
 from service.api.structured import constraint_of
-from service.engine.async_engine import EngineDeadError, RequestFailed
 from service.engine.checks import ContextLengthError
 from service.engine.output import RequestOutput
 from service.engine.request import ParamError, SamplingParams
+from service.engine.streams import EngineDeadError, RequestFailed
+from service.engine.structured import SETUP_POOL
 
 T = TypeVar("T")
 
@@ -75,13 +76,14 @@ def bad_request(exc: ParamError) -> APIError:
 async def validate_prompt(
     state: ServingState, prompt_ids: list[int], params: SamplingParams
 ) -> None:
-    """The engine's checks of a request; a structured-output constraint is compiled (the
-    first one builds the tokenizer's token table, about a second) off the event loop."""
+    """The engine's checks of a request; a structured-output constraint is compiled, and
+    its start matcher built, off the event loop and below the engine's priority."""
     try:
         if params.constraint is None:
             state.engine.validate(prompt_ids, params)
         else:
-            await asyncio.to_thread(state.engine.validate, prompt_ids, params)
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(SETUP_POOL, state.engine.validate, prompt_ids, params)
     except ParamError as exc:
         raise bad_request(exc) from None
 

@@ -23,18 +23,10 @@ from service.engine.engine import LLMEngine
 from service.engine.output import RequestOutput
 from service.engine.request import SamplingParams
 from service.engine.stats import EngineSnapshot
+from service.engine.streams import EngineDeadError, RequestFailed, deltas, put_all, settle
 
 log = logging.getLogger("kvserve.engine")
 T = TypeVar("T")
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped; no request can make progress."""
-
-
-class RequestFailed(RuntimeError):
-    """The engine could not take this request (a bug, not the request's parameters);
-    other requests are unaffected."""
 
 
 @dataclass(slots=True)
@@ -192,7 +184,7 @@ class AsyncEngine:
             if command[0] == "add":
                 self._deliver(command[-1], error)
             elif command[0] == "call":
-                _settle(*command[2:], None, error)
+                settle(*command[2:], None, error)
 
     def _pending(self) -> Iterator[tuple]:
         """The commands queued so far, taken off the queue."""
@@ -217,7 +209,7 @@ class AsyncEngine:
             result, error = fn(), None
         except Exception as exc:  # the caller gets it; the loop goes on
             result, error = None, exc
-        _settle(loop, future, result, error)
+        settle(loop, future, result, error)
 
     def _add(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, stream: _Stream
@@ -260,7 +252,7 @@ class AsyncEngine:
                 del self._streams[rid]
         for loop, items in batches.items():
             with contextlib.suppress(RuntimeError):  # the loop closed: nobody listens
-                loop.call_soon_threadsafe(_put_all, items)
+                loop.call_soon_threadsafe(put_all, items)
 
     def _parent_id(self, seq_id: str) -> str:
         if seq_id in self._streams:
@@ -271,39 +263,3 @@ class AsyncEngine:
     def _deliver(stream: _Stream, item: list[RequestOutput] | BaseException) -> None:
         with contextlib.suppress(RuntimeError):  # the caller's loop closed: nobody listens
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
-
-
-async def deltas(
-    queue: asyncio.Queue[list[RequestOutput] | BaseException], n: int, abort: Callable[[], None]
-) -> AsyncIterator[list[RequestOutput]]:
-    """A request's deltas from its queue until its n sequences have finished (an error put
-    on the queue is raised); leaving early calls abort()."""
-    remaining = n
-    try:
-        while remaining:
-            item = await queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            remaining -= sum(1 for o in item if o.finished)
-            yield item
-    finally:
-        if remaining:
-            abort()
-
-
-def _settle(
-    loop: asyncio.AbstractEventLoop, future: Any, result: Any, error: BaseException | None
-) -> None:
-    """Resolve an asyncio future from the engine thread (nothing if its loop closed)."""
-
-    def done() -> None:
-        if not future.done():
-            future.set_exception(error) if error is not None else future.set_result(result)
-
-    with contextlib.suppress(RuntimeError):
-        loop.call_soon_threadsafe(done)
-
-
-def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
-    for q, item in items:
-        q.put_nowait(item)

@@ -30,11 +30,11 @@ import zmq
 from model.tokenizer import Tokenizer
 from service.config import Settings
 from service.engine import core, wire
-from service.engine.async_engine import EngineDeadError, RequestFailed, deltas
 from service.engine.checks import check_request
 from service.engine.output import RequestOutput
 from service.engine.request import SamplingParams
 from service.engine.stats import EngineObserver, EngineSnapshot
+from service.engine.streams import EngineDeadError, RequestFailed, deltas, put_all, settle
 from service.engine.structured import Grammars
 
 log = logging.getLogger("kvserve.engine")
@@ -243,15 +243,14 @@ class EngineClient:
                     batches.setdefault(stream.loop, []).append((stream.queue, error))
         for loop, items in batches.items():
             with contextlib.suppress(RuntimeError):  # the loop closed: nobody listens
-                loop.call_soon_threadsafe(_put_all, items)
+                loop.call_soon_threadsafe(put_all, items)
 
     def _settle_floors(self, result: wire.FloorsResult) -> None:
         with self._lock:
             waiting, self._floors = self._floors, []
+        error = RuntimeError(result.error) if result.error else None
         for loop, future in waiting:
-            error = RuntimeError(result.error) if result.error else None
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_settle, future, result.floors, error)
+            settle(loop, future, result.floors, error)
 
     def _end_all(self, error: EngineDeadError) -> None:
         with self._lock:
@@ -264,8 +263,7 @@ class EngineClient:
             with contextlib.suppress(RuntimeError):
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
         for loop, future in waiting:
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_settle, future, None, error)
+            settle(loop, future, None, error)
 
 
 def _tokenizer(ready: wire.Ready) -> Tokenizer:
@@ -277,13 +275,3 @@ def _tokenizer(ready: wire.Ready) -> Tokenizer:
     if not tokenizer.eos_ids:
         tokenizer.eos_ids = list(ready.eos_ids)
     return tokenizer
-
-
-def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
-    for q, item in items:
-        q.put_nowait(item)
-
-
-def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
-    if not future.done():
-        future.set_exception(error) if error is not None else future.set_result(result)

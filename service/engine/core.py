@@ -11,15 +11,18 @@ import logging
 import os
 import signal
 import sys
+from concurrent.futures import Future
 
 import zmq
 
 from service.config import Settings
 from service.engine import wire
 from service.engine.output import RequestOutput
+from service.engine.structured import SETUP_POOL
 
 log = logging.getLogger("kvserve.engine")
 IDLE_POLL_MS = 500  # how often an idle engine looks at its front and its ranks
+GRAMMAR_POLL_MS = 2  # how often an idle engine looks for grammars made ready
 
 
 class Recorder:
@@ -66,6 +69,9 @@ class Core:
         self.seq_ids: dict[str, list[str]] = {}  # request id -> its sequences' ids
         self.failed: list[tuple[str, str]] = []
         self.outputs: list[RequestOutput] = []
+        # requests whose grammar's start matcher is being built off the step (llguidance
+        # releases the GIL), added once it is: a large grammar never stalls a step
+        self.preparing: dict[str, tuple[Future, wire.Add]] = {}
 
     def serve(self) -> None:
         from service.build import build
@@ -105,8 +111,10 @@ class Core:
         engine = self.engine
         while True:
             busy = engine.has_unfinished()
-            if self.pull.poll(0 if busy else IDLE_POLL_MS) and self._drain():
+            wait = 0 if busy else GRAMMAR_POLL_MS if self.preparing else IDLE_POLL_MS
+            if self.pull.poll(wait) and self._drain():
                 return  # shut down
+            self._add_prepared()
             if os.getppid() != self.front:
                 log.error("the front process is gone: the engine exits")
                 return
@@ -124,7 +132,11 @@ class Core:
                 message = wire.decode_to_engine(self.pull.recv(zmq.NOBLOCK))
             except zmq.Again:
                 return False
-            if isinstance(message, wire.Add):
+            if isinstance(message, wire.Add) and message.params.constraint is not None:
+                check = self.engine.grammars.check
+                future = SETUP_POOL.submit(check, message.params.constraint)
+                self.preparing[message.request_id] = (future, message)
+            elif isinstance(message, wire.Add):
                 self._add(message)
             elif isinstance(message, wire.Abort):
                 self._abort(message.request_id)
@@ -147,7 +159,13 @@ class Core:
                     engine.drop(seq_id)
             self.failed.append((add.request_id, _why(exc)))
 
+    def _add_prepared(self) -> None:
+        """Add the requests whose grammar is ready (or failed: the add says why)."""
+        for rid in [r for r, (future, _) in self.preparing.items() if future.done()]:
+            self._add(self.preparing.pop(rid)[1])
+
     def _abort(self, request_id: str) -> None:
+        self.preparing.pop(request_id, None)
         for seq_id in self.seq_ids.pop(request_id, ()):
             if (out := self.engine.abort(seq_id)) is not None:
                 self.outputs.append(out)

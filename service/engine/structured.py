@@ -12,11 +12,14 @@ and pay nothing.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import os
 import string
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -28,6 +31,21 @@ from service.engine.request import Constraint, ParamError
 
 class ConstraintError(ParamError):
     """A constraint that does not compile (a 400 naming the API parameter)."""
+
+
+SETUP_NICE = 10  # the grammar workers' scheduling priority, below the engine's 0
+
+
+def _lower_priority() -> None:
+    with contextlib.suppress(AttributeError, OSError):  # Linux: per thread
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), SETUP_NICE)
+
+
+# Where grammars are compiled and their start matchers built (Grammars.check): off the
+# engine's step, in threads below the engine's priority. llguidance releases the GIL, but
+# on a machine with few cores a compile at the engine's priority takes a core from the
+# step's OpenMP threads, and the step waits for it (docs/decisions.md).
+SETUP_POOL = ThreadPoolExecutor(2, "kvserve-grammar", initializer=_lower_priority)
 
 
 def _grammar(c: Constraint) -> str:

@@ -5,8 +5,9 @@ import time
 
 import pytest
 
-from service.engine.async_engine import AsyncEngine, EngineDeadError
+from service.engine.async_engine import AsyncEngine
 from service.engine.request import ParamError, SamplingParams
+from service.engine.streams import EngineDeadError
 from tests.engine.helpers import greedy
 from tests.factories import make_engine, small_model
 
@@ -162,7 +163,7 @@ def test_a_bug_while_adding_fails_that_request_only(monkeypatch) -> None:
         return ids
 
     monkeypatch.setattr(eng.engine, "add_request", failing)
-    from service.engine.async_engine import RequestFailed
+    from service.engine.streams import RequestFailed
 
     async def main() -> tuple[BaseException | list[int], list[int]]:
         bad, good = await asyncio.gather(

@@ -1,8 +1,9 @@
 """Grammar set-up beside a stream: requests whose regex is large (6,000 alternatives,
 66k characters) arrive while another request streams. Their grammars compile and their
-matchers are built off the engine's step (the front's worker thread, which releases the
-GIL while llguidance works), so the neighbour's tokens keep coming; the table reports the
-neighbour's worst gap with and without them."""
+matchers are built off the engine's step (in a worker thread of the front, and with
+--engine-process on of the engine process too; llguidance releases the GIL while it
+works), so the neighbour's tokens keep coming; the table reports the neighbour's worst
+gap with and without them, in both engine modes."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import time
 import httpx
 import pytest
 
+from tests.factories import ENGINE_MODES
 from tests.reliability.conftest import Row, harness
 
 pytestmark = pytest.mark.reliability  # make test-fast leaves these out
@@ -58,11 +60,12 @@ def worst(gaps: list[tuple[float, float]], start: float, end: float) -> float:
     return max((g for t, g in gaps if start <= t <= end), default=0.0)
 
 
-def test_grammar_setup_beside_a_stream(tmp_path, row: Row) -> None:
+@pytest.mark.parametrize("mode", list(ENGINE_MODES))
+def test_grammar_setup_beside_a_stream(tmp_path, row: Row, mode: str) -> None:
     """Grammar set-up beside a stream"""
     rng = random.Random(0)
     regexes = [big_regex(rng) for _ in range(HEAVY)]
-    server = harness(tmp_path)
+    server = harness(tmp_path, "--engine-process", ENGINE_MODES[mode])
 
     async def run() -> tuple[list, str, list[dict], float, float]:
         gaps: list[tuple[float, float]] = []
@@ -83,7 +86,8 @@ def test_grammar_setup_beside_a_stream(tmp_path, row: Row) -> None:
     during = worst(gaps, start, end)
     row.load = (
         f"one greedy stream of 400 tokens; while it decodes, {HEAVY} requests at once, each "
-        f"with its own regex of {ALTERNATIVES:,} alternatives ({len(regexes[0][0]):,} characters)"
+        f"with its own regex of {ALTERNATIVES:,} alternatives ({len(regexes[0][0]):,} "
+        f"characters), {mode}"
     )
     row.add(
         f"the stream's worst gap between tokens: {1000 * before:.0f} ms before them, "

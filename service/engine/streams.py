@@ -1,0 +1,57 @@
+"""What both engine fronts (async_engine.py's thread, client.py's process) hand their
+callers: a request's deltas from its queue, the errors that end a stream, and the
+thread-safe hand-offs onto a caller's event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from service.engine.output import RequestOutput
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped; no request can make progress."""
+
+
+class RequestFailed(RuntimeError):
+    """The engine could not take this request (a bug, not the request's parameters);
+    other requests are unaffected."""
+
+
+async def deltas(
+    queue: asyncio.Queue[list[RequestOutput] | BaseException], n: int, abort: Callable[[], None]
+) -> AsyncIterator[list[RequestOutput]]:
+    """A request's deltas from its queue until its n sequences have finished (an error put
+    on the queue is raised); leaving early calls abort()."""
+    remaining = n
+    try:
+        while remaining:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            remaining -= sum(1 for o in item if o.finished)
+            yield item
+    finally:
+        if remaining:
+            abort()
+
+
+def settle(
+    loop: asyncio.AbstractEventLoop, future: Any, result: Any, error: BaseException | None
+) -> None:
+    """Resolve an asyncio future from another thread (nothing if its loop closed)."""
+
+    def done() -> None:
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(result)
+
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(done)
+
+
+def put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
