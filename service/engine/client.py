@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,6 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[list[RequestOutput] | BaseException]
     open: int  # sequences not finished yet
-    seq_ids: set[str] = field(default_factory=set)
 
 
 class EngineClient:

@@ -80,8 +80,8 @@ class Core:
             built = build(self.settings, lambda _: self.recorder)
             engine = built.engine
             engine.grammars.prepare()
-        except BaseException as exc:
-            self.push.send(wire.encode(wire.Failed(_why(exc))))
+        except BaseException as exc:  # the front logs it as it would its own load's
+            self.push.send(wire.encode(wire.Failed(str(exc) or type(exc).__name__)))
             raise SystemExit(1) from None
         self.engine, self.built = engine, built
         self.push.send(
