@@ -35,7 +35,7 @@ def load(
     root = Path(model_path)
     model = load_model(root, dtype=dtype, device=device, tp=tp)
     source = Tokenizer.file_in(root)
-    tokenizer = Tokenizer.from_dir(root) if source else Tokenizer.default()
+    tokenizer = tokenizer_for(root)
     vocab = model.cfg.vocab_size
     if tokenizer.vocab_size > vocab:
         config = NATIVE_CONFIG if (root / NATIVE_CONFIG).exists() else "config.json"
@@ -49,4 +49,10 @@ def load(
     return LoadedModel(model, tokenizer, root.name)
 
 
-__all__ = ["CheckpointError", "LoadedModel", "TokenizerError", "load"]
+def tokenizer_for(root: Path | None) -> Tokenizer:
+    """A model directory's tokenizer file (model/tokenizer.py reads it), or the default
+    cl100k_base where it has none (and for the demo model, root None)."""
+    return Tokenizer.from_dir(root) if root and Tokenizer.file_in(root) else Tokenizer.default()
+
+
+__all__ = ["CheckpointError", "LoadedModel", "TokenizerError", "load", "tokenizer_for"]

@@ -10,7 +10,6 @@ engine thread publishes after every step.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import queue
 import threading
@@ -23,7 +22,16 @@ from service.engine.engine import LLMEngine
 from service.engine.output import RequestOutput
 from service.engine.request import SamplingParams
 from service.engine.stats import EngineSnapshot
-from service.engine.streams import EngineDeadError, RequestFailed, deltas, put_all, settle
+from service.engine.streams import (
+    Batches,
+    EngineDeadError,
+    RequestFailed,
+    by_request,
+    deliver,
+    deltas,
+    hand_off,
+    settle,
+)
 
 log = logging.getLogger("kvserve.engine")
 T = TypeVar("T")
@@ -237,29 +245,16 @@ class AsyncEngine:
             self._deliver(stream, outputs)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        grouped: dict[str, list[RequestOutput]] = {}
-        for out in outputs:
-            grouped.setdefault(self._parent_id(out.request_id), []).append(out)
-        # one wake-up per event loop per step, not one per stream (each
-        # call_soon_threadsafe writes to the loop's self-pipe)
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
-        for rid, outs in grouped.items():
+        batches: Batches = {}
+        for rid, outs in by_request(outputs, self._streams).items():
             stream = self._streams.get(rid)
             if stream is None:
                 continue
             batches.setdefault(stream.loop, []).append((stream.queue, outs))
             if all(self.engine.requests.get(sid) is None for sid in stream.seq_ids):
                 del self._streams[rid]
-        for loop, items in batches.items():
-            with contextlib.suppress(RuntimeError):  # the loop closed: nobody listens
-                loop.call_soon_threadsafe(put_all, items)
-
-    def _parent_id(self, seq_id: str) -> str:
-        if seq_id in self._streams:
-            return seq_id
-        return seq_id.rpartition(".")[0]
+        hand_off(batches)
 
     @staticmethod
     def _deliver(stream: _Stream, item: list[RequestOutput] | BaseException) -> None:
-        with contextlib.suppress(RuntimeError):  # the caller's loop closed: nobody listens
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        deliver(stream.loop, stream.queue, item)

@@ -13,7 +13,6 @@ exits non-zero, for its supervisor to restart it."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import multiprocessing
 import os
@@ -27,6 +26,7 @@ from typing import Any
 
 import zmq
 
+from model.loader import tokenizer_for
 from model.tokenizer import Tokenizer
 from service.config import Settings
 from service.engine import core, wire
@@ -34,7 +34,16 @@ from service.engine.checks import check_request
 from service.engine.output import RequestOutput
 from service.engine.request import SamplingParams
 from service.engine.stats import EngineObserver, EngineSnapshot
-from service.engine.streams import EngineDeadError, RequestFailed, deltas, put_all, settle
+from service.engine.streams import (
+    Batches,
+    EngineDeadError,
+    RequestFailed,
+    by_request,
+    deliver,
+    deltas,
+    hand_off,
+    settle,
+)
 from service.engine.structured import Grammars
 
 log = logging.getLogger("kvserve.engine")
@@ -82,7 +91,7 @@ class EngineClient:
         )
         self.process.start()
         ready = self._wait_ready(timeout)
-        self.ready, self.limits = ready, ready.limits
+        self.limits = ready.limits
         self._snapshot = ready.snapshot
         self.tokenizer = _tokenizer(ready)
         self.grammars = Grammars(self.tokenizer, ready.limits.vocab_size, ready.stop_ids)
@@ -220,15 +229,9 @@ class EngineClient:
                     observer.on_token_intervals(event.seconds)
                 else:
                     observer.on_finished(event.output)
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        batches: Batches = {}
         with self._lock:
-            grouped: dict[str, list[RequestOutput]] = {}
-            for out in step.outputs:
-                rid = out.request_id
-                if rid not in self._streams:
-                    rid = rid.rpartition(".")[0]
-                grouped.setdefault(rid, []).append(out)
-            for rid, outs in grouped.items():
+            for rid, outs in by_request(step.outputs, self._streams).items():
                 stream = self._streams.get(rid)
                 if stream is None:
                     continue
@@ -240,9 +243,7 @@ class EngineClient:
                 if (stream := self._streams.pop(rid, None)) is not None:
                     error = RequestFailed(f"internal error: {why}")
                     batches.setdefault(stream.loop, []).append((stream.queue, error))
-        for loop, items in batches.items():
-            with contextlib.suppress(RuntimeError):  # the loop closed: nobody listens
-                loop.call_soon_threadsafe(put_all, items)
+        hand_off(batches)
 
     def _settle_floors(self, result: wire.FloorsResult) -> None:
         with self._lock:
@@ -259,18 +260,14 @@ class EngineClient:
             streams, self._streams = list(self._streams.values()), {}
             waiting, self._floors = self._floors, []
         for stream in streams:
-            with contextlib.suppress(RuntimeError):
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+            deliver(stream.loop, stream.queue, error)
         for loop, future in waiting:
             settle(loop, future, None, error)
 
 
 def _tokenizer(ready: wire.Ready) -> Tokenizer:
-    """The served model's tokenizer, as the engine loaded it (model/loader.py)."""
-    root = Path(ready.model_dir) if ready.model_dir else None
-    tokenizer = (
-        Tokenizer.from_dir(root) if root and Tokenizer.file_in(root) else Tokenizer.default()
-    )
+    """The served model's tokenizer, as the engine loaded it."""
+    tokenizer = tokenizer_for(Path(ready.model_dir) if ready.model_dir else None)
     if not tokenizer.eos_ids:
         tokenizer.eos_ids = list(ready.eos_ids)
     return tokenizer

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Container
 from typing import Any
 
 from service.engine.output import RequestOutput
+
+# items for callers' queues, by the event loop each queue belongs to
+Batches = dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]]
 
 
 class EngineDeadError(RuntimeError):
@@ -55,3 +58,30 @@ def settle(
 def put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
     for q, item in items:
         q.put_nowait(item)
+
+
+def by_request(
+    outputs: list[RequestOutput], streams: Container[str]
+) -> dict[str, list[RequestOutput]]:
+    """A step's outputs by the request each belongs to: its own id where a stream has it,
+    else its parent's (a sequence of an n > 1 request is `{id}.{i}`)."""
+    grouped: dict[str, list[RequestOutput]] = {}
+    for out in outputs:
+        rid = out.request_id
+        grouped.setdefault(rid if rid in streams else rid.rpartition(".")[0], []).append(out)
+    return grouped
+
+
+def hand_off(batches: Batches) -> None:
+    """Put the items on their queues from another thread: one wake-up per event loop per
+    step, not one per stream (each call_soon_threadsafe writes to the loop's self-pipe);
+    nothing where a loop has closed (nobody listens)."""
+    for loop, items in batches.items():
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(put_all, items)
+
+
+def deliver(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, item: Any) -> None:
+    """One item onto one caller's queue from another thread (nothing if its loop closed)."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(queue.put_nowait, item)
