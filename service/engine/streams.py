@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Container
+from dataclasses import replace
 from typing import Any
 
 from service.engine.output import RequestOutput
@@ -28,18 +29,54 @@ async def deltas(
     queue: asyncio.Queue[list[RequestOutput] | BaseException], n: int, abort: Callable[[], None]
 ) -> AsyncIterator[list[RequestOutput]]:
     """A request's deltas from its queue until its n sequences have finished (an error put
-    on the queue is raised); leaving early calls abort()."""
+    on the queue is raised); leaving early calls abort(). Steps that arrived while the
+    caller was busy come as one delta (coalesce): a caller that falls behind the engine
+    catches up with one SSE event per sequence, not one per step, and one that keeps up
+    gets every step as it comes, so no token waits for another."""
     remaining = n
     try:
         while remaining:
             item = await queue.get()
             if isinstance(item, BaseException):
                 raise item
-            remaining -= sum(1 for o in item if o.finished)
-            yield item
+            error, waiting = None, []
+            while not queue.empty():
+                more = queue.get_nowait()
+                if isinstance(more, BaseException):
+                    error = more
+                    break
+                waiting.append(more)
+            outs = coalesce([item, *waiting]) if waiting else item
+            remaining -= sum(1 for o in outs if o.finished)
+            yield outs
+            if error is not None:
+                raise error
     finally:
         if remaining:
             abort()
+
+
+def coalesce(steps: list[list[RequestOutput]]) -> list[RequestOutput]:
+    """Several steps' deltas of one request as one: per sequence, the tokens, text and
+    logprobs joined in order, the counts, finish and times from the latest. A failed
+    output stays apart, after the text that came before it."""
+    joined: list[RequestOutput] = []
+    at: dict[tuple[str, int], int] = {}
+    for outs in steps:
+        for out in outs:
+            key = (out.request_id, out.index)
+            if key in at and out.error is None:
+                first = joined[at[key]]
+                joined[at[key]] = replace(
+                    out,
+                    token_ids=first.token_ids + out.token_ids,
+                    text=first.text + out.text,
+                    logprobs=first.logprobs + out.logprobs,
+                )
+            else:
+                at[key] = len(joined)
+                joined.append(out)
+    return joined
 
 
 def settle(
