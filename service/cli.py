@@ -182,6 +182,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 @_with_torch
 def _serve(settings: Settings) -> int:
+    if settings.api_server_count > 1:  # a supervisor of several fronts and their engine
+        from service.fronts import serve_fronts
+
+        return serve_fronts(settings)
     from service.server import serve
 
     return serve(settings)

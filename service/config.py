@@ -144,6 +144,14 @@ class Settings:
             "auto (off: see docs/operations.md for the measurement behind it)"
         },
     )
+    api_server_count: int = field(
+        default=1,
+        metadata={
+            "help": "HTTP front processes sharing the port, each with its own event loop "
+            "(tokenizing, detokenizing, SSE) in front of one engine process; more than 1 "
+            "runs the engine in its own process"
+        },
+    )
     disable_prefix_caching: bool = field(
         default=False,
         metadata={"help": "no prefix cache: every prompt is computed in full"},
@@ -231,6 +239,7 @@ class Settings:
             "block_size",
             "num_kv_blocks",
             "max_num_seqs",
+            "api_server_count",
             "max_num_batched_tokens",
             "max_body_bytes",
             "tensor_parallel_size",
@@ -265,10 +274,15 @@ class Settings:
             raise ValueError(
                 f"engine_process must be one of {list(ENGINE_PROCESS)}, got {self.engine_process!r}"
             )
-        if self.engine_process == "on" and self.tensor_parallel_size > 1:
+        if self.api_server_count > 1 and self.engine_process == "off":
             raise ValueError(
-                "engine_process: on runs one rank's engine in its own process; with "
-                "--tensor-parallel-size > 1 use auto or off"
+                "api_server_count: several front processes share one engine process; "
+                "--engine-process off runs the engine in the front's own (use on or auto)"
+            )
+        if self.api_server_count > 1 and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "api_server_count: several fronts run one rank's engine in its own "
+                "process; with --tensor-parallel-size > 1 use one front"
             )
         if self.async_scheduling not in ASYNC_SCHEDULING:
             raise ValueError(

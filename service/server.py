@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -93,6 +94,17 @@ def serve(settings: Settings) -> int:
         shared = rendezvous(world)
         os.environ.update(shared | {"RANK": "0", "LOCAL_RANK": "0"})  # read by build()
         ranks = RankProcesses(settings, shared, lambda r, s: _rank_exited(app, r, s))
+    try:
+        return run_app(app, settings)
+    finally:
+        if ranks is not None:
+            ranks.stop()
+
+
+def run_app(app: Any, settings: Settings, sockets: list[socket.socket] | None = None) -> int:
+    """Serve the app (on settings' host and port, or on sockets already bound) until a
+    signal drains it or its engine dies; the exit status: 1 when the model failed to load
+    or the engine died, else 0."""
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -103,11 +115,7 @@ def serve(settings: Settings) -> int:
     )
     server = DrainingServer(config, app, settings.shutdown_timeout)
     app.state.stop_server = lambda: setattr(server, "should_exit", True)
-    try:
-        server.run()
-    finally:
-        if ranks is not None:
-            ranks.stop()
+    server.run(sockets=sockets)
     load_error = getattr(app.state, "load_error", None)
     if load_error is not None:
         print(f"kvserve: error: {load_error}", file=sys.stderr)

@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.api import chat, completions
@@ -25,6 +25,7 @@ from service.api.protocol import APIError, DetokenizeRequest, TokenizeRequest
 from service.api.serving import GenerationFailed, encode_messages
 from service.api.state import ServingState
 from service.config import Settings
+from service.engine.attach import Attach
 
 log = logging.getLogger("kvserve.api")
 STATIC = Path(__file__).with_name("static")
@@ -36,7 +37,7 @@ def build_state(settings: Settings) -> ServingState:
     and does every torch op) or, with --engine-process on, in a process of its own
     (EngineClient: service/engine/core.py)."""
     if settings.engine_process == "on":  # "auto" is off: docs/operations.md says why
-        return _engine_process_state(settings)
+        return engine_process_state(settings)
     from service.build import Built, build
     from service.engine.async_engine import AsyncEngine
     from service.engine.engine import LLMEngine
@@ -70,10 +71,12 @@ def build_state(settings: Settings) -> ServingState:
     )
 
 
-def _engine_process_state(settings: Settings) -> ServingState:
+def engine_process_state(settings: Settings, attach: Attach | None = None) -> ServingState:
+    """The state of a front whose engine runs in a process of its own: started here, or
+    (attach) one front of --api-server-count, meeting the engine its supervisor started."""
     from service.engine.client import EngineClient
 
-    client = EngineClient(settings, stuck_after_s=settings.stuck_after)
+    client = EngineClient(settings, stuck_after_s=settings.stuck_after, attach=attach)
     ready = client.start()
     metrics = Metrics(ready.model_id)
     client.observer = metrics
@@ -88,6 +91,7 @@ def _engine_process_state(settings: Settings) -> ServingState:
         audit=ready.audit,
         metrics=metrics,
         measure_floors=client.floors,
+        fronts=settings.api_server_count,
     )
 
 
@@ -239,6 +243,8 @@ def _install_routes(app: FastAPI) -> None:
                 "usage": snap.kv_usage,
             },
         }
+        if state.fronts > 1:  # which of --api-server-count answered
+            body["front"] = state.engine.front  # type: ignore[union-attr]
         return JSONResponse(body, status_code=200 if ok else 503)
 
     def model_card(state: ServingState, detail: bool) -> dict[str, Any]:
@@ -296,7 +302,8 @@ def _install_routes(app: FastAPI) -> None:
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         state = _serving(request)
-        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        headers = {"X-Kvserve-Front": str(state.engine.front)} if state.fronts > 1 else None  # type: ignore[union-attr]
+        return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST, headers=headers)
 
     @app.get("/")
     async def index() -> FileResponse:

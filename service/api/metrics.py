@@ -10,14 +10,18 @@ Renaming a metric is a breaking change.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from service.engine.output import RequestOutput
 from service.engine.stats import EngineSnapshot
+
+MULTIPROCESS = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's switch to shared files
 
 # from a millisecond to about five minutes: a CPU's seconds-long TTFT and a GPU's
 # milliseconds both resolve.
@@ -170,7 +174,20 @@ class Metrics:
         info: dict[str, str],
         device_memory: Callable[[], tuple[int, int] | None],
     ) -> None:
-        self.registry.register(_EngineCollector(self.model, snapshot, info, device_memory))
+        self.engine = _EngineCollector(self.model, snapshot, info, device_memory)
+        self.registry.register(self.engine)
+
+    def exposition(self) -> bytes:
+        """What a scrape reads. With several front processes (the supervisor sets
+        PROMETHEUS_MULTIPROC_DIR, service/fronts.py) each process's counters and
+        histograms live in files there, the engine process's too: every front's scrape
+        merges them all, and adds the engine's gauges from its own latest snapshot."""
+        if MULTIPROCESS not in os.environ:
+            return generate_latest(self.registry)
+        merged = CollectorRegistry(auto_describe=True)
+        MultiProcessCollector(merged)
+        merged.register(self.engine)
+        return generate_latest(merged)
 
     # ---- EngineObserver (called from the engine thread) -------------------------------
 

@@ -39,6 +39,9 @@ class ServingState:
     inflight: int = 0  # admitted sequences not yet finished
     inflight_tokens: int = 0  # their KV demand: prompt + max_tokens each
     draining: bool = False
+    # front processes sharing the engine (service/fronts.py): each admits its share of
+    # the engine's sequences, waiting queue and KV pool
+    fronts: int = 1
     started: float = field(default_factory=time.time)
     # (when, KV tokens) of recently released admissions: how fast demand drains
     released: deque[tuple[float, int]] = field(default_factory=deque)
@@ -64,17 +67,18 @@ class ServingState:
             raise APIError(503, "The server is shutting down and accepts no new requests")
         if not self.engine.alive:
             raise APIError(503, "The engine is not running")
-        settings = self.settings
-        waiting = max(0, self.inflight + n_seqs - settings.max_num_seqs)
-        if waiting > settings.max_queue:
+        settings, fronts = self.settings, self.fronts
+        seqs, queue = math.ceil(settings.max_num_seqs / fronts), settings.max_queue // fronts
+        waiting = max(0, self.inflight + n_seqs - seqs)
+        if waiting > queue:
             raise APIError(
                 429,
                 f"The server is at capacity ({self.inflight} sequences in flight, "
-                f"waiting queue cap {settings.max_queue}); retry shortly",
+                f"waiting queue cap {queue}); retry shortly",
                 code="queue_full",
                 headers={"Retry-After": "1"},
             )
-        pool = int(self.audit.get("kv_pool_tokens", 0))
+        pool = int(self.audit.get("kv_pool_tokens", 0)) // fronts
         allowed = pool * (1 + settings.max_queue / settings.max_num_seqs)
         excess = self.inflight_tokens + kv_tokens - allowed
         if pool and self.inflight_tokens and excess > 0:

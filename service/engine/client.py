@@ -1,7 +1,8 @@
-"""The front's side of `--engine-process on`: starts the engine core process (core.py),
-checks each request itself (service/engine/checks.py, with the limits and a grammar
-cache of its own), sends it over ZMQ, and hands each step's outputs to the streams
-waiting for them. It answers the routes as AsyncEngine does (generate, abort, validate,
+"""The front's side of `--engine-process on`: starts the engine core process (core.py) or,
+as one of `--api-server-count` fronts, attaches to the one its supervisor started
+(attach.py, service/fronts.py); checks each request itself (service/engine/checks.py,
+with the limits and a grammar cache of its own), sends it over ZMQ, and hands each
+step's outputs to the streams waiting for them. It answers the routes as AsyncEngine does (generate, abort, validate,
 snapshot, alive, healthy), so service/api cannot tell which it has.
 
 One reader thread receives the engine's messages: outputs go to each stream's event loop
@@ -30,6 +31,7 @@ from model.loader import tokenizer_for
 from model.tokenizer import Tokenizer
 from service.config import Settings
 from service.engine import core, wire
+from service.engine.attach import Attach, Sibling
 from service.engine.checks import check_request
 from service.engine.output import RequestOutput
 from service.engine.request import SamplingParams
@@ -57,8 +59,11 @@ class _Stream:
 
 
 class EngineClient:
-    def __init__(self, settings: Settings, stuck_after_s: float = 60.0) -> None:
-        self.settings, self.stuck_after_s = settings, stuck_after_s
+    def __init__(
+        self, settings: Settings, stuck_after_s: float = 60.0, attach: Attach | None = None
+    ) -> None:
+        self.settings, self.stuck_after_s, self.attach = settings, stuck_after_s, attach
+        self.front = attach.front if attach is not None else 0
         self.observer: EngineObserver | None = None  # the metrics, once they exist
         self._error: BaseException | None = None
         self.last_progress = time.monotonic()
@@ -69,27 +74,34 @@ class EngineClient:
         self._memory: tuple[int, int] | None = None
         self._closed = False
         self._shut = False  # shutdown() was asked for
-        self._dir = tempfile.TemporaryDirectory(prefix="kvserve-engine-")
+        # the sockets' folder when this front starts the engine itself
+        self._dir = None if attach else tempfile.TemporaryDirectory(prefix="kvserve-engine-")
         self._ctx = zmq.Context()
 
     # ---- lifecycle -------------------------------------------------------------------
 
     def start(self, timeout: float | None = None) -> wire.Ready:
-        """Start the engine process and wait until it has loaded the model; a failure to
-        load is raised here (as the engine process names it)."""
-        inputs = f"ipc://{Path(self._dir.name) / 'inputs'}"
-        outputs = f"ipc://{Path(self._dir.name) / 'outputs'}"
+        """Start the engine process (or, attached, find the one the supervisor started)
+        and wait until it has loaded the model; a failure to load is raised here (as the
+        engine process names it)."""
+        attach = self.attach
+        folder = Path(self._dir.name) if self._dir else None
+        inputs = attach.inputs if attach else f"ipc://{folder / 'inputs'}"
+        outputs = attach.outputs if attach else f"ipc://{folder / 'outputs'}"
         self._push, self._pull = self._ctx.socket(zmq.PUSH), self._ctx.socket(zmq.PULL)
         self._push.bind(inputs)
         self._pull.bind(outputs)
-        spawn = multiprocessing.get_context("spawn")
-        self.process = spawn.Process(
-            target=core.run,
-            args=(self.settings, inputs, outputs, os.getpid()),
-            name="kvserve-engine",
-            daemon=True,
-        )
-        self.process.start()
+        if attach is not None:
+            self.process: Any = Sibling(attach.engine_pid)
+        else:
+            spawn = multiprocessing.get_context("spawn")
+            self.process = spawn.Process(
+                target=core.run,
+                args=(self.settings, [inputs], [outputs], os.getpid()),
+                name="kvserve-engine",
+                daemon=True,
+            )
+            self.process.start()
         ready = self._wait_ready(timeout)
         self.limits = ready.limits
         self._snapshot = ready.snapshot
@@ -117,8 +129,10 @@ class EngineClient:
         raise TimeoutError("the engine process did not load the model in time")
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine (attached: leave it to the supervisor, which stops it once
+        every front has drained) and end every open stream."""
         self._shut = True
-        if self.process.is_alive():
+        if self.attach is None and self.process.is_alive():
             self._send(wire.Shutdown())
             self.process.join(timeout)
             if self.process.is_alive():
@@ -169,7 +183,7 @@ class EngineClient:
         future: asyncio.Future[dict[str, Any]] = loop.create_future()
         with self._lock:
             self._floors.append((loop, future))
-        self._send(wire.Floors())
+        self._send(wire.Floors(self.front))
         return await future
 
     # ---- requests --------------------------------------------------------------------
@@ -184,7 +198,7 @@ class EngineClient:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), params.n)
         with self._lock:
             self._streams[request_id] = stream
-        self._send(wire.Add(request_id, prompt_ids, params))
+        self._send(wire.Add(request_id, prompt_ids, params, self.front))
         return deltas(stream.queue, params.n, lambda: self.abort(request_id))
 
     def abort(self, request_id: str) -> None:

@@ -1,6 +1,7 @@
-"""What crosses between a front process and the engine core process (service/engine/core.py
+"""What crosses between the front processes and the engine core process (service/engine/core.py
 and client.py): typed messages, msgpack-encoded by msgspec. A step's outputs for every
-request travel as one message, with the engine's snapshot and the observer's events."""
+request of a front travel to it as one message, with the engine's snapshot; the
+observer's events go with one front's message."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ class Add(msgspec.Struct, tag=True, array_like=True):
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    front: int = 0  # the front process whose stream it is: its outputs go there
 
 
 class Abort(msgspec.Struct, tag=True, array_like=True):
@@ -29,12 +31,21 @@ class Abort(msgspec.Struct, tag=True, array_like=True):
 class Floors(msgspec.Struct, tag=True, array_like=True):
     """Measure this machine's floors for the model (torch work, between steps)."""
 
+    front: int = 0  # who asked: the result goes there
+
+
+class FrontGone(msgspec.Struct, tag=True, array_like=True):
+    """A front process died (from the supervisor, service/fronts.py): its requests are
+    aborted, what was queued for it dropped, and a Ready waits for its replacement."""
+
+    front: int
+
 
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
     """Finish: the engine ends what is in flight with an error and exits."""
 
 
-ToEngine = Add | Abort | Floors | Shutdown
+ToEngine = Add | Abort | Floors | FrontGone | Shutdown
 
 # ---- engine -> front -------------------------------------------------------------------
 

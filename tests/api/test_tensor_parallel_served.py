@@ -53,11 +53,23 @@ def complete(server: Server, model: str) -> tuple[str, list[float]]:
 # the server's part (starting rank 1, serving, draining, stopping it) is the same for every
 # family; tests/engine/test_tensor_parallel.py splits all four. Here: K/V heads split over
 # the ranks, and GPT-2's fused Conv1D with biases (~15 s a family on 2 cores)
-@pytest.mark.parametrize("family", ["llama_kv_split", "gpt2"])
-def test_two_ranks_serve_one_ranks_tokens(family: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "family, engine_process",
+    [("llama_kv_split", "off"), ("gpt2", "off"), ("llama_kv_split", "on")],
+)
+def test_two_ranks_serve_one_ranks_tokens(family: str, engine_process: str, tmp_path: Path) -> None:
+    """With --engine-process on, the engine process is rank 0."""
     ckpt = checkpoint(family, tmp_path / family)
     one = serve(ckpt, tmp_path, wait=False)  # both start side by side
-    two = serve(ckpt, tmp_path, "--tensor-parallel-size", "2", wait=False)
+    two = serve(
+        ckpt,
+        tmp_path,
+        "--tensor-parallel-size",
+        "2",
+        "--engine-process",
+        engine_process,
+        wait=False,
+    )
     try:
         ref_text, ref_lps = complete(one.wait_healthy(), ckpt.name)
     except BaseException:
@@ -67,7 +79,9 @@ def test_two_ranks_serve_one_ranks_tokens(family: str, tmp_path: Path) -> None:
         one.stop()
     try:
         two.wait_healthy()
-        assert len(rank_pids(two)) == 1  # rank 1, started by the server
+        # rank 1, started by the server (with the engine process on, that process and
+        # multiprocessing's resource tracker too)
+        assert len(rank_pids(two)) == (3 if engine_process == "on" else 1)
         text, lps = complete(two, ckpt.name)
         card = httpx.get(f"{two.url}/v1/models/{ckpt.name}", timeout=30).json()
         assert card["memory"]["tensor_parallel_size"] == 2

@@ -81,8 +81,21 @@ def test_engine_process_mode() -> None:
     assert load_settings(None, {"KVSERVE_ENGINE_PROCESS": "off"}).engine_process == "off"
     with pytest.raises(ValueError, match="engine_process must be one of"):
         settings_from_argv(["--engine-process", "yes"])
-    with pytest.raises(ValueError, match="engine_process: on runs one rank"):
-        settings_from_argv(["--engine-process", "on", "--tensor-parallel-size", "2"])
+    # the engine process is rank 0 of tensor parallelism
+    tp = settings_from_argv(["--engine-process", "on", "--tensor-parallel-size", "2"])
+    assert tp.engine_process == "on"
+
+
+def test_api_server_count() -> None:
+    assert Settings().api_server_count == 1
+    assert settings_from_argv(["--api-server-count", "3"]).api_server_count == 3
+    assert load_settings(None, {"KVSERVE_API_SERVER_COUNT": "2"}).api_server_count == 2
+    with pytest.raises(ValueError, match="api_server_count must be > 0"):
+        settings_from_argv(["--api-server-count", "0"])
+    with pytest.raises(ValueError, match="api_server_count: several front processes"):
+        settings_from_argv(["--api-server-count", "2", "--engine-process", "off"])
+    with pytest.raises(ValueError, match="api_server_count: several fronts run one rank"):
+        settings_from_argv(["--api-server-count", "2", "--tensor-parallel-size", "2"])
 
 
 def test_int8_weights_with_settings_that_cannot_run_them_stop_at_the_settings() -> None:

@@ -1,0 +1,212 @@
+"""`kvserve serve --api-server-count N` (N > 1): one engine process, N HTTP front processes
+on one port, and this process supervising them.
+
+This process binds the port, starts the engine core (service/engine/core.py) and the
+fronts (each the whole FastAPI app with its own event loop, attached to the engine
+through its own pair of ZMQ sockets, service/engine/client.py), then watches them:
+- a front that dies is replaced; the engine aborts what it had asked for (FrontGone);
+- the engine dying ends every front (each sees it through a pidfd, answers 503, ends its
+  streams with an error event and exits non-zero); this process then exits non-zero;
+- SIGTERM or SIGINT drains every front, then stops the engine, and exits 0.
+Each front listens on its own socket of the port (SO_REUSEPORT), and the kernel spreads
+new connections across them; a request's stream stays in the front it reached. Every process writes its counters and histograms to a shared
+folder (prometheus_client's multiprocess mode), merged by whichever front is scraped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+import tempfile
+import time
+from multiprocessing.connection import wait
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from service.config import Settings
+from service.engine import core, wire
+from service.engine.attach import Attach
+
+log = logging.getLogger("kvserve.server")
+SPAWN = multiprocessing.get_context("spawn")
+ENGINE_GRACE_S = 10.0  # how long the fronts have to end once the engine is gone
+
+
+def engine_metrics(model_id: str) -> Any:
+    """The engine process's observer: the metrics, in the shared folder (spawn target's
+    argument, so a module-level function)."""
+    from service.api.metrics import Metrics
+
+    return Metrics(model_id)
+
+
+def front_main(settings: Settings, attach: Attach) -> None:
+    """A front process: the app on its own listening socket of the shared port, attached
+    to the engine."""
+    from service.api.app import create_app, engine_process_state
+    from service.server import configure_logging, run_app
+
+    os.setpgrp()  # a terminal's Ctrl-C reaches the supervisor, which drains the fronts
+    configure_logging(settings.log_level)
+    app = create_app(settings, lambda s: engine_process_state(s, attach))
+    listener = bind(settings)
+    listener.listen(2048)
+    sys.exit(run_app(app, settings, sockets=[listener]))
+
+
+def bind(settings: Settings) -> socket.socket:
+    """A socket on the port that others of this user may bind too (SO_REUSEPORT): each
+    front listens on its own and the kernel spreads new connections across them by
+    their addresses. (One socket shared by every front would not spread them: the front
+    that wakes first accepts every connection waiting.) The supervisor binds one it
+    never listens on, which holds the port and says at once when it is taken."""
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((settings.host, settings.port))
+    return sock
+
+
+class Supervisor:
+    def __init__(self, settings: Settings, folder: Path) -> None:
+        self.settings = settings
+        n = settings.api_server_count
+        self.attach = [
+            Attach(i, f"ipc://{folder / f'in-{i}'}", f"ipc://{folder / f'out-{i}'}", 0)
+            for i in range(n)
+        ]
+        self.ctx = zmq.Context()
+        self.control = self.ctx.socket(zmq.PUSH)  # FrontGone and Shutdown to the engine
+        control = f"ipc://{folder / 'control'}"
+        self.control.bind(control)
+        self.engine = SPAWN.Process(
+            target=core.run,
+            args=(
+                settings,
+                [control, *(a.inputs for a in self.attach)],
+                [a.outputs for a in self.attach],
+                os.getpid(),
+                engine_metrics,
+            ),
+            name="kvserve-engine",
+            daemon=True,
+        )
+        self.fronts: list[Any] = [None] * n
+        self.stopping = False
+
+    def start(self) -> None:
+        self.engine.start()
+        log.info("engine process started", extra={"pid": self.engine.pid})
+        for i in range(len(self.fronts)):
+            self._start_front(i)
+
+    def _start_front(self, i: int) -> None:
+        attach = Attach(i, self.attach[i].inputs, self.attach[i].outputs, self.engine.pid)
+        front = SPAWN.Process(
+            target=front_main,
+            args=(self.settings, attach),
+            name=f"kvserve-front-{i}",
+        )
+        front.start()
+        self.fronts[i] = front
+        log.info("front process started", extra={"front": i, "pid": front.pid})
+
+    def stop(self, *_: Any) -> None:
+        """Drain: SIGTERM to every front (each finishes its streams), then the engine."""
+        if self.stopping:
+            return
+        self.stopping = True
+        log.info("draining %d fronts", len(self.fronts))
+        for front in self.fronts:
+            if front.is_alive():
+                os.kill(front.pid, signal.SIGTERM)
+
+    def watch(self) -> int:
+        """Until every process has ended: the exit status."""
+        while True:
+            alive = [f for f in self.fronts if f.exitcode is None]
+            if not alive:
+                break
+            wait([f.sentinel for f in alive] + [self.engine.sentinel], timeout=1.0)
+            if self.stopping:
+                continue
+            if not self.engine.is_alive():
+                return self._engine_gone()
+            for i, front in enumerate(self.fronts):
+                if front.exitcode is None:
+                    continue
+                self.engine.join(1.0)  # a front ends on its own when the engine has died
+                if not self.engine.is_alive():
+                    return self._engine_gone()
+                self._front_gone(i, front.exitcode)
+        self._tell(wire.Shutdown())
+        self.engine.join(self.settings.shutdown_timeout)
+        if self.engine.is_alive():
+            self.engine.kill()
+        return 0 if self.engine.exitcode == 0 else 1
+
+    def _front_gone(self, i: int, status: int) -> None:
+        log.error("front %d exited with status %s: replacing it", i, status)
+        self._tell(wire.FrontGone(i))
+        self._start_front(i)
+
+    def _tell(self, message: Any) -> None:
+        """A message to the engine; none when it is gone (nobody reads it)."""
+        with contextlib.suppress(zmq.Again):
+            self.control.send(wire.encode(message), zmq.NOBLOCK)
+
+    def _engine_gone(self) -> int:
+        log.error("the engine process exited (%s): the fronts end", self.engine.exitcode)
+        deadline = time.monotonic() + ENGINE_GRACE_S
+        for front in self.fronts:
+            front.join(max(0.0, deadline - time.monotonic()))
+            if front.is_alive():
+                front.kill()
+        return 1
+
+    def close(self) -> None:
+        for front in self.fronts:
+            if front is not None and front.is_alive():
+                front.kill()
+        if self.engine.is_alive():
+            self.engine.kill()
+        self.control.close(linger=0)
+        self.ctx.term()
+
+
+def serve_fronts(settings: Settings) -> int:
+    from service.api.metrics import MULTIPROCESS
+    from service.server import configure_logging
+
+    configure_logging(settings.log_level)
+    try:
+        held = bind(settings)
+    except OSError as exc:
+        where = f"{settings.host}:{settings.port}"
+        print(f"kvserve: error: cannot listen on {where}: {exc}", file=sys.stderr)
+        return 1
+    with tempfile.TemporaryDirectory(prefix="kvserve-") as name:
+        folder = Path(name)
+        (folder / "metrics").mkdir()
+        os.environ[MULTIPROCESS] = str(folder / "metrics")  # read by the processes it starts
+        supervisor = Supervisor(settings, folder)
+        signal.signal(signal.SIGTERM, supervisor.stop)
+        signal.signal(signal.SIGINT, supervisor.stop)
+        try:
+            supervisor.start()
+            log.info(
+                "serving",
+                extra={"fronts": settings.api_server_count, "port": settings.port},
+            )
+            return supervisor.watch()
+        finally:
+            supervisor.close()
+            held.close()

@@ -1,0 +1,122 @@
+"""`--api-server-count 2`: two front processes on one port in front of one engine process.
+Requests reach both fronts, each stream completes in the front it started in, and
+/metrics from either front counts all the traffic (the histograms merged, not one
+front's share)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import httpx
+import openai
+import pytest
+
+from tests.factories import Server, start_server
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def fronts(tmp_path_factory) -> Server:
+    server = start_server(str(tmp_path_factory.mktemp("fronts")), "--api-server-count", "2")
+    yield server
+    assert server.stop() == 0
+
+
+def sample(text: str, name: str, labels: str = "") -> float:
+    """One sample's value from the Prometheus text (0 when absent)."""
+    pattern = rf"^{re.escape(name)}{{([^}}]*)}} (\S+)$"
+    total = 0.0
+    for match in re.finditer(pattern, text, re.MULTILINE):
+        if labels in match.group(1):
+            total += float(match.group(2))
+    return total
+
+
+async def by_front(url: str, n: int, call) -> dict[int, list]:
+    """n calls, each on a fresh connection, grouped by the front that answered."""
+
+    async def one(i: int) -> tuple[int, object]:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            return await call(client, i)
+
+    seen: dict[int, list] = {}
+    for front, result in await asyncio.gather(*(one(i) for i in range(n))):
+        seen.setdefault(front, []).append(result)
+    return seen
+
+
+def test_both_fronts_serve_streams_and_every_scrape_counts_all_traffic(fronts: Server) -> None:
+    before = httpx.get(fronts.url + "/metrics").text
+    done_before = sample(before, "kvserve_e2e_request_latency_seconds_count")
+
+    async def stream(client: httpx.AsyncClient, i: int) -> tuple[int, tuple[str, int]]:
+        front = (await client.get("/health")).json()["front"]
+        body = {"prompt": f"request {i}", "max_tokens": 12, "ignore_eos": True, "stream": True}
+        body["stream_options"] = {"include_usage": True}
+        text, tokens = "", 0
+        async with client.stream("POST", "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            async for line in resp.aiter_lines():
+                if line.startswith("data: {"):
+                    event = httpx.Response(200, content=line[6:]).json()
+                    if event.get("usage"):
+                        tokens = event["usage"]["completion_tokens"]
+                    elif event["choices"]:
+                        text += event["choices"][0]["text"]
+        return front, (text, tokens)
+
+    seen: dict[int, list] = {}
+    sent = 0
+    for _ in range(5):  # the kernel hands connections to whichever front accepts first
+        for front, results in asyncio.run(by_front(fronts.url, 16, stream)).items():
+            seen.setdefault(front, []).extend(results)
+        sent += 16
+        if len(seen) == 2:
+            break
+    assert sorted(seen) == [0, 1], f"one front took every connection: {list(seen)}"
+    assert all(tokens == 12 for results in seen.values() for _, tokens in results)
+
+    async def scrape(client: httpx.AsyncClient, _: int) -> tuple[int, str]:
+        resp = await client.get("/metrics")
+        return int(resp.headers["x-kvserve-front"]), resp.text
+
+    scrapes: dict[int, list] = {}
+    for _ in range(10):
+        for front, texts in asyncio.run(by_front(fronts.url, 8, scrape)).items():
+            scrapes.setdefault(front, []).extend(texts)
+        if len(scrapes) == 2:
+            break
+    assert sorted(scrapes) == [0, 1]
+    for texts in scrapes.values():
+        for text in texts:
+            finished = sample(text, "kvserve_e2e_request_latency_seconds_count") - done_before
+            generated = sample(text, "kvserve_request_generation_tokens_sum")
+            http = sample(text, "kvserve_http_requests_total", 'route="/v1/completions"')
+            assert finished == sent
+            assert generated >= 12 * sent
+            assert http >= sent  # this test's and the module's other requests
+            assert sample(text, "kvserve_requests_running") == 0
+
+
+def test_the_openai_client_streams_through_either_front(fronts: Server) -> None:
+    client = openai.OpenAI(base_url=fronts.url + "/v1", api_key="x", max_retries=0)
+    texts = []
+    for i in range(6):  # a new connection each time: either front may take it
+        stream = client.chat.completions.create(
+            model=client.models.list().data[0].id,
+            messages=[{"role": "user", "content": f"hello {i}"}],
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+        )
+        texts.append("".join(c.choices[0].delta.content or "" for c in stream if c.choices))
+    again = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=[{"role": "user", "content": "hello 0"}],
+        max_tokens=8,
+        temperature=0,
+    )
+    assert again.choices[0].message.content == texts[0]  # greedy: the same in either front
+    assert fronts.wait_idle()["kv_cache"]["blocks_used"] == 0
