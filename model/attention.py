@@ -4,10 +4,12 @@ the rotation, the store into the cache and the attention itself in the backend
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from model.backends.base import Backend
 from model.config import ModelConfig
+from model.layers import RMSNorm
 from model.metadata import AttentionMetadata
 
 
@@ -21,6 +23,9 @@ class Attention(nn.Module):
         qkv_out = (self.n_heads + 2 * self.n_kv) * self.d_head
         self.wqkv = nn.Linear(cfg.d_model, qkv_out, bias=cfg.qkv_bias)
         self.wo = nn.Linear(self.n_heads * self.d_head, cfg.d_model, bias=cfg.attn_out_bias)
+        # Qwen3: each head of q and of k normed (one weight of d_head for all heads)
+        self.q_norm = RMSNorm(self.d_head, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.d_head, cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(
         self,
@@ -33,6 +38,15 @@ class Attention(nn.Module):
     ) -> Tensor:
         """x: (T, d) -> (T, d). RoPE is applied to q and k; new K/V are written to the cache."""
         qkv = self.wqkv(x)  # (T, (H + 2KV) * dh)
+        if self.q_norm is not None:
+            qkv = self._norm_heads(qkv)
         q, k, v = backend.rope_store(qkv, rope, self.n_heads, self.n_kv, self.d_head, cache, meta)
         out = backend.attend(q, k, v, cache, meta, self.d_head**-0.5, alibi_slopes)
         return self.wo(out)  # out: (T, H * dh)
+
+    def _norm_heads(self, qkv: Tensor) -> Tensor:
+        """q's and k's heads each through their norm, before the backend rotates them."""
+        t, h, kv = qkv.shape[0], self.n_heads, self.n_kv
+        heads = qkv.view(t, h + 2 * kv, self.d_head)
+        q, k, v = heads[:, :h], heads[:, h : h + kv], heads[:, h + kv :]
+        return torch.cat([self.q_norm(q), self.k_norm(k), v], dim=1).view(t, -1)  # type: ignore[misc]

@@ -68,7 +68,7 @@ def count_params(cfg: ModelConfig) -> ParamCounts:
     if cfg.mlp_bias:
         ffn += gated * cfg.d_ff + d
     norm = d * (2 if cfg.norm == "layernorm" else 1)
-    block_norms = 2 * norm
+    block_norms = 2 * norm + (2 * dh if cfg.qk_norm else 0)  # Qwen3's q and k norms
     pos = cfg.max_position * d if cfg.position == "learned" else 0
     per_block = attn + ffn + block_norms
     return ParamCounts(

@@ -1,8 +1,8 @@
 """ModelConfig: every architectural choice of the decoder-only transformer.
 
-One frozen dataclass covers the Llama family (RMSNorm, RoPE, SwiGLU, GQA), Qwen2
-(q/k/v bias) and GPT-2 / 2017-style models (LayerNorm, learned or sinusoidal positions,
-GELU, biases, post-norm), plus ALiBi. `from_hf_config` reads transformers' config.json
+One frozen dataclass covers the Llama family (RMSNorm, RoPE, SwiGLU, GQA), Mistral,
+Qwen2 (q/k/v bias), Qwen3 (a norm over each head of q and k) and GPT-2 / 2017-style
+models (LayerNorm, learned or sinusoidal positions, GELU, biases, post-norm), plus ALiBi. `from_hf_config` reads transformers' config.json
 in both its 4.x (`torch_dtype`, `rope_theta`, `rope_scaling`) and 5.x (`dtype`,
 `rope_parameters`) forms.
 """
@@ -68,6 +68,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
     qkv_bias: bool = False
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and k, before RoPE
     attn_out_bias: bool = False
     mlp_bias: bool = False
     tie_embeddings: bool = True
@@ -245,6 +246,25 @@ def _read_qwen2(hf: dict[str, Any]) -> ModelConfig:
     return cfg.replace(qkv_bias=True, architecture="Qwen2ForCausalLM")
 
 
+def _read_qwen3(hf: dict[str, Any]) -> ModelConfig:
+    # Qwen3: no q/k/v bias unless attention_bias says so, a norm over each head of q and
+    # k, and a head_dim of its own (not hidden_size / heads)
+    cfg = _read_llama_like(hf, qkv_bias_default=False)
+    return cfg.replace(qk_norm=True, architecture="Qwen3ForCausalLM")
+
+
+def _read_mistral(hf: dict[str, Any]) -> ModelConfig:
+    # Mistral is Llama's block. With `sliding_window` set (Mistral 7B v0.1) each token
+    # attends to the window before it: until kvserve's attention has windows, the
+    # context is capped at the window, where full attention and windowed attention are
+    # the same computation (v0.2 and later have no window)
+    cfg = _read_llama_like(hf, qkv_bias_default=False)
+    window = hf.get("sliding_window")
+    if window is not None and hf.get("use_sliding_window", True) is not False:
+        cfg = cfg.replace(max_position=min(cfg.max_position, int(window)))
+    return cfg.replace(architecture="MistralForCausalLM")
+
+
 def _read_gpt2(hf: dict[str, Any]) -> ModelConfig:
     act = hf.get("activation_function", "gelu_new")
     if act not in _HF_ACTIVATIONS:
@@ -294,10 +314,18 @@ _GPT2_NAMES = {
     "norm_eps": "layer_norm_epsilon",
     "eos_token_ids": "eos_token_id",
 }
-_HF_NAMES = {_read_llama: _LLAMA_NAMES, _read_qwen2: _LLAMA_NAMES, _read_gpt2: _GPT2_NAMES}
+_HF_NAMES = {
+    _read_llama: _LLAMA_NAMES,
+    _read_qwen2: _LLAMA_NAMES,
+    _read_qwen3: _LLAMA_NAMES,
+    _read_mistral: _LLAMA_NAMES,
+    _read_gpt2: _GPT2_NAMES,
+}
 _NAMES_BY_ARCH = {
     "LlamaForCausalLM": _LLAMA_NAMES,
     "Qwen2ForCausalLM": _LLAMA_NAMES,
+    "Qwen3ForCausalLM": _LLAMA_NAMES,
+    "MistralForCausalLM": _LLAMA_NAMES,
     "GPT2LMHeadModel": _GPT2_NAMES,
 }
 _FIELD = re.compile(
@@ -307,8 +335,12 @@ _FIELD = re.compile(
 _HF_READERS = {
     "LlamaForCausalLM": _read_llama,
     "Qwen2ForCausalLM": _read_qwen2,
+    "Qwen3ForCausalLM": _read_qwen3,
+    "MistralForCausalLM": _read_mistral,
     "GPT2LMHeadModel": _read_gpt2,
     "llama": _read_llama,
     "qwen2": _read_qwen2,
+    "qwen3": _read_qwen3,
+    "mistral": _read_mistral,
     "gpt2": _read_gpt2,
 }

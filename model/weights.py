@@ -81,6 +81,13 @@ def _gpt2_names() -> dict[str, tuple[str, ...]]:
 
 
 LLAMA = NameTable(names=_llama_names())
+QWEN3 = NameTable(
+    names=_llama_names()
+    | {
+        f"layers.{{i}}.attn.{n}.weight": (f"model.layers.{{i}}.self_attn.{n}.weight",)
+        for n in ("q_norm", "k_norm")
+    }
+)
 GPT2 = NameTable(
     names=_gpt2_names(),
     transposed=frozenset(
@@ -92,6 +99,8 @@ GPT2 = NameTable(
 NAME_TABLES: dict[str, NameTable] = {
     "LlamaForCausalLM": LLAMA,
     "Qwen2ForCausalLM": LLAMA,
+    "Qwen3ForCausalLM": QWEN3,
+    "MistralForCausalLM": LLAMA,
     "GPT2LMHeadModel": GPT2,
 }
 

@@ -104,6 +104,32 @@ def write_qwen2(path: Path, seed: int = 0) -> object:
     return model
 
 
+def write_qwen3(path: Path, seed: int = 0) -> object:
+    """Qwen3: q/k norms (made to matter: not ones) and a head_dim of its own (16, not
+    hidden / heads = 8)."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    cfg = tf.Qwen3Config(**TINY_LLAMA, head_dim=16, tie_word_embeddings=True)
+    model = tf.Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.normal_(1, 0.3)
+            layer.self_attn.k_norm.weight.normal_(1, 0.3)
+    model.save_pretrained(path)
+    return model
+
+
+def write_mistral(path: Path, seed: int = 0, sliding_window: int | None = None) -> object:
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    cfg = tf.MistralConfig(**TINY_LLAMA, sliding_window=sliding_window, tie_word_embeddings=False)
+    model = tf.MistralForCausalLM(cfg).eval()
+    model.save_pretrained(path)
+    return model
+
+
 def write_gpt2(path: Path, seed: int = 0) -> object:
     import transformers as tf
 

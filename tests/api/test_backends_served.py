@@ -6,7 +6,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.factories import start_server, write_gpt2, write_llama, write_qwen2, write_tokenizer
+from tests.factories import (
+    start_server,
+    write_gpt2,
+    write_llama,
+    write_qwen2,
+    write_qwen3,
+    write_tokenizer,
+)
 from tests.model.backends import make_backend
 
 pytestmark = [pytest.mark.slow, pytest.mark.interpreter]
@@ -14,6 +21,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.interpreter]
 WRITERS = {
     "llama_gqa": lambda p: write_llama(p, tied=False),
     "qwen2_qkv_bias": write_qwen2,
+    "qwen3_qk_norm": write_qwen3,
     "gpt2": write_gpt2,
 }
 

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from service.launch import rendezvous
-from tests.factories import write_gpt2, write_llama, write_qwen2
+from tests.factories import write_gpt2, write_llama, write_qwen2, write_qwen3
 
 # the checkpoints the tensor-parallel tests split: K/V heads split over 2 ranks, and
 # fewer K/V heads than ranks (each holds a replica), q/k/v biases, GPT-2's fused Conv1D
@@ -15,6 +15,7 @@ WRITERS = {
     "llama_kv_split": lambda p: write_llama(p, tied=False),  # 8 heads, 2 K/V heads
     "llama_kv_replicated": lambda p: write_llama(p, tied=True, num_key_value_heads=1),
     "qwen2": write_qwen2,
+    "qwen3": write_qwen3,  # q/k norms: one weight shared by the heads each rank holds
     "gpt2": write_gpt2,
 }
 

@@ -4,6 +4,7 @@ import torch
 from model.audit import audit, batch_floor, count_params, kv_bytes_per_token, plan
 from model.config import ModelConfig
 from model.transformer import Transformer
+from tests.factories import tiny_model
 
 SPEC_123M = ModelConfig(
     vocab_size=50257,
@@ -43,6 +44,13 @@ def test_byte_level_toy() -> None:
         tie_embeddings=True,
     )
     assert count_params(toy).total == 222_784
+
+
+@pytest.mark.parametrize("overrides", [{}, {"qk_norm": True, "d_head": 16}, {"qkv_bias": True}])
+def test_counted_params_are_the_models(overrides: dict) -> None:
+    """The count from the config is the built model's, family variations included."""
+    model = tiny_model(**overrides)
+    assert count_params(model.cfg).total == sum(p.numel() for p in model.parameters())
 
 
 LLAMA3_70B = ModelConfig(

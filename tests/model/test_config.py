@@ -102,3 +102,32 @@ def test_dict_roundtrip() -> None:
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="bogus"):
         ModelConfig.from_dict({**cfg.to_dict(), "bogus": 1})
+
+
+HF_LLAMA_LIKE = {
+    "vocab_size": 1000,
+    "hidden_size": 1024,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "intermediate_size": 3072,
+    "max_position_embeddings": 40960,
+}
+
+
+def test_qwen3_reads_its_head_dim_and_q_k_norms() -> None:
+    """Qwen3-0.6B's shape: head_dim 128 where hidden_size / heads is 64."""
+    hf = HF_LLAMA_LIKE | {"architectures": ["Qwen3ForCausalLM"], "head_dim": 128}
+    cfg = ModelConfig.from_hf_config(hf | {"attention_bias": False})
+    assert (cfg.head_dim, cfg.qk_norm, cfg.qkv_bias) == (128, True, False)
+    assert cfg.architecture == "Qwen3ForCausalLM"
+    assert ModelConfig.from_hf_config({**hf, "architectures": [], "model_type": "qwen3"}).qk_norm
+
+
+def test_mistral_caps_the_context_at_its_sliding_window() -> None:
+    """Mistral 7B v0.1 attends over a 4096-token window: kvserve serves up to the window,
+    where windowed and full attention agree; v0.2 and later have none."""
+    hf = HF_LLAMA_LIKE | {"architectures": ["MistralForCausalLM"]}
+    assert ModelConfig.from_hf_config(hf | {"sliding_window": 4096}).max_position == 4096
+    assert ModelConfig.from_hf_config(hf | {"sliding_window": None}).max_position == 40960
+    assert not ModelConfig.from_hf_config(hf).qk_norm

@@ -8,7 +8,7 @@ import torch
 
 from model.kv_cache import PagedKVCache
 from model.weights import load_model
-from tests.factories import write_gpt2, write_llama, write_qwen2
+from tests.factories import write_gpt2, write_llama, write_mistral, write_qwen2, write_qwen3
 from tests.model.backends import BACKENDS, generate_auto, make_backend
 
 pytestmark = pytest.mark.slow
@@ -17,6 +17,8 @@ WRITERS = {
     "llama_gqa_untied": lambda p: write_llama(p, tied=False),
     "llama_gqa_tied": lambda p: write_llama(p, tied=True),
     "qwen2_qkv_bias": write_qwen2,
+    "qwen3_qk_norm": write_qwen3,
+    "mistral": write_mistral,
     "gpt2": write_gpt2,
 }
 

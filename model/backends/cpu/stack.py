@@ -85,6 +85,7 @@ class DecoderStack:
         if (
             cfg.norm_placement != "pre"
             or cfg.position != "rope"
+            or cfg.qk_norm  # the C layers have no norm over q's and k's heads
             or not isinstance(final_norm, RMSNorm)
         ):
             return None
