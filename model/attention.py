@@ -20,6 +20,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv, self.d_head = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        self.scale = cfg.attention_multiplier or self.d_head**-0.5  # Granite sets its own
         qkv_out = (self.n_heads + 2 * self.n_kv) * self.d_head
         self.wqkv = nn.Linear(cfg.d_model, qkv_out, bias=cfg.qkv_bias)
         self.wo = nn.Linear(self.n_heads * self.d_head, cfg.d_model, bias=cfg.attn_out_bias)
@@ -41,7 +42,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             qkv = self._norm_heads(qkv)
         q, k, v = backend.rope_store(qkv, rope, self.n_heads, self.n_kv, self.d_head, cache, meta)
-        out = backend.attend(q, k, v, cache, meta, self.d_head**-0.5, alibi_slopes)
+        out = backend.attend(q, k, v, cache, meta, self.scale, alibi_slopes)
         return self.wo(out)  # out: (T, H * dh)
 
     def _norm_heads(self, qkv: Tensor) -> Tensor:

@@ -1,7 +1,8 @@
 """ModelConfig: every architectural choice of the decoder-only transformer.
 
 One frozen dataclass covers the Llama family (RMSNorm, RoPE, SwiGLU, GQA), Mistral,
-Qwen2 (q/k/v bias), Qwen3 (a norm over each head of q and k) and GPT-2 / 2017-style
+Qwen2 (q/k/v bias), Qwen3 (a norm over each head of q and k), SmolLM3 (layers without
+RoPE), Granite (scaled embeddings, residuals, scores and logits) and GPT-2 / 2017-style
 models (LayerNorm, learned or sinusoidal positions, GELU, biases, post-norm), plus ALiBi. `from_hf_config` reads transformers' config.json
 in both its 4.x (`torch_dtype`, `rope_theta`, `rope_scaling`) and 5.x (`dtype`,
 `rope_parameters`) forms.
@@ -69,6 +70,13 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     qkv_bias: bool = False
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and k, before RoPE
+    nope_layers: tuple[int, ...] = ()  # SmolLM3: the layers that do not rotate q and k
+    # Granite's scalings: the embeddings, each sublayer's output before its residual add,
+    # the attention scores (None: 1 / sqrt(head_dim)), and the logits (divided by it)
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
     attn_out_bias: bool = False
     mlp_bias: bool = False
     tie_embeddings: bool = True
@@ -106,6 +114,11 @@ class ModelConfig:
             raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
         if self.norm_eps <= 0:
             raise ValueError(f"norm_eps must be > 0, got {self.norm_eps}")
+        for i in self.nope_layers:
+            if not 0 <= i < self.n_layers:
+                raise ValueError(f"nope_layers: layer {i} is outside the {self.n_layers} layers")
+        if self.logits_scaling == 0:
+            raise ValueError("logits_scaling must not be 0")
         for tok in self.eos_token_ids:
             if not 0 <= tok < self.vocab_size:
                 raise ValueError(f"eos_token_ids: {tok} is outside the vocabulary")
@@ -113,6 +126,11 @@ class ModelConfig:
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+    @property
+    def scaled(self) -> bool:
+        """Whether Granite's multipliers change the block (not just its ends)."""
+        return self.residual_multiplier != 1.0 or self.attention_multiplier is not None
 
     @property
     def head_dim(self) -> int:
@@ -131,6 +149,7 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["eos_token_ids"] = list(self.eos_token_ids)
+        out["nope_layers"] = list(self.nope_layers)
         return out
 
     @classmethod
@@ -143,6 +162,7 @@ class ModelConfig:
         if data.get("rope_scaling") is not None:
             data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
         data["eos_token_ids"] = tuple(data.get("eos_token_ids") or ())
+        data["nope_layers"] = tuple(data.get("nope_layers") or ())
         return cls(**data)
 
     @classmethod
@@ -265,6 +285,33 @@ def _read_mistral(hf: dict[str, Any]) -> ModelConfig:
     return cfg.replace(architecture="MistralForCausalLM")
 
 
+def _read_smollm3(hf: dict[str, Any]) -> ModelConfig:
+    # SmolLM3: Llama's block, with no RoPE in the layers `no_rope_layers` marks 0 (every
+    # fourth by default: `no_rope_layer_interval`)
+    cfg = _read_llama_like(hf, qkv_bias_default=False)
+    flags = hf.get("no_rope_layers")
+    if flags is None:
+        every = int(hf.get("no_rope_layer_interval", 4))
+        flags = [int((i + 1) % every != 0) for i in range(cfg.n_layers)]
+    if len(flags) != cfg.n_layers:
+        raise ValueError(f"no_rope_layers has {len(flags)} entries for {cfg.n_layers} layers")
+    nope = tuple(i for i, rotate in enumerate(flags) if not rotate)
+    return cfg.replace(nope_layers=nope, architecture="SmolLM3ForCausalLM")
+
+
+def _read_granite(hf: dict[str, Any]) -> ModelConfig:
+    # Granite: Llama's block with four scalings (ModelConfig's multipliers)
+    cfg = _read_llama_like(hf, qkv_bias_default=False)
+    attention = hf.get("attention_multiplier")
+    return cfg.replace(
+        embedding_multiplier=float(hf.get("embedding_multiplier", 1.0)),
+        residual_multiplier=float(hf.get("residual_multiplier", 1.0)),
+        attention_multiplier=None if attention is None else float(attention),
+        logits_scaling=float(hf.get("logits_scaling", 1.0)),
+        architecture="GraniteForCausalLM",
+    )
+
+
 def _read_gpt2(hf: dict[str, Any]) -> ModelConfig:
     act = hf.get("activation_function", "gelu_new")
     if act not in _HF_ACTIVATIONS:
@@ -319,6 +366,8 @@ _HF_NAMES = {
     _read_qwen2: _LLAMA_NAMES,
     _read_qwen3: _LLAMA_NAMES,
     _read_mistral: _LLAMA_NAMES,
+    _read_smollm3: _LLAMA_NAMES,
+    _read_granite: _LLAMA_NAMES,
     _read_gpt2: _GPT2_NAMES,
 }
 _NAMES_BY_ARCH = {
@@ -326,6 +375,8 @@ _NAMES_BY_ARCH = {
     "Qwen2ForCausalLM": _LLAMA_NAMES,
     "Qwen3ForCausalLM": _LLAMA_NAMES,
     "MistralForCausalLM": _LLAMA_NAMES,
+    "SmolLM3ForCausalLM": _LLAMA_NAMES,
+    "GraniteForCausalLM": _LLAMA_NAMES,
     "GPT2LMHeadModel": _GPT2_NAMES,
 }
 _FIELD = re.compile(
@@ -337,10 +388,14 @@ _HF_READERS = {
     "Qwen2ForCausalLM": _read_qwen2,
     "Qwen3ForCausalLM": _read_qwen3,
     "MistralForCausalLM": _read_mistral,
+    "SmolLM3ForCausalLM": _read_smollm3,
+    "GraniteForCausalLM": _read_granite,
     "GPT2LMHeadModel": _read_gpt2,
     "llama": _read_llama,
     "qwen2": _read_qwen2,
     "qwen3": _read_qwen3,
     "mistral": _read_mistral,
+    "smollm3": _read_smollm3,
+    "granite": _read_granite,
     "gpt2": _read_gpt2,
 }

@@ -30,6 +30,7 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.ffn_norm = make_norm(cfg)
         self.ffn = make_ffn(cfg)
+        self.residual = cfg.residual_multiplier  # Granite scales each sublayer's output
 
     def forward(
         self,
@@ -46,8 +47,11 @@ class Block(nn.Module):
         if self.pre_norm:
             x, h = backend.add_norm(self.attn_norm, x, delta)
             attn = self.reduce(self.attn(h, meta, rope, cache, alibi_slopes, backend))
+            if self.residual != 1.0:
+                attn = attn * self.residual
             x, h = backend.add_norm(self.ffn_norm, x, attn)
-            return x, self.reduce(self.ffn(h))
+            out = self.reduce(self.ffn(h))
+            return x, out * self.residual if self.residual != 1.0 else out
         x = self.attn_norm(x + self.reduce(self.attn(x, meta, rope, cache, alibi_slopes, backend)))
         return self.ffn_norm(x + self.reduce(self.ffn(x))), None
 
@@ -69,6 +73,7 @@ class Transformer(nn.Module):
         if cfg.position == "learned":
             self.pos_embed = nn.Embedding(cfg.max_position, cfg.d_model)
         self.layers = nn.ModuleList(Block(self.local_cfg, tp) for _ in range(cfg.n_layers))
+        self.nope = frozenset(cfg.nope_layers)  # layers that take no rotation (SmolLM3)
         self.fused_layers: FusedLayers | None = None
         if cfg.norm_placement == "pre":
             self.norm = make_norm(cfg)
@@ -134,6 +139,8 @@ class Transformer(nn.Module):
             )
         tp = self.tp
         x = tp.embed(self.embed.weight, tokens) if tp is not None else self.embed(tokens)  # (T, d)
+        if self.cfg.embedding_multiplier != 1.0:
+            x = x * self.cfg.embedding_multiplier
         if self.cfg.position == "learned":
             x = x + self.pos_embed(positions)
         elif self._sinusoidal is not None:
@@ -148,7 +155,8 @@ class Transformer(nn.Module):
             delta = None
             for i, layer in enumerate(self.layers):
                 cache = kv_cache.layer(i) if kv_cache is not None else None
-                x, delta = layer(x, delta, meta, rope, cache, self._alibi, backend)
+                turn = None if i in self.nope else rope
+                x, delta = layer(x, delta, meta, turn, cache, self._alibi, backend)
             if self.cfg.norm_placement == "pre":
                 _, x = backend.add_norm(self.norm, x, delta)
         if logits_indices is not None:
@@ -157,6 +165,8 @@ class Transformer(nn.Module):
             x = x.index_select(0, logits_indices)
         # no head module: the embedding table, (T, V) or (T, vocab rows) on a rank
         logits = self.lm_head(x) if self.lm_head is not None else x @ self.embed.weight.t()
+        if self.cfg.logits_scaling != 1.0:
+            logits = logits / self.cfg.logits_scaling
         if self.tp is not None:
             return self.tp.gather_vocab(logits, self.cfg.vocab_size)
         return logits

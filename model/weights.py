@@ -101,6 +101,8 @@ NAME_TABLES: dict[str, NameTable] = {
     "Qwen2ForCausalLM": LLAMA,
     "Qwen3ForCausalLM": QWEN3,
     "MistralForCausalLM": LLAMA,
+    "SmolLM3ForCausalLM": LLAMA,
+    "GraniteForCausalLM": LLAMA,
     "GPT2LMHeadModel": GPT2,
 }
 

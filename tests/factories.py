@@ -130,6 +130,37 @@ def write_mistral(path: Path, seed: int = 0, sliding_window: int | None = None) 
     return model
 
 
+def write_smollm3(path: Path, seed: int = 0) -> object:
+    """SmolLM3 with no RoPE in every second layer (of 3: layer 1)."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    cfg = tf.SmolLM3Config(
+        **TINY_LLAMA, no_rope_layer_interval=2, pad_token_id=0, tie_word_embeddings=True
+    )
+    model = tf.SmolLM3ForCausalLM(cfg).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def write_granite(path: Path, seed: int = 0) -> object:
+    """Granite with every multiplier away from 1 (the 3.x models' kind of values)."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    cfg = tf.GraniteConfig(
+        **TINY_LLAMA,
+        embedding_multiplier=12.0,
+        residual_multiplier=0.22,
+        attention_multiplier=0.0078125,
+        logits_scaling=8.0,
+        tie_word_embeddings=True,
+    )
+    model = tf.GraniteForCausalLM(cfg).eval()
+    model.save_pretrained(path)
+    return model
+
+
 def write_gpt2(path: Path, seed: int = 0) -> object:
     import transformers as tf
 

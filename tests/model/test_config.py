@@ -131,3 +131,29 @@ def test_mistral_caps_the_context_at_its_sliding_window() -> None:
     assert ModelConfig.from_hf_config(hf | {"sliding_window": 4096}).max_position == 4096
     assert ModelConfig.from_hf_config(hf | {"sliding_window": None}).max_position == 40960
     assert not ModelConfig.from_hf_config(hf).qk_norm
+
+
+def test_smollm3_marks_the_layers_without_rope() -> None:
+    """Every fourth layer by default (`no_rope_layer_interval`), or as `no_rope_layers`
+    lists them (0: no RoPE)."""
+    hf = HF_LLAMA_LIKE | {"architectures": ["SmolLM3ForCausalLM"], "num_hidden_layers": 8}
+    assert ModelConfig.from_hf_config(hf).nope_layers == (3, 7)
+    listed = hf | {"no_rope_layers": [1, 0, 1, 1, 1, 1, 1, 0]}
+    assert ModelConfig.from_hf_config(listed).nope_layers == (1, 7)
+    with pytest.raises(ValueError, match="no_rope_layers has 3 entries for 8 layers"):
+        ModelConfig.from_hf_config(hf | {"no_rope_layers": [1, 0, 1]})
+
+
+def test_granite_reads_its_four_multipliers() -> None:
+    hf = HF_LLAMA_LIKE | {"architectures": ["GraniteForCausalLM"]}
+    scaled = hf | {
+        "embedding_multiplier": 12.0,
+        "residual_multiplier": 0.22,
+        "attention_multiplier": 0.0078125,
+        "logits_scaling": 8.0,
+    }
+    cfg = ModelConfig.from_hf_config(scaled)
+    assert (cfg.embedding_multiplier, cfg.residual_multiplier) == (12.0, 0.22)
+    assert (cfg.attention_multiplier, cfg.logits_scaling, cfg.scaled) == (0.0078125, 8.0, True)
+    plain = ModelConfig.from_hf_config(hf)
+    assert (plain.attention_multiplier, plain.scaled) == (None, False)

@@ -8,7 +8,15 @@ import torch
 
 from model.kv_cache import PagedKVCache
 from model.weights import load_model
-from tests.factories import write_gpt2, write_llama, write_mistral, write_qwen2, write_qwen3
+from tests.factories import (
+    write_gpt2,
+    write_granite,
+    write_llama,
+    write_mistral,
+    write_qwen2,
+    write_qwen3,
+    write_smollm3,
+)
 from tests.model.backends import BACKENDS, generate_auto, make_backend
 
 pytestmark = pytest.mark.slow
@@ -19,6 +27,8 @@ WRITERS = {
     "qwen2_qkv_bias": write_qwen2,
     "qwen3_qk_norm": write_qwen3,
     "mistral": write_mistral,
+    "smollm3_nope": write_smollm3,
+    "granite_scaled": write_granite,
     "gpt2": write_gpt2,
 }
 
