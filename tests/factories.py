@@ -11,6 +11,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import torch
@@ -104,14 +105,19 @@ def write_qwen2(path: Path, seed: int = 0) -> object:
     return model
 
 
-def write_qwen3(path: Path, seed: int = 0) -> object:
-    """Qwen3: q/k norms (made to matter: not ones) and a head_dim of its own (16, not
-    hidden / heads = 8)."""
+def _hf_model(family: str, seed: int, **config: object) -> Any:
+    """transformers' `{family}ForCausalLM` of TINY_LLAMA's shape (with `config`), seeded."""
     import transformers as tf
 
     torch.manual_seed(seed)
-    cfg = tf.Qwen3Config(**TINY_LLAMA, head_dim=16, tie_word_embeddings=True)
-    model = tf.Qwen3ForCausalLM(cfg).eval()
+    cfg = getattr(tf, f"{family}Config")(**{**TINY_LLAMA, **config})
+    return getattr(tf, f"{family}ForCausalLM")(cfg).eval()
+
+
+def write_qwen3(path: Path, seed: int = 0) -> object:
+    """Qwen3: q/k norms (made to matter: not ones) and a head_dim of its own (16, not
+    hidden / heads = 8)."""
+    model = _hf_model("Qwen3", seed, head_dim=16, tie_word_embeddings=True)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.q_norm.weight.normal_(1, 0.3)
@@ -121,42 +127,31 @@ def write_qwen3(path: Path, seed: int = 0) -> object:
 
 
 def write_mistral(path: Path, seed: int = 0, sliding_window: int | None = None) -> object:
-    import transformers as tf
-
-    torch.manual_seed(seed)
-    cfg = tf.MistralConfig(**TINY_LLAMA, sliding_window=sliding_window, tie_word_embeddings=False)
-    model = tf.MistralForCausalLM(cfg).eval()
+    model = _hf_model("Mistral", seed, sliding_window=sliding_window, tie_word_embeddings=False)
     model.save_pretrained(path)
     return model
 
 
 def write_smollm3(path: Path, seed: int = 0) -> object:
     """SmolLM3 with no RoPE in every second layer (of 3: layer 1)."""
-    import transformers as tf
-
-    torch.manual_seed(seed)
-    cfg = tf.SmolLM3Config(
-        **TINY_LLAMA, no_rope_layer_interval=2, pad_token_id=0, tie_word_embeddings=True
+    model = _hf_model(
+        "SmolLM3", seed, no_rope_layer_interval=2, pad_token_id=0, tie_word_embeddings=True
     )
-    model = tf.SmolLM3ForCausalLM(cfg).eval()
     model.save_pretrained(path)
     return model
 
 
 def write_granite(path: Path, seed: int = 0) -> object:
     """Granite with every multiplier away from 1 (the 3.x models' kind of values)."""
-    import transformers as tf
-
-    torch.manual_seed(seed)
-    cfg = tf.GraniteConfig(
-        **TINY_LLAMA,
+    model = _hf_model(
+        "Granite",
+        seed,
         embedding_multiplier=12.0,
         residual_multiplier=0.22,
         attention_multiplier=0.0078125,
         logits_scaling=8.0,
         tie_word_embeddings=True,
     )
-    model = tf.GraniteForCausalLM(cfg).eval()
     model.save_pretrained(path)
     return model
 
