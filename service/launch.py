@@ -88,6 +88,11 @@ class RankProcesses:
             log.error("rank %d exited with status %d", rank, status)
             on_exit(rank, status)
 
+    def leaving(self) -> None:
+        """The engine is about to close and tell the ranks to leave: their exits from
+        now on are expected, not failures."""
+        self._stopping = True
+
     def stop(self, timeout: float = 3.0) -> None:
         """Wait for the ranks to leave (the engine's close() told them), then end them."""
         self._stopping = True

@@ -75,6 +75,9 @@ class DrainingServer(uvicorn.Server):
             while state.inflight > 0 and time.monotonic() < deadline:
                 time.sleep(0.05)
             log.info("drained", extra={"inflight": state.inflight})
+        leaving = getattr(self.app.state, "ranks_leaving", None)
+        if leaving is not None:  # the engine closes next, and tells its ranks to leave
+            leaving()
         self.should_exit = True
 
 
@@ -94,6 +97,7 @@ def serve(settings: Settings) -> int:
         shared = rendezvous(world)
         os.environ.update(shared | {"RANK": "0", "LOCAL_RANK": "0"})  # read by build()
         ranks = RankProcesses(settings, shared, lambda r, s: _rank_exited(app, r, s))
+        app.state.ranks_leaving = ranks.leaving
     try:
         return run_app(app, settings)
     finally:
