@@ -250,7 +250,7 @@ class Core:
 
     def _publish(self) -> None:
         """Each front its requests' outputs and the engine's snapshot; the observer's
-        events to the first front (with several, their metrics are merged at scrape)."""
+        events, where a front replays them (one front, no observer here), to front 0."""
         engine = self.engine
         for rid in [
             r for r, ids in self.seq_ids.items() if not any(i in engine.requests for i in ids)
