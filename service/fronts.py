@@ -79,9 +79,9 @@ class Supervisor:
     def __init__(self, settings: Settings, folder: Path) -> None:
         self.settings = settings
         n = settings.api_server_count
-        self.attach = [
-            Attach(i, f"ipc://{folder / f'in-{i}'}", f"ipc://{folder / f'out-{i}'}", 0)
-            for i in range(n)
+        # each front's two endpoints: requests to the engine, its outputs back
+        self.endpoints = [
+            (f"ipc://{folder / f'in-{i}'}", f"ipc://{folder / f'out-{i}'}") for i in range(n)
         ]
         self.ctx = zmq.Context()
         self.control = self.ctx.socket(zmq.PUSH)  # FrontGone and Shutdown to the engine
@@ -91,8 +91,8 @@ class Supervisor:
             target=core.run,
             args=(
                 settings,
-                [control, *(a.inputs for a in self.attach)],
-                [a.outputs for a in self.attach],
+                [control, *(inputs for inputs, _ in self.endpoints)],
+                [outputs for _, outputs in self.endpoints],
                 os.getpid(),
                 engine_metrics,
             ),
@@ -109,7 +109,7 @@ class Supervisor:
             self._start_front(i)
 
     def _start_front(self, i: int) -> None:
-        attach = Attach(i, self.attach[i].inputs, self.attach[i].outputs, self.engine.pid)
+        attach = Attach(i, *self.endpoints[i], self.engine.pid)
         front = SPAWN.Process(
             target=front_main,
             args=(self.settings, attach),

@@ -91,7 +91,6 @@ def engine_process_state(settings: Settings, attach: Attach | None = None) -> Se
         audit=ready.audit,
         metrics=metrics,
         measure_floors=client.floors,
-        fronts=settings.api_server_count,
     )
 
 

@@ -39,12 +39,15 @@ class ServingState:
     inflight: int = 0  # admitted sequences not yet finished
     inflight_tokens: int = 0  # their KV demand: prompt + max_tokens each
     draining: bool = False
-    # front processes sharing the engine (service/fronts.py): each admits its share of
-    # the engine's sequences, waiting queue and KV pool
-    fronts: int = 1
     started: float = field(default_factory=time.time)
     # (when, KV tokens) of recently released admissions: how fast demand drains
     released: deque[tuple[float, int]] = field(default_factory=deque)
+
+    @property
+    def fronts(self) -> int:
+        """Front processes sharing the engine (service/fronts.py): each admits its share
+        of the engine's sequences, waiting queue and KV pool."""
+        return self.settings.api_server_count
 
     @property
     def max_model_len(self) -> int:
