@@ -47,15 +47,21 @@ def engine_metrics(model_id: str) -> Any:
     return Metrics(model_id)
 
 
-def front_main(settings: Settings, attach: Attach) -> None:
+def front_main(settings: Settings, attach: Attach, replacing: bool) -> None:
     """A front process: the app on its own listening socket of the shared port, attached
-    to the engine."""
+    to the engine. A first front listens at once (every front is loading: /health says
+    so); one replacing a dead front attaches first, so that no connection the kernel
+    gives it meets a loading front while the others serve."""
     from service.api.app import create_app, engine_process_state
     from service.server import configure_logging, run_app
 
     os.setpgrp()  # a terminal's Ctrl-C reaches the supervisor, which drains the fronts
     configure_logging(settings.log_level)
-    app = create_app(settings, lambda s: engine_process_state(s, attach))
+    if replacing:
+        state = engine_process_state(settings, attach)
+        app = create_app(settings, lambda _: state)
+    else:
+        app = create_app(settings, lambda s: engine_process_state(s, attach))
     listener = bind(settings)
     listener.listen(2048)
     sys.exit(run_app(app, settings, sockets=[listener]))
@@ -106,13 +112,13 @@ class Supervisor:
         self.engine.start()
         log.info("engine process started", extra={"pid": self.engine.pid})
         for i in range(len(self.fronts)):
-            self._start_front(i)
+            self._start_front(i, replacing=False)
 
-    def _start_front(self, i: int) -> None:
+    def _start_front(self, i: int, replacing: bool) -> None:
         attach = Attach(i, *self.endpoints[i], self.engine.pid)
         front = SPAWN.Process(
             target=front_main,
-            args=(self.settings, attach),
+            args=(self.settings, attach, replacing),
             name=f"kvserve-front-{i}",
         )
         front.start()
@@ -156,7 +162,7 @@ class Supervisor:
     def _front_gone(self, i: int, status: int) -> None:
         log.error("front %d exited with status %s: replacing it", i, status)
         self._tell(wire.FrontGone(i))
-        self._start_front(i)
+        self._start_front(i, replacing=True)
 
     def _tell(self, message: Any) -> None:
         """A message to the engine; none when it is gone (nobody reads it)."""

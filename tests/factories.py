@@ -4,6 +4,7 @@ checkpoints written by transformers itself (with tokenizers and Hub caches), and
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -258,6 +259,23 @@ class Server:
             time.sleep(0.1)
         self.stop()
         raise RuntimeError(f"server did not become healthy: {_tail(self.log_path)}")
+
+    def wait_fronts(self, n: int, timeout: float = 120.0) -> Server:
+        """Wait until each of `n` fronts answers /health: the first healthy answer says
+        only that one front listens (the others may still be importing, and until they
+        listen the kernel gives every connection to the first)."""
+        seen: set[int] = set()
+        deadline = time.monotonic() + timeout
+        while len(seen) < n:
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"only fronts {sorted(seen)} answered: {_tail(self.log_path)}")
+            with contextlib.suppress(httpx.HTTPError):
+                resp = httpx.get(self.url + "/health", timeout=2)  # a fresh connection
+                if resp.status_code == 200:
+                    seen.add(resp.json()["front"])
+            time.sleep(0.02)
+        return self
 
     def stop(self) -> int:
         if self.proc.poll() is None:

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def fronts(tmp_path_factory) -> Server:
     server = start_server(str(tmp_path_factory.mktemp("fronts")), "--api-server-count", "2")
-    yield server
+    yield server.wait_fronts(2)
     assert server.stop() == 0
 
 
