@@ -24,9 +24,14 @@ class Attention(nn.Module):
         qkv_out = (self.n_heads + 2 * self.n_kv) * self.d_head
         self.wqkv = nn.Linear(cfg.d_model, qkv_out, bias=cfg.qkv_bias)
         self.wo = nn.Linear(self.n_heads * self.d_head, cfg.d_model, bias=cfg.attn_out_bias)
-        # Qwen3: each head of q and of k normed (one weight of d_head for all heads)
-        self.q_norm = RMSNorm(self.d_head, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.d_head, cfg.norm_eps) if cfg.qk_norm else None
+        # Qwen3 ("head"): each head of q and of k normed, one weight of d_head for all
+        # heads; OLMo 2 ("all"): q's heads normed together, and k's
+        self.qk_norm = cfg.qk_norm
+        q_dim, k_dim = self.d_head, self.d_head
+        if cfg.qk_norm == "all":
+            q_dim, k_dim = self.n_heads * self.d_head, self.n_kv * self.d_head
+        self.q_norm = RMSNorm(q_dim, cfg.norm_eps) if cfg.qk_norm != "none" else None
+        self.k_norm = RMSNorm(k_dim, cfg.norm_eps) if cfg.qk_norm != "none" else None
 
     def forward(
         self,
@@ -46,8 +51,11 @@ class Attention(nn.Module):
         return self.wo(out)  # out: (T, H * dh)
 
     def _norm_heads(self, qkv: Tensor) -> Tensor:
-        """q's and k's heads each through their norm, before the backend rotates them."""
+        """q's and k's heads through their norms, before the backend rotates them."""
         t, h, kv = qkv.shape[0], self.n_heads, self.n_kv
+        if self.qk_norm == "all":
+            q, k, v = qkv.split([h * self.d_head, kv * self.d_head, kv * self.d_head], dim=1)
+            return torch.cat([self.q_norm(q), self.k_norm(k), v], dim=1)  # type: ignore[misc]
         heads = qkv.view(t, h + 2 * kv, self.d_head)
         q, k, v = heads[:, :h], heads[:, h : h + kv], heads[:, h + kv :]
         return torch.cat([self.q_norm(q), self.k_norm(k), v], dim=1).view(t, -1)  # type: ignore[misc]

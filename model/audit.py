@@ -68,14 +68,15 @@ def count_params(cfg: ModelConfig) -> ParamCounts:
     if cfg.mlp_bias:
         ffn += gated * cfg.d_ff + d
     norm = d * (2 if cfg.norm == "layernorm" else 1)
-    block_norms = 2 * norm + (2 * dh if cfg.qk_norm else 0)  # Qwen3's q and k norms
+    qk_norms = {"none": 0, "head": 2 * dh, "all": (h + kv) * dh}[cfg.qk_norm]
+    block_norms = 2 * norm + qk_norms  # Qwen3's and OLMo 2's q and k norms
     pos = cfg.max_position * d if cfg.position == "learned" else 0
     per_block = attn + ffn + block_norms
     return ParamCounts(
         embedding=cfg.vocab_size * d + pos,
         attention=attn * cfg.n_layers,
         ffn=ffn * cfg.n_layers,
-        norms=block_norms * cfg.n_layers + (norm if cfg.norm_placement == "pre" else 0),
+        norms=block_norms * cfg.n_layers + (norm if cfg.norm_placement != "post" else 0),
         head=0 if cfg.tie_embeddings else cfg.vocab_size * d,
         per_block=per_block,
         per_block_attention=attn,

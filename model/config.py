@@ -2,8 +2,10 @@
 
 One frozen dataclass covers the Llama family (RMSNorm, RoPE, SwiGLU, GQA), Mistral,
 Qwen2 (q/k/v bias), Qwen3 (a norm over each head of q and k), SmolLM3 (layers without
-RoPE), Granite (scaled embeddings, residuals, scores and logits) and GPT-2 / 2017-style
-models (LayerNorm, learned or sinusoidal positions, GELU, biases, post-norm), plus ALiBi. `from_hf_config` reads transformers' config.json
+RoPE), Granite (scaled embeddings, residuals, scores and logits), Phi-3 and Phi-4-mini
+(LongRoPE, partial rotary), OLMo 2 (norms on the sublayers' outputs, q/k norms over the
+whole projection) and GPT-2 / 2017-style models (LayerNorm, learned or sinusoidal
+positions, GELU, biases, post-norm), plus ALiBi. `from_hf_config` reads transformers' config.json
 in both its 4.x (`torch_dtype`, `rope_theta`, `rope_scaling`) and 5.x (`dtype`,
 `rope_parameters`) forms.
 """
@@ -11,12 +13,17 @@ in both its 4.x (`torch_dtype`, `rope_theta`, `rope_scaling`) and 5.x (`dtype`,
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 NORMS = ("rmsnorm", "layernorm")
-PLACEMENTS = ("pre", "post")
+# pre: x + f(norm(x)); post: norm(x + f(x)) (GPT-1, 2017); output: x + norm(f(x)) (OLMo 2)
+PLACEMENTS = ("pre", "post", "output")
+# none; head: one RMSNorm over each head of q and of k (Qwen3); all: one over all of q's
+# heads together and one over k's (OLMo 2)
+QK_NORMS = ("none", "head", "all")
 FFNS = ("swiglu", "gelu", "gelu_tanh", "relu")
 POSITIONS = ("rope", "learned", "sinusoidal", "alibi")
 
@@ -52,6 +59,29 @@ class RopeScaling:
 
 
 @dataclass(frozen=True, slots=True)
+class LongRope:
+    """Phi-3's LongRoPE: each rotated pair's wavelength stretched by its own factor, the
+    short factors up to the pretraining length and the long ones past it, and cos and sin
+    scaled by `attention_factor`."""
+
+    short_factor: tuple[float, ...]
+    long_factor: tuple[float, ...]
+    original_max_position: int
+    attention_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if len(self.short_factor) != len(self.long_factor):
+            raise ValueError(
+                f"rope_scaling: {len(self.short_factor)} short factors but "
+                f"{len(self.long_factor)} long ones"
+            )
+        if min(self.short_factor + self.long_factor) <= 0:
+            raise ValueError("rope_scaling: every short and long factor must be > 0")
+        if self.original_max_position <= 0:
+            raise ValueError("rope_scaling.original_max_position must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     vocab_size: int
     d_model: int
@@ -67,9 +97,10 @@ class ModelConfig:
     ffn: str = "swiglu"
     position: str = "rope"
     rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | LongRope | None = None
+    rotary_dim: int | None = None  # None: the whole head; less: Phi-4-mini's partial rotary
     qkv_bias: bool = False
-    qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and k, before RoPE
+    qk_norm: str = "none"  # a QK_NORMS choice, before RoPE
     nope_layers: tuple[int, ...] = ()  # SmolLM3: the layers that do not rotate q and k
     # Granite's scalings: the embeddings, each sublayer's output before its residual add,
     # the attention scores (None: 1 / sqrt(head_dim)), and the logits (divided by it)
@@ -95,6 +126,7 @@ class ModelConfig:
         _choice("norm_placement", self.norm_placement, PLACEMENTS)
         _choice("ffn", self.ffn, FFNS)
         _choice("position", self.position, POSITIONS)
+        _choice("qk_norm", self.qk_norm, QK_NORMS)
         if self.n_kv_heads is not None and (self.n_kv_heads <= 0 or self.n_heads % self.n_kv_heads):
             raise ValueError(
                 f"n_kv_heads must divide n_heads ({self.n_heads}), got {self.n_kv_heads}"
@@ -108,6 +140,20 @@ class ModelConfig:
             raise ValueError(f"d_head must be > 0, got {self.d_head}")
         if self.position == "rope" and self.head_dim % 2:
             raise ValueError(f"d_head must be even for RoPE, got {self.head_dim}")
+        if self.rotary_dim is not None and not (
+            0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0
+        ):
+            raise ValueError(
+                f"rotary_dim must be even and within the head's {self.head_dim}, "
+                f"got {self.rotary_dim}"
+            )
+        if isinstance(self.rope_scaling, LongRope) and 2 * len(self.rope_scaling.short_factor) != (
+            self.rotary_dim or self.head_dim
+        ):
+            raise ValueError(
+                f"rope_scaling: {len(self.rope_scaling.short_factor)} factors for a rotary "
+                f"dimension of {self.rotary_dim or self.head_dim} (one per rotated pair)"
+            )
         if self.position == "sinusoidal" and self.d_model % 2:
             raise ValueError(f"d_model must be even for sinusoidal positions, got {self.d_model}")
         if self.rope_theta <= 0:
@@ -136,6 +182,32 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.d_head if self.d_head is not None else self.d_model // self.n_heads
 
+    @property
+    def features(self) -> list[str]:
+        """The variations on Llama's block this config uses, named for the model card."""
+        out = [
+            f"{f}={getattr(self, f)}" for f, llama in _LLAMA_CHOICES if getattr(self, f) != llama
+        ]
+        if self.qkv_bias:
+            out.append("qkv_bias")
+        if self.qk_norm != "none":
+            out.append(f"qk_norm={self.qk_norm}")
+        if self.nope_layers:
+            out.append("nope_layers=" + ",".join(map(str, self.nope_layers)))
+        if self.rotary_dim is not None:
+            out.append(f"rotary_dim={self.rotary_dim}/{self.head_dim}")
+        if self.rope_scaling is not None:
+            kind = "longrope" if isinstance(self.rope_scaling, LongRope) else "llama3"
+            out.append(f"rope_scaling={kind}")
+        if self.scaled or self.embedding_multiplier != 1.0 or self.logits_scaling != 1.0:
+            out.append("granite_multipliers")
+        return out
+
+    @property
+    def rotary(self) -> int:
+        """How many of a head's dimensions RoPE rotates."""
+        return self.rotary_dim if self.rotary_dim is not None else self.head_dim
+
     def describe(self, *fields: str) -> str:
         """`fields` with their values, under the names config.json uses for this
         architecture ("num_attention_heads=8, head_dim=64"), for error messages."""
@@ -159,8 +231,14 @@ class ModelConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"unknown config field(s): {', '.join(unknown)}")
-        if data.get("rope_scaling") is not None:
-            data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
+        scaling = data.get("rope_scaling")
+        if scaling is not None and "short_factor" in scaling:
+            factors = {k: tuple(scaling[k]) for k in ("short_factor", "long_factor")}
+            data["rope_scaling"] = LongRope(**{**scaling, **factors})
+        elif scaling is not None:
+            data["rope_scaling"] = RopeScaling(**scaling)
+        if isinstance(data.get("qk_norm"), bool):  # written when it was a flag
+            data["qk_norm"] = "head" if data["qk_norm"] else "none"
         data["eos_token_ids"] = tuple(data.get("eos_token_ids") or ())
         data["nope_layers"] = tuple(data.get("nope_layers") or ())
         return cls(**data)
@@ -179,6 +257,15 @@ class ModelConfig:
         except ValueError as exc:  # say it in config.json's words, not ModelConfig's
             names = _HF_NAMES[reader]
             raise ValueError(_FIELD.sub(lambda m: names.get(m[0], m[0]), str(exc))) from None
+
+
+# the choices a Llama block makes, which `features` names where a config differs
+_LLAMA_CHOICES = (
+    ("norm", "rmsnorm"),
+    ("norm_placement", "pre"),
+    ("ffn", "swiglu"),
+    ("position", "rope"),
+)
 
 
 def _choice(name: str, value: str, options: tuple[str, ...]) -> None:
@@ -205,7 +292,7 @@ def _hf_dtype(hf: dict[str, Any]) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _hf_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+def _hf_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | LongRope | None]:
     """RoPE theta and scaling from `rope_parameters` (5.x) or `rope_theta`/`rope_scaling` (4.x)."""
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or params
@@ -213,8 +300,10 @@ def _hf_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if kind in (None, "default"):
         return theta, None
+    if kind in ("longrope", "su"):  # "su": Phi-3's first name for it
+        return theta, _long_rope(hf, scaling)
     if kind != "llama3":
-        raise ValueError(f"rope_scaling: type {kind!r} is not supported (llama3 is)")
+        raise ValueError(f"rope_scaling: type {kind!r} is not supported (llama3, longrope are)")
     return theta, RopeScaling(
         factor=float(scaling["factor"]),
         low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
@@ -223,19 +312,47 @@ def _hf_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     )
 
 
-def _read_llama_like(hf: dict[str, Any], *, qkv_bias_default: bool) -> ModelConfig:
+def _long_rope(hf: dict[str, Any], scaling: dict[str, Any]) -> LongRope:
+    """LongRoPE as transformers computes it: the attention factor, unless given, from the
+    ratio of the context to the pretraining length."""
+    original = scaling.get("original_max_position_embeddings")
+    original = int(original or hf.get("original_max_position_embeddings") or 0)
+    if original <= 0:
+        raise ValueError("rope_scaling: longrope needs original_max_position_embeddings")
+    factor = scaling.get("factor") or int(hf.get("max_position_embeddings", original)) / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return LongRope(
+        short_factor=tuple(float(f) for f in _require(scaling, "short_factor")),
+        long_factor=tuple(float(f) for f in _require(scaling, "long_factor")),
+        original_max_position=original,
+        attention_factor=float(attention),
+    )
+
+
+def _read_llama_like(
+    hf: dict[str, Any], *, qkv_bias_default: bool, rotary_factor: float = 1.0
+) -> ModelConfig:
+    """Llama's fields; `rotary_factor`: the share of each head RoPE turns."""
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act {act!r} is not supported for gated MLPs")
     theta, scaling = _hf_rope(hf)
     attention_bias = bool(hf.get("attention_bias", qkv_bias_default))
+    n_heads = int(_require(hf, "num_attention_heads"))
+    d_head = hf.get("head_dim") or int(_require(hf, "hidden_size")) // n_heads
+    rotary = int(d_head * rotary_factor)
+    if not 0 < rotary <= d_head:
+        raise ValueError(f"partial_rotary_factor {rotary_factor} leaves no rotary dimension")
     return ModelConfig(
         vocab_size=int(_require(hf, "vocab_size")),
         d_model=int(_require(hf, "hidden_size")),
         n_layers=int(_require(hf, "num_hidden_layers")),
-        n_heads=int(_require(hf, "num_attention_heads")),
+        n_heads=n_heads,
         n_kv_heads=int(hf.get("num_key_value_heads") or hf["num_attention_heads"]),
         d_head=hf.get("head_dim"),
+        rotary_dim=None if rotary == d_head else rotary,
         d_ff=int(_require(hf, "intermediate_size")),
         max_position=int(hf.get("max_position_embeddings", 2048)),
         norm="rmsnorm",
@@ -270,19 +387,39 @@ def _read_qwen3(hf: dict[str, Any]) -> ModelConfig:
     # Qwen3: no q/k/v bias unless attention_bias says so, a norm over each head of q and
     # k, and a head_dim of its own (not hidden_size / heads)
     cfg = _read_llama_like(hf, qkv_bias_default=False)
-    return cfg.replace(qk_norm=True, architecture="Qwen3ForCausalLM")
+    return cfg.replace(qk_norm="head", architecture="Qwen3ForCausalLM")
+
+
+def _windowed(cfg: ModelConfig, hf: dict[str, Any]) -> ModelConfig:
+    """With `sliding_window` set (Mistral 7B v0.1, Phi-3-mini-4k) each token attends to
+    the window ending at it: until kvserve's attention has windows, the context is capped
+    at the window, where full attention and windowed attention are the same computation."""
+    window = hf.get("sliding_window")
+    if window is not None and hf.get("use_sliding_window", True) is not False:
+        return cfg.replace(max_position=min(cfg.max_position, int(window)))
+    return cfg
 
 
 def _read_mistral(hf: dict[str, Any]) -> ModelConfig:
-    # Mistral is Llama's block. With `sliding_window` set (Mistral 7B v0.1) each token
-    # attends to the window before it: until kvserve's attention has windows, the
-    # context is capped at the window, where full attention and windowed attention are
-    # the same computation (v0.2 and later have no window)
-    cfg = _read_llama_like(hf, qkv_bias_default=False)
-    window = hf.get("sliding_window")
-    if window is not None and hf.get("use_sliding_window", True) is not False:
-        cfg = cfg.replace(max_position=min(cfg.max_position, int(window)))
+    # Mistral is Llama's block, with a window in v0.1 (v0.2 and later have none)
+    cfg = _windowed(_read_llama_like(hf, qkv_bias_default=False), hf)
     return cfg.replace(architecture="MistralForCausalLM")
+
+
+def _read_phi3(hf: dict[str, Any]) -> ModelConfig:
+    # Phi-3 and Phi-4-mini: Llama's block with q|k|v and gate|up each one tensor (as
+    # ours are), LongRoPE in the long-context models, and Phi-4-mini's partial rotary
+    params = hf.get("rope_parameters") or {}
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    cfg = _read_llama_like(hf, qkv_bias_default=False, rotary_factor=float(partial or 1.0))
+    return _windowed(cfg, hf).replace(architecture="Phi3ForCausalLM")
+
+
+def _read_olmo2(hf: dict[str, Any]) -> ModelConfig:
+    # OLMo 2: a norm on each sublayer's output (none before), and one RMSNorm over all of
+    # q's heads and one over k's
+    cfg = _read_llama_like(hf, qkv_bias_default=False)
+    return cfg.replace(norm_placement="output", qk_norm="all", architecture="Olmo2ForCausalLM")
 
 
 def _read_smollm3(hf: dict[str, Any]) -> ModelConfig:
@@ -368,6 +505,8 @@ _HF_NAMES = {
     _read_mistral: _LLAMA_NAMES,
     _read_smollm3: _LLAMA_NAMES,
     _read_granite: _LLAMA_NAMES,
+    _read_phi3: _LLAMA_NAMES,
+    _read_olmo2: _LLAMA_NAMES,
     _read_gpt2: _GPT2_NAMES,
 }
 _NAMES_BY_ARCH = {
@@ -377,6 +516,8 @@ _NAMES_BY_ARCH = {
     "MistralForCausalLM": _LLAMA_NAMES,
     "SmolLM3ForCausalLM": _LLAMA_NAMES,
     "GraniteForCausalLM": _LLAMA_NAMES,
+    "Phi3ForCausalLM": _LLAMA_NAMES,
+    "Olmo2ForCausalLM": _LLAMA_NAMES,
     "GPT2LMHeadModel": _GPT2_NAMES,
 }
 _FIELD = re.compile(
@@ -390,6 +531,8 @@ _HF_READERS = {
     "MistralForCausalLM": _read_mistral,
     "SmolLM3ForCausalLM": _read_smollm3,
     "GraniteForCausalLM": _read_granite,
+    "Phi3ForCausalLM": _read_phi3,
+    "Olmo2ForCausalLM": _read_olmo2,
     "GPT2LMHeadModel": _read_gpt2,
     "llama": _read_llama,
     "qwen2": _read_qwen2,
@@ -397,5 +540,7 @@ _HF_READERS = {
     "mistral": _read_mistral,
     "smollm3": _read_smollm3,
     "granite": _read_granite,
+    "phi3": _read_phi3,
+    "olmo2": _read_olmo2,
     "gpt2": _read_gpt2,
 }

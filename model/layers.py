@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model.config import ModelConfig, RopeScaling
+from model.config import LongRope, ModelConfig, RopeScaling
 
 
 class RMSNorm(nn.Module):
@@ -104,12 +104,46 @@ def rope_inv_freq(d_head: int, theta: float, scaling: RopeScaling | None) -> Ten
 
 
 def rope_tables(cfg: ModelConfig, device: torch.device) -> tuple[Tensor, Tensor]:
-    """cos and sin tables (max_position, d_head) in the HF "rotate half" layout, fp32."""
-    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
+    """cos and sin tables (max_position, d_head) in the HF "rotate half" layout (dim j
+    turns with dim j + d_head/2), fp32. With partial rotary (rotary_dim r < d_head) the
+    first r/2 pairs turn at the frequencies of an r-dimensional rotation and the others
+    keep still (cos 1, sin 0): kvserve's layout of such a head (rotary_order)."""
     t = torch.arange(cfg.max_position, device=device, dtype=torch.float32)
-    freqs = torch.outer(t, inv_freq)  # (P, d_head/2)
-    emb = torch.cat((freqs, freqs), dim=-1)  # (P, d_head)
-    return emb.cos(), emb.sin()
+    scaling, half = cfg.rope_scaling, cfg.head_dim // 2
+    if isinstance(scaling, LongRope):
+        freqs, scale = _long_rope_freqs(cfg, scaling, t), scaling.attention_factor
+    else:
+        inv_freq = rope_inv_freq(cfg.rotary, cfg.rope_theta, scaling).to(device)
+        freqs, scale = torch.outer(t, inv_freq), 1.0  # (P, rotary/2)
+    cos, sin = torch.ones(len(t), half, device=device), torch.zeros(len(t), half, device=device)
+    cos[:, : freqs.shape[1]], sin[:, : freqs.shape[1]] = freqs.cos() * scale, freqs.sin() * scale
+    return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)  # (P, d_head)
+
+
+def _long_rope_freqs(cfg: ModelConfig, scaling: LongRope, t: Tensor) -> Tensor:
+    """LongRoPE's angles (P, rotary/2): the short factors at positions below the
+    pretraining length, the long ones from it on. transformers picks one set for a whole
+    sequence by its length (and recomputes the cache when a sequence crosses over); here
+    a token's rotation depends on its position alone, so its cached K stays valid: the
+    two agree up to the pretraining length, and past it on every token but the earlier
+    ones of a sequence that crossed."""
+    base = rope_inv_freq(cfg.rotary, cfg.rope_theta, None).to(t.device)
+    short = base / torch.tensor(scaling.short_factor, device=t.device)
+    long = base / torch.tensor(scaling.long_factor, device=t.device)
+    inv_freq = torch.where((t < scaling.original_max_position)[:, None], short, long)
+    return t[:, None] * inv_freq
+
+
+def rotary_order(head_dim: int, rotary_dim: int) -> Tensor:
+    """For a partially rotated head, which of the checkpoint's dimensions goes to each of
+    ours. The checkpoint turns dim i with i + r/2 (i < r/2) and passes r..d-1 through;
+    kvserve turns dim j with j + d/2, so its rotated pairs go to j < r/2 and the
+    passed-through dims fill the rest. q and k are reordered alike (rows of the q and k
+    projections), so every score q.k is unchanged; v is not."""
+    r = rotary_dim // 2
+    passed = list(range(rotary_dim, head_dim))
+    rest = (head_dim - rotary_dim) // 2
+    return torch.tensor(list(range(r)) + passed[:rest] + list(range(r, rotary_dim)) + passed[rest:])
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -53,6 +53,8 @@ def unsplittable(cfg: ModelConfig, world: int) -> str | None:
         return f"{kv} K/V heads do not split over {world} ranks (nor {world} over them)"
     if cfg.d_ff % world:
         return f"d_ff {cfg.d_ff} does not split over {world} ranks"
+    if cfg.qk_norm == "all" and world > 1:
+        return "q/k norms over every head together (OLMo 2) do not split over ranks"
     return None
 
 

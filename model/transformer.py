@@ -25,7 +25,7 @@ class Block(nn.Module):
         where the attention and FFN outputs are partial sums until all-reduced."""
         super().__init__()
         self.reduce = tp.all_reduce if tp is not None and tp.world > 1 else _unsplit
-        self.pre_norm = cfg.norm_placement == "pre"
+        self.placement = cfg.norm_placement
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg)
         self.ffn_norm = make_norm(cfg)
@@ -43,8 +43,8 @@ class Block(nn.Module):
         backend: Backend,
     ) -> tuple[Tensor, Tensor | None]:
         """Pre-norm blocks pass their FFN output on as `delta`, so the next residual add
-        is fused with the next norm; post-norm blocks return a finished x."""
-        if self.pre_norm:
+        is fused with the next norm; the others return a finished x."""
+        if self.placement == "pre":
             x, h = backend.add_norm(self.attn_norm, x, delta)
             attn = self.reduce(self.attn(h, meta, rope, cache, alibi_slopes, backend))
             if self.residual != 1.0:
@@ -52,6 +52,10 @@ class Block(nn.Module):
             x, h = backend.add_norm(self.ffn_norm, x, attn)
             out = self.reduce(self.ffn(h))
             return x, out * self.residual if self.residual != 1.0 else out
+        if self.placement == "output":  # the norms are on what the sublayers add
+            attn = self.reduce(self.attn(x, meta, rope, cache, alibi_slopes, backend))
+            x = x + self.attn_norm(attn)
+            return x + self.ffn_norm(self.reduce(self.ffn(x))), None
         x = self.attn_norm(x + self.reduce(self.attn(x, meta, rope, cache, alibi_slopes, backend)))
         return self.ffn_norm(x + self.reduce(self.ffn(x))), None
 
@@ -75,7 +79,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(self.local_cfg, tp) for _ in range(cfg.n_layers))
         self.nope = frozenset(cfg.nope_layers)  # layers that take no rotation (SmolLM3)
         self.fused_layers: FusedLayers | None = None
-        if cfg.norm_placement == "pre":
+        if cfg.norm_placement != "post":  # a final norm before the head
             self.norm = make_norm(cfg)
         # None: the head is the embedding table (until a backend packs a copy of it)
         self.lm_head: nn.Module | None = None
@@ -157,7 +161,7 @@ class Transformer(nn.Module):
                 cache = kv_cache.layer(i) if kv_cache is not None else None
                 turn = None if i in self.nope else rope
                 x, delta = layer(x, delta, meta, turn, cache, self._alibi, backend)
-            if self.cfg.norm_placement == "pre":
+            if self.cfg.norm_placement != "post":
                 _, x = backend.add_norm(self.norm, x, delta)
         if logits_indices is not None:
             if not logits_indices.numel():  # the K/V were the point: no head (on any rank)

@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from model.config import ModelConfig
+from model.layers import rotary_order
 from model.parallel import TensorParallel
 from model.transformer import Transformer
 
@@ -88,6 +89,20 @@ QWEN3 = NameTable(
         for n in ("q_norm", "k_norm")
     }
 )
+PHI3 = NameTable(  # q|k|v and gate|up each stored as one tensor, in our order
+    names=_llama_names()
+    | {
+        "layers.{i}.attn.wqkv.weight": ("model.layers.{i}.self_attn.qkv_proj.weight",),
+        "layers.{i}.ffn.w_in.weight": ("model.layers.{i}.mlp.gate_up_proj.weight",),
+    }
+)
+OLMO2 = NameTable(  # the block's two norms are on the sublayers' outputs
+    names=QWEN3.names
+    | {
+        "layers.{i}.attn_norm.weight": ("model.layers.{i}.post_attention_layernorm.weight",),
+        "layers.{i}.ffn_norm.weight": ("model.layers.{i}.post_feedforward_layernorm.weight",),
+    }
+)
 GPT2 = NameTable(
     names=_gpt2_names(),
     transposed=frozenset(
@@ -103,6 +118,8 @@ NAME_TABLES: dict[str, NameTable] = {
     "MistralForCausalLM": LLAMA,
     "SmolLM3ForCausalLM": LLAMA,
     "GraniteForCausalLM": LLAMA,
+    "Phi3ForCausalLM": PHI3,
+    "Olmo2ForCausalLM": OLMO2,
     "GPT2LMHeadModel": GPT2,
 }
 
@@ -402,8 +419,23 @@ def _populate(
         if tp is None or tp.split(local) != "row_bias" or tp.rank == 0:
             _fill(target, _parts(cfg, local, found, shapes[name], tp), reader, transpose, hint)
         _set_param(model, name, target)
+    if table is not None and cfg.rotary < cfg.head_dim:
+        _reorder_rotary(model)
     model.rebuild_tables(device)
     return model.eval()
+
+
+def _reorder_rotary(model: Transformer) -> None:
+    """A partially rotated checkpoint's q and k rows, each head put in kvserve's order
+    (layers.rotary_order): this model's heads (a rank's share) in every layer."""
+    cfg = model.local_cfg
+    dh, heads = cfg.head_dim, cfg.n_heads + cfg.kv_heads  # q's heads, then k's
+    order = rotary_order(dh, cfg.rotary)
+    rows = (torch.arange(heads)[:, None] * dh + order.to(torch.long)).flatten()
+    for block in model.layers:
+        for param in (block.attn.wqkv.weight, block.attn.wqkv.bias):
+            if param is not None:
+                param.data[: heads * dh] = param.data[rows]
 
 
 def save_native(model: Transformer, model_dir: str | Path) -> None:

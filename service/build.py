@@ -74,6 +74,8 @@ def build(
     backend = engine.backend.describe()
     world = tp.world if tp is not None else 1
     report |= {
+        "architecture": cfg.architecture,
+        "features": cfg.features,
         "tensor_parallel_size": world,
         "kv_pool_bytes": engine.kv_cache.nbytes * world,  # every rank's share
         "kv_pool_tokens": engine.blocks.num_blocks * settings.block_size,

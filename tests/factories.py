@@ -157,6 +157,46 @@ def write_granite(path: Path, seed: int = 0) -> object:
     return model
 
 
+def write_phi3(path: Path, seed: int = 0) -> object:
+    """Phi-4-mini's kind: q|k|v and gate|up fused, three quarters of each head rotated
+    (6 of 8 dims), LongRoPE with a pretraining length of half the context (so the
+    attention factor is not 1; prompts here stay short of it: the short factors)."""
+    pairs = 3
+    rope = {
+        "rope_type": "longrope",
+        "rope_theta": 5000.0,
+        "partial_rotary_factor": 0.75,
+        "short_factor": [1.0 + 0.5 * i for i in range(pairs)],
+        "long_factor": [2.0 + 3.0 * i for i in range(pairs)],
+        "original_max_position_embeddings": 128,
+        "factor": 2.0,  # the context over the pretraining length
+    }
+    model = _hf_model(
+        "Phi3",
+        seed,
+        rope_parameters=rope,
+        original_max_position_embeddings=128,
+        pad_token_id=0,
+        tie_word_embeddings=True,
+    )
+    model.save_pretrained(path)
+    return model
+
+
+def write_olmo2(path: Path, seed: int = 0) -> object:
+    """OLMo 2: norms on the sublayers' outputs and q/k norms over the whole projections
+    (made to matter: not ones)."""
+    model = _hf_model("Olmo2", seed, pad_token_id=0, tie_word_embeddings=False)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.normal_(1, 0.3)
+            for norm in (layer.post_attention_layernorm, layer.post_feedforward_layernorm):
+                norm.weight.normal_(1, 0.3)
+    model.save_pretrained(path)
+    return model
+
+
 def write_gpt2(path: Path, seed: int = 0) -> object:
     import transformers as tf
 

@@ -254,8 +254,11 @@ def _install_routes(app: FastAPI) -> None:
             "owned_by": "kvserve",
             "max_model_len": state.max_model_len,
         }
-        if detail:
-            card["memory"] = state.audit
+        if detail:  # the family and its variations, then the memory audit
+            memory = dict(state.audit)
+            card["architecture"] = memory.pop("architecture")
+            card["features"] = memory.pop("features")
+            card["memory"] = memory
         return card
 
     @app.get("/v1/models")

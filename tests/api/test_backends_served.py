@@ -10,6 +10,8 @@ from tests.factories import (
     start_server,
     write_gpt2,
     write_llama,
+    write_olmo2,
+    write_phi3,
     write_qwen2,
     write_qwen3,
     write_tokenizer,
@@ -22,6 +24,8 @@ WRITERS = {
     "llama_gqa": lambda p: write_llama(p, tied=False),
     "qwen2_qkv_bias": write_qwen2,
     "qwen3_qk_norm": write_qwen3,
+    "phi3_partial_longrope": write_phi3,
+    "olmo2_output_norms": write_olmo2,
     "gpt2": write_gpt2,
 }
 
@@ -56,6 +60,8 @@ def test_triton_serves_the_cpu_backends_tokens(family: str, tmp_path: Path) -> N
             with httpx.Client(base_url=srv.wait_healthy().url, timeout=300) as c:
                 card = c.get(f"/v1/models/{tmp_path.name}").json()
                 assert card["memory"]["attention_backend"]["name"] == name
+                assert card["architecture"] == hf.config.architectures[0]
+                assert card["features"] == ModelConfig.from_hf_config(hf.config.to_dict()).features
                 r = c.post("/v1/completions", json=body)
                 assert r.status_code == 200, r.text
                 choice = r.json()["choices"][0]

@@ -7,7 +7,14 @@ import sys
 from pathlib import Path
 
 from service.launch import rendezvous
-from tests.factories import write_gpt2, write_granite, write_llama, write_qwen2, write_qwen3
+from tests.factories import (
+    write_gpt2,
+    write_granite,
+    write_llama,
+    write_phi3,
+    write_qwen2,
+    write_qwen3,
+)
 
 # the checkpoints the tensor-parallel tests split: K/V heads split over 2 ranks, and
 # fewer K/V heads than ranks (each holds a replica), q/k/v biases, GPT-2's fused Conv1D
@@ -17,6 +24,7 @@ WRITERS = {
     "qwen2": write_qwen2,
     "qwen3": write_qwen3,  # q/k norms: one weight shared by the heads each rank holds
     "granite": write_granite,  # residuals scaled after the all-reduce
+    "phi3": write_phi3,  # q|k|v and gate|up one tensor each; each rank's heads reordered
     "gpt2": write_gpt2,
 }
 

@@ -46,7 +46,16 @@ def test_byte_level_toy() -> None:
     assert count_params(toy).total == 222_784
 
 
-@pytest.mark.parametrize("overrides", [{}, {"qk_norm": True, "d_head": 16}, {"qkv_bias": True}])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"qk_norm": "head", "d_head": 16},
+        {"qk_norm": "all"},
+        {"qkv_bias": True},
+        {"norm_placement": "output"},
+    ],
+)
 def test_counted_params_are_the_models(overrides: dict) -> None:
     """The count from the config is the built model's, family variations included."""
     model = tiny_model(**overrides)

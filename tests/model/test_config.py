@@ -1,6 +1,8 @@
+import math
+
 import pytest
 
-from model.config import ModelConfig, RopeScaling
+from model.config import LongRope, ModelConfig, RopeScaling
 
 BASE = dict(vocab_size=100, d_model=64, n_layers=2, n_heads=4, d_ff=128)
 
@@ -119,9 +121,12 @@ def test_qwen3_reads_its_head_dim_and_q_k_norms() -> None:
     """Qwen3-0.6B's shape: head_dim 128 where hidden_size / heads is 64."""
     hf = HF_LLAMA_LIKE | {"architectures": ["Qwen3ForCausalLM"], "head_dim": 128}
     cfg = ModelConfig.from_hf_config(hf | {"attention_bias": False})
-    assert (cfg.head_dim, cfg.qk_norm, cfg.qkv_bias) == (128, True, False)
+    assert (cfg.head_dim, cfg.qk_norm, cfg.qkv_bias) == (128, "head", False)
     assert cfg.architecture == "Qwen3ForCausalLM"
-    assert ModelConfig.from_hf_config({**hf, "architectures": [], "model_type": "qwen3"}).qk_norm
+    assert (
+        ModelConfig.from_hf_config({**hf, "architectures": [], "model_type": "qwen3"}).qk_norm
+        == "head"
+    )
 
 
 def test_mistral_caps_the_context_at_its_sliding_window() -> None:
@@ -130,7 +135,7 @@ def test_mistral_caps_the_context_at_its_sliding_window() -> None:
     hf = HF_LLAMA_LIKE | {"architectures": ["MistralForCausalLM"]}
     assert ModelConfig.from_hf_config(hf | {"sliding_window": 4096}).max_position == 4096
     assert ModelConfig.from_hf_config(hf | {"sliding_window": None}).max_position == 40960
-    assert not ModelConfig.from_hf_config(hf).qk_norm
+    assert ModelConfig.from_hf_config(hf).qk_norm == "none"
 
 
 def test_smollm3_marks_the_layers_without_rope() -> None:
@@ -142,6 +147,71 @@ def test_smollm3_marks_the_layers_without_rope() -> None:
     assert ModelConfig.from_hf_config(listed).nope_layers == (1, 7)
     with pytest.raises(ValueError, match="no_rope_layers has 3 entries for 8 layers"):
         ModelConfig.from_hf_config(hf | {"no_rope_layers": [1, 0, 1]})
+
+
+PHI4_MINI_ROPE = {  # Phi-4-mini's rotation: 3/4 of 128 dims, 48 factors each
+    "type": "longrope",
+    "short_factor": [1.0] * 48,
+    "long_factor": [1.5] * 48,
+}
+
+
+def test_phi3_reads_partial_rotary_and_long_rope_in_both_config_forms() -> None:
+    """Phi-4-mini in the 4.x form (rope_scaling, top-level partial_rotary_factor and
+    original_max_position_embeddings) and the 5.x form (all in rope_parameters); the
+    attention factor from the context over the pretraining length, as transformers
+    computes it."""
+    hf = HF_LLAMA_LIKE | {
+        "architectures": ["Phi3ForCausalLM"],
+        "hidden_size": 3072,
+        "num_attention_heads": 24,
+        "max_position_embeddings": 131072,
+    }
+    old = hf | {
+        "rope_scaling": PHI4_MINI_ROPE,
+        "partial_rotary_factor": 0.75,
+        "original_max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+    }
+    new = hf | {
+        "rope_parameters": {
+            **PHI4_MINI_ROPE,
+            "rope_type": "longrope",
+            "partial_rotary_factor": 0.75,
+            "original_max_position_embeddings": 4096,
+            "rope_theta": 10000.0,
+        }
+    }
+    for form in (old, new):
+        cfg = ModelConfig.from_hf_config(form)
+        assert (cfg.head_dim, cfg.rotary_dim, cfg.rotary) == (128, 96, 96)
+        assert isinstance(cfg.rope_scaling, LongRope)
+        assert cfg.rope_scaling.original_max_position == 4096
+        assert cfg.rope_scaling.attention_factor == pytest.approx(
+            (1 + math.log(32) / math.log(4096)) ** 0.5
+        )
+        assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+    su = old | {"rope_scaling": PHI4_MINI_ROPE | {"type": "su"}}  # Phi-3's first name
+    assert isinstance(ModelConfig.from_hf_config(su).rope_scaling, LongRope)
+    with pytest.raises(ValueError, match="rope_scaling: 48 factors for a rotary dimension of 128"):
+        ModelConfig.from_hf_config(old | {"partial_rotary_factor": 1.0})
+    with pytest.raises(ValueError, match="type 'yarn' is not supported"):
+        ModelConfig.from_hf_config(old | {"rope_scaling": {"type": "yarn", "factor": 4.0}})
+
+
+def test_phi3_mini_4k_caps_the_context_at_its_window() -> None:
+    hf = HF_LLAMA_LIKE | {"architectures": ["Phi3ForCausalLM"], "max_position_embeddings": 4096}
+    cfg = ModelConfig.from_hf_config(hf | {"sliding_window": 2047})
+    assert (cfg.max_position, cfg.rotary_dim, cfg.rope_scaling) == (2047, None, None)
+
+
+def test_olmo2_norms_the_sublayer_outputs_and_whole_q_and_k() -> None:
+    cfg = ModelConfig.from_hf_config(HF_LLAMA_LIKE | {"model_type": "olmo2"})
+    assert (cfg.norm_placement, cfg.qk_norm) == ("output", "all")
+    assert cfg.architecture == "Olmo2ForCausalLM"
+    # a native config written when qk_norm was a flag still reads
+    old = ModelConfig.from_dict(cfg.to_dict() | {"qk_norm": True})
+    assert old.qk_norm == "head"
 
 
 def test_granite_reads_its_four_multipliers() -> None:

@@ -13,6 +13,8 @@ from tests.factories import (
     write_granite,
     write_llama,
     write_mistral,
+    write_olmo2,
+    write_phi3,
     write_qwen2,
     write_qwen3,
     write_smollm3,
@@ -29,6 +31,8 @@ WRITERS = {
     "mistral": write_mistral,
     "smollm3_nope": write_smollm3,
     "granite_scaled": write_granite,
+    "phi3_partial_longrope": write_phi3,
+    "olmo2_output_norms": write_olmo2,
     "gpt2": write_gpt2,
 }
 
@@ -96,6 +100,23 @@ def test_sharded_checkpoint_and_4x_config_form(tmp_path: Path) -> None:
         assert (ref - ours(tokens)).abs().max().item() <= 1e-4
     assert ours.cfg.rope_theta == 5000.0
     assert isinstance(hf, tf.LlamaForCausalLM)
+
+
+def test_long_rope_past_the_pretraining_length_is_transformers_long_rotation(
+    tmp_path: Path,
+) -> None:
+    """From the pretraining length on, a token turns by the long factors, as transformers
+    turns a sequence past that length (within it, the parity tests above: the short)."""
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    hf = write_phi3(tmp_path)
+    ours = load_model(tmp_path)
+    long = torch.arange(128, 256)[None]  # past original_max_position_embeddings (128)
+    cos, sin = Phi3RotaryEmbedding(hf.config)(torch.zeros(1, dtype=torch.float32), long)
+    pairs = cos.shape[-1] // 2  # 3 rotated pairs of the 8-dim head
+    for ref, got in ((cos[0], ours._rope[0][128:]), (sin[0], ours._rope[1][128:])):
+        assert (ref[:, :pairs] - got[:, :pairs]).abs().max().item() <= 1e-5
+        assert (ref[:, pairs:] - got[:, 4 : 4 + pairs]).abs().max().item() <= 1e-5
 
 
 def test_llama3_rope_scaling_parity(tmp_path: Path) -> None:

@@ -43,6 +43,7 @@ def test_heads_split_and_kv_heads_replicate_when_fewer_than_ranks() -> None:
         ({"n_kv_heads": 4, "n_heads": 12, "d_model": 96}, 6, "4 K/V heads do not split over 6"),
         ({"d_ff": 90}, 4, "d_ff 90 does not split over 4 ranks"),
         ({}, 0, "must be >= 1"),
+        ({"qk_norm": "all"}, 2, "q/k norms over every head together (OLMo 2) do not split"),
     ],
 )
 def test_a_model_that_does_not_split_says_why(kw: dict, world: int, why: str) -> None:

@@ -8,6 +8,7 @@ import torch
 
 from model.backends.cpu import prepare_model
 from model.backends.cpu.kernels.stack import stack_kernels
+from model.config import LongRope
 from model.kv_cache import PagedKVCache
 from model.metadata import AttentionMetadata
 from tests.factories import tiny_model
@@ -59,6 +60,26 @@ def test_one_call_gives_the_bits_of_the_modules(
     model = stack_model(quantization, qkv_bias=bias, attn_out_bias=bias, mlp_bias=bias)
     assert model.fused_layers is not None
     assert model.fused_layers.kind == ("int8" if quantization == "int8" else "bf16")
+    assert_stack_is_the_modules(model, block_size)
+
+
+@torch.no_grad()
+def test_partial_rotary_and_long_rope_take_the_stack(isa: str) -> None:
+    """Phi-4-mini's rotation (3/4 of each head, LongRoPE) is in the tables the stack
+    reads: the same bits as the modules, at positions on both sides of the pretraining
+    length (the steps reach 41 tokens)."""
+    scaling = LongRope(
+        short_factor=tuple(1.0 + 0.1 * i for i in range(12)),
+        long_factor=tuple(2.0 + i for i in range(12)),
+        original_max_position=24,
+        attention_factor=1.1,
+    )
+    model = stack_model(rotary_dim=24, rope_scaling=scaling)
+    assert model.fused_layers is not None
+    assert_stack_is_the_modules(model, 16)
+
+
+def assert_stack_is_the_modules(model, block_size: int) -> None:
     gen = torch.Generator().manual_seed(0)
     tokens = [torch.randint(0, 256, (41,), generator=gen) for _ in range(2)]
     backend = auto_backend(model.cfg, torch.bfloat16, block_size)
@@ -82,6 +103,7 @@ def test_models_and_steps_it_does_not_take_run_as_modules(isa: str) -> None:
     assert stack_model(norm="layernorm").fused_layers is None
     assert stack_model(position="alibi").fused_layers is None
     assert stack_model(norm_placement="post").fused_layers is None
+    assert stack_model(norm_placement="output", qk_norm="all").fused_layers is None
     # head size 32, groups of 3 as above, but 96 + 64 qkv features: padded to 192, which
     # the stack's C code does not cut back
     padded = stack_model(d_model=96, n_heads=3, n_kv_heads=1)

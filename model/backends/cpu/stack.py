@@ -85,7 +85,7 @@ class DecoderStack:
         if (
             cfg.norm_placement != "pre"
             or cfg.position != "rope"
-            or cfg.qk_norm  # the C layers have no norm over q's and k's heads,
+            or cfg.qk_norm != "none"  # the C layers have no norm over q's and k's heads,
             or cfg.nope_layers  # no layer without RoPE
             or cfg.scaled  # and no scaled residuals or scores
             or not isinstance(final_norm, RMSNorm)
