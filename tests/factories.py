@@ -127,8 +127,12 @@ def write_qwen3(path: Path, seed: int = 0) -> object:
     return model
 
 
-def write_mistral(path: Path, seed: int = 0, sliding_window: int | None = None) -> object:
-    model = _hf_model("Mistral", seed, sliding_window=sliding_window, tie_word_embeddings=False)
+def write_mistral(
+    path: Path, seed: int = 0, sliding_window: int | None = None, **config: object
+) -> object:
+    model = _hf_model(
+        "Mistral", seed, sliding_window=sliding_window, tie_word_embeddings=False, **config
+    )
     model.save_pretrained(path)
     return model
 

@@ -53,6 +53,20 @@ def _prompts(state: ServingState, req: CompletionRequest) -> list[list[int]]:
     raise APIError(400, "prompt must be a string, a list of strings, or token ids", param="prompt")
 
 
+def _echoes(state: ServingState, req: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+    """The text echo=true puts before each prompt's completion: the prompt as written
+    (not a decode of its ids, which would add the BOS and lose how the text was
+    spelled), or for prompts given as ids their decode."""
+    if not req.echo:
+        return [""] * len(prompts)
+    p = req.prompt
+    if isinstance(p, str):
+        return [p]
+    if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+        return list(p)  # type: ignore[arg-type]
+    return [state.tokenizer.decode(ids) for ids in prompts]
+
+
 def _logprobs(state: ServingState, lps: list[TokenLogprobs], offset: int) -> dict[str, Any]:
     tokens, values, tops, offsets = [], [], [], []
     for lp in lps:
@@ -108,8 +122,7 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
     for choices in results:
         raise_if_failed(choices)
     out_choices = []
-    for i, (ids, choices) in enumerate(zip(prompts, results, strict=True)):
-        echo = state.tokenizer.decode(ids) if req.echo else ""
+    for i, (echo, choices) in enumerate(zip(_echoes(state, req, prompts), results, strict=True)):
         for j, c in enumerate(choices):
             lp = _logprobs(state, c.logprobs, len(echo)) if req.logprobs is not None else None
             out_choices.append(
@@ -143,8 +156,7 @@ def _stream(
     offsets: dict[int, int] = {}  # text sent so far per choice (logprobs' text_offset)
     opening = []
     if req.echo:
-        for i, ids in enumerate(prompts):
-            text = state.tokenizer.decode(ids)
+        for i, text in enumerate(_echoes(state, req, prompts)):
             for j in range(req.n):
                 offsets[i * req.n + j] = len(text)
                 opening.append(

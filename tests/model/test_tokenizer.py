@@ -161,8 +161,8 @@ def test_tiktoken_bpe_file_roundtrip(tmp_path: Path) -> None:
 
 
 def test_bad_tokenizer_files(tmp_path: Path) -> None:
-    (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"type": "Unigram"}}))
-    with pytest.raises(TokenizerError, match="tokenizer.json.*not BPE"):
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"type": "WordPiece"}}))
+    with pytest.raises(TokenizerError, match="tokenizer.json.*not BPE or Unigram"):
         Tokenizer.from_dir(tmp_path)
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(TokenizerError, match="not valid JSON"):
@@ -171,10 +171,18 @@ def test_bad_tokenizer_files(tmp_path: Path) -> None:
     (tmp_path / "tokenizer.model").write_bytes(b"\x0a\x0bsentencepiece protobuf")
     with pytest.raises(TokenizerError, match="not a tiktoken BPE file"):
         from_tiktoken_file(tmp_path / "tokenizer.model")
-    with pytest.raises(TokenizerError, match="pre_tokenizer"):
+    with pytest.raises(TokenizerError, match="no vocabulary"):
         from_tokenizer_json(
             _write(tmp_path / "t.json", {"model": {"type": "BPE", "vocab": {}, "merges": []}})
         )
+    byte_level = {"type": "ByteLevel", "add_prefix_space": True}  # a byte-level file
+    with pytest.raises(TokenizerError, match="add_prefix_space is not supported"):
+        from_tokenizer_json(
+            _write(tmp_path / "t.json", {"model": {"type": "BPE"}, "pre_tokenizer": byte_level})
+        )
+    broken = {"model": {"type": "BPE", "vocab": {"a": 0}, "merges": ["a b c d"]}}
+    with pytest.raises(TokenizerError, match="tokenizers library cannot read it"):
+        from_tokenizer_json(_write(tmp_path / "t.json", broken))
 
 
 def _write(path: Path, data: dict) -> Path:
