@@ -44,18 +44,17 @@ class Attention(nn.Module):
     ) -> Tensor:
         """x: (T, d) -> (T, d). RoPE is applied to q and k; new K/V are written to the cache."""
         qkv = self.wqkv(x)  # (T, (H + 2KV) * dh)
-        if self.q_norm is not None:
-            qkv = self._norm_heads(qkv)
+        if self.qk_norm == "head":
+            qkv = backend.norm_heads(qkv, self.q_norm, self.k_norm, self.n_heads, self.n_kv)
+        elif self.qk_norm == "all":
+            qkv = self._norm_all(qkv)
         q, k, v = backend.rope_store(qkv, rope, self.n_heads, self.n_kv, self.d_head, cache, meta)
         out = backend.attend(q, k, v, cache, meta, self.scale, alibi_slopes)
         return self.wo(out)  # out: (T, H * dh)
 
-    def _norm_heads(self, qkv: Tensor) -> Tensor:
-        """q's and k's heads through their norms, before the backend rotates them."""
-        t, h, kv = qkv.shape[0], self.n_heads, self.n_kv
-        if self.qk_norm == "all":
-            q, k, v = qkv.split([h * self.d_head, kv * self.d_head, kv * self.d_head], dim=1)
-            return torch.cat([self.q_norm(q), self.k_norm(k), v], dim=1)  # type: ignore[misc]
-        heads = qkv.view(t, h + 2 * kv, self.d_head)
-        q, k, v = heads[:, :h], heads[:, h : h + kv], heads[:, h + kv :]
-        return torch.cat([self.q_norm(q), self.k_norm(k), v], dim=1).view(t, -1)  # type: ignore[misc]
+    def _norm_all(self, qkv: Tensor) -> Tensor:
+        """OLMo 2's q/k norms: all of q's heads through one norm, all of k's through the
+        other, before the backend rotates them."""
+        h, kv, dh = self.n_heads, self.n_kv, self.d_head
+        q, k, v = qkv.split([h * dh, kv * dh, kv * dh], dim=1)
+        return torch.cat([self.q_norm(q), self.k_norm(k), v], dim=1)  # type: ignore[misc]

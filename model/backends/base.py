@@ -92,6 +92,10 @@ class Backend(Protocol):
         self, norm: nn.Module, x: Tensor, delta: Tensor | None
     ) -> tuple[Tensor, Tensor]: ...
 
+    def norm_heads(
+        self, qkv: Tensor, q_norm: nn.Module, k_norm: nn.Module, n_heads: int, n_kv: int
+    ) -> Tensor: ...
+
     def rope_store(
         self,
         qkv: Tensor,

@@ -99,6 +99,16 @@ class TorchBackend:
             x = x + delta
         return x, norm(x)
 
+    def norm_heads(
+        self, qkv: Tensor, q_norm: nn.Module, k_norm: nn.Module, n_heads: int, n_kv: int
+    ) -> Tensor:
+        """Qwen3's q/k norms: each query head of qkv (T, (H + 2KV) * dh) through q_norm,
+        each key head through k_norm (one weight of dh for all heads), before RoPE."""
+        t, d_head = qkv.shape[0], q_norm.weight.shape[0]
+        heads = qkv.view(t, n_heads + 2 * n_kv, d_head)
+        q, k, v = heads[:, :n_heads], heads[:, n_heads : n_heads + n_kv], heads[:, n_heads + n_kv :]
+        return torch.cat([q_norm(q), k_norm(k), v], dim=1).view(t, -1)
+
     def rope_store(
         self,
         qkv: Tensor,  # (T, (H + 2KV) * dh)

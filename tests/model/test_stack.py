@@ -63,6 +63,26 @@ def test_one_call_gives_the_bits_of_the_modules(
     assert_stack_is_the_modules(model, block_size)
 
 
+@pytest.mark.parametrize(
+    "family",
+    [
+        {"nope_layers": (1,)},  # SmolLM3: a layer that stores K unrotated
+        {"residual_multiplier": 0.22, "attention_multiplier": 0.03},  # Granite
+        {"qk_norm": "head"},  # Qwen3: each head of q and k normed before RoPE
+    ],
+)
+@torch.no_grad()
+def test_family_variations_take_the_stack(isa: str, family: dict) -> None:
+    model = stack_model(**family)
+    gen = torch.Generator().manual_seed(1)
+    for block in model.layers:  # norms that matter: not ones
+        for norm in (block.attn.q_norm, block.attn.k_norm):
+            if norm is not None:
+                norm.weight.copy_(1 + 0.3 * torch.randn(norm.weight.shape, generator=gen))
+    assert model.fused_layers is not None
+    assert_stack_is_the_modules(model, 16)
+
+
 @torch.no_grad()
 def test_partial_rotary_and_long_rope_take_the_stack(isa: str) -> None:
     """Phi-4-mini's rotation (3/4 of each head, LongRoPE) is in the tables the stack

@@ -28,6 +28,7 @@ from model.backends.cpu.kernels.fused import (
     add_rms_norm,
     fused_supported,
     greedy_tokens,
+    qk_norm,
     rope_store,
 )
 from model.backends.cpu.kernels.linear import linear_isa
@@ -142,6 +143,17 @@ class CpuBackend(TorchBackend):
         if fusable_rms_norm(norm, x, delta):  # x updated in place
             return x, add_rms_norm(x, delta, norm.weight, norm.eps)
         return super().add_norm(norm, x, delta)
+
+    def norm_heads(
+        self, qkv: Tensor, q_norm: nn.Module, k_norm: nn.Module, n_heads: int, n_kv: int
+    ) -> Tensor:
+        # the C kernel, in place: the one the decoder stack calls, so both give one bits
+        norms = (q_norm, k_norm)
+        if fused_supported(qkv) and all(fusable_rms_norm(n, qkv, None) for n in norms):
+            d_head = q_norm.weight.shape[0]
+            qk_norm(qkv, q_norm.weight, k_norm.weight, n_heads, n_kv, d_head, q_norm.eps)
+            return qkv
+        return super().norm_heads(qkv, q_norm, k_norm, n_heads, n_kv)
 
     def rope_store(
         self,

@@ -27,21 +27,26 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 class _Layer(ctypes.Structure):
     _fields_ = [
-        (name, _P)
-        for name in (
-            "attn_norm",
-            "wqkv",
-            "bqkv",
-            "wo",
-            "bo",
-            "ffn_norm",
-            "w_in",
-            "b_in",
-            "w_out",
-            "b_out",
-            "k_cache",
-            "v_cache",
-        )
+        *[
+            (name, _P)
+            for name in (
+                "attn_norm",
+                "wqkv",
+                "bqkv",
+                "wo",
+                "bo",
+                "ffn_norm",
+                "w_in",
+                "b_in",
+                "w_out",
+                "b_out",
+                "k_cache",
+                "v_cache",
+                "q_norm",
+                "k_norm",
+            )
+        ],
+        ("rotate", _I),
     ]
 
 
@@ -52,10 +57,11 @@ _BUFFERS = ("x", "h", "qkv", "attn", "o", "act", "gate", "delta")
 
 class _Args(ctypes.Structure):
     _fields_ = [
-        *[(name, _P) for name in ("norm", "linear", "rope", "attend")],
+        *[(name, _P) for name in ("norm", "qk_norm", "linear", "rope", "attend")],
         *[(name, _I) for name in (*_DIMS, "nthreads")],
         ("eps", _F),
         ("scale", _F),
+        ("residual", _F),
         ("w", ctypes.POINTER(_Layer)),
         ("final_norm", _P),
         *[(name, _P) for name in (*_STEP, *_BUFFERS)],
@@ -85,9 +91,7 @@ class DecoderStack:
         if (
             cfg.norm_placement != "pre"
             or cfg.position != "rope"
-            or cfg.qk_norm != "none"  # the C layers have no norm over q's and k's heads,
-            or cfg.nope_layers  # no layer without RoPE
-            or cfg.scaled  # and no scaled residuals or scores
+            or cfg.qk_norm == "all"  # the C layers norm q's and k's heads one by one
             or not isinstance(final_norm, RMSNorm)
         ):
             return None
@@ -143,6 +147,9 @@ class DecoderStack:
                 data_ptr(ffn.w_out._bias32),
                 k_cache.data_ptr(),
                 v_cache.data_ptr(),
+                data_ptr(attn.q_norm.weight if attn.q_norm is not None else None),
+                data_ptr(attn.k_norm.weight if attn.k_norm is not None else None),
+                int(i not in self.cfg.nope_layers),
             )
         return out
 
@@ -196,7 +203,8 @@ class DecoderStack:
             **self._kernels,
             **dict(zip(_DIMS, (*dims, 0), strict=True)),
             eps=cfg.norm_eps,
-            scale=dh**-0.5,
+            scale=self.layers[0].attn.scale,  # Granite's attention_multiplier, or 1/sqrt(dh)
+            residual=cfg.residual_multiplier,
             w=self._weights,
             final_norm=self.final_norm.weight.data_ptr(),
             **{k: v.data_ptr() for k, v in buffers.items()},

@@ -108,6 +108,29 @@ void NAME(T *qkv, const T *cos_t, const T *sin_t, int rows, int H, int KV, int D
     }                                                                                    \
 }
 
+/* Qwen3's q/k norms, in place on each row of the fused qkv projection (rows of H query,
+ * KV key and KV value heads of D): each query head normed with wq and each key head with
+ * wk, as add_rms_norm norms a row without a delta; the value heads are left as they are. */
+#define DEFINE_QK_NORM(NAME, T, LOAD, STORE)                                             \
+void NAME(T *qkv, const T *wq, const T *wk, int rows, int H, int KV, int D, float eps,   \
+          int nthreads) {                                                                \
+    const long heads = (long)rows * (H + KV), work = heads * D;                          \
+    PARALLEL(work)                                                                       \
+    for (long j = 0; j < heads; ++j) {                                                   \
+        const long r = j / (H + KV);                                                     \
+        const int h = (int)(j % (H + KV));                                               \
+        T *xr = qkv + (r * (H + 2 * KV) + h) * (long)D;                                  \
+        const T *w = h < H ? wq : wk;                                                    \
+        float ss = 0.f;                                                                  \
+        for (int i = 0; i < D; ++i) { const float v = LOAD(xr[i]); ss += v * v; }        \
+        const float inv = 1.f / sqrtf(ss / (float)D + eps);                              \
+        for (int i = 0; i < D; ++i)                                                      \
+            xr[i] = STORE(LOAD(w[i]) * LOAD(STORE(LOAD(xr[i]) * inv)));                  \
+    }                                                                                    \
+}
+
+DEFINE_QK_NORM(qk_norm_f32, float, f32_load, f32_store)
+DEFINE_QK_NORM(qk_norm_bf16, uint16_t, bf16_load, bf16_store)
 DEFINE_ADD_RMS_NORM(add_rms_norm_f32, float, f32_load, f32_store)
 DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, uint16_t, bf16_load, bf16_store)
 DEFINE_ROPE_STORE(rope_store_f32, float, f32_load, f32_store)

@@ -1,5 +1,6 @@
-"""The fused elementwise kernels (model/backends/cpu/kernels/fused.c): add + RMSNorm, RoPE with the
-KV-cache write, and greedy argmax, in float32 and bfloat16."""
+"""The fused elementwise kernels (model/backends/cpu/kernels/fused.c): add + RMSNorm, the norms
+over q's and k's heads, RoPE with the KV-cache write, and greedy argmax, in float32 and
+bfloat16."""
 
 from __future__ import annotations
 
@@ -36,7 +37,11 @@ def _fused_at(isa: str) -> ctypes.CDLL | None:
         return None
     bind(
         lib,
-        *(f"{n}_{t}" for n in ("add_rms_norm", "rope_store", "greedy") for t in _SUFFIX.values()),
+        *(
+            f"{n}_{t}"
+            for n in ("add_rms_norm", "qk_norm", "rope_store", "greedy")
+            for t in _SUFFIX.values()
+        ),
     )
     return lib
 
@@ -97,6 +102,28 @@ def rope_store(
         data_ptr(slot_blocks),
         data_ptr(slot_offsets),
         block_size,
+        torch.get_num_threads(),
+    )
+
+
+def qk_norm(
+    qkv: torch.Tensor,  # (T, (H + 2KV) * D), normed in place
+    wq: torch.Tensor,
+    wk: torch.Tensor,
+    n_heads: int,
+    n_kv: int,
+    d_head: int,
+    eps: float,
+) -> None:
+    getattr(fused_library(), f"qk_norm_{_SUFFIX[qkv.dtype]}")(
+        qkv.data_ptr(),
+        wq.contiguous().data_ptr(),
+        wk.contiguous().data_ptr(),
+        qkv.shape[0],
+        n_heads,
+        n_kv,
+        d_head,
+        eps,
         torch.get_num_threads(),
     )
 

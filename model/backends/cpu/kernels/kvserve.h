@@ -21,6 +21,10 @@ void rope_store_bf16(uint16_t *qkv, const uint16_t *cos_t, const uint16_t *sin_t
                      int H, int KV, int D, uint16_t *k_cache, uint16_t *v_cache,
                      const int64_t *slot_blocks, const int64_t *slot_offsets, int BS,
                      int nthreads);
+void qk_norm_f32(float *qkv, const float *wq, const float *wk, int rows, int H, int KV, int D,
+                 float eps, int nthreads);
+void qk_norm_bf16(uint16_t *qkv, const uint16_t *wq, const uint16_t *wk, int rows, int H,
+                  int KV, int D, float eps, int nthreads);
 void greedy_f32(const float *x, int rows, int n, int64_t *out, int nthreads);
 void greedy_bf16(const uint16_t *x, int rows, int n, int64_t *out, int nthreads);
 
@@ -58,6 +62,8 @@ typedef void (*norm_fn)(uint16_t *x, const uint16_t *delta, const uint16_t *weig
                         uint16_t *out, int rows, int d, float eps, int nthreads);
 typedef void (*linear_fn)(const uint16_t *x, const uint16_t *w, const float *bias,
                           uint16_t *out, uint16_t *scratch, int m, int n, int k, int nthreads);
+typedef void (*qk_norm_fn)(uint16_t *qkv, const uint16_t *wq, const uint16_t *wk, int rows,
+                           int H, int KV, int D, float eps, int nthreads);
 typedef void (*rope_fn)(uint16_t *qkv, const uint16_t *cos_t, const uint16_t *sin_t,
                         int rows, int H, int KV, int D, uint16_t *k_cache, uint16_t *v_cache,
                         const int64_t *slot_blocks, const int64_t *slot_offsets,
@@ -80,15 +86,19 @@ typedef struct {
     const uint16_t *w_out;
     const float *b_out;
     uint16_t *k_cache, *v_cache;
+    const uint16_t *q_norm, *k_norm; /* Qwen3's norms over each q and k head, or NULL */
+    int rotate; /* 0: a layer without RoPE (SmolLM3): K stored as projected */
 } layer_args;
 
 typedef struct {
     norm_fn norm;
+    qk_norm_fn qk_norm;
     linear_fn linear;
     rope_fn rope;
     attention_fn attend;
     int layers, rows, d, heads, kv, head_dim, ff, block_size, max_blocks, nthreads;
     float eps, scale;
+    float residual; /* each sublayer's output times this before its add (Granite; else 1) */
     const layer_args *w;
     const uint16_t *final_norm;
     /* this step: (rows, head_dim) rotations, slots of the new tokens, the attention rows */

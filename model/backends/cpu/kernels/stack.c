@@ -1,5 +1,6 @@
-/* A whole stack of pre-norm Llama decoder layers (RMSNorm, RoPE, paged attention, SwiGLU)
- * in bf16 as one call, for CPUs where every part runs as kvserve's own kernel: the AMX
+/* A whole stack of pre-norm Llama decoder layers (RMSNorm, RoPE, paged attention, SwiGLU;
+ * with Qwen3's q/k norms, SmolLM3's layers without RoPE and Granite's scaled sublayers and
+ * scores) in bf16 as one call, for CPUs where every part runs as kvserve's own kernel: the AMX
  * tile linears (linear_bf16.c), the fused norm and RoPE-and-store (fused.c) and the AMX
  * paged attention (paged_attention.c). It computes exactly what Block.forward does with
  * those kernels, in the same order on the same buffers, so the bits are the same; what it
@@ -11,8 +12,23 @@
  * loaded by model/backends/cpu/kernels/stack.py; model/backends/cpu/stack.py fills in the arguments.
  */
 #include <stddef.h>
+#include <stdint.h>
+#include <string.h>
 
 #include "kvserve.h"
+
+/* x[i] = bf16(x[i] * m), rounded to nearest even as torch rounds a bf16 tensor times a
+ * float (no NaN reaches here) */
+static void scale_bf16(uint16_t *x, long n, float m) {
+    for (long i = 0; i < n; ++i) {
+        uint32_t bits = (uint32_t)x[i] << 16;
+        float f;
+        memcpy(&f, &bits, 4);
+        f *= m;
+        memcpy(&bits, &f, 4);
+        x[i] = (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+    }
+}
 
 void stack_forward(const stack_args *a) {
     const int T = a->rows, d = a->d, H = a->heads, KV = a->kv, D = a->head_dim;
@@ -21,14 +37,17 @@ void stack_forward(const stack_args *a) {
         const layer_args *w = a->w + l;
         a->norm(a->x, l ? a->delta : NULL, w->attn_norm, a->h, T, d, a->eps, nt);
         a->linear(a->h, w->wqkv, w->bqkv, a->qkv, NULL, T, nqkv, d, nt);
-        a->rope(a->qkv, a->cos_t, a->sin_t, T, H, KV, D, w->k_cache, w->v_cache,
-                a->slot_blocks, a->slot_offsets, a->block_size, nt);
+        if (w->q_norm) a->qk_norm(a->qkv, w->q_norm, w->k_norm, T, H, KV, D, a->eps, nt);
+        a->rope(a->qkv, w->rotate ? a->cos_t : NULL, w->rotate ? a->sin_t : NULL, T, H, KV, D,
+                w->k_cache, w->v_cache, a->slot_blocks, a->slot_offsets, a->block_size, nt);
         a->attend(a->qkv, w->k_cache, w->v_cache, a->tables, a->row_seq, a->lens, a->attn, T,
                   nqkv, KV, a->max_blocks, a->scale, NULL, nt);
         a->linear(a->attn, w->wo, w->bo, a->o, NULL, T, d, H * D, nt);
+        if (a->residual != 1.0f) scale_bf16(a->o, (long)T * d, a->residual);
         a->norm(a->x, a->o, w->ffn_norm, a->h, T, d, a->eps, nt);
         a->linear(a->h, w->w_in, w->b_in, a->act, a->gate, T, 2 * a->ff, d, nt);
         a->linear(a->act, w->w_out, w->b_out, a->delta, NULL, T, d, a->ff, nt);
+        if (a->residual != 1.0f) scale_bf16(a->delta, (long)T * d, a->residual);
     }
     a->norm(a->x, a->layers ? a->delta : NULL, a->final_norm, a->h, T, d, a->eps, nt);
 }

@@ -35,6 +35,7 @@ def stack_kernels(d_head: int, block_size: int, group: int, kind: str) -> dict[s
 
     return {
         "norm": address(fused.add_rms_norm_bf16),
+        "qk_norm": address(fused.qk_norm_bf16),
         "linear": address(linear),
         "rope": address(fused.rope_store_bf16),
         "attend": address(attention.paged_attention_amx if amx else attention.paged_attention_bf16),

@@ -1,0 +1,160 @@
+"""Offline throughput of each model family against Llama's at the same shape: does a
+family's variation keep it on the fast path?
+
+Each family is a random-weight checkpoint written by transformers' own `save_pretrained`
+in the SmolLM2-135M shape (benchmarks.common.SMOLLM2_135M: hidden 576, 30 layers, 9
+heads, 3 KV heads) with what makes the family itself switched on: Qwen3's q/k norms,
+SmolLM3's layers without RoPE, Granite's multipliers, Phi-4-mini's partial rotary and
+LongRoPE, OLMo 2's output norms and whole-projection q/k norms. The engine runs 64
+requests of 128 random prompt tokens and 64 output tokens at once, then one request
+alone, for each family in turn, in one process. Prints a table, writes JSON and records
+the rows in docs/results.md.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/family_throughput.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import (
+    OUT,
+    SMOLLM2_135M,
+    checkpoint,
+    engine_for,
+    run_batch,
+    run_single,
+    write_json,
+)
+from benchmarks.results import record
+from model.audit import count_params
+
+HEAD_DIM = SMOLLM2_135M["hidden_size"] // SMOLLM2_135M["num_attention_heads"]  # 64
+PAIRS = HEAD_DIM * 3 // 8  # Phi-4-mini's 3/4 of the head rotated, in pairs
+# transformers' config class and what switches the family's variation on
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "Llama": ("Llama", {}),
+    "Qwen3": ("Qwen3", {"head_dim": HEAD_DIM}),
+    "Mistral": ("Mistral", {"sliding_window": None}),
+    "SmolLM3": ("SmolLM3", {"no_rope_layer_interval": 4, "pad_token_id": 0}),
+    "Granite": (
+        "Granite",
+        {
+            "embedding_multiplier": 12.0,
+            "residual_multiplier": 0.22,
+            "attention_multiplier": 0.0078125,
+            "logits_scaling": 8.0,
+        },
+    ),
+    "Phi-3 (Phi-4-mini's rotation)": (
+        "Phi3",
+        {
+            "pad_token_id": 0,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 100000.0,
+                "partial_rotary_factor": 0.75,
+                "short_factor": [1.0] * PAIRS,
+                "long_factor": [4.0] * PAIRS,
+                "original_max_position_embeddings": 1024,
+                "factor": 2.0,
+            },
+            "original_max_position_embeddings": 1024,
+        },
+    ),
+    "OLMo 2": ("Olmo2", {"pad_token_id": 0}),
+}
+
+
+def write_family(path: Path, family: str, extra: dict[str, Any], tokenizer: Path) -> Path:
+    """The checkpoint (written once) with the shared tokenizer's files beside it."""
+    if not (path / "config.json").exists():
+        import transformers as tf
+
+        torch.manual_seed(0)
+        cfg = getattr(tf, f"{family}Config")(**{**SMOLLM2_135M, **extra})
+        getattr(tf, f"{family}ForCausalLM")(cfg).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer / name, path / name)
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
+    ap.add_argument("--json", type=Path, default=OUT / "family_throughput.json")
+    args = ap.parse_args()
+    tokenizer = checkpoint(OUT / "smollm2-135m-random")  # offline_throughput's, and its tokenizer
+    rng = random.Random(0)
+    vocab = SMOLLM2_135M["vocab_size"]
+    prompts = [
+        [rng.randrange(1, vocab) for _ in range(args.prompt_len)] for _ in range(args.requests)
+    ]
+    rows = []
+    for name in args.families:
+        family, extra = FAMILIES[name]
+        path = tokenizer  # Llama: offline_throughput's checkpoint itself
+        if family != "Llama":
+            path = write_family(
+                OUT / f"family-{family.lower()}-135m-random", family, extra, tokenizer
+            )
+        engine = engine_for(path, torch.device("cpu"), torch.bfloat16, max_num_seqs=args.requests)
+        model = engine.model
+        batch = run_batch(engine, prompts, args.output_len)
+        single = run_single(engine, prompts[0], args.output_len)
+        rows.append(
+            {
+                "family": name,
+                "architecture": model.cfg.architecture,
+                "parameters": count_params(model.cfg).total,
+                "c_stack": model.fused_layers is not None,
+                "output_tok_s": round(batch["output_tok_s"], 1),
+                "decode_ms_per_token": round(single["decode_ms_per_token"], 2),
+            }
+        )
+        engine.close()
+        del engine, model
+    llama = next((r for r in rows if r["family"] == "Llama"), rows[0])
+    print(f"{args.requests} x ({args.prompt_len} in, {args.output_len} out), bf16, cpu backend")
+    print(
+        f"{'family':30} {'params':>12} {'C stack':>8} {'tok/s':>8} {'x Llama':>8} "
+        f"{'ms/token':>9} {'x Llama':>8}"
+    )
+    for r in rows:
+        r["throughput_vs_llama"] = round(r["output_tok_s"] / llama["output_tok_s"], 3)
+        r["decode_time_vs_llama"] = round(
+            r["decode_ms_per_token"] / llama["decode_ms_per_token"], 3
+        )
+        print(
+            f"{r['family']:30} {r['parameters']:12,d} {r['c_stack']!s:>8} "
+            f"{r['output_tok_s']:8.1f} {r['throughput_vs_llama']:8.2f} "
+            f"{r['decode_ms_per_token']:9.2f} {r['decode_time_vs_llama']:8.2f}"
+        )
+    write_json(args.json, {"rows": rows, "args": {k: str(v) for k, v in vars(args).items()}})
+    shape = (
+        f"SmolLM2-135M shape, bf16, {args.requests} x ({args.prompt_len} in, {args.output_len} out)"
+    )
+    record(
+        "family_throughput",
+        {
+            f"{r['family']}, {shape}": (
+                f"{r['output_tok_s']:.1f} tok/s ({r['throughput_vs_llama']:.2f}x Llama's); one "
+                f"stream {r['decode_ms_per_token']:.2f} ms/token ({r['decode_time_vs_llama']:.2f}x); "
+                f"C stack {'yes' if r['c_stack'] else 'no'}"
+            )
+            for r in rows
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
