@@ -102,6 +102,10 @@ class ModelConfig:
     qkv_bias: bool = False
     qk_norm: str = "none"  # a QK_NORMS choice, before RoPE
     nope_layers: tuple[int, ...] = ()  # SmolLM3: the layers that do not rotate q and k
+    # sliding-window attention: a query sees the keys of the `sliding_window` positions
+    # ending at its own, in every layer but `global_layers` (Gemma's interleaving)
+    sliding_window: int | None = None
+    global_layers: tuple[int, ...] = ()
     # Granite's scalings: the embeddings, each sublayer's output before its residual add,
     # the attention scores (None: 1 / sqrt(head_dim)), and the logits (divided by it)
     embedding_multiplier: float = 1.0
@@ -160,9 +164,12 @@ class ModelConfig:
             raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
         if self.norm_eps <= 0:
             raise ValueError(f"norm_eps must be > 0, got {self.norm_eps}")
-        for i in self.nope_layers:
-            if not 0 <= i < self.n_layers:
-                raise ValueError(f"nope_layers: layer {i} is outside the {self.n_layers} layers")
+        for name in ("nope_layers", "global_layers"):
+            for i in getattr(self, name):
+                if not 0 <= i < self.n_layers:
+                    raise ValueError(f"{name}: layer {i} is outside the {self.n_layers} layers")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window must be > 0, got {self.sliding_window}")
         if self.logits_scaling == 0:
             raise ValueError("logits_scaling must not be 0")
         for tok in self.eos_token_ids:
@@ -182,6 +189,10 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.d_head if self.d_head is not None else self.d_model // self.n_heads
 
+    def window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer`'s attention (None: it sees every key)."""
+        return None if layer in self.global_layers else self.sliding_window
+
     @property
     def features(self) -> list[str]:
         """The variations on Llama's block this config uses, named for the model card."""
@@ -194,6 +205,10 @@ class ModelConfig:
             out.append(f"qk_norm={self.qk_norm}")
         if self.nope_layers:
             out.append("nope_layers=" + ",".join(map(str, self.nope_layers)))
+        if self.sliding_window is not None:
+            out.append(f"sliding_window={self.sliding_window}")
+        if self.global_layers:
+            out.append("global_layers=" + ",".join(map(str, self.global_layers)))
         if self.rotary_dim is not None:
             out.append(f"rotary_dim={self.rotary_dim}/{self.head_dim}")
         if self.rope_scaling is not None:
@@ -222,6 +237,7 @@ class ModelConfig:
         out = dataclasses.asdict(self)
         out["eos_token_ids"] = list(self.eos_token_ids)
         out["nope_layers"] = list(self.nope_layers)
+        out["global_layers"] = list(self.global_layers)
         return out
 
     @classmethod
@@ -241,6 +257,7 @@ class ModelConfig:
             data["qk_norm"] = "head" if data["qk_norm"] else "none"
         data["eos_token_ids"] = tuple(data.get("eos_token_ids") or ())
         data["nope_layers"] = tuple(data.get("nope_layers") or ())
+        data["global_layers"] = tuple(data.get("global_layers") or ())
         return cls(**data)
 
     @classmethod
@@ -391,12 +408,11 @@ def _read_qwen3(hf: dict[str, Any]) -> ModelConfig:
 
 
 def _windowed(cfg: ModelConfig, hf: dict[str, Any]) -> ModelConfig:
-    """With `sliding_window` set (Mistral 7B v0.1, Phi-3-mini-4k) each token attends to
-    the window ending at it: until kvserve's attention has windows, the context is capped
-    at the window, where full attention and windowed attention are the same computation."""
+    """`sliding_window` (Mistral 7B v0.1, Phi-3-mini-4k): each token attends to the
+    window of positions ending at it, in every layer."""
     window = hf.get("sliding_window")
     if window is not None and hf.get("use_sliding_window", True) is not False:
-        return cfg.replace(max_position=min(cfg.max_position, int(window)))
+        return cfg.replace(sliding_window=int(window))
     return cfg
 
 

@@ -20,14 +20,17 @@ def _unsplit(x: Tensor) -> Tensor:
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, tp: TensorParallel | None = None, window: int | None = None
+    ) -> None:
         """cfg: this rank's shapes (TensorParallel.local_config) under tensor parallelism,
-        where the attention and FFN outputs are partial sums until all-reduced."""
+        where the attention and FFN outputs are partial sums until all-reduced; window:
+        the layer's sliding window (None: full attention)."""
         super().__init__()
         self.reduce = tp.all_reduce if tp is not None and tp.world > 1 else _unsplit
         self.placement = cfg.norm_placement
         self.attn_norm = make_norm(cfg)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, window)
         self.ffn_norm = make_norm(cfg)
         self.ffn = make_ffn(cfg)
         self.residual = cfg.residual_multiplier  # Granite scales each sublayer's output
@@ -76,7 +79,9 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(vocab, cfg.d_model)
         if cfg.position == "learned":
             self.pos_embed = nn.Embedding(cfg.max_position, cfg.d_model)
-        self.layers = nn.ModuleList(Block(self.local_cfg, tp) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(
+            Block(self.local_cfg, tp, cfg.window(i)) for i in range(cfg.n_layers)
+        )
         self.nope = frozenset(cfg.nope_layers)  # layers that take no rotation (SmolLM3)
         self.fused_layers: FusedLayers | None = None
         if cfg.norm_placement != "post":  # a final norm before the head

@@ -116,4 +116,5 @@ class Backend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         alibi: Tensor | None,
+        window: int | None = None,
     ) -> Tensor: ...

@@ -27,6 +27,13 @@ def fusable_rms_norm(norm: nn.Module, x: Tensor, delta: Tensor | None) -> bool:
     return isinstance(norm, RMSNorm) and x.is_contiguous() and same
 
 
+def beyond_window(meta: AttentionMetadata, window: int | None) -> bool:
+    """Whether some query of the step has keys outside its window: only then does
+    sliding-window attention differ from full attention (below it the backends' own
+    kernels serve the windowed layers, which they run without windows)."""
+    return window is not None and meta.max_seq_len > window
+
+
 def split_heads(qkv: Tensor, n_heads: int, n_kv: int, d_head: int) -> tuple[Tensor, Tensor, Tensor]:
     """(T, (H + 2KV) * dh) -> views q (T, H, dh), k and v (T, KV, dh)."""
     qkv = qkv.view(qkv.shape[0], n_heads + 2 * n_kv, d_head)
@@ -143,32 +150,46 @@ class TorchBackend:
         meta: AttentionMetadata,
         scale: float,
         alibi: Tensor | None,
+        window: int | None = None,
     ) -> Tensor:
-        """-> (T, H * dh)."""
+        """-> (T, H * dh). `window`: each query sees only the keys of the `window`
+        positions ending at its own (sliding-window attention); None: every earlier one."""
         if cache is None:
             keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-            return _sdpa(q, keys, values, meta, alibi)
+            return _sdpa(q, keys, values, meta, scale, alibi, window)
         if meta.q_index is not None:  # mixed query lengths: pad within groups only
             out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-            for rows, sub in meta.groups(cache[0].shape[1]):
-                keys, values = _gather(*cache, sub)
-                out[rows] = _sdpa(q.index_select(0, rows), keys, values, sub, alibi)
+            block_size = self.block_size_of(cache)
+            for rows, sub in meta.groups(block_size):
+                keys, values = self.gather(cache, sub)
+                out[rows] = _sdpa(q.index_select(0, rows), keys, values, sub, scale, alibi, window)
             return out
-        return _sdpa(q, *_gather(*cache, meta), meta, alibi)
+        return _sdpa(q, *self.gather(cache, meta), meta, scale, alibi, window)
 
+    def block_size_of(self, cache: tuple[Tensor, Tensor]) -> int:
+        return cache[0].shape[1]
 
-def _gather(k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
-    """Each sequence's cached K and V, contiguous: (B, KV, max_seq_len, dh) each."""
-    b, s = meta.num_seqs, meta.max_seq_len
-    kv, d = k_cache.shape[2:]
-    flat = meta.block_tables.view(-1)  # index_select copies whole contiguous blocks
-    keys = k_cache.index_select(0, flat).view(b, -1, kv, d)[:, :s]  # (B, S, KV, dh)
-    values = v_cache.index_select(0, flat).view(b, -1, kv, d)[:, :s]
-    return keys.transpose(1, 2), values.transpose(1, 2)
+    def gather(
+        self, cache: tuple[Tensor, Tensor], meta: AttentionMetadata
+    ) -> tuple[Tensor, Tensor]:
+        """Each sequence's cached K and V, contiguous: (B, KV, max_seq_len, dh) each."""
+        k_cache, v_cache = cache
+        b, s = meta.num_seqs, meta.max_seq_len
+        kv, d = k_cache.shape[2:]
+        flat = meta.block_tables.view(-1)  # index_select copies whole contiguous blocks
+        keys = k_cache.index_select(0, flat).view(b, -1, kv, d)[:, :s]  # (B, S, KV, dh)
+        values = v_cache.index_select(0, flat).view(b, -1, kv, d)[:, :s]
+        return keys.transpose(1, 2), values.transpose(1, 2)
 
 
 def _sdpa(
-    q: Tensor, keys: Tensor, values: Tensor, meta: AttentionMetadata, alibi: Tensor | None
+    q: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    alibi: Tensor | None,
+    window: int | None,
 ) -> Tensor:
     """q (T, H, dh) of meta's sequences, padded to its longest query, against keys and
     values (B, KV, max_seq_len, dh) -> (T, H * dh)."""
@@ -185,13 +206,20 @@ def _sdpa(
     # repeated: (B, max_q, KV*G, dh) -> (B, KV, G*max_q, dh).
     qg = qp.view(b, max_q, n_kv, group, dh).permute(0, 2, 3, 1, 4)
     qg = qg.reshape(b, n_kv, group * max_q, dh)
+    seen = meta.mask  # (B, max_q, S)
+    if window is not None:  # and within the window ending at the query's position
+        k_pos = torch.arange(meta.max_seq_len, device=seen.device)
+        last = torch.tensor(meta.seq_lens, device=seen.device)[:, None] - 1
+        q_pos = torch.minimum(meta.q_pos, last)  # a padding row: the last key's window
+        seen = seen & (k_pos[None, None, :] > q_pos[:, :, None] - window)
     if alibi is None:
-        mask = meta.mask[:, None, None].expand(b, 1, group, max_q, meta.max_seq_len)
+        mask = seen[:, None, None].expand(b, 1, group, max_q, meta.max_seq_len)
         mask = mask.reshape(b, 1, group * max_q, meta.max_seq_len)
     else:  # (B, H, max_q, S) -> (B, KV, G*max_q, S)
-        bias = meta.alibi(alibi).to(q.dtype)
+        bias = meta.alibi(alibi).to(q.dtype).masked_fill(~seen[:, None], float("-inf"))
         mask = bias.reshape(b, n_kv, group * max_q, meta.max_seq_len)
-    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)  # (B, KV, G*max_q, dh)
+    # (B, KV, G*max_q, dh)
+    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
     out = out.view(b, n_kv, group, max_q, dh).permute(0, 3, 1, 2, 4)
     out = out.reshape(b * max_q, h * dh)
     return out if meta.q_index is None else out.index_select(0, meta.q_index)

@@ -129,12 +129,21 @@ def test_qwen3_reads_its_head_dim_and_q_k_norms() -> None:
     )
 
 
-def test_mistral_caps_the_context_at_its_sliding_window() -> None:
-    """Mistral 7B v0.1 attends over a 4096-token window: kvserve serves up to the window,
-    where windowed and full attention agree; v0.2 and later have none."""
+def test_mistral_reads_its_sliding_window() -> None:
+    """Mistral 7B v0.1 attends over a 4096-token window in every layer, over its whole
+    context; v0.2 and later have none."""
     hf = HF_LLAMA_LIKE | {"architectures": ["MistralForCausalLM"]}
-    assert ModelConfig.from_hf_config(hf | {"sliding_window": 4096}).max_position == 4096
-    assert ModelConfig.from_hf_config(hf | {"sliding_window": None}).max_position == 40960
+    cfg = ModelConfig.from_hf_config(hf | {"sliding_window": 4096})
+    assert (cfg.sliding_window, cfg.max_position, cfg.window(0), cfg.window(1)) == (
+        4096,
+        40960,
+        4096,
+        4096,
+    )
+    assert "sliding_window=4096" in cfg.features
+    assert ModelConfig.from_hf_config(hf | {"sliding_window": None}).sliding_window is None
+    off = hf | {"sliding_window": 4096, "use_sliding_window": False}  # Qwen2's switch
+    assert ModelConfig.from_hf_config(off).sliding_window is None
     assert ModelConfig.from_hf_config(hf).qk_norm == "none"
 
 
@@ -199,10 +208,10 @@ def test_phi3_reads_partial_rotary_and_long_rope_in_both_config_forms() -> None:
         ModelConfig.from_hf_config(old | {"rope_scaling": {"type": "yarn", "factor": 4.0}})
 
 
-def test_phi3_mini_4k_caps_the_context_at_its_window() -> None:
+def test_phi3_mini_4k_reads_its_window() -> None:
     hf = HF_LLAMA_LIKE | {"architectures": ["Phi3ForCausalLM"], "max_position_embeddings": 4096}
     cfg = ModelConfig.from_hf_config(hf | {"sliding_window": 2047})
-    assert (cfg.max_position, cfg.rotary_dim, cfg.rope_scaling) == (2047, None, None)
+    assert (cfg.max_position, cfg.sliding_window, cfg.rotary_dim) == (4096, 2047, None)
 
 
 def test_olmo2_norms_the_sublayer_outputs_and_whole_q_and_k() -> None:

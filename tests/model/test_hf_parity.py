@@ -29,6 +29,7 @@ WRITERS = {
     "qwen2_qkv_bias": write_qwen2,
     "qwen3_qk_norm": write_qwen3,
     "mistral": write_mistral,
+    "mistral_sliding_window": lambda p: write_mistral(p, sliding_window=8),
     "smollm3_nope": write_smollm3,
     "granite_scaled": write_granite,
     "phi3_partial_longrope": write_phi3,
@@ -67,8 +68,9 @@ def test_logits_and_greedy_match_transformers(family: str, tmp_path: Path) -> No
 def test_paged_logits_match_transformers_on_each_backend(
     family: str, name: str, tmp_path: Path
 ) -> None:
-    """A 30-token prefill then 10 decodes over each backend's paged cache give the
-    logits transformers gives for the 40 tokens at once."""
+    """A 30-token prompt in two chunks, then 10 decodes, over each backend's paged cache
+    give the logits transformers gives for the 40 tokens at once (with a sliding window
+    of 8: the chunks, and the decodes, reach past it)."""
     hf = WRITERS[family](tmp_path)
     ours = load_model(tmp_path)
     backend = make_backend(name, ours.cfg)
@@ -76,7 +78,7 @@ def test_paged_logits_match_transformers_on_each_backend(
     tokens = torch.randint(3, hf.config.vocab_size, (40,))
     ref = hf(tokens[None]).logits[0].float()
     table, outs = [[5, 2, 7]], []
-    for start, n in [(0, 30), *[(30 + i, 1) for i in range(10)]]:
+    for start, n in [(0, 13), (13, 17), *[(30 + i, 1) for i in range(10)]]:
         meta = backend.metadata(table, [start], [n], 16, "cpu", cache.null_block)
         outs.append(ours(tokens[start : start + n], meta, cache))
     assert (torch.cat(outs) - ref).abs().max().item() <= 1e-4

@@ -35,7 +35,7 @@ from model.backends.cpu.kernels.linear import linear_isa
 from model.backends.cpu.packed import linear_kernels, pack_model
 from model.backends.cpu.pages import HugeArena
 from model.backends.cpu.stack import DecoderStack
-from model.backends.reference import TorchBackend, fusable_rms_norm, split_heads
+from model.backends.reference import TorchBackend, beyond_window, fusable_rms_norm, split_heads
 from model.config import ModelConfig
 from model.metadata import AttentionMetadata
 
@@ -112,6 +112,23 @@ class CpuBackend(TorchBackend):
         nbytes = torch.Size(shape).numel() * dtype.itemsize
         return HugeArena(nbytes).empty(shape, dtype).zero_()
 
+    def block_size_of(self, cache: tuple[Tensor, Tensor]) -> int:
+        return cache[0].shape[3]
+
+    def gather(
+        self, cache: tuple[Tensor, Tensor], meta: AttentionMetadata
+    ) -> tuple[Tensor, Tensor]:
+        """(B, KV, max_seq_len, dh) K and V from this layout's blocks (kv_views)."""
+        k_cache, v_cache = cache
+        b, s = meta.num_seqs, meta.max_seq_len
+        kv, d = k_cache.shape[1], k_cache.shape[2] * k_cache.shape[4]
+        flat = meta.block_tables.view(-1)
+        keys = k_cache.index_select(0, flat).view(b, -1, *k_cache.shape[1:])
+        keys = keys.permute(0, 2, 1, 4, 3, 5).reshape(b, kv, -1, d)[:, :, :s]
+        values = v_cache.index_select(0, flat).view(b, -1, *v_cache.shape[1:])
+        values = values.permute(0, 2, 1, 3, 5, 4).reshape(b, kv, -1, d)[:, :, :s]
+        return keys, values
+
     def kv_views(
         self, data: Tensor, cfg: ModelConfig, num_blocks: int, block_size: int
     ) -> list[tuple[Tensor, Tensor]]:
@@ -180,9 +197,10 @@ class CpuBackend(TorchBackend):
         meta: AttentionMetadata,
         scale: float,
         alibi: Tensor | None,
+        window: int | None = None,
     ) -> Tensor:
-        if cache is None:
-            return super().attend(q, k, v, cache, meta, scale, alibi)
+        if cache is None or beyond_window(meta, window):
+            return super().attend(q, k, v, cache, meta, scale, alibi, window)
         out = paged_attention(
             q, *cache, meta.block_tables, meta.row_lens, scale, alibi, meta.row_seq
         )  # (T, H, dh) in the cache's dtype

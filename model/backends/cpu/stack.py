@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from model.backends.cpu.kernels.build import data_ptr
 from model.backends.cpu.kernels.stack import stack_forward, stack_kernels
 from model.backends.cpu.packed import GatedSwiGLU, PackedLinear
+from model.backends.reference import beyond_window
 from model.config import ModelConfig
 from model.kv_cache import PagedKVCache
 from model.layers import RMSNorm
@@ -117,6 +118,8 @@ class DecoderStack:
 
     def takes(self, kv_cache: PagedKVCache | None, meta: AttentionMetadata) -> bool:
         if kv_cache is None or kv_cache.backend.name != "cpu" or meta.slot_blocks is None:
+            return False
+        if beyond_window(meta, self.cfg.sliding_window):  # the C attention has no window
             return False
         if kv_cache.data.dtype != torch.bfloat16 or kv_cache.data.device.type != "cpu":
             return False
