@@ -63,13 +63,14 @@ def count_params(cfg: ModelConfig) -> ParamCounts:
         attn += (h + 2 * kv) * dh
     if cfg.attn_out_bias:
         attn += d
-    gated = 2 if cfg.ffn == "swiglu" else 1
+    gated = 2 if cfg.gated else 1
     ffn = gated * d * cfg.d_ff + cfg.d_ff * d
     if cfg.mlp_bias:
         ffn += gated * cfg.d_ff + d
     norm = d * (2 if cfg.norm == "layernorm" else 1)
     qk_norms = {"none": 0, "head": 2 * dh, "all": (h + kv) * dh}[cfg.qk_norm]
-    block_norms = 2 * norm + qk_norms  # Qwen3's and OLMo 2's q and k norms
+    sublayer_norms = 4 if cfg.norm_placement == "sandwich" else 2  # Gemma's before and after
+    block_norms = sublayer_norms * norm + qk_norms  # Qwen3's and OLMo 2's q and k norms
     pos = cfg.max_position * d if cfg.position == "learned" else 0
     per_block = attn + ffn + block_norms
     return ParamCounts(

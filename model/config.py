@@ -4,7 +4,8 @@ One frozen dataclass covers the Llama family (RMSNorm, RoPE, SwiGLU, GQA), Mistr
 Qwen2 (q/k/v bias), Qwen3 (a norm over each head of q and k), SmolLM3 (layers without
 RoPE), Granite (scaled embeddings, residuals, scores and logits), Phi-3 and Phi-4-mini
 (LongRoPE, partial rotary), OLMo 2 (norms on the sublayers' outputs, q/k norms over the
-whole projection) and GPT-2 / 2017-style models (LayerNorm, learned or sinusoidal
+whole projection), Gemma 3 (sandwich norms, GeGLU, sliding windows with a RoPE base of
+their own) and GPT-2 / 2017-style models (LayerNorm, learned or sinusoidal
 positions, GELU, biases, post-norm), plus ALiBi. `from_hf_config` reads transformers' config.json
 in both its 4.x (`torch_dtype`, `rope_theta`, `rope_scaling`) and 5.x (`dtype`,
 `rope_parameters`) forms.
@@ -19,12 +20,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 NORMS = ("rmsnorm", "layernorm")
-# pre: x + f(norm(x)); post: norm(x + f(x)) (GPT-1, 2017); output: x + norm(f(x)) (OLMo 2)
-PLACEMENTS = ("pre", "post", "output")
+# pre: x + f(norm(x)); post: norm(x + f(x)) (GPT-1, 2017); output: x + norm(f(x)) (OLMo 2);
+# sandwich: x + norm'(f(norm(x))) (Gemma)
+PLACEMENTS = ("pre", "post", "output", "sandwich")
 # none; head: one RMSNorm over each head of q and of k (Qwen3); all: one over all of q's
 # heads together and one over k's (OLMo 2)
 QK_NORMS = ("none", "head", "all")
-FFNS = ("swiglu", "gelu", "gelu_tanh", "relu")
+FFNS = ("swiglu", "geglu", "gelu", "gelu_tanh", "relu")  # geglu: Gemma's gated tanh-GELU
 POSITIONS = ("rope", "learned", "sinusoidal", "alibi")
 
 # transformers' activation names -> our FFN kinds (for non-gated MLPs)
@@ -56,6 +58,17 @@ class RopeScaling:
             )
         if self.original_max_position <= 0:
             raise ValueError("rope_scaling.original_max_position must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class LinearRope:
+    """Positions divided by `factor` (Gemma 3's global layers in the 4B and larger)."""
+
+    factor: float
+
+    def __post_init__(self) -> None:
+        if self.factor <= 0:
+            raise ValueError(f"rope_scaling.factor must be > 0, got {self.factor}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +110,8 @@ class ModelConfig:
     ffn: str = "swiglu"
     position: str = "rope"
     rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | LongRope | None = None
+    rope_scaling: RopeScaling | LongRope | LinearRope | None = None
+    local_rope_theta: float | None = None  # Gemma 3: the windowed layers' own RoPE base
     rotary_dim: int | None = None  # None: the whole head; less: Phi-4-mini's partial rotary
     qkv_bias: bool = False
     qk_norm: str = "none"  # a QK_NORMS choice, before RoPE
@@ -112,6 +126,7 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
     attn_out_bias: bool = False
     mlp_bias: bool = False
     tie_embeddings: bool = True
@@ -186,6 +201,11 @@ class ModelConfig:
         return self.residual_multiplier != 1.0 or self.attention_multiplier is not None
 
     @property
+    def gated(self) -> bool:
+        """Whether the FFN's input projection is (gate | up): twice d_ff rows."""
+        return self.ffn in ("swiglu", "geglu")
+
+    @property
     def head_dim(self) -> int:
         return self.d_head if self.d_head is not None else self.d_model // self.n_heads
 
@@ -212,10 +232,15 @@ class ModelConfig:
         if self.rotary_dim is not None:
             out.append(f"rotary_dim={self.rotary_dim}/{self.head_dim}")
         if self.rope_scaling is not None:
-            kind = "longrope" if isinstance(self.rope_scaling, LongRope) else "llama3"
-            out.append(f"rope_scaling={kind}")
-        if self.scaled or self.embedding_multiplier != 1.0 or self.logits_scaling != 1.0:
-            out.append("granite_multipliers")
+            kinds = {LongRope: "longrope", LinearRope: "linear", RopeScaling: "llama3"}
+            out.append(f"rope_scaling={kinds[type(self.rope_scaling)]}")
+        if self.local_rope_theta is not None:
+            out.append(f"local_rope_theta={self.local_rope_theta:g}")
+        if self.final_logit_softcap is not None:
+            out.append(f"final_logit_softcap={self.final_logit_softcap:g}")
+        for name, plain in _PLAIN_SCALES:
+            if getattr(self, name) != plain:
+                out.append(f"{name}={getattr(self, name):g}")
         return out
 
     @property
@@ -251,6 +276,8 @@ class ModelConfig:
         if scaling is not None and "short_factor" in scaling:
             factors = {k: tuple(scaling[k]) for k in ("short_factor", "long_factor")}
             data["rope_scaling"] = LongRope(**{**scaling, **factors})
+        elif scaling is not None and set(scaling) == {"factor"}:
+            data["rope_scaling"] = LinearRope(**scaling)
         elif scaling is not None:
             data["rope_scaling"] = RopeScaling(**scaling)
         if isinstance(data.get("qk_norm"), bool):  # written when it was a flag
@@ -276,6 +303,13 @@ class ModelConfig:
             raise ValueError(_FIELD.sub(lambda m: names.get(m[0], m[0]), str(exc))) from None
 
 
+# the scalings a Llama block leaves at 1 (or to 1/sqrt(head_dim)), named where set
+_PLAIN_SCALES = (
+    ("embedding_multiplier", 1.0),
+    ("residual_multiplier", 1.0),
+    ("attention_multiplier", None),
+    ("logits_scaling", 1.0),
+)
 # the choices a Llama block makes, which `features` names where a config differs
 _LLAMA_CHOICES = (
     ("norm", "rmsnorm"),
@@ -309,7 +343,7 @@ def _hf_dtype(hf: dict[str, Any]) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _hf_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | LongRope | None]:
+def _hf_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | LongRope | LinearRope | None]:
     """RoPE theta and scaling from `rope_parameters` (5.x) or `rope_theta`/`rope_scaling` (4.x)."""
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or params
@@ -319,8 +353,12 @@ def _hf_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | LongRope | None]:
         return theta, None
     if kind in ("longrope", "su"):  # "su": Phi-3's first name for it
         return theta, _long_rope(hf, scaling)
+    if kind == "linear":
+        return theta, LinearRope(float(_require(scaling, "factor")))
     if kind != "llama3":
-        raise ValueError(f"rope_scaling: type {kind!r} is not supported (llama3, longrope are)")
+        raise ValueError(
+            f"rope_scaling: type {kind!r} is not supported (llama3, longrope, linear are)"
+        )
     return theta, RopeScaling(
         factor=float(scaling["factor"]),
         low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
@@ -465,6 +503,60 @@ def _read_granite(hf: dict[str, Any]) -> ModelConfig:
     )
 
 
+GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")  # the tanh GELU
+
+
+def _read_gemma3(hf: dict[str, Any]) -> ModelConfig:
+    # Gemma 3 (text): Llama's projections around a sandwich of norms, each (1 + weight)
+    # (weights.py adds the 1), a gated tanh-GELU, embeddings times sqrt(hidden), q/k norms,
+    # scores scaled by query_pre_attn_scalar, and sliding-window layers with their own
+    # RoPE base interleaved with global ones (every sixth)
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in GEMMA_ACTIVATIONS:
+        raise ValueError(f"hidden_activation {act!r} is not supported ({GEMMA_ACTIVATIONS[0]} is)")
+    if hf.get("attn_logit_softcapping") is not None:
+        raise ValueError("attn_logit_softcapping is not supported (Gemma 3 has none)")
+    params = hf.get("rope_parameters") or {}
+    if "full_attention" in params:  # 5.x: one RoPE per layer type
+        rope, local = params["full_attention"], params.get("sliding_attention") or {}
+        local_theta = float(local.get("rope_theta", 10000.0))
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"rope_parameters.sliding_attention: type {local['rope_type']!r}")
+    else:
+        rope = {"rope_theta": hf.get("rope_theta", 1_000_000.0), **(hf.get("rope_scaling") or {})}
+        local_theta = float(hf.get("rope_local_base_freq", 10000.0))
+    cfg = _read_llama_like(
+        {**hf, "hidden_act": "silu", "rope_parameters": rope, "rope_scaling": None},
+        qkv_bias_default=False,
+    )
+    types = hf.get("layer_types")
+    if types is None:
+        every = int(hf.get("sliding_window_pattern", 6))
+        types = [
+            "full_attention" if (i + 1) % every == 0 else "sliding_attention"
+            for i in range(cfg.n_layers)
+        ]
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown or len(types) != cfg.n_layers:
+        raise ValueError(
+            f"layer_types: {unknown or len(types)} (full_attention, sliding_attention)"
+        )
+    window = hf.get("sliding_window")
+    return cfg.replace(
+        ffn="geglu",
+        norm_placement="sandwich",
+        qk_norm="head",
+        embedding_multiplier=cfg.d_model**0.5,
+        attention_multiplier=float(hf.get("query_pre_attn_scalar") or cfg.head_dim) ** -0.5,
+        sliding_window=int(window) if window else None,
+        global_layers=tuple(i for i, t in enumerate(types) if t == "full_attention"),
+        local_rope_theta=local_theta,
+        final_logit_softcap=hf.get("final_logit_softcapping"),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        architecture="Gemma3ForCausalLM",
+    )
+
+
 def _read_gpt2(hf: dict[str, Any]) -> ModelConfig:
     act = hf.get("activation_function", "gelu_new")
     if act not in _HF_ACTIVATIONS:
@@ -523,6 +615,7 @@ _HF_NAMES = {
     _read_granite: _LLAMA_NAMES,
     _read_phi3: _LLAMA_NAMES,
     _read_olmo2: _LLAMA_NAMES,
+    _read_gemma3: _LLAMA_NAMES,
     _read_gpt2: _GPT2_NAMES,
 }
 _NAMES_BY_ARCH = {
@@ -534,6 +627,7 @@ _NAMES_BY_ARCH = {
     "GraniteForCausalLM": _LLAMA_NAMES,
     "Phi3ForCausalLM": _LLAMA_NAMES,
     "Olmo2ForCausalLM": _LLAMA_NAMES,
+    "Gemma3ForCausalLM": _LLAMA_NAMES,
     "GPT2LMHeadModel": _GPT2_NAMES,
 }
 _FIELD = re.compile(
@@ -549,6 +643,7 @@ _HF_READERS = {
     "GraniteForCausalLM": _read_granite,
     "Phi3ForCausalLM": _read_phi3,
     "Olmo2ForCausalLM": _read_olmo2,
+    "Gemma3ForCausalLM": _read_gemma3,
     "GPT2LMHeadModel": _read_gpt2,
     "llama": _read_llama,
     "qwen2": _read_qwen2,
@@ -558,5 +653,6 @@ _HF_READERS = {
     "granite": _read_granite,
     "phi3": _read_phi3,
     "olmo2": _read_olmo2,
+    "gemma3_text": _read_gemma3,
     "gpt2": _read_gpt2,
 }

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model.config import LongRope, ModelConfig, RopeScaling
+from model.config import LinearRope, LongRope, ModelConfig, RopeScaling
 
 
 class RMSNorm(nn.Module):
@@ -58,6 +58,20 @@ class SwiGLU(nn.Module):
         return self.w_out(F.silu(gate) * up)
 
 
+class GeGLU(nn.Module):
+    """Gemma's W_down(gelu_tanh(W_gate x) * W_up x); gate and up one fused matmul."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.d_ff = cfg.d_ff
+        self.w_in = nn.Linear(cfg.d_model, 2 * cfg.d_ff, bias=cfg.mlp_bias)
+        self.w_out = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.mlp_bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w_in(x).split(self.d_ff, dim=-1)
+        return self.w_out(F.gelu(gate, approximate="tanh") * up)
+
+
 _ACTIVATIONS = {
     "gelu": lambda x: F.gelu(x),
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -79,16 +93,19 @@ class MLP(nn.Module):
 
 
 def make_ffn(cfg: ModelConfig) -> nn.Module:
-    return SwiGLU(cfg) if cfg.ffn == "swiglu" else MLP(cfg)
+    gated = {"swiglu": SwiGLU, "geglu": GeGLU}
+    return gated[cfg.ffn](cfg) if cfg.ffn in gated else MLP(cfg)
 
 
 # ---- positions -------------------------------------------------------------------------
 
 
-def rope_inv_freq(d_head: int, theta: float, scaling: RopeScaling | None) -> Tensor:
+def rope_inv_freq(d_head: int, theta: float, scaling: RopeScaling | LinearRope | None) -> Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, d_head, 2, dtype=torch.float64) / d_head))
     if scaling is None:
         return inv_freq.float()
+    if isinstance(scaling, LinearRope):
+        return (inv_freq / scaling.factor).float()
     # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
     old = scaling.original_max_position
     low_wavelen = old / scaling.low_freq_factor
@@ -101,6 +118,13 @@ def rope_inv_freq(d_head: int, theta: float, scaling: RopeScaling | None) -> Ten
     out = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, blended)
     out = torch.where(wavelen < high_wavelen, inv_freq, out)
     return out.float()
+
+
+def local_rope_tables(cfg: ModelConfig, device: torch.device) -> tuple[Tensor, Tensor] | None:
+    """The windowed layers' own tables (Gemma 3: another base, no scaling), or None."""
+    if cfg.local_rope_theta is None:
+        return None
+    return rope_tables(cfg.replace(rope_theta=cfg.local_rope_theta, rope_scaling=None), device)
 
 
 def rope_tables(cfg: ModelConfig, device: torch.device) -> tuple[Tensor, Tensor]:

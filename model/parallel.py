@@ -115,7 +115,7 @@ class TensorParallel:
         if name.startswith("attn.wqkv"):
             q, kv = _scaled(self.heads(cfg), dh), _scaled(self.kv_heads(cfg), dh)
             return [q, kv, kv]
-        return [self.ffn(cfg)] * (2 if cfg.ffn == "swiglu" else 1)
+        return [self.ffn(cfg)] * (2 if cfg.gated else 1)
 
     def columns(self, cfg: ModelConfig, name: str) -> range:
         """A row-parallel weight's input columns this rank holds."""

@@ -10,7 +10,14 @@ from model.backends.base import Backend, FusedLayers
 from model.backends.reference import REFERENCE
 from model.config import ModelConfig
 from model.kv_cache import PagedKVCache
-from model.layers import alibi_slopes, make_ffn, make_norm, rope_tables, sinusoidal_table
+from model.layers import (
+    alibi_slopes,
+    local_rope_tables,
+    make_ffn,
+    make_norm,
+    rope_tables,
+    sinusoidal_table,
+)
 from model.metadata import AttentionMetadata
 from model.parallel import TensorParallel
 
@@ -33,6 +40,9 @@ class Block(nn.Module):
         self.attn = Attention(cfg, window)
         self.ffn_norm = make_norm(cfg)
         self.ffn = make_ffn(cfg)
+        if cfg.norm_placement == "sandwich":  # Gemma: a norm on each sublayer's output too
+            self.post_attn_norm = make_norm(cfg)
+            self.post_ffn_norm = make_norm(cfg)
         self.residual = cfg.residual_multiplier  # Granite scales each sublayer's output
 
     def forward(
@@ -47,13 +57,17 @@ class Block(nn.Module):
     ) -> tuple[Tensor, Tensor | None]:
         """Pre-norm blocks pass their FFN output on as `delta`, so the next residual add
         is fused with the next norm; the others return a finished x."""
-        if self.placement == "pre":
+        if self.placement in ("pre", "sandwich"):
             x, h = backend.add_norm(self.attn_norm, x, delta)
             attn = self.reduce(self.attn(h, meta, rope, cache, alibi_slopes, backend))
             if self.residual != 1.0:
                 attn = attn * self.residual
+            if self.placement == "sandwich":
+                _, attn = backend.add_norm(self.post_attn_norm, attn, None)
             x, h = backend.add_norm(self.ffn_norm, x, attn)
             out = self.reduce(self.ffn(h))
+            if self.placement == "sandwich":
+                _, out = backend.add_norm(self.post_ffn_norm, out, None)
             return x, out * self.residual if self.residual != 1.0 else out
         if self.placement == "output":  # the norms are on what the sublayers add
             attn = self.reduce(self.attn(x, meta, rope, cache, alibi_slopes, backend))
@@ -96,6 +110,7 @@ class Transformer(nn.Module):
         """(Re)compute the fixed position tables on `device` (they are not weights)."""
         cfg = self.cfg
         self._rope: tuple[Tensor, Tensor] | None = None
+        self._rope_local: tuple[Tensor, Tensor] | None = None  # the windowed layers' (Gemma 3)
         self._sinusoidal: Tensor | None = None
         self._alibi: Tensor | None = None
         if device.type == "meta":
@@ -104,6 +119,9 @@ class Transformer(nn.Module):
             dtype = self.embed.weight.dtype
             cos, sin = rope_tables(cfg, device)
             self._rope = (cos.to(dtype), sin.to(dtype))
+            local = local_rope_tables(cfg, device)
+            if local is not None:
+                self._rope_local = (local[0].to(dtype), local[1].to(dtype))
         elif cfg.position == "sinusoidal":
             self._sinusoidal = sinusoidal_table(cfg.max_position, cfg.d_model, device)
         elif cfg.position == "alibi":
@@ -154,9 +172,11 @@ class Transformer(nn.Module):
             x = x + self.pos_embed(positions)
         elif self._sinusoidal is not None:
             x = x + self._sinusoidal[positions].to(x.dtype)
-        rope = None
+        rope = local = None
         if self._rope is not None:
             rope = (self._rope[0][positions], self._rope[1][positions])  # (T, dh) each
+        if self._rope_local is not None:
+            local = (self._rope_local[0][positions], self._rope_local[1][positions])
         backend = kv_cache.backend if kv_cache is not None else REFERENCE
         if self.fused_layers is not None and self.fused_layers.takes(kv_cache, meta):
             x = self.fused_layers.forward(x, meta, rope)  # the layers and the final norm
@@ -165,6 +185,8 @@ class Transformer(nn.Module):
             for i, layer in enumerate(self.layers):
                 cache = kv_cache.layer(i) if kv_cache is not None else None
                 turn = None if i in self.nope else rope
+                if local is not None and self.cfg.window(i) is not None:
+                    turn = local
                 x, delta = layer(x, delta, meta, turn, cache, self._alibi, backend)
             if self.cfg.norm_placement != "post":
                 _, x = backend.add_norm(self.norm, x, delta)
@@ -176,6 +198,8 @@ class Transformer(nn.Module):
         logits = self.lm_head(x) if self.lm_head is not None else x @ self.embed.weight.t()
         if self.cfg.logits_scaling != 1.0:
             logits = logits / self.cfg.logits_scaling
+        if (cap := self.cfg.final_logit_softcap) is not None:
+            logits = torch.tanh(logits / cap) * cap
         if self.tp is not None:
             return self.tp.gather_vocab(logits, self.cfg.vocab_size)
         return logits

@@ -36,6 +36,7 @@ class NameTable:
     names: dict[str, tuple[str, ...]]  # our name ({i} = layer) -> checkpoint names, dim-0 concat
     transposed: frozenset[str] = frozenset()  # our names whose sources are stored (in, out)
     optional_prefixes: tuple[str, ...] = ()  # also accept checkpoint names without these
+    plus_one: frozenset[str] = frozenset()  # our names stored as w of a (1 + w) norm (Gemma)
 
 
 def _llama_names() -> dict[str, tuple[str, ...]]:
@@ -103,6 +104,23 @@ OLMO2 = NameTable(  # the block's two norms are on the sublayers' outputs
         "layers.{i}.ffn_norm.weight": ("model.layers.{i}.post_feedforward_layernorm.weight",),
     }
 )
+_GEMMA_NORMS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attn_norm": "post_attention_layernorm",
+    "post_ffn_norm": "post_feedforward_layernorm",
+}
+GEMMA3 = NameTable(  # four norms a block and the q/k norms, each stored as w of (1 + w)
+    names=QWEN3.names
+    | {
+        f"layers.{{i}}.{ours}.weight": (f"model.layers.{{i}}.{theirs}.weight",)
+        for ours, theirs in _GEMMA_NORMS.items()
+    },
+    plus_one=frozenset(
+        ["norm.weight", "layers.{i}.attn.q_norm.weight", "layers.{i}.attn.k_norm.weight"]
+        + [f"layers.{{i}}.{ours}.weight" for ours in _GEMMA_NORMS]
+    ),
+)
 GPT2 = NameTable(
     names=_gpt2_names(),
     transposed=frozenset(
@@ -120,6 +138,7 @@ NAME_TABLES: dict[str, NameTable] = {
     "GraniteForCausalLM": LLAMA,
     "Phi3ForCausalLM": PHI3,
     "Olmo2ForCausalLM": OLMO2,
+    "Gemma3ForCausalLM": GEMMA3,
     "GPT2LMHeadModel": GPT2,
 }
 
@@ -131,7 +150,7 @@ FUSED_ROWS: dict[str, Callable[[ModelConfig], list[int]]] = {
         c.kv_heads * c.head_dim,
         c.kv_heads * c.head_dim,
     ],
-    "ffn.w_in": lambda c: [c.d_ff, c.d_ff] if c.ffn == "swiglu" else [c.d_ff],
+    "ffn.w_in": lambda c: [c.d_ff, c.d_ff] if c.gated else [c.d_ff],
 }
 
 
@@ -418,6 +437,8 @@ def _populate(
         found = [s for s in sources if s is not None]
         if tp is None or tp.split(local) != "row_bias" or tp.rank == 0:
             _fill(target, _parts(cfg, local, found, shapes[name], tp), reader, transpose, hint)
+        if table is not None and key in table.plus_one:
+            target += 1
         _set_param(model, name, target)
     if table is not None and cfg.rotary < cfg.head_dim:
         _reorder_rotary(model)

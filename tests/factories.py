@@ -112,7 +112,8 @@ def _hf_model(family: str, seed: int, **config: object) -> Any:
 
     torch.manual_seed(seed)
     cfg = getattr(tf, f"{family}Config")(**{**TINY_LLAMA, **config})
-    return getattr(tf, f"{family}ForCausalLM")(cfg).eval()
+    model = "Gemma3ForCausalLM" if family == "Gemma3Text" else f"{family}ForCausalLM"
+    return getattr(tf, model)(cfg).eval()
 
 
 def write_qwen3(path: Path, seed: int = 0) -> object:
@@ -201,6 +202,27 @@ def write_olmo2(path: Path, seed: int = 0) -> object:
                 norm.weight.normal_(1, 0.3)
             for norm in (layer.post_attention_layernorm, layer.post_feedforward_layernorm):
                 norm.weight.normal_(1, 0.3)
+    model.save_pretrained(path)
+    return model
+
+
+def write_gemma3(path: Path, seed: int = 0, sliding_window: int = 8) -> object:
+    """Gemma 3 (text) of 6 layers, the sixth global, the others windowed with their own
+    RoPE base; every norm's weight away from 0 (Gemma's norms scale by 1 + w)."""
+    model = _hf_model(
+        "Gemma3Text",
+        seed,
+        num_hidden_layers=6,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=sliding_window,
+        pad_token_id=0,
+        tie_word_embeddings=True,
+    )
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(0, 0.3)
     model.save_pretrained(path)
     return model
 

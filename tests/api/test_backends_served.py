@@ -8,6 +8,7 @@ import pytest
 
 from tests.factories import (
     start_server,
+    write_gemma3,
     write_gpt2,
     write_llama,
     write_olmo2,
@@ -26,6 +27,7 @@ WRITERS = {
     "qwen3_qk_norm": write_qwen3,
     "phi3_partial_longrope": write_phi3,
     "olmo2_output_norms": write_olmo2,
+    "gemma3_windows_sandwich": write_gemma3,
     "gpt2": write_gpt2,
 }
 

@@ -12,12 +12,13 @@ import torch
 from model.config import ModelConfig
 from model.demo import init_weights
 from model.transformer import Transformer
+from model.weights import load_model
 from service.config import Settings
 from service.engine.engine import LLMEngine
 from service.engine.request import Request, SamplingParams
 from service.engine.speculative import Speculator, ngram_drafts
 from tests.engine.helpers import greedy, run_all, tokens_of
-from tests.factories import make_engine
+from tests.factories import make_engine, write_gemma3, write_qwen3
 from tests.model.backends import BACKENDS, block_size_for, make_backend
 
 
@@ -141,6 +142,26 @@ def test_bf16_kernels_give_the_plain_tokens() -> None:
     requests = copy_requests()
     want = outputs(engine(bf16), requests)
     e = engine(bf16, speculative_method="ngram")
+    assert outputs(e, requests) == want
+    assert e.stats.spec_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_families_speculate_in_bf16_and_int8(family: str, quantization: str, tmp_path) -> None:
+    """Qwen3 (q/k norms) and Gemma 3 (windowed layers with a RoPE base of their own,
+    sandwich norms, GeGLU) in bf16 and with int8 weights: the n-gram path's greedy tokens
+    are the plain engine's. Gemma's window is the whole context here: past a window the
+    torch reference attends, whose bits depend on the batch (docs/decisions.md)."""
+    if family == "qwen3":
+        write_qwen3(tmp_path)
+    else:
+        write_gemma3(tmp_path, sliding_window=256)
+    target = load_model(tmp_path, torch.bfloat16)
+    kw = dict(quantization=quantization)
+    requests = copy_requests()
+    want = outputs(engine(target, **kw), requests)
+    e = engine(target, speculative_method="ngram", **kw)
     assert outputs(e, requests) == want
     assert e.stats.spec_accepted_tokens > 0
 

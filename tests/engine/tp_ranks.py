@@ -8,6 +8,7 @@ from pathlib import Path
 
 from service.launch import rendezvous
 from tests.factories import (
+    write_gemma3,
     write_gpt2,
     write_granite,
     write_llama,
@@ -24,6 +25,7 @@ WRITERS = {
     "qwen2": write_qwen2,
     "qwen3": write_qwen3,  # q/k norms: one weight shared by the heads each rank holds
     "granite": write_granite,  # residuals scaled after the all-reduce
+    "gemma3": write_gemma3,  # GeGLU's gate | up split per rank, sandwich norms, windows
     "phi3": write_phi3,  # q|k|v and gate|up one tensor each; each rank's heads reordered
     "gpt2": write_gpt2,
 }

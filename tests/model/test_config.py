@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from model.config import LongRope, ModelConfig, RopeScaling
+from model.config import LinearRope, LongRope, ModelConfig, RopeScaling
 
 BASE = dict(vocab_size=100, d_model=64, n_layers=2, n_heads=4, d_ff=128)
 
@@ -17,7 +17,9 @@ BASE = dict(vocab_size=100, d_model=64, n_layers=2, n_heads=4, d_ff=128)
         ("d_ff", 0),
         ("max_position", 0),
         ("norm", "batchnorm"),
-        ("norm_placement", "sandwich"),
+        ("norm_placement", "middle"),
+        ("qk_norm", "layer"),
+        ("sliding_window", 0),
         ("ffn", "geglu2"),
         ("position", "nope"),
         ("n_kv_heads", 3),
@@ -221,6 +223,58 @@ def test_olmo2_norms_the_sublayer_outputs_and_whole_q_and_k() -> None:
     # a native config written when qk_norm was a flag still reads
     old = ModelConfig.from_dict(cfg.to_dict() | {"qk_norm": True})
     assert old.qk_norm == "head"
+
+
+GEMMA3_1B = {  # google/gemma-3-1b-it's config.json (4.x form), but 2 of its 1152 dims a head
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "vocab_size": 262144,
+    "hidden_size": 1152,
+    "intermediate_size": 6912,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "max_position_embeddings": 32768,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000,
+    "rope_local_base_freq": 10000,
+    "rope_scaling": None,
+    "sliding_window": 512,
+    "sliding_window_pattern": 6,
+    "attn_logit_softcapping": None,
+    "final_logit_softcapping": None,
+}
+
+
+def test_gemma3_reads_windows_rope_bases_and_its_norms() -> None:
+    cfg = ModelConfig.from_hf_config(GEMMA3_1B)
+    assert (cfg.norm_placement, cfg.ffn, cfg.qk_norm, cfg.tie_embeddings) == (
+        "sandwich",
+        "geglu",
+        "head",
+        True,
+    )
+    assert cfg.global_layers == (5, 11, 17, 23) and cfg.sliding_window == 512
+    assert (cfg.rope_theta, cfg.local_rope_theta, cfg.window(5), cfg.window(6)) == (
+        1e6,
+        1e4,
+        None,
+        512,
+    )
+    assert cfg.attention_multiplier == 256**-0.5 and cfg.embedding_multiplier == 1152**0.5
+    # the 4B's global layers: positions divided by 8
+    scaled = ModelConfig.from_hf_config(
+        GEMMA3_1B | {"rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    )
+    assert scaled.rope_scaling == LinearRope(8.0) and "rope_scaling=linear" in scaled.features
+    assert ModelConfig.from_dict(scaled.to_dict()) == scaled
+    with pytest.raises(ValueError, match="hidden_activation 'silu' is not supported"):
+        ModelConfig.from_hf_config(GEMMA3_1B | {"hidden_activation": "silu"})
+    with pytest.raises(ValueError, match="layer_types"):
+        ModelConfig.from_hf_config(GEMMA3_1B | {"layer_types": ["chunked_attention"] * 26})
 
 
 def test_granite_reads_its_four_multipliers() -> None:
