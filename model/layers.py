@@ -44,32 +44,35 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
     return LayerNorm(cfg.d_model, cfg.norm_eps)
 
 
-class SwiGLU(nn.Module):
-    """W_down(silu(W_gate x) * W_up x); gate and up are one fused matmul (gate | up)."""
+class GatedFFN(nn.Module):
+    """W_down(act(W_gate x) * W_up x); gate and up are one fused matmul (gate | up)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.d_ff = cfg.d_ff
         self.w_in = nn.Linear(cfg.d_model, 2 * cfg.d_ff, bias=cfg.mlp_bias)
         self.w_out = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.mlp_bias)
+
+    def act(self, gate: Tensor) -> Tensor:
+        raise NotImplementedError
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.w_in(x).split(self.d_ff, dim=-1)  # (T, d_ff) each
-        return self.w_out(F.silu(gate) * up)
+        return self.w_out(self.act(gate) * up)
 
 
-class GeGLU(nn.Module):
-    """Gemma's W_down(gelu_tanh(W_gate x) * W_up x); gate and up one fused matmul."""
+class SwiGLU(GatedFFN):
+    """Llama's: silu gate (the CPU's packed linears fuse it, model/backends/cpu/packed.py)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.d_ff = cfg.d_ff
-        self.w_in = nn.Linear(cfg.d_model, 2 * cfg.d_ff, bias=cfg.mlp_bias)
-        self.w_out = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.mlp_bias)
+    def act(self, gate: Tensor) -> Tensor:
+        return F.silu(gate)
 
-    def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.w_in(x).split(self.d_ff, dim=-1)
-        return self.w_out(F.gelu(gate, approximate="tanh") * up)
+
+class GeGLU(GatedFFN):
+    """Gemma's: tanh-GELU gate."""
+
+    def act(self, gate: Tensor) -> Tensor:
+        return F.gelu(gate, approximate="tanh")
 
 
 _ACTIVATIONS = {
