@@ -21,6 +21,7 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv, self.d_head = cfg.n_heads, cfg.kv_heads, cfg.head_dim
         self.window = window  # sliding-window attention's, or None
+        self.softcap = cfg.attn_logit_softcap  # Gemma 2: scores -> cap * tanh(score / cap)
         self.scale = cfg.attention_multiplier or self.d_head**-0.5  # Granite sets its own
         qkv_out = (self.n_heads + 2 * self.n_kv) * self.d_head
         self.wqkv = nn.Linear(cfg.d_model, qkv_out, bias=cfg.qkv_bias)
@@ -50,7 +51,9 @@ class Attention(nn.Module):
         elif self.qk_norm == "all":
             qkv = self._norm_all(qkv)
         q, k, v = backend.rope_store(qkv, rope, self.n_heads, self.n_kv, self.d_head, cache, meta)
-        out = backend.attend(q, k, v, cache, meta, self.scale, alibi_slopes, self.window)
+        out = backend.attend(
+            q, k, v, cache, meta, self.scale, alibi_slopes, self.window, self.softcap
+        )
         return self.wo(out)  # out: (T, H * dh)
 
     def _norm_all(self, qkv: Tensor) -> Tensor:

@@ -127,6 +127,7 @@ class ModelConfig:
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
     final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    attn_logit_softcap: float | None = None  # the same on each attention score (Gemma 2)
     attn_out_bias: bool = False
     mlp_bias: bool = False
     tie_embeddings: bool = True
@@ -236,8 +237,9 @@ class ModelConfig:
             out.append(f"rope_scaling={kinds[type(self.rope_scaling)]}")
         if self.local_rope_theta is not None:
             out.append(f"local_rope_theta={self.local_rope_theta:g}")
-        if self.final_logit_softcap is not None:
-            out.append(f"final_logit_softcap={self.final_logit_softcap:g}")
+        for name in ("final_logit_softcap", "attn_logit_softcap"):
+            if (cap := getattr(self, name)) is not None:
+                out.append(f"{name}={cap:g}")
         for name, plain in _PLAIN_SCALES:
             if getattr(self, name) != plain:
                 out.append(f"{name}={getattr(self, name):g}")
@@ -507,31 +509,42 @@ GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")  # the tanh G
 
 
 def _read_gemma3(hf: dict[str, Any]) -> ModelConfig:
-    # Gemma 3 (text): Llama's projections around a sandwich of norms, each (1 + weight)
-    # (weights.py adds the 1), a gated tanh-GELU, embeddings times sqrt(hidden), q/k norms,
-    # scores scaled by query_pre_attn_scalar, and sliding-window layers with their own
-    # RoPE base interleaved with global ones (every sixth)
+    # Gemma 3 (text): Gemma 2's block with q/k norms, sliding-window layers with a RoPE base
+    # of their own, and every sixth layer global
+    return _read_gemma(hf, qk_norm="head", every=6, architecture="Gemma3ForCausalLM")
+
+
+def _read_gemma2(hf: dict[str, Any]) -> ModelConfig:
+    # Gemma 2: every other layer windowed, scores and logits soft-capped
+    return _read_gemma(hf, qk_norm="none", every=2, architecture="Gemma2ForCausalLM")
+
+
+def _read_gemma(hf: dict[str, Any], *, qk_norm: str, every: int, architecture: str) -> ModelConfig:
+    """Gemma's block: Llama's projections around a sandwich of norms, each (1 + weight)
+    (weights.py adds the 1), a gated tanh-GELU, embeddings times sqrt(hidden), scores
+    scaled by query_pre_attn_scalar, windowed layers interleaved with global ones (the
+    `every`-th by default), soft-capping where the config sets it."""
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in GEMMA_ACTIVATIONS:
         raise ValueError(f"hidden_activation {act!r} is not supported ({GEMMA_ACTIVATIONS[0]} is)")
-    if hf.get("attn_logit_softcapping") is not None:
-        raise ValueError("attn_logit_softcapping is not supported (Gemma 3 has none)")
     params = hf.get("rope_parameters") or {}
     if "full_attention" in params:  # 5.x: one RoPE per layer type
         rope, local = params["full_attention"], params.get("sliding_attention") or {}
         local_theta = float(local.get("rope_theta", 10000.0))
         if local.get("rope_type", "default") != "default":
             raise ValueError(f"rope_parameters.sliding_attention: type {local['rope_type']!r}")
-    else:
+    elif architecture == "Gemma3ForCausalLM":  # 4.x: the local base a field of its own
         rope = {"rope_theta": hf.get("rope_theta", 1_000_000.0), **(hf.get("rope_scaling") or {})}
         local_theta = float(hf.get("rope_local_base_freq", 10000.0))
+    else:  # Gemma 2: one RoPE for every layer
+        rope, local_theta = params or {"rope_theta": hf.get("rope_theta", 10000.0)}, None
     cfg = _read_llama_like(
         {**hf, "hidden_act": "silu", "rope_parameters": rope, "rope_scaling": None},
         qkv_bias_default=False,
     )
     types = hf.get("layer_types")
     if types is None:
-        every = int(hf.get("sliding_window_pattern", 6))
+        every = int(hf.get("sliding_window_pattern", every))
         types = [
             "full_attention" if (i + 1) % every == 0 else "sliding_attention"
             for i in range(cfg.n_layers)
@@ -545,15 +558,16 @@ def _read_gemma3(hf: dict[str, Any]) -> ModelConfig:
     return cfg.replace(
         ffn="geglu",
         norm_placement="sandwich",
-        qk_norm="head",
+        qk_norm=qk_norm,
         embedding_multiplier=cfg.d_model**0.5,
         attention_multiplier=float(hf.get("query_pre_attn_scalar") or cfg.head_dim) ** -0.5,
         sliding_window=int(window) if window else None,
         global_layers=tuple(i for i, t in enumerate(types) if t == "full_attention"),
-        local_rope_theta=local_theta,
+        local_rope_theta=None if local_theta is None else float(local_theta),
         final_logit_softcap=hf.get("final_logit_softcapping"),
+        attn_logit_softcap=hf.get("attn_logit_softcapping"),
         tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
-        architecture="Gemma3ForCausalLM",
+        architecture=architecture,
     )
 
 
@@ -616,6 +630,7 @@ _HF_NAMES = {
     _read_phi3: _LLAMA_NAMES,
     _read_olmo2: _LLAMA_NAMES,
     _read_gemma3: _LLAMA_NAMES,
+    _read_gemma2: _LLAMA_NAMES,
     _read_gpt2: _GPT2_NAMES,
 }
 _NAMES_BY_ARCH = {
@@ -628,6 +643,7 @@ _NAMES_BY_ARCH = {
     "Phi3ForCausalLM": _LLAMA_NAMES,
     "Olmo2ForCausalLM": _LLAMA_NAMES,
     "Gemma3ForCausalLM": _LLAMA_NAMES,
+    "Gemma2ForCausalLM": _LLAMA_NAMES,
     "GPT2LMHeadModel": _GPT2_NAMES,
 }
 _FIELD = re.compile(
@@ -644,6 +660,7 @@ _HF_READERS = {
     "Phi3ForCausalLM": _read_phi3,
     "Olmo2ForCausalLM": _read_olmo2,
     "Gemma3ForCausalLM": _read_gemma3,
+    "Gemma2ForCausalLM": _read_gemma2,
     "GPT2LMHeadModel": _read_gpt2,
     "llama": _read_llama,
     "qwen2": _read_qwen2,
@@ -654,5 +671,6 @@ _HF_READERS = {
     "phi3": _read_phi3,
     "olmo2": _read_olmo2,
     "gemma3_text": _read_gemma3,
+    "gemma2": _read_gemma2,
     "gpt2": _read_gpt2,
 }

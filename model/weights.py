@@ -139,6 +139,7 @@ NAME_TABLES: dict[str, NameTable] = {
     "Phi3ForCausalLM": PHI3,
     "Olmo2ForCausalLM": OLMO2,
     "Gemma3ForCausalLM": GEMMA3,
+    "Gemma2ForCausalLM": GEMMA3,  # the same names; its layers have no q/k norms to read
     "GPT2LMHeadModel": GPT2,
 }
 

@@ -227,6 +227,31 @@ def write_gemma3(path: Path, seed: int = 0, sliding_window: int = 8) -> object:
     return model
 
 
+def write_gemma2(path: Path, seed: int = 0) -> object:
+    """Gemma 2 of 4 layers, windows of 8 in every other, scores and logits soft-capped at
+    caps the random weights reach (so the tanh bends them), norms away from 0."""
+    model = _hf_model(
+        "Gemma2",
+        seed,
+        num_hidden_layers=4,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=8,
+        attn_logit_softcapping=0.5,
+        final_logit_softcapping=0.3,
+        pad_token_id=0,
+        tie_word_embeddings=True,
+    )
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(0, 0.3)
+            elif "q_proj" in name or "k_proj" in name:
+                param.mul_(10)  # scores of a few units: past the cap
+    model.save_pretrained(path)
+    return model
+
+
 def write_gpt2(path: Path, seed: int = 0) -> object:
     import transformers as tf
 

@@ -117,4 +117,5 @@ class Backend(Protocol):
         scale: float,
         alibi: Tensor | None,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> Tensor: ...

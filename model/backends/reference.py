@@ -27,6 +27,12 @@ def fusable_rms_norm(norm: nn.Module, x: Tensor, delta: Tensor | None) -> bool:
     return isinstance(norm, RMSNorm) and x.is_contiguous() and same
 
 
+def own_kernel_takes(meta: AttentionMetadata, window: int | None, softcap: float | None) -> bool:
+    """Whether a backend's own attention kernel computes this step's attention: it has no
+    soft-cap and no window (beyond_window)."""
+    return softcap is None and not beyond_window(meta, window)
+
+
 def beyond_window(meta: AttentionMetadata, window: int | None) -> bool:
     """Whether some query of the step has keys outside its window: only then does
     sliding-window attention differ from full attention (below it the backends' own
@@ -151,20 +157,23 @@ class TorchBackend:
         scale: float,
         alibi: Tensor | None,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> Tensor:
         """-> (T, H * dh). `window`: each query sees only the keys of the `window`
-        positions ending at its own (sliding-window attention); None: every earlier one."""
+        positions ending at its own (sliding-window attention); None: every earlier one.
+        `softcap`: each score becomes softcap * tanh(score / softcap) (Gemma 2)."""
+        how = (scale, alibi, window, softcap)
         if cache is None:
             keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-            return _sdpa(q, keys, values, meta, scale, alibi, window)
+            return _sdpa(q, keys, values, meta, *how)
         if meta.q_index is not None:  # mixed query lengths: pad within groups only
             out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
             block_size = self.block_size_of(cache)
             for rows, sub in meta.groups(block_size):
                 keys, values = self.gather(cache, sub)
-                out[rows] = _sdpa(q.index_select(0, rows), keys, values, sub, scale, alibi, window)
+                out[rows] = _sdpa(q.index_select(0, rows), keys, values, sub, *how)
             return out
-        return _sdpa(q, *self.gather(cache, meta), meta, scale, alibi, window)
+        return _sdpa(q, *self.gather(cache, meta), meta, *how)
 
     def block_size_of(self, cache: tuple[Tensor, Tensor]) -> int:
         return cache[0].shape[1]
@@ -190,6 +199,7 @@ def _sdpa(
     scale: float,
     alibi: Tensor | None,
     window: int | None,
+    softcap: float | None,
 ) -> Tensor:
     """q (T, H, dh) of meta's sequences, padded to its longest query, against keys and
     values (B, KV, max_seq_len, dh) -> (T, H * dh)."""
@@ -218,8 +228,15 @@ def _sdpa(
     else:  # (B, H, max_q, S) -> (B, KV, G*max_q, S)
         bias = meta.alibi(alibi).to(q.dtype).masked_fill(~seen[:, None], float("-inf"))
         mask = bias.reshape(b, n_kv, group * max_q, meta.max_seq_len)
-    # (B, KV, G*max_q, dh)
-    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
+    if softcap is None:  # (B, KV, G*max_q, dh)
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
+    else:  # SDPA has no soft-cap: the scores by hand, as transformers' eager Gemma 2
+        scores = torch.tanh((qg @ keys.transpose(-1, -2)) * scale / softcap) * softcap
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        else:
+            scores = scores + mask
+        out = torch.softmax(scores.float(), dim=-1).to(q.dtype) @ values
     out = out.view(b, n_kv, group, max_q, dh).permute(0, 3, 1, 2, 4)
     out = out.reshape(b * max_q, h * dh)
     return out if meta.q_index is None else out.index_select(0, meta.q_index)

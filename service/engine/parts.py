@@ -86,14 +86,16 @@ def assemble(
         blocks, max_num_seqs, settings.max_num_batched_tokens, settings.mixed_prefill_cap(device)
     )
     # not captured across ranks: a graph would replay its collectives unchecked; not for
-    # sliding windows: past the window a step leaves the Triton kernel for the torch
-    # reference (model/backends/reference.py, beyond_window), a choice a graph cannot make
+    # sliding windows or soft-capped scores: those steps leave the Triton kernel for the
+    # torch reference (model/backends/reference.py, own_kernel_takes), which builds its
+    # masks on the host
     graphs = (
         not settings.enforce_eager
         and backend.name == "triton"
         and not model.tp
         and device == "cuda"
         and model.cfg.sliding_window is None
+        and model.cfg.attn_logit_softcap is None
     )
     eos_ids = frozenset(tokenizer.eos_ids) | frozenset(model.cfg.eos_token_ids)
     drafter = _draft_model(draft, settings, num_blocks, model.cfg.vocab_size) if draft else None

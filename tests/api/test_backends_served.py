@@ -8,6 +8,7 @@ import pytest
 
 from tests.factories import (
     start_server,
+    write_gemma2,
     write_gemma3,
     write_gpt2,
     write_llama,
@@ -28,6 +29,7 @@ WRITERS = {
     "phi3_partial_longrope": write_phi3,
     "olmo2_output_norms": write_olmo2,
     "gemma3_windows_sandwich": write_gemma3,
+    "gemma2_softcaps": write_gemma2,
     "gpt2": write_gpt2,
 }
 

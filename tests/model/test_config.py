@@ -277,6 +277,24 @@ def test_gemma3_reads_windows_rope_bases_and_its_norms() -> None:
         ModelConfig.from_hf_config(GEMMA3_1B | {"layer_types": ["chunked_attention"] * 26})
 
 
+def test_gemma2_reads_every_other_layer_windowed_and_its_caps() -> None:
+    """google/gemma-2-2b's config.json (4.x form, no layer_types): odd layers global."""
+    hf = GEMMA3_1B | {
+        "architectures": ["Gemma2ForCausalLM"],
+        "model_type": "gemma2",
+        "num_hidden_layers": 6,
+        "sliding_window": 4096,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+        "rope_theta": 10000.0,
+    }
+    del hf["sliding_window_pattern"], hf["rope_local_base_freq"]
+    cfg = ModelConfig.from_hf_config(hf)
+    assert (cfg.global_layers, cfg.qk_norm, cfg.local_rope_theta) == ((1, 3, 5), "none", None)
+    assert (cfg.attn_logit_softcap, cfg.final_logit_softcap, cfg.rope_theta) == (50.0, 30.0, 1e4)
+    assert cfg.architecture == "Gemma2ForCausalLM"
+
+
 def test_granite_reads_its_four_multipliers() -> None:
     hf = HF_LLAMA_LIKE | {"architectures": ["GraniteForCausalLM"]}
     scaled = hf | {

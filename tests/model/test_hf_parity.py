@@ -9,6 +9,7 @@ import torch
 from model.kv_cache import PagedKVCache
 from model.weights import load_model
 from tests.factories import (
+    write_gemma2,
     write_gemma3,
     write_gpt2,
     write_granite,
@@ -36,6 +37,7 @@ WRITERS = {
     "phi3_partial_longrope": write_phi3,
     "olmo2_output_norms": write_olmo2,
     "gemma3_windows_sandwich": write_gemma3,
+    "gemma2_softcaps": write_gemma2,
     "gpt2": write_gpt2,
 }
 

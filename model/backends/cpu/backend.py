@@ -35,7 +35,12 @@ from model.backends.cpu.kernels.linear import linear_isa
 from model.backends.cpu.packed import linear_kernels, pack_model
 from model.backends.cpu.pages import HugeArena
 from model.backends.cpu.stack import DecoderStack
-from model.backends.reference import TorchBackend, beyond_window, fusable_rms_norm, split_heads
+from model.backends.reference import (
+    TorchBackend,
+    fusable_rms_norm,
+    own_kernel_takes,
+    split_heads,
+)
 from model.config import ModelConfig
 from model.metadata import AttentionMetadata
 
@@ -198,9 +203,10 @@ class CpuBackend(TorchBackend):
         scale: float,
         alibi: Tensor | None,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> Tensor:
-        if cache is None or beyond_window(meta, window):
-            return super().attend(q, k, v, cache, meta, scale, alibi, window)
+        if cache is None or not own_kernel_takes(meta, window, softcap):
+            return super().attend(q, k, v, cache, meta, scale, alibi, window, softcap)
         out = paged_attention(
             q, *cache, meta.block_tables, meta.row_lens, scale, alibi, meta.row_seq
         )  # (T, H, dh) in the cache's dtype

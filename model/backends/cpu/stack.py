@@ -93,6 +93,7 @@ class DecoderStack:
             cfg.norm_placement != "pre"
             or cfg.position != "rope"
             or cfg.qk_norm == "all"  # the C layers norm q's and k's heads one by one
+            or cfg.attn_logit_softcap is not None  # and their attention has no soft-cap
             or not isinstance(final_norm, RMSNorm)
         ):
             return None

@@ -18,7 +18,12 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from model.backends.reference import TorchBackend, beyond_window, fusable_rms_norm, split_heads
+from model.backends.reference import (
+    TorchBackend,
+    fusable_rms_norm,
+    own_kernel_takes,
+    split_heads,
+)
 from model.config import ModelConfig
 from model.metadata import AttentionMetadata
 
@@ -173,9 +178,10 @@ class TritonBackend(TorchBackend):
         scale: float,
         alibi: Tensor | None,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> Tensor:
-        if cache is None or beyond_window(meta, window):
-            return super().attend(q, k, v, cache, meta, scale, alibi, window)
+        if cache is None or not own_kernel_takes(meta, window, softcap):
+            return super().attend(q, k, v, cache, meta, scale, alibi, window, softcap)
         if meta.query_start is None:  # metadata built by AttentionMetadata.paged()
             self._fill(meta)
         out = self.kernels.paged_attention(
