@@ -157,3 +157,23 @@ def test_each_backend_reads_its_layout_in_each_dtype(name: str, dtype) -> None:
         start += n
     atol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(torch.cat(outs), full, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype"), [(n, d) for n in BACKENDS for d in (torch.float32, torch.bfloat16)]
+)
+@torch.no_grad()
+def test_each_backend_gathers_what_it_stored(name: str, dtype) -> None:
+    """gather (what the torch reference attends over: past a sliding window, or with
+    soft-capped scores) reads back from each backend's own layout the K and V its
+    rope_store wrote, token for token."""
+    model = tiny_model(n_kv_heads=2).to(dtype)
+    cfg = model.cfg
+    cache, backend = paged_cache(name, model, 12, 8, dtype)
+    h, kv, dh, n = cfg.n_heads, cfg.kv_heads, cfg.head_dim, 21
+    qkv = torch.randn(n, (h + 2 * kv) * dh).to(dtype)
+    table = [4, 7, 1, 9, 2]
+    meta = backend.metadata([table], [0], [n], cache.block_size, "cpu", cache.null_block)
+    _, k, v = backend.rope_store(qkv.clone(), None, h, kv, dh, cache.layer(0), meta)
+    keys, values = backend.gather(cache.layer(0), meta)  # (1, KV, n, dh)
+    assert torch.equal(keys[0].transpose(0, 1), k) and torch.equal(values[0].transpose(0, 1), v)
