@@ -514,6 +514,16 @@ def _read_gemma3(hf: dict[str, Any]) -> ModelConfig:
     return _read_gemma(hf, qk_norm="head", every=6, architecture="Gemma3ForCausalLM")
 
 
+def _read_gemma3_multimodal(hf: dict[str, Any]) -> ModelConfig:
+    # Gemma 3 4B and larger: the text model of an image-and-text checkpoint, read from its
+    # `text_config` (kvserve serves text; the vision tower's weights are not read)
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError("missing field 'text_config'")
+    cfg = _read_gemma3({"model_type": "gemma3_text", **text})
+    return cfg.replace(architecture="Gemma3ForConditionalGeneration")
+
+
 def _read_gemma2(hf: dict[str, Any]) -> ModelConfig:
     # Gemma 2: every other layer windowed, scores and logits soft-capped
     return _read_gemma(hf, qk_norm="none", every=2, architecture="Gemma2ForCausalLM")
@@ -630,6 +640,7 @@ _HF_NAMES = {
     _read_phi3: _LLAMA_NAMES,
     _read_olmo2: _LLAMA_NAMES,
     _read_gemma3: _LLAMA_NAMES,
+    _read_gemma3_multimodal: _LLAMA_NAMES,
     _read_gemma2: _LLAMA_NAMES,
     _read_gpt2: _GPT2_NAMES,
 }
@@ -643,6 +654,7 @@ _NAMES_BY_ARCH = {
     "Phi3ForCausalLM": _LLAMA_NAMES,
     "Olmo2ForCausalLM": _LLAMA_NAMES,
     "Gemma3ForCausalLM": _LLAMA_NAMES,
+    "Gemma3ForConditionalGeneration": _LLAMA_NAMES,
     "Gemma2ForCausalLM": _LLAMA_NAMES,
     "GPT2LMHeadModel": _GPT2_NAMES,
 }
@@ -660,6 +672,7 @@ _HF_READERS = {
     "Phi3ForCausalLM": _read_phi3,
     "Olmo2ForCausalLM": _read_olmo2,
     "Gemma3ForCausalLM": _read_gemma3,
+    "Gemma3ForConditionalGeneration": _read_gemma3_multimodal,
     "Gemma2ForCausalLM": _read_gemma2,
     "GPT2LMHeadModel": _read_gpt2,
     "llama": _read_llama,
@@ -671,6 +684,7 @@ _HF_READERS = {
     "phi3": _read_phi3,
     "olmo2": _read_olmo2,
     "gemma3_text": _read_gemma3,
+    "gemma3": _read_gemma3_multimodal,
     "gemma2": _read_gemma2,
     "gpt2": _read_gpt2,
 }

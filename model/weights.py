@@ -121,6 +121,12 @@ GEMMA3 = NameTable(  # four norms a block and the q/k norms, each stored as w of
         + [f"layers.{{i}}.{ours}.weight" for ours in _GEMMA_NORMS]
     ),
 )
+GEMMA3_MULTIMODAL = NameTable(  # the text model inside an image-and-text checkpoint
+    names={
+        ours: tuple("language_model." + t for t in theirs) for ours, theirs in GEMMA3.names.items()
+    },
+    plus_one=GEMMA3.plus_one,
+)
 GPT2 = NameTable(
     names=_gpt2_names(),
     transposed=frozenset(
@@ -139,6 +145,7 @@ NAME_TABLES: dict[str, NameTable] = {
     "Phi3ForCausalLM": PHI3,
     "Olmo2ForCausalLM": OLMO2,
     "Gemma3ForCausalLM": GEMMA3,
+    "Gemma3ForConditionalGeneration": GEMMA3_MULTIMODAL,
     "Gemma2ForCausalLM": GEMMA3,  # the same names; its layers have no q/k norms to read
     "GPT2LMHeadModel": GPT2,
 }

@@ -209,6 +209,12 @@ def write_olmo2(path: Path, seed: int = 0) -> object:
 def write_gemma3(path: Path, seed: int = 0, sliding_window: int = 8) -> object:
     """Gemma 3 (text) of 6 layers, the sixth global, the others windowed with their own
     RoPE base; every norm's weight away from 0 (Gemma's norms scale by 1 + w)."""
+    model = _gemma3_text(seed, sliding_window)
+    model.save_pretrained(path)
+    return model
+
+
+def _gemma3_text(seed: int, sliding_window: int) -> Any:
     model = _hf_model(
         "Gemma3Text",
         seed,
@@ -223,7 +229,36 @@ def write_gemma3(path: Path, seed: int = 0, sliding_window: int = 8) -> object:
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.normal_(0, 0.3)
+    return model
+
+
+def write_gemma3_multimodal(path: Path, seed: int = 0) -> object:
+    """Gemma 3 as the 4B and larger ship: the text model of write_gemma3 inside an
+    image-and-text checkpoint with a one-layer vision tower (which kvserve does not read)."""
+    import transformers as tf
+
+    text = _gemma3_text(seed, sliding_window=8)
+    torch.manual_seed(seed)
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    cfg = tf.Gemma3Config(
+        text_config=text.config.to_dict(),
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        image_token_index=300,
+        boi_token_index=301,
+        eoi_token_index=302,
+    )
+    model = tf.Gemma3ForConditionalGeneration(cfg).eval()
+    model.model.language_model.load_state_dict(text.model.state_dict())
     model.save_pretrained(path)
+    model.config.vocab_size = text.config.vocab_size  # where the parity tests look for it
     return model
 
 

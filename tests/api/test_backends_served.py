@@ -10,6 +10,7 @@ from tests.factories import (
     start_server,
     write_gemma2,
     write_gemma3,
+    write_gemma3_multimodal,
     write_gpt2,
     write_llama,
     write_olmo2,
@@ -30,6 +31,7 @@ WRITERS = {
     "olmo2_output_norms": write_olmo2,
     "gemma3_windows_sandwich": write_gemma3,
     "gemma2_softcaps": write_gemma2,
+    "gemma3_in_image_text_checkpoint": write_gemma3_multimodal,
     "gpt2": write_gpt2,
 }
 

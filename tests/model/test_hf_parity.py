@@ -11,6 +11,7 @@ from model.weights import load_model
 from tests.factories import (
     write_gemma2,
     write_gemma3,
+    write_gemma3_multimodal,
     write_gpt2,
     write_granite,
     write_llama,
@@ -38,6 +39,7 @@ WRITERS = {
     "olmo2_output_norms": write_olmo2,
     "gemma3_windows_sandwich": write_gemma3,
     "gemma2_softcaps": write_gemma2,
+    "gemma3_in_image_text_checkpoint": write_gemma3_multimodal,
     "gpt2": write_gpt2,
 }
 
