@@ -9,9 +9,11 @@ import torch
 import torch.nn.functional as F
 
 from model.backends.cpu.kernels.attention import (
+    WINDOW_RUN,
     attention_isa,
     paged_attention,
     paged_attention_supported,
+    window_view,
 )
 from model.backends.cpu.kernels.build import c_compiler
 from model.backends.cpu.kernels.fused import fused_supported, greedy_tokens
@@ -47,7 +49,8 @@ def random_cache(heads, kv_heads, d, bs, dtype, nb=POOL):
     return k_cache, v_cache, k_ref, v_ref
 
 
-def reference(q, k_ref, v_ref, tables, row_seq, lens, scale, slopes):
+def reference(q, k_ref, v_ref, tables, row_seq, lens, scale, slopes, window=None):
+    """Row i over the first lens[i] keys of its sequence (the last `window` of them)."""
     r, h, d = q.shape
     kv, bs = k_ref.shape[1], k_ref.shape[2]
     outs = []
@@ -62,6 +65,9 @@ def reference(q, k_ref, v_ref, tables, row_seq, lens, scale, slopes):
         if slopes is not None:
             dist = (n - 1 - torch.arange(n)).float()
             mask = (-slopes[:, None] * dist[None, :])[:, None, :]  # (H, 1, n)
+        if window is not None:
+            outside = torch.zeros(n).masked_fill(torch.arange(n) < n - window, float("-inf"))
+            mask = outside[None, None, :] if mask is None else mask + outside
         out = F.scaled_dot_product_attention(
             q[i].float()[:, None], keys, values, attn_mask=mask, scale=scale
         )
@@ -131,6 +137,38 @@ def test_kernel_matches_torch(isa, dtype, heads, kv_heads, d, bs, alibi, batch) 
     tiles = attention_isa(d, bs, heads // kv_heads, dtype) == "amx"
     assert tiles == (isa == "amx" and dtype == torch.bfloat16 and bs == 16 and d % 32 == 0)
     # fp32: exact math; bf16: the output is rounded to bf16 (and on AMX the probabilities)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (got.float() - want).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "kv_heads", "d", "bs"), [(9, 3, 64, 16), (4, 4, 16, 8)])
+@pytest.mark.parametrize("window", [1, 5, 16, 37, 600])
+@pytest.mark.parametrize("batch", ["mixed", "prefills", "long"])
+def test_sliding_window_matches_torch(isa, dtype, heads, kv_heads, d, bs, window, batch) -> None:
+    """Each row over the last `window` of its keys (window_view: each run of rows on a
+    table shifted to its window's first block, the keys before the window skipped). The
+    blocks wholly before the window of every row of a sequence are freed, as the block
+    manager frees them: their table entries point at a block of NaN, which a kernel that
+    read it would return."""
+    pool = 1024
+    torch.manual_seed(0)
+    k_cache, v_cache, k_ref, v_ref = random_cache(heads, kv_heads, d, bs, dtype, pool)
+    row_seq, lens = rows_of(BATCHES[batch])
+    width = -(-int(lens.max()) // bs)
+    seqs = len(BATCHES[batch])
+    tables = torch.randperm(pool - 1)[: seqs * width].view(seqs, width)
+    q = torch.randn(len(lens), heads, d).to(dtype)
+    want = reference(q, k_ref, v_ref, tables, row_seq, lens, d**-0.5, None, window)
+    for b in range(seqs):
+        dead = max(int(lens[row_seq == b].min()) - window, 0) // bs
+        tables[b, :dead] = pool - 1
+    k_cache[pool - 1] = float("nan")
+    v_cache[pool - 1] = float("nan")
+    view = window_view(tables, lens, row_seq, window, bs)
+    assert int(view[3].max()) < bs + WINDOW_RUN  # skips stay within a block and a run
+    got = paged_attention(q, k_cache, v_cache, tables, lens, d**-0.5, None, row_seq, view)
+    assert torch.isfinite(got.float()).all()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (got.float() - want).abs().max().item() < tol
 

@@ -84,6 +84,40 @@ def test_paged_attention_matches_reference(shape, batch, dtype, alibi) -> None:
     assert meta._dense is None  # no mask built for it
 
 
+@pytest.mark.parametrize("window", [1, 20])
+@pytest.mark.parametrize("batch", list(BATCHES))
+@pytest.mark.parametrize(
+    ("shape", "dtype"),
+    [(SHAPES[0], torch.float32), (SHAPES[1], torch.float32), (SHAPES[1], torch.bfloat16)],
+    ids=str,
+)
+def test_sliding_window_matches_reference(shape, batch, dtype, window) -> None:
+    """Each query over the last `window` keys up to its own, in one pass and in
+    flash-decoding's shares. The blocks wholly before every window of a sequence hold NaN
+    besides the unused ones: the block manager frees those, so the kernel must not read
+    them."""
+    cfg, cache, triton, tables, cached, new, used, q = setup(shape, BATCHES[batch], dtype)
+    scale, bs = cfg.head_dim**-0.5, cache.block_size
+    ref_meta = AttentionMetadata.paged(tables, cached, new, bs)
+    ref = TorchBackend().attend(q, q, q, cache.layer(0), ref_meta, scale, None, window)
+    for table, c in zip(tables, cached, strict=True):  # freed: before the first window
+        for block in table[: max(c + 1 - window, 0) // bs]:
+            used[block] = False
+    poison(cache, used)
+    meta = triton.metadata(tables, cached, new, bs, "cpu", cache.null_block)
+    out = triton.attend(q, q, q, cache.layer(0), meta, scale, None, window).float()
+    atol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, ref.float(), atol=atol, rtol=0)
+    if max(new) == 1:  # flash-decoding's shares, some wholly before the window
+        from model.backends.triton import kernels as triton_kernels
+
+        split = triton_kernels.paged_attention(
+            q, *cache.layer(0), meta.block_tables, meta.seq_lens_t, meta.query_start, 1,
+            scale, None, splits=4, window=window,
+        ).flatten(1)  # fmt: skip
+        torch.testing.assert_close(split.float(), ref.float(), atol=atol, rtol=0)
+
+
 def test_padding_rows_give_zeros_and_leave_real_rows_alone() -> None:
     """A CUDA graph pads a decode batch with rows of no context (seq_len 0, slot -1): they
     read nothing and give zeros, and the real rows are what they are without them."""

@@ -23,6 +23,7 @@ from model.backends.cpu.kernels.attention import (
     attention_isa,
     paged_attention,
     paged_attention_supported,
+    step_window,
 )
 from model.backends.cpu.kernels.fused import (
     add_rms_norm,
@@ -38,7 +39,6 @@ from model.backends.cpu.stack import DecoderStack
 from model.backends.reference import (
     TorchBackend,
     fusable_rms_norm,
-    own_kernel_takes,
     split_heads,
 )
 from model.config import ModelConfig
@@ -141,7 +141,7 @@ class CpuBackend(TorchBackend):
         p = 2 if data.dtype.itemsize == 2 else 1
         return [
             (data[0, i].view(nb, kv, d // p, bs, p), data[1, i].view(nb, kv, bs // p, d, p))
-            for i in range(cfg.n_layers)
+            for i in range(data.shape[1])
         ]
 
     def prepare(self, model: nn.Module, quantization: str = "none") -> bool:
@@ -205,9 +205,10 @@ class CpuBackend(TorchBackend):
         window: int | None = None,
         softcap: float | None = None,
     ) -> Tensor:
-        if cache is None or not own_kernel_takes(meta, window, softcap):
+        if cache is None or softcap is not None:  # the C kernel has no soft-cap
             return super().attend(q, k, v, cache, meta, scale, alibi, window, softcap)
+        view = step_window(meta, window, cache[0].shape[-2])
         out = paged_attention(
-            q, *cache, meta.block_tables, meta.row_lens, scale, alibi, meta.row_seq
+            q, *cache, meta.block_tables, meta.row_lens, scale, alibi, meta.row_seq, view
         )  # (T, H, dh) in the cache's dtype
         return out.to(q.dtype).view(q.shape[0], q.shape[1] * q.shape[2])

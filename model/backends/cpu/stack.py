@@ -14,10 +14,10 @@ import weakref
 import torch
 from torch import Tensor, nn
 
+from model.backends.cpu.kernels.attention import step_window
 from model.backends.cpu.kernels.build import data_ptr
 from model.backends.cpu.kernels.stack import stack_forward, stack_kernels
 from model.backends.cpu.packed import GatedSwiGLU, PackedLinear
-from model.backends.reference import beyond_window
 from model.config import ModelConfig
 from model.kv_cache import PagedKVCache
 from model.layers import RMSNorm
@@ -48,11 +48,13 @@ class _Layer(ctypes.Structure):
             )
         ],
         ("rotate", _I),
+        ("windowed", _I),
     ]
 
 
 _DIMS = ("layers", "rows", "d", "heads", "kv", "head_dim", "ff", "block_size", "max_blocks")
 _STEP = ("cos_t", "sin_t", "slot_blocks", "slot_offsets", "tables", "row_seq", "lens")
+_WINDOW = ("win_tables", "win_row_seq", "win_lens", "win_skip")
 _BUFFERS = ("x", "h", "qkv", "attn", "o", "act", "gate", "delta")
 
 
@@ -65,7 +67,9 @@ class _Args(ctypes.Structure):
         ("residual", _F),
         ("w", ctypes.POINTER(_Layer)),
         ("final_norm", _P),
-        *[(name, _P) for name in (*_STEP, *_BUFFERS)],
+        *[(name, _P) for name in (*_STEP, *_WINDOW)],
+        ("win_max_blocks", _I),
+        *[(name, _P) for name in _BUFFERS],
     ]
 
 
@@ -120,7 +124,7 @@ class DecoderStack:
     def takes(self, kv_cache: PagedKVCache | None, meta: AttentionMetadata) -> bool:
         if kv_cache is None or kv_cache.backend.name != "cpu" or meta.slot_blocks is None:
             return False
-        if beyond_window(meta, self.cfg.sliding_window):  # the C attention has no window
+        if meta.window is not None:  # the windowed layers' own pool: not in the C layers
             return False
         if kv_cache.data.dtype != torch.bfloat16 or kv_cache.data.device.type != "cpu":
             return False
@@ -154,6 +158,7 @@ class DecoderStack:
                 data_ptr(attn.q_norm.weight if attn.q_norm is not None else None),
                 data_ptr(attn.k_norm.weight if attn.k_norm is not None else None),
                 int(i not in self.cfg.nope_layers),
+                int(self.cfg.window(i) is not None),
             )
         return out
 
@@ -179,8 +184,16 @@ class DecoderStack:
             "row_seq": meta.row_seq.contiguous() if meta.row_seq is not None else None,
             "lens": meta.row_lens.contiguous(),
         }
+        view = step_window(meta, self.cfg.sliding_window, self._block_size)
+        if view is not None:  # the windowed layers' tables, rows and skips
+            tables, lens, row_seq, skip = view
+            step.update(zip(_WINDOW, (tables, row_seq, lens, skip), strict=True))
+        args.win_max_blocks = view[0].shape[1] if view is not None else 0
         for name, value in step.items():
             setattr(args, name, data_ptr(value))
+        if view is None:  # every layer reads the step's own tables
+            for name in _WINDOW:
+                setattr(args, name, None)
         args.x, args.max_blocks = x.data_ptr(), step["tables"].shape[1]
         args.nthreads = torch.get_num_threads()
         stack_forward(args)

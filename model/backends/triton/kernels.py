@@ -206,6 +206,8 @@ def _attend_tile(
     seq_len,
     kv,
     scale,
+    window,  # keys each query sees at most, read when WINDOWED
+    k_lo,  # the first key any row sees: those before it are not read (WINDOWED)
     d,
     d_ok,
     KV: tl.constexpr,
@@ -213,13 +215,17 @@ def _attend_tile(
     BS: tl.constexpr,
     TILE: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
+    WINDOWED: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """One tile of TILE keys (TILE / BS blocks of the table, each key finding its own)
-    into an online softmax (fp32): returns acc, m_i, l_i updated."""
+    into an online softmax (fp32): returns acc, m_i, l_i updated. Under a sliding window a
+    row may see no key of a tile: its max stays -inf and the tile adds nothing."""
     k_pos = j * TILE + tl.arange(0, TILE)
     k_ok = k_pos < seq_len
+    if WINDOWED:  # their blocks may be freed: 0 * NaN would reach the output
+        k_ok = k_ok & (k_pos >= k_lo)
     block = tl.load(table_ptr + k_pos // BS, mask=k_ok, other=0).to(tl.int64)
     kv_rows = (block * BS + k_pos % BS) * (KV * D) + kv * D
     kv_mask = k_ok[:, None] & d_ok[None, :]
@@ -232,8 +238,12 @@ def _attend_tile(
     if HAS_ALIBI:
         s += slope[:, None] * (k_pos[None, :] - q_pos[:, None]).to(tl.float32)
     visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+    if WINDOWED:
+        visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
+    if WINDOWED:  # a row with no key yet: exp(-inf - 0) = 0, not exp(-inf + inf)
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
@@ -256,6 +266,7 @@ def _paged_attention_kernel(
     query_start_ptr,  # (B + 1,) int32: first row of each sequence
     alibi_ptr,  # (H,) fp32
     scale,
+    window,  # a sliding window's keys, read when WINDOWED
     stride_qt,
     stride_qh,
     stride_bt,
@@ -268,6 +279,7 @@ def _paged_attention_kernel(
     BLOCK_G: tl.constexpr,  # G padded to a power of two
     BLOCK_Q: tl.constexpr,  # query tokens per program; BLOCK_Q * BLOCK_G rows
     HAS_ALIBI: tl.constexpr,
+    WINDOWED: tl.constexpr,  # each query sees the last `window` keys up to its own
     UPCAST: tl.constexpr,  # dot products in fp32 (the interpreter's bf16 dot is wrong)
     PRECISION: tl.constexpr,  # "ieee" for fp32 operands (no TF32), else the default
 ):
@@ -303,10 +315,14 @@ def _paged_attention_kernel(
         acc = tl.zeros([BLOCK_Q * BLOCK_G, D_PAD], tl.float32)
         last = tl.minimum(seq_len, cached + tl.minimum((qb + 1) * BLOCK_Q, q_len))
         table = block_tables_ptr + b.to(tl.int64) * stride_bt
-        for j in range(0, tl.cdiv(last, TILE)):
+        k_lo = 0
+        if WINDOWED:  # keys before the window of the program's first row: not read
+            k_lo = tl.maximum(cached + qb * BLOCK_Q - window + 1, 0)
+        for j in range(k_lo // TILE, tl.cdiv(last, TILE)):
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, q_pos, slope, j, table, k_cache_ptr, v_cache_ptr, seq_len,
-                kv, scale, d, d_ok, KV, D, BS, TILE, HAS_ALIBI, UPCAST, PRECISION,
+                kv, scale, window, k_lo, d, d_ok, KV, D, BS, TILE, HAS_ALIBI, WINDOWED, UPCAST,
+                PRECISION,
             )  # fmt: skip
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_rows = (q_start + tok).to(tl.int64) * (KV * G * D) + head * D
@@ -328,6 +344,7 @@ def _decode_split_kernel(
     seq_lens_ptr,
     alibi_ptr,
     scale,
+    window,
     stride_qt,
     stride_qh,
     stride_bt,
@@ -340,6 +357,7 @@ def _decode_split_kernel(
     BLOCK_G: tl.constexpr,  # rows per program: G padded (at least 16 for tl.dot)
     SPLITS: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
+    WINDOWED: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -349,10 +367,14 @@ def _decode_split_kernel(
     split = tl.program_id(1)
     kv = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    n_tiles = tl.cdiv(seq_len, TILE)
+    k_lo = 0
+    if WINDOWED:  # the keys before the window: not read, their tiles not shared out
+        k_lo = tl.maximum(seq_len - window, 0)
+    start = k_lo // TILE
+    n_tiles = tl.cdiv(seq_len, TILE) - start
     per = tl.cdiv(n_tiles, SPLITS)
-    first = split * per
-    last = tl.minimum(first + per, n_tiles)
+    first = start + split * per
+    last = tl.minimum(first + per, start + n_tiles)
     g = tl.arange(0, BLOCK_G)
     row_ok = g < G
     head = kv * G + g
@@ -375,7 +397,8 @@ def _decode_split_kernel(
     for j in range(first, last):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, q_pos, slope, j, table, k_cache_ptr, v_cache_ptr, seq_len,
-            kv, scale, d, d_ok, KV, D, BS, TILE, HAS_ALIBI, UPCAST, PRECISION,
+            kv, scale, window, k_lo, d, d_ok, KV, D, BS, TILE, HAS_ALIBI, WINDOWED, UPCAST,
+            PRECISION,
         )  # fmt: skip
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -434,7 +457,9 @@ def decode_splits(num_seqs: int, n_kv: int) -> int:
     return max(1, min(MAX_SPLITS, SPLIT_TARGET // max(1, num_seqs * n_kv)))
 
 
-def _split_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi, splits, consts):
+def _split_decode(
+    q, k_cache, v_cache, block_tables, seq_lens, scale, window, alibi, splits, consts
+):
     b, h, d = q.shape
     kv = k_cache.shape[2]
     part = torch.empty((b, splits, h, d), dtype=torch.float32, device=q.device)
@@ -450,6 +475,7 @@ def _split_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi, spl
         seq_lens,
         alibi if alibi is not None else q,
         scale,
+        window,
         q.stride(0),
         q.stride(1),
         block_tables.stride(0),
@@ -475,9 +501,11 @@ def paged_attention(
     scale: float,
     alibi: torch.Tensor | None = None,  # (H,) fp32
     splits: int | None = None,  # decode-only batches: None = decode_splits()
+    window: int | None = None,  # a sliding window: each query sees that many keys at most
 ) -> torch.Tensor:
     """Attention of a flattened batch of decodes and prefill chunks over the paged cache
-    (the new tokens' K/V already stored) -> (T, H, D) in q's dtype. One launch for the
+    (the new tokens' K/V already stored) -> (T, H, D) in q's dtype. Under a sliding window
+    the blocks before every window of a program are not read (they may be freed). One launch for the
     whole batch, or, for a batch of decodes too small to fill the GPU, each row's keys
     split over several programs and merged (flash-decoding). A sequence of seq_len 0 (a
     padding row) gives zeros."""
@@ -495,6 +523,7 @@ def paged_attention(
         TILE=max(bs, KEY_TILE),
         BLOCK_G=block_g,
         HAS_ALIBI=alibi is not None,
+        WINDOWED=window is not None,
         UPCAST=upcast,
         PRECISION="ieee" if upcast else "tf32",
     )
@@ -502,8 +531,9 @@ def paged_attention(
         splits = decode_splits(t, kv) if splits is None else splits
         if splits > 1:
             return _split_decode(
-                q, k_cache, v_cache, block_tables, seq_lens, scale, alibi, splits, consts
-            )
+                q, k_cache, v_cache, block_tables, seq_lens, scale, window or 0, alibi, splits,
+                consts,
+            )  # fmt: skip
     # rows per program: at least 16 (tl.dot's smallest tile), up to 64 for a prompt chunk
     block_q = max(1, (16 if max_query_len == 1 else 64) // block_g)
     block_q = min(block_q, triton.next_power_of_2(max_query_len))
@@ -522,6 +552,7 @@ def paged_attention(
         query_start,
         alibi if alibi is not None else q,
         scale,
+        window or 0,
         q.stride(0),
         q.stride(1),
         block_tables.stride(0),

@@ -11,6 +11,7 @@ import torch
 
 from model.backends.cpu.isa import cpu_isa, isa_flags
 from model.backends.cpu.kernels.build import BASE_FLAGS, bind, build, data_ptr, vector_level
+from model.metadata import AttentionMetadata
 
 # The attention kernels use no infinities or NaNs (the running max starts at -1e30), so
 # -ffast-math may vectorize their reductions and call glibc's vector expf.
@@ -93,12 +94,18 @@ def paged_attention(
     scale: float,
     alibi: torch.Tensor | None = None,  # (H,) float32
     row_seq: torch.Tensor | None = None,  # (R,) int64 sequence of each row; None: row r -> r
+    window: WindowView | None = None,  # a sliding window's view of the step (window_view)
 ) -> torch.Tensor:
     """Attention of each query row over the first lens[row] cached tokens of its sequence
-    (its own K/V must already be in the cache) -> (R, H, D) in the cache's dtype. bf16
-    caches go to the tile unit at the amx level (model.backends.cpu.isa.cpu_isa), else vector code."""
+    (its own K/V must already be in the cache), or over the last of them a sliding window
+    sees (`window`, in place of block_tables, lens and row_seq) -> (R, H, D) in the cache's
+    dtype. bf16 caches go to the tile unit at the amx level (model.backends.cpu.isa.cpu_isa),
+    else vector code."""
     r, h, d = q.shape
     kv, block_size = k_cache.shape[1], k_cache.shape[-2]
+    skip = None
+    if window is not None:
+        block_tables, lens, row_seq, skip = window
     lib = attention_library(d, block_size, h // kv)
     assert lib is not None, "check paged_attention_supported() first"
     amx = k_cache.dtype == torch.bfloat16 and amx_attention(lib, d, block_size)
@@ -116,6 +123,7 @@ def paged_attention(
         block_tables.contiguous().data_ptr(),
         data_ptr(rows),
         lens.contiguous().data_ptr(),
+        data_ptr(skip),
         out.data_ptr(),
         r,
         q.stride(0),
@@ -126,6 +134,59 @@ def paged_attention(
         torch.get_num_threads(),
     )
     return out.to(k_cache.dtype)
+
+
+# A sliding window's view of a step for the kernels: each row's block table starts at its
+# window's first block, so blocks before it (freed, or never read) are not walked; the
+# keys of that first block before the window are the row's `skip`.
+# (tables, lens, row_seq, skip): tables one per run of rows, row_seq each row's run.
+WindowView = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+# Rows of one sequence that share a shifted table (the kernels' ROWS_PER_TASK): a run's
+# rows keep sharing each block read, and a row's skip stays below a part of its keys.
+WINDOW_RUN = 8
+
+
+def window_view(
+    block_tables: torch.Tensor,  # (B, max_blocks)
+    lens: torch.Tensor,  # (R,) keys each row sees
+    row_seq: torch.Tensor | None,  # (R,) sequence of each row; None: row r -> r
+    window: int,
+    block_size: int,
+) -> WindowView:
+    """The step as the kernels see it under a sliding window of `window` keys: row r sees
+    keys lens[r] - window .. lens[r] - 1 (those that exist)."""
+    rows = torch.arange(lens.numel())
+    seq = row_seq if row_seq is not None else rows
+    lo = (lens - window).clamp_min(0)  # each row's first key
+    starts = torch.ones_like(seq, dtype=torch.bool)
+    starts[1:] = seq[1:] != seq[:-1]
+    # a run: up to WINDOW_RUN consecutive rows of one sequence (its rows are consecutive)
+    first = torch.cummax(torch.where(starts, rows, 0), 0).values
+    starts |= (rows - first) % WINDOW_RUN == 0
+    run = torch.cumsum(starts, 0) - 1
+    lead = rows[starts]  # each run's first row: the earliest window of the run
+    shift = lo[lead] // block_size  # (runs,) blocks wholly before every row's window
+    seen = lens - shift[run] * block_size
+    width = -(-int(seen.max()) // block_size)
+    last = block_tables.shape[1] - 1
+    cols = (shift[:, None] + torch.arange(width)[None, :]).clamp_max(last)
+    tables = block_tables[seq[lead][:, None], cols]
+    return tables, seen, run, lo - shift[run] * block_size
+
+
+def step_window(meta: AttentionMetadata, window: int | None, block_size: int) -> WindowView | None:
+    """The step's window_view, built once per forward and window; None where no row has
+    keys outside its window."""
+    if window is None or meta.max_seq_len <= window:
+        return None
+    assert meta.block_tables is not None and meta.row_lens is not None, "paged metadata"
+    key = ("cpu-window", window)
+    if key not in meta.memo:
+        meta.memo[key] = window_view(
+            meta.block_tables, meta.row_lens, meta.row_seq, window, block_size
+        )
+    return meta.memo[key]  # type: ignore[return-value]
 
 
 AMX_BLOCK_SIZE = 16  # the AMX attention kernel's block: one 16 x 16 tile of scores

@@ -30,18 +30,18 @@ void greedy_bf16(const uint16_t *x, int rows, int n, int64_t *out, int nthreads)
 
 /* paged_attention.c (built per HEAD_DIM, BLOCK_SIZE and GROUP) */
 void paged_attention_f32(const float *q, const float *k, const float *v, const int64_t *tables,
-                         const int64_t *row_seq, const int64_t *lens, float *out, int R,
-                         int q_stride, int KV, int max_blocks, float scale, const float *alibi,
-                         int nthreads);
+                         const int64_t *row_seq, const int64_t *lens, const int64_t *skip,
+                         float *out, int R, int q_stride, int KV, int max_blocks, float scale,
+                         const float *alibi, int nthreads);
 void paged_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                           const int64_t *tables, const int64_t *row_seq, const int64_t *lens,
-                          uint16_t *out, int R, int q_stride, int KV, int max_blocks,
-                          float scale, const float *alibi, int nthreads);
+                          const int64_t *skip, uint16_t *out, int R, int q_stride, int KV,
+                          int max_blocks, float scale, const float *alibi, int nthreads);
 int paged_attention_amx_init(void);
 void paged_attention_amx(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                          const int64_t *tables, const int64_t *row_seq, const int64_t *lens,
-                         uint16_t *out, int R, int q_stride, int KV, int max_blocks, float scale,
-                         const float *alibi, int nthreads);
+                         const int64_t *skip, uint16_t *out, int R, int q_stride, int KV,
+                         int max_blocks, float scale, const float *alibi, int nthreads);
 
 /* linear_bf16.c */
 int linear_bf16_init(void);
@@ -70,8 +70,9 @@ typedef void (*rope_fn)(uint16_t *qkv, const uint16_t *cos_t, const uint16_t *si
                         int block_size, int nthreads);
 typedef void (*attention_fn)(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                              const int64_t *tables, const int64_t *row_seq,
-                             const int64_t *lens, uint16_t *out, int R, int q_stride, int KV,
-                             int max_blocks, float scale, const float *alibi, int nthreads);
+                             const int64_t *lens, const int64_t *skip, uint16_t *out, int R,
+                             int q_stride, int KV, int max_blocks, float scale,
+                             const float *alibi, int nthreads);
 
 /* One layer's weights in the kernels' layouts; biases are float32 or NULL. */
 typedef struct {
@@ -87,7 +88,8 @@ typedef struct {
     const float *b_out;
     uint16_t *k_cache, *v_cache;
     const uint16_t *q_norm, *k_norm; /* Qwen3's norms over each q and k head, or NULL */
-    int rotate; /* 0: a layer without RoPE (SmolLM3): K stored as projected */
+    int rotate;   /* 0: a layer without RoPE (SmolLM3): K stored as projected */
+    int windowed; /* 1: a sliding-window layer (its attention takes the step's win_ view) */
 } layer_args;
 
 typedef struct {
@@ -104,6 +106,10 @@ typedef struct {
     /* this step: (rows, head_dim) rotations, slots of the new tokens, the attention rows */
     const uint16_t *cos_t, *sin_t;
     const int64_t *slot_blocks, *slot_offsets, *tables, *row_seq, *lens;
+    /* the windowed layers' view of the step (model/backends/cpu/kernels/attention.py's
+     * window_view), or NULL tables where no row has keys outside the window */
+    const int64_t *win_tables, *win_row_seq, *win_lens, *win_skip;
+    int win_max_blocks;
     /* (rows, width) buffers: x the residual stream (the embeddings on entry), h the normed
      * input of each sublayer and on return the final norm's output */
     uint16_t *x, *h, *qkv, *attn, *o, *act, *gate, *delta;

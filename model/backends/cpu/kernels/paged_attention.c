@@ -18,7 +18,10 @@
  *    HEAD_DIM) in the cache's dtype, computed in float32 and rounded once
  * k/v: float32 or bfloat16 (uint16 bits); tables: (B, max_blocks) int64, one per sequence;
  * row_seq: (R,) int64 sequence of each row, or NULL for row r -> sequence r;
- * lens: (R,) int64 keys each row sees (its position + 1); alibi: (H,) slopes or NULL.
+ * lens: (R,) int64 keys each row sees (its position + 1); skip: (R,) int64 or NULL, keys at
+ * the front of a row's range it does not see (a sliding window's start: the caller shifts
+ * each row's table to the window's first block, so skip < BLOCK_SIZE + the rows sharing
+ * a table); alibi: (H,) slopes or NULL.
  */
 #include "kvserve.h"
 #include "common.h"
@@ -479,8 +482,9 @@ static inline int step_blocks(int64_t rest, int *n) {
 typedef struct {  /* one query row's online softmax over one K/V head's group */
     float qs[G][D], m[G], l[G];  /* qs: q times the scale */
     vch acc[G][D / DV];
-    int64_t len;  /* keys the row sees */
-    int dirty;    /* keys taken since the last partial */
+    int64_t len;   /* keys the row sees */
+    int64_t skip;  /* of them, those at the front it does not */
+    int dirty;     /* keys taken since the last partial */
 } vec_row;
 
 /* A part's end: the row's partial for each head of the group at dest + g * PARTIAL, and a
@@ -535,8 +539,9 @@ static inline void vec_row_flush(vec_row *r, float *dest) {
 
 #define DEFINE_KERNEL(NAME, QT, QLOAD, QSTORE, T, KEYS, VALS)                             \
 void NAME(const QT *q, const T *k, const T *v, const int64_t *tables,                     \
-          const int64_t *row_seq, const int64_t *lens, QT *out, int R, int q_stride,      \
-          int KV, int max_blocks, float scale, const float *alibi, int nthreads) {        \
+          const int64_t *row_seq, const int64_t *lens, const int64_t *skip, QT *out,      \
+          int R, int q_stride, int KV, int max_blocks, float scale, const float *alibi,   \
+          int nthreads) {                                                                 \
     const int H = KV * G;                                                                 \
     split_plan sp;                                                                        \
     split_plan_init(&sp, row_seq, lens, R, ROWS_PER_TASK, KV, nthreads);                  \
@@ -553,6 +558,7 @@ void NAME(const QT *q, const T *k, const T *v, const int64_t *tables,           
         for (int i = 0; i < nr; ++i) {                                                    \
             vec_row *r = &rows[i];                                                        \
             r->len = lens[r0 + i];                                                        \
+            r->skip = skip ? skip[r0 + i] : 0;                                            \
             const int64_t end = (int64_t)w.p1 * PART_KEYS;                                \
             const int nb = (int)(((r->len < end ? r->len : end) + BS - 1) / BS);          \
             nblk = nb > nblk ? nb : nblk;                                                 \
@@ -587,9 +593,10 @@ void NAME(const QT *q, const T *k, const T *v, const int64_t *tables,           
                 const int64_t end = r->len < part_end ? r->len : part_end;                \
                 const int64_t rest = end - (int64_t)j * BS;                               \
                 if (rest <= 0) continue;                                                  \
-                r->dirty = parts_of(r->len) > 1;                                          \
                 int ns[STEP_BLOCKS];                                                      \
                 const int nb = step_blocks(rest, ns);                                     \
+                if ((int64_t)(j + nb) * BS <= r->skip) continue; /* no key it sees */    \
+                r->dirty = parts_of(r->len) > 1;                                          \
                 vblk sc[G][STEP_BLOCKS * NP];                                             \
                 for (int u = 0; u < nb * NP;) {  /* pieces of BW keys: block u / NP */    \
                     if (SCORE_PIECES == 2 && u + 1 < nb * NP) {                           \
@@ -613,6 +620,9 @@ void NAME(const QT *q, const T *k, const T *v, const int64_t *tables,           
                                 s[t] -= slope * (float)(r->len - 1 - (at + t));           \
                         }                                                                 \
                         for (int t = n; t < BS; ++t) s[t] = -1e30f;  /* past the context */ \
+                        for (int64_t t = 0, at = (int64_t)(j + b) * BS; /* before the window */ \
+                             t < BS && at + t < r->skip; ++t)                             \
+                            s[t] = -1e30f;                                                \
                         memcpy(&sc[g][b * NP], s, sizeof s);                              \
                     }                                                                     \
                     const float bmax = fmaxf(r->m[g], hmax(sc[g], nb * NP));              \
@@ -687,8 +697,9 @@ typedef struct {  /* one query row's online softmax over one K/V head's group */
     uint32_t qp[G][D / 2];  /* q's channel pairs, as bf16 pairs */
     __m512 acc[G][D / 16];
     float m[G], l[G];
-    int64_t len;  /* keys the row sees */
-    int dirty;    /* keys taken since the last partial */
+    int64_t len;   /* keys the row sees */
+    int64_t skip;  /* of them, those at the front it does not */
+    int dirty;     /* keys taken since the last partial */
 } bf16_row;
 
 /* A part's end: as vec_row_flush. */
@@ -744,8 +755,11 @@ static inline __attribute__((always_inline)) void bf16_row_blocks(
     bf16_row *r, __m512 sc[][G], const uint16_t *const *vb, int j, int nb, const int *n,
     const float *alibi, int kvh, __m512 lane) {
     __mmask16 keep[STEP_BLOCKS];
-    for (int b = 0; b < nb; ++b)
+    for (int b = 0; b < nb; ++b) {
         keep[b] = n[b] < BS ? (__mmask16)((1u << n[b]) - 1) : (__mmask16)0xFFFF;
+        const int64_t before = r->skip - (int64_t)(j + b) * BS;  /* the window's start */
+        if (before > 0) keep[b] &= before >= BS ? 0 : (__mmask16)~((1u << before) - 1);
+    }
     uint32_t pp[STEP_BLOCKS][G][BS / 2];  /* the probabilities as bf16 token pairs */
     for (int g = 0; g < G; ++g) {
         __m512 s[STEP_BLOCKS];
@@ -799,8 +813,8 @@ static inline __attribute__((always_inline)) void bf16_row_blocks(
 
 void paged_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                           const int64_t *tables, const int64_t *row_seq, const int64_t *lens,
-                          uint16_t *out, int R, int q_stride, int KV, int max_blocks,
-                          float scale, const float *alibi, int nthreads) {
+                          const int64_t *skip, uint16_t *out, int R, int q_stride, int KV,
+                          int max_blocks, float scale, const float *alibi, int nthreads) {
     const __m512 lane = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const int H = KV * G;
     /* tasks: a K/V head of up to ROWS_PER_TASK consecutive rows of one sequence, all their
@@ -819,6 +833,7 @@ void paged_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *
         for (int i = 0; i < nr; ++i) {
             bf16_row *r = &rows[i];
             r->len = lens[r0 + i];
+            r->skip = skip ? skip[r0 + i] : 0;
             const int64_t end = (int64_t)w.p1 * PART_KEYS;
             const int nb = (int)(((r->len < end ? r->len : end) + BS - 1) / BS);
             nblk = nb > nblk ? nb : nblk;
@@ -952,6 +967,7 @@ typedef struct {
     float m[16] __attribute__((aligned(64)));
     float corr[16] __attribute__((aligned(64)));
     int64_t pos[16];
+    int64_t skip[16];  /* keys at the front a row does not see (its window's start) */
     __mmask16 active;  /* rows that see any key of the current step */
 } group_state;
 
@@ -979,7 +995,7 @@ static inline __m512 exp_p(__m512 x, __mmask16 keep) {
  * FULL (a constant where inlined): the row sees every key of the step, the arithmetic of
  * masks of all ones without computing them. */
 static inline __attribute__((always_inline)) void softmax_row(group_state *st, int i,
-                                                              int64_t last, int kvh,
+                                                              int64_t k0, int64_t last, int kvh,
                                                               float scale, const float *alibi,
                                                               float *bmax, const int FULL) {
     const __m512 lane = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
@@ -988,6 +1004,8 @@ static inline __attribute__((always_inline)) void softmax_row(group_state *st, i
     __m512 top = _mm512_set1_ps(st->m[i]);
     for (int b = 0; b < STEP; ++b) {
         keep[b] = FULL ? 0xFFFF : visible(last, b * BS);
+        const int64_t before = st->skip[i] - k0 - b * BS;  /* the window's start */
+        if (!FULL && before > 0) keep[b] &= before >= BS ? 0 : (__mmask16)~((1u << before) - 1);
         x[b] = _mm512_mul_ps(_mm512_load_ps(st->s + i * SPAN + b * BS), _mm512_set1_ps(scale));
         if (alibi) {  /* -slope * distance, distance = pos - key position */
             const __m512 d = _mm512_sub_ps(_mm512_set1_ps((float)(last - b * BS)), lane);
@@ -1024,10 +1042,10 @@ static void softmax_step(group_state *st, int nr, int64_t k0, int kvh, float sca
         }
         active |= (__mmask16)(1u << i);
         const int64_t last = st->pos[i] - k0;  /* the last key this row sees, from k0 */
-        if (last >= SPAN - 1)
-            softmax_row(st, i, last, kvh, scale, alibi, bmax, 1);
+        if (last >= SPAN - 1 && st->skip[i] <= k0)
+            softmax_row(st, i, k0, last, kvh, scale, alibi, bmax, 1);
         else
-            softmax_row(st, i, last, kvh, scale, alibi, bmax, 0);
+            softmax_row(st, i, k0, last, kvh, scale, alibi, bmax, 0);
     }
     const __m512 bm = _mm512_load_ps(bmax);
     __m512 corr = exp_masked(_mm512_sub_ps(_mm512_load_ps(st->m), bm), active);
@@ -1070,7 +1088,8 @@ PREFETCH_HELPER prefetch_step(const uint16_t *kv, const pass_blocks *cur,
 }
 
 static void attend_group(const uint16_t *q, int q_stride, const uint16_t *k, const uint16_t *v,
-                         const pass_blocks *cur, const int64_t *lens, uint16_t *out, int r0,
+                         const pass_blocks *cur, const int64_t *lens, const int64_t *skip,
+                         uint16_t *out, int r0,
                          int ntok, int kvh, int KV, float scale, const float *alibi,
                          const pass_blocks *next, const split_plan *sp, const partials *pt,
                          int part) {
@@ -1080,9 +1099,10 @@ static void attend_group(const uint16_t *q, int q_stride, const uint16_t *k, con
     memset(st.o, 0, sizeof(float) * D * nr);
     memset(st.l, 0, sizeof(float) * 16 * nr);
     for (int i = 0; i < 16; ++i) {
-        st.m[i] = -1e30f, st.pos[i] = -1;
+        st.m[i] = -1e30f, st.pos[i] = -1, st.skip[i] = 0;
         if (i >= nr) continue;
         const int64_t row = r0 + i / G;
+        if (skip) st.skip[i] = skip[row];
         memcpy(st.q + i * D, q + row * q_stride + (kvh * G + i % G) * D, D * 2);
         st.pos[i] = lens[row] - 1;
     }
@@ -1167,8 +1187,8 @@ static pass_blocks task_pass(const split_plan *sp, const int64_t *lens, int task
  * paged_attention_bf16. */
 void paged_attention_amx(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                          const int64_t *tables, const int64_t *row_seq, const int64_t *lens,
-                         uint16_t *out, int R, int q_stride, int KV, int max_blocks, float scale,
-                         const float *alibi, int nthreads) {
+                         const int64_t *skip, uint16_t *out, int R, int q_stride, int KV,
+                         int max_blocks, float scale, const float *alibi, int nthreads) {
     split_plan sp;
     split_plan_init(&sp, row_seq, lens, R, TOK, KV, nthreads);
     /* A task is a unit (a group of rows, all its parts or one: split_plan) over all K/V
@@ -1205,7 +1225,7 @@ void paged_attention_amx(const uint16_t *q, const uint16_t *k, const uint16_t *v
                         : kvh + 1 < cur.kvh + per_task
                             ? pass_of(cur.table, cur.blocks, w.p0, kvh + 1)
                             : after;
-                    attend_group(q, q_stride, k, v, &here, lens, out, w.r0, w.nr, kvh, KV,
+                    attend_group(q, q_stride, k, v, &here, lens, skip, out, w.r0, w.nr, kvh, KV,
                                  scale, alibi, &then, &sp, &pt, p);
                 }
                 merge_own(&sp, &pt, &w, lens, kvh, (char *)out, 2);
@@ -1225,9 +1245,10 @@ int paged_attention_amx_init(void) { return 0; }
 
 void paged_attention_amx(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                          const int64_t *tables, const int64_t *row_seq, const int64_t *lens,
-                         uint16_t *out, int R, int q_stride, int KV, int max_blocks, float scale,
-                         const float *alibi, int nthreads) {
-    (void)q, (void)k, (void)v, (void)tables, (void)row_seq, (void)lens, (void)out, (void)R;
+                         const int64_t *skip, uint16_t *out, int R, int q_stride, int KV,
+                         int max_blocks, float scale, const float *alibi, int nthreads) {
+    (void)q, (void)k, (void)v, (void)tables, (void)row_seq, (void)lens, (void)skip, (void)out;
+    (void)R;
     (void)q_stride;
     (void)KV, (void)max_blocks, (void)scale, (void)alibi, (void)nthreads;
 }

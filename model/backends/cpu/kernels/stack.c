@@ -1,6 +1,6 @@
 /* A whole stack of pre-norm Llama decoder layers (RMSNorm, RoPE, paged attention, SwiGLU;
- * with Qwen3's q/k norms, SmolLM3's layers without RoPE and Granite's scaled sublayers and
- * scores) in bf16 as one call, for CPUs where every part runs as kvserve's own kernel: the AMX
+ * with Qwen3's q/k norms, SmolLM3's layers without RoPE, Granite's scaled sublayers and
+ * scores, and Mistral's sliding windows) in bf16 as one call, for CPUs where every part runs as kvserve's own kernel: the AMX
  * tile linears (linear_bf16.c), the fused norm and RoPE-and-store (fused.c) and the AMX
  * paged attention (paged_attention.c). It computes exactly what Block.forward does with
  * those kernels, in the same order on the same buffers, so the bits are the same; what it
@@ -40,8 +40,13 @@ void stack_forward(const stack_args *a) {
         if (w->q_norm) a->qk_norm(a->qkv, w->q_norm, w->k_norm, T, H, KV, D, a->eps, nt);
         a->rope(a->qkv, w->rotate ? a->cos_t : NULL, w->rotate ? a->sin_t : NULL, T, H, KV, D,
                 w->k_cache, w->v_cache, a->slot_blocks, a->slot_offsets, a->block_size, nt);
-        a->attend(a->qkv, w->k_cache, w->v_cache, a->tables, a->row_seq, a->lens, a->attn, T,
-                  nqkv, KV, a->max_blocks, a->scale, NULL, nt);
+        if (w->windowed && a->win_tables)
+            a->attend(a->qkv, w->k_cache, w->v_cache, a->win_tables, a->win_row_seq,
+                      a->win_lens, a->win_skip, a->attn, T, nqkv, KV, a->win_max_blocks,
+                      a->scale, NULL, nt);
+        else
+            a->attend(a->qkv, w->k_cache, w->v_cache, a->tables, a->row_seq, a->lens, NULL,
+                      a->attn, T, nqkv, KV, a->max_blocks, a->scale, NULL, nt);
         a->linear(a->attn, w->wo, w->bo, a->o, NULL, T, d, H * D, nt);
         if (a->residual != 1.0f) scale_bf16(a->o, (long)T * d, a->residual);
         a->norm(a->x, a->o, w->ffn_norm, a->h, T, d, a->eps, nt);
