@@ -45,6 +45,8 @@ class Attention(nn.Module):
         backend: Backend,
     ) -> Tensor:
         """x: (T, d) -> (T, d). RoPE is applied to q and k; new K/V are written to the cache."""
+        if self.window is not None and meta.window is not None:  # the windowed layers' pool
+            meta = meta.window
         qkv = self.wqkv(x)  # (T, (H + 2KV) * dh)
         if self.qk_norm == "head":
             qkv = backend.norm_heads(qkv, self.q_norm, self.k_norm, self.n_heads, self.n_kv)

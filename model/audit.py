@@ -87,9 +87,34 @@ def count_params(cfg: ModelConfig) -> ParamCounts:
     )
 
 
-def kv_bytes_per_token(cfg: ModelConfig, dtype: str = "float16") -> int:
-    """K and V for one token across all layers."""
-    return 2 * cfg.kv_heads * cfg.head_dim * dtype_bytes(dtype) * cfg.n_layers
+def kv_bytes_per_token(cfg: ModelConfig, dtype: str = "float16", layers: int | None = None) -> int:
+    """K and V for one token across all layers (or `layers` of them)."""
+    n = cfg.n_layers if layers is None else layers
+    return 2 * cfg.kv_heads * cfg.head_dim * dtype_bytes(dtype) * n
+
+
+def window_pool_blocks(
+    cfg: ModelConfig, block_size: int, max_num_seqs: int, max_num_batched_tokens: int
+) -> int:
+    """The most blocks of the windowed layers' own pool a step's sequences hold: each the
+    blocks of its window and of its new tokens (service/engine/window_blocks.py), which
+    are at most ceil((window - 1 + new) / block_size) + 1, and at most
+    max_num_batched_tokens new tokens in all."""
+    assert cfg.sliding_window is not None
+    per_seq = -(-(cfg.sliding_window - 1) // block_size) + 2
+    return max_num_seqs * per_seq + -(-max_num_batched_tokens // block_size)
+
+
+def window_sequence_bytes(cfg: ModelConfig, dtype: str, seq_len: int, block_size: int) -> int:
+    """The KV of one sequence of seq_len tokens with the windowed layers in their own
+    pool: the global layers' blocks for every token, the windowed layers' for the window
+    (and the block it starts in)."""
+    windowed = len(cfg.windowed_layers)
+    assert cfg.sliding_window is not None and windowed
+    every = -(-seq_len // block_size) * block_size
+    seen = min(every, (-(-(cfg.sliding_window - 1) // block_size) + 1) * block_size)
+    global_bytes = every * kv_bytes_per_token(cfg, dtype, cfg.n_layers - windowed)
+    return global_bytes + seen * kv_bytes_per_token(cfg, dtype, windowed)
 
 
 def weight_bytes(cfg: ModelConfig, dtype: str) -> int:
@@ -166,9 +191,13 @@ def plan(
     bandwidth: float | None = None,
     matmul_flops: float | None = None,
     tensor_parallel_size: int = 1,
+    block_size: int = 16,
 ) -> dict[str, object]:
     """What fits in `memory_bytes` (of each device, with the model split over
-    `tensor_parallel_size` of them) next to the weights, and the physical floors."""
+    `tensor_parallel_size` of them) next to the weights, and the physical floors. A
+    model whose windowed layers sit beside global ones counts each sequence's KV as the
+    server holds it (the windowed layers' blocks of the window alone), and also as
+    global KV would (`sequences_of_seq_len_global_kv`)."""
     world = tensor_parallel_size
     local = rank_config(cfg, world) if world > 1 else cfg
     report = audit(cfg, dtype).as_dict()
@@ -187,6 +216,14 @@ def plan(
         "sequences_of_seq_len": tokens // seq_len,
         "fits": weights < memory_bytes and tokens >= seq_len,
     }
+    if local.mixed_windows:
+        per_seq = window_sequence_bytes(local, dtype, seq_len, block_size)
+        report |= {
+            "kv_bytes_per_sequence_of_seq_len": per_seq,
+            "sequences_of_seq_len": kv_room // per_seq,
+            "sequences_of_seq_len_global_kv": tokens // seq_len,
+            "fits": weights < memory_bytes and kv_room >= per_seq,
+        }
     report |= collective_bytes(cfg, dtype, world)
     return report | floors(local, dtype, bandwidth, matmul_flops)
 

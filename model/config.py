@@ -215,6 +215,17 @@ class ModelConfig:
         return None if layer in self.global_layers else self.sliding_window
 
     @property
+    def windowed_layers(self) -> tuple[int, ...]:
+        """The layers with a sliding window."""
+        return tuple(i for i in range(self.n_layers) if self.window(i) is not None)
+
+    @property
+    def mixed_windows(self) -> bool:
+        """Windowed layers beside global ones (Gemma 2 and 3): those need their keys' KV
+        for a window alone, the others for the whole context."""
+        return 0 < len(self.windowed_layers) < self.n_layers
+
+    @property
     def features(self) -> list[str]:
         """The variations on Llama's block this config uses, named for the model card."""
         out = [

@@ -18,6 +18,12 @@ class PagedKVCache:
     `triton` backends as (num_blocks, block_size, KV, head_dim), the `cpu` backend as its
     C kernels read it. Every layout keeps a block's KV * block_size * head_dim elements
     together, so a block is the same bytes whatever reads it.
+
+    With window_blocks, a model whose windowed layers sit beside global ones (Gemma 2 and
+    3) keeps its windowed layers' K and V in a pool of their own, `window_data`, of that
+    many blocks and its own block ids: a sequence holds there only the blocks its windows
+    still see (service/engine/window_blocks.py), and the global layers' pool `data` holds
+    the whole context.
     """
 
     def __init__(
@@ -28,27 +34,58 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device | str,
         backend: Backend,
+        window_blocks: int = 0,
     ) -> None:
-        if num_blocks <= 0 or block_size <= 0:
+        if num_blocks <= 0 or block_size <= 0 or window_blocks < 0:
             raise ValueError(
-                f"num_blocks and block_size must be > 0, got {num_blocks}, {block_size}"
+                f"num_blocks and block_size must be > 0 (and window_blocks >= 0), got "
+                f"{num_blocks}, {block_size}, {window_blocks}"
             )
+        if window_blocks and not cfg.mixed_windows:
+            raise ValueError("window_blocks: the model has no windowed layers beside global ones")
         backend.check_cache(cfg, block_size, dtype)
         self.backend = backend
         self.num_blocks = num_blocks
+        self.window_blocks = window_blocks
         self.block_size = block_size
         self.n_kv, self.d_head = cfg.kv_heads, cfg.head_dim
-        # one more block than asked: the null block, always zero and never handed out,
-        # pads block tables so padding never reads another request's K/V
-        shape = (2, cfg.n_layers, num_blocks + 1, cfg.kv_heads * block_size * cfg.head_dim)
+        elements = cfg.kv_heads * block_size * cfg.head_dim
+        windowed = cfg.windowed_layers if window_blocks else ()
+        # each layer's pool and its place there
+        self._where = [
+            (1, windowed.index(i)) if i in windowed else (0, i - sum(w < i for w in windowed))
+            for i in range(cfg.n_layers)
+        ]
+        # one more block than asked in each pool: the null block, always zero and never
+        # handed out, pads block tables so padding never reads another request's K/V
+        shape = (2, cfg.n_layers - len(windowed), num_blocks + 1, elements)
         self.data = backend.kv_pool(shape, dtype, device)
+        self.window_data: Tensor | None = None
+        pools = [backend.kv_views(self.data, cfg, num_blocks + 1, block_size)]
+        if windowed:
+            shape = (2, len(windowed), window_blocks + 1, elements)
+            self.window_data = backend.kv_pool(shape, dtype, device)
+            pools.append(backend.kv_views(self.window_data, cfg, window_blocks + 1, block_size))
         # views made once: a decode step asks for each layer's
-        self._layers = backend.kv_views(self.data, cfg, num_blocks + 1, block_size)
+        self._layers = [pools[pool][j] for pool, j in self._where]
         self._block_nbytes = self.data[:, :, 0].numel() * self.data.element_size()
+        self._window_nbytes = 0
+        if self.window_data is not None:
+            self._window_nbytes = self.window_data[:, :, 0].numel() * self.data.element_size()
 
     @property
     def null_block(self) -> int:
         return self.num_blocks
+
+    @property
+    def window_null_block(self) -> int:
+        return self.window_blocks
+
+    def clear(self, blocks: Tensor, window_blocks: Tensor | None = None) -> None:
+        """Zero these blocks' K and V in every layer of their pool."""
+        self.data.index_fill_(2, blocks, 0)
+        if window_blocks is not None and self.window_data is not None:
+            self.window_data.index_fill_(2, window_blocks, 0)
 
     def layer(self, i: int) -> tuple[Tensor, Tensor]:
         """Layer i's K and V views of `data`, in the backend's layout."""
@@ -56,11 +93,16 @@ class PagedKVCache:
 
     @property
     def block_nbytes(self) -> int:
-        """K and V of one block across all layers (the engine's snapshot reads it every
-        step)."""
+        """K and V of one block across the layers of `data` (the engine's snapshot reads
+        it every step)."""
         return self._block_nbytes
 
     @property
+    def window_block_nbytes(self) -> int:
+        """K and V of one block across the layers of `window_data` (0: none)."""
+        return self._window_nbytes
+
+    @property
     def nbytes(self) -> int:
-        """The pool that requests can use (the null block not counted)."""
-        return self.num_blocks * self.block_nbytes
+        """The pools that requests can use (the null blocks not counted)."""
+        return self.num_blocks * self.block_nbytes + self.window_blocks * self._window_nbytes

@@ -10,7 +10,7 @@ the scheduler: this is all it is told.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate, chain
 
 import torch
@@ -38,6 +38,12 @@ class AttentionMetadata:
     _dense: tuple[Tensor, Tensor, Tensor | None] | None = None  # mask, q_pos, q_index
     _alibi: Tensor | None = None  # the ALiBi bias, built once per forward
     _groups: list[tuple[Tensor, AttentionMetadata]] | None = None  # see groups()
+    # the windowed layers' metadata where they keep their K/V in a pool of their own
+    # (PagedKVCache.window_data): the same rows, that pool's slots and block tables
+    window: AttentionMetadata | None = None
+    # what a backend derives from the step once and reads in every layer (its key names
+    # the backend and what it is, e.g. a sliding window's view of the block tables)
+    memo: dict[object, object] = field(default_factory=dict)
 
     @property
     def device(self) -> torch.device:

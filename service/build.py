@@ -86,13 +86,17 @@ def build(
         "async_scheduling": engine.async_scheduling,
         "block_size": settings.block_size,
         "kv_blocks": engine.blocks.num_blocks,
-        "kv_pool_sequences_of_max_len": report["kv_pool_tokens"] // engine.max_model_len,
+        # the windowed layers' own pool (Gemma 2 and 3), 0: none
+        "kv_window_blocks": engine.kv_cache.window_blocks,
+        "kv_pool_sequences_of_max_len": engine.blocks.num_blocks
+        * settings.block_size
+        // engine.max_model_len,
         "speculative_method": settings.speculative_method,
         "num_speculative_tokens": settings.num_speculative_tokens,
     }
     log.info(
         "engine ready%s: device %s, dtype %s, weights %s, attention backend %s%s, CUDA graphs "
-        "%s, async scheduling %s, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d",
+        "%s, async scheduling %s, %d KV blocks of %d tokens (%s%.1f MiB), max_model_len %d",
         f" (rank {tp.rank} of {tp.world})" if tp is not None else "",
         device,
         name,
@@ -103,6 +107,9 @@ def build(
         "on" if engine.async_scheduling else "off",
         engine.blocks.num_blocks,
         settings.block_size,
+        f"{engine.kv_cache.window_blocks} more for the windowed layers, "
+        if engine.kv_cache.window_blocks
+        else "",
         engine.kv_cache.nbytes / (1 << 20),
         engine.max_model_len,
     )

@@ -158,7 +158,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         f"KV cache: {report['kv_bytes_per_token']:,} bytes per token"
         + (f", {report['kv_bytes_per_token_per_device']:,}{each}" if world > 1 else ""),
         f"memory {memory / gib:.1f} GiB{each}: {report['kv_room_bytes'] / gib:.2f} GiB left for KV = {report['kv_tokens']:,} tokens"
-        f" = {report['sequences_of_seq_len']:,} sequences of {report['seq_len']:,} tokens",
+        f" = {report['sequences_of_seq_len']:,} sequences of {report['seq_len']:,} tokens"
+        + (
+            f" (windowed layers' KV of the window alone; "
+            f"{report['sequences_of_seq_len_global_kv']:,} with global KV in every layer)"
+            if "sequences_of_seq_len_global_kv" in report
+            else ""
+        ),
     ]
     if world > 1:
         lines.append(

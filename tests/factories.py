@@ -206,24 +206,27 @@ def write_olmo2(path: Path, seed: int = 0) -> object:
     return model
 
 
-def write_gemma3(path: Path, seed: int = 0, sliding_window: int = 8) -> object:
+def write_gemma3(path: Path, seed: int = 0, sliding_window: int = 8, **config: object) -> object:
     """Gemma 3 (text) of 6 layers, the sixth global, the others windowed with their own
     RoPE base; every norm's weight away from 0 (Gemma's norms scale by 1 + w)."""
-    model = _gemma3_text(seed, sliding_window)
+    model = _gemma3_text(seed, sliding_window, **config)
     model.save_pretrained(path)
     return model
 
 
-def _gemma3_text(seed: int, sliding_window: int) -> Any:
+def _gemma3_text(seed: int, sliding_window: int, **config: object) -> Any:
     model = _hf_model(
         "Gemma3Text",
         seed,
-        num_hidden_layers=6,
-        head_dim=16,
-        query_pre_attn_scalar=16,
-        sliding_window=sliding_window,
-        pad_token_id=0,
-        tie_word_embeddings=True,
+        **{
+            "num_hidden_layers": 6,
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+            "sliding_window": sliding_window,
+            "pad_token_id": 0,
+            "tie_word_embeddings": True,
+            **config,
+        },
     )
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -82,7 +82,12 @@ class Backend(Protocol):
         block_size: int,
         device: torch.device | str,
         pad_block: int,
-    ) -> AttentionMetadata: ...
+        window_tables: Sequence[Sequence[int]] | None = None,
+        window_pad: int = 0,
+    ) -> AttentionMetadata:
+        """The step's metadata; with window_tables (the windowed layers' own pool,
+        PagedKVCache.window_data), its `window` the same rows over those tables."""
+        ...
 
     def greedy(self, logits: Tensor) -> list[int]:
         """(B, V) logits -> each row's first argmax, or NON_FINITE."""

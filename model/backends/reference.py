@@ -27,16 +27,10 @@ def fusable_rms_norm(norm: nn.Module, x: Tensor, delta: Tensor | None) -> bool:
     return isinstance(norm, RMSNorm) and x.is_contiguous() and same
 
 
-def own_kernel_takes(meta: AttentionMetadata, window: int | None, softcap: float | None) -> bool:
-    """Whether a backend's own attention kernel computes this step's attention: it has no
-    soft-cap and no window (beyond_window)."""
-    return softcap is None and not beyond_window(meta, window)
-
-
 def beyond_window(meta: AttentionMetadata, window: int | None) -> bool:
     """Whether some query of the step has keys outside its window: only then does
-    sliding-window attention differ from full attention (below it the backends' own
-    kernels serve the windowed layers, which they run without windows)."""
+    sliding-window attention differ from full attention (below it the kernels run the
+    windowed layers as global ones)."""
     return window is not None and meta.max_seq_len > window
 
 
@@ -73,7 +67,7 @@ class TorchBackend:
     ) -> list[tuple[Tensor, Tensor]]:
         """Per layer K and V views of the pool `data` (2, layers, num_blocks, elements)."""
         shape = (num_blocks, block_size, cfg.kv_heads, cfg.head_dim)
-        return [(data[0, i].view(shape), data[1, i].view(shape)) for i in range(cfg.n_layers)]
+        return [(data[0, i].view(shape), data[1, i].view(shape)) for i in range(data.shape[1])]
 
     def prepare(self, model: nn.Module, quantization: str = "none") -> bool:
         """Put the weights in the layouts this backend's linears read (none here), in
@@ -95,10 +89,17 @@ class TorchBackend:
         block_size: int,
         device: torch.device | str,
         pad_block: int,
+        window_tables: Sequence[Sequence[int]] | None = None,
+        window_pad: int = 0,
     ) -> AttentionMetadata:
-        return AttentionMetadata.paged(
+        meta = AttentionMetadata.paged(
             block_tables, cached_lens, query_lens, block_size, device, pad_block=pad_block
         )
+        if window_tables is not None:
+            meta.window = AttentionMetadata.paged(
+                window_tables, cached_lens, query_lens, block_size, device, pad_block=window_pad
+            )
+        return meta
 
     def greedy(self, logits: Tensor) -> list[int]:
         """(B, V) logits -> each row's first argmax, or NON_FINITE (-1) for a row whose

@@ -39,3 +39,5 @@ class Step:
     starts: list[int]  # tokens each sequence already has in the cache
     num_new: list[int]
     logit_rows: list[int]  # rows of `tokens` whose logits are sampled
+    # the windowed layers' own pool's tables (PagedKVCache.window_data), where it has one
+    window_tables: list[list[int]] | None = None

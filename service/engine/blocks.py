@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from itertools import count
 
 from service.engine.request import Request
+from service.engine.window_blocks import WindowBlocks
 
 ROOT = -1  # the parent entry of a first block
 
@@ -46,6 +47,17 @@ def chain_hashes(
     return hashes
 
 
+class Hits(list[int]):
+    """A prompt's prefix-cache hits: the blocks of its first tokens, and `window` the
+    windowed layers' pool's blocks for the window of their end (WindowBlocks)."""
+
+    window: list[int]
+
+    def __init__(self, blocks: Sequence[int] = (), window: Sequence[int] = ()) -> None:
+        super().__init__(blocks)
+        self.window = list(window)
+
+
 class BlockManager:
     def __init__(
         self,
@@ -53,9 +65,11 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         namespace: str = "",
+        windows: WindowBlocks | None = None,
     ) -> None:
         """namespace: what, besides the tokens, the KV depends on (the model): part of
-        every key."""
+        every key. windows: the windowed layers' own pool, where they have one
+        (PagedKVCache.window_data): every method here keeps it in step."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(
                 f"num_blocks and block_size must be > 0, got {num_blocks}, {block_size}"
@@ -65,6 +79,7 @@ class BlockManager:
         self.prefix_caching = enable_prefix_caching
         self.ref_count = [0] * num_blocks
         self.namespace = namespace
+        self.windows = windows
         self.block_hash: list[bytes | None] = [None] * num_blocks
         # what a cached block holds, checked on every hit: its tokens, the entry it was
         # computed on top of (ROOT for a first block: then its root key), its own entry id
@@ -93,11 +108,12 @@ class BlockManager:
 
     # ---- prefix cache -----------------------------------------------------------------
 
-    def lookup(self, request: Request) -> list[int]:
+    def lookup(self, request: Request) -> Hits:
         """Cached blocks that hold a prefix of the request's tokens. At least one token is
-        always left to compute, so the last hit is dropped when it would cover them all."""
+        always left to compute, so the last hit is dropped when it would cover them all;
+        with a window pool, hits past the last whose window is cached there too."""
         if not self.prefix_caching:
-            return []
+            return Hits()
         hashes = self._request_hashes(request)
         hits: list[int] = []
         parent: int | bytes | None = self._root(request)
@@ -109,7 +125,13 @@ class BlockManager:
             parent = self.entry[block]
         if hits and len(hits) * self.block_size >= request.num_tokens:
             hits.pop()
-        return hits
+        if self.windows is None or not hits:
+            return Hits(hits)
+        keys = hashes[: len(hits)]
+        tokens = [self.block_tokens[b] for b in hits]
+        anchors = [self.entry[b] for b in hits]
+        m, window = self.windows.usable_hits(keys, tokens, anchors)  # type: ignore[arg-type]
+        return Hits(hits[:m], window)
 
     def _root(self, request: Request) -> bytes:
         return root_digest(self.namespace, request.params.cache_salt)
@@ -160,18 +182,35 @@ class BlockManager:
                     continue
             parent = self.entry[block] if self.block_hash[block] is not None else None
         self._registered[request.request_id] = (n_full, parent)
+        if self.windows is not None:
+            self.windows.cache_full_blocks(request, hashes, self._anchor)
+
+    def _anchor(self, key: bytes) -> int | None:
+        """The entry id of the global block cached under `key`, if any."""
+        block = self.cached.get(key)
+        return self.entry[block] if block is not None else None
 
     # ---- allocation -------------------------------------------------------------------
 
-    def can_allocate(self, hits: list[int], num_tokens: int, reserve: int = 0) -> bool:
+    def can_allocate(self, hits: Sequence[int], num_tokens: int, reserve: int = 0) -> bool:
         """Can a waiting request reuse `hits` and get blocks for num_tokens in total,
-        leaving `reserve` blocks free?"""
+        leaving `reserve` blocks free (and 1% of the window pool, where reserve is)?"""
         revived = sum(1 for b in hits if self.ref_count[b] == 0)
-        return self.blocks_for(num_tokens) - len(hits) + revived + reserve <= self.num_free
+        if self.blocks_for(num_tokens) - len(hits) + revived + reserve > self.num_free:
+            return False
+        if self.windows is None:
+            return True
+        window = hits.window if isinstance(hits, Hits) else []
+        spare = max(1, self.windows.num_blocks // 100) if reserve else 0
+        start = len(hits) * self.block_size
+        return self.windows.can_allocate(window, start, num_tokens, spare)
 
-    def allocate(self, request: Request, hits: list[int], num_tokens: int) -> None:
+    def allocate(self, request: Request, hits: Sequence[int], num_tokens: int) -> None:
         if request.block_table:
             raise RuntimeError(f"request {request.request_id} already holds blocks")
+        if self.windows is not None:
+            window = hits.window if isinstance(hits, Hits) else []
+            self.windows.allocate(request, window, len(hits) * self.block_size, num_tokens)
         for b in hits:
             if self.ref_count[b] == 0:
                 del self.free[b]
@@ -186,9 +225,13 @@ class BlockManager:
 
     def can_append(self, request: Request, num_new: int) -> bool:
         need = self.blocks_for(request.num_computed + num_new) - len(request.block_table)
-        return need <= self.num_free
+        if need > self.num_free:
+            return False
+        return self.windows is None or self.windows.can_append(request, num_new)
 
     def append(self, request: Request, num_new: int) -> None:
+        if self.windows is not None:
+            self.windows.append(request, num_new)
         self._grow(request, request.num_computed + num_new)
 
     def _grow(self, request: Request, num_tokens: int) -> None:
@@ -222,15 +265,18 @@ class BlockManager:
                 self.free[block] = None
         request.block_table = []
         self._registered.pop(request.request_id, None)
+        if self.windows is not None:
+            self.windows.free_request(request)
 
-    def uncache_owned(self, request: Request) -> list[int]:
+    def uncache_owned(self, request: Request) -> tuple[list[int], list[int]]:
         """Drop the prefix-cache entries of the blocks only this request holds, and
-        return them (for a request whose K/V cannot be trusted, e.g. non-finite values).
-        Blocks shared with other requests are left alone."""
+        return them, and the window pool's (for a request whose K/V cannot be trusted,
+        e.g. non-finite values). Blocks shared with other requests are left alone."""
         owned = [b for b in request.block_table if self.ref_count[b] == 1]
         for block in owned:
             self._uncache(block)
-        return owned
+        windowed = self.windows.uncache_owned(request) if self.windows is not None else []
+        return owned, windowed
 
     def forget(self, request: Request) -> None:
         """Drop the per-request hash memo once the request is gone for good."""

@@ -123,13 +123,21 @@ class LLMEngine:
             self.scheduler.remove(request)
 
     def snapshot(self) -> EngineSnapshot:
-        sched, blocks = self.scheduler, self.blocks
+        sched, blocks, windows = self.scheduler, self.blocks, self.blocks.windows
+        window_bytes = (0, 0)
+        if windows is not None:
+            each = self.kv_cache.window_block_nbytes
+            window_bytes = (
+                (windows.num_blocks - windows.num_free) * each,
+                windows.num_blocks * each,
+            )
         return self.stats.snapshot(
             len(sched.running),
             len(sched.waiting),
             blocks.num_used,
             blocks.num_blocks,
             self.block_bytes,
+            window_bytes,
         )
 
     def has_unfinished(self) -> bool:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from model.audit import kv_bytes_per_token
+from model.audit import kv_bytes_per_token, window_pool_blocks
 from model.backends.device import dtype_name
 from model.transformer import Transformer
 
@@ -43,21 +43,33 @@ def cuda_kv_budget(model: Transformer, settings: Settings, max_num_seqs: int) ->
 
 def kv_block_budget(
     model: Transformer, settings: Settings, max_num_seqs: int, draft: Transformer | None = None
-) -> int:
-    """Number of KV blocks: num_kv_blocks, or from the memory budget of the model's
-    device (max_num_seqs: the engine's, for the worst-case step on CUDA). A speculative
-    draft model keeps its K/V of every block too, from the same budget."""
-    if settings.num_kv_blocks is not None:
-        return settings.num_kv_blocks
-    block_size = settings.block_size
+) -> tuple[int, int]:
+    """Number of KV blocks of the pool, and of the windowed layers' own pool (0: none):
+    num_kv_blocks, or from the memory budget of the model's device (max_num_seqs: the
+    engine's, for the worst-case step on CUDA). A speculative draft model keeps its K/V
+    of every block too, from the same budget.
+
+    A model whose windowed layers sit beside global ones keeps the windowed layers' K/V
+    in a pool of their own, sized to what a step's sequences can hold of it
+    (window_pool_blocks), and the global layers' in the rest."""
+    cfg, dtype, block_size = model.local_cfg, dtype_name(model.dtype), settings.block_size
+    windowed = len(cfg.windowed_layers) if cfg.mixed_windows else 0
     # this rank's heads (all of them on one rank)
-    per_token = kv_bytes_per_token(model.local_cfg, dtype_name(model.dtype))
+    per_token = kv_bytes_per_token(cfg, dtype, cfg.n_layers - windowed)
     if draft is not None:
         per_token += kv_bytes_per_token(draft.cfg, dtype_name(draft.dtype))
     per_block = block_size * per_token
+    window_block = block_size * kv_bytes_per_token(cfg, dtype, windowed)
+    most = 0
+    if windowed:
+        most = window_pool_blocks(cfg, block_size, max_num_seqs, settings.max_num_batched_tokens)
+    if settings.num_kv_blocks is not None:
+        return settings.num_kv_blocks, min(most, settings.num_kv_blocks)
     gpu = model.device.type == "cuda"
     budget = cuda_kv_budget(model, settings, max_num_seqs) if gpu else settings.kv_cache_bytes
-    blocks = max(0, budget) // per_block
+    # no more window blocks than global ones: a sequence never holds more of them
+    window_blocks = min(most, max(0, budget) // (per_block + window_block))
+    blocks = max(0, budget - window_blocks * window_block) // per_block
     max_len = min(settings.max_model_len or model.cfg.max_position, model.cfg.max_position)
     need = -(-max_len // block_size)
     if blocks < need:
@@ -67,4 +79,4 @@ def kv_block_budget(
             f"tokens, fewer than one sequence of max_model_len {max_len} "
             f"({need * per_block} bytes); raise {source} or lower max_model_len"
         )
-    return blocks
+    return blocks, window_blocks

@@ -26,6 +26,7 @@ from service.engine.runner import ModelRunner
 from service.engine.scheduler import Scheduler
 from service.engine.speculative import Speculator
 from service.engine.structured import Grammars, Masks
+from service.engine.window_blocks import WindowBlocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,24 +72,28 @@ def assemble(
     local = model.local_cfg  # the shapes this rank holds (the model's, on one rank)
     backend = _backend(settings, model.device, model.dtype, local)
     ranks = Ranks(model.tp, model.device) if model.tp is not None else None
-    num_blocks = kv_block_budget(model, settings, max_num_seqs, draft)
+    num_blocks, window_blocks = kv_block_budget(model, settings, max_num_seqs, draft)
     if ranks is not None:
         num_blocks = ranks.agree_min(num_blocks)
+        window_blocks = ranks.agree_min(window_blocks)
     kv_cache = PagedKVCache(
-        local, num_blocks, settings.block_size, model.dtype, model.device, backend
+        local, num_blocks, settings.block_size, model.dtype, model.device, backend, window_blocks
     )
     # the model is part of every prefix-cache key (with each request's cache_salt)
     namespace = f"{model.cfg!r}|{model.dtype}|{settings.quantization}"
-    blocks = BlockManager(
-        num_blocks, settings.block_size, not settings.disable_prefix_caching, namespace
-    )
+    prefix = not settings.disable_prefix_caching
+    windows = None
+    if window_blocks:
+        assert local.sliding_window is not None
+        windows = WindowBlocks(window_blocks, settings.block_size, local.sliding_window, prefix)
+    blocks = BlockManager(num_blocks, settings.block_size, prefix, namespace, windows)
     scheduler = Scheduler(
         blocks, max_num_seqs, settings.max_num_batched_tokens, settings.mixed_prefill_cap(device)
     )
     # not captured across ranks: a graph would replay its collectives unchecked; not for
-    # sliding windows or soft-capped scores: those steps leave the Triton kernel for the
-    # torch reference (model/backends/reference.py, own_kernel_takes), which builds its
-    # masks on the host
+    # soft-capped scores: those steps leave the Triton kernel for the torch reference,
+    # which builds its masks on the host; not yet for sliding windows, which the Triton
+    # kernel takes but no GPU run has replayed from a graph
     graphs = (
         not settings.enforce_eager
         and backend.name == "triton"

@@ -31,9 +31,11 @@ class RankError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class Clear:
-    """Zero these KV blocks (a request's K/V that must not be reused)."""
+    """Zero these KV blocks (a request's K/V that must not be reused), and these of the
+    windowed layers' pool."""
 
     blocks: list[int]
+    window_blocks: list[int]
 
 
 _HEARTBEAT, _STOP = "heartbeat", "stop"

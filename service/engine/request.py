@@ -158,6 +158,9 @@ class Request:
     status: Status = Status.WAITING
     num_computed: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
+    # the windowed layers' pool (service/engine/window_blocks.py): an entry per block of
+    # block_table, its null block where the windows no longer see it
+    window_table: list[int] = field(default_factory=list)
     num_cached_prompt: int = 0  # prompt tokens served by the prefix cache (first admission)
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None

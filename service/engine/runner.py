@@ -85,12 +85,16 @@ class ModelRunner:
         pool[row].manual_seed(_mix(seed, request.num_generated + row))
         return pool[row]
 
-    def clear_blocks(self, blocks: list[int]) -> None:
-        """Zero these blocks' K and V in every layer (on every rank)."""
-        if blocks:
+    def clear_blocks(self, blocks: tuple[list[int], list[int]]) -> None:
+        """Zero these blocks' K and V in every layer (on every rank): the global pool's,
+        and the windowed layers' pool's."""
+        if blocks[0] or blocks[1]:
             if self.ranks is not None:
-                self.ranks.send(Clear(blocks))
-            self.kv_cache.data.index_fill_(2, self._to_device(blocks), 0)
+                self.ranks.send(Clear(*blocks))
+            self._clear(*blocks)
+
+    def _clear(self, blocks: list[int], window_blocks: list[int]) -> None:
+        self.kv_cache.clear(self._to_device(blocks), self._to_device(window_blocks))
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
@@ -128,12 +132,14 @@ class ModelRunner:
                 logit_rows.extend(range(len(tokens) - rows, len(tokens)))
                 sampled.extend([seq.request] * rows)
                 gens.extend(self.generator_for(seq.request, j) for j in range(rows))
+        windowed = self.kv_cache.window_data is not None
         step = Step(
             tokens,
             [s.request.block_table for s in batch.seqs],
             [s.start for s in batch.seqs],
             [s.num_new + len(s.drafts) for s in batch.seqs],
             logit_rows,
+            [s.request.window_table for s in batch.seqs] if windowed else None,
         )
         filled = (fill, prev.ids) if fill else None  # type: ignore[union-attr]
         if self.ranks is None:
@@ -209,6 +215,8 @@ class ModelRunner:
             self.block_size,
             self.device,
             self.kv_cache.null_block,
+            step.window_tables,
+            self.kv_cache.window_null_block,
         )
         tokens = self._to_device(step.tokens)
         if fill is not None:
@@ -244,7 +252,7 @@ class ModelRunner:
             if isinstance(message, Step):
                 self.forward(message)
             elif isinstance(message, Clear):
-                self.kv_cache.data.index_fill_(2, self._to_device(message.blocks), 0)
+                self._clear(message.blocks, message.window_blocks)
         self.ranks.leave()
 
 

@@ -30,16 +30,23 @@ class EngineStats:
     finished: Counter[str] = field(default_factory=Counter)
 
     def snapshot(
-        self, running: int, waiting: int, blocks_used: int, blocks_total: int, block_bytes: int
+        self,
+        running: int,
+        waiting: int,
+        blocks_used: int,
+        blocks_total: int,
+        block_bytes: int,
+        window_bytes: tuple[int, int] = (0, 0),
     ) -> EngineSnapshot:
-        """These counters with the engine's gauges, frozen."""
+        """These counters with the engine's gauges, frozen. window_bytes: the bytes used
+        and held of the windowed layers' own pool, in the KV bytes (not the blocks)."""
         return EngineSnapshot(
             running=running,
             waiting=waiting,
             kv_blocks_total=blocks_total,
             kv_blocks_used=blocks_used,
-            kv_bytes_total=blocks_total * block_bytes,
-            kv_bytes_used=blocks_used * block_bytes,
+            kv_bytes_total=blocks_total * block_bytes + window_bytes[1],
+            kv_bytes_used=blocks_used * block_bytes + window_bytes[0],
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
             prefix_queried_tokens=self.prefix_queried_tokens,

@@ -5,6 +5,7 @@ from hypothesis import strategies as st
 
 from service.engine.blocks import BlockManager
 from service.engine.request import Request, SamplingParams
+from service.engine.window_blocks import WindowBlocks
 
 PARAMS = SamplingParams()
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [7] * 12]
@@ -34,21 +35,20 @@ def check_invariants(bm: BlockManager, live: list[Request]) -> None:
         assert bm.block_hash[b] == h
 
 
-@settings(max_examples=300, deadline=None)
-@given(ops, st.integers(4, 24))
-def test_random_operations_keep_the_pool_consistent(operations: list, num_blocks: int) -> None:
-    bm = BlockManager(num_blocks, 4)
+def run_operations(bm: BlockManager, operations: list, check) -> None:
+    """Allocate (a prompt on one of PREFIXES, with its prefix-cache hits), append, free;
+    check(live, last) after each, `last` each request's tokens of its last step. At the
+    end every request is freed."""
     live: list[Request] = []
-    counter = 0
-    for op, a, b in operations:
+    last: dict[str, int] = {}
+    for counter, (op, a, b) in enumerate(operations):
         if op == "allocate":
-            counter += 1
-            prompt = PREFIXES[a] + list(range(100, 100 + b))
-            r = Request(f"r{counter}", prompt, PARAMS, 0.0)
+            r = Request(f"r{counter}", PREFIXES[a] + list(range(100, 100 + b)), PARAMS, 0.0)
             hits = bm.lookup(r)
             cached = len(hits) * bm.block_size
             if bm.can_allocate(hits, r.num_tokens):
                 bm.allocate(r, hits, r.num_tokens)
+                last[r.request_id] = r.num_tokens - cached
                 r.num_computed = r.num_tokens
                 bm.cache_full_blocks(r)
                 live.append(r)
@@ -58,17 +58,63 @@ def test_random_operations_keep_the_pool_consistent(operations: list, num_blocks
             if bm.can_append(r, b):
                 bm.append(r, b)
                 r.output_ids.extend([5] * b)
+                last[r.request_id] = b
                 r.num_computed = r.num_tokens
                 bm.cache_full_blocks(r)
         elif op == "free" and live:
             r = live.pop(a % len(live))
             bm.free_request(r)
             bm.forget(r)
-        check_invariants(bm, live)
+        check(live, last)
     for r in live:
         bm.free_request(r)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops, st.integers(4, 24))
+def test_random_operations_keep_the_pool_consistent(operations: list, num_blocks: int) -> None:
+    bm = BlockManager(num_blocks, 4)
+    run_operations(bm, operations, lambda live, _: check_invariants(bm, live))
     assert bm.num_free == num_blocks and bm.num_used == 0
     assert all(c == 0 for c in bm.ref_count)
+
+
+def check_window_invariants(pool: WindowBlocks, live: list[Request], last: dict) -> None:
+    holders: dict[int, int] = {}
+    for r in live:
+        assert len(r.window_table) == len(r.block_table)
+        held = [b for b in r.window_table if b != pool.null]
+        assert len(set(held)) == len(held)
+        # nothing held behind the window of the last step's start
+        first = pool.first_needed(r.num_computed - last[r.request_id])
+        assert all(b == pool.null for b in r.window_table[:first])
+        for b in held:
+            holders[b] = holders.get(b, 0) + 1
+    for b in range(pool.num_blocks):
+        assert pool.ref_count[b] == holders.get(b, 0), f"window block {b}"
+        assert (b in pool.free) == (pool.ref_count[b] == 0)
+    for key, b in pool.cached.items():
+        assert pool.block_key[b] == key
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops, st.integers(8, 24), st.integers(4, 16), st.integers(1, 9))
+def test_random_operations_keep_a_window_pool_consistent(
+    operations: list, num_blocks: int, window_blocks: int, window: int
+) -> None:
+    """The same operations with the windowed layers' pool beside it (window_blocks.py):
+    its blocks behind a sequence's window released, every hit's window held, and every
+    block back at the end."""
+    pool = WindowBlocks(window_blocks, 4, window, True)
+    bm = BlockManager(num_blocks, 4, windows=pool)
+
+    def check(live: list[Request], last: dict) -> None:
+        check_invariants(bm, live)
+        check_window_invariants(pool, live, last)
+
+    run_operations(bm, operations, check)
+    assert bm.num_free == num_blocks and pool.num_free == window_blocks
+    assert all(c == 0 for c in pool.ref_count)
 
 
 def test_prefix_hit_and_lru_eviction() -> None:

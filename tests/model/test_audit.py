@@ -105,6 +105,21 @@ def test_plan_answers_the_70b_class_question_on_2_4_8_devices_of_80_gb() -> None
     assert answers[4][1] == 66 and answers[8][1] == 185
 
 
+def test_plan_counts_gemma3_windows_as_the_server_holds_them() -> None:
+    """Gemma 3 1B at 32,768 tokens: its 4 global layers keep K/V of every token (1 KV
+    head of 256: 1,024 bytes a layer and token in bf16), its 22 windowed layers the
+    33 blocks of 16 its 512-token window touches; 6x the sequences of global KV."""
+    from tests.model.test_config import GEMMA3_1B
+
+    cfg = ModelConfig.from_hf_config(GEMMA3_1B)
+    r = plan(cfg, "bfloat16", 24 << 30, 32768)
+    assert r["kv_bytes_per_sequence_of_seq_len"] == 4 * 32768 * 1024 + 22 * 33 * 16 * 1024
+    assert r["kv_bytes_per_token"] == 26 * 1024
+    assert r["sequences_of_seq_len_global_kv"] == r["kv_tokens"] // 32768 == 27
+    assert r["sequences_of_seq_len"] == r["kv_room_bytes"] // (4 * 32768 * 1024 + 22 * 528 * 1024)
+    assert r["sequences_of_seq_len"] >= 6 * r["sequences_of_seq_len_global_kv"]
+
+
 def test_plan_refuses_a_split_the_model_cannot_take() -> None:
     with pytest.raises(ValueError, match="64 attention heads do not split over 3 ranks"):
         plan(LLAMA3_70B, "bfloat16", 80 * 10**9, 8192, tensor_parallel_size=3)

@@ -12,6 +12,7 @@ interpreter: slow, and how the tests prove them.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -20,8 +21,8 @@ from torch import Tensor, nn
 
 from model.backends.reference import (
     TorchBackend,
+    beyond_window,
     fusable_rms_norm,
-    own_kernel_takes,
     split_heads,
 )
 from model.config import ModelConfig
@@ -114,6 +115,8 @@ class TritonBackend(TorchBackend):
         block_size: int,
         device: torch.device | str,
         pad_block: int,
+        window_tables: Sequence[Sequence[int]] | None = None,
+        window_pad: int = 0,
     ) -> AttentionMetadata:
         """positions (int64, they index the RoPE tables), slots, block tables, lengths and
         query starts; no mask, no per-row tables."""
@@ -126,26 +129,49 @@ class TritonBackend(TorchBackend):
         starts = _query_starts(q)
         row_seq = np.repeat(np.arange(len(q)), q)
         positions = np.arange(starts[-1]) - starts[row_seq] + cached[row_seq]
+        put = self.buffers.put
+        self.buffers.begin()
+        slots, tables = self._pool(block_tables, cached + q, row_seq, positions, block_size,
+                                   pad_block, "")  # fmt: skip
+        meta = AttentionMetadata(
+            positions=put("positions", positions).long(),
+            query_lens=list(query_lens),
+            seq_lens=(cached + q).tolist(),
+            slot_mapping=slots,
+            block_tables=tables,
+            query_start=put("starts", starts),
+            seq_lens_t=put("seq_lens", cached + q),
+        )
+        if window_tables is not None:
+            slots, tables = self._pool(window_tables, cached + q, row_seq, positions,
+                                       block_size, window_pad, "window ")  # fmt: skip
+            meta.window = replace(meta, slot_mapping=slots, block_tables=tables, memo={})
+        self.buffers.end()
+        return meta
+
+    def _pool(
+        self,
+        block_tables: Sequence[Sequence[int]],
+        totals: np.ndarray,
+        row_seq: np.ndarray,
+        positions: np.ndarray,
+        block_size: int,
+        pad_block: int,
+        pool: str,
+    ) -> tuple[Tensor, Tensor]:
+        """The new tokens' slots and the padded block tables over one pool's tables, in
+        buffers of their own (`pool` prefixes their names)."""
         width = max(len(t) for t in block_tables)
-        tables = np.full((len(q), width), pad_block, dtype=np.int64)
-        for i, (table, total) in enumerate(zip(block_tables, cached + q, strict=True)):
+        tables = np.full((len(block_tables), width), pad_block, dtype=np.int64)
+        for i, (table, total) in enumerate(zip(block_tables, totals, strict=True)):
             if -(-int(total) // block_size) > len(table):
                 raise ValueError(f"block table of {len(table)} blocks cannot hold {total} tokens")
             tables[i, : len(table)] = table
         slots = tables[row_seq, positions // block_size] * block_size + positions % block_size
         put = self.buffers.put
-        self.buffers.begin()
-        meta = AttentionMetadata(
-            positions=put("positions", positions).long(),
-            query_lens=list(query_lens),
-            seq_lens=(cached + q).tolist(),
-            slot_mapping=put("slots", slots),
-            block_tables=put("tables", tables.reshape(-1)).view(len(q), width),
-            query_start=put("starts", starts),
-            seq_lens_t=put("seq_lens", cached + q),
+        return put(pool + "slots", slots), put(pool + "tables", tables.reshape(-1)).view(
+            len(block_tables), width
         )
-        self.buffers.end()
-        return meta
 
     def add_norm(self, norm: nn.Module, x: Tensor, delta: Tensor | None) -> tuple[Tensor, Tensor]:
         """RMSNorm in one kernel with the residual add before it (x updated in place, as
@@ -180,7 +206,7 @@ class TritonBackend(TorchBackend):
         window: int | None = None,
         softcap: float | None = None,
     ) -> Tensor:
-        if cache is None or not own_kernel_takes(meta, window, softcap):
+        if cache is None or softcap is not None:  # the kernel has no soft-cap
             return super().attend(q, k, v, cache, meta, scale, alibi, window, softcap)
         if meta.query_start is None:  # metadata built by AttentionMetadata.paged()
             self._fill(meta)
@@ -193,6 +219,7 @@ class TritonBackend(TorchBackend):
             meta.max_query_len,
             scale,
             alibi,
+            window=window if beyond_window(meta, window) else None,
         )  # (T, H, dh)
         return out.view(q.shape[0], q.shape[1] * q.shape[2])
 
