@@ -4,7 +4,6 @@ the rotation, the store into the cache and the attention itself in the backend
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 
 from model.backends.base import Backend
@@ -48,19 +47,11 @@ class Attention(nn.Module):
         if self.window is not None and meta.window is not None:  # the windowed layers' pool
             meta = meta.window
         qkv = self.wqkv(x)  # (T, (H + 2KV) * dh)
-        if self.qk_norm == "head":
-            qkv = backend.norm_heads(qkv, self.q_norm, self.k_norm, self.n_heads, self.n_kv)
-        elif self.qk_norm == "all":
-            qkv = self._norm_all(qkv)
+        if self.qk_norm != "none":  # each head's (Qwen3) or all heads at once (OLMo 2)
+            whole = self.qk_norm == "all"
+            qkv = backend.norm_heads(qkv, self.q_norm, self.k_norm, self.n_heads, self.n_kv, whole)
         q, k, v = backend.rope_store(qkv, rope, self.n_heads, self.n_kv, self.d_head, cache, meta)
         out = backend.attend(
             q, k, v, cache, meta, self.scale, alibi_slopes, self.window, self.softcap
         )
         return self.wo(out)  # out: (T, H * dh)
-
-    def _norm_all(self, qkv: Tensor) -> Tensor:
-        """OLMo 2's q/k norms: all of q's heads through one norm, all of k's through the
-        other, before the backend rotates them."""
-        h, kv, dh = self.n_heads, self.n_kv, self.d_head
-        q, k, v = qkv.split([h * dh, kv * dh, kv * dh], dim=1)
-        return torch.cat([self.q_norm(q), self.k_norm(k), v], dim=1)  # type: ignore[misc]

@@ -71,8 +71,9 @@ class Block(nn.Module):
             return x, out * self.residual if self.residual != 1.0 else out
         if self.placement == "output":  # the norms are on what the sublayers add
             attn = self.reduce(self.attn(x, meta, rope, cache, alibi_slopes, backend))
-            x = x + self.attn_norm(attn)
-            return x + self.ffn_norm(self.reduce(self.ffn(x))), None
+            x = x + backend.add_norm(self.attn_norm, attn, None)[1]
+            out = self.reduce(self.ffn(x))
+            return x + backend.add_norm(self.ffn_norm, out, None)[1], None
         x = self.attn_norm(x + self.reduce(self.attn(x, meta, rope, cache, alibi_slopes, backend)))
         return self.ffn_norm(x + self.reduce(self.ffn(x))), None
 

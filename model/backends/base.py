@@ -98,8 +98,16 @@ class Backend(Protocol):
     ) -> tuple[Tensor, Tensor]: ...
 
     def norm_heads(
-        self, qkv: Tensor, q_norm: nn.Module, k_norm: nn.Module, n_heads: int, n_kv: int
-    ) -> Tensor: ...
+        self,
+        qkv: Tensor,
+        q_norm: nn.Module,
+        k_norm: nn.Module,
+        n_heads: int,
+        n_kv: int,
+        whole: bool = False,
+    ) -> Tensor:
+        """q/k norms before RoPE: each head (Qwen3), or all heads at once (whole: OLMo 2)."""
+        ...
 
     def rope_store(
         self,

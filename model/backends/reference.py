@@ -114,11 +114,23 @@ class TorchBackend:
         return x, norm(x)
 
     def norm_heads(
-        self, qkv: Tensor, q_norm: nn.Module, k_norm: nn.Module, n_heads: int, n_kv: int
+        self,
+        qkv: Tensor,
+        q_norm: nn.Module,
+        k_norm: nn.Module,
+        n_heads: int,
+        n_kv: int,
+        whole: bool = False,
     ) -> Tensor:
-        """Qwen3's q/k norms: each query head of qkv (T, (H + 2KV) * dh) through q_norm,
-        each key head through k_norm (one weight of dh for all heads), before RoPE."""
-        t, d_head = qkv.shape[0], q_norm.weight.shape[0]
+        """q/k norms before RoPE: Qwen3's, each query head of qkv (T, (H + 2KV) * dh)
+        through q_norm and each key head through k_norm (weights of dh); OLMo 2's (whole),
+        all of q through q_norm and all of k through k_norm (weights of H * dh, KV * dh)."""
+        t = qkv.shape[0]
+        if whole:
+            d_head = q_norm.weight.shape[0] // n_heads
+            q, k, v = qkv.split([n_heads * d_head, n_kv * d_head, n_kv * d_head], dim=1)
+            return torch.cat([q_norm(q), k_norm(k), v], dim=1)
+        d_head = q_norm.weight.shape[0]
         heads = qkv.view(t, n_heads + 2 * n_kv, d_head)
         q, k, v = heads[:, :n_heads], heads[:, n_heads : n_heads + n_kv], heads[:, n_heads + n_kv :]
         return torch.cat([q_norm(q), k_norm(k), v], dim=1).view(t, -1)

@@ -69,6 +69,7 @@ def test_one_call_gives_the_bits_of_the_modules(
         {"nope_layers": (1,)},  # SmolLM3: a layer that stores K unrotated
         {"residual_multiplier": 0.22, "attention_multiplier": 0.03},  # Granite
         {"qk_norm": "head"},  # Qwen3: each head of q and k normed before RoPE
+        {"norm_placement": "output", "qk_norm": "all"},  # OLMo 2
         {"sliding_window": 8},  # Mistral v0.1: every layer windowed (steps pass it)
         {"sliding_window": 5, "global_layers": (1,)},  # windowed layers beside a global one
     ],
@@ -125,7 +126,6 @@ def test_models_and_steps_it_does_not_take_run_as_modules(isa: str) -> None:
     assert stack_model(norm="layernorm").fused_layers is None
     assert stack_model(position="alibi").fused_layers is None
     assert stack_model(norm_placement="post").fused_layers is None
-    assert stack_model(norm_placement="output", qk_norm="all").fused_layers is None
     # head size 32, groups of 3 as above, but 96 + 64 qkv features: padded to 192, which
     # the stack's C code does not cut back
     padded = stack_model(d_model=96, n_heads=3, n_kv_heads=1)

@@ -167,15 +167,21 @@ class CpuBackend(TorchBackend):
         return super().add_norm(norm, x, delta)
 
     def norm_heads(
-        self, qkv: Tensor, q_norm: nn.Module, k_norm: nn.Module, n_heads: int, n_kv: int
+        self,
+        qkv: Tensor,
+        q_norm: nn.Module,
+        k_norm: nn.Module,
+        n_heads: int,
+        n_kv: int,
+        whole: bool = False,
     ) -> Tensor:
         # the C kernel, in place: the one the decoder stack calls, so both give one bits
         norms = (q_norm, k_norm)
         if fused_supported(qkv) and all(fusable_rms_norm(n, qkv, None) for n in norms):
-            d_head = q_norm.weight.shape[0]
-            qk_norm(qkv, q_norm.weight, k_norm.weight, n_heads, n_kv, d_head, q_norm.eps)
+            d_head = q_norm.weight.shape[0] // (n_heads if whole else 1)
+            qk_norm(qkv, q_norm.weight, k_norm.weight, n_heads, n_kv, d_head, q_norm.eps, whole)
             return qkv
-        return super().norm_heads(qkv, q_norm, k_norm, n_heads, n_kv)
+        return super().norm_heads(qkv, q_norm, k_norm, n_heads, n_kv, whole)
 
     def rope_store(
         self,

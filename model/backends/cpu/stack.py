@@ -65,6 +65,7 @@ class _Args(ctypes.Structure):
         ("eps", _F),
         ("scale", _F),
         ("residual", _F),
+        ("output_norms", _I),
         ("w", ctypes.POINTER(_Layer)),
         ("final_norm", _P),
         *[(name, _P) for name in (*_STEP, *_WINDOW)],
@@ -94,10 +95,9 @@ class DecoderStack:
         cls, cfg: ModelConfig, layers: nn.ModuleList, final_norm: nn.Module
     ) -> DecoderStack | None:
         if (
-            cfg.norm_placement != "pre"
+            cfg.norm_placement not in ("pre", "output")
             or cfg.position != "rope"
-            or cfg.qk_norm == "all"  # the C layers norm q's and k's heads one by one
-            or cfg.attn_logit_softcap is not None  # and their attention has no soft-cap
+            or cfg.attn_logit_softcap is not None  # the C attention has no soft-cap
             or not isinstance(final_norm, RMSNorm)
         ):
             return None
@@ -131,7 +131,9 @@ class DecoderStack:
         if self._cache is None or self._cache() is not kv_cache:
             cfg = self.cfg
             group = cfg.n_heads // cfg.kv_heads
-            self._kernels = stack_kernels(cfg.head_dim, kv_cache.block_size, group, self.kind)
+            self._kernels = stack_kernels(
+                cfg.head_dim, kv_cache.block_size, group, self.kind, cfg.qk_norm == "all"
+            )
             self._weights = self._layer_args(kv_cache) if self._kernels else None
             self._cache, self._block_size = weakref.ref(kv_cache), kv_cache.block_size
             self._rows = None  # their arguments point at the old cache's layers
@@ -222,6 +224,7 @@ class DecoderStack:
             eps=cfg.norm_eps,
             scale=self.layers[0].attn.scale,  # Granite's attention_multiplier, or 1/sqrt(dh)
             residual=cfg.residual_multiplier,
+            output_norms=int(cfg.norm_placement == "output"),
             w=self._weights,
             final_norm=self.final_norm.weight.data_ptr(),
             **{k: v.data_ptr() for k, v in buffers.items()},

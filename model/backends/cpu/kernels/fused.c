@@ -129,8 +129,31 @@ void NAME(T *qkv, const T *wq, const T *wk, int rows, int H, int KV, int D, floa
     }                                                                                    \
 }
 
+/* OLMo 2's q/k norms, in place on each row of the fused qkv projection: all H query heads
+ * normed as one vector with wq (H * D weights), all KV key heads with wk (KV * D); the
+ * value heads are left as they are. The same arithmetic as add_rms_norm without a delta. */
+#define DEFINE_QK_NORM_ALL(NAME, T, LOAD, STORE)                                         \
+void NAME(T *qkv, const T *wq, const T *wk, int rows, int H, int KV, int D, float eps,   \
+          int nthreads) {                                                                \
+    const long work = (long)rows * (H + KV) * D;                                         \
+    PARALLEL(work)                                                                       \
+    for (long j = 0; j < 2L * rows; ++j) {                                               \
+        const long r = j / 2;                                                            \
+        const int key = (int)(j % 2), n = (key ? KV : H) * D;                            \
+        T *xr = qkv + r * (long)(H + 2 * KV) * D + (key ? (long)H * D : 0);              \
+        const T *w = key ? wk : wq;                                                      \
+        float ss = 0.f;                                                                  \
+        for (int i = 0; i < n; ++i) { const float v = LOAD(xr[i]); ss += v * v; }        \
+        const float inv = 1.f / sqrtf(ss / (float)n + eps);                              \
+        for (int i = 0; i < n; ++i)                                                      \
+            xr[i] = STORE(LOAD(w[i]) * LOAD(STORE(LOAD(xr[i]) * inv)));                  \
+    }                                                                                    \
+}
+
 DEFINE_QK_NORM(qk_norm_f32, float, f32_load, f32_store)
 DEFINE_QK_NORM(qk_norm_bf16, uint16_t, bf16_load, bf16_store)
+DEFINE_QK_NORM_ALL(qk_norm_all_f32, float, f32_load, f32_store)
+DEFINE_QK_NORM_ALL(qk_norm_all_bf16, uint16_t, bf16_load, bf16_store)
 DEFINE_ADD_RMS_NORM(add_rms_norm_f32, float, f32_load, f32_store)
 DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, uint16_t, bf16_load, bf16_store)
 DEFINE_ROPE_STORE(rope_store_f32, float, f32_load, f32_store)

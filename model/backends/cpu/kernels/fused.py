@@ -39,7 +39,7 @@ def _fused_at(isa: str) -> ctypes.CDLL | None:
         lib,
         *(
             f"{n}_{t}"
-            for n in ("add_rms_norm", "qk_norm", "rope_store", "greedy")
+            for n in ("add_rms_norm", "qk_norm", "qk_norm_all", "rope_store", "greedy")
             for t in _SUFFIX.values()
         ),
     )
@@ -114,8 +114,12 @@ def qk_norm(
     n_kv: int,
     d_head: int,
     eps: float,
+    whole: bool = False,
 ) -> None:
-    getattr(fused_library(), f"qk_norm_{_SUFFIX[qkv.dtype]}")(
+    """Each query and key head normed with wq and wk (D weights: Qwen3's), or, whole, all
+    query heads as one vector and all key heads as one (H * D and KV * D: OLMo 2's)."""
+    name = "qk_norm_all" if whole else "qk_norm"
+    getattr(fused_library(), f"{name}_{_SUFFIX[qkv.dtype]}")(
         qkv.data_ptr(),
         wq.contiguous().data_ptr(),
         wk.contiguous().data_ptr(),

@@ -25,6 +25,10 @@ void qk_norm_f32(float *qkv, const float *wq, const float *wk, int rows, int H, 
                  float eps, int nthreads);
 void qk_norm_bf16(uint16_t *qkv, const uint16_t *wq, const uint16_t *wk, int rows, int H,
                   int KV, int D, float eps, int nthreads);
+void qk_norm_all_f32(float *qkv, const float *wq, const float *wk, int rows, int H, int KV,
+                     int D, float eps, int nthreads);
+void qk_norm_all_bf16(uint16_t *qkv, const uint16_t *wq, const uint16_t *wk, int rows, int H,
+                      int KV, int D, float eps, int nthreads);
 void greedy_f32(const float *x, int rows, int n, int64_t *out, int nthreads);
 void greedy_bf16(const uint16_t *x, int rows, int n, int64_t *out, int nthreads);
 
@@ -101,6 +105,7 @@ typedef struct {
     int layers, rows, d, heads, kv, head_dim, ff, block_size, max_blocks, nthreads;
     float eps, scale;
     float residual; /* each sublayer's output times this before its add (Granite; else 1) */
+    int output_norms; /* 1: OLMo 2's layers, the norms on what each sublayer adds */
     const layer_args *w;
     const uint16_t *final_norm;
     /* this step: (rows, head_dim) rotations, slots of the new tokens, the attention rows */

@@ -1,6 +1,7 @@
 /* A whole stack of pre-norm Llama decoder layers (RMSNorm, RoPE, paged attention, SwiGLU;
  * with Qwen3's q/k norms, SmolLM3's layers without RoPE, Granite's scaled sublayers and
- * scores, and Mistral's sliding windows) in bf16 as one call, for CPUs where every part runs as kvserve's own kernel: the AMX
+ * scores, and Mistral's sliding windows), or of OLMo 2's (norms on the sublayers' outputs,
+ * q/k norms over the whole projections) in bf16 as one call, for CPUs where every part runs as kvserve's own kernel: the AMX
  * tile linears (linear_bf16.c), the fused norm and RoPE-and-store (fused.c) and the AMX
  * paged attention (paged_attention.c). It computes exactly what Block.forward does with
  * those kernels, in the same order on the same buffers, so the bits are the same; what it
@@ -30,13 +31,33 @@ static void scale_bf16(uint16_t *x, long n, float m) {
     }
 }
 
+/* x[i] = bf16(x[i] + y[i]), rounded to nearest even as torch adds two bf16 tensors */
+static void add_bf16(uint16_t *x, const uint16_t *y, long n) {
+    for (long i = 0; i < n; ++i) {
+        uint32_t a = (uint32_t)x[i] << 16, b = (uint32_t)y[i] << 16, bits;
+        float f, g;
+        memcpy(&f, &a, 4);
+        memcpy(&g, &b, 4);
+        f += g;
+        memcpy(&bits, &f, 4);
+        x[i] = (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+    }
+}
+
 void stack_forward(const stack_args *a) {
     const int T = a->rows, d = a->d, H = a->heads, KV = a->kv, D = a->head_dim;
     const int nqkv = (H + 2 * KV) * D, nt = a->nthreads;
     for (int l = 0; l < a->layers; ++l) {
         const layer_args *w = a->w + l;
-        a->norm(a->x, l ? a->delta : NULL, w->attn_norm, a->h, T, d, a->eps, nt);
-        a->linear(a->h, w->wqkv, w->bqkv, a->qkv, NULL, T, nqkv, d, nt);
+        /* pre-norm: each sublayer reads the normed residual stream (the last layer's
+         * delta added first); OLMo 2's output norms: it reads the stream itself, and its
+         * normed output is added at once */
+        const uint16_t *in = a->x;
+        if (!a->output_norms) {
+            a->norm(a->x, l ? a->delta : NULL, w->attn_norm, a->h, T, d, a->eps, nt);
+            in = a->h;
+        }
+        a->linear(in, w->wqkv, w->bqkv, a->qkv, NULL, T, nqkv, d, nt);
         if (w->q_norm) a->qk_norm(a->qkv, w->q_norm, w->k_norm, T, H, KV, D, a->eps, nt);
         a->rope(a->qkv, w->rotate ? a->cos_t : NULL, w->rotate ? a->sin_t : NULL, T, H, KV, D,
                 w->k_cache, w->v_cache, a->slot_blocks, a->slot_offsets, a->block_size, nt);
@@ -48,11 +69,22 @@ void stack_forward(const stack_args *a) {
             a->attend(a->qkv, w->k_cache, w->v_cache, a->tables, a->row_seq, a->lens, NULL,
                       a->attn, T, nqkv, KV, a->max_blocks, a->scale, NULL, nt);
         a->linear(a->attn, w->wo, w->bo, a->o, NULL, T, d, H * D, nt);
+        if (a->output_norms) {
+            a->norm(a->o, NULL, w->attn_norm, a->h, T, d, a->eps, nt);
+            add_bf16(a->x, a->h, (long)T * d);
+            a->linear(a->x, w->w_in, w->b_in, a->act, a->gate, T, 2 * a->ff, d, nt);
+            a->linear(a->act, w->w_out, w->b_out, a->delta, NULL, T, d, a->ff, nt);
+            a->norm(a->delta, NULL, w->ffn_norm, a->h, T, d, a->eps, nt);
+            add_bf16(a->x, a->h, (long)T * d);
+            continue;
+        }
         if (a->residual != 1.0f) scale_bf16(a->o, (long)T * d, a->residual);
         a->norm(a->x, a->o, w->ffn_norm, a->h, T, d, a->eps, nt);
         a->linear(a->h, w->w_in, w->b_in, a->act, a->gate, T, 2 * a->ff, d, nt);
         a->linear(a->act, w->w_out, w->b_out, a->delta, NULL, T, d, a->ff, nt);
         if (a->residual != 1.0f) scale_bf16(a->delta, (long)T * d, a->residual);
     }
-    a->norm(a->x, a->layers ? a->delta : NULL, a->final_norm, a->h, T, d, a->eps, nt);
+    /* pre-norm: the last layer's delta is still to be added */
+    const uint16_t *last = a->layers && !a->output_norms ? a->delta : NULL;
+    a->norm(a->x, last, a->final_norm, a->h, T, d, a->eps, nt);
 }

@@ -20,10 +20,13 @@ def _stack() -> ctypes.CDLL | None:
     return lib
 
 
-def stack_kernels(d_head: int, block_size: int, group: int, kind: str) -> dict[str, int] | None:
+def stack_kernels(
+    d_head: int, block_size: int, group: int, kind: str, whole_qk_norm: bool = False
+) -> dict[str, int] | None:
     """Addresses of the kernels model/backends/cpu/kernels/stack.c calls for a bf16 model whose
     attention has this shape and whose linears are all of `kind` ('bf16' or 'int8'), at
-    this CPU's level; None unless all of them are built here."""
+    this CPU's level (whole_qk_norm: OLMo 2's q/k norms over every head at once); None
+    unless all of them are built here."""
     attention, fused = attention_library(d_head, block_size, group), fused_library()
     linear = linear_kernel(kind)
     if attention is None or fused is None or linear is None or _stack() is None:
@@ -35,7 +38,7 @@ def stack_kernels(d_head: int, block_size: int, group: int, kind: str) -> dict[s
 
     return {
         "norm": address(fused.add_rms_norm_bf16),
-        "qk_norm": address(fused.qk_norm_bf16),
+        "qk_norm": address(fused.qk_norm_all_bf16 if whole_qk_norm else fused.qk_norm_bf16),
         "linear": address(linear),
         "rope": address(fused.rope_store_bf16),
         "attend": address(attention.paged_attention_amx if amx else attention.paged_attention_bf16),
