@@ -180,7 +180,7 @@ class Transformer(nn.Module):
             local = (self._rope_local[0][positions], self._rope_local[1][positions])
         backend = kv_cache.backend if kv_cache is not None else REFERENCE
         if self.fused_layers is not None and self.fused_layers.takes(kv_cache, meta):
-            x = self.fused_layers.forward(x, meta, rope)  # the layers and the final norm
+            x = self.fused_layers.forward(x, meta, rope, local)  # the layers, the final norm
         else:
             delta = None
             for i, layer in enumerate(self.layers):

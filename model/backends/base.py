@@ -36,8 +36,15 @@ class FusedLayers(Protocol):
         """Whether forward() runs this step (its cache and metadata)."""
         ...
 
-    def forward(self, x: Tensor, meta: AttentionMetadata, rope: tuple[Tensor, Tensor]) -> Tensor:
-        """Embeddings (T, d) -> the final norm's output (T, d)."""
+    def forward(
+        self,
+        x: Tensor,
+        meta: AttentionMetadata,
+        rope: tuple[Tensor, Tensor],
+        local: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor:
+        """Embeddings (T, d) -> the final norm's output (T, d); local: the windowed
+        layers' own RoPE tables (Gemma 3), else they use rope."""
         ...
 
 

@@ -301,3 +301,40 @@ def test_greedy_tokens_are_torch_max_and_isfinite(isa, dtype, n) -> None:
     want = torch.where(best.values.isfinite(), best.indices, -1).tolist()
     assert greedy_tokens(x) == want
     assert want[3] == want[4] == want[5] == want[8] == -1 and want[7] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_geglu_is_torchs_tanh_gelu_times_up(isa, dtype) -> None:
+    """Gemma's gelu_tanh(gate) * up in one pass (fused.c): torch's ops, to its rounding
+    (bf16: each of the two results rounded, as torch rounds them)."""
+    from model.backends.cpu.kernels.fused import geglu
+
+    gen = torch.Generator().manual_seed(0)
+    gate_up = (3 * torch.randn(37, 2 * 200, generator=gen)).to(dtype)
+    gate, up = gate_up.split(200, dim=1)
+    want = F.gelu(gate.float(), approximate="tanh").to(dtype).float() * up.float()
+    got = geglu(gate_up).float()
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(got, want, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_whole_qk_norms_are_the_references(isa, dtype) -> None:
+    """OLMo 2's q and k norms over every head at once (fused.c's qk_norm_all, in place)
+    against the torch reference's RMSNorm over the whole projections; v left alone."""
+    from model.backends.cpu.backend import CpuBackend
+    from model.backends.reference import TorchBackend
+    from model.layers import RMSNorm
+
+    h, kv, d = 6, 2, 16
+    gen = torch.Generator().manual_seed(1)
+    q_norm, k_norm = RMSNorm(h * d, 1e-6).to(dtype), RMSNorm(kv * d, 1e-6).to(dtype)
+    for norm in (q_norm, k_norm):
+        norm.weight.data = (1 + 0.3 * torch.randn(norm.weight.shape, generator=gen)).to(dtype)
+    qkv = (2 * torch.randn(9, (h + 2 * kv) * d, generator=gen)).to(dtype)
+    want = TorchBackend().norm_heads(qkv.clone(), q_norm, k_norm, h, kv, whole=True)
+    cpu = CpuBackend.__new__(CpuBackend)  # its norm_heads alone
+    got = cpu.norm_heads(qkv.clone(), q_norm, k_norm, h, kv, whole=True)
+    assert torch.equal(got[:, (h + kv) * d :], qkv[:, (h + kv) * d :])
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.float(), want.float(), **tol)

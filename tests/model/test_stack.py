@@ -30,9 +30,13 @@ def _built(isa: str) -> None:
 
 
 def run_steps(model, cache: PagedKVCache, tokens: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Two sequences through whole-prompt, mixed (decode + chunk) and decode-only steps."""
+    """Two sequences through whole-prompt, mixed (decode + chunk) and decode-only steps;
+    with a window pool (PagedKVCache.window_blocks), the windowed layers' tables there,
+    the blocks behind each step's windows released (the pool's null block)."""
     bs = cache.block_size
     tables = [[5, 0, 9, 2, 7, 10], [3, 8, 1, 6, 4, 11]]
+    pooled = [[10, 4, 0, 8, 2, 6], [1, 11, 3, 9, 5, 7]]
+    window = model.cfg.sliding_window
     steps = [  # (start, count) per sequence; count 0 leaves it out of the step
         [(0, 21), (0, 9)],
         [(21, 1), (9, 30)],
@@ -42,12 +46,29 @@ def run_steps(model, cache: PagedKVCache, tokens: list[torch.Tensor]) -> list[to
     outs = []
     for step in steps:
         seqs = [(i, s, n) for i, (s, n) in enumerate(step) if n]
-        meta = AttentionMetadata.paged(
-            [tables[i] for i, _, _ in seqs], [s for _, s, _ in seqs], [n for _, _, n in seqs], bs
-        )
+        starts, new = [s for _, s, _ in seqs], [n for _, _, n in seqs]
+        meta = AttentionMetadata.paged([tables[i] for i, _, _ in seqs], starts, new, bs)
+        if cache.window_blocks:
+            own = []
+            for i, s, _ in seqs:
+                behind = max(0, s - window + 1) // bs
+                own.append([cache.window_null_block] * behind + pooled[i][behind:])
+            meta.window = AttentionMetadata.paged(own, starts, new, bs)
         ids = torch.cat([tokens[i][s : s + n] for i, s, n in seqs])
         outs.append(model(ids, meta, cache))
     return outs
+
+
+# Gemma 3: a norm before and after each sublayer, GeGLU, q/k norms, windowed layers with a
+# RoPE base of their own beside a global one
+GEMMA3 = {
+    "norm_placement": "sandwich",
+    "ffn": "geglu",
+    "qk_norm": "head",
+    "sliding_window": 5,
+    "global_layers": (1,),
+    "local_rope_theta": 1000.0,
+}
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -72,18 +93,24 @@ def test_one_call_gives_the_bits_of_the_modules(
         {"norm_placement": "output", "qk_norm": "all"},  # OLMo 2
         {"sliding_window": 8},  # Mistral v0.1: every layer windowed (steps pass it)
         {"sliding_window": 5, "global_layers": (1,)},  # windowed layers beside a global one
+        GEMMA3,
     ],
 )
 @torch.no_grad()
 def test_family_variations_take_the_stack(isa: str, family: dict) -> None:
     model = stack_model(**family)
-    gen = torch.Generator().manual_seed(1)
-    for block in model.layers:  # norms that matter: not ones
-        for norm in (block.attn.q_norm, block.attn.k_norm):
-            if norm is not None:
-                norm.weight.copy_(1 + 0.3 * torch.randn(norm.weight.shape, generator=gen))
     assert model.fused_layers is not None
     assert_stack_is_the_modules(model, 16)
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+@torch.no_grad()
+def test_gemma3_with_its_window_pool_takes_the_stack(isa: str, quantization: str) -> None:
+    """The windowed layers' K/V in their own pool (PagedKVCache.window_data), blocks
+    behind the windows released: the modules' bits, and the same pools."""
+    model = stack_model(quantization, **GEMMA3)
+    assert model.fused_layers is not None
+    assert_stack_is_the_modules(model, 16, window_blocks=12)
 
 
 @torch.no_grad()
@@ -102,22 +129,36 @@ def test_partial_rotary_and_long_rope_take_the_stack(isa: str) -> None:
     assert_stack_is_the_modules(model, 16)
 
 
-def assert_stack_is_the_modules(model, block_size: int) -> None:
+def assert_stack_is_the_modules(model, block_size: int, window_blocks: int = 0) -> None:
     gen = torch.Generator().manual_seed(0)
+    for block in model.layers:  # norms that matter: not ones
+        norms = (block.attn.q_norm, block.attn.k_norm, block.attn_norm, block.ffn_norm)
+        for norm in (*norms, getattr(block, "post_attn_norm", None)):
+            if norm is not None:
+                norm.weight.copy_(1 + 0.3 * torch.randn(norm.weight.shape, generator=gen))
     tokens = [torch.randint(0, 256, (41,), generator=gen) for _ in range(2)]
     backend = auto_backend(model.cfg, torch.bfloat16, block_size)
-    fast_cache = PagedKVCache(model.cfg, 12, block_size, torch.bfloat16, "cpu", backend)
+
+    def cache() -> PagedKVCache:
+        return PagedKVCache(
+            model.cfg, 12, block_size, torch.bfloat16, "cpu", backend, window_blocks
+        )
+
+    fast_cache = cache()
     assert model.fused_layers.takes(
         fast_cache, AttentionMetadata.paged([[0]], [0], [3], block_size)
     )
     fast = run_steps(model, fast_cache, tokens)
     stack, model.fused_layers = model.fused_layers, None
-    slow_cache = PagedKVCache(model.cfg, 12, block_size, torch.bfloat16, "cpu", backend)
+    slow_cache = cache()
     slow = run_steps(model, slow_cache, tokens)
     model.fused_layers = stack
     for a, b in zip(fast, slow, strict=True):
         assert torch.equal(a, b)
     assert torch.equal(fast_cache.data, slow_cache.data)
+    if window_blocks:
+        assert torch.equal(fast_cache.window_data, slow_cache.window_data)
+        assert fast_cache.window_data.abs().sum() > 0
     assert fast[0].isfinite().all() and fast[0].std() > 0
 
 

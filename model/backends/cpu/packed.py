@@ -14,8 +14,9 @@ The layouts, by what the weight allows (bf16 on the CPU):
   else the nn.Linear stays.
 
 A SwiGLU whose (gate | up) projection takes kvserve's layout becomes a GatedSwiGLU: the
-kernel applies silu(gate) * up in the same pass. Packing keeps only the packed copy, so
-it is the last thing done to a model.
+kernel applies silu(gate) * up in the same pass. A GeGLU (Gemma) becomes a PackedGeGLU:
+gelu_tanh(gate) * up in a C pass of its own. Packing keeps only the packed copy, so it is
+the last thing done to a model.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.backends.cpu.isa import onednn_packs_bf16
+from model.backends.cpu.kernels.fused import fused_library, geglu
 from model.backends.cpu.kernels.linear import (
     TILE_N,
     int8_pack,
@@ -35,7 +37,7 @@ from model.backends.cpu.kernels.linear import (
     tile_linear_supported,
 )
 from model.backends.cpu.pages import HugeArena
-from model.layers import SwiGLU
+from model.layers import GeGLU, SwiGLU
 
 
 class PackedLinear(nn.Module):
@@ -113,6 +115,18 @@ class GatedSwiGLU(nn.Module):
         return self.w_out(self.w_in(x))
 
 
+class PackedGeGLU(nn.Module):
+    """Gemma's GeGLU over packed linears: gelu_tanh(gate) * up in one C pass (fused.c's
+    geglu), the pass the decoder stack makes too."""
+
+    def __init__(self, w_in: nn.Module, w_out: nn.Module) -> None:
+        super().__init__()
+        self.w_in, self.w_out = w_in, w_out
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w_out(geglu(self.w_in(x)))
+
+
 def can_pack(model: nn.Module) -> bool:
     return (
         model.device.type == "cpu"
@@ -142,7 +156,8 @@ def pack_model(model: nn.Module, quantization: str = "none") -> bool:
 
 def swap_linears(module: nn.Module, quantization: str = "none") -> None:
     """Each nn.Linear under `module` for pack_linear's form of it; a SwiGLU whose
-    (gate | up) packs gated for a GatedSwiGLU. Packed modules stay as they are."""
+    (gate | up) packs gated for a GatedSwiGLU, a GeGLU becomes a PackedGeGLU. Packed
+    modules stay as they are."""
     for name, child in module.named_children():
         if isinstance(child, SwiGLU):
             w_in = pack_linear(child.w_in, swiglu=True, quantization=quantization)
@@ -151,6 +166,11 @@ def swap_linears(module: nn.Module, quantization: str = "none") -> None:
                 setattr(module, name, GatedSwiGLU(w_in, w_out))
             else:
                 child.w_in, child.w_out = w_in, w_out
+        elif isinstance(child, GeGLU) and fused_library() is not None:
+            w_in = pack_linear(child.w_in, quantization=quantization)
+            setattr(
+                module, name, PackedGeGLU(w_in, pack_linear(child.w_out, quantization=quantization))
+            )
         elif type(child) is nn.Linear:
             setattr(module, name, pack_linear(child, quantization=quantization))
         else:

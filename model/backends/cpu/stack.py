@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from model.backends.cpu.kernels.attention import step_window
 from model.backends.cpu.kernels.build import data_ptr
 from model.backends.cpu.kernels.stack import stack_forward, stack_kernels
-from model.backends.cpu.packed import GatedSwiGLU, PackedLinear
+from model.backends.cpu.packed import GatedSwiGLU, PackedGeGLU, PackedLinear
 from model.config import ModelConfig
 from model.kv_cache import PagedKVCache
 from model.layers import RMSNorm
@@ -45,6 +45,8 @@ class _Layer(ctypes.Structure):
                 "v_cache",
                 "q_norm",
                 "k_norm",
+                "post_attn_norm",
+                "post_ffn_norm",
             )
         ],
         ("rotate", _I),
@@ -54,13 +56,23 @@ class _Layer(ctypes.Structure):
 
 _DIMS = ("layers", "rows", "d", "heads", "kv", "head_dim", "ff", "block_size", "max_blocks")
 _STEP = ("cos_t", "sin_t", "slot_blocks", "slot_offsets", "tables", "row_seq", "lens")
-_WINDOW = ("win_tables", "win_row_seq", "win_lens", "win_skip")
-_BUFFERS = ("x", "h", "qkv", "attn", "o", "act", "gate", "delta")
+# the windowed layers' own: their pool's slots, RoPE tables and attention rows
+_WINDOW = (
+    "win_slot_blocks",
+    "win_slot_offsets",
+    "win_cos_t",
+    "win_sin_t",
+    "win_tables",
+    "win_row_seq",
+    "win_lens",
+    "win_skip",
+)
+_BUFFERS = ("x", "h", "qkv", "attn", "o", "act", "gate", "delta", "gate_up")
 
 
 class _Args(ctypes.Structure):
     _fields_ = [
-        *[(name, _P) for name in ("norm", "qk_norm", "linear", "rope", "attend")],
+        *[(name, _P) for name in ("norm", "qk_norm", "linear", "rope", "attend", "geglu")],
         *[(name, _I) for name in (*_DIMS, "nthreads")],
         ("eps", _F),
         ("scale", _F),
@@ -95,7 +107,7 @@ class DecoderStack:
         cls, cfg: ModelConfig, layers: nn.ModuleList, final_norm: nn.Module
     ) -> DecoderStack | None:
         if (
-            cfg.norm_placement not in ("pre", "output")
+            cfg.norm_placement not in ("pre", "output", "sandwich")
             or cfg.position != "rope"
             or cfg.attn_logit_softcap is not None  # the C attention has no soft-cap
             or not isinstance(final_norm, RMSNorm)
@@ -106,7 +118,12 @@ class DecoderStack:
             if not (
                 isinstance(block.attn_norm, RMSNorm)
                 and isinstance(block.ffn_norm, RMSNorm)
-                and isinstance(block.ffn, GatedSwiGLU)
+                and isinstance(block.ffn, GatedSwiGLU | PackedGeGLU)
+                and all(
+                    isinstance(getattr(block, n, None), RMSNorm)
+                    for n in ("post_attn_norm", "post_ffn_norm")
+                    if cfg.norm_placement == "sandwich"
+                )
                 and all(
                     isinstance(m, PackedLinear) and m._tiles is not None and not m.pad
                     for m in linears
@@ -124,15 +141,18 @@ class DecoderStack:
     def takes(self, kv_cache: PagedKVCache | None, meta: AttentionMetadata) -> bool:
         if kv_cache is None or kv_cache.backend.name != "cpu" or meta.slot_blocks is None:
             return False
-        if meta.window is not None:  # the windowed layers' own pool: not in the C layers
-            return False
         if kv_cache.data.dtype != torch.bfloat16 or kv_cache.data.device.type != "cpu":
             return False
         if self._cache is None or self._cache() is not kv_cache:
             cfg = self.cfg
             group = cfg.n_heads // cfg.kv_heads
             self._kernels = stack_kernels(
-                cfg.head_dim, kv_cache.block_size, group, self.kind, cfg.qk_norm == "all"
+                cfg.head_dim,
+                kv_cache.block_size,
+                group,
+                self.kind,
+                whole_qk_norm=cfg.qk_norm == "all",
+                geglu=cfg.ffn == "geglu",
             )
             self._weights = self._layer_args(kv_cache) if self._kernels else None
             self._cache, self._block_size = weakref.ref(kv_cache), kv_cache.block_size
@@ -159,6 +179,13 @@ class DecoderStack:
                 v_cache.data_ptr(),
                 data_ptr(attn.q_norm.weight if attn.q_norm is not None else None),
                 data_ptr(attn.k_norm.weight if attn.k_norm is not None else None),
+                *(
+                    data_ptr(norm.weight if norm is not None else None)
+                    for norm in (
+                        getattr(block, "post_attn_norm", None),
+                        getattr(block, "post_ffn_norm", None),
+                    )
+                ),
                 int(i not in self.cfg.nope_layers),
                 int(self.cfg.window(i) is not None),
             )
@@ -169,6 +196,7 @@ class DecoderStack:
         x: Tensor,  # (T, d) embeddings, bf16: updated in place into the residual stream
         meta: AttentionMetadata,
         rope: tuple[Tensor, Tensor],  # cos, sin (T, head_dim) at the tokens' positions
+        local: tuple[Tensor, Tensor] | None = None,  # the windowed layers' own (Gemma 3)
     ) -> Tensor:
         """-> the final norm's output (T, d), as the module path's add_norm gives it; a
         buffer of this stack's that the next call overwrites. Call takes() with this
@@ -186,20 +214,39 @@ class DecoderStack:
             "row_seq": meta.row_seq.contiguous() if meta.row_seq is not None else None,
             "lens": meta.row_lens.contiguous(),
         }
-        view = step_window(meta, self.cfg.sliding_window, self._block_size)
-        if view is not None:  # the windowed layers' tables, rows and skips
-            tables, lens, row_seq, skip = view
-            step.update(zip(_WINDOW, (tables, row_seq, lens, skip), strict=True))
-        args.win_max_blocks = view[0].shape[1] if view is not None else 0
+        step.update(self._windowed(meta, local))
+        args.win_max_blocks = step["win_tables"].shape[1] if step["win_tables"] is not None else 0
         for name, value in step.items():
             setattr(args, name, data_ptr(value))
-        if view is None:  # every layer reads the step's own tables
-            for name in _WINDOW:
-                setattr(args, name, None)
         args.x, args.max_blocks = x.data_ptr(), step["tables"].shape[1]
         args.nthreads = torch.get_num_threads()
         stack_forward(args)
         return buffers["h"]
+
+    def _windowed(
+        self, meta: AttentionMetadata, local: tuple[Tensor, Tensor] | None
+    ) -> dict[str, Tensor | None]:
+        """The windowed layers' arguments (None: they read the step's own): their pool's
+        slots where they have one (meta.window), their RoPE tables, and their attention's
+        tables, rows and skips (the window's view where a row has keys outside it, else
+        their pool's tables)."""
+        own = meta.window
+        out: dict[str, Tensor | None] = dict.fromkeys(_WINDOW)
+        if own is not None:
+            out["win_slot_blocks"] = own.slot_blocks.contiguous()
+            out["win_slot_offsets"] = own.slot_offsets.contiguous()
+        if local is not None:
+            out["win_cos_t"], out["win_sin_t"] = local[0].contiguous(), local[1].contiguous()
+        wmeta = own if own is not None else meta
+        view = step_window(wmeta, self.cfg.sliding_window, self._block_size)
+        if view is None and own is not None:
+            view = (own.block_tables, own.row_lens, own.row_seq, None)
+        if view is not None:
+            tables, lens, row_seq, skip = view
+            out |= {"win_tables": tables.contiguous(), "win_lens": lens.contiguous()}
+            out["win_row_seq"] = row_seq.contiguous() if row_seq is not None else None
+            out["win_skip"] = skip
+        return out
 
     def _buffers(self, t: int) -> tuple[int, dict[str, Tensor], _Args]:
         """The work buffers of a call of t rows and the arguments that point at them (the
@@ -216,6 +263,8 @@ class DecoderStack:
             "gate": cfg.d_ff,
             "delta": cfg.d_model,
         }
+        if cfg.ffn == "geglu":
+            widths["gate_up"] = 2 * cfg.d_ff
         buffers = {k: torch.empty((t, n), dtype=torch.bfloat16) for k, n in widths.items()}
         dims = (len(self.layers), t, cfg.d_model, h, kv, dh, cfg.d_ff, self._block_size)
         args = _Args(
@@ -228,5 +277,5 @@ class DecoderStack:
             w=self._weights,
             final_norm=self.final_norm.weight.data_ptr(),
             **{k: v.data_ptr() for k, v in buffers.items()},
-        )
+        )  # a buffer not made (gate_up for SwiGLU) stays NULL
         return t, buffers, args

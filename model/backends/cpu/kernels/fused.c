@@ -5,6 +5,7 @@
  * the bf16 tile linear instead; a separate pass here measured slower than PyTorch's.)
  */
 #include "kvserve.h"
+#include "common.h"
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -158,6 +159,43 @@ DEFINE_ADD_RMS_NORM(add_rms_norm_f32, float, f32_load, f32_store)
 DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, uint16_t, bf16_load, bf16_store)
 DEFINE_ROPE_STORE(rope_store_f32, float, f32_load, f32_store)
 DEFINE_ROPE_STORE(rope_store_bf16, uint16_t, bf16_load, bf16_store)
+
+/* exp(x) by common.h's polynomial (x clamped to [-87, 88]): plain arithmetic, which the
+ * compiler vectorizes. */
+#define SCALAR(c) (c)
+static inline float exp_poly(float x) {
+    x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
+    const float t = x * EXP_LOG2E;
+    const float n = rintf(t);
+    const float f = t - n;
+    const float p = EXP2_POLY(f, fmaf, SCALAR);
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float s;
+    memcpy(&s, &bits, sizeof s);
+    return p * s;
+}
+
+/* Gemma's GeGLU on the (gate | up) projection's rows (rows of 2 * ff: gate, then up):
+ * out = round(gelu_tanh(gate)) * round(up), rounded, with gelu_tanh(g) =
+ * g / (1 + exp(-2 sqrt(2 / pi) (g + 0.044715 g^3))), which is 0.5 g (1 + tanh(...)). */
+#define DEFINE_GEGLU(NAME, T, LOAD, STORE)                                               \
+void NAME(const T *gate_up, T *out, int rows, int ff, int nthreads) {                    \
+    const long work = (long)rows * ff;                                                   \
+    PARALLEL(work)                                                                       \
+    for (int r = 0; r < rows; ++r) {                                                     \
+        const T *g = gate_up + (long)r * 2 * ff, *u = g + ff;                            \
+        T *o = out + (long)r * ff;                                                       \
+        for (int i = 0; i < ff; ++i) {                                                   \
+            const float x = LOAD(g[i]);                                                  \
+            const float y = 1.5957691216f * (x + 0.044715f * x * x * x);                 \
+            const float gelu = x / (1.f + exp_poly(-y));                                 \
+            o[i] = STORE(LOAD(STORE(gelu)) * LOAD(u[i]));                                \
+        }                                                                                \
+    }                                                                                    \
+}
+
+DEFINE_GEGLU(geglu_f32, float, f32_load, f32_store)
+DEFINE_GEGLU(geglu_bf16, uint16_t, bf16_load, bf16_store)
 
 /* Greedy decoding over rows of logits: out[r] = the first index of row r's maximum, or -1
  * where that maximum is not finite (a NaN or +inf anywhere, or every value -inf): what

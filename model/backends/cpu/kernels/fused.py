@@ -39,7 +39,7 @@ def _fused_at(isa: str) -> ctypes.CDLL | None:
         lib,
         *(
             f"{n}_{t}"
-            for n in ("add_rms_norm", "qk_norm", "qk_norm_all", "rope_store", "greedy")
+            for n in ("add_rms_norm", "qk_norm", "qk_norm_all", "rope_store", "geglu", "greedy")
             for t in _SUFFIX.values()
         ),
     )
@@ -130,6 +130,17 @@ def qk_norm(
         eps,
         torch.get_num_threads(),
     )
+
+
+def geglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """(T, 2 * ff) gate | up (fused_supported) -> (T, ff) gelu_tanh(gate) * up."""
+    rows, ff = gate_up.shape[0], gate_up.shape[1] // 2
+    gate_up = gate_up.contiguous()
+    out = gate_up.new_empty((rows, ff))
+    getattr(fused_library(), f"geglu_{_SUFFIX[gate_up.dtype]}")(
+        gate_up.data_ptr(), out.data_ptr(), rows, ff, torch.get_num_threads()
+    )
+    return out
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[int]:

@@ -29,6 +29,8 @@ void qk_norm_all_f32(float *qkv, const float *wq, const float *wk, int rows, int
                      int D, float eps, int nthreads);
 void qk_norm_all_bf16(uint16_t *qkv, const uint16_t *wq, const uint16_t *wk, int rows, int H,
                       int KV, int D, float eps, int nthreads);
+void geglu_f32(const float *gate_up, float *out, int rows, int ff, int nthreads);
+void geglu_bf16(const uint16_t *gate_up, uint16_t *out, int rows, int ff, int nthreads);
 void greedy_f32(const float *x, int rows, int n, int64_t *out, int nthreads);
 void greedy_bf16(const uint16_t *x, int rows, int n, int64_t *out, int nthreads);
 
@@ -72,6 +74,8 @@ typedef void (*rope_fn)(uint16_t *qkv, const uint16_t *cos_t, const uint16_t *si
                         int rows, int H, int KV, int D, uint16_t *k_cache, uint16_t *v_cache,
                         const int64_t *slot_blocks, const int64_t *slot_offsets,
                         int block_size, int nthreads);
+typedef void (*geglu_fn)(const uint16_t *gate_up, uint16_t *out, int rows, int ff,
+                         int nthreads);
 typedef void (*attention_fn)(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                              const int64_t *tables, const int64_t *row_seq,
                              const int64_t *lens, const int64_t *skip, uint16_t *out, int R,
@@ -92,8 +96,9 @@ typedef struct {
     const float *b_out;
     uint16_t *k_cache, *v_cache;
     const uint16_t *q_norm, *k_norm; /* Qwen3's norms over each q and k head, or NULL */
+    const uint16_t *post_attn_norm, *post_ffn_norm; /* Gemma's norms on each output, or NULL */
     int rotate;   /* 0: a layer without RoPE (SmolLM3): K stored as projected */
-    int windowed; /* 1: a sliding-window layer (its attention takes the step's win_ view) */
+    int windowed; /* 1: a sliding-window layer (it reads the step's win_ arguments) */
 } layer_args;
 
 typedef struct {
@@ -102,6 +107,7 @@ typedef struct {
     linear_fn linear;
     rope_fn rope;
     attention_fn attend;
+    geglu_fn geglu; /* Gemma's GeGLU after a plain (gate | up) linear; NULL: SwiGLU, fused */
     int layers, rows, d, heads, kv, head_dim, ff, block_size, max_blocks, nthreads;
     float eps, scale;
     float residual; /* each sublayer's output times this before its add (Granite; else 1) */
@@ -111,13 +117,18 @@ typedef struct {
     /* this step: (rows, head_dim) rotations, slots of the new tokens, the attention rows */
     const uint16_t *cos_t, *sin_t;
     const int64_t *slot_blocks, *slot_offsets, *tables, *row_seq, *lens;
-    /* the windowed layers' view of the step (model/backends/cpu/kernels/attention.py's
-     * window_view), or NULL tables where no row has keys outside the window */
+    /* the windowed layers' view of the step: their own pool's slots (NULL: the step's),
+     * their RoPE tables (Gemma 3's own base; NULL: the step's), their attention rows
+     * (model/backends/cpu/kernels/attention.py's window_view, or their pool's tables;
+     * NULL tables: the step's) */
+    const int64_t *win_slot_blocks, *win_slot_offsets;
+    const uint16_t *win_cos_t, *win_sin_t;
     const int64_t *win_tables, *win_row_seq, *win_lens, *win_skip;
     int win_max_blocks;
     /* (rows, width) buffers: x the residual stream (the embeddings on entry), h the normed
      * input of each sublayer and on return the final norm's output */
     uint16_t *x, *h, *qkv, *attn, *o, *act, *gate, *delta;
+    uint16_t *gate_up; /* (rows, 2 * ff): GeGLU's linear output (NULL for SwiGLU) */
 } stack_args;
 
 void stack_forward(const stack_args *a);

@@ -1,7 +1,8 @@
 /* A whole stack of pre-norm Llama decoder layers (RMSNorm, RoPE, paged attention, SwiGLU;
  * with Qwen3's q/k norms, SmolLM3's layers without RoPE, Granite's scaled sublayers and
- * scores, and Mistral's sliding windows), or of OLMo 2's (norms on the sublayers' outputs,
- * q/k norms over the whole projections) in bf16 as one call, for CPUs where every part runs as kvserve's own kernel: the AMX
+ * scores, and Mistral's sliding windows), of OLMo 2's (norms on the sublayers' outputs,
+ * q/k norms over the whole projections) or of Gemma 3's (a norm before and after each
+ * sublayer, GeGLU, windowed layers with their own RoPE base and KV pool) in bf16 as one call, for CPUs where every part runs as kvserve's own kernel: the AMX
  * tile linears (linear_bf16.c), the fused norm and RoPE-and-store (fused.c) and the AMX
  * paged attention (paged_attention.c). It computes exactly what Block.forward does with
  * those kernels, in the same order on the same buffers, so the bits are the same; what it
@@ -47,6 +48,7 @@ static void add_bf16(uint16_t *x, const uint16_t *y, long n) {
 void stack_forward(const stack_args *a) {
     const int T = a->rows, d = a->d, H = a->heads, KV = a->kv, D = a->head_dim;
     const int nqkv = (H + 2 * KV) * D, nt = a->nthreads;
+    const long n = (long)T * d;
     for (int l = 0; l < a->layers; ++l) {
         const layer_args *w = a->w + l;
         /* pre-norm: each sublayer reads the normed residual stream (the last layer's
@@ -59,9 +61,15 @@ void stack_forward(const stack_args *a) {
         }
         a->linear(in, w->wqkv, w->bqkv, a->qkv, NULL, T, nqkv, d, nt);
         if (w->q_norm) a->qk_norm(a->qkv, w->q_norm, w->k_norm, T, H, KV, D, a->eps, nt);
-        a->rope(a->qkv, w->rotate ? a->cos_t : NULL, w->rotate ? a->sin_t : NULL, T, H, KV, D,
-                w->k_cache, w->v_cache, a->slot_blocks, a->slot_offsets, a->block_size, nt);
-        if (w->windowed && a->win_tables)
+        /* a windowed layer: its own RoPE base, pool and attention rows, where it has them */
+        const int own = w->windowed;
+        const uint16_t *cos_t = own && a->win_cos_t ? a->win_cos_t : a->cos_t;
+        const uint16_t *sin_t = own && a->win_cos_t ? a->win_sin_t : a->sin_t;
+        const int pool = own && a->win_slot_blocks;
+        a->rope(a->qkv, w->rotate ? cos_t : NULL, w->rotate ? sin_t : NULL, T, H, KV, D,
+                w->k_cache, w->v_cache, pool ? a->win_slot_blocks : a->slot_blocks,
+                pool ? a->win_slot_offsets : a->slot_offsets, a->block_size, nt);
+        if (own && a->win_tables)
             a->attend(a->qkv, w->k_cache, w->v_cache, a->win_tables, a->win_row_seq,
                       a->win_lens, a->win_skip, a->attn, T, nqkv, KV, a->win_max_blocks,
                       a->scale, NULL, nt);
@@ -71,18 +79,25 @@ void stack_forward(const stack_args *a) {
         a->linear(a->attn, w->wo, w->bo, a->o, NULL, T, d, H * D, nt);
         if (a->output_norms) {
             a->norm(a->o, NULL, w->attn_norm, a->h, T, d, a->eps, nt);
-            add_bf16(a->x, a->h, (long)T * d);
+            add_bf16(a->x, a->h, n);
             a->linear(a->x, w->w_in, w->b_in, a->act, a->gate, T, 2 * a->ff, d, nt);
             a->linear(a->act, w->w_out, w->b_out, a->delta, NULL, T, d, a->ff, nt);
             a->norm(a->delta, NULL, w->ffn_norm, a->h, T, d, a->eps, nt);
-            add_bf16(a->x, a->h, (long)T * d);
+            add_bf16(a->x, a->h, n);
             continue;
         }
-        if (a->residual != 1.0f) scale_bf16(a->o, (long)T * d, a->residual);
+        if (a->residual != 1.0f) scale_bf16(a->o, n, a->residual);
+        if (w->post_attn_norm) a->norm(a->o, NULL, w->post_attn_norm, a->o, T, d, a->eps, nt);
         a->norm(a->x, a->o, w->ffn_norm, a->h, T, d, a->eps, nt);
-        a->linear(a->h, w->w_in, w->b_in, a->act, a->gate, T, 2 * a->ff, d, nt);
+        if (a->geglu) {
+            a->linear(a->h, w->w_in, w->b_in, a->gate_up, NULL, T, 2 * a->ff, d, nt);
+            a->geglu(a->gate_up, a->act, T, a->ff, nt);
+        } else {
+            a->linear(a->h, w->w_in, w->b_in, a->act, a->gate, T, 2 * a->ff, d, nt);
+        }
         a->linear(a->act, w->w_out, w->b_out, a->delta, NULL, T, d, a->ff, nt);
-        if (a->residual != 1.0f) scale_bf16(a->delta, (long)T * d, a->residual);
+        if (w->post_ffn_norm) a->norm(a->delta, NULL, w->post_ffn_norm, a->delta, T, d, a->eps, nt);
+        if (a->residual != 1.0f) scale_bf16(a->delta, n, a->residual);
     }
     /* pre-norm: the last layer's delta is still to be added */
     const uint16_t *last = a->layers && !a->output_norms ? a->delta : NULL;

@@ -21,12 +21,17 @@ def _stack() -> ctypes.CDLL | None:
 
 
 def stack_kernels(
-    d_head: int, block_size: int, group: int, kind: str, whole_qk_norm: bool = False
-) -> dict[str, int] | None:
+    d_head: int,
+    block_size: int,
+    group: int,
+    kind: str,
+    whole_qk_norm: bool = False,
+    geglu: bool = False,
+) -> dict[str, int | None] | None:
     """Addresses of the kernels model/backends/cpu/kernels/stack.c calls for a bf16 model whose
     attention has this shape and whose linears are all of `kind` ('bf16' or 'int8'), at
-    this CPU's level (whole_qk_norm: OLMo 2's q/k norms over every head at once); None
-    unless all of them are built here."""
+    this CPU's level (whole_qk_norm: OLMo 2's q/k norms over every head at once; geglu:
+    Gemma's GeGLU after the (gate | up) linear); None unless all of them are built here."""
     attention, fused = attention_library(d_head, block_size, group), fused_library()
     linear = linear_kernel(kind)
     if attention is None or fused is None or linear is None or _stack() is None:
@@ -42,6 +47,7 @@ def stack_kernels(
         "linear": address(linear),
         "rope": address(fused.rope_store_bf16),
         "attend": address(attention.paged_attention_amx if amx else attention.paged_attention_bf16),
+        "geglu": address(fused.geglu_bf16) if geglu else None,
     }
 
 
