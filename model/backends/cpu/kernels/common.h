@@ -4,7 +4,9 @@
 #ifndef KVSERVE_COMMON_H
 #define KVSERVE_COMMON_H
 
+#include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 /* exp(x) = 2^n * 2^f with n = round(x log2 e) and f in [-0.5, 0.5]; 2^f by a degree-6
  * minimax polynomial (relative error ~1e-7 with float32 rounding). EXP2_POLY(f, MADD, C)
@@ -15,6 +17,22 @@
     MADD(MADD(MADD(MADD(MADD(MADD(C(1.53337387e-4f), f, C(1.33951858e-3f)), f,           \
                              C(9.61849187e-3f)), f, C(5.55034131e-2f)), f,                 \
                    C(2.40226477e-1f)), f, C(6.93147182e-1f)), f, C(1.f))
+/* exp(x) by that polynomial on a scalar, n = rint(x log2 e); x clamped to [-87, 88] so
+ * that 2^n is a normal float built from its bits. Plain arithmetic, which the compiler
+ * vectorizes in a loop (linear_vec.c's SwiGLU, fused.c's GeGLU). */
+#define EXP_SCALAR(c) (c)
+static inline float exp_poly(float x) {
+    x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
+    const float t = x * EXP_LOG2E;
+    const float n = rintf(t);
+    const float f = t - n;
+    const float p = EXP2_POLY(f, fmaf, EXP_SCALAR);
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float s;
+    memcpy(&s, &bits, sizeof s);
+    return p * s;
+}
+
 /* 2^f on [-0.5, 0.5] by a cubic (a least-squares fit of the relative error, reweighted
  * toward minimax: 1.0e-4 at most with float32 rounding), for a value rounded to bfloat16
  * next, whose own rounding is up to 2.0e-3: the AMX attention's probabilities. */

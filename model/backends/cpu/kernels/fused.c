@@ -160,21 +160,6 @@ DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, uint16_t, bf16_load, bf16_store)
 DEFINE_ROPE_STORE(rope_store_f32, float, f32_load, f32_store)
 DEFINE_ROPE_STORE(rope_store_bf16, uint16_t, bf16_load, bf16_store)
 
-/* exp(x) by common.h's polynomial (x clamped to [-87, 88]): plain arithmetic, which the
- * compiler vectorizes. */
-#define SCALAR(c) (c)
-static inline float exp_poly(float x) {
-    x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
-    const float t = x * EXP_LOG2E;
-    const float n = rintf(t);
-    const float f = t - n;
-    const float p = EXP2_POLY(f, fmaf, SCALAR);
-    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
-    float s;
-    memcpy(&s, &bits, sizeof s);
-    return p * s;
-}
-
 /* Gemma's GeGLU on the (gate | up) projection's rows (rows of 2 * ff: gate, then up):
  * out = round(gelu_tanh(gate)) * round(up), rounded, with gelu_tanh(g) =
  * g / (1 + exp(-2 sqrt(2 / pi) (g + 0.044715 g^3))), which is 0.5 g (1 + tanh(...)). */

@@ -197,20 +197,6 @@ static inline float *widened_rows(size_t n) {
     return (float *)((p + 63) & ~(uintptr_t)63);
 }
 
-/* exp(x) (common.h's polynomial), n = rint(x log2 e); x clamped to [-87, 88] so that 2^n
- * is a normal float built from its bits. */
-#define SCALAR(c) (c)
-static inline float exp_poly(float x) {
-    x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
-    const float t = x * EXP_LOG2E;
-    const float n = rintf(t);
-    const float f = t - n;
-    const float p = EXP2_POLY(f, fmaf, SCALAR);
-    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
-    float s;
-    memcpy(&s, &bits, sizeof s);
-    return p * s;
-}
 
 static const float NO_BIAS[NB];  /* zeros: acc + 0.f, as the plain store adds */
 
