@@ -11,7 +11,18 @@ STDLIB = Path(sysconfig.get_paths()["stdlib"])
 BYTES = [f"<0x{b:02X}>" for b in range(256)]
 # what each family puts first in its vocabulary
 SPECIALS = {
-    "llama2": ["<unk>", "<s>", "</s>"],  # Llama 2, Mistral v0.1, Phi-3 (legacy normalizer)
+    "llama2": ["<unk>", "<s>", "</s>"],  # Llama 2, Mistral v0.1 (legacy normalizer)
+    # Phi-3: Llama 2's file with its chat turns' markers added
+    "phi3": [
+        "<unk>",
+        "<s>",
+        "</s>",
+        "<|endoftext|>",
+        "<|system|>",
+        "<|user|>",
+        "<|assistant|>",
+        "<|end|>",
+    ],
     "metaspace": ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"],  # Mistral v0.3
     "gemma": ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"],
 }
@@ -37,7 +48,7 @@ def train(form: str, vocab_size: int = 2000) -> tuple[Any, dict]:
     unk = "<unk>"
     lib = Library(models.BPE(unk_token=unk, byte_fallback=True, fuse_unk=True))
     pieces = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-    if form == "llama2":
+    if form in ("llama2", "phi3"):
         lib.normalizer = normalizers.Sequence(
             [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
         )

@@ -1,7 +1,8 @@
 """Checkpoints whose tokenizer is SentencePiece-style (model/sentencepiece.py), served and
 called through the official openai client: a Mistral with Mistral v0.3's Metaspace
-tokenizer and `[INST]` template, and a Llama with Gemma's tokenizer and turn template. The
-prompt ids are transformers' own `apply_chat_template`; streamed text is the whole."""
+tokenizer and `[INST]` template, and Llamas with Phi-3's tokenizer and `<|user|>` turns and
+with Gemma's tokenizer and turn template. The prompt ids are transformers' own
+`apply_chat_template`; streamed text is the whole."""
 
 from pathlib import Path
 
@@ -29,8 +30,17 @@ GEMMA_TEMPLATE = (  # Gemma's
     "{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}"
 )
+PHI3_TEMPLATE = (  # Phi-3-mini-instruct's
+    "{% for message in messages %}{% if message['role'] == 'system' %}"
+    "{{'<|system|>\n' + message['content'] + '<|end|>\n'}}"
+    "{% elif message['role'] == 'user' %}{{'<|user|>\n' + message['content'] + '<|end|>\n'}}"
+    "{% elif message['role'] == 'assistant' %}"
+    "{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
+)
 FAMILIES = {
     "mistral": ("metaspace", MISTRAL_TEMPLATE, lambda p: write_mistral(p, vocab_size=400)),
+    "phi3": ("phi3", PHI3_TEMPLATE, lambda p: write_llama(p, tied=True, vocab_size=400)),
     "gemma_tokenizer": (
         "gemma",
         GEMMA_TEMPLATE,
