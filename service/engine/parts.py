@@ -90,10 +90,9 @@ def assemble(
     scheduler = Scheduler(
         blocks, max_num_seqs, settings.max_num_batched_tokens, settings.mixed_prefill_cap(device)
     )
-    # not captured across ranks: a graph would replay its collectives unchecked; not for
-    # soft-capped scores: those steps leave the Triton kernel for the torch reference,
-    # which builds its masks on the host; not yet for sliding windows, which the Triton
-    # kernel takes but no GPU run has replayed from a graph
+    # not captured across ranks: a graph would replay its collectives unchecked; not yet
+    # for sliding windows or soft-capped scores, which the Triton kernels take but no GPU
+    # run has replayed from a graph
     graphs = (
         not settings.enforce_eager
         and backend.name == "triton"

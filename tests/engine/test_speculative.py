@@ -18,7 +18,7 @@ from service.engine.engine import LLMEngine
 from service.engine.request import Request, SamplingParams
 from service.engine.speculative import Speculator, ngram_drafts
 from tests.engine.helpers import greedy, run_all, tokens_of
-from tests.factories import make_engine, write_gemma3, write_qwen3
+from tests.factories import make_engine, write_gemma2, write_gemma3, write_qwen3
 from tests.model.backends import BACKENDS, block_size_for, make_backend
 
 
@@ -147,16 +147,19 @@ def test_bf16_kernels_give_the_plain_tokens() -> None:
 
 
 @pytest.mark.parametrize("quantization", ["none", "int8"])
-@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "gemma2"])
 def test_families_speculate_in_bf16_and_int8(family: str, quantization: str, tmp_path) -> None:
-    """Qwen3 (q/k norms) and Gemma 3 (windowed layers with a RoPE base of their own,
-    sandwich norms, GeGLU) in bf16 and with int8 weights: the n-gram path's greedy tokens
-    are the plain engine's. Gemma's window (8) is far shorter than the requests: the
-    windowed layers attend in the C kernel, whose bits do not depend on the batch."""
+    """Qwen3 (q/k norms), Gemma 3 (windowed layers with a RoPE base of their own,
+    sandwich norms, GeGLU) and Gemma 2 (soft-capped scores) in bf16 and with int8
+    weights: the n-gram path's greedy tokens are the plain engine's. Gemma's windows (8)
+    are far shorter than the requests: the windowed layers attend in the C kernel, whose
+    bits do not depend on the batch, soft-capped or not."""
     if family == "qwen3":
         write_qwen3(tmp_path)
-    else:
+    elif family == "gemma3":
         write_gemma3(tmp_path, sliding_window=8)
+    else:
+        write_gemma2(tmp_path)
     target = load_model(tmp_path, torch.bfloat16)
     kw = dict(quantization=quantization)
     requests = copy_requests()

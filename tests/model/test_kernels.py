@@ -49,8 +49,9 @@ def random_cache(heads, kv_heads, d, bs, dtype, nb=POOL):
     return k_cache, v_cache, k_ref, v_ref
 
 
-def reference(q, k_ref, v_ref, tables, row_seq, lens, scale, slopes, window=None):
-    """Row i over the first lens[i] keys of its sequence (the last `window` of them)."""
+def reference(q, k_ref, v_ref, tables, row_seq, lens, scale, slopes, window=None, softcap=None):
+    """Row i over the first lens[i] keys of its sequence (the last `window` of them; each
+    score soft-capped: softcap * tanh(score / softcap))."""
     r, h, d = q.shape
     kv, bs = k_ref.shape[1], k_ref.shape[2]
     outs = []
@@ -68,9 +69,16 @@ def reference(q, k_ref, v_ref, tables, row_seq, lens, scale, slopes, window=None
         if window is not None:
             outside = torch.zeros(n).masked_fill(torch.arange(n) < n - window, float("-inf"))
             mask = outside[None, None, :] if mask is None else mask + outside
-        out = F.scaled_dot_product_attention(
-            q[i].float()[:, None], keys, values, attn_mask=mask, scale=scale
-        )
+        if softcap is None:
+            out = F.scaled_dot_product_attention(
+                q[i].float()[:, None], keys, values, attn_mask=mask, scale=scale
+            )
+        else:  # SDPA has no soft-cap: by hand
+            scores = q[i].float()[:, None] @ keys.transpose(-1, -2) * scale
+            scores = torch.tanh(scores / softcap) * softcap
+            if mask is not None:
+                scores = scores + mask
+            out = torch.softmax(scores, dim=-1) @ values
         outs.append(out[:, 0])
     return torch.stack(outs)
 
@@ -169,6 +177,31 @@ def test_sliding_window_matches_torch(isa, dtype, heads, kv_heads, d, bs, window
     assert int(view[3].max()) < bs + WINDOW_RUN  # skips stay within a block and a run
     got = paged_attention(q, k_cache, v_cache, tables, lens, d**-0.5, None, row_seq, view)
     assert torch.isfinite(got.float()).all()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (got.float() - want).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "kv_heads", "d", "bs"), [(9, 3, 64, 16), (4, 4, 16, 8)])
+@pytest.mark.parametrize("window", [None, 37])
+@pytest.mark.parametrize("batch", ["mixed", "long"])
+def test_soft_capped_scores_match_torch(isa, dtype, heads, kv_heads, d, bs, window, batch):
+    """Gemma 2's scores: softcap * tanh(score / softcap), a cap low enough to change
+    them (queries scaled up), alone and with a sliding window."""
+    torch.manual_seed(2)
+    k_cache, v_cache, k_ref, v_ref = random_cache(heads, kv_heads, d, bs, dtype, 1024)
+    row_seq, lens = rows_of(BATCHES[batch])
+    width = -(-int(lens.max()) // bs)
+    seqs = len(BATCHES[batch])
+    tables = torch.randperm(1024)[: seqs * width].view(seqs, width)
+    q = (4 * torch.randn(len(lens), heads, d)).to(dtype)
+    view = window_view(tables, lens, row_seq, window, bs) if window else None
+    got = paged_attention(
+        q, k_cache, v_cache, tables, lens, d**-0.5, None, row_seq, view, softcap=2.5
+    )
+    want = reference(q, k_ref, v_ref, tables, row_seq, lens, d**-0.5, None, window, 2.5)
+    uncapped = reference(q, k_ref, v_ref, tables, row_seq, lens, d**-0.5, None, window)
+    assert (uncapped - want).abs().max() > 0.1  # the cap matters here
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (got.float() - want).abs().max().item() < tol
 

@@ -69,6 +69,14 @@ GEMMA3 = {
     "global_layers": (1,),
     "local_rope_theta": 1000.0,
 }
+# Gemma 2: Gemma 3's block without q/k norms, every other layer windowed, soft-capped scores
+GEMMA2 = {
+    "norm_placement": "sandwich",
+    "ffn": "geglu",
+    "sliding_window": 5,
+    "global_layers": (1,),
+    "attn_logit_softcap": 2.5,
+}
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -94,6 +102,7 @@ def test_one_call_gives_the_bits_of_the_modules(
         {"sliding_window": 8},  # Mistral v0.1: every layer windowed (steps pass it)
         {"sliding_window": 5, "global_layers": (1,)},  # windowed layers beside a global one
         GEMMA3,
+        GEMMA2,
     ],
 )
 @torch.no_grad()

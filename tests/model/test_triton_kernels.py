@@ -118,6 +118,36 @@ def test_sliding_window_matches_reference(shape, batch, dtype, window) -> None:
         torch.testing.assert_close(split.float(), ref.float(), atol=atol, rtol=0)
 
 
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("batch", ["decodes", "mixed"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_soft_capped_scores_match_reference(dtype, batch, window) -> None:
+    """Gemma 2's softcap * tanh(score / softcap), a cap low enough to change the scores,
+    alone and with a window; one pass and flash-decoding's shares."""
+    torch.manual_seed(5)
+    shape = SHAPES[1]
+    cfg, cache, triton, tables, cached, new, used, q = setup(shape, BATCHES[batch], dtype)
+    q = 4 * q
+    scale, bs = cfg.head_dim**-0.5, cache.block_size
+    ref_meta = AttentionMetadata.paged(tables, cached, new, bs)
+    ref = TorchBackend().attend(q, q, q, cache.layer(0), ref_meta, scale, None, window, 2.5)
+    plain = TorchBackend().attend(q, q, q, cache.layer(0), ref_meta, scale, None, window)
+    assert (ref.float() - plain.float()).abs().max() > 0.05  # the cap matters here
+    poison(cache, used)
+    meta = triton.metadata(tables, cached, new, bs, "cpu", cache.null_block)
+    out = triton.attend(q, q, q, cache.layer(0), meta, scale, None, window, 2.5).float()
+    atol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, ref.float(), atol=atol, rtol=0)
+    if max(new) == 1:
+        from model.backends.triton import kernels as triton_kernels
+
+        split = triton_kernels.paged_attention(
+            q, *cache.layer(0), meta.block_tables, meta.seq_lens_t, meta.query_start, 1,
+            scale, None, splits=4, window=window, softcap=2.5,
+        ).flatten(1)  # fmt: skip
+        torch.testing.assert_close(split.float(), ref.float(), atol=atol, rtol=0)
+
+
 def test_padding_rows_give_zeros_and_leave_real_rows_alone() -> None:
     """A CUDA graph pads a decode batch with rows of no context (seq_len 0, slot -1): they
     read nothing and give zeros, and the real rows are what they are without them."""

@@ -37,31 +37,33 @@ def _rope(dt: str, d: int, rope: bool, cache: bool) -> tuple:
     return K._rope_store_kernel, types, consts, 4
 
 
-def _attention_consts(dt: str, group: int, d: int, alibi: bool, window: bool) -> dict:
+def _attention_consts(dt: str, group: int, d: int, alibi: bool, window: bool, cap=False) -> dict:
     upcast = dt == "fp32"
     return dict(G=group, KV=2, D=d, D_PAD=max(16, triton.next_power_of_2(d)), BS=16,
                 TILE=K.KEY_TILE, BLOCK_G=triton.next_power_of_2(group), HAS_ALIBI=alibi,
-                WINDOWED=window, UPCAST=upcast,
+                WINDOWED=window, SOFTCAP=cap, UPCAST=upcast,
                 PRECISION="ieee" if upcast else "tf32")  # fmt: skip
 
 
-def _paged(dt: str, group: int, d: int, alibi: bool, block_q: int, window=False) -> tuple:
+def _paged(
+    dt: str, group: int, d: int, alibi: bool, block_q: int, window=False, cap=False
+) -> tuple:
     ptr = f"*{dt}"
     types = dict(q_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, out_ptr=ptr,
                  block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_ptr="*i32",
                  alibi_ptr="*fp32" if alibi else ptr, scale="fp32", window="i32",
-                 stride_qt="i32", stride_qh="i32", stride_bt="i32")  # fmt: skip
-    consts = _attention_consts(dt, group, d, alibi, window) | dict(BLOCK_Q=block_q)
+                 softcap="fp32", stride_qt="i32", stride_qh="i32", stride_bt="i32")  # fmt: skip
+    consts = _attention_consts(dt, group, d, alibi, window, cap) | dict(BLOCK_Q=block_q)
     return K._paged_attention_kernel, types, consts, 4
 
 
-def _split(dt: str, group: int, d: int, alibi: bool, splits: int, window=False) -> tuple:
+def _split(dt: str, group: int, d: int, alibi: bool, splits: int, window=False, cap=False) -> tuple:
     ptr = f"*{dt}"
     types = dict(q_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, part_ptr="*fp32",
                  lse_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i32",
                  alibi_ptr="*fp32" if alibi else ptr, scale="fp32", window="i32",
-                 stride_qt="i32", stride_qh="i32", stride_bt="i32")  # fmt: skip
-    consts = _attention_consts(dt, group, d, alibi, window)
+                 softcap="fp32", stride_qt="i32", stride_qh="i32", stride_bt="i32")  # fmt: skip
+    consts = _attention_consts(dt, group, d, alibi, window, cap)
     consts |= dict(BLOCK_G=max(16, consts["BLOCK_G"]), SPLITS=splits)
     return K._decode_split_kernel, types, consts, 4
 
@@ -88,8 +90,10 @@ VARIANTS = {
     "paged_attention bf16 g3 d64 prefill": _paged("bf16", 3, 64, False, 16),
     "paged_attention fp32 g1 d80 alibi": _paged("fp32", 1, 80, True, 16),
     "paged_attention bf16 g2 d256 window": _paged("bf16", 2, 256, False, 16, window=True),
+    "paged_attention bf16 g2 d256 softcap": _paged("bf16", 2, 256, False, 16, True, True),
     "decode_split bf16 g4 d128": _split("bf16", 4, 128, False, 16),
     "decode_split bf16 g4 d128 window": _split("bf16", 4, 128, False, 16, window=True),
+    "decode_split bf16 g2 d256 softcap": _split("bf16", 2, 256, False, 8, True, True),
     "decode_split fp32 g3 d80 alibi": _split("fp32", 3, 80, True, 4),
     "combine_splits bf16 d64": _combine("bf16", 64, 16),
     "add_rms_norm bf16 d576": _norm("bf16", 576, True),

@@ -211,10 +211,10 @@ class CpuBackend(TorchBackend):
         window: int | None = None,
         softcap: float | None = None,
     ) -> Tensor:
-        if cache is None or softcap is not None:  # the C kernel has no soft-cap
+        if cache is None:
             return super().attend(q, k, v, cache, meta, scale, alibi, window, softcap)
         view = step_window(meta, window, cache[0].shape[-2])
         out = paged_attention(
-            q, *cache, meta.block_tables, meta.row_lens, scale, alibi, meta.row_seq, view
+            q, *cache, meta.block_tables, meta.row_lens, scale, alibi, meta.row_seq, view, softcap
         )  # (T, H, dh) in the cache's dtype
         return out.to(q.dtype).view(q.shape[0], q.shape[1] * q.shape[2])

@@ -76,6 +76,7 @@ class _Args(ctypes.Structure):
         *[(name, _I) for name in (*_DIMS, "nthreads")],
         ("eps", _F),
         ("scale", _F),
+        ("softcap", _F),
         ("residual", _F),
         ("output_norms", _I),
         ("w", ctypes.POINTER(_Layer)),
@@ -109,7 +110,6 @@ class DecoderStack:
         if (
             cfg.norm_placement not in ("pre", "output", "sandwich")
             or cfg.position != "rope"
-            or cfg.attn_logit_softcap is not None  # the C attention has no soft-cap
             or not isinstance(final_norm, RMSNorm)
         ):
             return None
@@ -272,6 +272,7 @@ class DecoderStack:
             **dict(zip(_DIMS, (*dims, 0), strict=True)),
             eps=cfg.norm_eps,
             scale=self.layers[0].attn.scale,  # Granite's attention_multiplier, or 1/sqrt(dh)
+            softcap=cfg.attn_logit_softcap or 0.0,
             residual=cfg.residual_multiplier,
             output_norms=int(cfg.norm_placement == "output"),
             w=self._weights,

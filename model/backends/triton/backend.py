@@ -206,7 +206,7 @@ class TritonBackend(TorchBackend):
         window: int | None = None,
         softcap: float | None = None,
     ) -> Tensor:
-        if cache is None or softcap is not None:  # the kernel has no soft-cap
+        if cache is None:
             return super().attend(q, k, v, cache, meta, scale, alibi, window, softcap)
         if meta.query_start is None:  # metadata built by AttentionMetadata.paged()
             self._fill(meta)
@@ -220,6 +220,7 @@ class TritonBackend(TorchBackend):
             scale,
             alibi,
             window=window if beyond_window(meta, window) else None,
+            softcap=softcap,
         )  # (T, H, dh)
         return out.view(q.shape[0], q.shape[1] * q.shape[2])
 

@@ -208,6 +208,7 @@ def _attend_tile(
     scale,
     window,  # keys each query sees at most, read when WINDOWED
     k_lo,  # the first key any row sees: those before it are not read (WINDOWED)
+    softcap,  # scores become softcap * tanh(score / softcap), read when SOFTCAP
     d,
     d_ok,
     KV: tl.constexpr,
@@ -216,6 +217,7 @@ def _attend_tile(
     TILE: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -235,6 +237,8 @@ def _attend_tile(
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (rows, TILE) fp32
+    if SOFTCAP:  # Gemma 2: cap * tanh(s / cap), tanh(y) = 2 / (1 + exp(-2y)) - 1
+        s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)
     if HAS_ALIBI:
         s += slope[:, None] * (k_pos[None, :] - q_pos[:, None]).to(tl.float32)
     visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
@@ -267,6 +271,7 @@ def _paged_attention_kernel(
     alibi_ptr,  # (H,) fp32
     scale,
     window,  # a sliding window's keys, read when WINDOWED
+    softcap,  # Gemma 2's score cap, read when SOFTCAP
     stride_qt,
     stride_qh,
     stride_bt,
@@ -280,6 +285,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr,  # query tokens per program; BLOCK_Q * BLOCK_G rows
     HAS_ALIBI: tl.constexpr,
     WINDOWED: tl.constexpr,  # each query sees the last `window` keys up to its own
+    SOFTCAP: tl.constexpr,  # soft-capped scores (Gemma 2)
     UPCAST: tl.constexpr,  # dot products in fp32 (the interpreter's bf16 dot is wrong)
     PRECISION: tl.constexpr,  # "ieee" for fp32 operands (no TF32), else the default
 ):
@@ -321,8 +327,8 @@ def _paged_attention_kernel(
         for j in range(k_lo // TILE, tl.cdiv(last, TILE)):
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, q_pos, slope, j, table, k_cache_ptr, v_cache_ptr, seq_len,
-                kv, scale, window, k_lo, d, d_ok, KV, D, BS, TILE, HAS_ALIBI, WINDOWED, UPCAST,
-                PRECISION,
+                kv, scale, window, k_lo, softcap, d, d_ok, KV, D, BS, TILE, HAS_ALIBI, WINDOWED,
+                SOFTCAP, UPCAST, PRECISION,
             )  # fmt: skip
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_rows = (q_start + tok).to(tl.int64) * (KV * G * D) + head * D
@@ -345,6 +351,7 @@ def _decode_split_kernel(
     alibi_ptr,
     scale,
     window,
+    softcap,
     stride_qt,
     stride_qh,
     stride_bt,
@@ -358,6 +365,7 @@ def _decode_split_kernel(
     SPLITS: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -397,8 +405,8 @@ def _decode_split_kernel(
     for j in range(first, last):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, q_pos, slope, j, table, k_cache_ptr, v_cache_ptr, seq_len,
-            kv, scale, window, k_lo, d, d_ok, KV, D, BS, TILE, HAS_ALIBI, WINDOWED, UPCAST,
-            PRECISION,
+            kv, scale, window, k_lo, softcap, d, d_ok, KV, D, BS, TILE, HAS_ALIBI, WINDOWED,
+            SOFTCAP, UPCAST, PRECISION,
         )  # fmt: skip
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -458,7 +466,7 @@ def decode_splits(num_seqs: int, n_kv: int) -> int:
 
 
 def _split_decode(
-    q, k_cache, v_cache, block_tables, seq_lens, scale, window, alibi, splits, consts
+    q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, alibi, splits, consts
 ):
     b, h, d = q.shape
     kv = k_cache.shape[2]
@@ -476,6 +484,7 @@ def _split_decode(
         alibi if alibi is not None else q,
         scale,
         window,
+        softcap,
         q.stride(0),
         q.stride(1),
         block_tables.stride(0),
@@ -502,6 +511,7 @@ def paged_attention(
     alibi: torch.Tensor | None = None,  # (H,) fp32
     splits: int | None = None,  # decode-only batches: None = decode_splits()
     window: int | None = None,  # a sliding window: each query sees that many keys at most
+    softcap: float | None = None,  # Gemma 2: scores become softcap * tanh(score / softcap)
 ) -> torch.Tensor:
     """Attention of a flattened batch of decodes and prefill chunks over the paged cache
     (the new tokens' K/V already stored) -> (T, H, D) in q's dtype. Under a sliding window
@@ -524,6 +534,7 @@ def paged_attention(
         BLOCK_G=block_g,
         HAS_ALIBI=alibi is not None,
         WINDOWED=window is not None,
+        SOFTCAP=softcap is not None,
         UPCAST=upcast,
         PRECISION="ieee" if upcast else "tf32",
     )
@@ -531,8 +542,8 @@ def paged_attention(
         splits = decode_splits(t, kv) if splits is None else splits
         if splits > 1:
             return _split_decode(
-                q, k_cache, v_cache, block_tables, seq_lens, scale, window or 0, alibi, splits,
-                consts,
+                q, k_cache, v_cache, block_tables, seq_lens, scale, window or 0, softcap or 1.0,
+                alibi, splits, consts,
             )  # fmt: skip
     # rows per program: at least 16 (tl.dot's smallest tile), up to 64 for a prompt chunk
     block_q = max(1, (16 if max_query_len == 1 else 64) // block_g)
@@ -553,6 +564,7 @@ def paged_attention(
         alibi if alibi is not None else q,
         scale,
         window or 0,
+        softcap or 1.0,
         q.stride(0),
         q.stride(1),
         block_tables.stride(0),

@@ -95,6 +95,7 @@ def paged_attention(
     alibi: torch.Tensor | None = None,  # (H,) float32
     row_seq: torch.Tensor | None = None,  # (R,) int64 sequence of each row; None: row r -> r
     window: WindowView | None = None,  # a sliding window's view of the step (window_view)
+    softcap: float | None = None,  # Gemma 2's: scores become softcap * tanh(score / softcap)
 ) -> torch.Tensor:
     """Attention of each query row over the first lens[row] cached tokens of its sequence
     (its own K/V must already be in the cache), or over the last of them a sliding window
@@ -130,6 +131,7 @@ def paged_attention(
         kv,
         block_tables.shape[1],
         scale,
+        softcap or 0.0,
         data_ptr(slopes),
         torch.get_num_threads(),
     )

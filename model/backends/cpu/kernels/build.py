@@ -34,8 +34,9 @@ BASE_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "
 LINK_FLAGS = ["-shared", "-fopenmp"]
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-# q, k, v, tables, row_seq, lens, skip, out; R, q_stride, KV, max_blocks; scale; alibi; nthreads
-_ATTENTION = [_P] * 8 + [_I] * 4 + [_F, _P, _I]
+# q, k, v, tables, row_seq, lens, skip, out; R, q_stride, KV, max_blocks; scale, softcap;
+# alibi; nthreads
+_ATTENTION = [_P] * 8 + [_I] * 4 + [_F, _F, _P, _I]
 # The ctypes mirror of kvserve.h's prototypes (result, arguments); a test checks it
 # against the header.
 PROTOTYPES: dict[str, tuple[type | None, list[type]]] = {

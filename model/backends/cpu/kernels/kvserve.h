@@ -38,16 +38,18 @@ void greedy_bf16(const uint16_t *x, int rows, int n, int64_t *out, int nthreads)
 void paged_attention_f32(const float *q, const float *k, const float *v, const int64_t *tables,
                          const int64_t *row_seq, const int64_t *lens, const int64_t *skip,
                          float *out, int R, int q_stride, int KV, int max_blocks, float scale,
-                         const float *alibi, int nthreads);
+                         float softcap, const float *alibi, int nthreads);
 void paged_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                           const int64_t *tables, const int64_t *row_seq, const int64_t *lens,
                           const int64_t *skip, uint16_t *out, int R, int q_stride, int KV,
-                          int max_blocks, float scale, const float *alibi, int nthreads);
+                          int max_blocks, float scale, float softcap, const float *alibi,
+                          int nthreads);
 int paged_attention_amx_init(void);
 void paged_attention_amx(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                          const int64_t *tables, const int64_t *row_seq, const int64_t *lens,
                          const int64_t *skip, uint16_t *out, int R, int q_stride, int KV,
-                         int max_blocks, float scale, const float *alibi, int nthreads);
+                         int max_blocks, float scale, float softcap, const float *alibi,
+                         int nthreads);
 
 /* linear_bf16.c */
 int linear_bf16_init(void);
@@ -79,7 +81,7 @@ typedef void (*geglu_fn)(const uint16_t *gate_up, uint16_t *out, int rows, int f
 typedef void (*attention_fn)(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                              const int64_t *tables, const int64_t *row_seq,
                              const int64_t *lens, const int64_t *skip, uint16_t *out, int R,
-                             int q_stride, int KV, int max_blocks, float scale,
+                             int q_stride, int KV, int max_blocks, float scale, float softcap,
                              const float *alibi, int nthreads);
 
 /* One layer's weights in the kernels' layouts; biases are float32 or NULL. */
@@ -110,6 +112,7 @@ typedef struct {
     geglu_fn geglu; /* Gemma's GeGLU after a plain (gate | up) linear; NULL: SwiGLU, fused */
     int layers, rows, d, heads, kv, head_dim, ff, block_size, max_blocks, nthreads;
     float eps, scale;
+    float softcap; /* Gemma 2's soft-capped attention scores (0: none) */
     float residual; /* each sublayer's output times this before its add (Granite; else 1) */
     int output_norms; /* 1: OLMo 2's layers, the norms on what each sublayer adds */
     const layer_args *w;

@@ -18,6 +18,7 @@
  *    HEAD_DIM) in the cache's dtype, computed in float32 and rounded once
  * k/v: float32 or bfloat16 (uint16 bits); tables: (B, max_blocks) int64, one per sequence;
  * row_seq: (R,) int64 sequence of each row, or NULL for row r -> sequence r;
+ * softcap: > 0, each score (scaled) becomes softcap * tanh(score / softcap) (Gemma 2);
  * lens: (R,) int64 keys each row sees (its position + 1); skip: (R,) int64 or NULL, keys at
  * the front of a row's range it does not see (a sliding window's start: the caller shifts
  * each row's table to the window's first block, so skip < BLOCK_SIZE + the rows sharing
@@ -127,6 +128,17 @@ static inline void vals2_bf16(const uint16_t *vb, int t, int c, vch *a, vch *b) 
     memcpy(&u, vb + t * D + 2 * c * DV, sizeof u);
     *a = (vch)(u << 16);
     *b = (vch)(u & 0xFFFF0000u);
+}
+
+/* Gemma 2's soft-capped scores: cap * tanh(x / cap), tanh(y) = sign(y) (1 - e) / (1 + e)
+ * with e = exp(-2 |y|) (vexp's domain, x <= 0). */
+static inline vblk vsoftcap(vblk x, float cap) {
+    const vblk y = x * (1.f / cap);
+    const iblk sign = (iblk)y & (int32_t)0x80000000;
+    const vblk a = (vblk)((iblk)y ^ sign);
+    const vblk e = vexp(a * -2.f);
+    const vblk t = (1.f - e) / (1.f + e);
+    return (vblk)((iblk)t | sign) * cap;
 }
 
 static inline float hmax(const vblk *v, int pieces) {  /* over `pieces` vectors */
@@ -540,8 +552,8 @@ static inline void vec_row_flush(vec_row *r, float *dest) {
 #define DEFINE_KERNEL(NAME, QT, QLOAD, QSTORE, T, KEYS, VALS)                             \
 void NAME(const QT *q, const T *k, const T *v, const int64_t *tables,                     \
           const int64_t *row_seq, const int64_t *lens, const int64_t *skip, QT *out,      \
-          int R, int q_stride, int KV, int max_blocks, float scale, const float *alibi,   \
-          int nthreads) {                                                                 \
+          int R, int q_stride, int KV, int max_blocks, float scale, float softcap,        \
+          const float *alibi, int nthreads) {                                             \
     const int H = KV * G;                                                                 \
     split_plan sp;                                                                        \
     split_plan_init(&sp, row_seq, lens, R, ROWS_PER_TASK, KV, nthreads);                  \
@@ -607,6 +619,10 @@ void NAME(const QT *q, const T *k, const T *v, const int64_t *tables,           
                         u += 1;                                                           \
                     }                                                                     \
                 }                                                                         \
+                if (softcap > 0.f)                                                        \
+                    for (int g = 0; g < G; ++g)                                           \
+                        for (int x = 0; x < nb * NP; ++x)                                 \
+                            sc[g][x] = vsoftcap(sc[g][x], softcap);                       \
                 float pb[STEP_BLOCKS][G][BS];                                             \
                 for (int g = 0; g < G; ++g) {                                             \
                     for (int b = 0; b < nb; ++b) {                                        \
@@ -753,7 +769,7 @@ static inline __attribute__((always_inline)) void bf16_scores(
  * over them all, then p.v. */
 static inline __attribute__((always_inline)) void bf16_row_blocks(
     bf16_row *r, __m512 sc[][G], const uint16_t *const *vb, int j, int nb, const int *n,
-    const float *alibi, int kvh, __m512 lane) {
+    float softcap, const float *alibi, int kvh, __m512 lane) {
     __mmask16 keep[STEP_BLOCKS];
     for (int b = 0; b < nb; ++b) {
         keep[b] = n[b] < BS ? (__mmask16)((1u << n[b]) - 1) : (__mmask16)0xFFFF;
@@ -765,6 +781,12 @@ static inline __attribute__((always_inline)) void bf16_row_blocks(
         __m512 s[STEP_BLOCKS];
         for (int b = 0; b < nb; ++b) {
             s[b] = sc[b][g];
+            if (softcap > 0.f) {
+                vblk v;
+                memcpy(&v, &s[b], sizeof v);
+                v = vsoftcap(v, softcap);
+                memcpy(&s[b], &v, sizeof v);
+            }
             if (alibi) {  /* -slope * distance, distance = S - 1 - key position */
                 const __m512 dist = _mm512_sub_ps(
                     _mm512_set1_ps((float)(r->len - 1 - (int64_t)(j + b) * BS)), lane);
@@ -814,7 +836,8 @@ static inline __attribute__((always_inline)) void bf16_row_blocks(
 void paged_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                           const int64_t *tables, const int64_t *row_seq, const int64_t *lens,
                           const int64_t *skip, uint16_t *out, int R, int q_stride, int KV,
-                          int max_blocks, float scale, const float *alibi, int nthreads) {
+                          int max_blocks, float scale, float softcap, const float *alibi,
+                          int nthreads) {
     const __m512 lane = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const int H = KV * G;
     /* tasks: a K/V head of up to ROWS_PER_TASK consecutive rows of one sequence, all their
@@ -876,7 +899,7 @@ void paged_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *
                         if (b + 1 < nb) bf16_scores(&rows[i], kb + b + 1, 1, scale, sc + b + 1);
                     }
                 }
-                bf16_row_blocks(&rows[i], sc, vb, j, nb, n, alibi, kvh, lane);
+                bf16_row_blocks(&rows[i], sc, vb, j, nb, n, softcap, alibi, kvh, lane);
             }
         }
         for (int i = 0; i < nr; ++i) {
@@ -996,7 +1019,8 @@ static inline __m512 exp_p(__m512 x, __mmask16 keep) {
  * masks of all ones without computing them. */
 static inline __attribute__((always_inline)) void softmax_row(group_state *st, int i,
                                                               int64_t k0, int64_t last, int kvh,
-                                                              float scale, const float *alibi,
+                                                              float scale, float softcap,
+                                                              const float *alibi,
                                                               float *bmax, const int FULL) {
     const __m512 lane = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     __mmask16 keep[STEP];
@@ -1007,6 +1031,12 @@ static inline __attribute__((always_inline)) void softmax_row(group_state *st, i
         const int64_t before = st->skip[i] - k0 - b * BS;  /* the window's start */
         if (!FULL && before > 0) keep[b] &= before >= BS ? 0 : (__mmask16)~((1u << before) - 1);
         x[b] = _mm512_mul_ps(_mm512_load_ps(st->s + i * SPAN + b * BS), _mm512_set1_ps(scale));
+        if (softcap > 0.f) {
+            vblk v;
+            memcpy(&v, &x[b], sizeof v);
+            v = vsoftcap(v, softcap);
+            memcpy(&x[b], &v, sizeof v);
+        }
         if (alibi) {  /* -slope * distance, distance = pos - key position */
             const __m512 d = _mm512_sub_ps(_mm512_set1_ps((float)(last - b * BS)), lane);
             x[b] = _mm512_fnmadd_ps(_mm512_set1_ps(alibi[kvh * G + i % G]), d, x[b]);
@@ -1031,7 +1061,7 @@ static inline __attribute__((always_inline)) void softmax_row(group_state *st, i
  * running max and sum and the correction per row. The corrections of all 16 rows are one
  * vector (lane i: row i); a row's running sum is 16 lane sums, added up at its end. */
 static void softmax_step(group_state *st, int nr, int64_t k0, int kvh, float scale,
-                         const float *alibi) {
+                         float softcap, const float *alibi) {
     float bmax[16] __attribute__((aligned(64)));
     __mmask16 active = 0;
     for (int i = 0; i < 16; ++i) bmax[i] = st->m[i];
@@ -1043,9 +1073,9 @@ static void softmax_step(group_state *st, int nr, int64_t k0, int kvh, float sca
         active |= (__mmask16)(1u << i);
         const int64_t last = st->pos[i] - k0;  /* the last key this row sees, from k0 */
         if (last >= SPAN - 1 && st->skip[i] <= k0)
-            softmax_row(st, i, k0, last, kvh, scale, alibi, bmax, 1);
+            softmax_row(st, i, k0, last, kvh, scale, softcap, alibi, bmax, 1);
         else
-            softmax_row(st, i, k0, last, kvh, scale, alibi, bmax, 0);
+            softmax_row(st, i, k0, last, kvh, scale, softcap, alibi, bmax, 0);
     }
     const __m512 bm = _mm512_load_ps(bmax);
     __m512 corr = exp_masked(_mm512_sub_ps(_mm512_load_ps(st->m), bm), active);
@@ -1090,7 +1120,8 @@ PREFETCH_HELPER prefetch_step(const uint16_t *kv, const pass_blocks *cur,
 static void attend_group(const uint16_t *q, int q_stride, const uint16_t *k, const uint16_t *v,
                          const pass_blocks *cur, const int64_t *lens, const int64_t *skip,
                          uint16_t *out, int r0,
-                         int ntok, int kvh, int KV, float scale, const float *alibi,
+                         int ntok, int kvh, int KV, float scale, float softcap,
+                         const float *alibi,
                          const pass_blocks *next, const split_plan *sp, const partials *pt,
                          int part) {
     group_state st;
@@ -1124,7 +1155,7 @@ static void attend_group(const uint16_t *q, int q_stride, const uint16_t *k, con
         _tile_stored(0, st.s, SPAN * 4);
         _tile_stored(6, st.s + BS, SPAN * 4);
         prefetch_step(k, cur, next, j + STEP, KV, kvh);  /* scattered blocks: fetch ahead */
-        softmax_step(&st, nr, (int64_t)j * BS, kvh, scale, alibi);
+        softmax_step(&st, nr, (int64_t)j * BS, kvh, scale, softcap, alibi);
         _tile_loadd(5, st.p, SPAN * 2);
         _tile_loadd(7, st.p + BS, SPAN * 2);
         for (int c = 0; c < D; c += 16) {
@@ -1188,7 +1219,8 @@ static pass_blocks task_pass(const split_plan *sp, const int64_t *lens, int task
 void paged_attention_amx(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                          const int64_t *tables, const int64_t *row_seq, const int64_t *lens,
                          const int64_t *skip, uint16_t *out, int R, int q_stride, int KV,
-                         int max_blocks, float scale, const float *alibi, int nthreads) {
+                         int max_blocks, float scale, float softcap, const float *alibi,
+                         int nthreads) {
     split_plan sp;
     split_plan_init(&sp, row_seq, lens, R, TOK, KV, nthreads);
     /* A task is a unit (a group of rows, all its parts or one: split_plan) over all K/V
@@ -1226,7 +1258,7 @@ void paged_attention_amx(const uint16_t *q, const uint16_t *k, const uint16_t *v
                             ? pass_of(cur.table, cur.blocks, w.p0, kvh + 1)
                             : after;
                     attend_group(q, q_stride, k, v, &here, lens, skip, out, w.r0, w.nr, kvh, KV,
-                                 scale, alibi, &then, &sp, &pt, p);
+                                 scale, softcap, alibi, &then, &sp, &pt, p);
                 }
                 merge_own(&sp, &pt, &w, lens, kvh, (char *)out, 2);
             }
@@ -1246,7 +1278,9 @@ int paged_attention_amx_init(void) { return 0; }
 void paged_attention_amx(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                          const int64_t *tables, const int64_t *row_seq, const int64_t *lens,
                          const int64_t *skip, uint16_t *out, int R, int q_stride, int KV,
-                         int max_blocks, float scale, const float *alibi, int nthreads) {
+                         int max_blocks, float scale, float softcap, const float *alibi,
+                         int nthreads) {
+    (void)softcap;
     (void)q, (void)k, (void)v, (void)tables, (void)row_seq, (void)lens, (void)skip, (void)out;
     (void)R;
     (void)q_stride;

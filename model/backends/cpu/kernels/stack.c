@@ -2,12 +2,13 @@
  * with Qwen3's q/k norms, SmolLM3's layers without RoPE, Granite's scaled sublayers and
  * scores, and Mistral's sliding windows), of OLMo 2's (norms on the sublayers' outputs,
  * q/k norms over the whole projections) or of Gemma 3's (a norm before and after each
- * sublayer, GeGLU, windowed layers with their own RoPE base and KV pool) in bf16 as one call, for CPUs where every part runs as kvserve's own kernel: the AMX
- * tile linears (linear_bf16.c), the fused norm and RoPE-and-store (fused.c) and the AMX
- * paged attention (paged_attention.c). It computes exactly what Block.forward does with
- * those kernels, in the same order on the same buffers, so the bits are the same; what it
- * saves is the interpreter between them: about seven Python calls, their argument
- * conversions and output allocations per layer.
+ * sublayer, GeGLU, windowed layers with their own RoPE base and KV pool; Gemma 2's
+ * soft-capped scores) in bf16 as one call, for CPUs where every part runs as kvserve's own
+ * kernel: the AMX tile linears (linear_bf16.c), the fused norm, RoPE-and-store and GeGLU
+ * (fused.c) and the AMX paged attention (paged_attention.c). It computes exactly what
+ * Block.forward does with those kernels, in the same order on the same buffers, so the
+ * bits are the same; what it saves is the interpreter between them: about seven Python
+ * calls, their argument conversions and output allocations per layer.
  *
  * The kernels live in their own libraries (the attention one is built per head size), so
  * they come in as function pointers. Each keeps its own OpenMP parallel regions. Built and
@@ -72,10 +73,10 @@ void stack_forward(const stack_args *a) {
         if (own && a->win_tables)
             a->attend(a->qkv, w->k_cache, w->v_cache, a->win_tables, a->win_row_seq,
                       a->win_lens, a->win_skip, a->attn, T, nqkv, KV, a->win_max_blocks,
-                      a->scale, NULL, nt);
+                      a->scale, a->softcap, NULL, nt);
         else
             a->attend(a->qkv, w->k_cache, w->v_cache, a->tables, a->row_seq, a->lens, NULL,
-                      a->attn, T, nqkv, KV, a->max_blocks, a->scale, NULL, nt);
+                      a->attn, T, nqkv, KV, a->max_blocks, a->scale, a->softcap, NULL, nt);
         a->linear(a->attn, w->wo, w->bo, a->o, NULL, T, d, H * D, nt);
         if (a->output_norms) {
             a->norm(a->o, NULL, w->attn_norm, a->h, T, d, a->eps, nt);
