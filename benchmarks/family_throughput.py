@@ -5,11 +5,13 @@ Each family is a random-weight checkpoint written by transformers' own `save_pre
 in the SmolLM2-135M shape (benchmarks.common.SMOLLM2_135M: hidden 576, 30 layers, 9
 heads, 3 KV heads) with what makes the family itself switched on: Qwen3's q/k norms,
 SmolLM3's layers without RoPE, Granite's multipliers, Phi-4-mini's partial rotary and
-LongRoPE, OLMo 2's output norms and whole-projection q/k norms, Gemma 3's sandwich norms,
-GeGLU and windowed layers (a window of 512, which these requests stay within). The engine runs 64
-requests of 128 random prompt tokens and 64 output tokens at once, then one request
-alone, for each family right after Llama, --pairs times (the median of the ratios within
-each pair; the tok/s shown are the median pair's), in one process. Prints a table, writes JSON and records the rows in docs/results.md.
+LongRoPE, OLMo 2's output norms and whole-projection q/k norms, Gemma 3's sandwich
+norms, GeGLU and windowed layers (a window of 512, which these requests stay within),
+Gemma 2's soft-capped scores and logits besides. The engine runs 64 requests of 128
+random prompt tokens and 64 output tokens at once, then one request alone, for each
+family right after Llama, --pairs times (the median of the ratios within each pair; the
+tok/s shown are the median pair's), in one process. Prints a table, writes JSON and
+records the rows in docs/results.md.
 
     PYTHONPATH=. .venv/bin/python benchmarks/family_throughput.py
 """
@@ -75,6 +77,16 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "Gemma 3": (
         "Gemma3Text",
         {"head_dim": HEAD_DIM, "query_pre_attn_scalar": HEAD_DIM, "sliding_window": 512},
+    ),
+    "Gemma 2": (
+        "Gemma2",
+        {
+            "head_dim": HEAD_DIM,
+            "query_pre_attn_scalar": HEAD_DIM,
+            "sliding_window": 512,
+            "attn_logit_softcapping": 50.0,
+            "final_logit_softcapping": 30.0,
+        },
     ),
 }
 
