@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -19,9 +20,11 @@ from model.backends.cpu.kernels.build import data_ptr
 from model.backends.cpu.kernels.stack import stack_forward, stack_kernels
 from model.backends.cpu.packed import GatedSwiGLU, PackedGeGLU, PackedLinear
 from model.config import ModelConfig
-from model.kv_cache import PagedKVCache
 from model.layers import RMSNorm
 from model.metadata import AttentionMetadata
+
+if TYPE_CHECKING:  # the cache imports the backends' package, which imports this
+    from model.kv_cache import PagedKVCache
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
