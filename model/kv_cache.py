@@ -88,7 +88,8 @@ class PagedKVCache:
             self.window_data.index_fill_(2, window_blocks, 0)
 
     def layer(self, i: int) -> tuple[Tensor, Tensor]:
-        """Layer i's K and V views of `data`, in the backend's layout."""
+        """Layer i's K and V views of its pool (`data`, or `window_data` for a windowed
+        layer where there is one), in the backend's layout."""
         return self._layers[i]
 
     @property

@@ -65,11 +65,12 @@ class WindowBlocks:
         if not self.prefix_caching:
             return 0, []
         found = [self._match(k, t, a) for k, t, a in zip(keys, tokens, anchors, strict=True)]
-        for m in range(len(found), 0, -1):
-            tail = found[self.first_needed(m * self.block_size) : m]
-            if all(b is not None for b in tail):
-                return m, tail  # type: ignore[return-value]
-        return 0, []
+        best, run = 0, 0  # run: cached blocks in a row, ending at block m - 1
+        for m, block in enumerate(found, 1):
+            run = run + 1 if block is not None else 0
+            if run >= m - self.first_needed(m * self.block_size):
+                best = m
+        return best, found[self.first_needed(best * self.block_size) : best]  # type: ignore[return-value]
 
     def _match(self, key: bytes, tokens: tuple[int, ...], anchor: int) -> int | None:
         block = self.cached.get(key)

@@ -151,8 +151,8 @@ def test_kernel_matches_torch(isa, dtype, heads, kv_heads, d, bs, alibi, batch) 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("heads", "kv_heads", "d", "bs"), [(9, 3, 64, 16), (4, 4, 16, 8)])
-@pytest.mark.parametrize("window", [1, 5, 16, 37, 600])
-@pytest.mark.parametrize("batch", ["mixed", "prefills", "long"])
+@pytest.mark.parametrize("window", [1, 37, 600])
+@pytest.mark.parametrize("batch", ["prefills", "long"])
 def test_sliding_window_matches_torch(isa, dtype, heads, kv_heads, d, bs, window, batch) -> None:
     """Each row over the last `window` of its keys (window_view: each run of rows on a
     table shifted to its window's first block, the keys before the window skipped). The
@@ -182,7 +182,7 @@ def test_sliding_window_matches_torch(isa, dtype, heads, kv_heads, d, bs, window
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("heads", "kv_heads", "d", "bs"), [(9, 3, 64, 16), (4, 4, 16, 8)])
+@pytest.mark.parametrize(("heads", "kv_heads", "d", "bs"), [(9, 3, 64, 16)])
 @pytest.mark.parametrize("window", [None, 37])
 @pytest.mark.parametrize("batch", ["mixed", "long"])
 def test_soft_capped_scores_match_torch(isa, dtype, heads, kv_heads, d, bs, window, batch):
