@@ -100,9 +100,15 @@ def window_pool_blocks(
     blocks of its window and of its new tokens (service/engine/window_blocks.py), which
     are at most ceil((window - 1 + new) / block_size) + 1, and at most
     max_num_batched_tokens new tokens in all."""
-    assert cfg.sliding_window is not None
-    per_seq = -(-(cfg.sliding_window - 1) // block_size) + 2
+    per_seq = window_span_blocks(cfg, block_size, 1)
     return max_num_seqs * per_seq + -(-max_num_batched_tokens // block_size)
+
+
+def window_span_blocks(cfg: ModelConfig, block_size: int, new_tokens: int) -> int:
+    """The most blocks of the windowed layers' pool a sequence holds in a step of
+    new_tokens: those of the window of its first query and of its new tokens."""
+    assert cfg.sliding_window is not None
+    return -(-(cfg.sliding_window - 1) // block_size) + 1 + -(-new_tokens // block_size)
 
 
 def window_sequence_bytes(cfg: ModelConfig, dtype: str, seq_len: int, block_size: int) -> int:
@@ -195,9 +201,9 @@ def plan(
 ) -> dict[str, object]:
     """What fits in `memory_bytes` (of each device, with the model split over
     `tensor_parallel_size` of them) next to the weights, and the physical floors. A
-    model whose windowed layers sit beside global ones counts each sequence's KV as the
-    server holds it (the windowed layers' blocks of the window alone), and also as
-    global KV would (`sequences_of_seq_len_global_kv`)."""
+    model with windowed layers counts each sequence's KV as the server holds it (the
+    windowed layers' blocks of the window alone), and also as global KV would
+    (`sequences_of_seq_len_global_kv`)."""
     world = tensor_parallel_size
     local = rank_config(cfg, world) if world > 1 else cfg
     report = audit(cfg, dtype).as_dict()
@@ -216,7 +222,7 @@ def plan(
         "sequences_of_seq_len": tokens // seq_len,
         "fits": weights < memory_bytes and tokens >= seq_len,
     }
-    if local.mixed_windows:
+    if local.windowed_layers:
         per_seq = window_sequence_bytes(local, dtype, seq_len, block_size)
         report |= {
             "kv_bytes_per_sequence_of_seq_len": per_seq,

@@ -19,11 +19,12 @@ class PagedKVCache:
     C kernels read it. Every layout keeps a block's KV * block_size * head_dim elements
     together, so a block is the same bytes whatever reads it.
 
-    With window_blocks, a model whose windowed layers sit beside global ones (Gemma 2 and
-    3) keeps its windowed layers' K and V in a pool of their own, `window_data`, of that
-    many blocks and its own block ids: a sequence holds there only the blocks its windows
-    still see (service/engine/window_blocks.py), and the global layers' pool `data` holds
-    the whole context.
+    With window_blocks, a model with windowed layers keeps their K and V in a pool of
+    their own, `window_data`, of that many blocks and its own block ids: a sequence holds
+    there only the blocks its windows still see (service/engine/window_blocks.py), and
+    the global layers' pool `data` holds the whole context. Where every layer is windowed
+    (Mistral, Phi-3 with sliding_window), `data` has no layers: its block ids only name
+    the blocks of each sequence's context, for the prefix cache.
     """
 
     def __init__(
@@ -41,8 +42,8 @@ class PagedKVCache:
                 f"num_blocks and block_size must be > 0 (and window_blocks >= 0), got "
                 f"{num_blocks}, {block_size}, {window_blocks}"
             )
-        if window_blocks and not cfg.mixed_windows:
-            raise ValueError("window_blocks: the model has no windowed layers beside global ones")
+        if window_blocks and not cfg.windowed_layers:
+            raise ValueError("window_blocks: the model has no windowed layers")
         backend.check_cache(cfg, block_size, dtype)
         self.backend = backend
         self.num_blocks = num_blocks
@@ -76,6 +77,11 @@ class PagedKVCache:
     @property
     def null_block(self) -> int:
         return self.num_blocks
+
+    @property
+    def window_only(self) -> bool:
+        """Every layer's K/V in `window_data`: the block ids of `data` hold none."""
+        return self.window_data is not None and self.data.shape[1] == 0
 
     @property
     def window_null_block(self) -> int:

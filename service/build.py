@@ -78,6 +78,8 @@ def build(
         "features": cfg.features,
         "tensor_parallel_size": world,
         "kv_pool_bytes": engine.kv_cache.nbytes * world,  # every rank's share
+        # the tokens the block ids name (window_only: no K/V under them, the window
+        # pool holds it)
         "kv_pool_tokens": engine.blocks.num_blocks * settings.block_size,
         "device": str(device),
         "attention_backend": backend,
@@ -86,11 +88,11 @@ def build(
         "async_scheduling": engine.async_scheduling,
         "block_size": settings.block_size,
         "kv_blocks": engine.blocks.num_blocks,
-        # the windowed layers' own pool (Gemma 2 and 3), 0: none
+        # the windowed layers' own pool, 0: none
         "kv_window_blocks": engine.kv_cache.window_blocks,
-        "kv_pool_sequences_of_max_len": engine.blocks.num_blocks
-        * settings.block_size
-        // engine.max_model_len,
+        "kv_pool_sequences_of_max_len": engine.blocks.sequences_of(
+            engine.max_model_len, engine.kv_cache.window_only
+        ),
         "speculative_method": settings.speculative_method,
         "num_speculative_tokens": settings.num_speculative_tokens,
     }

@@ -106,6 +106,15 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def sequences_of(self, num_tokens: int, window_only: bool = False) -> int:
+        """How many sequences of num_tokens the pools hold at once (window_only: every
+        layer's K/V is in the window pool, none under this pool's ids)."""
+        n = self.num_blocks // self.blocks_for(num_tokens)
+        if self.windows is not None:
+            held = self.windows.num_blocks // self.windows.held_by(num_tokens)
+            n = held if window_only else min(n, held)
+        return n
+
     # ---- prefix cache -----------------------------------------------------------------
 
     def lookup(self, request: Request) -> Hits:

@@ -124,20 +124,19 @@ class LLMEngine:
 
     def snapshot(self) -> EngineSnapshot:
         sched, blocks, windows = self.scheduler, self.blocks, self.blocks.windows
+        used, total, each = blocks.num_used, blocks.num_blocks, self.block_bytes
         window_bytes = (0, 0)
         if windows is not None:
-            each = self.kv_cache.window_block_nbytes
-            window_bytes = (
-                (windows.num_blocks - windows.num_free) * each,
-                windows.num_blocks * each,
+            w_used, w_each = (
+                windows.num_blocks - windows.num_free,
+                self.kv_cache.window_block_nbytes,
             )
+            if self.kv_cache.window_only:  # the window pool is the KV pool
+                used, total, each = w_used, windows.num_blocks, w_each
+            else:
+                window_bytes = (w_used * w_each, windows.num_blocks * w_each)
         return self.stats.snapshot(
-            len(sched.running),
-            len(sched.waiting),
-            blocks.num_used,
-            blocks.num_blocks,
-            self.block_bytes,
-            window_bytes,
+            len(sched.running), len(sched.waiting), used, total, each, window_bytes
         )
 
     def has_unfinished(self) -> bool:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from model.audit import kv_bytes_per_token, window_pool_blocks
+from model.audit import kv_bytes_per_token, window_pool_blocks, window_span_blocks
 from model.backends.device import dtype_name
 from model.transformer import Transformer
 
@@ -51,8 +51,24 @@ def kv_block_budget(
 
     A model whose windowed layers sit beside global ones keeps the windowed layers' K/V
     in a pool of their own, sized to what a step's sequences can hold of it
-    (window_pool_blocks), and the global layers' in the rest."""
+    (window_pool_blocks), and the global layers' in the rest. A model whose every layer
+    is windowed keeps all its K/V there (num_kv_blocks sizes that pool); its block
+    tables then hold no K/V (PagedKVCache: no bytes), only ids that chain the prefix
+    cache. Not with a draft model, which keeps its K/V of every token under those ids."""
     cfg, dtype, block_size = model.local_cfg, dtype_name(model.dtype), settings.block_size
+    max_len = min(settings.max_model_len or model.cfg.max_position, model.cfg.max_position)
+    need = -(-max_len // block_size)
+    if window_pool_only(model, draft):
+        window_block = block_size * kv_bytes_per_token(cfg, dtype)
+        window_blocks = settings.num_kv_blocks
+        if window_blocks is None:
+            budget = _budget(model, settings, max_num_seqs)
+            window_blocks = max(0, budget) // window_block
+            one = min(need, window_span_blocks(cfg, block_size, settings.max_num_batched_tokens))
+            _check_fits(model, budget, window_blocks, one, one * window_block, max_len, block_size)
+        # ids for every token of the running sequences, and as many again as the window
+        # pool has blocks for the prefix cache's chains (each id costs host memory)
+        return max_num_seqs * need + window_blocks, window_blocks
     windowed = len(cfg.windowed_layers) if cfg.mixed_windows else 0
     # this rank's heads (all of them on one rank)
     per_token = kv_bytes_per_token(cfg, dtype, cfg.n_layers - windowed)
@@ -65,18 +81,42 @@ def kv_block_budget(
         most = window_pool_blocks(cfg, block_size, max_num_seqs, settings.max_num_batched_tokens)
     if settings.num_kv_blocks is not None:
         return settings.num_kv_blocks, min(most, settings.num_kv_blocks)
-    gpu = model.device.type == "cuda"
-    budget = cuda_kv_budget(model, settings, max_num_seqs) if gpu else settings.kv_cache_bytes
+    budget = _budget(model, settings, max_num_seqs)
     # no more window blocks than global ones: a sequence never holds more of them
     window_blocks = min(most, max(0, budget) // (per_block + window_block))
     blocks = max(0, budget - window_blocks * window_block) // per_block
-    max_len = min(settings.max_model_len or model.cfg.max_position, model.cfg.max_position)
-    need = -(-max_len // block_size)
+    _check_fits(model, budget, blocks, need, need * per_block, max_len, block_size)
+    return blocks, window_blocks
+
+
+def window_pool_only(model: Transformer, draft: Transformer | None) -> bool:
+    """Whether every layer's K/V sits in the window pool (every layer windowed, no draft
+    model)."""
+    cfg = model.local_cfg
+    return draft is None and len(cfg.windowed_layers) == cfg.n_layers
+
+
+def _budget(model: Transformer, settings: Settings, max_num_seqs: int) -> int:
+    if model.device.type == "cuda":
+        return cuda_kv_budget(model, settings, max_num_seqs)
+    return settings.kv_cache_bytes
+
+
+def _check_fits(
+    model: Transformer,
+    budget: int,
+    blocks: int,
+    need: int,
+    need_bytes: int,
+    max_len: int,
+    block_size: int,
+) -> None:
+    """A pool of `blocks` must hold one sequence of max_len (`need` blocks of it,
+    need_bytes)."""
     if blocks < need:
-        source = "gpu_memory_utilization" if gpu else "kv_cache_gib"
+        source = "gpu_memory_utilization" if model.device.type == "cuda" else "kv_cache_gib"
         raise ValueError(
             f"{source}: a KV cache budget of {budget} bytes holds {blocks * block_size} "
-            f"tokens, fewer than one sequence of max_model_len {max_len} "
-            f"({need * per_block} bytes); raise {source} or lower max_model_len"
+            f"tokens, fewer than one sequence of max_model_len {max_len} ({need_bytes} "
+            f"bytes); raise {source} or lower max_model_len"
         )
-    return blocks, window_blocks

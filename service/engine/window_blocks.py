@@ -1,12 +1,14 @@
-"""The windowed layers' KV pool (PagedKVCache.window_data) for models whose windowed
-layers sit beside global ones (Gemma 2 and 3). Plain Python, driven by BlockManager.
+"""The windowed layers' KV pool (PagedKVCache.window_data): Gemma 2 and 3's windowed
+layers beside their global ones, or every layer of a model whose every layer is windowed
+(Mistral, Phi-3 with sliding_window). Plain Python, driven by BlockManager.
 
 A query at position p of a windowed layer sees keys p - window + 1 .. p, so a sequence
 about to compute from position `start` on needs, in this pool, only the blocks from the
 one holding key start - window + 1: the blocks before it are released as the sequence
 moves on, and never taken for a prompt that starts past them (a prefix-cache hit). Its
 `window_table` has an entry for every block of its context, the pool's null block for
-those it does not hold; the global layers' table holds them all.
+those it does not hold; the global layers' table holds them all (with every layer
+windowed, block ids that hold no K/V: they chain the prefix cache's entries).
 
 Released blocks keep their prefix-cache key until the pool needs them again, as
 BlockManager's do. A cached block is trusted only for the same key, the same tokens and
@@ -52,6 +54,10 @@ class WindowBlocks:
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def held_by(self, num_tokens: int) -> int:
+        """The blocks a sequence of num_tokens holds here as it computes its last one."""
+        return self.blocks_for(num_tokens) - self.first_needed(num_tokens - 1)
 
     # ---- prefix cache -----------------------------------------------------------------
 

@@ -37,6 +37,7 @@ def one_rank(ckpt: Path) -> dict[str, object]:
         "logits": logits,
         "kv_blocks": engine.blocks.num_blocks,
         "kv_window_blocks": engine.kv_cache.window_blocks,
+        "window_only": engine.kv_cache.window_only,
         "kv_pool_bytes": engine.kv_cache.nbytes,
     }
 
@@ -64,15 +65,21 @@ def test_two_ranks_give_one_ranks_logits_and_tokens(
     # each rank holds its share of the K/V heads in the same byte budget: with the heads
     # split the pool holds twice the tokens (to a block); with one K/V head each rank
     # holds a replica. Gemma 3's windowed layers' pool is as many blocks (sized by the
-    # sequences a step holds) at half the bytes: the global pool gets the rest
+    # sequences a step holds) at half the bytes: the global pool gets the rest. With every
+    # layer windowed (Mistral's), the window pool is the one that holds K/V
     split = family != "llama_kv_replicated"
-    assert got["kv_window_blocks"] == ref["kv_window_blocks"]
-    if ref["kv_window_blocks"]:
+    pool = got["kv_blocks"]
+    assert got["window_only"] == ref["window_only"]
+    if ref["window_only"]:
+        pool = got["kv_window_blocks"]
+        assert pool // 2 == ref["kv_window_blocks"]
+    elif ref["kv_window_blocks"]:
+        assert got["kv_window_blocks"] == ref["kv_window_blocks"]
         assert got["kv_blocks"] > 2 * ref["kv_blocks"]
     else:
         assert got["kv_blocks"] // (2 if split else 1) == ref["kv_blocks"]
     budget = settings(str(ckpt), 2).kv_cache_bytes  # per rank
-    assert budget - got["kv_pool_bytes"] < 2 * got["kv_pool_bytes"] / got["kv_blocks"]
+    assert budget - got["kv_pool_bytes"] < 2 * got["kv_pool_bytes"] / pool
 
 
 def _netns(*args: str) -> None:

@@ -1,8 +1,9 @@
 """The windowed layers' own KV pool (service/engine/window_blocks.py) on Gemma 3 (five
-windowed layers, a window of 8, beside a global one): transformers' greedy tokens past the
-window, the blocks behind each window released as the sequence moves on, prefix-cache
-hits that reuse a cached window (and are cut back where its blocks were evicted), and
-nothing held at the end."""
+windowed layers, a window of 8, beside a global one) and on Mistral with a window of 8 in
+every layer (the window pool its only K/V): transformers' greedy tokens past the window,
+the blocks behind each window released as the sequence moves on, prefix-cache hits that
+reuse a cached window (and are cut back where its blocks were evicted), and nothing held
+at the end."""
 
 import random
 
@@ -11,16 +12,20 @@ import torch
 
 from model.weights import load_model
 from tests.engine.helpers import greedy, run_all, tokens_of
-from tests.factories import make_engine, write_gemma3
+from tests.factories import make_engine, write_gemma3, write_mistral
+from tests.model.backends import BACKENDS, block_size_for, make_backend
 
 WINDOW, BLOCK = 8, 4
 HELD = -(-(WINDOW - 1) // BLOCK) + 2  # a decode's window, and the block it writes
 
 
-@pytest.fixture(scope="module")
-def gemma(tmp_path_factory):
-    path = tmp_path_factory.mktemp("gemma3")
-    hf = write_gemma3(path, sliding_window=WINDOW)
+WRITERS = {"gemma3": write_gemma3, "mistral": write_mistral}
+
+
+@pytest.fixture(scope="module", params=list(WRITERS))
+def gemma(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    hf = WRITERS[request.param](path, sliding_window=WINDOW)
     return hf.eval(), load_model(path, torch.float32)
 
 
@@ -44,6 +49,8 @@ def test_greedy_tokens_are_transformers_and_windows_release_blocks(gemma) -> Non
     e = engine(model)
     assert e.kv_cache.window_blocks and e.kv_cache.window_blocks < e.kv_cache.num_blocks
     pool = e.blocks.windows
+    if len(model.cfg.windowed_layers) == model.cfg.n_layers:  # no K/V under the block ids
+        assert e.kv_cache.window_only and e.kv_cache.window_blocks == 96
     requests = {f"r{i}": (p, greedy(24)) for i, p in enumerate(prompts(3, 19))}
     for rid, (prompt, params) in requests.items():
         e.add_request(rid, prompt, params)
@@ -87,10 +94,11 @@ def test_prefix_hits_reuse_a_cached_window(gemma) -> None:
 
 def test_an_evicted_window_cuts_the_hit_back(gemma) -> None:
     """Other requests take the window pool's blocks (a smaller pool than the global
-    one): the prompt's global blocks are still cached, the window of their end is not,
+    one; with every layer windowed, 12 blocks): the prompt's global blocks are still cached, the window of their end is not,
     so the hit stops where a cached window ends (here: none), and the tokens are right."""
     _, model = gemma
-    e = engine(model, max_num_seqs=1, max_num_batched_tokens=16)
+    kw = {"num_kv_blocks": 12} if len(model.cfg.windowed_layers) == model.cfg.n_layers else {}
+    e = engine(model, max_num_seqs=1, max_num_batched_tokens=16, **kw)
     pool = e.blocks.windows
     assert pool.num_blocks < e.blocks.num_blocks
     [prompt] = prompts(1, 41)
@@ -101,3 +109,20 @@ def test_an_evicted_window_cuts_the_hit_back(gemma) -> None:
     again = run_all(e, {"b": (prompt, greedy(8))})["b"]
     assert again[-1].num_cached_tokens < (len(prompt) - 1) // BLOCK * BLOCK
     assert tokens_of(again) == first
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_a_window_only_pool_on_each_backend(name: str, tmp_path) -> None:
+    """Mistral with every layer windowed: its K/V in the window pool alone (no bytes
+    under the block ids) on each backend, in prompt chunks and decodes past the window,
+    gives transformers' greedy tokens, and releases every block."""
+    hf = write_mistral(tmp_path, sliding_window=WINDOW).eval()
+    model = load_model(tmp_path, torch.float32)
+    make_backend(name, model.cfg)  # skip (or fail where required) saying what is missing
+    block = block_size_for(name, BLOCK)
+    e = engine(model, attention_backend=name, block_size=block, max_num_batched_tokens=32)
+    assert e.backend.name == name and e.kv_cache.window_only
+    [prompt] = prompts(1, 41)
+    out = tokens_of(run_all(e, {"a": (prompt, greedy(20))})["a"])
+    assert out == hf_greedy(hf, prompt, 20)
+    assert e.blocks.windows.num_free == e.blocks.windows.num_blocks

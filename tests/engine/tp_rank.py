@@ -90,6 +90,7 @@ def main(ckpt: str, out: str, kv_cache_gib: float) -> int:
         "logits": logits.tolist(),
         "kv_blocks": engine.blocks.num_blocks,
         "kv_window_blocks": engine.kv_cache.window_blocks,
+        "window_only": engine.kv_cache.window_only,
         "kv_pool_bytes": engine.kv_cache.nbytes,
     }
     Path(out).write_text(json.dumps(report))

@@ -12,6 +12,7 @@ from tests.factories import (
     write_gpt2,
     write_granite,
     write_llama,
+    write_mistral,
     write_phi3,
     write_qwen2,
     write_qwen3,
@@ -27,6 +28,8 @@ WRITERS = {
     "granite": write_granite,  # residuals scaled after the all-reduce
     "gemma3": write_gemma3,  # GeGLU's gate | up split per rank, sandwich norms, windows
     "phi3": write_phi3,  # q|k|v and gate|up one tensor each; each rank's heads reordered
+    # every layer windowed (8 keys): all the K/V in the window pool
+    "mistral_window": lambda p: write_mistral(p, sliding_window=8),
     "gpt2": write_gpt2,
 }
 

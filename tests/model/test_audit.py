@@ -120,6 +120,34 @@ def test_plan_counts_gemma3_windows_as_the_server_holds_them() -> None:
     assert r["sequences_of_seq_len"] >= 6 * r["sequences_of_seq_len_global_kv"]
 
 
+MISTRAL_7B_V01 = {
+    "architectures": ["MistralForCausalLM"],
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 32000,
+    "max_position_embeddings": 32768,
+    "sliding_window": 4096,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+}
+
+
+def test_plan_counts_a_window_in_every_layer_as_the_server_holds_it() -> None:
+    """Mistral 7B v0.1 at 32,768 tokens on 80 GB: every layer windowed (4,096), so a
+    sequence holds the 257 blocks of 16 its window touches (131,072 bytes a token in
+    bf16), 7x the sequences of global KV."""
+    cfg = ModelConfig.from_hf_config(MISTRAL_7B_V01)
+    r = plan(cfg, "bfloat16", 80 * 10**9, 32768)
+    assert r["kv_bytes_per_token"] == 131_072
+    assert r["kv_bytes_per_sequence_of_seq_len"] == 257 * 16 * 131_072
+    assert r["sequences_of_seq_len_global_kv"] == r["kv_tokens"] // 32768 > 0
+    assert r["sequences_of_seq_len"] >= 7 * r["sequences_of_seq_len_global_kv"]
+
+
 def test_plan_refuses_a_split_the_model_cannot_take() -> None:
     with pytest.raises(ValueError, match="64 attention heads do not split over 3 ranks"):
         plan(LLAMA3_70B, "bfloat16", 80 * 10**9, 8192, tensor_parallel_size=3)
