@@ -4,6 +4,9 @@ the rotation, the store into the cache and the attention itself in the backend
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+import torch
 from torch import Tensor, nn
 
 from model.backends.base import Backend
@@ -11,12 +14,22 @@ from model.config import ModelConfig
 from model.layers import RMSNorm
 from model.metadata import AttentionMetadata
 
+if TYPE_CHECKING:
+    from model.parallel import TensorParallel
+
+    # a rank's TensorParallel and TensorParallel.qk_widths
+    SplitNorms = tuple[TensorParallel, tuple[int, int, int]]
+
 
 class Attention(nn.Module):
     """Multi-head attention with grouped K/V heads (MHA, GQA, MQA), fused QKV projection.
     The backend (model/backends) rotates, stores and attends."""
 
-    def __init__(self, cfg: ModelConfig, window: int | None = None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, window: int | None = None, split_norms: SplitNorms | None = None
+    ) -> None:
+        """split_norms: under tensor parallelism, q/k norms over every head together
+        (OLMo 2) join the ranks' sums of squares (model/parallel.py)."""
         super().__init__()
         self.n_heads, self.n_kv, self.d_head = cfg.n_heads, cfg.kv_heads, cfg.head_dim
         self.window = window  # sliding-window attention's, or None
@@ -33,6 +46,7 @@ class Attention(nn.Module):
             q_dim, k_dim = self.n_heads * self.d_head, self.n_kv * self.d_head
         self.q_norm = RMSNorm(q_dim, cfg.norm_eps) if cfg.qk_norm != "none" else None
         self.k_norm = RMSNorm(k_dim, cfg.norm_eps) if cfg.qk_norm != "none" else None
+        self.split_norms = split_norms if cfg.qk_norm == "all" else None
 
     def forward(
         self,
@@ -47,7 +61,9 @@ class Attention(nn.Module):
         if self.window is not None and meta.window is not None:  # the windowed layers' pool
             meta = meta.window
         qkv = self.wqkv(x)  # (T, (H + 2KV) * dh)
-        if self.qk_norm != "none":  # each head's (Qwen3) or all heads at once (OLMo 2)
+        if self.split_norms is not None:
+            qkv = self._norm_split(qkv)
+        elif self.qk_norm != "none":  # each head's (Qwen3) or all heads at once (OLMo 2)
             whole = self.qk_norm == "all"
             qkv = backend.norm_heads(qkv, self.q_norm, self.k_norm, self.n_heads, self.n_kv, whole)
         q, k, v = backend.rope_store(qkv, rope, self.n_heads, self.n_kv, self.d_head, cache, meta)
@@ -55,3 +71,10 @@ class Attention(nn.Module):
             q, k, v, cache, meta, self.scale, alibi_slopes, self.window, self.softcap
         )
         return self.wo(out)  # out: (T, H * dh)
+
+    def _norm_split(self, qkv: Tensor) -> Tensor:
+        tp, widths = self.split_norms  # type: ignore[misc]
+        q_dim, k_dim = self.n_heads * self.d_head, self.n_kv * self.d_head
+        q, k, v = qkv.split([q_dim, k_dim, k_dim], dim=1)
+        q, k = tp.norm_qk(q, k, self.q_norm, self.k_norm, widths)
+        return torch.cat([q, k, v], dim=1)

@@ -176,11 +176,14 @@ def rank_config(cfg: ModelConfig, world: int) -> ModelConfig:
 
 def collective_bytes(cfg: ModelConfig, dtype: str, world: int) -> dict[str, int]:
     """What tensor parallelism moves per token: one all-reduce of the hidden state per
-    attention and per FFN (and one for the embedding), one all-gather of the logits.
-    A ring all-reduce sends 2 (N-1)/N of its bytes from every device, an all-gather
-    (N-1)/N."""
+    attention and per FFN (and one for the embedding), and with q/k norms over every
+    head (OLMo 2) one of the q and k sums of squares (2 fp32) per layer; one all-gather
+    of the logits. A ring all-reduce sends 2 (N-1)/N of its bytes from every device, an
+    all-gather (N-1)/N."""
     hidden = dtype_bytes(dtype) * cfg.d_model
     reduce = (2 * cfg.n_layers + 1) * hidden
+    if cfg.qk_norm == "all":
+        reduce += cfg.n_layers * 2 * 4
     gather = -(-cfg.vocab_size // world) * world * dtype_bytes(dtype)
     return {
         "allreduce_bytes_per_token": reduce if world > 1 else 0,

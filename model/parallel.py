@@ -8,7 +8,9 @@ matching input columns, then one all-reduce each. The embedding and the LM head 
 vocab-parallel (rows padded to a multiple of the world size; the lookup is one all-reduce,
 the logits one all-gather). When there are fewer K/V heads than ranks, each rank holds a
 replica of the one K/V head its query heads read. Norms and position tables are
-replicated; a row-parallel bias is held by rank 0 alone, so the all-reduce adds it once.
+replicated, but for OLMo 2's q/k norms over every head together: a rank holds the weights
+of its heads, and the sum of squares is all-reduced before each rank scales its own. A
+row-parallel bias is held by rank 0 alone, so the all-reduce adds it once.
 NCCL on CUDA, gloo on the CPU: nothing else is needed to run on 2-8 devices or hosts.
 """
 
@@ -53,8 +55,6 @@ def unsplittable(cfg: ModelConfig, world: int) -> str | None:
         return f"{kv} K/V heads do not split over {world} ranks (nor {world} over them)"
     if cfg.d_ff % world:
         return f"d_ff {cfg.d_ff} does not split over {world} ranks"
-    if cfg.qk_norm == "all" and world > 1:
-        return "q/k norms over every head together (OLMo 2) do not split over ranks"
     return None
 
 
@@ -103,10 +103,24 @@ class TensorParallel:
             d_ff=len(self.ffn(cfg)),
         )
 
-    def split(self, name: str) -> str:
-        """vocab, column, row, row_bias or replicated, for a parameter name with its
+    def split(self, name: str, cfg: ModelConfig) -> str:
+        """vocab, column, row, row_bias, heads (a norm's weight over every head's
+        features: the rank's heads' share) or replicated, for a parameter name with its
         `layers.{i}.` prefix taken off."""
+        if cfg.qk_norm == "all" and name in ("attn.q_norm.weight", "attn.k_norm.weight"):
+            return "heads"
         return SPLITS.get(name, "replicated")
+
+    def head_features(self, cfg: ModelConfig, name: str) -> range:
+        """The features of a `heads` parameter this rank holds."""
+        heads = self.heads(cfg) if name.startswith("attn.q_") else self.kv_heads(cfg)
+        return _scaled(heads, cfg.head_dim)
+
+    def qk_widths(self, cfg: ModelConfig) -> tuple[int, int, int]:
+        """For norms over every head together: the whole q's and k's widths, and how
+        many ranks hold each K/V head (1, or a replica each when fewer heads than ranks)."""
+        replicas = self.world // cfg.kv_heads if cfg.kv_heads < self.world else 1
+        return cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, replicas
 
     def segments(self, cfg: ModelConfig, name: str) -> list[range]:
         """A column-parallel parameter's rows this rank holds, within each of its fused
@@ -128,6 +142,20 @@ class TensorParallel:
     def all_reduce(self, x: Tensor) -> Tensor:
         dist.all_reduce(x, group=self.group)
         return x
+
+    def norm_qk(
+        self, q: Tensor, k: Tensor, q_norm: Any, k_norm: Any, widths: tuple[int, int, int]
+    ) -> tuple[Tensor, Tensor]:
+        """RMSNorms over the whole q and the whole k (widths: qk_widths) of which this
+        rank holds q and k: one all-reduce of both sums of squares, each K/V head's
+        counted once, then each rank scales its own features (in fp32, as RMSNorm)."""
+        q_width, k_width, replicas = widths
+        sums = torch.stack([q.float().square().sum(-1), k.float().square().sum(-1)], dim=1)
+        sums = self.all_reduce(sums)
+        q_ms, k_ms = sums[:, :1] / q_width, sums[:, 1:] / (k_width * replicas)
+        q_out = q_norm.weight * (q.float() * torch.rsqrt(q_ms + q_norm.eps)).to(q.dtype)
+        k_out = k_norm.weight * (k.float() * torch.rsqrt(k_ms + k_norm.eps)).to(k.dtype)
+        return q_out, k_out
 
     def embed(self, table: Tensor, tokens: Tensor) -> Tensor:
         """(T,) token ids -> (T, d): each rank looks up the ids in its rows, zeros for

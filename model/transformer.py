@@ -28,16 +28,23 @@ def _unsplit(x: Tensor) -> Tensor:
 
 class Block(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, tp: TensorParallel | None = None, window: int | None = None
+        self,
+        cfg: ModelConfig,
+        tp: TensorParallel | None = None,
+        window: int | None = None,
+        qk_widths: tuple[int, int, int] | None = None,
     ) -> None:
         """cfg: this rank's shapes (TensorParallel.local_config) under tensor parallelism,
         where the attention and FFN outputs are partial sums until all-reduced; window:
-        the layer's sliding window (None: full attention)."""
+        the layer's sliding window (None: full attention); qk_widths: the whole model's
+        (TensorParallel.qk_widths), for q/k norms over every head together."""
         super().__init__()
-        self.reduce = tp.all_reduce if tp is not None and tp.world > 1 else _unsplit
+        split = tp is not None and tp.world > 1
+        self.reduce = tp.all_reduce if split else _unsplit
         self.placement = cfg.norm_placement
         self.attn_norm = make_norm(cfg)
-        self.attn = Attention(cfg, window)
+        norms = (tp, qk_widths) if split and qk_widths is not None else None
+        self.attn = Attention(cfg, window, norms)
         self.ffn_norm = make_norm(cfg)
         self.ffn = make_ffn(cfg)
         if cfg.norm_placement == "sandwich":  # Gemma: a norm on each sublayer's output too
@@ -94,8 +101,9 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(vocab, cfg.d_model)
         if cfg.position == "learned":
             self.pos_embed = nn.Embedding(cfg.max_position, cfg.d_model)
+        widths = tp.qk_widths(cfg) if tp is not None else None
         self.layers = nn.ModuleList(
-            Block(self.local_cfg, tp, cfg.window(i)) for i in range(cfg.n_layers)
+            Block(self.local_cfg, tp, cfg.window(i), widths) for i in range(cfg.n_layers)
         )
         self.nope = frozenset(cfg.nope_layers)  # layers that take no rotation (SmolLM3)
         self.fused_layers: FusedLayers | None = None

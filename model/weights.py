@@ -333,7 +333,7 @@ def _parts(
     sources' rows; a rank takes its rows of every fused segment (q | k | v, gate | up),
     its columns of a row-parallel weight, its rows of the vocab."""
     rows = _part_rows(cfg, key, len(sources), full[0])
-    split = tp.split(key) if tp is not None else "replicated"
+    split = tp.split(key, cfg) if tp is not None else "replicated"
     if split == "column":
         segments = FUSED_ROWS[key.rsplit(".", 1)[0]](cfg)
         shares = tp.segments(cfg, key)  # type: ignore[union-attr]
@@ -351,6 +351,8 @@ def _parts(
         return [_Part(sources[0], full, None, tp.columns(cfg, key))]  # type: ignore[union-attr]
     if split == "vocab":
         return [_Part(sources[0], full, tp.vocab(cfg))]  # type: ignore[union-attr]
+    if split == "heads":
+        return [_Part(sources[0], full, tp.head_features(cfg, key))]  # type: ignore[union-attr]
     return [_Part(s, (n, *full[1:])) for s, n in zip(sources, rows, strict=True)]
 
 
@@ -443,7 +445,7 @@ def _populate(
         hint = f"{config_name} ({_shape_fields(cfg, name)})"
         local = _LAYER.sub("", name)
         found = [s for s in sources if s is not None]
-        if tp is None or tp.split(local) != "row_bias" or tp.rank == 0:
+        if tp is None or tp.split(local, cfg) != "row_bias" or tp.rank == 0:
             _fill(target, _parts(cfg, local, found, shapes[name], tp), reader, transpose, hint)
         if table is not None and key in table.plus_one:
             target += 1

@@ -192,10 +192,10 @@ def write_phi3(path: Path, seed: int = 0) -> object:
     return model
 
 
-def write_olmo2(path: Path, seed: int = 0) -> object:
+def write_olmo2(path: Path, seed: int = 0, **config: object) -> object:
     """OLMo 2: norms on the sublayers' outputs and q/k norms over the whole projections
     (made to matter: not ones)."""
-    model = _hf_model("Olmo2", seed, pad_token_id=0, tie_word_embeddings=False)
+    model = _hf_model("Olmo2", seed, pad_token_id=0, tie_word_embeddings=False, **config)
     with torch.no_grad():
         for layer in model.model.layers:
             for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):

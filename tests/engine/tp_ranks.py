@@ -13,6 +13,7 @@ from tests.factories import (
     write_granite,
     write_llama,
     write_mistral,
+    write_olmo2,
     write_phi3,
     write_qwen2,
     write_qwen3,
@@ -28,6 +29,10 @@ WRITERS = {
     "granite": write_granite,  # residuals scaled after the all-reduce
     "gemma3": write_gemma3,  # GeGLU's gate | up split per rank, sandwich norms, windows
     "phi3": write_phi3,  # q|k|v and gate|up one tensor each; each rank's heads reordered
+    # q/k norms over every head together: the ranks' sums of squares joined (K/V heads
+    # split, and one K/V head each rank holds a replica of)
+    "olmo2": write_olmo2,
+    "olmo2_kv_replicated": lambda p: write_olmo2(p, num_key_value_heads=1),
     # every layer windowed (8 keys): all the K/V in the window pool
     "mistral_window": lambda p: write_mistral(p, sliding_window=8),
     "gpt2": write_gpt2,

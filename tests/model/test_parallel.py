@@ -10,12 +10,13 @@ import torch
 from model.config import ModelConfig
 from model.parallel import TensorParallel, unsplittable
 from model.weights import load_model, share_of
-from tests.factories import write_gpt2, write_llama, write_qwen2
+from tests.factories import write_gpt2, write_llama, write_olmo2, write_qwen2
 
 WRITERS = {
     "llama": lambda p: write_llama(p, tied=False),  # 8 heads, 2 K/V heads
     "qwen2": write_qwen2,
     "gpt2": write_gpt2,  # Conv1D weights stored transposed, q|k|v in one tensor
+    "olmo2": write_olmo2,  # q/k norms' weights over every head: each rank its heads'
 }
 
 
@@ -43,7 +44,6 @@ def test_heads_split_and_kv_heads_replicate_when_fewer_than_ranks() -> None:
         ({"n_kv_heads": 4, "n_heads": 12, "d_model": 96}, 6, "4 K/V heads do not split over 6"),
         ({"d_ff": 90}, 4, "d_ff 90 does not split over 4 ranks"),
         ({}, 0, "must be >= 1"),
-        ({"qk_norm": "all"}, 2, "q/k norms over every head together (OLMo 2) do not split"),
     ],
 )
 def test_a_model_that_does_not_split_says_why(kw: dict, world: int, why: str) -> None:
@@ -85,3 +85,9 @@ def test_each_rank_loads_its_slices_of_the_checkpoint(
         )
         assert not share.embed.weight[len(rows) :].any()  # padding rows stay zero
         assert torch.equal(s.attn_norm.weight, w.attn_norm.weight)  # replicated
+        if c.qk_norm == "all":
+            q_norm = w.attn.q_norm.weight[heads.start * dh : heads.stop * dh]
+            assert torch.equal(s.attn.q_norm.weight, q_norm)
+            assert torch.equal(
+                s.attn.k_norm.weight, w.attn.k_norm.weight[kv.start * dh : kv.stop * dh]
+            )
