@@ -13,6 +13,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # the N most likely tokens, most likely first
+    rank: int | None = None  # its place among the vocab's logprobs (1: the most likely)
 
 
 @dataclass(slots=True)
@@ -24,6 +25,9 @@ class RequestOutput:
     token_ids: list[int]
     text: str
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # the first output of a request that asked for prompt_logprobs: one per prompt token
+    # after the first (SamplingParams.prompt_logprobs)
+    prompt_logprobs: list[TokenLogprobs] | None = None
     finished: bool = False
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
@@ -79,12 +83,18 @@ class TextState:
 def make_output(
     request: Request, tokens: list[int], text: str, logprobs: list[TokenLogprobs]
 ) -> RequestOutput:
+    prompt_logprobs = None
+    wanted = request.params.prompt_logprobs is not None and request.index == 0
+    # with the first token: the prompt is scored by then
+    if wanted and tokens and not request.prompt_logprobs_sent and not request.scores_prompt:
+        prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
     return RequestOutput(
         request_id=request.request_id,
         index=request.index,
         token_ids=tokens,
         text=text,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         finished=request.finished,
         finish_reason=request.finish_reason,
         num_prompt_tokens=request.num_prompt,

@@ -66,6 +66,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N alternatives per generated token
+    # top-N alternatives per prompt token, and each one's own logprob (echo with logprobs,
+    # vLLM's prompt_logprobs); its prompt is computed, never read from the prefix cache
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     cache_salt: str | None = None  # requests share cached prefix blocks only under one salt
     constraint: Constraint | None = None  # structured output
@@ -86,6 +89,11 @@ class SamplingParams:
         _check(
             self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
             "logprobs",
+            f"must be between 0 and {MAX_LOGPROBS}",
+        )
+        _check(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+            "prompt_logprobs",
             f"must be between 0 and {MAX_LOGPROBS}",
         )
         _check(all(s for s in self.stop), "stop", "stop strings must not be empty")
@@ -175,6 +183,20 @@ class Request:
     # sampled by a step whose ids are not read yet (async scheduling, engine.py): counted
     # in num_tokens, so the next step is scheduled before they are known
     num_pending: int = 0
+    # prompt_logprobs: entry i for prompt token i + 1, given the tokens before it (the
+    # first token has none); `prompt_logprobs_sent` once an output has carried them
+    prompt_logprobs: list = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
+
+    @property
+    def scores_prompt(self) -> bool:
+        """It still needs logprobs of prompt tokens (the first of n choices only: its
+        siblings share them)."""
+        return (
+            self.params.prompt_logprobs is not None
+            and self.index == 0
+            and len(self.prompt_logprobs) < len(self.prompt_ids) - 1
+        )
 
     @property
     def num_tokens(self) -> int:

@@ -12,6 +12,7 @@ from model.transformer import Transformer
 from service.engine.batch import SchedulerOutput, Step
 from service.engine.cuda_graphs import DecodeGraphs
 from service.engine.logprobs import LogprobRows, token_logprobs
+from service.engine.prompt_logprobs import score
 from service.engine.ranks import Clear, RankError, Ranks
 from service.engine.request import PENDING, Request
 from service.engine.sampler import Sampler, SampleResult
@@ -120,7 +121,12 @@ class ModelRunner:
         gens: list[torch.Generator | None] = []
         fill: list[tuple[int, int]] = []  # (row of tokens, row of prev's ids)
         unread: dict[str, int] = {}  # request -> its pending token's row of prev's ids
+        scored: list[tuple[Request, int, list[int]]] = []  # (request, first row, targets)
         for seq in batch.seqs:
+            if seq.request.scores_prompt:
+                rows = _prompt_rows(seq.request, seq.start, seq.num_new, len(tokens))
+                if rows[2]:
+                    scored.append(rows)
             tokens.extend(seq.request.tokens(seq.start, seq.start + seq.num_new))
             if tokens[-1] == PENDING:  # its one unread token: the last, a decode's input
                 assert prev is not None and prev.ids is not None, "a pending token, no step"
@@ -133,6 +139,9 @@ class ModelRunner:
                 sampled.extend([seq.request] * rows)
                 gens.extend(self.generator_for(seq.request, j) for j in range(rows))
         windowed = self.kv_cache.window_data is not None
+        sampled_rows = len(logit_rows)
+        for _, first, targets in scored:  # their logits after the sampled rows'
+            logit_rows.extend(range(first, first + len(targets)))
         step = Step(
             tokens,
             [s.request.block_table for s in batch.seqs],
@@ -153,6 +162,9 @@ class ModelRunner:
                 raise RankError(f"a tensor-parallel forward failed: {exc}") from exc
         if self.mirror is not None:  # the draft model's K/V follow the target's
             self.mirror(step)
+        if scored and logits is not None:
+            self._score_prompts(logits[sampled_rows:], scored)
+            logits = logits[:sampled_rows] if sampled_rows else None
         if logits is None:
             return Launched(batch, SampleResult([], []))
         if read_later:
@@ -172,6 +184,15 @@ class ModelRunner:
             return Launched(batch, self.sampler.sample(logits, sampled, gens))
         busy = self._busy(logits)
         return Launched(batch, self.structured.sample(logits, sampled, gens, constrained, busy))
+
+    @staticmethod
+    def _score_prompts(logits: torch.Tensor, scored: list[tuple[Request, int, list[int]]]) -> None:
+        """Each request's prompt logprobs of this chunk (logits: their rows, in order)."""
+        at = 0
+        for request, _, targets in scored:
+            top = request.params.prompt_logprobs or 0
+            request.prompt_logprobs += score(logits[at : at + len(targets)], targets, top)
+            at += len(targets)
 
     @staticmethod
     def read(launched: Launched) -> SampleResult:
@@ -270,3 +291,14 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     event recorded after it has)."""
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     return host.copy_(t, non_blocking=True)
+
+
+def _prompt_rows(
+    request: Request, start: int, num_new: int, row: int
+) -> tuple[Request, int, list[int]]:
+    """The rows of a chunk (its first at `row`, from position `start`) whose prompt
+    logprobs are still wanted: each position p scores prompt token p + 1."""
+    first = max(start, len(request.prompt_logprobs))
+    stop = min(start + num_new, request.num_prompt - 1)
+    targets = request.prompt_ids[first + 1 : stop + 1] if stop > first else []
+    return request, row + first - start, targets

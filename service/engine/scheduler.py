@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import deque
 
 from service.engine.batch import ScheduledSeq, SchedulerOutput
-from service.engine.blocks import BlockManager
+from service.engine.blocks import BlockManager, Hits
 from service.engine.request import Request, Status
 
 
@@ -116,7 +116,8 @@ class Scheduler:
             request = self._next_ready()
             if request is None:
                 break
-            hits = self.blocks.lookup(request)
+            # prompt logprobs need every prompt token's logits: no prefix-cache hits
+            hits = Hits() if request.scores_prompt else self.blocks.lookup(request)
             cached = len(hits) * self.blocks.block_size
             n = min(request.num_tokens - cached, budget)
             if not self.blocks.can_allocate(hits, cached + n, self._watermark()):

@@ -72,6 +72,7 @@ def coalesce(steps: list[list[RequestOutput]]) -> list[RequestOutput]:
                     token_ids=first.token_ids + out.token_ids,
                     text=first.text + out.text,
                     logprobs=first.logprobs + out.logprobs,
+                    prompt_logprobs=first.prompt_logprobs or out.prompt_logprobs,
                 )
             else:
                 at[key] = len(joined)
