@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from service.api.prompt_logprobs import vllm_prompt_logprobs
 from service.api.protocol import APIError, ChatCompletionRequest
 from service.api.serving import (
     ClientDisconnected,
@@ -69,7 +70,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     max_tokens = (
         req.max_completion_tokens or req.max_tokens or max(1, state.max_model_len - len(prompt))
     )
-    params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+    top = (req.top_logprobs or 0) if req.logprobs else None
+    params = sampling_params(req, max_tokens, top, req.prompt_logprobs)
     await validate_prompt(state, prompt, params)
     admission = state.admit(req.n, (len(prompt) + params.max_tokens) * req.n)
     rid, created = new_id("chatcmpl"), int(time.time())
@@ -107,6 +109,9 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
         ],
         "usage": usage(len(prompt), sum(len(c.token_ids) for c in choices), choices[0].cached),
     }
+    if req.prompt_logprobs is not None:  # vLLM's: the rendered prompt's tokens
+        scored = choices[0].prompt_logprobs or []
+        body["prompt_logprobs"] = vllm_prompt_logprobs(state, scored, req.prompt_logprobs)
     return JSONResponse(body)
 
 
@@ -121,14 +126,20 @@ def _stream(
 ) -> AsyncIterator[bytes]:
     def choice(_: int, out: RequestOutput) -> dict[str, Any] | None:
         reason = finish_reason(out)
-        if not out.text and reason is None and not (req.logprobs and out.logprobs):
+        scored = req.prompt_logprobs is not None and out.prompt_logprobs is not None
+        if not (out.text or scored) and reason is None and not (req.logprobs and out.logprobs):
             return None  # empty deltas are skipped, unless they carry logprobs
-        return {
+        entry = {
             "index": out.index,
             "delta": {"content": out.text} if out.text else {},
             "logprobs": _logprobs(state, out.logprobs) if req.logprobs else None,
             "finish_reason": reason,
         }
+        if scored:  # with the first token, as vLLM
+            entry["prompt_logprobs"] = vllm_prompt_logprobs(
+                state, out.prompt_logprobs or [], req.prompt_logprobs or 0
+            )
+        return entry
 
     roles = (  # the first chunk of each choice names the role
         {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,

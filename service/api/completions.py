@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from service.api.prompt_logprobs import echo_logprobs, vllm_prompt_logprobs
 from service.api.protocol import APIError, CompletionRequest
 from service.api.serving import (
     Choice,
@@ -94,11 +96,14 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
         raise APIError(
             400, "best_of must equal n (other values are not supported)", param="best_of"
         )
-    if req.echo and req.logprobs is not None:
-        raise APIError(400, "echo together with logprobs is not supported", param="echo")
+    if req.max_tokens == 0 and not req.echo:
+        raise APIError(
+            400, "max_tokens 0 scores the prompt alone and needs echo true", param="max_tokens"
+        )
     include_usage = check_stream_options(req)
     prompts = await asyncio.to_thread(_prompts, state, req)
-    params = sampling_params(req, req.max_tokens or 16, req.logprobs)
+    max_tokens = 16 if req.max_tokens is None else max(req.max_tokens, 1)  # 0: one, dropped
+    params = sampling_params(req, max_tokens, req.logprobs, _scored(req))
     for ids in prompts:
         await validate_prompt(state, ids, params)
     demand = sum(len(ids) + params.max_tokens for ids in prompts) * req.n
@@ -123,16 +128,25 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
         raise_if_failed(choices)
     out_choices = []
     for i, (echo, choices) in enumerate(zip(_echoes(state, req, prompts), results, strict=True)):
+        scored = choices[0].prompt_logprobs or []
         for j, c in enumerate(choices):
-            lp = _logprobs(state, c.logprobs, len(echo)) if req.logprobs is not None else None
-            out_choices.append(
-                {
-                    "index": i * req.n + j,
-                    "text": echo + c.text,
-                    "logprobs": lp,
-                    "finish_reason": c.finish_reason,
-                }
-            )
+            if req.max_tokens == 0:
+                c.text, c.token_ids, c.logprobs = "", [], []
+            lp = None
+            if req.logprobs is not None:
+                lp = _logprobs(state, c.logprobs, len(echo))
+                if req.echo:
+                    head_lp = echo_logprobs(state, prompts[i], scored, req.logprobs)
+                    lp = {k: head_lp[k] + v for k, v in lp.items()}
+            entry = {
+                "index": i * req.n + j,
+                "text": echo + c.text,
+                "logprobs": lp,
+                "finish_reason": c.finish_reason,
+            }
+            if req.prompt_logprobs is not None:
+                entry["prompt_logprobs"] = vllm_prompt_logprobs(state, scored, req.prompt_logprobs)
+            out_choices.append(entry)
     completion = sum(len(c.token_ids) for cs in results for c in cs)
     cached = sum(cs[0].cached for cs in results)
     body = {
@@ -154,25 +168,69 @@ def _stream(
 ) -> AsyncIterator[bytes]:
     rid = head["id"]
     offsets: dict[int, int] = {}  # text sent so far per choice (logprobs' text_offset)
+    echoes = _echoes(state, req, prompts)
+    # the prompt's logprobs come with its first token: the echo then waits for them
+    deferred = _scored(req) is not None
     opening = []
-    if req.echo:
-        for i, text in enumerate(_echoes(state, req, prompts)):
+    if req.echo and not deferred:
+        for i, text in enumerate(echoes):
             for j in range(req.n):
                 offsets[i * req.n + j] = len(text)
                 opening.append(
                     {"index": i * req.n + j, "text": text, "logprobs": None, "finish_reason": None}
                 )
+    scored: dict[int, list[TokenLogprobs]] = {}  # prompt -> its first choice's entries
+    started: set[int] = set()  # choices whose echo and prompt logprobs went out
 
     def choice(i: int, out: RequestOutput) -> dict[str, Any] | None:
         index, reason = i * req.n + out.index, finish_reason(out)
-        if not out.text and reason is None and not (req.logprobs is not None and out.logprobs):
+        if req.max_tokens == 0:  # the prompt scored alone: its one token is not sent
+            out = replace(out, text="", token_ids=[], logprobs=[])
+        if out.prompt_logprobs is not None:
+            scored[i] = out.prompt_logprobs
+        head: dict[str, Any] = {}
+        if deferred and index not in started and i in scored:
+            started.add(index)
+            head = _stream_head(state, req, echoes[i], prompts[i], scored[i])
+            offsets[index] = len(head["text"])
+        has_lp = req.logprobs is not None and (out.logprobs or "logprobs" in head)
+        if not (out.text or head) and reason is None and not has_lp:
             return None  # empty deltas are skipped, unless they carry logprobs
         lp = None
         if req.logprobs is not None:
             lp = _logprobs(state, out.logprobs, offsets.get(index, 0))
+            if "logprobs" in head:
+                lp = {k: head["logprobs"][k] + v for k, v in lp.items()}
         offsets[index] = offsets.get(index, 0) + len(out.text)
-        return {"index": index, "text": out.text, "logprobs": lp, "finish_reason": reason}
+        text = head.get("text", "") + out.text
+        entry = {"index": index, "text": text, "logprobs": lp, "finish_reason": reason}
+        if "prompt_logprobs" in head:
+            entry["prompt_logprobs"] = head["prompt_logprobs"]
+        return entry
 
     streams = [generate(state, f"{rid}-{i}", ids, params) for i, ids in enumerate(prompts)]
     prompt_tokens = sum(map(len, prompts))
     return stream_chunks(head, opening, streams, choice, prompt_tokens, include_usage, release)
+
+
+def _scored(req: CompletionRequest) -> int | None:
+    """The alternatives each prompt token's logprob comes with (None: not scored)."""
+    wanted = [n for n in (req.logprobs if req.echo else None, req.prompt_logprobs) if n is not None]
+    return max(wanted) if wanted else None
+
+
+def _stream_head(
+    state: ServingState,
+    req: CompletionRequest,
+    echo: str,
+    prompt: list[int],
+    scored: list[TokenLogprobs],
+) -> dict[str, Any]:
+    """What a streamed choice's first chunk carries before its first token: the echo and
+    its logprobs, and vLLM's prompt_logprobs."""
+    head: dict[str, Any] = {"text": echo}
+    if req.echo and req.logprobs is not None:
+        head["logprobs"] = echo_logprobs(state, prompt, scored, req.logprobs)
+    if req.prompt_logprobs is not None:
+        head["prompt_logprobs"] = vllm_prompt_logprobs(state, scored, req.prompt_logprobs)
+    return head

@@ -89,6 +89,8 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
+    # vLLM's: the prompt tokens' logprobs with this many alternatives each
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # vLLM's: requests share cached prompt blocks only when their salts are equal
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     # structured outputs (service/api/structured.py): OpenAI's, and vLLM's extras
@@ -102,6 +104,7 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: with echo, the prompt scored alone
     suffix: str | None = None
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)

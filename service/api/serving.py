@@ -30,7 +30,9 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(
+    req: SamplingFields, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+) -> SamplingParams:
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     bias = []
     for key, value in (req.logit_bias or {}).items():
@@ -57,6 +59,7 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None) 
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=req.skip_special_tokens,
             cache_salt=req.cache_salt,
             constraint=constraint_of(req),
@@ -119,6 +122,7 @@ class Choice:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Any] = field(default_factory=list)
+    prompt_logprobs: list[Any] | None = None  # the first choice's (SamplingParams)
     finish_reason: str | None = None
     cached: int = 0
     error: str | None = None
@@ -134,6 +138,8 @@ async def collect(
             c.text += out.text
             c.token_ids += out.token_ids
             c.logprobs += out.logprobs
+            if out.prompt_logprobs is not None:
+                c.prompt_logprobs = out.prompt_logprobs
             c.cached = out.num_cached_tokens
             if out.finished:
                 c.finish_reason = out.finish_reason.value if out.finish_reason else None
