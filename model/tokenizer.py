@@ -96,7 +96,11 @@ class Tokenizer:
         normalize: Callable[[str], str] | None = None,
         strip: str = "",
         name: str = "",
+        skipped: Iterable[int] | None = None,
     ) -> None:
+        """special_ids: the tokens matched whole in a text (a tokenizer.json's added
+        tokens); skipped: those of them a decode that skips special tokens drops (the
+        ones marked special: Qwen3's <think> is added but kept), all of them if None."""
         self.encoding = encoding
         self.name = name or encoding.name
         self.strip = strip  # what a whole decode drops from its start (SentencePiece's space)
@@ -117,7 +121,8 @@ class Tokenizer:
             self._rank_to_id = table
             self._id_bytes = dict(id_bytes or {})
             self.vocab_size = max([*self._id_bytes, *self.special_ids.values()]) + 1
-        self._special_id_set = frozenset(self.special_ids.values())
+        every = self.special_ids.values()
+        self._special_id_set = frozenset(every if skipped is None else skipped)
 
     # ---- construction ------------------------------------------------------------
 
@@ -363,6 +368,7 @@ def from_tokenizer_json(path: Path, config: dict[str, Any] | None = None) -> Tok
         add_bos=bool(config.get("add_bos_token", False)),
         normalize=_normalizer(data.get("normalizer"), path),
         name=path.parent.name,
+        skipped=_marked_special(data),
     )
 
 
@@ -395,7 +401,13 @@ def _from_sentencepiece_json(path: Path, data: dict[str, Any], config: dict[str,
         add_bos=bool(config.get("add_bos_token", False)),
         strip=strip,
         name=path.parent.name,
+        skipped=_marked_special(data),
     )
+
+
+def _marked_special(data: dict[str, Any]) -> set[int]:
+    """The added tokens a tokenizer.json marks special (what skip_special_tokens drops)."""
+    return {int(t["id"]) for t in data.get("added_tokens", []) if t.get("special", True)}
 
 
 def read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
