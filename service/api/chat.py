@@ -5,14 +5,17 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from service.api.chat_template import TEMPLATE_VARIABLES
 from service.api.prompt_logprobs import vllm_prompt_logprobs
 from service.api.protocol import APIError, ChatCompletionRequest
+from service.api.reasoning import ReasoningSplitter, opens_thinking, split
 from service.api.serving import (
     ClientDisconnected,
     check_stream_options,
@@ -63,15 +66,24 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
     include_usage = check_stream_options(req)
+    template_kwargs = _template_kwargs(req)
+    budget = req.max_thinking_tokens or req.thinking_token_budget
+    markers = state.think_ids
+    if budget is not None and markers is None:
+        param = "max_thinking_tokens" if req.max_thinking_tokens else "thinking_token_budget"
+        raise APIError(400, f"{param}: the model has no <think> markers to budget", param=param)
     # rendering and tokenizing a large conversation run off the event loop
     prompt = await asyncio.to_thread(
-        encode_messages, state, req.messages, req.add_generation_prompt
+        encode_messages, state, req.messages, req.add_generation_prompt, template_kwargs
     )
+    thinking = markers is not None and opens_thinking(prompt, markers)
     max_tokens = (
         req.max_completion_tokens or req.max_tokens or max(1, state.max_model_len - len(prompt))
     )
     top = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(req, max_tokens, top, req.prompt_logprobs)
+    if budget is not None:
+        params = replace(params, thinking_budget=budget, think_ids=markers, thinking_open=thinking)
     await validate_prompt(state, prompt, params)
     admission = state.admit(req.n, (len(prompt) + params.max_tokens) * req.n)
     rid, created = new_id("chatcmpl"), int(time.time())
@@ -82,7 +94,10 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
             "created": created,
             "model": state.model_id,
         }
-        body = _stream(state, req, prompt, params, head, include_usage, admission.release)
+        reasoning = thinking if markers is not None else None
+        body = _stream(
+            state, req, prompt, params, head, include_usage, admission.release, reasoning
+        )
         return StreamingResponse(
             body, media_type="text/event-stream", background=BackgroundTask(admission.arelease)
         )
@@ -101,7 +116,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
         "choices": [
             {
                 "index": i,
-                "message": {"role": "assistant", "content": c.text},
+                "message": _message(c.text, thinking if markers is not None else None, req),
                 "logprobs": _logprobs(state, c.logprobs) if req.logprobs else None,
                 "finish_reason": c.finish_reason,
             }
@@ -123,15 +138,23 @@ def _stream(
     head: dict[str, Any],
     include_usage: bool,
     release: Any,
+    thinking: bool | None,
 ) -> AsyncIterator[bytes]:
+    """thinking: None for a model that does not reason, else whether the prompt opened
+    its think block."""
+    splitters = [ReasoningSplitter(thinking) for _ in range(req.n)] if thinking is not None else []
+
     def choice(_: int, out: RequestOutput) -> dict[str, Any] | None:
         reason = finish_reason(out)
+        delta = {"content": out.text} if out.text else {}
+        if splitters:
+            delta = _delta(splitters[out.index], out, req.include_reasoning)
         scored = req.prompt_logprobs is not None and out.prompt_logprobs is not None
-        if not (out.text or scored) and reason is None and not (req.logprobs and out.logprobs):
+        if not (delta or scored) and reason is None and not (req.logprobs and out.logprobs):
             return None  # empty deltas are skipped, unless they carry logprobs
         entry = {
             "index": out.index,
-            "delta": {"content": out.text} if out.text else {},
+            "delta": delta,
             "logprobs": _logprobs(state, out.logprobs) if req.logprobs else None,
             "finish_reason": reason,
         }
@@ -148,3 +171,41 @@ def _stream(
     )  # fmt: skip
     streams = [generate(state, head["id"], prompt, params)]
     return stream_chunks(head, roles, streams, choice, len(prompt), include_usage, release)
+
+
+def _template_kwargs(req: ChatCompletionRequest) -> dict[str, Any] | None:
+    kwargs = req.chat_template_kwargs
+    taken = sorted(set(kwargs or ()) & set(TEMPLATE_VARIABLES))
+    if taken:
+        raise APIError(
+            400,
+            f"chat_template_kwargs cannot set {taken[0]!r} (the server sets it)",
+            param="chat_template_kwargs",
+        )
+    return kwargs
+
+
+def _message(text: str, thinking: bool | None, req: ChatCompletionRequest) -> dict[str, Any]:
+    """The assistant message; a reasoning model's thinking apart from its answer (both
+    OpenAI-compatible names vLLM uses: reasoning_content, reasoning)."""
+    if thinking is None:
+        return {"role": "assistant", "content": text}
+    reasoning, content = split(text, thinking)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning is not None and req.include_reasoning:
+        message["reasoning_content"] = message["reasoning"] = reasoning
+    return message
+
+
+def _delta(splitter: ReasoningSplitter, out: RequestOutput, include: bool) -> dict[str, Any]:
+    """A streamed choice's delta, its thinking apart (what the whole gives, in parts)."""
+    reasoning, content = splitter.feed(out.text)
+    if out.finished:
+        r, c = splitter.finish()
+        reasoning, content = reasoning + r, content + c
+    delta: dict[str, Any] = {}
+    if reasoning and include:
+        delta["reasoning_content"] = delta["reasoning"] = reasoning
+    if content:
+        delta["content"] = content
+    return delta

@@ -61,9 +61,17 @@ class ChatTemplate:
             _token(config.get("eos_token")),
         )
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        extra: dict[str, Any] | None = None,
+    ) -> str:
+        """extra: more variables for the template (a request's chat_template_kwargs, e.g.
+        enable_thinking); they cannot replace the ones set here."""
         try:
             return self.template.render(
+                **(extra or {}),
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
@@ -73,6 +81,10 @@ class ChatTemplate:
             raise
         except TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from None
+
+
+# the variables render() sets, which a request's extra ones cannot replace
+TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "bos_token", "eos_token")
 
 
 def _token(value: Any) -> str:

@@ -16,6 +16,7 @@ from service.limits import (
     MAX_STOP,
     MAX_STOP_CHARS,
     MAX_STOP_TOKEN_IDS,
+    MAX_TEMPLATE_KWARGS,
 )
 
 StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
@@ -136,6 +137,15 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    # more variables for the chat template (e.g. {"enable_thinking": false})
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, max_length=MAX_TEMPLATE_KWARGS
+    )
+    # reasoning models (service/api/reasoning.py): the thinking in reasoning_content (off:
+    # dropped), and a budget of thinking tokens (vLLM's name, and another in use)
+    include_reasoning: bool = True
+    thinking_token_budget: int | None = Field(default=None, ge=1)
+    max_thinking_tokens: int | None = Field(default=None, ge=1)
     tools: list[Any] | None = None
     tool_choice: Any = None
 

@@ -92,15 +92,19 @@ async def validate_prompt(
 
 
 def encode_messages(
-    state: ServingState, messages: list[Any], add_generation_prompt: bool
+    state: ServingState,
+    messages: list[Any],
+    add_generation_prompt: bool,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
-    """Chat messages rendered with the model's template, as token ids."""
+    """Chat messages rendered with the model's template (template_kwargs: a request's
+    chat_template_kwargs), as token ids."""
     rendered = [
         {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
         for m in messages
     ]
     try:
-        text = state.template.render(rendered, add_generation_prompt=add_generation_prompt)
+        text = state.template.render(rendered, add_generation_prompt, template_kwargs)
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), param="messages") from None
     # the template writes any BOS itself; special tokens in it are real special tokens

@@ -3,6 +3,7 @@ admission with backpressure (a waiting queue capped by count and by KV demand)."
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections import deque
@@ -14,6 +15,7 @@ from model.tokenizer import Tokenizer
 from service.api.chat_template import ChatTemplate
 from service.api.metrics import Metrics
 from service.api.protocol import APIError
+from service.api.reasoning import think_markers
 from service.config import Settings
 from service.engine.async_engine import AsyncEngine
 from service.engine.client import EngineClient
@@ -48,6 +50,12 @@ class ServingState:
         """Front processes sharing the engine (service/fronts.py): each admits its share
         of the engine's sequences, waiting queue and KV pool."""
         return self.settings.api_server_count
+
+    @functools.cached_property
+    def think_ids(self) -> tuple[int, int] | None:
+        """The ids of a reasoning model's think markers (service/api/reasoning.py), where
+        each is one token whose text the output keeps; None for other models."""
+        return think_markers(self.tokenizer)
 
     @property
     def max_model_len(self) -> int:

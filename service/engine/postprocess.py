@@ -109,6 +109,8 @@ class PostProcessor:
                 break
             if len(taken) == len(pending) and self._jumps(request):
                 pending.extend(request.guide.forced())  # type: ignore[union-attr]
+            if len(taken) == len(pending) and self._thought_enough(request, token):
+                pending.append(request.params.think_ids[1])
         request.num_computed += min(drafts, len(taken))
         self.blocks.cache_full_blocks(request)
         if request.first_token_time is None:
@@ -127,6 +129,29 @@ class PostProcessor:
         they take no step of their own, and their K/V are computed with the request's
         next token. Not for requests that ask for logprobs (forced tokens have none)."""
         return self.jump_forward and request.guide is not None and request.params.logprobs is None
+
+    @staticmethod
+    def _thought_enough(request: Request, token: int) -> bool:
+        """Whether the request's think block has spent its budget with this token: its
+        end marker is then appended as the next token (its K/V computed in the next step,
+        as a jump-forward's)."""
+        p = request.params
+        if p.thinking_budget is None or request.thought:
+            return False
+        start, end = p.think_ids
+        if token == end:
+            request.thought = True
+        elif request.thinking_since is None:
+            if p.thinking_open or (token == start and len(request.output_ids) == 1):
+                request.thinking_since = 0 if p.thinking_open else 1
+            else:
+                request.thought = True  # no block: nothing to budget
+        if request.thought or request.thinking_since is None:
+            return False
+        if len(request.output_ids) - request.thinking_since >= p.thinking_budget:
+            request.thought = True
+            return True
+        return False
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
         p = request.params

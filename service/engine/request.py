@@ -69,6 +69,12 @@ class SamplingParams:
     # top-N alternatives per prompt token, and each one's own logprob (echo with logprobs,
     # vLLM's prompt_logprobs); its prompt is computed, never read from the prefix cache
     prompt_logprobs: int | None = None
+    # a reasoning model's think block: at most thinking_budget tokens, then its end marker
+    # is forced; think_ids: its (start, end) marker ids; thinking_open: the prompt opened
+    # the block (else it opens where the output starts with the start marker)
+    thinking_budget: int | None = None
+    think_ids: tuple[int, int] = (-1, -1)
+    thinking_open: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None  # requests share cached prefix blocks only under one salt
     constraint: Constraint | None = None  # structured output
@@ -95,6 +101,11 @@ class SamplingParams:
             self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
             "prompt_logprobs",
             f"must be between 0 and {MAX_LOGPROBS}",
+        )
+        _check(
+            self.thinking_budget is None or (self.thinking_budget >= 1 and self.think_ids[1] >= 0),
+            "thinking_budget",
+            "must be at least 1, for a model with think markers",
         )
         _check(all(s for s in self.stop), "stop", "stop strings must not be empty")
         _check(len(self.stop) <= MAX_STOP, "stop", f"at most {MAX_STOP} stop strings")
@@ -133,11 +144,12 @@ class SamplingParams:
     @property
     def reads_each_step(self) -> bool:
         """Sampling that follows a grammar, whose mask for the next step needs this step's
-        token on the host: async scheduling reads each step's tokens before scheduling the
+        token on the host, or a thinking budget, whose end marker is appended to the
+        tokens read: async scheduling reads each step's tokens before scheduling the
         next while such a request runs. (Penalties and logprobs do not: the penalties
         count the token not read yet from the device, the logprobs come back with the
         ids.)"""
-        return self.constraint is not None
+        return self.constraint is not None or self.thinking_budget is not None
 
     @property
     def needs_penalties(self) -> bool:
@@ -187,6 +199,10 @@ class Request:
     # first token has none); `prompt_logprobs_sent` once an output has carried them
     prompt_logprobs: list = field(default_factory=list)
     prompt_logprobs_sent: bool = False
+    # a thinking budget's (SamplingParams.thinking_budget): where in output_ids the think
+    # block began (None: not open), and whether it has ended
+    thinking_since: int | None = None
+    thought: bool = False
 
     @property
     def scores_prompt(self) -> bool:

@@ -4,7 +4,6 @@ tokens and their logprobs from a full forward, the same streamed, after the prom
 cached, and vLLM's `prompt_logprobs` on completions and chat; max_tokens 0 without echo
 is a 400 naming it."""
 
-
 import httpx
 import openai
 import pytest
