@@ -163,6 +163,21 @@ class Transformer(nn.Module):
         empty index: no head at all), in the model's dtype (the head computes in it;
         callers that need fp32 convert). The KV cache's backend runs attention (the torch
         reference without a cache)."""
+        x = self.hidden(tokens, meta, kv_cache)
+        if logits_indices is not None:
+            if not logits_indices.numel():  # the K/V were the point: no head (on any rank)
+                return x.new_empty((0, self.cfg.vocab_size))
+            x = x.index_select(0, logits_indices)
+        return self.head(x)
+
+    def hidden(
+        self,
+        tokens: Tensor,
+        meta: AttentionMetadata | None = None,
+        kv_cache: PagedKVCache | None = None,
+    ) -> Tensor:
+        """tokens: (T,) as forward -> the final hidden states (T, d): after the final norm
+        (what the head reads, and what embeddings pool)."""
         if meta is None:
             meta = AttentionMetadata.dense(tokens.shape[0], tokens.device)
         if kv_cache is not None and meta.slot_mapping is None:
@@ -199,11 +214,11 @@ class Transformer(nn.Module):
                 x, delta = layer(x, delta, meta, turn, cache, self._alibi, backend)
             if self.cfg.norm_placement != "post":
                 _, x = backend.add_norm(self.norm, x, delta)
-        if logits_indices is not None:
-            if not logits_indices.numel():  # the K/V were the point: no head (on any rank)
-                return x.new_empty((0, self.cfg.vocab_size))
-            x = x.index_select(0, logits_indices)
-        # no head module: the embedding table, (T, V) or (T, vocab rows) on a rank
+        return x
+
+    def head(self, x: Tensor) -> Tensor:
+        """(R, d) final hidden states -> their logits (R, V) (on every rank: a collective)."""
+        # no head module: the embedding table, (R, V) or (R, vocab rows) on a rank
         logits = self.lm_head(x) if self.lm_head is not None else x @ self.embed.weight.t()
         if self.cfg.logits_scaling != 1.0:
             logits = logits / self.cfg.logits_scaling

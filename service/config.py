@@ -24,6 +24,7 @@ QUANTIZATIONS = ("none", "int8")
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
 ASYNC_SCHEDULING = ("auto", "on", "off")
 ENGINE_PROCESS = ("auto", "on", "off")
+POOLING = ("last", "mean")  # an embedding: the last token's final hidden state, or the mean
 
 
 def quantization_conflict(quantization: str, backend: str, dtype: str, device: str) -> str | None:
@@ -117,6 +118,13 @@ class Settings:
         },
     )
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
+    pooling: str = field(
+        default="last",
+        metadata={
+            "help": "/v1/embeddings: last (the last token's final hidden state: what "
+            "decoder embedding models such as Qwen3-Embedding use) or mean, normalised"
+        },
+    )
     attention_backend: str = field(
         default="auto",
         metadata={
@@ -256,6 +264,8 @@ class Settings:
                 f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, "
                 f"got {self.attention_backend!r}"
             )
+        if self.pooling not in POOLING:
+            raise ValueError(f"pooling must be one of {list(POOLING)}, got {self.pooling!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}"

@@ -16,6 +16,7 @@ class ScheduledSeq:
     num_new: int  # tokens computed this step
     sample: bool  # the chunk reaches the last token: sample the next one
     drafts: list[int] = field(default_factory=list)  # proposed tokens computed after it
+    pools: bool = False  # it ends an embedding request's prompt: pool instead of sampling
 
 
 @dataclass(slots=True)

@@ -28,6 +28,7 @@ class RequestOutput:
     # the first output of a request that asked for prompt_logprobs: one per prompt token
     # after the first (SamplingParams.prompt_logprobs)
     prompt_logprobs: list[TokenLogprobs] | None = None
+    embedding: list[float] | None = None  # an embedding request's (SamplingParams.pooling)
     finished: bool = False
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
@@ -95,6 +96,7 @@ def make_output(
         text=text,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        embedding=request.embedding,
         finished=request.finished,
         finish_reason=request.finish_reason,
         num_prompt_tokens=request.num_prompt,

@@ -59,6 +59,10 @@ class PostProcessor:
             try:
                 if not seq.sample:
                     self.blocks.cache_full_blocks(request)
+                    if seq.pools:  # an embedding request's prompt is done: its answer
+                        request.first_token_time = now
+                        self.finish(request, FinishReason.STOP)
+                        outputs.append(self.emit(request, [], []))
                     continue
                 accepted = accepted_drafts(seq.drafts, chosen)
                 self.stats.spec_draft_tokens += len(seq.drafts)

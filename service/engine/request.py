@@ -5,7 +5,9 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
+from service.config import POOLING
 from service.limits import (
     MAX_CACHE_SALT_CHARS,
     MAX_LOGIT_BIAS,
@@ -31,7 +33,6 @@ class FinishReason(enum.StrEnum):
 
 
 PENDING = -2  # a sampled token still on the device (async scheduling): its value is unread
-EMPTY_PROMPT = "prompt: must not be empty"  # the one message, whatever form the prompt took
 CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
@@ -75,6 +76,10 @@ class SamplingParams:
     thinking_budget: int | None = None
     think_ids: tuple[int, int] = (-1, -1)
     thinking_open: bool = False
+    # an embedding request (/v1/embeddings): its prompt's final hidden states pooled and
+    # normalised instead of any token sampled; "mean" computes every prompt token (no
+    # prefix-cache hits), "last" reads the cache as any prompt
+    pooling: str | None = None
     skip_special_tokens: bool = True
     cache_salt: str | None = None  # requests share cached prefix blocks only under one salt
     constraint: Constraint | None = None  # structured output
@@ -107,6 +112,7 @@ class SamplingParams:
             "thinking_budget",
             "must be at least 1, for a model with think markers",
         )
+        _check(self.pooling in (None, *POOLING), "pooling", f"must be one of {list(POOLING)}")
         _check(all(s for s in self.stop), "stop", "stop strings must not be empty")
         _check(len(self.stop) <= MAX_STOP, "stop", f"at most {MAX_STOP} stop strings")
         _check(
@@ -203,6 +209,17 @@ class Request:
     # block began (None: not open), and whether it has ended
     thinking_since: int | None = None
     thought: bool = False
+    # pooling: the sum of its prompt rows' hidden states so far ("mean"), then its
+    # embedding once the prompt is computed
+    pool_sum: Any = None
+    embedding: list[float] | None = None
+
+    @property
+    def computes_prompt(self) -> bool:
+        """Every prompt token's output is needed: no prefix-cache hits for it."""
+        return self.scores_prompt or (
+            self.params.pooling == "mean" and self.num_computed < len(self.prompt_ids)
+        )
 
     @property
     def scores_prompt(self) -> bool:

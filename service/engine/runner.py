@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import torch
 
 from model.kv_cache import PagedKVCache
+from model.metadata import AttentionMetadata
 from model.transformer import Transformer
-from service.engine.batch import SchedulerOutput, Step
+from service.engine.batch import ScheduledSeq, SchedulerOutput, Step
 from service.engine.cuda_graphs import DecodeGraphs
 from service.engine.logprobs import LogprobRows, token_logprobs
 from service.engine.prompt_logprobs import score
@@ -122,7 +123,10 @@ class ModelRunner:
         fill: list[tuple[int, int]] = []  # (row of tokens, row of prev's ids)
         unread: dict[str, int] = {}  # request -> its pending token's row of prev's ids
         scored: list[tuple[Request, int, list[int]]] = []  # (request, first row, targets)
+        pooled: list[tuple[Request, range, bool]] = []  # (request, its rows, last chunk)
         for seq in batch.seqs:
+            if seq.request.params.pooling is not None:
+                pooled.append(_pool_rows(seq, len(tokens)))
             if seq.request.scores_prompt:
                 rows = _prompt_rows(seq.request, seq.start, seq.num_new, len(tokens))
                 if rows[2]:
@@ -152,12 +156,12 @@ class ModelRunner:
         )
         filled = (fill, prev.ids) if fill else None  # type: ignore[union-attr]
         if self.ranks is None:
-            logits = self.forward(step, filled)
+            logits = self.forward(step, filled, pooled)
         else:  # more than one rank: a failed forward may leave them out of step
             assert filled is None, "async scheduling sends no pending tokens to other ranks"
             self.ranks.send(step)
-            try:
-                logits = self.forward(step)
+            try:  # the other ranks run the same collectives (model.forward)
+                logits = self.forward(step, None, pooled)
             except Exception as exc:
                 raise RankError(f"a tensor-parallel forward failed: {exc}") from exc
         if self.mirror is not None:  # the draft model's K/V follow the target's
@@ -224,11 +228,15 @@ class ModelRunner:
         return lambda: not done.query()
 
     def forward(
-        self, step: Step, fill: tuple[list[tuple[int, int]], torch.Tensor] | None = None
+        self,
+        step: Step,
+        fill: tuple[list[tuple[int, int]], torch.Tensor] | None = None,
+        pooled: list[tuple[Request, range, bool]] | None = None,
     ) -> torch.Tensor | None:
         """The logits (S, V) of the step's sampled rows (None: it samples none). fill:
         the rows of step.tokens that are PENDING and, for each, its row in the ids (the
-        previous step's samples, on the device) that holds it."""
+        previous step's samples, on the device) that holds it. pooled: embedding
+        requests' rows (_pool_rows), whose final hidden states they pool."""
         meta = self.backend.metadata(
             step.block_tables,
             step.starts,
@@ -242,6 +250,8 @@ class ModelRunner:
         tokens = self._to_device(step.tokens)
         if fill is not None:
             tokens = self._fill(tokens, *fill)
+        if pooled:
+            return self._pool(tokens, meta, step, pooled)
         if not step.logit_rows:  # a prompt chunk (or a draft model's mirror): K/V only
             self.model(tokens, meta, self.kv_cache, self._to_device([]))
             return None
@@ -252,6 +262,30 @@ class ModelRunner:
         # decodes: every row is a logit row, in order, so no rows to pick
         rows = None if decodes else self._to_device(step.logit_rows)
         return self.model(tokens, meta, self.kv_cache, rows)
+
+    def _pool(
+        self,
+        tokens: torch.Tensor,
+        meta: AttentionMetadata,
+        step: Step,
+        pooled: list[tuple[Request, range, bool]],
+    ) -> torch.Tensor | None:
+        """A step with embedding requests: the final hidden states, pooled into theirs
+        (the sum of their rows so far; a finished prompt's mean or last row, normalised,
+        read to the host), then the logits of the sampled rows from the same states."""
+        hidden = self.model.hidden(tokens, meta, self.kv_cache)
+        for request, rows, last in pooled:
+            if rows:
+                part = hidden[rows.start : rows.stop].float().sum(dim=0)
+                request.pool_sum = part if request.pool_sum is None else request.pool_sum + part
+            if last:
+                mean = request.params.pooling == "mean"
+                pooled_state = request.pool_sum / (request.num_prompt if mean else 1)
+                request.embedding = torch.nn.functional.normalize(pooled_state, dim=0).tolist()
+                request.pool_sum = None
+        if not step.logit_rows:
+            return None
+        return self.model.head(hidden.index_select(0, self._to_device(step.logit_rows)))
 
     def _fill(
         self, tokens: torch.Tensor, rows: list[tuple[int, int]], ids: torch.Tensor
@@ -302,3 +336,12 @@ def _prompt_rows(
     stop = min(start + num_new, request.num_prompt - 1)
     targets = request.prompt_ids[first + 1 : stop + 1] if stop > first else []
     return request, row + first - start, targets
+
+
+def _pool_rows(seq: ScheduledSeq, row: int) -> tuple[Request, range, bool]:
+    """An embedding request's rows of a chunk (its first at `row`) that its pooling
+    reads: every row for a mean, the prompt's last for last-token pooling."""
+    if seq.request.params.pooling == "mean":
+        return seq.request, range(row, row + seq.num_new), seq.pools
+    last = row + seq.num_new - 1
+    return seq.request, range(last, last + 1) if seq.pools else range(0), seq.pools

@@ -77,7 +77,7 @@ class Scheduler:
             if not self._make_room(request, n, out):
                 break  # the request itself was preempted; everything after it too
             self.blocks.append(request, n + len(drafts))
-            seq = ScheduledSeq(request, request.num_computed, n, n == request.remaining, drafts)
+            seq = _seq(request, request.num_computed, n, n == request.remaining, drafts)
             out.seqs.append(seq)
             n += len(drafts)
             budget -= n
@@ -116,8 +116,8 @@ class Scheduler:
             request = self._next_ready()
             if request is None:
                 break
-            # prompt logprobs need every prompt token's logits: no prefix-cache hits
-            hits = Hits() if request.scores_prompt else self.blocks.lookup(request)
+            # prompt logprobs and mean pooling need every prompt token: no cache hits
+            hits = Hits() if request.computes_prompt else self.blocks.lookup(request)
             cached = len(hits) * self.blocks.block_size
             n = min(request.num_tokens - cached, budget)
             if not self.blocks.can_allocate(hits, cached + n, self._watermark()):
@@ -131,7 +131,7 @@ class Scheduler:
             out.prefix_queried += request.num_tokens
             out.prefix_hits += cached
             self.running.append(request)
-            out.seqs.append(ScheduledSeq(request, cached, n, n == request.num_tokens - cached))
+            out.seqs.append(_seq(request, cached, n, n == request.num_tokens - cached))
             budget -= n
         return budget
 
@@ -153,3 +153,12 @@ class Scheduler:
             self.waiting.remove(request)
         self.blocks.free_request(request)
         self.blocks.forget(request)
+
+
+def _seq(
+    request: Request, start: int, n: int, last: bool, drafts: list[int] | None = None
+) -> ScheduledSeq:
+    """A scheduled chunk; one that reaches the last token samples the next, or for an
+    embedding request pools its prompt instead."""
+    pools = last and request.params.pooling is not None
+    return ScheduledSeq(request, start, n, last and not pools, drafts or [], pools)
