@@ -76,6 +76,7 @@ def build(
     report |= {
         "architecture": cfg.architecture,
         "features": cfg.features,
+        "hidden_size": cfg.d_model,  # an embedding's length (/v1/embeddings)
         "tensor_parallel_size": world,
         "kv_pool_bytes": engine.kv_cache.nbytes * world,  # every rank's share
         # the tokens the block ids name (window_only: no K/V under them, the window

@@ -17,7 +17,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service.api import chat, completions
+from service.api import chat, completions, embeddings
 from service.api.chat_template import ChatTemplate
 from service.api.metrics import Metrics
 from service.api.middleware import BodyLimit, Gate, count_rejection
@@ -150,6 +150,7 @@ def create_app(
     app.add_middleware(Gate, settings=settings)
     app.include_router(completions.router)
     app.include_router(chat.router)
+    app.include_router(embeddings.router)
     _install_routes(app)
     return app
 

@@ -22,6 +22,7 @@ from service.api.serving import (
     finish_reason,
     generate,
     new_id,
+    prompt_ids,
     raise_if_failed,
     sampling_params,
     token_text,
@@ -31,28 +32,13 @@ from service.api.serving import (
 from service.api.sse import stream_chunks, usage
 from service.api.state import ServingState
 from service.engine.output import RequestOutput, TokenLogprobs
-from service.engine.request import EMPTY_PROMPT
-from service.limits import MAX_PROMPTS
 
 router = APIRouter()
 
 
 def _prompts(state: ServingState, req: CompletionRequest) -> list[list[int]]:
     """Runs in a worker thread: tokenizing a large body must not hold up the event loop."""
-    p = req.prompt
-    if isinstance(p, str):
-        return [state.tokenizer.encode(p)]
-    if not p:
-        raise APIError(400, EMPTY_PROMPT, param="prompt")
-    if not isinstance(p[0], int) and len(p) > MAX_PROMPTS:
-        raise APIError(400, f"at most {MAX_PROMPTS} prompts in one request", param="prompt")
-    if all(isinstance(x, str) for x in p):
-        return [state.tokenizer.encode(x) for x in p]  # type: ignore[arg-type]
-    if all(isinstance(x, int) for x in p):
-        return [list(p)]  # type: ignore[arg-type]
-    if all(isinstance(x, list) for x in p):
-        return [list(x) for x in p]  # type: ignore[arg-type]
-    raise APIError(400, "prompt must be a string, a list of strings, or token ids", param="prompt")
+    return prompt_ids(state, req.prompt, "prompt")
 
 
 def _echoes(state: ServingState, req: CompletionRequest, prompts: list[list[int]]) -> list[str]:

@@ -150,6 +150,15 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Any = None
 
 
+class EmbeddingRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = None
+
+
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None

@@ -22,6 +22,7 @@ from service.engine.output import RequestOutput
 from service.engine.request import ParamError, SamplingParams
 from service.engine.streams import EngineDeadError, RequestFailed
 from service.engine.structured import SETUP_POOL
+from service.limits import MAX_PROMPTS
 
 T = TypeVar("T")
 
@@ -89,6 +90,24 @@ async def validate_prompt(
             await loop.run_in_executor(SETUP_POOL, state.engine.validate, prompt_ids, params)
     except ParamError as exc:
         raise bad_request(exc) from None
+
+
+def prompt_ids(state: ServingState, value: str | list[Any], param: str) -> list[list[int]]:
+    """A prompt (or an embeddings input) in any of OpenAI's forms: a string, strings, token
+    ids, lists of ids; as token ids, one list per prompt."""
+    if isinstance(value, str):
+        return [state.tokenizer.encode(value)]
+    if not value:
+        raise APIError(400, f"{param}: must not be empty", param=param)
+    if not isinstance(value[0], int) and len(value) > MAX_PROMPTS:
+        raise APIError(400, f"at most {MAX_PROMPTS} prompts in one request", param=param)
+    if all(isinstance(x, str) for x in value):
+        return [state.tokenizer.encode(x) for x in value]
+    if all(isinstance(x, int) for x in value):
+        return [list(value)]
+    if all(isinstance(x, list) for x in value):
+        return [list(x) for x in value]
+    raise APIError(400, f"{param} must be a string, a list of strings, or token ids", param=param)
 
 
 def encode_messages(

@@ -166,13 +166,15 @@ raw_bodies = st.one_of(
 
 def hostile_cases(server: Server, tally: Tally) -> int:
     before = tally.total
-    routes = ["/v1/completions", "/tokenize", "/detokenize"]
+    routes = ["/v1/completions", "/tokenize", "/detokenize", "/v1/embeddings"]
 
     @given(st.sampled_from(routes), fields)
     @settings(max_examples=300, **DRAWS)
     def structured(route: str, body: dict) -> None:
         if route == "/detokenize":
             body = {"tokens": body["prompt"]}
+        if route == "/v1/embeddings":
+            body = {"input": body["prompt"]}
         content = json.dumps(body).encode()  # lone surrogates become "\ud800" escapes
         tally.send("POST", route, content=content, headers={"content-type": "application/json"})
 
