@@ -11,6 +11,7 @@ MAX_LOGIT_BIAS = 300  # entries (OpenAI's cap)
 MAX_PROMPTS = 128  # prompts in one completions request
 MAX_MESSAGES = 1024  # messages in one chat request
 MAX_TEMPLATE_KWARGS = 32  # chat_template_kwargs entries
+MAX_TOOLS = 128  # tools in one chat request (their schemas: MAX_CONSTRAINT_CHARS in all)
 MAX_CACHE_SALT_CHARS = 256
 MAX_CHOICES = 256  # strings in guided_choice / structured_outputs.choice
 MAX_CONSTRAINT_CHARS = 100_000  # a JSON Schema, regex or grammar, as text: compiled per request

@@ -116,10 +116,10 @@ def _hf_model(family: str, seed: int, **config: object) -> Any:
     return getattr(tf, model)(cfg).eval()
 
 
-def write_qwen3(path: Path, seed: int = 0) -> object:
+def write_qwen3(path: Path, seed: int = 0, **config: object) -> object:
     """Qwen3: q/k norms (made to matter: not ones) and a head_dim of its own (16, not
     hidden / heads = 8)."""
-    model = _hf_model("Qwen3", seed, head_dim=16, tie_word_embeddings=True)
+    model = _hf_model("Qwen3", seed, head_dim=16, tie_word_embeddings=True, **config)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.q_norm.weight.normal_(1, 0.3)
@@ -310,6 +310,31 @@ def write_gpt2(path: Path, seed: int = 0) -> object:
                 p.normal_(0, 0.1)
     model.save_pretrained(path)
     return model
+
+
+def write_qwen_tokenizer(path: Path, template: str, corpus: str) -> None:
+    """A byte-level BPE trained on `corpus` with ChatML's markers as special tokens and
+    Qwen's `<think>`, `</think>`, `<tool_call>`, `</tool_call>` as added tokens its text
+    keeps (as Qwen3's tokenizer.json marks them), behind `template`."""
+    import json
+
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=340,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    hf.train_from_iterator([corpus] * 50, trainer)
+    kept = ("<think>", "</think>", "<tool_call>", "</tool_call>")
+    hf.add_tokens([AddedToken(m, special=False, normalized=False) for m in kept])
+    hf.save(str(path / "tokenizer.json"))
+    config = {"bos_token": None, "eos_token": "<|im_end|>", "chat_template": template}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 def write_tokenizer(path: Path, vocab_size: int = 300) -> None:

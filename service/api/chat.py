@@ -12,10 +12,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from service.api.chat_output import ChoiceReader
 from service.api.chat_template import TEMPLATE_VARIABLES
 from service.api.prompt_logprobs import vllm_prompt_logprobs
 from service.api.protocol import APIError, ChatCompletionRequest
-from service.api.reasoning import ReasoningSplitter, opens_thinking, split
+from service.api.reasoning import opens_thinking
 from service.api.serving import (
     ClientDisconnected,
     check_stream_options,
@@ -31,6 +32,7 @@ from service.api.serving import (
 )
 from service.api.sse import stream_chunks, usage
 from service.api.state import ServingState
+from service.api.tools import Tools, tools_of
 from service.engine.output import RequestOutput, TokenLogprobs
 
 router = APIRouter()
@@ -57,12 +59,7 @@ def _logprobs(state: ServingState, lps: list[TokenLogprobs]) -> dict[str, Any]:
 async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
     state: ServingState = request.app.state.serving
     state.check_model(req.model)
-    if req.tools:
-        raise APIError(400, "tools are not supported by this server", param="tools")
-    if req.tool_choice not in (None, "none"):  # OpenAI: tool_choice needs tools
-        raise APIError(
-            400, "tool_choice needs tools, which this server does not support", param="tool_choice"
-        )
+    tools = tools_of(req.tools, req.tool_choice, req.parallel_tool_calls)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
     include_usage = check_stream_options(req)
@@ -73,8 +70,9 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
         param = "max_thinking_tokens" if req.max_thinking_tokens else "thinking_token_budget"
         raise APIError(400, f"{param}: the model has no <think> markers to budget", param=param)
     # rendering and tokenizing a large conversation run off the event loop
+    listed = tools.template_value() if tools is not None else None
     prompt = await asyncio.to_thread(
-        encode_messages, state, req.messages, req.add_generation_prompt, template_kwargs
+        encode_messages, state, req.messages, req.add_generation_prompt, template_kwargs, listed
     )
     thinking = markers is not None and opens_thinking(prompt, markers)
     max_tokens = (
@@ -84,6 +82,11 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     params = sampling_params(req, max_tokens, top, req.prompt_logprobs)
     if budget is not None:
         params = replace(params, thinking_budget=budget, think_ids=markers, thinking_open=thinking)
+    if tools is not None and (calls := tools.constraint()) is not None:
+        if params.constraint is not None:
+            raise APIError(400, "tool_choice required or a named function takes no structured "
+                           "output beside it", param="tool_choice")  # fmt: skip
+        params = replace(params, constraint=calls)
     await validate_prompt(state, prompt, params)
     admission = state.admit(req.n, (len(prompt) + params.max_tokens) * req.n)
     rid, created = new_id("chatcmpl"), int(time.time())
@@ -94,10 +97,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
             "created": created,
             "model": state.model_id,
         }
-        reasoning = thinking if markers is not None else None
-        body = _stream(
-            state, req, prompt, params, head, include_usage, admission.release, reasoning
-        )
+        readers = [_reader(req, markers, thinking, tools) for _ in range(req.n)]
+        body = _stream(state, req, prompt, params, head, include_usage, admission.release, readers)
         return StreamingResponse(
             body, media_type="text/event-stream", background=BackgroundTask(admission.arelease)
         )
@@ -108,6 +109,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     finally:
         admission.release()
     raise_if_failed(choices)
+    readers = [_reader(req, markers, thinking, tools) for _ in choices]
     body = {
         "id": rid,
         "object": "chat.completion",
@@ -116,11 +118,11 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
         "choices": [
             {
                 "index": i,
-                "message": _message(c.text, thinking if markers is not None else None, req),
+                "message": reader.message(c.text),
                 "logprobs": _logprobs(state, c.logprobs) if req.logprobs else None,
-                "finish_reason": c.finish_reason,
+                "finish_reason": reader.finish_reason(c.finish_reason),
             }
-            for i, c in enumerate(choices)
+            for i, (c, reader) in enumerate(zip(choices, readers, strict=True))
         ],
         "usage": usage(len(prompt), sum(len(c.token_ids) for c in choices), choices[0].cached),
     }
@@ -138,17 +140,14 @@ def _stream(
     head: dict[str, Any],
     include_usage: bool,
     release: Any,
-    thinking: bool | None,
+    readers: list[ChoiceReader],
 ) -> AsyncIterator[bytes]:
-    """thinking: None for a model that does not reason, else whether the prompt opened
-    its think block."""
-    splitters = [ReasoningSplitter(thinking) for _ in range(req.n)] if thinking is not None else []
+    """readers: each choice's (its thinking, content and tool calls apart)."""
 
     def choice(_: int, out: RequestOutput) -> dict[str, Any] | None:
-        reason = finish_reason(out)
-        delta = {"content": out.text} if out.text else {}
-        if splitters:
-            delta = _delta(splitters[out.index], out, req.include_reasoning)
+        reader = readers[out.index]
+        delta = reader.feed(out.text, out.finished)
+        reason = reader.finish_reason(finish_reason(out))
         scored = req.prompt_logprobs is not None and out.prompt_logprobs is not None
         if not (delta or scored) and reason is None and not (req.logprobs and out.logprobs):
             return None  # empty deltas are skipped, unless they carry logprobs
@@ -185,27 +184,10 @@ def _template_kwargs(req: ChatCompletionRequest) -> dict[str, Any] | None:
     return kwargs
 
 
-def _message(text: str, thinking: bool | None, req: ChatCompletionRequest) -> dict[str, Any]:
-    """The assistant message; a reasoning model's thinking apart from its answer (both
-    OpenAI-compatible names vLLM uses: reasoning_content, reasoning)."""
-    if thinking is None:
-        return {"role": "assistant", "content": text}
-    reasoning, content = split(text, thinking)
-    message: dict[str, Any] = {"role": "assistant", "content": content}
-    if reasoning is not None and req.include_reasoning:
-        message["reasoning_content"] = message["reasoning"] = reasoning
-    return message
-
-
-def _delta(splitter: ReasoningSplitter, out: RequestOutput, include: bool) -> dict[str, Any]:
-    """A streamed choice's delta, its thinking apart (what the whole gives, in parts)."""
-    reasoning, content = splitter.feed(out.text)
-    if out.finished:
-        r, c = splitter.finish()
-        reasoning, content = reasoning + r, content + c
-    delta: dict[str, Any] = {}
-    if reasoning and include:
-        delta["reasoning_content"] = delta["reasoning"] = reasoning
-    if content:
-        delta["content"] = content
-    return delta
+def _reader(
+    req: ChatCompletionRequest,
+    markers: tuple[int, int] | None,
+    thinking: bool,
+    tools: Tools | None,
+) -> ChoiceReader:
+    return ChoiceReader(thinking if markers is not None else None, tools, req.include_reasoning)

@@ -17,6 +17,7 @@ from service.limits import (
     MAX_STOP_CHARS,
     MAX_STOP_TOKEN_IDS,
     MAX_TEMPLATE_KWARGS,
+    MAX_TOOLS,
 )
 
 StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
@@ -122,6 +123,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -146,8 +149,9 @@ class ChatCompletionRequest(SamplingFields):
     include_reasoning: bool = True
     thinking_token_budget: int | None = Field(default=None, ge=1)
     max_thinking_tokens: int | None = Field(default=None, ge=1)
-    tools: list[Any] | None = None
+    tools: list[Any] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Any = None
+    parallel_tool_calls: bool = True
 
 
 class EmbeddingRequest(BaseModel):

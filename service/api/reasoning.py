@@ -67,7 +67,7 @@ class ReasoningSplitter:
                     reasoning += self.held[:end]
                     self.held, self.state = self.held[end + len(CLOSE) :], "after"
                     continue
-                keep = _partial(self.held, CLOSE)
+                keep = marker_tail(self.held, CLOSE)
                 reasoning += self.held[: len(self.held) - keep]
                 self.held = self.held[len(self.held) - keep :]
                 break
@@ -88,7 +88,7 @@ class ReasoningSplitter:
         return "", held if self.state in ("start", "content") else ""
 
 
-def _partial(text: str, marker: str) -> int:
+def marker_tail(text: str, marker: str) -> int:
     """The length of the longest end of `text` that begins `marker`."""
     for n in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-n:]):

@@ -5,6 +5,7 @@ in state.py, the SSE wire format in sse.py."""
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
@@ -115,19 +116,47 @@ def encode_messages(
     messages: list[Any],
     add_generation_prompt: bool,
     template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Chat messages rendered with the model's template (template_kwargs: a request's
-    chat_template_kwargs), as token ids."""
-    rendered = [
-        {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-        for m in messages
-    ]
+    chat_template_kwargs; tools: its tools, as templates read them), as token ids."""
+    rendered = [_message(m) for m in messages]
+    if tools:
+        template_kwargs = {**(template_kwargs or {}), "tools": tools}
     try:
         text = state.template.render(rendered, add_generation_prompt, template_kwargs)
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), param="messages") from None
     # the template writes any BOS itself; special tokens in it are real special tokens
     return state.tokenizer.encode(text, add_bos=False)
+
+
+def _message(m: Any) -> dict[str, Any]:
+    """A message as templates read it: an assistant's tool calls with their arguments as
+    objects (templates write them with tojson), a tool result's call id."""
+    out: dict[str, Any] = {"role": m.role, "content": m.text()}
+    if m.name:
+        out["name"] = m.name
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        out["tool_calls"] = [_template_call(c) for c in m.tool_calls]
+    return out
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    fn = call.get("function") or {}
+    arguments = fn.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            raise APIError(
+                400, "a tool call's arguments must be a JSON object", param="messages"
+            ) from None
+    # both shapes templates read: tool_call.function.arguments, tool_call.arguments
+    function = {**fn, "arguments": arguments}
+    return {**call, "function": function, "name": fn.get("name"), "arguments": arguments}
 
 
 def check_stream_options(req: SamplingFields) -> bool:

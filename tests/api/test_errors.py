@@ -101,7 +101,7 @@ def test_error_matrix_leaves_others_untouched(server: Server) -> None:
                     },
                 ),
                 400,
-                "tools",
+                "tools[0]",
             )
             for choice in ("auto", "required", {"type": "function", "function": {"name": "f"}}):
                 body = {"messages": [{"role": "user", "content": "x"}], "tool_choice": choice}

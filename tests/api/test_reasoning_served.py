@@ -5,14 +5,12 @@ whole, `chat_template_kwargs` passed to the template (`enable_thinking: false` c
 block in the prompt; a template variable of the test's opens it, as DeepSeek-R1's
 template does), and a thinking budget that closes the block after that many tokens."""
 
-import json
-from pathlib import Path
 
 import openai
 import pytest
 
 from tests.api.test_chatml_served import QWEN3_TEMPLATE
-from tests.factories import start_server, write_qwen3
+from tests.factories import start_server, write_qwen3, write_qwen_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -24,29 +22,11 @@ TEMPLATE = QWEN3_TEMPLATE + (
 ASK = [{"role": "user", "content": "What is 2 + 2?"}]
 
 
-def write_tokenizer(path: Path) -> None:
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    hf = Tokenizer(models.BPE())
-    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    hf.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=340,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    hf.train_from_iterator(["what is two and four, thinking briefly"] * 50, trainer)
-    hf.add_tokens([AddedToken(m, special=False, normalized=False) for m in ("<think>", "</think>")])
-    hf.save(str(path / "tokenizer.json"))
-    config = {"bos_token": None, "eos_token": "<|im_end|>", "chat_template": TEMPLATE}
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory):
     path = tmp_path_factory.mktemp("qwen3-think")
     write_qwen3(path)
-    write_tokenizer(path)
+    write_qwen_tokenizer(path, TEMPLATE, "what is two and four, thinking briefly")
     server = start_server(str(path), "--model", str(path))
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
     yield client, client.models.list().data[0].id

@@ -1,0 +1,198 @@
+"""Tool calling over HTTP with the official openai client, on a Qwen3 checkpoint behind a
+Hermes-style template (Qwen's tools section, `<tool_call>` blocks, `<tool_response>`
+turns) with random weights: `tool_choice` required and named are held to valid calls by
+a grammar (arguments validate against each tool's schema at temperature 1), parallel or
+one; streamed calls equal the whole response's for the same seed; "none" renders no
+tools; a multi-turn exchange with tool results renders; bad tools are 400s."""
+
+import itertools
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.api.test_chatml_served import QWEN3_TEMPLATE
+from tests.factories import start_server, write_qwen3, write_qwen_tokenizer
+
+pytestmark = pytest.mark.slow
+
+TOOLS_HEADER = """\
+{%- if tools %}
+    {{- '<|im_start|>system\\n# Tools\\n\\n<tools>' }}
+    {%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}
+    {{- '\\n</tools>\\n\\nFor each call, return <tool_call>\\n{"name": <function-name>, \
+"arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}
+{%- endif %}
+"""
+CALLS_AND_RESULTS = """\
+{%- for message in messages %}
+    {%- if message.role == 'assistant' and message.tool_calls %}
+        {{- '<|im_start|>assistant\\n' + (message.content or '') }}
+        {%- for call in message.tool_calls %}
+            {%- set call = call.function if call.function else call %}
+            {{- '<tool_call>\\n{"name": "' + call.name + '", "arguments": ' }}
+            {{- call.arguments | tojson if call.arguments is not string else call.arguments }}
+            {{- '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == 'tool' %}
+        {{- '<|im_start|>user\\n<tool_response>\\n' + message.content + \
+'\\n</tool_response><|im_end|>\\n' }}
+    {%- endif %}
+{%- endfor %}
+"""
+TEMPLATE = TOOLS_HEADER + QWEN3_TEMPLATE + CALLS_AND_RESULTS
+
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 12},
+            "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {
+        "name": "add", "parameters": {"type": "object", "properties": {
+            "a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"], "additionalProperties": False}}},
+]  # fmt: skip
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory):
+    path = tmp_path_factory.mktemp("qwen3-tools")
+    write_qwen3(path, max_position_embeddings=2048)
+    write_qwen_tokenizer(path, TEMPLATE, '{"name": "add", "arguments": {"a": 1}}')
+    server = start_server(str(path), "--model", str(path))
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    yield client, client.models.list().data[0].id
+    assert server.stop() == 0
+
+
+def check_calls(calls, names: set[str]) -> list[tuple[str, dict]]:
+    out = []
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in names
+        arguments = json.loads(call.function.arguments)
+        jsonschema.validate(arguments, SCHEMAS[call.function.name])
+        out.append((call.function.name, arguments))
+    return out
+
+
+def streamed_calls(client, **kw) -> tuple[list[tuple[str, dict]], str | None]:
+    calls, reason = [], None
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            for call in c.delta.tool_calls or []:
+                assert call.index == len(calls) and call.id.startswith("call_")
+                calls.append((call.function.name, json.loads(call.function.arguments)))
+            reason = c.finish_reason or reason
+    return calls, reason
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_required_calls_are_valid_and_streamed_alike(served, seed: int) -> None:
+    client, model = served
+    kw = dict(model=model, messages=ASK, tools=TOOLS, tool_choice="required",
+              temperature=1.0, seed=seed, max_tokens=200)  # fmt: skip
+    whole = client.chat.completions.create(**kw).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content is None
+    calls = check_calls(whole.message.tool_calls, set(SCHEMAS))
+    assert calls
+    assert streamed_calls(client, **kw) == (calls, "tool_calls")
+
+
+def test_a_named_call_and_one_call_only(served) -> None:
+    client, model = served
+    named = {"type": "function", "function": {"name": "add"}}
+    kw = dict(model=model, messages=ASK, tools=TOOLS, temperature=1.0, seed=4, max_tokens=200)
+    one = client.chat.completions.create(**kw, tool_choice=named).choices[0]
+    assert [n for n, _ in check_calls(one.message.tool_calls, {"add"})] == ["add"]
+    single = client.chat.completions.create(
+        **kw, tool_choice="required", parallel_tool_calls=False
+    ).choices[0]
+    assert len(check_calls(single.message.tool_calls, set(SCHEMAS))) == 1
+
+
+def test_none_auto_and_a_multi_turn_exchange(served) -> None:
+    client, model = served
+    base = client.chat.completions.create(model=model, messages=ASK, max_tokens=1)
+    none = client.chat.completions.create(
+        model=model, messages=ASK, max_tokens=1, tools=TOOLS, tool_choice="none"
+    )
+    assert none.usage.prompt_tokens == base.usage.prompt_tokens  # no tools rendered
+    auto = client.chat.completions.create(
+        model=model, messages=ASK, tools=TOOLS, max_tokens=8, temperature=0
+    )
+    assert auto.usage.prompt_tokens > base.usage.prompt_tokens  # the tools section
+    assert auto.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    turns = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type":
+         "function", "function": {"name": "get_weather",
+         "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"},
+    ]  # fmt: skip
+    reply = client.chat.completions.create(model=model, messages=turns, tools=TOOLS, max_tokens=4)
+    assert reply.usage.prompt_tokens > auto.usage.prompt_tokens  # the call and its result
+
+
+def test_bad_tools_are_400s(served) -> None:
+    client, model = served
+    cases = [
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name"}}]},
+         "tools[0].function.name"),
+        ({"tools": [TOOLS[0], TOOLS[0]]}, "tools[1]"),
+        ({"tools": [{"type": "retrieval"}]}, "tools[0]"),
+    ]  # fmt: skip
+    for extra, param in cases:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=model, messages=ASK, **extra)
+        assert err.value.body["param"] == param, (extra, err.value.body)
+
+
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(cuts=st.lists(st.integers(min_value=0), max_size=40))
+def test_any_split_of_a_streams_bytes_gives_the_same_calls(raw_stream, cuts: list[int]) -> None:
+    """The SSE bytes of a streamed response cut at arbitrary points (as a network may
+    deliver them) and read back as events give the calls of the whole response."""
+    raw, want = raw_stream
+    points = sorted({c % (len(raw) + 1) for c in cuts} | {0, len(raw)})
+    buffer, calls = b"", []
+    for a, b in itertools.pairwise(points):
+        buffer += raw[a:b]
+        while b"\n\n" in buffer:
+            event, buffer = buffer.split(b"\n\n", 1)
+            data = event.removeprefix(b"data: ")
+            if data == b"[DONE]":
+                continue
+            for choice in json.loads(data)["choices"]:
+                for call in choice["delta"].get("tool_calls") or []:
+                    calls.append(
+                        (call["function"]["name"], json.loads(call["function"]["arguments"]))
+                    )
+    assert buffer == b"" and calls == want
+
+
+@pytest.fixture(scope="module")
+def raw_stream(served):
+    client, model = served
+    kw = dict(model=model, messages=ASK, tools=TOOLS, tool_choice="required",
+              temperature=1.0, seed=7, max_tokens=200)  # fmt: skip
+    whole = client.chat.completions.create(**kw).choices[0].message.tool_calls
+    want = [(c.function.name, json.loads(c.function.arguments)) for c in whole]
+    with httpx.stream("POST", f"{client.base_url}chat/completions",
+                      json={**kw, "stream": True}, timeout=120) as r:  # fmt: skip
+        raw = b"".join(r.iter_bytes())
+    return raw, want
