@@ -20,7 +20,8 @@ serve: $(STAMP)
 
 # System packages the tests drive for real: Debian's chromium (the chat page test) and
 # Debian's prometheus/promtool, unpacked into .venv/prometheus without starting a service;
-# the Prometheus Operator's CRD schemas (npm's @kubernetes-models) for the Kubernetes test.
+# the Prometheus Operator's CRD schemas (npm's @kubernetes-models) for the Kubernetes test;
+# the official openai Node SDK for its tool-calling test.
 SYSDEPS := $(VENV)/.sysdeps
 
 $(SYSDEPS): $(STAMP)
@@ -33,6 +34,9 @@ $(SYSDEPS): $(STAMP)
 	@test -d $(VENV)/npm/node_modules/@kubernetes-models/prometheus-operator || \
 		npm install --silent --no-audit --no-fund --prefix $(VENV)/npm @kubernetes-models/prometheus-operator@6.0.0 \
 		|| echo "warning: could not install @kubernetes-models/prometheus-operator; the ServiceMonitor check will be skipped"
+	@test -d $(VENV)/npm/node_modules/openai || \
+		npm install --silent --no-audit --no-fund --prefix $(VENV)/npm openai@7.59.0 \
+		|| echo "warning: could not install the openai Node SDK; its test will be skipped"
 	touch $(SYSDEPS)
 
 test: $(STAMP) $(SYSDEPS)

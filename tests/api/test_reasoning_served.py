@@ -5,7 +5,6 @@ whole, `chat_template_kwargs` passed to the template (`enable_thinking: false` c
 block in the prompt; a template variable of the test's opens it, as DeepSeek-R1's
 template does), and a thinking budget that closes the block after that many tokens."""
 
-
 import openai
 import pytest
 

@@ -7,6 +7,10 @@ tools; a multi-turn exchange with tool results renders; bad tools are 400s."""
 
 import itertools
 import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -17,6 +21,7 @@ from hypothesis import strategies as st
 
 from tests.api.test_chatml_served import QWEN3_TEMPLATE
 from tests.factories import start_server, write_qwen3, write_qwen_tokenizer
+from tests.require import missing
 
 pytestmark = pytest.mark.slow
 
@@ -196,3 +201,52 @@ def raw_stream(served):
                       json={**kw, "stream": True}, timeout=120) as r:  # fmt: skip
         raw = b"".join(r.iter_bytes())
     return raw, want
+
+
+NODE_CLIENT = """
+import OpenAI from "openai";
+const [base, body] = process.argv.slice(1);
+const client = new OpenAI({ baseURL: base, apiKey: "x", maxRetries: 0 });
+const req = JSON.parse(body);
+const whole = await client.chat.completions.create(req);
+const calls = [];
+let reason = null;
+for await (const chunk of await client.chat.completions.create({ ...req, stream: true })) {
+  for (const c of chunk.choices) {
+    for (const t of c.delta.tool_calls ?? []) calls[t.index] = t.function;
+    reason = c.finish_reason ?? reason;
+  }
+}
+const helper = await client.chat.completions.stream(req).finalChatCompletion();
+console.log(JSON.stringify({
+  whole: whole.choices[0], calls, reason, helper: helper.choices[0].message.tool_calls,
+}));
+"""
+
+
+def test_the_node_sdk_reads_the_same_calls(served) -> None:
+    """The official Node SDK: a required call, whole, streamed by hand, and through the
+    SDK's own stream helper (which accumulates the deltas): the same calls."""
+    node, npm = shutil.which("node"), Path(sys.prefix) / "npm"
+    if node is None or not (npm / "node_modules/openai").is_dir():
+        missing("openai-node", f"node and the openai package in {npm}")
+    client, model = served
+    body = dict(model=model, messages=ASK, tools=TOOLS, tool_choice="required",
+                parallel_tool_calls=False, temperature=1.0, seed=5, max_tokens=200)  # fmt: skip
+    run = subprocess.run(
+        [node, "--input-type=module", "-e", NODE_CLIENT, str(client.base_url), json.dumps(body)],
+        cwd=npm, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout)
+    whole = [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+             for c in got["whole"]["message"]["tool_calls"]]  # fmt: skip
+    assert whole and got["whole"]["finish_reason"] == "tool_calls"
+    for name, arguments in whole:
+        jsonschema.validate(arguments, SCHEMAS[name])
+    assert [(c["name"], json.loads(c["arguments"])) for c in got["calls"]] == whole
+    assert got["reason"] == "tool_calls"
+    helper = [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got["helper"]
+    ]
+    assert helper == whole
