@@ -107,6 +107,7 @@ class Scheduler:
     def preempt(self, request: Request) -> None:
         self.blocks.free_request(request)
         request.num_computed = 0
+        request.pool_sum = None  # a mean pooled so far: its rows are computed again
         request.num_preemptions += 1
         request.status = Status.WAITING
         self.waiting.appendleft(request)

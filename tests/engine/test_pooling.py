@@ -50,3 +50,21 @@ def test_pooled_states_are_a_dense_forwards(model, pooling: str, async_schedulin
         assert again.num_cached_tokens == 0
     assert (torch.tensor(again.embedding) - dense(model, prompts[0], pooling)).abs().max() <= 1e-5
     assert e.blocks.num_used == 0
+
+
+def test_a_preempted_mean_starts_over(model) -> None:
+    """Preempted mid-prompt, a mean-pooling request computes its prompt again from the
+    start: its rows are summed once."""
+    prompt = list(range(3, 48))
+    e = make_engine(model, max_num_batched_tokens=16)
+    e.add_request("m", prompt, SamplingParams(max_tokens=1, pooling="mean"))
+    e.step()  # the first chunk
+    [request] = e.scheduler.running
+    assert 0 < request.num_computed < len(prompt) and request.pool_sum is not None
+    e.scheduler.running.remove(request)
+    e.scheduler.preempt(request)
+    outs = []
+    while e.has_unfinished():
+        outs += e.step()
+    [out] = outs
+    assert (torch.tensor(out.embedding) - dense(model, prompt, "mean")).abs().max() <= 1e-5
