@@ -118,6 +118,17 @@ class Settings:
         },
     )
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
+    responses_store_size: int = field(
+        default=1000,
+        metadata={
+            "help": "/v1/responses: stored responses previous_response_id can continue "
+            "from, in memory (the oldest evicted first)"
+        },
+    )
+    responses_store_ttl: float = field(
+        default=3600.0,
+        metadata={"help": "/v1/responses: seconds a stored response can be continued from"},
+    )
     pooling: str = field(
         default="last",
         metadata={
@@ -254,6 +265,8 @@ class Settings:
             "rank_timeout",
             "num_speculative_tokens",
             "speculative_max_batch",
+            "responses_store_size",
+            "responses_store_ttl",
         )
         for name in positive:
             value = getattr(self, name)

@@ -17,7 +17,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service.api import chat, completions, embeddings
+from service.api import chat, completions, embeddings, responses
 from service.api.chat_template import ChatTemplate
 from service.api.metrics import Metrics
 from service.api.middleware import BodyLimit, Gate, count_rejection
@@ -151,6 +151,7 @@ def create_app(
     app.include_router(completions.router)
     app.include_router(chat.router)
     app.include_router(embeddings.router)
+    app.include_router(responses.router)
     _install_routes(app)
     return app
 

@@ -16,6 +16,7 @@ from service.api.chat_template import ChatTemplate
 from service.api.metrics import Metrics
 from service.api.protocol import APIError
 from service.api.reasoning import think_markers
+from service.api.response_store import ResponseStore
 from service.config import Settings
 from service.engine.async_engine import AsyncEngine
 from service.engine.client import EngineClient
@@ -50,6 +51,12 @@ class ServingState:
         """Front processes sharing the engine (service/fronts.py): each admits its share
         of the engine's sequences, waiting queue and KV pool."""
         return self.settings.api_server_count
+
+    @functools.cached_property
+    def responses(self) -> ResponseStore:
+        """The stored responses /v1/responses continues from (this front's)."""
+        s = self.settings
+        return ResponseStore(s.responses_store_size, s.responses_store_ttl)
 
     @functools.cached_property
     def think_ids(self) -> tuple[int, int] | None:

@@ -1,0 +1,348 @@
+"""POST /v1/responses: OpenAI's Responses API as a stateless translation to the chat path
+(service/api/chat.py), as llama.cpp does: `input` (text, or message, function_call and
+function_call_output items) after `instructions`, `tools` and `tool_choice`, `text.format`,
+`max_output_tokens`; the answer as output items (reasoning, message, function_call), and
+streamed as the Responses API's events. `previous_response_id` continues a stored
+conversation (service/api/response_store.py); one not stored is a 404."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from service.api.chat import chat_completions
+from service.api.protocol import APIError, ChatCompletionRequest
+from service.api.state import ServingState
+from service.limits import MAX_MESSAGES, MAX_TOOLS
+
+router = APIRouter()
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    input: str | list[dict[str, Any]] = Field(max_length=MAX_MESSAGES)
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Any = None
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0, le=2)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    stream: bool = False
+    previous_response_id: str | None = None
+    store: bool = True
+    metadata: dict[str, str] | None = None
+
+
+def _new(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+# ---- the request, as a chat request ---------------------------------------------------
+
+
+def _messages(state: ServingState, req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The conversation: the stored one before (without its instructions), these
+    instructions, this input."""
+    earlier: list[dict[str, Any]] = []
+    if req.previous_response_id is not None:
+        found = state.responses.get(req.previous_response_id)
+        if found is None:
+            raise APIError(404, f"Response with id '{req.previous_response_id}' not found.",
+                           param="previous_response_id", code="not_found")  # fmt: skip
+        earlier = found
+    system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    return system + earlier + _items(req.input)
+
+
+def _items(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(value):
+        kind = item.get("type", "message")
+        if kind == "message":
+            out.append({"role": item.get("role", "user"), "content": _text(item, i)})
+        elif kind == "function_call":
+            _strings(item, i, "call_id", "name", "arguments")
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}  # fmt: skip
+            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls"):
+                out[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            _strings(item, i, "call_id")
+            output = item.get("output")
+            text = output if isinstance(output, str) else json.dumps(output)
+            out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
+        elif kind != "reasoning":  # earlier thinking is not sent back to the model
+            raise APIError(400, f"input[{i}]: item type {kind!r} is not supported",
+                           param=f"input[{i}]")  # fmt: skip
+    return out
+
+
+def _strings(item: dict[str, Any], i: int, *names: str) -> None:
+    for name in names:
+        if not isinstance(item.get(name), str):
+            raise APIError(400, f"input[{i}].{name} must be a string", param=f"input[{i}].{name}")
+
+
+def _text(item: dict[str, Any], i: int) -> str:
+    content = item.get("content", "")
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content if isinstance(content, list) else []:
+        if not isinstance(part, dict) or part.get("type") not in (
+            "input_text",
+            "output_text",
+            "text",
+        ):
+            raise APIError(400, f"input[{i}]: a content part must be text",
+                           param=f"input[{i}].content")  # fmt: skip
+        parts.append(part.get("text", ""))
+    return "".join(parts)
+
+
+def _tools(req: ResponsesRequest) -> tuple[list[dict[str, Any]] | None, Any]:
+    """Its function tools and tool_choice in the chat API's shapes."""
+    tools = None
+    if req.tools:
+        tools = []
+        for i, tool in enumerate(req.tools):
+            if tool.get("type") != "function":
+                raise APIError(400, f"tools[{i}]: only function tools are supported",
+                               param=f"tools[{i}]")  # fmt: skip
+            fn = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
+            tools.append({"type": "function", "function": fn})
+    choice = req.tool_choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    return tools, choice
+
+
+def _format(req: ResponsesRequest) -> dict[str, Any] | None:
+    fmt = (req.text or {}).get("format")
+    if not fmt or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_schema":
+        spec = {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}
+        return {"type": "json_schema", "json_schema": spec}
+    return {"type": fmt.get("type")}  # json_object, or what the chat path refuses
+
+
+def _chat_request(state: ServingState, req: ResponsesRequest, stream: bool) -> tuple:
+    messages = _messages(state, req)
+    tools, choice = _tools(req)
+    body = {
+        "model": req.model, "messages": messages, "tools": tools, "tool_choice": choice,
+        "parallel_tool_calls": req.parallel_tool_calls, "response_format": _format(req),
+        "max_tokens": req.max_output_tokens, "temperature": req.temperature,
+        "top_p": req.top_p, "stream": stream,
+        "stream_options": {"include_usage": True} if stream else None,
+    }  # fmt: skip
+    try:
+        return ChatCompletionRequest(**body), messages
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        raise APIError(400, f"input: {error['msg']}", param="input") from None
+
+
+# ---- the answer, as output items ------------------------------------------------------
+
+
+def _output(message: dict[str, Any]) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = []
+    if message.get("reasoning_content"):
+        items.append(_reasoning_item(message["reasoning_content"]))
+    if message.get("content"):
+        items.append(_message_item(message["content"]))
+    for call in message.get("tool_calls") or []:
+        items.append(
+            _call_item(call["id"], call["function"]["name"], call["function"]["arguments"])
+        )
+    return items
+
+
+def _reasoning_item(text: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": _new("rs"), "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}  # fmt: skip
+
+
+def _message_item(text: str, status: str = "completed") -> dict[str, Any]:
+    return {"type": "message", "id": _new("msg"), "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}]}  # fmt: skip
+
+
+def _call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
+    return {"type": "function_call", "id": _new("fc"), "call_id": call_id, "name": name,
+            "arguments": arguments, "status": status}  # fmt: skip
+
+
+def _response(
+    req: ResponsesRequest, rid: str, created: int, model: str, output: list, usage: dict | None,
+    finish: str | None,
+) -> dict[str, Any]:  # fmt: skip
+    incomplete = finish == "length"
+    return {
+        "id": rid, "object": "response", "created_at": created, "model": model,
+        "status": "incomplete" if incomplete else "completed",
+        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+        "error": None, "output": output, "instructions": req.instructions,
+        "tools": req.tools or [], "tool_choice": req.tool_choice or "auto",
+        "parallel_tool_calls": req.parallel_tool_calls, "temperature": req.temperature,
+        "top_p": req.top_p, "max_output_tokens": req.max_output_tokens,
+        "previous_response_id": req.previous_response_id, "store": req.store,
+        "text": req.text or {"format": {"type": "text"}}, "metadata": req.metadata or {},
+        "usage": _usage(usage) if usage else None,
+    }  # fmt: skip
+
+
+def _usage(chat: dict[str, Any]) -> dict[str, Any]:
+    cached = (chat.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {
+        "input_tokens": chat["prompt_tokens"], "output_tokens": chat["completion_tokens"],
+        "total_tokens": chat["total_tokens"], "input_tokens_details": {"cached_tokens": cached},
+        "output_tokens_details": {"reasoning_tokens": 0},
+    }  # fmt: skip
+
+
+def _remember(state: ServingState, req: ResponsesRequest, rid: str, messages: list,
+              output: list[dict[str, Any]]) -> None:  # fmt: skip
+    """Store the conversation with this response's output (no instructions: each request
+    gives its own), for a later previous_response_id."""
+    if not req.store:
+        return
+    said = [m for m in messages if not (m["role"] == "system" and m["content"] == req.instructions)]
+    text = "".join(c["text"] for i in output if i["type"] == "message" for c in i["content"])
+    calls = [{"id": i["call_id"], "type": "function",
+              "function": {"name": i["name"], "arguments": i["arguments"]}}
+             for i in output if i["type"] == "function_call"]  # fmt: skip
+    reply: dict[str, Any] = {"role": "assistant", "content": text or None}
+    if calls:
+        reply["tool_calls"] = calls
+    state.responses.put(rid, [*said, reply])
+
+
+@router.post("/v1/responses")
+async def responses(req: ResponsesRequest, request: Request) -> Response:
+    state: ServingState = request.app.state.serving
+    state.check_model(req.model)
+    chat, messages = _chat_request(state, req, req.stream)
+    rid, created = _new("resp"), int(time.time())
+    answer = await chat_completions(chat, request)
+    if req.stream:
+        assert isinstance(answer, StreamingResponse)
+        events = _events(state, req, rid, created, messages, answer.body_iterator)
+        return StreamingResponse(
+            events, media_type="text/event-stream", background=answer.background
+        )
+    if not isinstance(answer, JSONResponse):
+        return answer  # a client that went away
+    body = json.loads(answer.body)
+    choice = body["choices"][0]
+    output = _output(choice["message"])
+    _remember(state, req, rid, messages, output)
+    return JSONResponse(_response(req, rid, created, body["model"], output, body["usage"],
+                                  choice["finish_reason"]))  # fmt: skip
+
+
+# ---- streaming -------------------------------------------------------------------------
+
+
+async def _events(
+    state: ServingState, req: ResponsesRequest, rid: str, created: int, messages: list,
+    chunks: AsyncIterator[Any],
+) -> AsyncIterator[bytes]:  # fmt: skip
+    """The chat stream's chunks as the Responses API's events."""
+    seq = 0
+
+    def event(kind: str, **fields: Any) -> bytes:
+        nonlocal seq
+        seq += 1
+        data = json.dumps({"type": kind, "sequence_number": seq - 1, **fields})
+        return f"event: {kind}\ndata: {data}\n\n".encode()
+
+    model = state.model_id
+    shell = _response(req, rid, created, model, [], None, None) | {"status": "in_progress"}
+    yield event("response.created", response=shell)
+    yield event("response.in_progress", response=shell)
+    output: list[dict[str, Any]] = []
+    text_item: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    usage, finish = None, None
+    async for raw in chunks:
+        for line in (raw if isinstance(raw, bytes) else raw.encode()).split(b"\n\n"):
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                yield event("error", code=chunk["error"].get("code"),
+                            message=chunk["error"].get("message"), param=None)  # fmt: skip
+                return
+            usage = chunk.get("usage") or usage
+            for c in chunk.get("choices", []):
+                delta, finish = c.get("delta", {}), c.get("finish_reason") or finish
+                if delta.get("reasoning_content"):
+                    if reasoning is None:
+                        reasoning = _reasoning_item("")
+                        output.append(reasoning)
+                        yield event("response.output_item.added", output_index=len(output) - 1,
+                                    item=reasoning)  # fmt: skip
+                    reasoning["content"][0]["text"] += delta["reasoning_content"]
+                    yield event("response.reasoning_text.delta", item_id=reasoning["id"],
+                                output_index=output.index(reasoning), content_index=0,
+                                delta=delta["reasoning_content"])  # fmt: skip
+                if delta.get("content"):
+                    if text_item is None:
+                        text_item = _message_item("", "in_progress")
+                        output.append(text_item)
+                        at = len(output) - 1
+                        yield event("response.output_item.added", output_index=at,
+                                    item={**text_item, "content": []})  # fmt: skip
+                        yield event("response.content_part.added", item_id=text_item["id"],
+                                    output_index=at, content_index=0,
+                                    part={"type": "output_text", "text": "", "annotations": []})  # fmt: skip
+                    text_item["content"][0]["text"] += delta["content"]
+                    yield event("response.output_text.delta", item_id=text_item["id"],
+                                output_index=output.index(text_item), content_index=0,
+                                delta=delta["content"], logprobs=[])  # fmt: skip
+                for call in delta.get("tool_calls") or []:
+                    fn = call["function"]
+                    item = _call_item(call["id"], fn["name"], "", "in_progress")
+                    output.append(item)
+                    at = len(output) - 1
+                    yield event("response.output_item.added", output_index=at, item=item)
+                    yield event("response.function_call_arguments.delta", item_id=item["id"],
+                                output_index=at, delta=fn["arguments"])  # fmt: skip
+                    item["arguments"], item["status"] = fn["arguments"], "completed"
+                    yield event("response.function_call_arguments.done", item_id=item["id"],
+                                output_index=at, arguments=fn["arguments"], name=fn["name"])  # fmt: skip
+                    yield event("response.output_item.done", output_index=at, item=item)
+    if reasoning is not None:
+        at = output.index(reasoning)
+        yield event("response.reasoning_text.done", item_id=reasoning["id"], output_index=at,
+                    content_index=0, text=reasoning["content"][0]["text"])  # fmt: skip
+        yield event("response.output_item.done", output_index=at, item=reasoning)
+    if text_item is not None:
+        at, part = output.index(text_item), text_item["content"][0]
+        text_item["status"] = "completed"
+        yield event("response.output_text.done", item_id=text_item["id"], output_index=at,
+                    content_index=0, text=part["text"], logprobs=[])  # fmt: skip
+        yield event("response.content_part.done", item_id=text_item["id"], output_index=at,
+                    content_index=0, part=part)  # fmt: skip
+        yield event("response.output_item.done", output_index=at, item=text_item)
+    _remember(state, req, rid, messages, output)
+    done = _response(req, rid, created, model, output, usage, finish)
+    kind = "response.incomplete" if done["status"] == "incomplete" else "response.completed"
+    yield event(kind, response=done)

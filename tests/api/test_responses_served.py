@@ -1,0 +1,113 @@
+"""/v1/responses with the official openai client, over the chat path of a Qwen3 checkpoint
+behind a Hermes-style template: text in and out (with instructions, a cap of output
+tokens), streamed events whose deltas add up to the response, previous_response_id over
+the bounded store (a miss is a 404), function calls out and their outputs back in, and a
+JSON Schema text format."""
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from tests.api.test_tools_served import TEMPLATE, TOOLS
+from tests.factories import start_server, write_qwen3, write_qwen_tokenizer
+
+pytestmark = pytest.mark.slow
+
+FUNCTIONS = [{"type": "function", **t["function"]} for t in TOOLS]  # the Responses shape
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory):
+    path = tmp_path_factory.mktemp("qwen3-responses")
+    write_qwen3(path, max_position_embeddings=2048)
+    write_qwen_tokenizer(path, TEMPLATE, "the weather in paris is mild")
+    server = start_server(str(path), "--model", str(path), "--responses-store-size", "3")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    yield client, client.models.list().data[0].id
+    assert server.stop() == 0
+
+
+def test_text_streamed_and_continued(served) -> None:
+    client, model = served
+    kw = dict(model=model, input="Hello there", instructions="Be brief.",
+              max_output_tokens=6, temperature=0)  # fmt: skip
+    first = client.responses.create(**kw)
+    assert first.object == "response" and first.id.startswith("resp_")
+    assert first.status == "incomplete" and first.incomplete_details.reason == "max_output_tokens"
+    assert first.usage.output_tokens == 6 and first.output_text
+    [item] = first.output
+    assert item.type == "message" and item.content[0].type == "output_text"
+
+    events = list(client.responses.create(**kw, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.incomplete"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == first.output_text == events[-1].response.output_text
+
+    fresh = client.responses.create(model=model, input="And then?", max_output_tokens=2)
+    later = client.responses.create(
+        model=model, input="And then?", max_output_tokens=2, previous_response_id=first.id
+    )
+    assert later.previous_response_id == first.id
+    assert later.usage.input_tokens > fresh.usage.input_tokens  # the earlier turn with it
+    with pytest.raises(openai.NotFoundError) as err:
+        client.responses.create(model=model, input="x", previous_response_id="resp_nope")
+    assert err.value.body["param"] == "previous_response_id"
+    # a store of three: the first response is evicted by the fourth (later)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=model, input="x", previous_response_id=first.id)
+
+
+def test_function_calls_and_their_outputs(served) -> None:
+    client, model = served
+    kw = dict(model=model, input="What is the weather in Paris?", tools=FUNCTIONS,
+              tool_choice="required", parallel_tool_calls=False, temperature=1.0,
+              max_output_tokens=200)  # fmt: skip
+    calls = [i for i in client.responses.create(**kw).output if i.type == "function_call"]
+    assert len(calls) == 1 and calls[0].call_id.startswith("call_")
+    schema = {t["name"]: t["parameters"] for t in FUNCTIONS}[calls[0].name]
+    jsonschema.validate(json.loads(calls[0].arguments), schema)
+    events = list(client.responses.create(**kw, stream=True))
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert len(done) == 1 and events[-1].type == "response.completed"
+    follow = client.responses.create(
+        model=model, tools=FUNCTIONS, max_output_tokens=3, input=[
+            {"role": "user", "content": "What is the weather in Paris?"},
+            {"type": "function_call", "call_id": calls[0].call_id, "name": calls[0].name,
+             "arguments": calls[0].arguments},
+            {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"},
+        ],
+    )  # fmt: skip
+    assert follow.usage.input_tokens > 0 and follow.status == "incomplete"
+
+
+def test_a_json_schema_text_format(served) -> None:
+    client, model = served
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+              "required": ["city"], "additionalProperties": False}  # fmt: skip
+    resp = client.responses.create(
+        model=model, input="A city?", max_output_tokens=60, temperature=1.0,
+        text={"format": {"type": "json_schema", "name": "city", "schema": schema}},
+    )  # fmt: skip
+    jsonschema.validate(json.loads(resp.output_text), schema)
+
+
+def test_bad_items_are_400s(served) -> None:
+    client, model = served
+    cases = [
+        ([{"type": "function_call", "name": "add", "arguments": "{}"}], "input[0].call_id"),
+        ([{"type": "web_search_call"}], "input[0]"),
+        ([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}],
+         "input[0].content"),
+    ]  # fmt: skip
+    for items, param in cases:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.responses.create(model=model, input=items)
+        assert err.value.body["param"] == param, err.value.body
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=model, input="x", tools=[{"type": "web_search"}])
+    assert err.value.body["param"] == "tools[0]"
