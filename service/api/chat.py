@@ -65,15 +65,13 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     include_usage = check_stream_options(req)
     template_kwargs = _template_kwargs(req)
     budget = req.max_thinking_tokens or req.thinking_token_budget
-    markers = state.think_ids
+    # rendering and tokenizing a large conversation (and, the first time, finding the
+    # think markers) run off the event loop
+    listed = tools.template_value() if tools is not None else None
+    prompt, markers = await asyncio.to_thread(_render, state, req, template_kwargs, listed)
     if budget is not None and markers is None:
         param = "max_thinking_tokens" if req.max_thinking_tokens else "thinking_token_budget"
         raise APIError(400, f"{param}: the model has no <think> markers to budget", param=param)
-    # rendering and tokenizing a large conversation run off the event loop
-    listed = tools.template_value() if tools is not None else None
-    prompt = await asyncio.to_thread(
-        encode_messages, state, req.messages, req.add_generation_prompt, template_kwargs, listed
-    )
     thinking = markers is not None and opens_thinking(prompt, markers)
     max_tokens = (
         req.max_completion_tokens or req.max_tokens or max(1, state.max_model_len - len(prompt))
@@ -182,6 +180,17 @@ def _template_kwargs(req: ChatCompletionRequest) -> dict[str, Any] | None:
             param="chat_template_kwargs",
         )
     return kwargs
+
+
+def _render(
+    state: ServingState,
+    req: ChatCompletionRequest,
+    template_kwargs: dict[str, Any] | None,
+    tools: list[dict[str, Any]] | None,
+) -> tuple[list[int], tuple[int, int] | None]:
+    """The prompt's ids, and the model's think markers (None: it does not reason)."""
+    prompt = encode_messages(state, req.messages, req.add_generation_prompt, template_kwargs, tools)
+    return prompt, state.think_ids
 
 
 def _reader(

@@ -10,10 +10,10 @@ import torch
 from model.kv_cache import PagedKVCache
 from model.metadata import AttentionMetadata
 from model.transformer import Transformer
-from service.engine.batch import ScheduledSeq, SchedulerOutput, Step
+from service.engine.batch import SchedulerOutput, Step
 from service.engine.cuda_graphs import DecodeGraphs
 from service.engine.logprobs import LogprobRows, token_logprobs
-from service.engine.prompt_logprobs import score
+from service.engine.prompt_outputs import Pooled, pool, prompt_work, score_prompts
 from service.engine.ranks import Clear, RankError, Ranks
 from service.engine.request import PENDING, Request
 from service.engine.sampler import Sampler, SampleResult
@@ -122,15 +122,8 @@ class ModelRunner:
         gens: list[torch.Generator | None] = []
         fill: list[tuple[int, int]] = []  # (row of tokens, row of prev's ids)
         unread: dict[str, int] = {}  # request -> its pending token's row of prev's ids
-        scored: list[tuple[Request, int, list[int]]] = []  # (request, first row, targets)
-        pooled: list[tuple[Request, range, bool]] = []  # (request, its rows, last chunk)
+        scored, pooled = prompt_work(batch.seqs)
         for seq in batch.seqs:
-            if seq.request.params.pooling is not None:
-                pooled.append(_pool_rows(seq, len(tokens)))
-            if seq.request.scores_prompt:
-                rows = _prompt_rows(seq.request, seq.start, seq.num_new, len(tokens))
-                if rows[2]:
-                    scored.append(rows)
             tokens.extend(seq.request.tokens(seq.start, seq.start + seq.num_new))
             if tokens[-1] == PENDING:  # its one unread token: the last, a decode's input
                 assert prev is not None and prev.ids is not None, "a pending token, no step"
@@ -144,8 +137,9 @@ class ModelRunner:
                 gens.extend(self.generator_for(seq.request, j) for j in range(rows))
         windowed = self.kv_cache.window_data is not None
         sampled_rows = len(logit_rows)
-        for _, first, targets in scored:  # their logits after the sampled rows'
-            logit_rows.extend(range(first, first + len(targets)))
+        logit_rows += [
+            r for _, first, targets in scored for r in range(first, first + len(targets))
+        ]
         step = Step(
             tokens,
             [s.request.block_table for s in batch.seqs],
@@ -167,7 +161,7 @@ class ModelRunner:
         if self.mirror is not None:  # the draft model's K/V follow the target's
             self.mirror(step)
         if scored and logits is not None:
-            self._score_prompts(logits[sampled_rows:], scored)
+            score_prompts(logits[sampled_rows:], scored)
             logits = logits[:sampled_rows] if sampled_rows else None
         if logits is None:
             return Launched(batch, SampleResult([], []))
@@ -188,15 +182,6 @@ class ModelRunner:
             return Launched(batch, self.sampler.sample(logits, sampled, gens))
         busy = self._busy(logits)
         return Launched(batch, self.structured.sample(logits, sampled, gens, constrained, busy))
-
-    @staticmethod
-    def _score_prompts(logits: torch.Tensor, scored: list[tuple[Request, int, list[int]]]) -> None:
-        """Each request's prompt logprobs of this chunk (logits: their rows, in order)."""
-        at = 0
-        for request, _, targets in scored:
-            top = request.params.prompt_logprobs or 0
-            request.prompt_logprobs += score(logits[at : at + len(targets)], targets, top)
-            at += len(targets)
 
     @staticmethod
     def read(launched: Launched) -> SampleResult:
@@ -231,12 +216,12 @@ class ModelRunner:
         self,
         step: Step,
         fill: tuple[list[tuple[int, int]], torch.Tensor] | None = None,
-        pooled: list[tuple[Request, range, bool]] | None = None,
+        pooled: list[Pooled] | None = None,
     ) -> torch.Tensor | None:
         """The logits (S, V) of the step's sampled rows (None: it samples none). fill:
         the rows of step.tokens that are PENDING and, for each, its row in the ids (the
         previous step's samples, on the device) that holds it. pooled: embedding
-        requests' rows (_pool_rows), whose final hidden states they pool."""
+        requests' rows (prompt_outputs.pool_rows), whose final hidden states they pool."""
         meta = self.backend.metadata(
             step.block_tables,
             step.starts,
@@ -264,25 +249,12 @@ class ModelRunner:
         return self.model(tokens, meta, self.kv_cache, rows)
 
     def _pool(
-        self,
-        tokens: torch.Tensor,
-        meta: AttentionMetadata,
-        step: Step,
-        pooled: list[tuple[Request, range, bool]],
+        self, tokens: torch.Tensor, meta: AttentionMetadata, step: Step, pooled: list[Pooled]
     ) -> torch.Tensor | None:
-        """A step with embedding requests: the final hidden states, pooled into theirs
-        (the sum of their rows so far; a finished prompt's mean or last row, normalised,
-        read to the host), then the logits of the sampled rows from the same states."""
+        """A step with embedding requests: the final hidden states, pooled into theirs,
+        then the logits of the sampled rows from the same states."""
         hidden = self.model.hidden(tokens, meta, self.kv_cache)
-        for request, rows, last in pooled:
-            if rows:
-                part = hidden[rows.start : rows.stop].float().sum(dim=0)
-                request.pool_sum = part if request.pool_sum is None else request.pool_sum + part
-            if last:
-                mean = request.params.pooling == "mean"
-                pooled_state = request.pool_sum / (request.num_prompt if mean else 1)
-                request.embedding = torch.nn.functional.normalize(pooled_state, dim=0).tolist()
-                request.pool_sum = None
+        pool(hidden, pooled)
         if not step.logit_rows:
             return None
         return self.model.head(hidden.index_select(0, self._to_device(step.logit_rows)))
@@ -325,23 +297,3 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     event recorded after it has)."""
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     return host.copy_(t, non_blocking=True)
-
-
-def _prompt_rows(
-    request: Request, start: int, num_new: int, row: int
-) -> tuple[Request, int, list[int]]:
-    """The rows of a chunk (its first at `row`, from position `start`) whose prompt
-    logprobs are still wanted: each position p scores prompt token p + 1."""
-    first = max(start, len(request.prompt_logprobs))
-    stop = min(start + num_new, request.num_prompt - 1)
-    targets = request.prompt_ids[first + 1 : stop + 1] if stop > first else []
-    return request, row + first - start, targets
-
-
-def _pool_rows(seq: ScheduledSeq, row: int) -> tuple[Request, range, bool]:
-    """An embedding request's rows of a chunk (its first at `row`) that its pooling
-    reads: every row for a mean, the prompt's last for last-token pooling."""
-    if seq.request.params.pooling == "mean":
-        return seq.request, range(row, row + seq.num_new), seq.pools
-    last = row + seq.num_new - 1
-    return seq.request, range(last, last + 1) if seq.pools else range(0), seq.pools
