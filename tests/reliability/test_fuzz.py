@@ -82,6 +82,11 @@ def check(resp: httpx.Response) -> str | None:
         return None
     if resp.headers.get("content-type", "").startswith("text/event-stream"):
         events = [line[6:] for line in resp.text.splitlines() if line.startswith("data: ")]
+        if "/v1/responses" in str(resp.url):  # the Responses API ends on its last event
+            ends = ('{"type": "response.completed"', '{"type": "response.incomplete"')
+            if not events or not events[-1].startswith(ends):
+                return f"a Responses stream did not end complete: {resp.text[-300:]}"
+            return None
         if not events or events[-1] != "[DONE]":
             return f"stream did not end with [DONE]: {resp.text[-300:]}"
         if any('"error"' in e for e in events[:-1] if e.startswith('{"error"')):
