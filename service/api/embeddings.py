@@ -35,8 +35,9 @@ def _inputs(state: ServingState, req: EmbeddingRequest) -> list[list[int]]:
     return inputs
 
 
-async def _embed(state: ServingState, request_id: str, ids: list[int]) -> list[float]:
-    params = SamplingParams(max_tokens=1, pooling=state.settings.pooling)
+async def _embed(
+    state: ServingState, request_id: str, ids: list[int], params: SamplingParams
+) -> list[float]:
     embedding = None
     async for outs in generate(state, request_id, ids, params):
         for out in outs:
@@ -72,7 +73,9 @@ async def embeddings(req: EmbeddingRequest, request: Request) -> Response:
     admission = state.admit(len(inputs), sum(len(ids) + 1 for ids in inputs))
     rid = new_id("embd")
     try:
-        work = asyncio.gather(*(_embed(state, f"{rid}-{i}", ids) for i, ids in enumerate(inputs)))
+        work = asyncio.gather(
+            *(_embed(state, f"{rid}-{i}", ids, params) for i, ids in enumerate(inputs))
+        )
         vectors: list[list[float]] = await until_disconnect(request, work)
     except ClientDisconnected:
         return Response(status_code=499)
