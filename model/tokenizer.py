@@ -122,7 +122,8 @@ class Tokenizer:
             self._id_bytes = dict(id_bytes or {})
             self.vocab_size = max([*self._id_bytes, *self.special_ids.values()]) + 1
         every = self.special_ids.values()
-        self._special_id_set = frozenset(every if skipped is None else skipped)
+        # what a decode that skips special tokens drops; the rest of special_ids stays text
+        self.skipped_ids = frozenset(every if skipped is None else skipped)
 
     # ---- construction ------------------------------------------------------------
 
@@ -182,7 +183,7 @@ class Tokenizer:
         larger: padding, unassigned ranks) decode to nothing, as in HF tokenizers."""
         out = []
         for i in ids:
-            if skip_special and i in self._special_id_set:
+            if skip_special and i in self.skipped_ids:
                 continue
             try:
                 out.append(self.token_bytes(i))

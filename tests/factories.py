@@ -312,10 +312,11 @@ def write_gpt2(path: Path, seed: int = 0) -> object:
     return model
 
 
-def write_qwen_tokenizer(path: Path, template: str, corpus: str) -> None:
+def write_qwen_tokenizer(path: Path, template: str, corpus: str, thinks: bool = True) -> None:
     """A byte-level BPE trained on `corpus` with ChatML's markers as special tokens and
-    Qwen's `<think>`, `</think>`, `<tool_call>`, `</tool_call>` as added tokens its text
-    keeps (as Qwen3's tokenizer.json marks them), behind `template`."""
+    Qwen's `<think>`, `</think>` (thinks: a reasoning model's), `<tool_call>`,
+    `</tool_call>` as added tokens its text keeps (as Qwen3's tokenizer.json marks them),
+    behind `template`."""
     import json
 
     from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
@@ -330,7 +331,7 @@ def write_qwen_tokenizer(path: Path, template: str, corpus: str) -> None:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     hf.train_from_iterator([corpus] * 50, trainer)
-    kept = ("<think>", "</think>", "<tool_call>", "</tool_call>")
+    kept = [*(["<think>", "</think>"] if thinks else []), "<tool_call>", "</tool_call>"]
     hf.add_tokens([AddedToken(m, special=False, normalized=False) for m in kept])
     hf.save(str(path / "tokenizer.json"))
     config = {"bos_token": None, "eos_token": "<|im_end|>", "chat_template": template}

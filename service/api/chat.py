@@ -16,7 +16,7 @@ from service.api.chat_output import ChoiceReader
 from service.api.chat_template import TEMPLATE_VARIABLES
 from service.api.prompt_logprobs import vllm_prompt_logprobs
 from service.api.protocol import APIError, ChatCompletionRequest
-from service.api.reasoning import opens_thinking
+from service.api.reasoning import grammar_start, opens_thinking
 from service.api.serving import (
     ClientDisconnected,
     check_stream_options,
@@ -80,11 +80,13 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     params = sampling_params(req, max_tokens, top, req.prompt_logprobs)
     if budget is not None:
         params = replace(params, thinking_budget=budget, think_ids=markers, thinking_open=thinking)
-    if tools is not None and (calls := tools.constraint()) is not None:
-        if params.constraint is not None:
-            raise APIError(400, "tool_choice required or a named function takes no structured "
-                           "output beside it", param="tool_choice")  # fmt: skip
-        params = replace(params, constraint=calls)
+    if tools is not None and params.constraint is None:
+        params = replace(params, constraint=tools.constraint())
+    elif tools is not None and tools.choice != "auto":
+        raise APIError(400, "tool_choice required or a named function takes no structured "
+                       "output beside it", param="tool_choice")  # fmt: skip
+    if params.constraint is not None and (start := grammar_start(prompt, markers)):
+        params = replace(params, constraint=replace(params.constraint, think=start))
     await validate_prompt(state, prompt, params)
     admission = state.admit(req.n, (len(prompt) + params.max_tokens) * req.n)
     rid, created = new_id("chatcmpl"), int(time.time())

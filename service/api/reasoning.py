@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from model.tokenizer import Tokenizer
-
-OPEN, CLOSE = "<think>", "</think>"
+from service.engine.structured import THINK_CLOSE as CLOSE
+from service.engine.structured import THINK_OPEN as OPEN
 
 
 def think_markers(tokenizer: Tokenizer) -> tuple[int, int] | None:
@@ -39,6 +39,22 @@ def opens_thinking(prompt: Sequence[int], markers: tuple[int, int]) -> bool:
         if token in last:
             last[token] = i
     return last[start] > last[end]
+
+
+CLOSED_TAIL = 4  # "</think>" and the newlines after it: the block the template closed
+
+
+def grammar_start(prompt: Sequence[int], markers: tuple[int, int] | None) -> str:
+    """Where a constraint holds a reasoning model's output (Constraint.think): after the
+    think block the prompt left open ("open"); from the first token ("") where the
+    prompt's last tokens closed an empty block (Qwen3's template for enable_thinking
+    false) or the model does not reason; else after a think block the output may open
+    ("maybe")."""
+    if markers is None:
+        return ""
+    if opens_thinking(prompt, markers):
+        return "open"
+    return "" if markers[1] in prompt[-CLOSED_TAIL:] else "maybe"
 
 
 class ReasoningSplitter:

@@ -2,10 +2,10 @@
 Hermes-style (Qwen2.5, Qwen3: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`,
 one block per call).
 
-`tool_choice` "required" and a named function constrain the output with a grammar built
-from the tools' schemas (service/engine/structured.py): one or more blocks whose JSON is
-a call of a given tool with arguments its parameters' schema accepts. "auto" leaves the
-model free; a block whose JSON is not a call of a given tool stays in the text.
+Every tool_choice but "none" holds the output to a grammar built from the tools' schemas
+(service/engine/structured.py): "required" and a named function to one or more blocks
+whose JSON is a call of a given tool with arguments its parameters' schema accepts;
+"auto" to any text, in which each block, from its opening marker on, is held the same.
 
 The split of an output into text and calls reads the text alone (as the reasoning split
 does): a stream split delta by delta gives the calls and content the whole gives, each
@@ -41,16 +41,24 @@ class Tools:
         """The tools as chat templates read them (OpenAI's shape)."""
         return [{"type": "function", "function": f} for f in self.functions.values()]
 
-    def constraint(self) -> Constraint | None:
-        """The grammar of "required" or a named call (None: "auto")."""
-        if self.choice == "auto":
-            return None
-        names = list(self.functions) if self.choice == "required" else [self.choice]
+    def constraint(self) -> Constraint:
+        """The grammar the output holds to: for "required" or a named function, one or
+        more calls (one where parallel calls are off); for "auto", any text, in which each
+        opening marker starts a call held to the same grammar (a lazy lexeme: the text
+        ends at the marker's first occurrence)."""
+        names = list(self.functions) if self.choice in ("auto", "required") else [self.choice]
         calls = [_call_schema(n, self.functions[n]) for n in names]
         schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        block = f'"{OPEN}\\n" %json {json.dumps(schema)} "\\n{CLOSE}"'
-        more = ' ("\\n" block)*' if self.parallel and self.choice == "required" else ""
-        spec = f"start: block{more}\nblock: {block}\n"
+        body = f'"\\n" %json {json.dumps(schema)} "\\n{CLOSE}"'
+        if self.choice == "auto":
+            start = "call* TEXT" if self.parallel else "call | TEXT"
+            spec = (
+                f"%llguidance {{}}\nstart: {start}\ncall: opening {body}\n"
+                f'opening[lazy]: TEXT "{OPEN}"\nTEXT: /(.|\\n)*/\n'
+            )
+        else:
+            more = ' ("\\n" call)*' if self.parallel and self.choice == "required" else ""
+            spec = f'start: call{more}\ncall: "{OPEN}" {body}\n'
         if len(spec) > MAX_CONSTRAINT_CHARS:
             raise APIError(400, f"the tools' schemas exceed {MAX_CONSTRAINT_CHARS} characters",
                            param="tools")  # fmt: skip

@@ -48,8 +48,34 @@ def _lower_priority() -> None:
 SETUP_POOL = ThreadPoolExecutor(2, "kvserve-grammar", initializer=_lower_priority)
 
 
+# A reasoning model's think block, as its output's text writes it
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+# Before the constraint's own grammar ("answer"): the thinking up to its first closing
+# marker (a lazy lexeme: it ends there), the newlines the models write after it
+_THOUGHT = f'\nthought[lazy]: THOUGHT "{THINK_CLOSE}"\nTHOUGHT: /(.|\\n)*/\nNL: /\\n{{0,2}}/\n'
+_AFTER_THINKING = {
+    "open": "%llguidance {}\nstart: thought NL @answer" + _THOUGHT,
+    "maybe": f'%llguidance {{}}\nstart: think? @answer\nthink: "{THINK_OPEN}" thought NL'
+    + _THOUGHT,
+}
+
+
 def _grammar(c: Constraint) -> str:
-    """The llguidance grammar (its JSON form) of a constraint."""
+    """The llguidance grammar (its JSON form) of a constraint, held from where its think
+    state says."""
+    answer = _answer(c)
+    if not c.think:
+        return answer
+    if c.kind in ("json", "json_object", "regex", "choice"):
+        entry = json.loads(answer)["grammars"][0]  # llguidance's JSON form: one grammar
+    else:
+        entry = {"lark_grammar": answer}
+    wrap = {"name": "thinking", "lark_grammar": _AFTER_THINKING[c.think]}
+    return json.dumps({"grammars": [wrap, {**entry, "name": "answer"}]})
+
+
+def _answer(c: Constraint) -> str:
+    """The constraint's own grammar."""
     import llguidance
     from llguidance.gbnf_to_lark import any_to_lark
 
@@ -180,10 +206,12 @@ class Grammars:
 
 class _Vocab:
     """What llguidance's LLTokenizer reads of a tokenizer: every id's bytes (special
-    tokens marked), the end-of-sequence id and a tokenize function."""
+    tokens marked: those an output's text drops, so that added tokens it keeps, Qwen3's
+    `<think>` and `<tool_call>`, are the text a grammar spells), the end-of-sequence id and
+    a tokenize function."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: Sequence[int]) -> None:
-        special = set(tokenizer.special_ids.values())
+        special = tokenizer.skipped_ids
         self.tokens = [
             tokenizer.token_bytes(i) if tokenizer.valid_id(i) else b"" for i in range(vocab_size)
         ]

@@ -3,8 +3,12 @@ Qwen3's does) behind Qwen3's chat template, over HTTP with the openai client: th
 in `reasoning_content` (and `reasoning`) apart from `content`, streamed deltas equal to the
 whole, `chat_template_kwargs` passed to the template (`enable_thinking: false` closes the
 block in the prompt; a template variable of the test's opens it, as DeepSeek-R1's
-template does), and a thinking budget that closes the block after that many tokens."""
+template does), a thinking budget that closes the block after that many tokens, and
+structured output held from the block's end on (the thinking free, the answer valid)."""
 
+import json
+
+import jsonschema
 import openai
 import pytest
 
@@ -93,6 +97,43 @@ def test_template_kwargs_and_a_block_left_open(served) -> None:
     )
     assert "reasoning_content" not in (hidden.model_extra or {})
     assert hidden.content == whole.content
+
+
+ANSWER = {"type": "object", "properties": {"sum": {"type": "integer", "maximum": 99}},
+          "required": ["sum"],
+          "additionalProperties": False}  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_structured_output_holds_after_the_thinking(served, seed: int) -> None:
+    """The schema applies to the answer alone: the thinking (five tokens, at temperature
+    1, then the forced end marker) is free text, the content valid JSON, alike streamed."""
+    client, model = served
+    kw = dict(
+        model=model, messages=ASK, max_tokens=40, temperature=1.0, seed=seed,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "answer", "schema": ANSWER}},
+        extra_body={"chat_template_kwargs": {"open_thinking": True}, "max_thinking_tokens": 5},
+    )  # fmt: skip
+    whole = client.chat.completions.create(**kw).choices[0]
+    reasoning = whole.message.model_extra["reasoning_content"]
+    assert reasoning and whole.finish_reason == "stop"
+    jsonschema.validate(json.loads(whole.message.content), ANSWER)
+    assert streamed(client, **kw) == (reasoning, whole.message.content)
+    # a block the template closed: the answer from the first token
+    closed = client.chat.completions.create(**{**kw, "extra_body": {
+        "chat_template_kwargs": {"enable_thinking": False}}}).choices[0]  # fmt: skip
+    assert "reasoning_content" not in (closed.message.model_extra or {})
+    jsonschema.validate(json.loads(closed.message.content), ANSWER)
+    # a required tool call, the same way: after the thinking
+    tool = {"type": "function", "function": {"name": "answer", "parameters": ANSWER}}
+    called = client.chat.completions.create(**{
+        **{k: v for k, v in kw.items() if k != "response_format"},
+        "tools": [tool], "tool_choice": "required", "parallel_tool_calls": False,
+        "max_tokens": 150}).choices[0]  # fmt: skip
+    assert called.message.model_extra["reasoning_content"]
+    assert called.finish_reason == "tool_calls" and len(called.message.tool_calls) == 1
+    jsonschema.validate(json.loads(called.message.tool_calls[0].function.arguments), ANSWER)
 
 
 def test_bad_template_kwargs_and_budgets(served) -> None:

@@ -22,7 +22,7 @@ FUNCTIONS = [{"type": "function", **t["function"]} for t in TOOLS]  # the Respon
 def served(tmp_path_factory: pytest.TempPathFactory):
     path = tmp_path_factory.mktemp("qwen3-responses")
     write_qwen3(path, max_position_embeddings=2048)
-    write_qwen_tokenizer(path, TEMPLATE, "the weather in paris is mild")
+    write_qwen_tokenizer(path, TEMPLATE, "the weather in paris is mild", thinks=False)
     server = start_server(str(path), "--model", str(path), "--responses-store-size", "3")
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
     yield client, client.models.list().data[0].id

