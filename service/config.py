@@ -24,6 +24,7 @@ QUANTIZATIONS = ("none", "int8")
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
 ASYNC_SCHEDULING = ("auto", "on", "off")
 ENGINE_PROCESS = ("auto", "on", "off")
+TOOL_CALL_FORMATS = ("auto", "hermes", "llama3_json", "mistral")  # service/api/tool_formats.py
 POOLING = ("last", "mean")  # an embedding: the last token's final hidden state, or the mean
 
 
@@ -134,6 +135,14 @@ class Settings:
         metadata={
             "help": "/v1/embeddings: last (the last token's final hidden state: what "
             "decoder embedding models such as Qwen3-Embedding use) or mean, normalised"
+        },
+    )
+    tool_call_format: str = field(
+        default="auto",
+        metadata={
+            "help": "how the model writes tool calls: hermes (<tool_call> blocks: Qwen), "
+            "llama3_json (Llama 3.x), mistral ([TOOL_CALLS]); auto reads the chat "
+            "template's markers"
         },
     )
     attention_backend: str = field(
@@ -276,6 +285,11 @@ class Settings:
             raise ValueError(
                 f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, "
                 f"got {self.attention_backend!r}"
+            )
+        if self.tool_call_format not in TOOL_CALL_FORMATS:
+            raise ValueError(
+                f"tool_call_format must be one of {list(TOOL_CALL_FORMATS)}, "
+                f"got {self.tool_call_format!r}"
             )
         if self.pooling not in POOLING:
             raise ValueError(f"pooling must be one of {list(POOLING)}, got {self.pooling!r}")

@@ -312,11 +312,13 @@ def write_gpt2(path: Path, seed: int = 0) -> object:
     return model
 
 
-def write_qwen_tokenizer(path: Path, template: str, corpus: str, thinks: bool = True) -> None:
-    """A byte-level BPE trained on `corpus` with ChatML's markers as special tokens and
-    Qwen's `<think>`, `</think>` (thinks: a reasoning model's), `<tool_call>`,
-    `</tool_call>` as added tokens its text keeps (as Qwen3's tokenizer.json marks them),
-    behind `template`."""
+def write_qwen_tokenizer(
+    path: Path, template: str, corpus: str, thinks: bool = True, specials: tuple[str, ...] = ()
+) -> None:
+    """A byte-level BPE trained on `corpus` with ChatML's markers (and `specials`) as
+    special tokens and Qwen's `<think>`, `</think>` (thinks: a reasoning model's),
+    `<tool_call>`, `</tool_call>` as added tokens its text keeps (as Qwen3's
+    tokenizer.json marks them), behind `template`."""
     import json
 
     from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
@@ -327,7 +329,7 @@ def write_qwen_tokenizer(path: Path, template: str, corpus: str, thinks: bool = 
     hf.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=340,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>", *specials],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     hf.train_from_iterator([corpus] * 50, trainer)

@@ -59,7 +59,7 @@ def _logprobs(state: ServingState, lps: list[TokenLogprobs]) -> dict[str, Any]:
 async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
     state: ServingState = request.app.state.serving
     state.check_model(req.model)
-    tools = tools_of(req.tools, req.tool_choice, req.parallel_tool_calls)
+    tools = tools_of(req.tools, req.tool_choice, req.parallel_tool_calls, state.tool_format)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
     include_usage = check_stream_options(req)
@@ -80,6 +80,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     params = sampling_params(req, max_tokens, top, req.prompt_logprobs)
     if budget is not None:
         params = replace(params, thinking_budget=budget, think_ids=markers, thinking_open=thinking)
+    if tools is not None and tools.format.keeps_special_tokens:  # its opening is one
+        params = replace(params, skip_special_tokens=False)
     if tools is not None and params.constraint is None:
         params = replace(params, constraint=tools.constraint())
     elif tools is not None and tools.choice != "auto":

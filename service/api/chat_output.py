@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from service.api.reasoning import ReasoningSplitter
-from service.api.tools import Tools, ToolSplitter
+from service.api.tools import Tools, splitter
 
 
 class ChoiceReader:
@@ -17,7 +17,7 @@ class ChoiceReader:
         its think block open; tools: the request's (None: calls are not read)."""
         self.reasoning = ReasoningSplitter(thinking) if thinking is not None else None
         self.include = include_reasoning
-        self.tools = ToolSplitter(tools) if tools is not None else None
+        self.tools = splitter(tools) if tools is not None else None
         self.called = False  # a call was read: the choice finishes with tool_calls
 
     def feed(self, text: str, final: bool) -> dict[str, Any]:
@@ -34,7 +34,8 @@ class ChoiceReader:
         if self.tools is not None:
             content, calls = self.tools.feed(content)
             if final:
-                content += self.tools.finish()
+                rest, more = self.tools.finish()
+                content, calls = content + rest, calls + more
         delta: dict[str, Any] = {}
         if reasoning and self.include:
             delta["reasoning_content"] = delta["reasoning"] = reasoning

@@ -17,6 +17,7 @@ from service.api.metrics import Metrics
 from service.api.protocol import APIError
 from service.api.reasoning import think_markers
 from service.api.response_store import ResponseStore
+from service.api.tool_formats import ToolFormat, format_for
 from service.config import Settings
 from service.engine.async_engine import AsyncEngine
 from service.engine.client import EngineClient
@@ -46,6 +47,9 @@ class ServingState:
     # (when, KV tokens) of recently released admissions: how fast demand drains
     released: deque[tuple[float, int]] = field(default_factory=deque)
 
+    def __post_init__(self) -> None:
+        _ = self.tool_format  # a format the model cannot write is a start-up error
+
     @property
     def fronts(self) -> int:
         """Front processes sharing the engine (service/fronts.py): each admits its share
@@ -63,6 +67,12 @@ class ServingState:
         """The ids of a reasoning model's think markers (service/api/reasoning.py), where
         each is one token whose text the output keeps; None for other models."""
         return think_markers(self.tokenizer)
+
+    @functools.cached_property
+    def tool_format(self) -> ToolFormat:
+        """How the model writes tool calls (service/api/tool_formats.py)."""
+        setting = self.settings.tool_call_format
+        return format_for(setting, self.template.source, self.tokenizer.special_ids)
 
     @property
     def max_model_len(self) -> int:

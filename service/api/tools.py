@@ -1,26 +1,28 @@
-"""Tool calling on /v1/chat/completions in the form the model's chat template teaches it:
-Hermes-style (Qwen2.5, Qwen3: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`,
-one block per call).
+"""Tool calling on /v1/chat/completions in the form the model's chat template teaches it
+(service/api/tool_formats.py: Hermes-style blocks, Llama 3's JSON, Mistral's
+`[TOOL_CALLS]` array).
 
 Every tool_choice but "none" holds the output to a grammar built from the tools' schemas
-(service/engine/structured.py): "required" and a named function to one or more blocks
-whose JSON is a call of a given tool with arguments its parameters' schema accepts;
-"auto" to any text, in which each block, from its opening marker on, is held the same.
+(service/engine/structured.py): "required" and a named function to one or more calls of
+a given tool with arguments its parameters' schema accepts; "auto" to any text or calls,
+each call, from its opening on, held the same.
 
 The split of an output into text and calls reads the text alone (as the reasoning split
-does): a stream split delta by delta gives the calls and content the whole gives, each
-call sent whole (its id, name and arguments in one delta) once its block closes."""
+does): a stream split delta by delta gives the calls and content the whole gives. A
+Hermes call is sent whole (its id, name and arguments in one delta) once its block
+closes; Llama 3's and Mistral's calls run to the end of the output and are sent with its
+last delta."""
 
 from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from service.api.protocol import APIError
 from service.api.reasoning import marker_tail
+from service.api.tool_formats import MISTRAL_OPENING, ToolFormat, read_calls
 from service.engine.request import Constraint
 from service.limits import MAX_CONSTRAINT_CHARS, MAX_TOOLS
 
@@ -36,36 +38,26 @@ class Tools:
     functions: dict[str, dict[str, Any]]
     choice: str
     parallel: bool
+    format: ToolFormat
 
     def template_value(self) -> list[dict[str, Any]]:
         """The tools as chat templates read them (OpenAI's shape)."""
         return [{"type": "function", "function": f} for f in self.functions.values()]
 
     def constraint(self) -> Constraint:
-        """The grammar the output holds to: for "required" or a named function, one or
-        more calls (one where parallel calls are off); for "auto", any text, in which each
-        opening marker starts a call held to the same grammar (a lazy lexeme: the text
-        ends at the marker's first occurrence)."""
+        """The grammar the output holds to (ToolFormat.grammar)."""
         names = list(self.functions) if self.choice in ("auto", "required") else [self.choice]
-        calls = [_call_schema(n, self.functions[n]) for n in names]
+        key = self.format.arguments_key
+        calls = [_call_schema(n, self.functions[n], key) for n in names]
         schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        body = f'"\\n" %json {json.dumps(schema)} "\\n{CLOSE}"'
-        if self.choice == "auto":
-            start = "call* TEXT" if self.parallel else "call | TEXT"
-            spec = (
-                f"%llguidance {{}}\nstart: {start}\ncall: opening {body}\n"
-                f'opening[lazy]: TEXT "{OPEN}"\nTEXT: /(.|\\n)*/\n'
-            )
-        else:
-            more = ' ("\\n" call)*' if self.parallel and self.choice == "required" else ""
-            spec = f'start: call{more}\ncall: "{OPEN}" {body}\n'
+        spec = self.format.grammar(f"%json {json.dumps(schema)}", self.choice, self.parallel)
         if len(spec) > MAX_CONSTRAINT_CHARS:
             raise APIError(400, f"the tools' schemas exceed {MAX_CONSTRAINT_CHARS} characters",
                            param="tools")  # fmt: skip
         return Constraint("grammar", spec, "tools")
 
 
-def tools_of(raw: list[Any] | None, choice: Any, parallel: bool) -> Tools | None:
+def tools_of(raw: list[Any] | None, choice: Any, parallel: bool, fmt: ToolFormat) -> Tools | None:
     """A request's tools and tool_choice, checked (None: no tools, or tool_choice none)."""
     if not raw:
         if choice not in (None, "none"):
@@ -88,16 +80,16 @@ def tools_of(raw: list[Any] | None, choice: Any, parallel: bool) -> Tools | None
             raise APIError(400, "parameters must be a JSON Schema object",
                            param=f"tools[{i}].function.parameters")  # fmt: skip
         functions[name] = fn
-    return _choose(functions, choice, parallel)
+    return _choose(functions, choice, parallel, fmt)
 
 
-def _choose(functions: dict[str, dict[str, Any]], choice: Any, parallel: bool) -> Tools | None:
-    if choice in (None, "auto"):
-        return Tools(functions, "auto", parallel)
+def _choose(
+    functions: dict[str, dict[str, Any]], choice: Any, parallel: bool, fmt: ToolFormat
+) -> Tools | None:
+    if choice in (None, "auto", "required"):
+        return Tools(functions, choice or "auto", parallel, fmt)
     if choice == "none":
         return None
-    if choice == "required":
-        return Tools(functions, "required", parallel)
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or name is None:
         raise APIError(400, "tool_choice must be none, auto, required or a function",
@@ -105,15 +97,15 @@ def _choose(functions: dict[str, dict[str, Any]], choice: Any, parallel: bool) -
     if name not in functions:
         raise APIError(400, f"tool_choice names {name!r}, which is not among the tools",
                        param="tool_choice")  # fmt: skip
-    return Tools(functions, name, False)
+    return Tools(functions, name, False, fmt)
 
 
-def _call_schema(name: str, fn: dict[str, Any]) -> dict[str, Any]:
+def _call_schema(name: str, fn: dict[str, Any], key: str) -> dict[str, Any]:
     params = fn.get("parameters") or {"type": "object", "properties": {}}
     return {
         "type": "object",
-        "properties": {"name": {"const": name}, "arguments": params},
-        "required": ["name", "arguments"],
+        "properties": {"name": {"const": name}, key: params},
+        "required": ["name", key],
         "additionalProperties": False,
     }
 
@@ -121,15 +113,26 @@ def _call_schema(name: str, fn: dict[str, Any]) -> dict[str, Any]:
 # ---- reading the output ---------------------------------------------------------------
 
 
-def call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+def splitter(tools: Tools) -> ToolSplitter | TailSplitter:
+    """The reader of an output's calls in the tools' format."""
+    return ToolSplitter(tools) if tools.format.name == "hermes" else TailSplitter(tools)
+
+
+def _call(index: int, call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    return {
+        "index": index,
+        "id": call_id,
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
 
 
 class ToolSplitter:
-    """An output's text, delta by delta -> its content and its complete calls."""
+    """A Hermes-style output's text, delta by delta -> its content and complete calls."""
 
     def __init__(self, tools: Tools) -> None:
         self.names = set(tools.functions)
+        self.format = tools.format
         self.held = ""  # text from an opening marker (or the start of one) on
         self.calls = 0
         self.after_call = False  # the newlines after a call's block are not content
@@ -163,10 +166,10 @@ class ToolSplitter:
                 self.after_call = True
         return content, calls
 
-    def finish(self) -> str:
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """What is held at the end: an unclosed block's text."""
         held, self.held = self.held, ""
-        return held
+        return held, []
 
     def _call(self, body: str) -> dict[str, Any] | None:
         try:
@@ -179,15 +182,55 @@ class ToolSplitter:
         if not isinstance(arguments, dict):
             return None
         index, self.calls = self.calls, self.calls + 1
-        return {
-            "index": index,
-            "id": call_id(),
-            "type": "function",
-            "function": {"name": value["name"], "arguments": json.dumps(arguments)},
-        }
+        return _call(index, self.format.call_id(), value["name"], json.dumps(arguments))
+
+
+class TailSplitter:
+    """A Llama 3 JSON or Mistral output, delta by delta -> its content and, at its end,
+    its calls: from the opening (Llama 3: a "{" that begins the output; Mistral: the
+    [TOOL_CALLS] token) on, the text is held and read whole when the output ends."""
+
+    def __init__(self, tools: Tools) -> None:
+        self.names = set(tools.functions)
+        self.format = tools.format
+        self.held = ""
+        self.state = "start"  # then "content" (no calls), or "calls" (held to the end)
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        self.held += text
+        if self.state == "start":
+            if self.format.name == "llama3_json":
+                if not self.held.strip():
+                    return "", []
+                self.state = "calls" if self.held.lstrip().startswith("{") else "content"
+            else:
+                at = self.held.find(MISTRAL_OPENING)
+                if at >= 0:
+                    content, self.held = self.held[:at], self.held[at:]
+                    self.state = "calls"
+                    return content, []
+                keep = marker_tail(self.held, MISTRAL_OPENING)
+                content = self.held[: len(self.held) - keep]
+                self.held = self.held[len(self.held) - keep :]
+                return content, []
+        if self.state == "content":
+            content, self.held = self.held, ""
+            return content, []
+        return "", []
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        held, self.held = self.held, ""
+        if self.state != "calls":
+            return held, []
+        body = held.removeprefix(MISTRAL_OPENING) if self.format.name == "mistral" else held
+        read = read_calls(self.format, body, self.names)
+        if read is None:
+            return held, []  # not calls of given tools: text
+        return "", [_call(i, self.format.call_id(), n, a) for i, (n, a) in enumerate(read)]
 
 
 def split_calls(text: str, tools: Tools) -> tuple[str, list[dict[str, Any]]]:
-    splitter = ToolSplitter(tools)
-    content, calls = splitter.feed(text)
-    return content + splitter.finish(), calls
+    split = splitter(tools)
+    content, calls = split.feed(text)
+    rest, more = split.finish()
+    return content + rest, calls + more

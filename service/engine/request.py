@@ -34,17 +34,15 @@ class FinishReason(enum.StrEnum):
 
 PENDING = -2  # a sampled token still on the device (async scheduling): its value is unread
 CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
-THINK_STATES = ("", "open", "maybe")
 
 
 @dataclass(frozen=True, slots=True)
 class Constraint:
     """What a request's output must match (structured outputs, service/engine/structured.py).
     spec: the JSON Schema (JSON text), the regex, the choices (a JSON list of strings) or
-    the grammar (Lark or GBNF); param: the API parameter it came from, named in errors.
-    think: where a reasoning model's output holds to it: "" from the first token; "open"
-    after the think block the prompt left open closes; "maybe" after a think block the
-    output may open first (service/engine/structured.py)."""
+    the grammar (Lark or GBNF); param: the API parameter it came from, named in errors;
+    think: a reasoning model's output holds to it from its first token (""), after the
+    think block the prompt left open ("open"), or after one it may open first ("maybe")."""
 
     kind: str
     spec: str
@@ -53,7 +51,6 @@ class Constraint:
 
     def __post_init__(self) -> None:
         _check(self.kind in CONSTRAINT_KINDS, self.param, f"unknown constraint {self.kind!r}")
-        _check(self.think in THINK_STATES, self.param, f"unknown think state {self.think!r}")
 
 
 @dataclass(frozen=True, slots=True)
