@@ -168,7 +168,7 @@ class Transformer(nn.Module):
             if not logits_indices.numel():  # the K/V were the point: no head (on any rank)
                 return x.new_empty((0, self.cfg.vocab_size))
             x = x.index_select(0, logits_indices)
-        return self.head(x)
+        return self.head(x, kv_cache.backend if kv_cache is not None else REFERENCE)
 
     def hidden(
         self,
@@ -216,14 +216,15 @@ class Transformer(nn.Module):
                 _, x = backend.add_norm(self.norm, x, delta)
         return x
 
-    def head(self, x: Tensor) -> Tensor:
-        """(R, d) final hidden states -> their logits (R, V) (on every rank: a collective)."""
+    def head(self, x: Tensor, backend: Backend = REFERENCE) -> Tensor:
+        """(R, d) final hidden states -> their logits (R, V) (on every rank: a collective);
+        backend: the one that soft-caps them (Gemma 2)."""
         # no head module: the embedding table, (R, V) or (R, vocab rows) on a rank
         logits = self.lm_head(x) if self.lm_head is not None else x @ self.embed.weight.t()
         if self.cfg.logits_scaling != 1.0:
             logits = logits / self.cfg.logits_scaling
         if (cap := self.cfg.final_logit_softcap) is not None:
-            logits = torch.tanh(logits / cap) * cap
+            logits = backend.softcap(logits, cap)
         if self.tp is not None:
             return self.tp.gather_vocab(logits, self.cfg.vocab_size)
         return logits

@@ -100,6 +100,10 @@ class Backend(Protocol):
         """(B, V) logits -> each row's first argmax, or NON_FINITE."""
         ...
 
+    def softcap(self, logits: Tensor, cap: float) -> Tensor:
+        """cap * tanh(logits / cap) (Gemma 2's final logits; may be in place)."""
+        ...
+
     def add_norm(
         self, norm: nn.Module, x: Tensor, delta: Tensor | None
     ) -> tuple[Tensor, Tensor]: ...

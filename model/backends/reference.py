@@ -107,6 +107,10 @@ class TorchBackend:
         best = logits.max(dim=-1)  # max, not argmax: faster on the CPU, and no fp32 copy
         return flag_non_finite(best.indices, best.values)
 
+    def softcap(self, logits: Tensor, cap: float) -> Tensor:
+        """Gemma 2's final logit soft-capping: cap * tanh(logits / cap) (may be in place)."""
+        return torch.tanh(logits / cap) * cap
+
     def add_norm(self, norm: nn.Module, x: Tensor, delta: Tensor | None) -> tuple[Tensor, Tensor]:
         """The pre-norm residual step: x + delta (the residual stream) and its norm."""
         if delta is not None:

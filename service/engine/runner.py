@@ -257,7 +257,8 @@ class ModelRunner:
         pool(hidden, pooled)
         if not step.logit_rows:
             return None
-        return self.model.head(hidden.index_select(0, self._to_device(step.logit_rows)))
+        rows = hidden.index_select(0, self._to_device(step.logit_rows))
+        return self.model.head(rows, self.kv_cache.backend)
 
     def _fill(
         self, tokens: torch.Tensor, rows: list[tuple[int, int]], ids: torch.Tensor

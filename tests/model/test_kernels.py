@@ -352,6 +352,27 @@ def test_geglu_is_torchs_tanh_gelu_times_up(isa, dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softcap_is_torchs_tanh(isa, dtype) -> None:
+    """Gemma 2's final logits, cap * tanh(x / cap), in place in one pass (fused.c): torch's
+    ops to float32 accuracy (bf16: within a rounding), across the whole range (tiny,
+    saturated, signed zeros), a NaN kept."""
+    from model.backends.cpu.backend import CpuBackend
+    from model.backends.reference import TorchBackend
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.cat([60 * torch.randn(3000, generator=gen), torch.tensor([0.0, -0.0, 1e-30, 3e3])])
+    x = x.to(dtype).reshape(4, -1)
+    want = TorchBackend().softcap(x.float(), 30.0).to(dtype)
+    cpu = CpuBackend.__new__(CpuBackend)  # its softcap alone
+    got = cpu.softcap(x.clone(), 30.0)
+    tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.13, rtol=8e-3)
+    torch.testing.assert_close(got, want, **tol)
+    assert torch.equal(got.signbit(), want.signbit())
+    x[0, 0] = float("nan")
+    assert cpu.softcap(x.clone(), 30.0)[0, 0].isnan()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_whole_qk_norms_are_the_references(isa, dtype) -> None:
     """OLMo 2's q and k norms over every head at once (fused.c's qk_norm_all, in place)
     against the torch reference's RMSNorm over the whole projections; v left alone."""

@@ -31,6 +31,7 @@ from model.backends.cpu.kernels.fused import (
     greedy_tokens,
     qk_norm,
     rope_store,
+    softcap_,
 )
 from model.backends.cpu.kernels.linear import linear_isa
 from model.backends.cpu.packed import linear_kernels, pack_model
@@ -160,6 +161,11 @@ class CpuBackend(TorchBackend):
         if logits.is_contiguous() and logits.dtype in (torch.float32, torch.bfloat16):
             return greedy_tokens(logits)  # one C pass over the logits
         return super().greedy(logits)
+
+    def softcap(self, logits: Tensor, cap: float) -> Tensor:
+        if fused_supported(logits):
+            return softcap_(logits, cap)  # one C pass, in place
+        return super().softcap(logits, cap)
 
     def add_norm(self, norm: nn.Module, x: Tensor, delta: Tensor | None) -> tuple[Tensor, Tensor]:
         if fusable_rms_norm(norm, x, delta):  # x updated in place

@@ -182,6 +182,22 @@ void NAME(const T *gate_up, T *out, int rows, int ff, int nthreads) {           
 DEFINE_GEGLU(geglu_f32, float, f32_load, f32_store)
 DEFINE_GEGLU(geglu_bf16, uint16_t, bf16_load, bf16_store)
 
+/* Gemma 2's final logit soft-capping, in place: x <- cap * tanh(x / cap), rounded once,
+ * with tanh(y) = sign(y) (1 - e) / (1 + e), e = exp(-2 |y|) (exp_poly's domain, <= 0),
+ * as the attention kernels cap their scores. A NaN stays a NaN. */
+#define DEFINE_SOFTCAP(NAME, T, LOAD, STORE)                                             \
+void NAME(T *x, long n, float cap, int nthreads) {                                       \
+    PARALLEL(n)                                                                          \
+    for (long i = 0; i < n; ++i) {                                                       \
+        const float y = LOAD(x[i]) / cap;                                                \
+        const float e = exp_poly(-2.f * fabsf(y));                                       \
+        x[i] = STORE(copysignf(cap * ((1.f - e) / (1.f + e)), y));                       \
+    }                                                                                    \
+}
+
+DEFINE_SOFTCAP(softcap_f32, float, f32_load, f32_store)
+DEFINE_SOFTCAP(softcap_bf16, uint16_t, bf16_load, bf16_store)
+
 /* Greedy decoding over rows of logits: out[r] = the first index of row r's maximum, or -1
  * where that maximum is not finite (a NaN or +inf anywhere, or every value -inf): what
  * torch.max(dim=-1) followed by isfinite() says, in one read of the logits (torch's bf16

@@ -1,6 +1,6 @@
 """The fused elementwise kernels (model/backends/cpu/kernels/fused.c): add + RMSNorm, the norms
-over q's and k's heads, RoPE with the KV-cache write, and greedy argmax, in float32 and
-bfloat16."""
+over q's and k's heads, RoPE with the KV-cache write, GeGLU, soft-capping and greedy argmax, in
+float32 and bfloat16."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ FUSED_FLAGS = [
 
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_KERNELS = ("add_rms_norm", "qk_norm", "qk_norm_all", "rope_store", "geglu", "greedy", "softcap")
 
 
 def fused_library() -> ctypes.CDLL | None:
@@ -37,11 +38,7 @@ def _fused_at(isa: str) -> ctypes.CDLL | None:
         return None
     bind(
         lib,
-        *(
-            f"{n}_{t}"
-            for n in ("add_rms_norm", "qk_norm", "qk_norm_all", "rope_store", "geglu", "greedy")
-            for t in _SUFFIX.values()
-        ),
+        *(f"{n}_{t}" for n in _KERNELS for t in _SUFFIX.values()),
     )
     return lib
 
@@ -130,6 +127,13 @@ def qk_norm(
         eps,
         torch.get_num_threads(),
     )
+
+
+def softcap_(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """x (fused_supported) <- cap * tanh(x / cap), in place: Gemma 2's final logits."""
+    fn = getattr(fused_library(), f"softcap_{_SUFFIX[x.dtype]}")
+    fn(x.data_ptr(), x.numel(), cap, torch.get_num_threads())
+    return x
 
 
 def geglu(gate_up: torch.Tensor) -> torch.Tensor:
