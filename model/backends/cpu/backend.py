@@ -163,7 +163,7 @@ class CpuBackend(TorchBackend):
         return super().greedy(logits)
 
     def softcap(self, logits: Tensor, cap: float) -> Tensor:
-        if fused_supported(logits):
+        if logits.dim() == 2 and fused_supported(logits):
             return softcap_(logits, cap)  # one C pass, in place
         return super().softcap(logits, cap)
 

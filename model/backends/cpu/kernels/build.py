@@ -51,7 +51,7 @@ PROTOTYPES: dict[str, tuple[type | None, list[type]]] = {
         for whole in ("", "_all")
     },
     **{f"geglu_{t}": (None, [_P, _P, _I, _I, _I]) for t in ("f32", "bf16")},
-    **{f"softcap_{t}": (None, [_P, ctypes.c_long, _F, _I]) for t in ("f32", "bf16")},
+    **{f"softcap_{t}": (None, [_P, _I, _I, _F, _I]) for t in ("f32", "bf16")},
     **{f"greedy_{t}": (None, [_P, _I, _I, _P, _I]) for t in ("f32", "bf16")},
     "paged_attention_f32": (None, _ATTENTION),
     "paged_attention_bf16": (None, _ATTENTION),

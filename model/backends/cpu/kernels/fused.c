@@ -182,16 +182,20 @@ void NAME(const T *gate_up, T *out, int rows, int ff, int nthreads) {           
 DEFINE_GEGLU(geglu_f32, float, f32_load, f32_store)
 DEFINE_GEGLU(geglu_bf16, uint16_t, bf16_load, bf16_store)
 
-/* Gemma 2's final logit soft-capping, in place: x <- cap * tanh(x / cap), rounded once,
+/* Gemma 2's final logit soft-capping over rows of n logits, in place: x <- cap * tanh(x / cap), rounded once,
  * with tanh(y) = sign(y) (1 - e) / (1 + e), e = exp(-2 |y|) (exp_poly's domain, <= 0),
  * as the attention kernels cap their scores. A NaN stays a NaN. */
 #define DEFINE_SOFTCAP(NAME, T, LOAD, STORE)                                             \
-void NAME(T *x, long n, float cap, int nthreads) {                                       \
-    PARALLEL(n)                                                                          \
-    for (long i = 0; i < n; ++i) {                                                       \
-        const float y = LOAD(x[i]) / cap;                                                \
-        const float e = exp_poly(-2.f * fabsf(y));                                       \
-        x[i] = STORE(copysignf(cap * ((1.f - e) / (1.f + e)), y));                       \
+void NAME(T *x, int rows, int n, float cap, int nthreads) {                              \
+    const long work = (long)rows * n;                                                    \
+    PARALLEL(work)                                                                       \
+    for (int r = 0; r < rows; ++r) {                                                     \
+        T *row = x + (long)r * n;                                                        \
+        for (int i = 0; i < n; ++i) {                                                    \
+            const float y = LOAD(row[i]) / cap;                                          \
+            const float e = exp_poly(-2.f * fabsf(y));                                   \
+            row[i] = STORE(copysignf(cap * ((1.f - e) / (1.f + e)), y));                 \
+        }                                                                                \
     }                                                                                    \
 }
 

@@ -130,9 +130,9 @@ def qk_norm(
 
 
 def softcap_(x: torch.Tensor, cap: float) -> torch.Tensor:
-    """x (fused_supported) <- cap * tanh(x / cap), in place: Gemma 2's final logits."""
+    """x (rows, n) (fused_supported) <- cap * tanh(x / cap), in place: Gemma 2's logits."""
     fn = getattr(fused_library(), f"softcap_{_SUFFIX[x.dtype]}")
-    fn(x.data_ptr(), x.numel(), cap, torch.get_num_threads())
+    fn(x.data_ptr(), x.shape[0], x.shape[-1], cap, torch.get_num_threads())
     return x
 
 

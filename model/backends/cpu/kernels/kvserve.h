@@ -31,8 +31,8 @@ void qk_norm_all_bf16(uint16_t *qkv, const uint16_t *wq, const uint16_t *wk, int
                       int KV, int D, float eps, int nthreads);
 void geglu_f32(const float *gate_up, float *out, int rows, int ff, int nthreads);
 void geglu_bf16(const uint16_t *gate_up, uint16_t *out, int rows, int ff, int nthreads);
-void softcap_f32(float *x, long n, float cap, int nthreads);
-void softcap_bf16(uint16_t *x, long n, float cap, int nthreads);
+void softcap_f32(float *x, int rows, int n, float cap, int nthreads);
+void softcap_bf16(uint16_t *x, int rows, int n, float cap, int nthreads);
 void greedy_f32(const float *x, int rows, int n, int64_t *out, int nthreads);
 void greedy_bf16(const uint16_t *x, int rows, int n, int64_t *out, int nthreads);
 
