@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 from service.api.reasoning import ReasoningSplitter
-from service.api.tools import Tools, splitter
+from service.api.tool_split import merge, splitter
+from service.api.tools import Tools
 
 
 class ChoiceReader:
@@ -22,8 +23,8 @@ class ChoiceReader:
 
     def feed(self, text: str, final: bool) -> dict[str, Any]:
         """A delta of text (final: the choice's last) -> its parts, as a delta: thinking
-        in reasoning_content and reasoning (both names clients read), content, and each
-        call whose block closed in it."""
+        in reasoning_content and reasoning (both names clients read), content, and the
+        tool-call entries written in it (service/api/tool_split.py)."""
         reasoning, content = "", text
         if self.reasoning is not None:
             reasoning, content = self.reasoning.feed(text)
@@ -43,7 +44,7 @@ class ChoiceReader:
             delta["content"] = content
         if calls:
             self.called = True
-            delta["tool_calls"] = calls
+            delta["tool_calls"] = merge(calls)  # one entry per call
         return delta
 
     def finish_reason(self, reason: str | None) -> str | None:

@@ -280,6 +280,7 @@ async def _events(
     output: list[dict[str, Any]] = []
     text_item: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None
+    calls: dict[int, dict[str, Any]] = {}  # the function_call items, by call index
     usage, finish = None, None
     async for raw in chunks:
         for line in (raw if isinstance(raw, bytes) else raw.encode()).split(b"\n\n"):
@@ -317,18 +318,24 @@ async def _events(
                     yield event("response.output_text.delta", item_id=text_item["id"],
                                 output_index=output.index(text_item), content_index=0,
                                 delta=delta["content"], logprobs=[])  # fmt: skip
-                for call in delta.get("tool_calls") or []:
+                for call in delta.get("tool_calls") or []:  # a header, then fragments
                     fn = call["function"]
-                    item = _call_item(call["id"], fn["name"], "", "in_progress")
-                    output.append(item)
-                    at = len(output) - 1
-                    yield event("response.output_item.added", output_index=at, item=item)
-                    yield event("response.function_call_arguments.delta", item_id=item["id"],
-                                output_index=at, delta=fn["arguments"])  # fmt: skip
-                    item["arguments"], item["status"] = fn["arguments"], "completed"
-                    yield event("response.function_call_arguments.done", item_id=item["id"],
-                                output_index=at, arguments=fn["arguments"], name=fn["name"])  # fmt: skip
-                    yield event("response.output_item.done", output_index=at, item=item)
+                    if call["index"] not in calls:
+                        calls[call["index"]] = item = _call_item(call["id"], fn["name"], "",
+                                                                 "in_progress")  # fmt: skip
+                        output.append(item)
+                        yield event("response.output_item.added", output_index=len(output) - 1,
+                                    item=item)  # fmt: skip
+                    item = calls[call["index"]]
+                    if fn.get("arguments"):
+                        item["arguments"] += fn["arguments"]
+                        yield event("response.function_call_arguments.delta", item_id=item["id"],
+                                    output_index=output.index(item), delta=fn["arguments"])  # fmt: skip
+    for item in calls.values():
+        at, item["status"] = output.index(item), "completed"
+        yield event("response.function_call_arguments.done", item_id=item["id"],
+                    output_index=at, arguments=item["arguments"], name=item["name"])  # fmt: skip
+        yield event("response.output_item.done", output_index=at, item=item)
     if reasoning is not None:
         at = output.index(reasoning)
         yield event("response.reasoning_text.done", item_id=reasoning["id"], output_index=at,

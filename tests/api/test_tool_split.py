@@ -1,7 +1,9 @@
-"""The tool-call split (service/api/tools.py) in each format (service/api/tool_formats.py):
-whole outputs, and the same outputs fed in every chunking hypothesis draws, give the same
-content and calls; each format's grammar takes the outputs that are calls and, under
-"auto", text, and refuses malformed calls; the format follows the template's markers."""
+"""The tool-call split (service/api/tool_split.py) in each format
+(service/api/tool_formats.py): whole outputs, and the same outputs fed in every chunking
+hypothesis draws, give the same content and calls (streamed Hermes calls: a header, then
+argument fragments that add up to the model's own arguments text); each format's grammar
+takes the outputs that are calls and, under "auto", text, and refuses malformed calls;
+the format follows the template's markers."""
 
 import itertools
 import json
@@ -12,7 +14,8 @@ from hypothesis import strategies as st
 
 from model.tokenizer import Tokenizer
 from service.api.tool_formats import ToolFormat, format_for
-from service.api.tools import Tools, split_calls, splitter
+from service.api.tool_split import merge, split_calls, splitter
+from service.api.tools import Tools
 from service.engine.request import Constraint
 from service.engine.structured import Grammars
 
@@ -38,6 +41,8 @@ CASES = [
     (HERMES, '<tool_call>{"name": "rm", "arguments": {}}</tool_call>',
      '<tool_call>{"name": "rm", "arguments": {}}</tool_call>', []),
     (HERMES, "cut <tool_call>\n{\"name\": \"add\"", "cut <tool_call>\n{\"name\": \"add\"", []),
+    (HERMES, 'cut <tool_call>\n{"name": "add", "arguments": {"a": 1, "b"', "cut ",
+     [("add", '{"a": 1, "b"')]),  # cut by max_tokens: what was written, as OpenAI's
     (HERMES, "<tool_ca", "<tool_ca", []),
     (LLAMA3, '{"name": "add", "parameters": {"a": 1, "b": 2}}', "", [ADD]),
     (LLAMA3, '{"name": "add", "parameters": {"a": 1, "b": 2}}; '
@@ -54,9 +59,17 @@ CASES = [
 ]  # fmt: skip
 
 
-def calls_of(calls: list[dict]) -> list[tuple[str, dict]]:
+def calls_of(calls: list[dict]) -> list[tuple[str, dict | str]]:
+    """Whole calls -> (name, arguments parsed, or as text where they do not parse)."""
     assert [c["index"] for c in calls] == list(range(len(calls)))
-    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+    out = []
+    for c in calls:
+        assert set(c) == {"index", "id", "type", "function"}
+        try:
+            out.append((c["function"]["name"], json.loads(c["function"]["arguments"])))
+        except ValueError:
+            out.append((c["function"]["name"], c["function"]["arguments"]))
+    return out
 
 
 def tools(fmt: ToolFormat, choice: str = "auto", parallel: bool = True) -> Tools:
@@ -74,12 +87,18 @@ def test_whole_outputs(fmt: ToolFormat, text: str, content: str, calls: list) ->
 def test_any_chunking_gives_the_whole(case, cuts: list[int]) -> None:
     fmt, text, content, calls = case
     points = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
-    split, got_content, got_calls = splitter(tools(fmt)), "", []
+    split, got_content, entries = splitter(tools(fmt)), "", []
     for a, b in itertools.pairwise(points):
         c, found = split.feed(text[a:b])
-        got_content, got_calls = got_content + c, got_calls + found
+        got_content, entries = got_content + c, entries + found
     rest, more = split.finish()
-    assert (got_content + rest, calls_of(got_calls + more)) == (content, calls)
+    entries += more
+    headers = [e for e in entries if "id" in e]  # each call's first entry, in index order
+    assert [e["index"] for e in headers] == list(range(len(headers)))
+    assert all(e["index"] < len(headers) for e in entries)
+    assert (got_content + rest, calls_of(merge(entries))) == (content, calls)
+    assert merge(entries) == [{**c, "id": h["id"]} for c, h in
+                              zip(split_calls(text, tools(fmt))[1], headers, strict=True)]  # fmt: skip
 
 
 def test_call_ids() -> None:
@@ -94,31 +113,26 @@ def grammars() -> Grammars:
     return Grammars(tok, tok.vocab_size, tok.eos_ids)
 
 
-def _compact(text: str) -> str:
-    """The grammar's JSON: no whitespace (as the outputs it takes)."""
-    return text.replace(": ", ":").replace(", {", ",{").replace('}, "', '},"')
-
-
 @pytest.mark.parametrize(
     ("fmt", "choice", "parallel", "output", "takes"),
     [
-        (HERMES, "required", True, _compact(CALL) + "\n" + _compact(CALL), True),
+        (HERMES, "required", True, CALL + "\n" + CALL, True),
         (HERMES, "required", True, "hello", False),
-        (HERMES, "auto", False, "hi " + _compact(CALL), True),
+        (HERMES, "auto", False, "hi " + CALL, True),
         (HERMES, "auto", True, "hi <tool_call>\nhello", False),
-        (LLAMA3, "required", True, '{"name":"add","parameters":{"a":1,"b":2}}; '
-         '{"name":"echo","parameters":{}}', True),
-        (LLAMA3, "required", False, '{"name":"add","arguments":{"a":1,"b":2}}', False),
+        (LLAMA3, "required", True, '{"name": "add", "parameters": {"a": 1, "b": 2}}; '
+         '{"name": "echo", "parameters": {}}', True),
+        (LLAMA3, "required", False, '{"name": "add", "arguments": {"a": 1, "b": 2}}', False),
         (LLAMA3, "auto", True, "It is sunny", True),
-        (LLAMA3, "auto", True, '{"name":"add","parameters":{"a":1}}', False),
-        (MISTRAL, "required", True, '\x00[{"name":"add","arguments":{"a":1,"b":2}}, '
-         '{"name":"echo","arguments":{}}]', True),
-        (MISTRAL, "required", True, '[{"name":"add","arguments":{"a":1,"b":2}}]', False),
-        (MISTRAL, "auto", True, 'Sure. \x00[{"name":"echo","arguments":{}}]', True),
+        (LLAMA3, "auto", True, '{"name": "add", "parameters": {"a": 1}}', False),
+        (MISTRAL, "required", True, '\x00[{"name": "add", "arguments": {"a": 1, "b": 2}}, '
+         '{"name": "echo", "arguments": {}}]', True),
+        (MISTRAL, "required", True, '[{"name": "add", "arguments": {"a": 1, "b": 2}}]', False),
+        (MISTRAL, "auto", True, 'Sure. \x00[{"name": "echo", "arguments": {}}]', True),
         (MISTRAL, "auto", True, "Just text.", True),
-        (MISTRAL, "auto", True, 'x \x00[{"name":"rm","arguments":{}}]', False),
-        (MISTRAL, "named", False, '\x00[{"name":"echo","arguments":{}}]', False),
-        (MISTRAL, "named", False, '\x00[{"name":"add","arguments":{"a":1,"b":2}}]', True),
+        (MISTRAL, "auto", True, 'x \x00[{"name": "rm", "arguments": {}}]', False),
+        (MISTRAL, "named", False, '\x00[{"name": "echo", "arguments": {}}]', False),
+        (MISTRAL, "named", False, '\x00[{"name": "add", "arguments": {"a": 1, "b": 2}}]', True),
     ],
 )  # fmt: skip
 def test_each_formats_grammar(

@@ -108,14 +108,19 @@ def check_calls(calls, names: set[str]) -> list[tuple[str, dict]]:
 
 
 def streamed_calls(client, **kw) -> tuple[list[tuple[str, dict]], str | None]:
-    calls, reason = [], None
+    """A stream's calls: each call's first delta entry (index, id, name), then fragments
+    of its arguments, gathered by index."""
+    calls: list[list] = []
+    reason = None
     for chunk in client.chat.completions.create(**kw, stream=True):
         for c in chunk.choices:
             for call in c.delta.tool_calls or []:
-                assert call.index == len(calls) and ID.fullmatch(call.id)
-                calls.append((call.function.name, json.loads(call.function.arguments)))
+                if call.id is not None:
+                    assert call.index == len(calls) and ID.fullmatch(call.id)
+                    calls.append([call.function.name, ""])
+                calls[call.index][1] += call.function.arguments or ""
             reason = c.finish_reason or reason
-    return calls, reason
+    return [(name, json.loads(arguments)) for name, arguments in calls], reason
 
 
 @pytest.mark.parametrize("seed", [1, 3, 4])
@@ -205,10 +210,11 @@ def test_bad_tools_are_400s(served) -> None:
 @given(cuts=st.lists(st.integers(min_value=0), max_size=40))
 def test_any_split_of_a_streams_bytes_gives_the_same_calls(raw_stream, cuts: list[int]) -> None:
     """The SSE bytes of a streamed response cut at arbitrary points (as a network may
-    deliver them) and read back as events give the calls of the whole response."""
+    deliver them) and read back as events give the calls of the whole response, whose
+    arguments came in fragments as they were written."""
     raw, want = raw_stream
     points = sorted({c % (len(raw) + 1) for c in cuts} | {0, len(raw)})
-    buffer, calls = b"", []
+    buffer, calls, pieces = b"", {}, 0
     for a, b in itertools.pairwise(points):
         buffer += raw[a:b]
         while b"\n\n" in buffer:
@@ -218,9 +224,12 @@ def test_any_split_of_a_streams_bytes_gives_the_same_calls(raw_stream, cuts: lis
                 continue
             for choice in json.loads(data)["choices"]:
                 for call in choice["delta"].get("tool_calls") or []:
-                    calls.append(
-                        (call["function"]["name"], json.loads(call["function"]["arguments"]))
-                    )
+                    pieces += 1
+                    name, arguments = calls.get(call["index"], (None, ""))
+                    name = call["function"].get("name", name)
+                    calls[call["index"]] = (name, arguments + call["function"]["arguments"])
+    calls = [(n, json.loads(a)) for _, (n, a) in sorted(calls.items())]
+    assert pieces > 2 * len(calls)  # a header and fragments
     assert buffer == b"" and calls == want
 
 
@@ -247,7 +256,10 @@ const calls = [];
 let reason = null;
 for await (const chunk of await client.chat.completions.create({ ...req, stream: true })) {
   for (const c of chunk.choices) {
-    for (const t of c.delta.tool_calls ?? []) calls[t.index] = t.function;
+    for (const t of c.delta.tool_calls ?? []) {
+      calls[t.index] ??= { name: t.function.name, arguments: "" };
+      calls[t.index].arguments += t.function.arguments ?? "";
+    }
     reason = c.finish_reason ?? reason;
   }
 }
