@@ -45,27 +45,36 @@ def _fragment(index: int, arguments: str) -> dict[str, Any]:
     return {"index": index, "function": {"arguments": arguments}}
 
 
-def value_end(text: str) -> int | None:
-    """The end of the JSON object or array that text begins with (None: not yet closed;
-    the text is a grammar's, or checked by a parse once its block closes)."""
-    depth, in_string, escaped = 0, False, False
-    for i, ch in enumerate(text):
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
+class ValueScan:
+    """Where the JSON object or array a text begins with ends, read as the text grows
+    (each character once: a long call's arguments cost no more per delta than a short
+    one's). The text is a grammar's, or checked by a parse once its block closes."""
+
+    def __init__(self) -> None:
+        self.pos, self.depth, self.in_string, self.escaped = 0, 0, False, False
+        self.end: int | None = None
+
+    def scan(self, text: str) -> int | None:
+        """The value's end in text (which extends the text scanned before), or None."""
+        while self.end is None and self.pos < len(text):
+            ch = text[self.pos]
+            self.pos += 1
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
             elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.end = self.pos
+        return self.end
 
 
 class ToolSplitter:
@@ -77,8 +86,9 @@ class ToolSplitter:
         self.held = ""  # text from an opening marker (or the start of one) on
         self.calls = 0
         self.after_call = False  # the newlines after a call's block are not content
-        self.open: tuple[int, int, int] | None = None  # the streamed call: index, where
-        # its arguments start in held, how much of them was sent
+        # the streamed call: its index, where its arguments start in held, how much of
+        # them was sent, and the scan for their end
+        self.open: tuple[int, int, int, ValueScan] | None = None
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         content, calls = "", []
@@ -125,26 +135,26 @@ class ToolSplitter:
             m = HEADER.match(self.held, len(OPEN))
             if m is None or m.group(1) not in self.names:
                 return []
-            self.open = (self._next_index(), m.end(), 0)
+            self.open = (self._next_index(), m.end(), 0, ValueScan())
             out.append(_header(self.open[0], self.format.call_id(), m.group(1)))
-        index, at, sent = self.open
+        index, at, sent, scan = self.open
         args = self.held[at:]
-        end = value_end(args)
+        end = scan.scan(args)
         args = args[:end] if end is not None else args
         if len(args) > sent:
             out.append(_fragment(index, args[sent:]))
-            self.open = (index, at, len(args))
+            self.open = (index, at, len(args), scan)
         return out
 
     def _close(self, block: str) -> list[dict[str, Any]] | None:
         """A closed block's entries (what of its call was not sent); None: not a call of
         a given tool (a block whose header was streamed is one: its grammar held it)."""
         m = HEADER.match(block, len(OPEN))
-        end = value_end(block[m.end() :]) if m is not None else None
+        end = ValueScan().scan(block[m.end() :]) if m is not None else None
         args = block[m.end() : m.end() + end] if m is not None and end is not None else ""
         streamed, self.open = self.open, None
         if streamed is not None:
-            index, _, sent = streamed
+            index, _, sent, _ = streamed
             return [_fragment(index, args[sent:])] if len(args) > sent else []
         if m is None or not self._is_call(block[len(OPEN) : -len(CLOSE)], m.group(1)):
             return None
