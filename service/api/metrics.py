@@ -78,6 +78,8 @@ ROUTES = frozenset(
         "/v1/completions",
         "/v1/chat/completions",
         "/v1/models",
+        "/v1/responses",
+        "/v1/embeddings",
         "/tokenize",
         "/detokenize",
         "/health",
@@ -85,6 +87,7 @@ ROUTES = frozenset(
         "/",
     }
 )
+TEMPLATED = ("/v1/models/", "/v1/responses/")  # a route per prefix: its "{id}"
 
 
 class Metrics:
@@ -219,9 +222,8 @@ class Metrics:
     # ---- the HTTP layer ------------------------------------------------------------------
 
     def on_http(self, path: str, status: int) -> None:
-        route = path if path in ROUTES or path.startswith("/v1/models/") else "other"
-        if route.startswith("/v1/models/"):
-            route = "/v1/models/{id}"
+        prefix = next((p for p in TEMPLATED if path.startswith(p)), None)
+        route = path if path in ROUTES else prefix + "{id}" if prefix else "other"
         self.http.labels(route, str(status)).inc()
 
     def on_rejected(self, reason: str) -> None:

@@ -218,9 +218,9 @@ def _usage(chat: dict[str, Any]) -> dict[str, Any]:
 
 
 def _remember(state: ServingState, req: ResponsesRequest, rid: str, messages: list,
-              output: list[dict[str, Any]]) -> None:  # fmt: skip
-    """Store the conversation with this response's output (no instructions: each request
-    gives its own), for a later previous_response_id."""
+              output: list[dict[str, Any]], response: dict[str, Any]) -> None:  # fmt: skip
+    """Store the response, and the conversation with its output (no instructions: each
+    request gives its own) for a later previous_response_id."""
     if not req.store:
         return
     said = [m for m in messages if not (m["role"] == "system" and m["content"] == req.instructions)]
@@ -231,7 +231,7 @@ def _remember(state: ServingState, req: ResponsesRequest, rid: str, messages: li
     reply: dict[str, Any] = {"role": "assistant", "content": text or None}
     if calls:
         reply["tool_calls"] = calls
-    state.responses.put(rid, [*said, reply])
+    state.responses.put(rid, [*said, reply], response)
 
 
 @router.post("/v1/responses")
@@ -252,9 +252,31 @@ async def responses(req: ResponsesRequest, request: Request) -> Response:
     body = json.loads(answer.body)
     choice = body["choices"][0]
     output = _output(choice["message"])
-    _remember(state, req, rid, messages, output)
-    return JSONResponse(_response(req, rid, created, body["model"], output, body["usage"],
-                                  choice["finish_reason"]))  # fmt: skip
+    done = _response(req, rid, created, body["model"], output, body["usage"],
+                     choice["finish_reason"])  # fmt: skip
+    _remember(state, req, rid, messages, output, done)
+    return JSONResponse(done)
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, request: Request) -> JSONResponse:
+    """A stored response, as it was returned (a 404 where none is stored)."""
+    found = request.app.state.serving.responses.response(response_id)
+    if found is None:
+        raise _not_found(response_id)
+    return JSONResponse(found)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request) -> JSONResponse:
+    if not request.app.state.serving.responses.delete(response_id):
+        raise _not_found(response_id)
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+
+def _not_found(response_id: str) -> APIError:
+    return APIError(404, f"Response with id '{response_id}' not found.", param="response_id",
+                    code="not_found")  # fmt: skip
 
 
 # ---- streaming -------------------------------------------------------------------------
@@ -349,7 +371,7 @@ async def _events(
         yield event("response.content_part.done", item_id=text_item["id"], output_index=at,
                     content_index=0, part=part)  # fmt: skip
         yield event("response.output_item.done", output_index=at, item=text_item)
-    _remember(state, req, rid, messages, output)
     done = _response(req, rid, created, model, output, usage, finish)
+    _remember(state, req, rid, messages, output, done)
     kind = "response.incomplete" if done["status"] == "incomplete" else "response.completed"
     yield event(kind, response=done)

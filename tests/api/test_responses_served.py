@@ -1,11 +1,12 @@
 """/v1/responses with the official openai client, over the chat path of a Qwen3 checkpoint
 behind a Hermes-style template: text in and out (with instructions, a cap of output
 tokens), streamed events whose deltas add up to the response, previous_response_id over
-the bounded store (a miss is a 404), function calls out and their outputs back in, and a
-JSON Schema text format."""
+the bounded store (a miss is a 404), a stored response retrieved and deleted, function
+calls out and their outputs back in, and a JSON Schema text format."""
 
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -57,9 +58,23 @@ def test_text_streamed_and_continued(served) -> None:
     with pytest.raises(openai.NotFoundError) as err:
         client.responses.create(model=model, input="x", previous_response_id="resp_nope")
     assert err.value.body["param"] == "previous_response_id"
+    # retrieved as it was returned (a streamed one too), then deleted
+    assert client.responses.retrieve(later.id).model_dump() == later.model_dump()
+    streamed = events[-1].response
+    assert client.responses.retrieve(streamed.id).output_text == streamed.output_text
+    deleted = client.responses.delete(later.id)  # the SDK returns nothing
+    assert deleted is None
+    with pytest.raises(openai.NotFoundError) as err:
+        client.responses.retrieve(later.id)
+    assert err.value.body["code"] == "not_found"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(later.id)
     # a store of three: the first response is evicted by the fourth (later)
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model=model, input="x", previous_response_id=first.id)
+    metrics = httpx.get(str(client.base_url).removesuffix("v1/") + "metrics").text
+    for route, status in (("/v1/responses", 200), ("/v1/responses/{id}", 404)):
+        assert f'route="{route}",status="{status}"' in metrics
 
 
 def test_function_calls_and_their_outputs(served) -> None:
