@@ -1,11 +1,13 @@
-"""What --quantization int8 costs in quality, against the same checkpoint in bf16.
+"""What --quantization int8 (or fp8) costs in quality, against the same checkpoint in bf16.
 
 For each checkpoint (the test suite's transformers-written parity checkpoints: Llama with
 GQA, tied and untied, Qwen2 with q/k/v biases, GPT-2; and the 180M Llama-3-style
-checkpoint of ../shared/peers when --peers has it), loaded twice on the CPU backend in
-bf16 (kvserve's bf16 kernels, and int8 weights):
+checkpoint of ../shared/peers when --peers has it), loaded twice in bf16: int8 on the
+CPU backend (kvserve's bf16 kernels, and int8 weights); fp8 on the torch backend (bf16
+weights, and FP8 linears in the dequantizing path the CPU runs: the same values a GPU's
+FP8 matmuls read, the activations unquantized):
 
-  logits       random prompts through the model without a cache: max and mean |int8 -
+  logits       random prompts through the model without a cache: max and mean |quantized -
                bf16| over every position's logits, the mean relative to the bf16 logits'
                standard deviation, and teacher-forced top-1 agreement (same context,
                same argmax)
@@ -16,6 +18,7 @@ bf16 (kvserve's bf16 kernels, and int8 weights):
 Prints a table and writes JSON (--out).
 
     PYTHONPATH=. .venv/bin/python benchmarks/int8_quality.py --peers ../peers
+    PYTHONPATH=. .venv/bin/python benchmarks/int8_quality.py --quantization fp8
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any
 
 import torch
 
+from model.backends.fp8 import Fp8Linear, to_fp8
 from model.loader import load
 from service.config import Settings
 from service.engine.engine import LLMEngine
@@ -56,10 +60,17 @@ def checkpoints(tmp: Path, peers: Path | None) -> dict[str, Path]:
     return out
 
 
-def engine(path: Path, quantization: str) -> LLMEngine:
+def engine(path: Path, quantization: str, backend: str) -> LLMEngine:
     loaded = load(path, torch.bfloat16, torch.device("cpu"))
-    settings = Settings(attention_backend="cpu", quantization=quantization, max_num_seqs=16)
+    if quantization == "fp8":  # the server takes fp8 on CUDA alone: converted here
+        to_fp8(loaded.model)
+        quantization = "none"
+    settings = Settings(attention_backend=backend, quantization=quantization, max_num_seqs=16)
     return LLMEngine(loaded.model, loaded.tokenizer, settings)
+
+
+def quantized_linears(model: torch.nn.Module) -> int:
+    return sum(1 for m in model.modules() if getattr(m, "int8", False) or isinstance(m, Fp8Linear))
 
 
 def greedy(eng: LLMEngine, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -75,7 +86,8 @@ def greedy(eng: LLMEngine, prompts: list[list[int]], n: int) -> list[list[int]]:
 
 @torch.no_grad()
 def compare(path: Path, args: argparse.Namespace) -> dict[str, Any]:
-    bf16, int8 = engine(path, "none"), engine(path, "int8")
+    backend = "cpu" if args.quantization == "int8" else "torch"
+    bf16, quant = engine(path, "none", backend), engine(path, args.quantization, backend)
     cfg = bf16.model.cfg
     gen = torch.Generator().manual_seed(args.seed)
     length = min(args.prompt_len, cfg.max_position - args.output_len)
@@ -86,12 +98,12 @@ def compare(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     diffs, agree, scale = [], [], []
     for p in prompts:
         ids = torch.tensor(p)
-        a, b = bf16.model(ids).float(), int8.model(ids).float()
+        a, b = bf16.model(ids).float(), quant.model(ids).float()
         diffs.append((a - b).abs())
         agree.append((a.argmax(-1) == b.argmax(-1)).float().mean().item())
         scale.append(a.std().item())
     d = torch.cat([x.flatten() for x in diffs])
-    ref, got = greedy(bf16, prompts, args.output_len), greedy(int8, prompts, args.output_len)
+    ref, got = greedy(bf16, prompts, args.output_len), greedy(quant, prompts, args.output_len)
     same = [
         sum(x == y for x, y in zip(r, g, strict=True)) / len(r)
         for r, g in zip(ref, got, strict=True)
@@ -101,7 +113,7 @@ def compare(path: Path, args: argparse.Namespace) -> dict[str, Any]:
         n = next((i for i, (x, y) in enumerate(zip(r, g, strict=True)) if x != y), len(r))
         prefix.append(n)
     return {
-        "int8_linears": sum(1 for m in int8.model.modules() if getattr(m, "int8", False)),
+        "quantized_linears": quantized_linears(quant.model),
         "logit_max_abs_err": d.max().item(),
         "logit_mean_abs_err": d.mean().item(),
         "mean_err_over_logit_std": d.mean().item() / statistics.fmean(scale),
@@ -120,8 +132,12 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "int8_quality.json"))
+    ap.add_argument("--quantization", choices=["int8", "fp8"], default="int8")
+    ap.add_argument(
+        "--out", default=None, help="default: benchmarks/out/<quantization>_quality.json"
+    )
     args = ap.parse_args()
+    args.out = args.out or str(ROOT / "benchmarks" / "out" / f"{args.quantization}_quality.json")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -130,12 +146,12 @@ def main() -> None:
             print(name, json.dumps({k: round(v, 4) for k, v in results[name].items()}), flush=True)
     print()
     print(
-        "| checkpoint | int8 linears | logit max err | logit mean err | mean err / logit std | top-1 agreement (teacher-forced) | greedy same token | greedy identical prefix |"
+        f"| checkpoint | {args.quantization} linears | logit max err | logit mean err | mean err / logit std | top-1 agreement (teacher-forced) | greedy same token | greedy identical prefix |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         print(
-            f"| {name} | {r['int8_linears']} | {r['logit_max_abs_err']:.4f} | {r['logit_mean_abs_err']:.4f} "
+            f"| {name} | {r['quantized_linears']} | {r['logit_max_abs_err']:.4f} | {r['logit_mean_abs_err']:.4f} "
             f"| {r['mean_err_over_logit_std']:.3f} | {r['top1_agreement']:.1%} "
             f"| {r['greedy_same_token_share']:.1%} | {r['greedy_identical_prefix_mean']:.1f} / {args.output_len} |"
         )

@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from model.config import ModelConfig
+from model.fp8 import SCALE_SUFFIXES, checkpoint_block, dequantize
 from model.layers import rotary_order
 from model.parallel import TensorParallel
 from model.transformer import Transformer
@@ -236,8 +237,16 @@ def _open(path: Path) -> Any:
 class _Reader:
     """Resolves checkpoint names through a NameTable and reads tensors lazily."""
 
-    def __init__(self, table: NameTable, files: dict[str, Path], stack: ExitStack) -> None:
+    def __init__(
+        self,
+        table: NameTable,
+        files: dict[str, Path],
+        stack: ExitStack,
+        fp8_block: tuple[int, int] | None = None,
+    ) -> None:
+        """fp8_block: the block of an FP8 checkpoint's scales (model/fp8.py)."""
         self.table, self.files, self.stack = table, files, stack
+        self.fp8_block = fp8_block
         self.handles: dict[Path, Any] = {}
 
     def resolve(self, name: str) -> str | None:
@@ -268,7 +277,24 @@ class _Reader:
             r = slice(rows.start, rows.stop) if rows is not None else slice(None)
             return part[r] if cols is None else part[r, cols.start : cols.stop]
 
+        if self._guarded(name, lambda: self._handle(name).get_slice(name).get_dtype()) in (
+            "F8_E4M3",
+            "F8_E5M2",
+        ):
+            whole = self._fp8(name)
+            whole = whole[rows.start : rows.stop] if rows is not None else whole
+            return whole[:, cols.start : cols.stop] if cols is not None else whole
         return self._guarded(name, get)
+
+    def _fp8(self, name: str) -> torch.Tensor:
+        """An FP8 tensor's real values (float32), by the scales stored beside it."""
+        scale = next((name + s for s in SCALE_SUFFIXES if name + s in self.files), None)
+        if scale is None:
+            raise CheckpointError(f"{self.files[name]}: FP8 tensor {name!r} has no scales")
+        block = self.fp8_block if scale.endswith("_scale_inv") else None
+        values = self._guarded(name, lambda: self._handle(name).get_tensor(name))
+        scales = self._guarded(scale, lambda: self._handle(scale).get_tensor(scale))
+        return self._guarded(name, lambda: dequantize(values, scales, block))
 
     def _guarded(self, name: str, fn: Callable[[], Any]) -> Any:
         """fn(), its failure a CheckpointError naming the file and tensor."""
@@ -399,8 +425,12 @@ def load_model(
     if not native and table is None:
         raise CheckpointError(f"{root / 'config.json'}: unknown architecture {cfg.architecture!r}")
     files = _weight_files(root)
+    try:
+        block = None if native else checkpoint_block(read_json(root / "config.json"))
+    except ValueError as exc:
+        raise CheckpointError(f"{root / 'config.json'}: {exc}") from None
     with ExitStack() as stack:
-        reader = _Reader(table or NameTable(names={}), files, stack)
+        reader = _Reader(table or NameTable(names={}), files, stack, block)
         label = NATIVE_CONFIG if native else "config.json"
         return _populate(cfg, reader, table, tp, dtype, torch.device(device), root, label)
 

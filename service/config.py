@@ -20,7 +20,7 @@ CPU_MIXED_PREFILL_TOKENS = 128
 # defaults to 256); two CPU cores are not
 CPU_MAX_NUM_SEQS, CUDA_MAX_NUM_SEQS = 64, 256
 ATTENTION_BACKENDS = ("auto", "cpu", "triton", "torch")
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("none", "int8", "fp8")
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
 ASYNC_SCHEDULING = ("auto", "on", "off")
 ENGINE_PROCESS = ("auto", "on", "off")
@@ -31,9 +31,22 @@ POOLING = ("last", "mean")  # an embedding: the last token's final hidden state,
 def quantization_conflict(quantization: str, backend: str, dtype: str, device: str) -> str | None:
     """Why `quantization` cannot run with this attention backend, dtype and device (None:
     it can). int8 weights run on the cpu backend's C kernels, with bfloat16 activations and
-    KV cache. Checked on the settings, then on the device `auto` resolved to, before any
-    weight is read."""
+    KV cache; fp8 weights on a CUDA GPU's FP8 matmuls (model/backends/fp8.py), with
+    bfloat16 activations. Checked on the settings, then on the device `auto` resolved to,
+    before any weight is read."""
     if quantization == "none":
+        return None
+    if quantization == "fp8":
+        if device not in ("auto", "cuda") or backend == "cpu":
+            return (
+                "quantization fp8 runs on a CUDA GPU's FP8 matmuls (compute capability 8.9 "
+                "and up: Ada, Hopper, Blackwell), not on the CPU (use --quantization int8 "
+                "there)"
+            )
+        if dtype in ("float32", "float16"):
+            return (
+                f"quantization fp8 computes in bfloat16, not {dtype} (use --dtype bfloat16 or auto)"
+            )
         return None
     if backend in ("torch", "triton"):
         return (
@@ -84,8 +97,10 @@ class Settings:
     quantization: str = field(
         default="none",
         metadata={
-            "help": "none, or int8: linear weights in int8 with a scale per output feature, "
-            "computed at load (the cpu backend; bf16 activations and KV cache)"
+            "help": "none; int8: linear weights in int8 with a scale per output feature, "
+            "computed at load (the cpu backend; bf16 activations and KV cache); fp8: the "
+            "decoder layers' linears in FP8 e4m3, a scale per output feature, activations "
+            "quantized per token (CUDA, compute capability 8.9 and up)"
         },
     )
     tensor_parallel_size: int = field(

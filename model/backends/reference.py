@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.backends.base import flag_non_finite
+from model.backends.fp8 import to_fp8
 from model.config import ModelConfig
 from model.layers import RMSNorm, apply_rope
 from model.metadata import AttentionMetadata
@@ -70,8 +71,11 @@ class TorchBackend:
         return [(data[0, i].view(shape), data[1, i].view(shape)) for i in range(data.shape[1])]
 
     def prepare(self, model: nn.Module, quantization: str = "none") -> bool:
-        """Put the weights in the layouts this backend's linears read (none here), in
-        `quantization` ('none' or 'int8'); whether it repacked them."""
+        """Put the weights in the layouts this backend's linears read (none here but FP8's:
+        model/backends/fp8.py), in `quantization` ('none', 'int8' or 'fp8'); whether it
+        repacked them."""
+        if quantization == "fp8":
+            return to_fp8(model) > 0
         if quantization != "none":
             raise ValueError(
                 f"quantization {quantization} runs on the cpu backend's C kernels, "

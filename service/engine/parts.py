@@ -52,7 +52,7 @@ def _backend(
     kernels alone, so with them `auto` means cpu: where it cannot run, the reason is the
     error (not torch's refusal of the weights after it was picked instead)."""
     name = settings.attention_backend
-    if settings.quantization == "none" or name != "auto":
+    if settings.quantization != "int8" or name != "auto":
         return select_backend(name, device, dtype, cfg, settings.block_size)
     try:
         return select_backend("cpu", device, dtype, cfg, settings.block_size)

@@ -244,3 +244,26 @@ def test_compute_sanitizer_finds_no_errors_in_the_kernels() -> None:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "ERROR SUMMARY: 0 errors" in proc.stdout
+
+
+def test_fp8_linears_on_cuda_are_the_dequantized_reference() -> None:
+    """An Fp8Linear's torch._scaled_mm (e4m3 activations per token, the weight's row
+    scales) against F.linear of the dequantized weight and the per-token-quantized
+    activations in float32: the same products, summed in another order."""
+    import torch.nn.functional as F
+
+    from model.backends.fp8 import Fp8Linear
+    from model.fp8 import E4M3, E4M3_MAX, dequantize
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 matmuls need compute capability 8.9 (Ada, Hopper) or later")
+    gen = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(256, 384, bias=True)
+    linear.weight.data = torch.randn(384, 256, generator=gen) * 0.05
+    fp8 = Fp8Linear(linear.to(torch.bfloat16)).cuda()
+    x = torch.randn(37, 256, generator=gen).to("cuda", torch.bfloat16)
+    got = fp8(x).float()
+    scale = x.abs().amax(dim=1, keepdim=True).float() / E4M3_MAX
+    xq = (x.float() / scale).to(E4M3).float() * scale
+    want = F.linear(xq, dequantize(fp8.weight, fp8.scale), fp8.bias.float())
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)

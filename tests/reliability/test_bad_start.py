@@ -163,6 +163,13 @@ CASES: list[tuple[str, Callable[[Path], None] | None, list[str], list[str]]] = [
         ["--quantization", "int8", "--attention-backend", "torch"],
         ["int8", "torch"],
     ),
+    ("fp8 weights on the CPU", None, ["--quantization", "fp8"], ["fp8", "CUDA", "int8"]),
+    (
+        "a quantized checkpoint kvserve cannot read",
+        lambda r: _edit_config(r, _set(quantization_config={"quant_method": "awq", "bits": 4})),
+        [],
+        ["config.json", "quant_method", "awq"],
+    ),
 ]
 
 

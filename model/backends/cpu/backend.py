@@ -152,7 +152,9 @@ class CpuBackend(TorchBackend):
                 f"model is {model.dtype} (use --dtype bfloat16 or auto)"
             )
         if quantization not in ("none", "int8"):
-            raise ValueError(f"quantization must be none or int8, got {quantization!r}")
+            raise ValueError(
+                f"quantization {quantization} does not run on the cpu backend (none or int8 do)"
+            )
         packed = prepare_model(model, quantization)
         self.linears = Counter(linear_kernels(model))
         return packed
