@@ -157,7 +157,7 @@ def test_stop_drains_a_stream_and_exits_zero(stack: Stack) -> None:
     end, then the container exits 0."""
     # long enough to be running at SIGTERM, short enough to end within the 30 s drain on a
     # loaded 2-core machine
-    body = {"prompt": "drain", "max_tokens": 500, "stream": True, "ignore_eos": True}
+    body = {"prompt": "drain", "max_tokens": 300, "stream": True, "ignore_eos": True}
     result: dict[str, object] = {}
 
     def stream() -> None:

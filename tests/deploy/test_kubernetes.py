@@ -176,8 +176,10 @@ def test_the_autoscaler_query_rises_above_its_target_when_requests_queue(
             while load.poll() is None and peak <= target:
                 peak = max(peak, value() or 0.0)
                 time.sleep(0.5)
-            load.wait(300)
-            assert load.returncode == 0
+            failed = load.poll()  # None: still queued, its requests no longer needed
+            load.kill()
+            load.wait(60)
+            assert failed in (None, 0)
     finally:
         server.stop()
     assert peak > target, f"{query} peaked at {peak}, the HPA's target is {target}"
