@@ -68,8 +68,16 @@ def test_logits_and_greedy_match_transformers(family: str, tmp_path: Path) -> No
     assert our_out == hf_out
 
 
-@pytest.mark.parametrize("name", BACKENDS)
-@pytest.mark.parametrize("family", list(WRITERS))
+# In Triton's interpreter (seconds a case), the families whose variation its kernels see
+# (the norms it fuses, the rotation it applies, windows, soft-capping, q/k norms, layers
+# without RoPE, Granite's scaled residuals, GPT-2's layout); a tied head, q/k/v biases,
+# Mistral without a window and Gemma 3 inside an image-and-text checkpoint differ from
+# those in model-level code alone, which the compiled backends' cases run
+MODEL_LEVEL = ("llama_gqa_tied", "qwen2_qkv_bias", "mistral", "gemma3_in_image_text_checkpoint")
+PAGED = [(f, b) for f in WRITERS for b in BACKENDS if b != "triton" or f not in MODEL_LEVEL]
+
+
+@pytest.mark.parametrize(("family", "name"), PAGED)
 @torch.no_grad()
 def test_paged_logits_match_transformers_on_each_backend(
     family: str, name: str, tmp_path: Path
