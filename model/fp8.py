@@ -18,7 +18,6 @@ from torch import Tensor
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448
-FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # quantization_config.quant_method values whose weights are FP8 with scales beside them
 # (compressed-tensors: its "float-quantized" format)
 FP8_METHODS = ("fp8", "fbgemm_fp8", "compressed-tensors")

@@ -3,13 +3,14 @@ and format), read from the text alone, as the reasoning split is: a stream split
 by delta gives the calls and content the whole text gives.
 
 Calls come as OpenAI's `tool_calls` delta entries: a call's first entry has its `index`,
-`id`, `type` and name, the entries after it more of its `arguments` text (the model's
-own text of the arguments object, never re-serialized), so the fragments add up to the
-whole response's arguments. A Hermes call is streamed as it is written: its header once
+`id`, `type` and name, the entries after it more of its `arguments` text, so the
+fragments add up to the whole response's arguments. A Hermes call is streamed as it is
+written (its arguments the model's own text, never re-serialized): its header once
 `{"name": "...", "arguments":` is read, then its arguments as they grow (a call cut by
 max_tokens keeps what was written, as OpenAI's responses do). Llama 3's and Mistral's
-calls run to the end of the output and come, whole, with its last delta. Text that is
-not a call of a given tool stays content."""
+calls run to the end of the output and come, whole, with its last delta (their
+arguments parsed and written back as JSON). Text that is not a call of a given tool
+stays content."""
 
 from __future__ import annotations
 
