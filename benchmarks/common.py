@@ -13,7 +13,9 @@ from typing import Any
 
 import torch
 
+from model.config import ModelConfig
 from model.loader import load
+from model.transformer import Transformer
 from service.config import Settings
 from service.engine.engine import LLMEngine
 from service.engine.request import SamplingParams
@@ -53,6 +55,15 @@ LLAMA_32_1B = dict(
 SMOKE = dict(SMOLLM2_135M, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, vocab_size=2048)  # fmt: skip
 SHAPES = {"llama-3.2-1b": LLAMA_32_1B, "smollm2-135m": SMOLLM2_135M}
+# Llama-3.1-8B's shape (its context cut to what the benchmarks use): gpu_decode.py builds
+# it in device memory (random_model), since its 16 GB would take minutes to write and read
+LLAMA_31_8B = dict(
+    LLAMA_32_1B,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    tie_word_embeddings=False,
+)
 
 
 def checkpoint(path: Path, shape: dict = SMOLLM2_135M, dtype: torch.dtype | None = None) -> Path:
@@ -171,6 +182,27 @@ def run_single(engine: LLMEngine, prompt: list[int], out_len: int) -> dict[str, 
         "ttft_ms": 1000 * (first - t0),
         "decode_ms_per_token": 1000 * (end - first) / max(1, n - 1),
     }
+
+
+@torch.no_grad()
+def random_model(
+    shape: dict, dtype: torch.dtype, device: torch.device, seed: int = 0
+) -> Transformer:
+    """A Llama of `shape` (config.json's fields) with random weights made on the device:
+    N(0, 0.02) matrices, unit norms, in `dtype`, with no checkpoint file in between."""
+    cfg = ModelConfig.from_hf_config({"architectures": ["LlamaForCausalLM"], **shape})
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, param in list(model.named_parameters()):
+        if param.dim() >= 2:
+            value = torch.randn(param.shape, generator=gen, device=device, dtype=dtype) * 0.02
+        else:
+            value = torch.ones(param.shape, device=device, dtype=dtype)
+        owner, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, torch.nn.Parameter(value, requires_grad=False))
+    model.rebuild_tables(device)
+    return model.eval()
 
 
 def engine_for(path: Path, device: torch.device, dtype: torch.dtype, **settings) -> LLMEngine:

@@ -12,11 +12,14 @@
 #   bash benchmarks/gpu_session.sh run [SECONDS] [STEP...]   on the GPU host, in the
 #       checkout with .gpu carried: installs the wheels of projects the image lacks into a
 #       folder of their own, runs the steps named, in this order (default: tests bench):
-#       tests = `pytest -m gpu`, bench = gpu_bench.py, profile = gpu_profile.py (where a
-#       step's time goes), and writes the logs and JSON to $OUT (default
-#       benchmarks/out/gpu; eight files for all three steps, as many as a lent device
+#       tests = `pytest -m gpu`, decode = gpu_decode.py (bf16 and FP8 decode against
+#       the floor, a step's kernels by class; the 1B and 8B shapes), bench =
+#       gpu_bench.py, profile = gpu_profile.py (where a step's time goes), and writes the
+#       logs and JSON to $OUT (default benchmarks/out/gpu; eight files for all four
+#       steps' default shapes, as many as a lent device
 #       machine brings back). SECONDS (default 540) bounds the whole run;
-#       KVSERVE_GPU_SHAPES (space-separated) picks gpu_bench's shapes.
+#       KVSERVE_GPU_SHAPES (space-separated) picks gpu_bench's shapes;
+#       KVSERVE_GPU_TESTS, a pytest -k expression, some of the tests.
 #
 # Where there is no CUDA the same `run` skips the tests (naming CUDA) and runs gpu_bench's
 # --smoke shapes instead, which is how this script is checked on a CPU.
@@ -90,9 +93,20 @@ from model.tokenizer import Tokenizer; Tokenizer.default()' \
 cuda=$($py -c 'import torch; print(int(torch.cuda.is_available()))')
 if [[ $steps == *" tests "* ]]; then
     log "tests (pytest -m gpu), up to $(( $(left) / 3 )) s"
+    # shellcheck disable=SC2086  # KVSERVE_GPU_TESTS: a -k expression, when given
     timeout $(( $(left) / 3 )) $py -m pytest -v -rs --durations=0 -m gpu tests/engine/test_gpu.py \
+        ${KVSERVE_GPU_TESTS:+-k "$KVSERVE_GPU_TESTS"} \
         -p no:cacheprovider > "$out/gpu_tests.log" 2>&1
     log "tests: exit $? ($(tail -1 "$out/gpu_tests.log"))"
+fi
+
+if [[ $steps == *" decode "* ]]; then
+    log "gpu_decode, up to $(left) s"
+    if [ "$cuda" = 1 ]; then args=(); else args=(--smoke); fi
+    timeout "$(left)" $py benchmarks/gpu_decode.py "${args[@]}" --json "$out/gpu_decode.json" \
+        > "$out/gpu_decode.log" 2>&1
+    log "gpu_decode: exit $?"
+    tail -12 "$out/gpu_decode.log" | tee -a "$out/session.log"
 fi
 
 # shellcheck disable=SC2206  # KVSERVE_GPU_SHAPES: a subset, space-separated

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -53,11 +54,18 @@ class GatedFFN(nn.Module):
         self.w_in = nn.Linear(cfg.d_model, 2 * cfg.d_ff, bias=cfg.mlp_bias)
         self.w_out = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.mlp_bias)
 
+    # act(gate) * up from w_in's output in one kernel, where a backend's prepare() gives
+    # one (the triton backend's silu_mul for SwiGLU); None: torch's ops
+    gate_mul: Callable[[Tensor], Tensor] | None = None
+
     def act(self, gate: Tensor) -> Tensor:
         raise NotImplementedError
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.w_in(x).split(self.d_ff, dim=-1)  # (T, d_ff) each
+        both = self.w_in(x)
+        if self.gate_mul is not None:
+            return self.w_out(self.gate_mul(both))
+        gate, up = both.split(self.d_ff, dim=-1)  # (T, d_ff) each
         return self.w_out(self.act(gate) * up)
 
 

@@ -267,3 +267,93 @@ def test_fp8_linears_on_cuda_are_the_dequantized_reference() -> None:
     xq = (x.float() / scale).to(E4M3).float() * scale
     want = F.linear(xq, dequantize(fp8.weight, fp8.scale), fp8.bias.float())
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("k", [576, 1000, 2048, 14336], ids=lambda k: f"k{k}")
+def test_fp8_activation_quantizer_kernel_is_torchs(k: int) -> None:
+    """The triton backend's one-launch activation quantizer gives the torch reference's
+    e4m3 values and per-token scales bit for bit (a row of zeros too), over one pass of
+    its columns, several, and a ragged last one."""
+    from model.backends.fp8 import quantize_rows
+    from model.backends.triton.pointwise import quantize_rows_fp8
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("e4m3 conversions need compute capability 8.9 (Ada, Hopper) or later")
+    gen = torch.Generator(device="cuda").manual_seed(k)
+    x = (torch.randn(37, k, generator=gen, device="cuda") * 3).to(torch.bfloat16)
+    x[5] = 0
+    q, s = quantize_rows_fp8(x)
+    q_ref, s_ref = quantize_rows(x)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_silu_mul_on_cuda_matches_torch(dtype) -> None:
+    from model.backends.triton.pointwise import silu_mul
+
+    both = (torch.randn(33, 2 * 2900, device="cuda") * 4).to(dtype)
+    gate, up = both.split(2900, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    got = silu_mul(both)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    else:  # the exponential's last bits may move a rounding: a rare bf16 ulp
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=2**-7)
+        assert (got != want).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("quantization", ["none", "fp8"])
+def test_a_decoder_layer_launches_these_kernels(quantization: str) -> None:
+    """A Llama decoder layer's decode step on CUDA, replayed from a graph, counted with the
+    profiler (a 4-layer model's step less a 2-layer one's, halved): two fused add+norms,
+    the RoPE + KV store, the attention (split into shares and combined for one stream),
+    the one-kernel SwiGLU gate and the four projections (with FP8, the weight-only
+    kernel: no activation quantizer); no other kernel."""
+    from benchmarks.launches import census
+    from model.backends.triton.kernels import decode_splits
+
+    if quantization == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 matmuls need compute capability 8.9 (Ada, Hopper) or later")
+    counts = []
+    for layers in (2, 4):
+        model = small_model(n_layers=layers, d_model=64, d_ff=96).to("cuda", torch.bfloat16)
+        engine = cuda_engine(model, quantization=quantization)
+        engine.add_request("r", [5] * 20, greedy(60))
+        for _ in range(6):
+            engine.step()
+        counts.append(census(engine.step, 16)["launches"])
+    two, four = counts
+    layer = {k: (four.get(k, 0) - two.get(k, 0)) / 2 for k in four | two}
+    layer = {k: n for k, n in layer.items() if n}
+    want = {"norm": 2, "rope_store": 1, "attention": 1 + (decode_splits(1, 2) > 1),
+            "silu_mul": 1, "gemm": 4}  # fmt: skip
+    assert layer == want, (two, four)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_fp8_decode_rows_take_the_weight_only_kernel(rows: int) -> None:
+    """An Fp8Linear given the triton backend's kernels: up to 16 rows through fp8_gemv
+    (bf16 activations times the dequantized weight, summed in fp32), as F.linear of the
+    dequantized weight computes it; 17 rows through _scaled_mm again."""
+    import torch.nn.functional as F
+
+    from model.backends.fp8 import Fp8Linear
+    from model.backends.triton import fp8_gemv
+    from model.fp8 import dequantize
+
+    gen = torch.Generator().manual_seed(rows)
+    linear = torch.nn.Linear(4096, 6160, bias=True)  # a ragged last block of outputs
+    linear.weight.data = torch.randn(6160, 4096, generator=gen) * 0.05
+    fp8 = Fp8Linear(linear.to(torch.bfloat16)).cuda()
+    fp8.gemv, fp8.gemv_rows = fp8_gemv.fp8_gemv, fp8_gemv.ROWS
+    x = torch.randn(rows, 4096, generator=gen).to("cuda", torch.bfloat16)
+    want = F.linear(x.float(), dequantize(fp8.weight, fp8.scale), fp8.bias.float())
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        got = fp8(x)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 1 and "fp8_gemv" in kernels[0], kernels
+    torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=1e-3)
+    more = torch.randn(17, 4096, generator=gen).to("cuda", torch.bfloat16)
+    assert fp8(more).shape == (17, 6160)

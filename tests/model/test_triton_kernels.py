@@ -283,3 +283,69 @@ def test_add_rms_norm_matches_reference(dtype, d, add, rows, monkeypatch) -> Non
     else:  # the sum of squares in another order: at most a rare ulp, then rounded the same
         torch.testing.assert_close(h.float(), h_ref.float(), atol=0, rtol=2**-7)
         assert (h != h_ref).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", [1, 64], ids=lambda r: f"{r}-rows-a-program")
+def test_silu_mul_is_swiglus_gate_in_one_kernel(dtype, rows, monkeypatch) -> None:
+    """silu(gate) * up from the fused gate | up output: bf16 bit-equal to torch's two ops
+    (the silu rounded before the multiply, as torch rounds it); fp32 within an ulp or two
+    (the exponential's last bits). A row count that leaves the last program part empty,
+    and a width over one program's columns."""
+    import torch.nn.functional as F
+
+    from model.backends.triton import pointwise
+
+    monkeypatch.setattr(pointwise, "GATE_ROWS", rows)
+    f = pointwise.GATE_BLOCK + 300
+    both = (torch.randn(5, 2 * f) * 4).to(dtype)
+    gate, up = both.split(f, dim=-1)
+    want = F.silu(gate) * up
+    got = pointwise.silu_mul(both)
+    assert got.shape == want.shape and got.dtype == dtype
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-6)
+
+
+def test_the_triton_backend_gives_swiglu_its_fused_gate() -> None:
+    """prepare() hands SwiGLU blocks the one-kernel gate, and a layer computes what torch's
+    ops compute with it."""
+    from model.layers import SwiGLU
+
+    cfg = ModelConfig(vocab_size=8, d_model=64, n_layers=1, n_heads=1, n_kv_heads=1, d_ff=96)
+    ffn = SwiGLU(cfg)
+    x = torch.randn(9, 64)
+    want = ffn(x)
+    holder = torch.nn.Module()
+    holder.layers = torch.nn.ModuleList([ffn])
+    triton = make_backend("triton", cfg, 16, torch.float32)
+    assert triton.prepare(holder) is False
+    assert ffn.gate_mul is triton.pointwise.silu_mul
+    torch.testing.assert_close(ffn(x), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_fp8_gemv_is_the_dequantized_linear(dtype, rows, bias) -> None:
+    """The FP8 decode kernel: x times the e4m3 weight widened and scaled per row, summed
+    in fp32, as F.linear of the dequantized weight; a K over two of its steps with a
+    ragged last one, and N not a multiple of its output block."""
+    import torch.nn.functional as F
+
+    from model.backends.triton import fp8_gemv
+    from model.fp8 import dequantize, quantize
+
+    k, n = 2 * fp8_gemv.ROW_TILE[1] + 40, 3 * fp8_gemv.DOT_TILE[0] + 5
+    weight, scale = quantize(torch.randn(n, k) * 0.05)
+    b = torch.randn(n).to(dtype) if bias else None
+    x = torch.randn(rows, k).to(dtype)
+    got = fp8_gemv.fp8_gemv(x, weight, scale, b)
+    want = F.linear(x.float(), dequantize(weight, scale), b.float() if bias else None)
+    assert got.shape == (rows, n) and got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    else:  # one rounding of an fp32 sum to bf16
+        torch.testing.assert_close(got.float(), want, atol=1e-3, rtol=2**-8)

@@ -1,8 +1,9 @@
-"""Compile every Triton kernel of model/backends/triton/kernels.py for an H100 (sm_90)
-with Triton's own compiler and ptxas, no GPU needed: the interpreter that the CPU tests
-run the kernels in accepts code the GPU compiler rejects, and this catches it. Each
-variant is a launch the backend makes (dtype, GQA group, head size, the constexpr
-branches), written the way the launchers in model/backends/triton/kernels.py call the kernels.
+"""Compile every Triton kernel of model/backends/triton/ (kernels.py, pointwise.py,
+fp8_gemv.py) for an H100 (sm_90) with Triton's own compiler and ptxas, no GPU needed:
+the interpreter that the CPU tests run the kernels in accepts code the GPU compiler
+rejects, and this catches it. Each variant is a launch the backend makes (dtype, GQA
+group, head size, the constexpr branches), written the way the launchers call the
+kernels.
 
     python -m tests.model.triton_sm90     # TRITON_INTERPRET unset; one line per variant
 
@@ -23,7 +24,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from model.backends.triton import fp8_gemv as G
 from model.backends.triton import kernels as K
+from model.backends.triton import pointwise as P
 
 H100 = GPUTarget("cuda", 90, 32)
 
@@ -82,6 +85,33 @@ def _norm(dt: str, d: int, delta: bool) -> tuple:
     return K._add_rms_norm_kernel, types, consts, K.norm_warps(d)
 
 
+def _silu_mul(dt: str, f: int) -> tuple:
+    types = dict(gate_up_ptr=f"*{dt}", out_ptr=f"*{dt}", n_rows="i32")
+    return P._silu_mul_kernel, types, dict(F=f, ROWS=P.GATE_ROWS, BLOCK=P.GATE_BLOCK), 4
+
+
+def _quantize(dt: str, k: int) -> tuple:
+    types = dict(x_ptr=f"*{dt}", q_ptr="*fp8e4nv", scale_ptr="*fp32")
+    block = min(P.QUANT_BLOCK, triton.next_power_of_2(k))
+    consts = dict(K=k, BLOCK=block, FP8_MAX=448.0)
+    return P._quantize_rows_fp8_kernel, types, consts, 4 if block <= 1024 else 8
+
+
+def _gemv(bias: bool) -> tuple:
+    types = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32", b_ptr="*bf16" if bias else "*fp32",
+                 out_ptr="*bf16", M="i32", N="i32", K="i32")  # fmt: skip
+    bn, bk, warps, _ = G.DOT_TILE
+    consts = dict(BLOCK_M=G.ROWS, BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=bias, UPCAST=False)
+    return G._fp8_gemv_kernel, types, consts, warps
+
+
+def _gemv_row(bias: bool) -> tuple:
+    types = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32", b_ptr="*bf16" if bias else "*fp32",
+                 out_ptr="*bf16", N="i32", K="i32")  # fmt: skip
+    bn, bk, warps = G.ROW_TILE
+    return G._fp8_gemv_row_kernel, types, dict(BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=bias), warps
+
+
 VARIANTS = {
     "rope_store bf16 d64": _rope("bf16", 64, True, True),
     "rope_store fp32 d80 no-rope": _rope("fp32", 80, False, True),
@@ -99,6 +129,15 @@ VARIANTS = {
     "add_rms_norm bf16 d576": _norm("bf16", 576, True),
     "add_rms_norm fp32 d2048 no-add": _norm("fp32", 2048, False),
     "add_rms_norm bf16 d4096": _norm("bf16", 4096, True),
+    "silu_mul bf16 f8192": _silu_mul("bf16", 8192),
+    "silu_mul fp32 f1536": _silu_mul("fp32", 1536),
+    "quantize_rows_fp8 bf16 k2048": _quantize("bf16", 2048),
+    "quantize_rows_fp8 bf16 k14336": _quantize("bf16", 14336),
+    "quantize_rows_fp8 bf16 k576": _quantize("bf16", 576),
+    "fp8_gemv bf16": _gemv(False),
+    "fp8_gemv bf16 bias": _gemv(True),
+    "fp8_gemv_row bf16": _gemv_row(False),
+    "fp8_gemv_row bf16 bias": _gemv_row(True),
 }
 
 

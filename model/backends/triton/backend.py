@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from model.backends.fp8 import Fp8Linear
 from model.backends.reference import (
     TorchBackend,
     beyond_window,
@@ -26,6 +27,7 @@ from model.backends.reference import (
     split_heads,
 )
 from model.config import ModelConfig
+from model.layers import SwiGLU
 from model.metadata import AttentionMetadata
 
 
@@ -94,13 +96,30 @@ class TritonBackend(TorchBackend):
     def __init__(self, device: torch.device, reason: str = "") -> None:
         super().__init__(device, reason)
         # imported here: TRITON_INTERPRET must be set (select_backend does) beforehand
+        from model.backends.triton import fp8_gemv, pointwise
         from model.backends.triton import kernels as triton_kernels
 
         self.kernels = triton_kernels
+        self.pointwise = pointwise
+        self.fp8_gemv = fp8_gemv
         self.buffers = StepBuffers(self.device)
 
     def describe(self) -> dict[str, Any]:
         return super().describe() | {"interpreter": self.kernels.INTERPRET}
+
+    def prepare(self, model: nn.Module, quantization: str = "none") -> bool:
+        """The reference's weights (FP8 where asked), and this backend's pointwise kernels
+        given to the modules that take one: SwiGLU's silu(gate) * up, and on CUDA the FP8
+        linears' activation quantizer (model/backends/triton/pointwise.py) and their
+        kernel for decode batches (fp8_gemv.py)."""
+        repacked = super().prepare(model, quantization)
+        for module in model.modules():
+            if isinstance(module, SwiGLU):
+                module.gate_mul = self.pointwise.silu_mul
+            elif isinstance(module, Fp8Linear) and self.device.type == "cuda":
+                module.quantize_act = self.pointwise.quantize_rows_fp8
+                module.gemv, module.gemv_rows = self.fp8_gemv.fp8_gemv, self.fp8_gemv.ROWS
+        return repacked
 
     def check_cache(self, cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> None:
         why = unsupported(cfg, block_size, dtype)
