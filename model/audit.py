@@ -123,8 +123,36 @@ def window_sequence_bytes(cfg: ModelConfig, dtype: str, seq_len: int, block_size
     return global_bytes + seen * kv_bytes_per_token(cfg, dtype, windowed)
 
 
-def weight_bytes(cfg: ModelConfig, dtype: str) -> int:
-    return count_params(cfg).total * dtype_bytes(dtype)
+SCALE_BYTES = 4  # a quantized linear's float32 scale per output row
+
+
+def layer_linears(cfg: ModelConfig) -> tuple[int, int]:
+    """(weights, output rows) of every decoder layer's linear matrices together: what
+    --quantization int8 and fp8 hold in one byte a weight, with a scale a row."""
+    d, h, kv, dh = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
+    gated = 2 if cfg.gated else 1
+    qkv, ffn_in = (h + 2 * kv) * dh, gated * cfg.d_ff
+    weights = d * qkv + h * dh * d + d * ffn_in + cfg.d_ff * d
+    return weights * cfg.n_layers, (qkv + d + ffn_in + d) * cfg.n_layers
+
+
+def weight_bytes(cfg: ModelConfig, dtype: str, quantization: str = "none") -> int:
+    """The weights' bytes as the server holds them: every parameter in `dtype`, or with
+    --quantization the decoder layers' linears in one byte a weight and a float32 scale
+    a row (int8 on the cpu backend also its LM head: a tied one as a quantized copy of
+    the embedding table, which the lookup keeps in `dtype`)."""
+    total = count_params(cfg).total * dtype_bytes(dtype)
+    if quantization == "none":
+        return total
+    if quantization not in ("int8", "fp8"):
+        raise ValueError(f"quantization must be none, int8 or fp8, got {quantization!r}")
+    weights, rows = layer_linears(cfg)
+    total -= weights * (dtype_bytes(dtype) - 1) - rows * SCALE_BYTES
+    if quantization == "int8":
+        head = cfg.vocab_size * cfg.d_model
+        saved = head * (dtype_bytes(dtype) - 1) if not cfg.tie_embeddings else -head
+        total -= saved - cfg.vocab_size * SCALE_BYTES
+    return total
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +162,7 @@ class MemoryAudit:
     weight_bytes: int
     kv_bytes_per_token: int
     kv_pool_bytes: int | None = None  # what the serving KV pool holds, when known
+    quantization: str = "none"  # --quantization: the linears' bytes in weight_bytes
 
     @property
     def kv_pool_tokens(self) -> int | None:
@@ -145,6 +174,7 @@ class MemoryAudit:
         return {
             "parameters": self.params.as_dict(),
             "dtype": self.dtype,
+            "quantization": self.quantization,
             "weight_bytes": self.weight_bytes,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "kv_pool_bytes": self.kv_pool_bytes,
@@ -152,13 +182,16 @@ class MemoryAudit:
         }
 
 
-def audit(cfg: ModelConfig, dtype: str, kv_pool_bytes: int | None = None) -> MemoryAudit:
+def audit(
+    cfg: ModelConfig, dtype: str, kv_pool_bytes: int | None = None, quantization: str = "none"
+) -> MemoryAudit:
     return MemoryAudit(
         params=count_params(cfg),
         dtype=dtype,
-        weight_bytes=weight_bytes(cfg, dtype),
+        weight_bytes=weight_bytes(cfg, dtype, quantization),
         kv_bytes_per_token=kv_bytes_per_token(cfg, dtype),
         kv_pool_bytes=kv_pool_bytes,
+        quantization=quantization,
     )
 
 
@@ -201,6 +234,7 @@ def plan(
     matmul_flops: float | None = None,
     tensor_parallel_size: int = 1,
     block_size: int = 16,
+    quantization: str = "none",
 ) -> dict[str, object]:
     """What fits in `memory_bytes` (of each device, with the model split over
     `tensor_parallel_size` of them) next to the weights, and the physical floors. A
@@ -209,8 +243,8 @@ def plan(
     (`sequences_of_seq_len_global_kv`)."""
     world = tensor_parallel_size
     local = rank_config(cfg, world) if world > 1 else cfg
-    report = audit(cfg, dtype).as_dict()
-    weights = weight_bytes(local, dtype)
+    report = audit(cfg, dtype, quantization=quantization).as_dict()
+    weights = weight_bytes(local, dtype, quantization)
     per_token = kv_bytes_per_token(local, dtype)
     kv_room = max(0, memory_bytes - weights)
     tokens = kv_room // per_token
@@ -234,18 +268,23 @@ def plan(
             "fits": weights < memory_bytes and kv_room >= per_seq,
         }
     report |= collective_bytes(cfg, dtype, world)
-    return report | floors(local, dtype, bandwidth, matmul_flops)
+    return report | floors(local, dtype, bandwidth, matmul_flops, quantization)
 
 
 def floors(
-    cfg: ModelConfig, dtype: str, bandwidth: float | None, matmul_flops: float | None
+    cfg: ModelConfig,
+    dtype: str,
+    bandwidth: float | None,
+    matmul_flops: float | None,
+    quantization: str = "none",
 ) -> dict[str, float]:
     """The physical limits on a machine: decode reads every weight once per step, prefill
     does 2 x parameters FLOPs per token."""
     out: dict[str, float] = {}
     if bandwidth:
         out["bandwidth_gb_s"] = bandwidth / 1e9
-        out["decode_floor_ms_per_token"] = 1000 * weight_bytes(cfg, dtype) / bandwidth
+        read = weight_bytes(cfg, dtype, quantization)
+        out["decode_floor_ms_per_token"] = 1000 * read / bandwidth
     if matmul_flops:
         out["matmul_tflops"] = matmul_flops / 1e12
         out["prefill_ceiling_tokens_per_s"] = matmul_flops / (2 * count_params(cfg).total)

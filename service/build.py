@@ -70,7 +70,9 @@ def build(
         loaded.model, loaded.tokenizer, settings, observer=observer(model_id), draft=draft
     )
     cfg, name = loaded.model.cfg, dtype_name(dtype)
-    report = audit(cfg, name, kv_pool_bytes=engine.kv_cache.nbytes).as_dict()
+    report = audit(
+        cfg, name, kv_pool_bytes=engine.kv_cache.nbytes, quantization=settings.quantization
+    ).as_dict()
     backend = engine.backend.describe()
     world = tp.world if tp is not None else 1
     report |= {
@@ -119,7 +121,8 @@ def build(
 
     def measure_floors() -> dict[str, Any]:  # small buffers: ~0.5 s
         bandwidth = memory_bandwidth(device, mib=256)
-        return floors(cfg, name, bandwidth, matmul_throughput(dtype, device, n=1024))
+        flops = matmul_throughput(dtype, device, n=1024)
+        return floors(cfg, name, bandwidth, flops, settings.quantization)
 
     def device_memory() -> tuple[int, int] | None:
         if device.type != "cuda":

@@ -143,6 +143,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         machine.bandwidth if machine else None,
         machine.matmul_flops if machine else None,
         world,
+        quantization=args.quantization,
     )
     report = {"model": cfg.name, "device": str(device), **report}
     if args.json:
@@ -151,8 +152,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     p = report["parameters"]
     gib = 1 << 30
     each = f" per device (of {world})" if world > 1 else ""
+    held = dtype_name(dtype) + (
+        f", linears {args.quantization}" if args.quantization != "none" else ""
+    )
     lines = [
-        f"model {cfg.name}: {p['total']:,} parameters ({dtype_name(dtype)}, {report['weight_bytes'] / gib:.2f} GiB of weights)",
+        f"model {cfg.name}: {p['total']:,} parameters ({held}, {report['weight_bytes'] / gib:.2f} GiB of weights)",
         f"  embedding {p['embedding']:,}  attention {p['attention']:,}  ffn {p['ffn']:,}  norms {p['norms']:,}  head {p['head']:,}",
         f"weights{each}: {report['weight_bytes_per_device'] / gib:.2f} GiB",
         f"KV cache: {report['kv_bytes_per_token']:,} bytes per token"
@@ -231,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--device", default="auto")
     pl.add_argument("--dtype", default="auto")
     pl.add_argument("--memory-gib", type=float, default=None, help="default: this device's memory")
+    pl.add_argument(
+        "--quantization", default="none", choices=["none", "int8", "fp8"],
+        help="the linears' weights as --quantization holds them (one byte and a scale a row)",
+    )  # fmt: skip
     pl.add_argument("--seq-len", type=int, default=None, help="default: the model's context length")
     pl.add_argument(
         "--tensor-parallel-size",

@@ -202,3 +202,36 @@ def test_batch_floor_adds_the_prefill_and_each_steps_slower_limit() -> None:
     assert reads == pytest.approx((weights + sum(r for _, r in steps)) / 1e9)
     compute = batch_floor(SPEC_123M, "bfloat16", 4, 10, 3, 1e15, 1e9)["seconds"]
     assert compute == pytest.approx((prefill + sum(f for f, _ in steps)) / 1e9)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"qkv_bias": True, "tie_embeddings": False}, {"ffn": "gelu", "norm": "layernorm"}],
+    ids=["tied", "untied-biased", "mlp"],
+)
+def test_quantized_weight_bytes_are_the_models(overrides: dict) -> None:
+    """--quantization's weight bytes: fp8's are the bytes the torch backend's prepared
+    model holds (e4m3 linears, a float32 scale a row, the rest in bf16); int8's are the
+    layers' linears and the LM head (for a tied head, a copy) at one byte a weight and
+    four a row, counted from the model's own modules."""
+    from torch import nn
+
+    from model.audit import weight_bytes
+    from model.backends.reference import TorchBackend
+
+    model = tiny_model(**overrides).to(torch.bfloat16)
+    cfg = model.cfg
+    linears = [m for layer in model.layers for m in layer.modules() if isinstance(m, nn.Linear)]
+    weights = sum(m.weight.numel() for m in linears)
+    rows = sum(m.out_features for m in linears)
+    params = sum(p.numel() for p in model.parameters())
+    head = cfg.vocab_size * cfg.d_model
+    rest = params - weights - (0 if cfg.tie_embeddings else head)
+    int8 = 2 * rest + weights + 4 * rows + head + 4 * cfg.vocab_size
+    assert weight_bytes(cfg, "bfloat16", "int8") == int8
+
+    assert TorchBackend().prepare(model, "fp8")
+    held = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}.values()
+    fp8 = sum(t.numel() * t.element_size() for t in held)
+    assert weight_bytes(cfg, "bfloat16", "fp8") == fp8 < weight_bytes(cfg, "bfloat16")
+    assert audit(cfg, "bfloat16", quantization="fp8").as_dict()["weight_bytes"] == fp8

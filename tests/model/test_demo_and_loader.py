@@ -113,6 +113,11 @@ def test_cli_plan(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     out = capsys.readouterr().out
     assert "weights per device (of 4): 32.86 GiB" in out
     assert "81,920 per device (of 4)" in out and "collectives per token" in out
+    # its linears in FP8 (one byte and a scale a row): one such device holds it, with room
+    assert main(["plan", *split, "--memory-gib", "74.5", "--quantization", "fp8", "--json"]) == 0
+    fp8 = json.loads(capsys.readouterr().out)
+    assert fp8["quantization"] == "fp8" and fp8["fits"] is True
+    assert 65 * (1 << 30) < fp8["weight_bytes"] < 70 * (1 << 30)
 
 
 @pytest.mark.parametrize(
