@@ -124,5 +124,5 @@ def read_calls(fmt: ToolFormat, body: str, names: set[str]) -> list[tuple[str, s
         arguments = value.get(fmt.arguments_key, value.get("arguments", {}))
         if not isinstance(arguments, dict):
             return None
-        out.append((value["name"], json.dumps(arguments)))
+        out.append((value["name"], json.dumps(arguments, ensure_ascii=False)))
     return out or None

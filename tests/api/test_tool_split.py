@@ -170,3 +170,16 @@ def test_the_format_follows_the_template(template: str, setting: str, want: str)
 def test_mistral_needs_its_token() -> None:
     with pytest.raises(ValueError, match=r"\[TOOL_CALLS\]"):
         format_for("mistral", "", {})
+
+
+@pytest.mark.parametrize("fmt", [LLAMA3, MISTRAL], ids=["llama3_json", "mistral"])
+def test_parsed_calls_keep_non_ascii_arguments_as_written(fmt: ToolFormat) -> None:
+    """Llama 3's and Mistral's calls are parsed and their arguments written back as JSON:
+    the characters as the model wrote them (no \\u escapes), the same values."""
+    from service.api.tool_formats import read_calls
+
+    call = {"name": "echo", fmt.arguments_key: {"city": "Zürich", "emoji": "🌤"}}
+    body = json.dumps([call] if fmt is MISTRAL else call, ensure_ascii=False)
+    [(name, arguments)] = read_calls(fmt, body, {"echo"})
+    assert name == "echo" and "Zürich" in arguments and "🌤" in arguments
+    assert json.loads(arguments) == call[fmt.arguments_key]
