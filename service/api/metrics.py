@@ -251,6 +251,17 @@ class _EngineCollector(Collector):
         )
         info.add_metric([self.model, *self.info.values()], 1)
         yield info
+        # the labels vLLM's cache_config_info has, which a routing gateway reads (the
+        # Gateway API inference extension's --cache-info-metric): docs/operations.md
+        config = GaugeMetricFamily(
+            "kvserve_cache_config_info",
+            "The KV cache's block size and pool blocks (value 1).",
+            labels=["model", "block_size", "num_gpu_blocks"],
+        )
+        config.add_metric(
+            [self.model, self.info.get("block_size", ""), str(snap.kv_blocks_total)], 1
+        )
+        yield config
         for name, doc, value in (
             ("kvserve_requests_running", "Sequences being computed.", snap.running),
             ("kvserve_requests_waiting", "Sequences waiting to be scheduled.", snap.waiting),

@@ -85,6 +85,9 @@ def test_metrics_lint_and_count_traffic(server: Server) -> None:
         after["kvserve_kv_cache_used_bytes{}"] == 0 and after["kvserve_kv_cache_usage_ratio{}"] == 0
     )
     assert after["kvserve_kv_cache_capacity_bytes{}"] > 0
+    blocks = after["kvserve_kv_cache_capacity_blocks{}"]
+    config = [k for k in after if k.startswith("kvserve_cache_config_info")]
+    assert config == [f"kvserve_cache_config_info{{block_size=16,num_gpu_blocks={blocks:.0f}}}"]
     info = [k for k in after if k.startswith("kvserve_model_info")]
     auto = dtype_name(pick_dtype("auto", torch.device("cpu")))  # bf16 from AVX2 up
     assert info and f"dtype={auto}" in info[0] and "device=cpu" in info[0]
