@@ -1,8 +1,8 @@
 """FP8 weights times a few rows of activations (a decode batch) in one Triton kernel:
 the e4m3 weight tiles are read once, widened in registers and multiplied (one row on the
-CUDA cores, two to sixteen on the tensor cores), the row scales applied at the end. torch._scaled_mm's
-FP8 GEMMs are built for many rows: at a decode's one to sixteen they read the weights
-at less than bf16's speed (docs/lab/RESULTS.md), which threw FP8's halved bytes away.
+CUDA cores, two to sixteen on the tensor cores), the row scales applied at the end.
+torch._scaled_mm's FP8 GEMMs are built for many rows: at a decode's few they read the
+half-size weights slower than cuBLAS reads bf16's (docs/decisions.md).
 
 The activations stay in bf16 (weight-only), so a decode's linears are the dequantized
 weight's F.linear up to the order of the sums. In the interpreter (no GPU) the operands
@@ -21,9 +21,9 @@ from model.backends.triton.kernels import _rounded
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ROWS = 16  # the most activation rows the kernels take (one tensor-core tile of rows)
-# tiles (outputs a program, reduction step, warps[, stages]) chosen by a sweep on an H200
-# over Llama-3.1-8B's and -3.2-1B's projections (benchmarks/fp8_gemv_sweep.py,
-# docs/lab/RESULTS.md): one row within 9% of the best tile at every shape
+# tiles (outputs a program, reduction step, warps[, stages]): the sweep's choice over
+# Llama-3.1-8B's and -3.2-1B's projections (benchmarks/fp8_gemv_sweep.py; the numbers
+# in docs/decisions.md)
 ROW_TILE = (8, 1024, 8)
 DOT_TILE = (32, 512, 4, 4)
 
