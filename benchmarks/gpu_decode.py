@@ -105,7 +105,8 @@ def measure(shape: dict, quantization: str, device: torch.device, args) -> dict:
     blocks = 8 * -(-args.prefill_len // 16) + 256
     eng = engine(shape, quantization, device, blocks)
     cfg, vocab = eng.model.cfg, eng.model.cfg.vocab_size
-    floor_ms = 1000 * bytes_read(eng.model) / args.bandwidth
+    read = bytes_read(eng.model)
+    floor_ms = 1000 * read / args.bandwidth
     prompt = torch.randint(0, vocab, (args.prompt_len,)).tolist()
     run_single(eng, prompt, 8)  # warm-up
     decode = run_single(eng, prompt, args.output_len)["decode_ms_per_token"]
@@ -114,7 +115,7 @@ def measure(shape: dict, quantization: str, device: torch.device, args) -> dict:
     out = {
         "backend": eng.backend.describe(),
         "cuda_graphs": eng.runner.graphs is not None,
-        "bytes_read_per_token": bytes_read(eng.model),
+        "bytes_read_per_token": read,
         "floor_ms_per_token": floor_ms,
         "decode_ms_per_token": decode,
         "decode_vs_floor": decode / floor_ms,

@@ -56,17 +56,26 @@ class ParamCounts:
         }
 
 
+def layer_linear_shapes(cfg: ModelConfig) -> tuple[tuple[int, int], ...]:
+    """(in, out) features of a decoder layer's linears: q|k|v, the attention output,
+    (gate|)up, down."""
+    d, dh = cfg.d_model, cfg.head_dim
+    ffn_in = (2 if cfg.gated else 1) * cfg.d_ff
+    return ((d, (cfg.n_heads + 2 * cfg.kv_heads) * dh), (cfg.n_heads * dh, d), (d, ffn_in),
+            (cfg.d_ff, d))  # fmt: skip
+
+
 def count_params(cfg: ModelConfig) -> ParamCounts:
     d, h, kv, dh = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
-    attn = d * (h + 2 * kv) * dh + h * dh * d
+    qkv, out, ffn_in, down = layer_linear_shapes(cfg)
+    attn = qkv[0] * qkv[1] + out[0] * out[1]
     if cfg.qkv_bias:
-        attn += (h + 2 * kv) * dh
+        attn += qkv[1]
     if cfg.attn_out_bias:
         attn += d
-    gated = 2 if cfg.gated else 1
-    ffn = gated * d * cfg.d_ff + cfg.d_ff * d
+    ffn = ffn_in[0] * ffn_in[1] + down[0] * down[1]
     if cfg.mlp_bias:
-        ffn += gated * cfg.d_ff + d
+        ffn += ffn_in[1] + d
     norm = d * (2 if cfg.norm == "layernorm" else 1)
     qk_norms = {"none": 0, "head": 2 * dh, "all": (h + kv) * dh}[cfg.qk_norm]
     sublayer_norms = 4 if cfg.norm_placement == "sandwich" else 2  # Gemma's before and after
@@ -129,11 +138,9 @@ SCALE_BYTES = 4  # a quantized linear's float32 scale per output row
 def layer_linears(cfg: ModelConfig) -> tuple[int, int]:
     """(weights, output rows) of every decoder layer's linear matrices together: what
     --quantization int8 and fp8 hold in one byte a weight, with a scale a row."""
-    d, h, kv, dh = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
-    gated = 2 if cfg.gated else 1
-    qkv, ffn_in = (h + 2 * kv) * dh, gated * cfg.d_ff
-    weights = d * qkv + h * dh * d + d * ffn_in + cfg.d_ff * d
-    return weights * cfg.n_layers, (qkv + d + ffn_in + d) * cfg.n_layers
+    shapes = layer_linear_shapes(cfg)
+    weights = sum(i * o for i, o in shapes)
+    return weights * cfg.n_layers, sum(o for _, o in shapes) * cfg.n_layers
 
 
 def weight_bytes(cfg: ModelConfig, dtype: str, quantization: str = "none") -> int:

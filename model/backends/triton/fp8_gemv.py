@@ -11,15 +11,12 @@ are widened to fp32 first: its bf16 dot is wrong (model/backends/triton/kernels.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from model.backends.triton.kernels import _rounded
+from model.backends.triton.kernels import INTERPRET, _rounded
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ROWS = 16  # the most activation rows the kernels take (one tensor-core tile of rows)
 # tiles (outputs a program, reduction step, warps[, stages]): the sweep's choice over
 # Llama-3.1-8B's and -3.2-1B's projections (benchmarks/fp8_gemv_sweep.py; the numbers

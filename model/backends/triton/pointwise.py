@@ -14,16 +14,13 @@ proved on CUDA alone (tests/engine/test_gpu.py) and compiled for sm_90 on the CP
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from model.backends.triton.kernels import _rounded
+from model.backends.triton.kernels import INTERPRET, _rounded
 from model.fp8 import E4M3, E4M3_MAX
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # rows per silu_mul program: one on a GPU; in the interpreter a program costs host time
 # whatever its size (as NORM_ROWS)
 GATE_ROWS = 64 if INTERPRET else 1
