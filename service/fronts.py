@@ -105,6 +105,7 @@ class Supervisor:
             name="kvserve-engine",
             daemon=True,
         )
+        self.responses = str(folder / "responses.sqlite")  # the fronts' shared store
         self.fronts: list[Any] = [None] * n
         self.stopping = False
 
@@ -115,7 +116,7 @@ class Supervisor:
             self._start_front(i, replacing=False)
 
     def _start_front(self, i: int, replacing: bool) -> None:
-        attach = Attach(i, *self.endpoints[i], self.engine.pid)
+        attach = Attach(i, *self.endpoints[i], self.engine.pid, self.responses)
         front = SPAWN.Process(
             target=front_main,
             args=(self.settings, attach, replacing),

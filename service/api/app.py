@@ -172,7 +172,9 @@ def _install_errors(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if kind != "application/json":  # a form, text or no content type: not JSON
+        first = exc.errors()[0] if exc.errors() else {}
+        in_body = first.get("loc", ("body",))[0] == "body"  # else a query parameter's
+        if in_body and kind != "application/json":  # a form, text or no content type
             err = APIError(
                 415,
                 f"Content-Type must be application/json, got {kind or 'none'!r}",
@@ -180,14 +182,13 @@ def _install_errors(app: FastAPI) -> None:
             )
             count_rejection(request.app.state, err)
             return JSONResponse(err.body(), status_code=415)
-        first = exc.errors()[0] if exc.errors() else {}
         if first.get("type") == "json_invalid":  # its loc is a character offset: no param
             where = first.get("loc", ("body", "?"))[-1]
             message = f"Invalid JSON in the request body at character {where}"
             param = None
         else:
             # pydantic names the union member it tried ("str", "list[int]", ...): not a param
-            loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _type_tag(p)]
+            loc = [str(p) for p in first.get("loc", ())[1:] if not _type_tag(p)]
             param = ".".join(loc) or None
             message = first.get("msg", "invalid request")
             message = f"{param}: {message}" if param else f"Invalid request body: {message}"

@@ -88,6 +88,7 @@ ROUTES = frozenset(
     }
 )
 TEMPLATED = ("/v1/models/", "/v1/responses/")  # a route per prefix: its "{id}"
+SUBROUTE = "/input_items"  # the one route below an "{id}"
 
 
 class Metrics:
@@ -224,6 +225,8 @@ class Metrics:
     def on_http(self, path: str, status: int) -> None:
         prefix = next((p for p in TEMPLATED if path.startswith(p)), None)
         route = path if path in ROUTES else prefix + "{id}" if prefix else "other"
+        if prefix and path.endswith(SUBROUTE):
+            route += SUBROUTE
         self.http.labels(route, str(status)).inc()
 
     def on_rejected(self, reason: str) -> None:

@@ -11,9 +11,9 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -89,6 +89,23 @@ def _items(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             raise APIError(400, f"input[{i}]: item type {kind!r} is not supported",
                            param=f"input[{i}]")  # fmt: skip
     return out
+
+
+_ITEM_IDS = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+             "reasoning": "rs"}  # fmt: skip
+
+
+def _input_items(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The input as the items GET /v1/responses/{id}/input_items lists: a text input as
+    one user message, each item with an id (its own where it had one)."""
+    if isinstance(value, str):
+        value = [{"type": "message", "role": "user",
+                  "content": [{"type": "input_text", "text": value}]}]  # fmt: skip
+    items = []
+    for item in value:
+        kind = item.get("type", "message")
+        items.append({"id": _new(_ITEM_IDS.get(kind, "item")), **item, "type": kind})
+    return items
 
 
 def _strings(item: dict[str, Any], i: int, *names: str) -> None:
@@ -231,7 +248,7 @@ def _remember(state: ServingState, req: ResponsesRequest, rid: str, messages: li
     reply: dict[str, Any] = {"role": "assistant", "content": text or None}
     if calls:
         reply["tool_calls"] = calls
-    state.responses.put(rid, [*said, reply], response)
+    state.responses.put(rid, [*said, reply], response, _input_items(req.input))
 
 
 @router.post("/v1/responses")
@@ -265,6 +282,33 @@ async def get_response(response_id: str, request: Request) -> JSONResponse:
     if found is None:
         raise _not_found(response_id)
     return JSONResponse(found)
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def input_items(
+    response_id: str,
+    request: Request,
+    limit: int = Query(default=20, ge=1, le=100),
+    order: Literal["asc", "desc"] = "desc",
+    after: str | None = None,
+) -> JSONResponse:
+    """A stored response's input items, a page at a time, as OpenAI lists them (newest
+    first unless order is asc; after: the id the page starts after)."""
+    items = request.app.state.serving.responses.inputs(response_id)
+    if items is None:
+        raise _not_found(response_id)
+    items = items[::-1] if order == "desc" else items
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise APIError(400, f"No input item with id '{after}' in response '{response_id}'",
+                           param="after")  # fmt: skip
+        items = items[ids.index(after) + 1 :]
+    page = items[:limit]
+    return JSONResponse({
+        "object": "list", "data": page, "has_more": len(items) > limit,
+        "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None,
+    })  # fmt: skip
 
 
 @router.delete("/v1/responses/{response_id}")

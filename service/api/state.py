@@ -16,7 +16,7 @@ from service.api.chat_template import ChatTemplate
 from service.api.metrics import Metrics
 from service.api.protocol import APIError
 from service.api.reasoning import think_markers
-from service.api.response_store import ResponseStore
+from service.api.response_store import IN_MEMORY, ResponseStore
 from service.api.tool_formats import ToolFormat, format_for
 from service.config import Settings
 from service.engine.async_engine import AsyncEngine
@@ -58,9 +58,11 @@ class ServingState:
 
     @functools.cached_property
     def responses(self) -> ResponseStore:
-        """The stored responses /v1/responses continues from (this front's)."""
-        s = self.settings
-        return ResponseStore(s.responses_store_size, s.responses_store_ttl)
+        """The stored responses /v1/responses continues from: every front's (in the
+        supervisor's folder) when this is one of several, else this process's."""
+        s, attach = self.settings, getattr(self.engine, "attach", None)
+        path = attach.responses if attach is not None else IN_MEMORY
+        return ResponseStore(s.responses_store_size, s.responses_store_ttl, path)
 
     @functools.cached_property
     def think_ids(self) -> tuple[int, int] | None:

@@ -11,12 +11,14 @@ from dataclasses import dataclass
 @dataclass(frozen=True, slots=True)
 class Attach:
     """Where a front of several (service/fronts.py) meets the engine its supervisor
-    started: it binds its own two endpoints, and watches the engine's pid."""
+    started: it binds its own two endpoints, watches the engine's pid, and opens the
+    stored responses every front shares (service/api/response_store.py)."""
 
     front: int
     inputs: str
     outputs: str
     engine_pid: int
+    responses: str
 
 
 class Sibling:

@@ -121,3 +121,51 @@ def test_the_openai_client_streams_through_either_front(fronts: Server) -> None:
     )
     assert again.choices[0].message.content == texts[0]  # greedy: the same in either front
     assert fronts.wait_idle()["kv_cache"]["blocks_used"] == 0
+
+
+def test_a_response_stored_by_one_front_is_continued_through_the_other(fronts: Server) -> None:
+    """The fronts share the Responses store: a response made in one front is retrieved,
+    listed, continued and deleted through the other."""
+
+    async def create(client: httpx.AsyncClient, i: int) -> tuple[int, str]:
+        front = (await client.get("/health")).json()["front"]  # this connection's
+        body = {"input": f"turn {i}", "max_output_tokens": 4, "temperature": 0}
+        resp = await client.post("/v1/responses", json=body)
+        assert resp.status_code == 200, resp.text
+        return front, resp.json()["id"]
+
+    made: dict[int, list] = {}
+    for _ in range(10):
+        for front, ids in asyncio.run(by_front(fronts.url, 8, create)).items():
+            made.setdefault(front, []).extend(ids)
+        if len(made) == 2:
+            break
+    assert sorted(made) == [0, 1]
+
+    async def reach(client: httpx.AsyncClient, i: int) -> tuple[int, tuple[str, list[int]]]:
+        front = (await client.get("/health")).json()["front"]
+        rid = made[1 - front][0]  # the other front's first response
+        got = await client.get(f"/v1/responses/{rid}")
+        items = await client.get(f"/v1/responses/{rid}/input_items")
+        later = await client.post(
+            "/v1/responses", json={"input": "and?", "max_output_tokens": 2,
+                                   "previous_response_id": rid},
+        )  # fmt: skip
+        codes = [got.status_code, items.status_code, later.status_code]
+        assert got.json()["id"] == rid and items.json()["data"][0]["content"][0]["text"]
+        return front, (rid, codes)
+
+    seen: dict[int, list] = {}
+    for _ in range(10):
+        for front, results in asyncio.run(by_front(fronts.url, 8, reach)).items():
+            seen.setdefault(front, []).extend(results)
+        if len(seen) == 2:
+            break
+    assert sorted(seen) == [0, 1]
+    for front, results in seen.items():
+        assert all(codes == [200, 200, 200] for _, codes in results)
+        assert {rid for rid, _ in results} == {made[1 - front][0]}
+    gone = httpx.delete(f"{fronts.url}/v1/responses/{made[0][0]}")
+    assert gone.json()["deleted"] is True
+    for _ in range(6):  # gone in whichever front answers
+        assert httpx.get(f"{fronts.url}/v1/responses/{made[0][0]}").status_code == 404

@@ -40,6 +40,9 @@ def test_text_streamed_and_continued(served) -> None:
     assert first.usage.output_tokens == 6 and first.output_text
     [item] = first.output
     assert item.type == "message" and item.content[0].type == "output_text"
+    [given] = client.responses.input_items.list(first.id).data  # the text as a message
+    assert given.type == "message" and given.role == "user" and given.id.startswith("msg_")
+    assert given.content[0].text == "Hello there"
 
     events = list(client.responses.create(**kw, stream=True))
     kinds = [e.type for e in events]
@@ -100,6 +103,14 @@ def test_function_calls_and_their_outputs(served) -> None:
         ],
     )  # fmt: skip
     assert follow.usage.input_tokens > 0 and follow.status == "incomplete"
+    # the input items listed newest first by default, a page at a time
+    listed = client.responses.input_items.list(follow.id, order="asc")
+    assert [i.type for i in listed.data] == ["message", "function_call", "function_call_output"]
+    newest = client.responses.input_items.list(follow.id, limit=2)
+    assert [i.type for i in newest.data] == ["function_call_output", "function_call"]
+    assert newest.has_more and newest.last_id == listed.data[1].id
+    rest = client.responses.input_items.list(follow.id, limit=2, after=newest.last_id)
+    assert [i.id for i in rest.data] == [listed.data[0].id] and not rest.has_more
 
 
 def test_a_json_schema_text_format(served) -> None:
@@ -128,3 +139,14 @@ def test_bad_items_are_400s(served) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         client.responses.create(model=model, input="x", tools=[{"type": "web_search"}])
     assert err.value.body["param"] == "tools[0]"
+
+
+def test_bad_input_item_pages_are_400s(served) -> None:
+    client, model = served
+    rid = client.responses.create(model=model, input="hi", max_output_tokens=1).id
+    for query, param in (("limit=0", "limit"), ("limit=101", "limit"), ("order=up", "order"),
+                         ("after=msg_nope", "after")):  # fmt: skip
+        resp = httpx.get(f"{client.base_url}responses/{rid}/input_items?{query}")
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_nope")
