@@ -7,6 +7,13 @@ of n decodes is copied into the first n rows and padded to its bucket with rows 
 have no context (seq_len 0), store nothing (slot -1) and read only the null block; their
 logits are dropped. Mixed and prefill steps run eagerly.
 
+A model whose windowed layers keep their K/V in a pool of their own has that pool's slots
+and tables in static buffers too. The host copies of the lengths say every row is as
+long as the context may be, so that a sliding window is always applied in the kernels
+(they start each row at its own window from the device lengths): a graph captured for
+short rows would otherwise replay them as global ones. Soft-capped scores and logits are
+constants of the kernels and of the head.
+
 Built only for a backend whose forward never reads a device value on the host (triton).
 With capture=False (the CPU tests) a bucket's "graph" is the same function called
 eagerly on the same static buffers, so the padding and bucketing logic is tested without
@@ -16,6 +23,7 @@ a GPU.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 from torch import Tensor
@@ -51,21 +59,34 @@ class DecodeGraphs:
         self.tables = torch.full((n, width), kv_cache.null_block, dtype=torch.int32, device=dev)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
         self.query_start = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.max_model_len = max_model_len
+        self.window_slots = self.window_tables = None
+        if kv_cache.window_data is not None:
+            null = kv_cache.window_null_block
+            self.window_slots = torch.full((n,), -1, dtype=torch.int32, device=dev)
+            self.window_tables = torch.full((n, width), null, dtype=torch.int32, device=dev)
         self._runs: dict[int, Callable[[], Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         for size in reversed(self.buckets):  # largest first: the others reuse its pool
             self._runs[size] = self._capture(size) if capture else self._eager(size)
 
     def _meta(self, size: int) -> AttentionMetadata:
-        return AttentionMetadata(
+        meta = AttentionMetadata(
             positions=self.positions[:size],
             query_lens=[1] * size,
-            seq_lens=[0] * size,  # host copies are read only for shapes: one token each
+            # host copies: one new token each, and a context that may reach the longest
+            seq_lens=[self.max_model_len] * size,
             slot_mapping=self.slots[:size],
             block_tables=self.tables[:size],
             query_start=self.query_start[: size + 1],
             seq_lens_t=self.seq_lens[:size],
         )
+        if self.window_tables is not None:
+            meta.window = replace(
+                meta, slot_mapping=self.window_slots[:size],
+                block_tables=self.window_tables[:size], memo={},
+            )  # fmt: skip
+        return meta
 
     def _forward(self, size: int) -> Tensor:
         return self.model(self.tokens[:size], self._meta(size), self.kv_cache)  # (size, V)
@@ -103,9 +124,15 @@ class DecodeGraphs:
         self.slots[:n].copy_(meta.slot_mapping, non_blocking=True)
         self.tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
         self.seq_lens[:n].copy_(meta.seq_lens_t, non_blocking=True)
+        if self.window_tables is not None:
+            window = meta.window
+            self.window_slots[:n].copy_(window.slot_mapping, non_blocking=True)
+            self.window_tables[:n, :width].copy_(window.block_tables, non_blocking=True)
         if size > n:  # padding rows: no context, no store
             self.slots[n:size].fill_(-1)
             self.seq_lens[n:size].fill_(0)
+            if self.window_slots is not None:
+                self.window_slots[n:size].fill_(-1)
         return self._runs[size]()[:n]
 
 

@@ -90,16 +90,12 @@ def assemble(
     scheduler = Scheduler(
         blocks, max_num_seqs, settings.max_num_batched_tokens, settings.mixed_prefill_cap(device)
     )
-    # not captured across ranks: a graph would replay its collectives unchecked; not yet
-    # for sliding windows or soft-capped scores, which the Triton kernels take but no GPU
-    # run has replayed from a graph
+    # not captured across ranks: a graph would replay its collectives unchecked
     graphs = (
         not settings.enforce_eager
         and backend.name == "triton"
         and not model.tp
         and device == "cuda"
-        and model.cfg.sliding_window is None
-        and model.cfg.attn_logit_softcap is None
     )
     eos_ids = frozenset(tokenizer.eos_ids) | frozenset(model.cfg.eos_token_ids)
     drafter = _draft_model(draft, settings, num_blocks, model.cfg.vocab_size) if draft else None

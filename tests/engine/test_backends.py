@@ -4,10 +4,11 @@ import pytest
 import torch
 
 from model.kv_cache import PagedKVCache
+from model.weights import load_model
 from service.engine.cuda_graphs import DecodeGraphs, bucket_sizes
 from tests.engine.helpers import greedy, run_all, tokens_of
 from tests.engine.test_engine import mixed_requests
-from tests.factories import make_engine, small_model
+from tests.factories import make_engine, small_model, write_gemma2, write_mistral
 from tests.model.backends import BACKENDS, make_backend
 
 MODEL = small_model()
@@ -97,3 +98,34 @@ def test_engine_replays_decode_graphs_and_runs_other_steps_eagerly(async_schedul
     got = {rid: tokens_of(o) for rid, o in run_all(engine, requests).items()}
     assert got == want
     assert sizes and max(sizes) == 4 and sum(sizes) < sum(6 + i for i in range(4))
+
+
+WINDOWED = {
+    # windowed layers (their own pool) beside global ones, soft-capped scores and logits
+    "gemma2": lambda path: write_gemma2(path),
+    "mistral": lambda path: write_mistral(path, sliding_window=8),  # every layer windowed
+}
+
+
+@pytest.mark.parametrize("family", list(WINDOWED))
+def test_decode_graphs_keep_windows_and_soft_caps(family: str, tmp_path) -> None:
+    """Windowed and soft-capped models on the graphs' static buffers (replayed eagerly
+    here): the windows, the window pool's tables and the caps apply as in a run without
+    graphs, with prompts and decodes past the window of 8 (a graph that ran windowed
+    layers as global ones, or read another pool's table, gives other tokens)."""
+    WINDOWED[family](tmp_path)
+    model = load_model(tmp_path, torch.float32)
+    kw = dict(block_size=16, num_kv_blocks=32, max_num_seqs=4, attention_backend="triton")
+    requests = {f"r{i}": ([(5 * i + j) % 300 + 1 for j in range(11 + 6 * i)], greedy(8))
+                for i in range(2)}  # fmt: skip
+    want = {rid: tokens_of(o) for rid, o in run_all(make_engine(model, **kw), requests).items()}
+    engine = make_engine(model, **kw)
+    graphs = DecodeGraphs(model, engine.kv_cache, 4, 64, capture=False)
+    assert (graphs.window_tables is not None) == bool(engine.kv_cache.window_blocks)
+    sizes: list[int] = []
+    run = graphs.run
+    graphs.run = lambda tokens, meta: sizes.append(tokens.shape[0]) or run(tokens, meta)
+    engine.runner.graphs = graphs
+    got = {rid: tokens_of(o) for rid, o in run_all(engine, requests).items()}
+    assert got == want and sum(sizes) >= 2 * 6  # most decodes went through the graphs
+    assert engine.blocks.num_used == 0

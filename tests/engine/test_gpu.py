@@ -16,11 +16,12 @@ from model.backends.reference import TorchBackend
 from model.config import ModelConfig
 from model.kv_cache import PagedKVCache
 from model.metadata import AttentionMetadata
+from model.weights import load_model
 from service.config import Settings
 from service.engine.engine import LLMEngine
 from tests.engine.helpers import greedy, run_all, tokens_of
 from tests.engine.test_engine import mixed_requests
-from tests.factories import small_model, tokenizer
+from tests.factories import small_model, tokenizer, write_gemma2, write_gemma3, write_mistral
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
@@ -95,6 +96,27 @@ def test_cuda_default_is_triton_with_graphs_and_matches_eager() -> None:
             for o in e.step():
                 outs[i].setdefault(o.request_id, []).extend(o.token_ids)
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "mistral"])
+def test_windowed_and_soft_capped_models_replay_graphs_with_eagers_tokens(
+    family: str, tmp_path
+) -> None:
+    """Gemma 2 (soft-caps, windows beside global layers), Gemma 3 (its window pool) and a
+    Mistral windowed in every layer, captured as CUDA graphs: the greedy tokens of the
+    eager engine, float32, with prompts and decodes past the window of 8."""
+    writers = {"gemma2": write_gemma2, "gemma3": lambda p: write_gemma3(p, sliding_window=8),
+               "mistral": lambda p: write_mistral(p, sliding_window=8)}  # fmt: skip
+    writers[family](tmp_path)
+    model = load_model(tmp_path, torch.float32, device="cuda")
+    requests = {f"r{i}": ([(5 * i + j) % 300 + 1 for j in range(11 + 9 * i)], greedy(40))
+                for i in range(6)}  # fmt: skip
+    engine = cuda_engine(model)
+    assert engine.runner.graphs is not None
+    eager = cuda_engine(model, enforce_eager=True)
+    got = {rid: tokens_of(o) for rid, o in run_all(engine, requests).items()}
+    want = {rid: tokens_of(o) for rid, o in run_all(eager, requests).items()}
+    assert got == want
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
