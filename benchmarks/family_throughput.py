@@ -113,7 +113,11 @@ def main() -> None:
     ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
     ap.add_argument("--pairs", type=int, default=3, help="Llama-then-family runs; median ratio")
     ap.add_argument("--json", type=Path, default=OUT / "family_throughput.json")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="cuda: the Triton kernels with CUDA graphs, as kvserve serves there")  # fmt: skip
+    ap.add_argument("--no-record", action="store_true", help="leave docs/results.md alone")
     args = ap.parse_args()
+    device = torch.device(args.device)
     tokenizer = checkpoint(OUT / "smollm2-135m-random")  # offline_throughput's, and its tokenizer
     rng = random.Random(0)
     vocab = SMOLLM2_135M["vocab_size"]
@@ -128,8 +132,9 @@ def main() -> None:
             path = write_family(
                 OUT / f"family-{family.lower()}-135m-random", family, extra, tokenizer
             )
-        engine = engine_for(path, torch.device("cpu"), torch.bfloat16, max_num_seqs=args.requests)
+        engine = engine_for(path, device, torch.bfloat16, max_num_seqs=args.requests)
         model = engine.model
+        backend = engine.backend.name + (" + graphs" if engine.runner.graphs else "")
         batch = run_batch(engine, prompts, args.output_len)
         single = run_single(engine, prompts[0], args.output_len)
         row = {
@@ -137,6 +142,7 @@ def main() -> None:
             "architecture": model.cfg.architecture,
             "parameters": count_params(model.cfg).total,
             "c_stack": model.fused_layers is not None,
+            "backend": backend,
             "output_tok_s": round(batch["output_tok_s"], 1),
             "decode_ms_per_token": round(single["decode_ms_per_token"], 2),
         }
@@ -162,7 +168,9 @@ def main() -> None:
         row["decode_time_vs_llama"] = round(statistics.median(decode), 3)
         row["pairs"] = [{"llama": ll, "family": f} for ll, f in pairs]
         rows.append(row)
-    print(f"{args.requests} x ({args.prompt_len} in, {args.output_len} out), bf16, cpu backend")
+    backends = sorted({r["backend"] for r in rows})
+    print(f"{args.requests} x ({args.prompt_len} in, {args.output_len} out), bf16, {args.device}: "
+          f"{', '.join(backends)}")  # fmt: skip
     print(
         f"{'family':30} {'params':>12} {'C stack':>8} {'tok/s':>8} {'Llama':>8} {'x Llama':>8} "
         f"{'ms/token':>9} {'Llama':>7} {'x Llama':>8}"
@@ -175,9 +183,13 @@ def main() -> None:
             f"{r['decode_time_vs_llama']:8.2f}"
         )
     write_json(args.json, {"rows": rows, "args": {k: str(v) for k, v in vars(args).items()}})
+    if args.no_record:
+        return
     shape = (
         f"SmolLM2-135M shape, bf16, {args.requests} x ({args.prompt_len} in, {args.output_len} out)"
     )
+    if args.device != "cpu":
+        shape += f", {args.device} ({', '.join(backends)})"
     record(
         "family_throughput",
         {

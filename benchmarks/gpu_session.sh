@@ -14,7 +14,8 @@
 #       folder of their own, runs the steps named, in this order (default: tests bench):
 #       tests = `pytest -m gpu`, decode = gpu_decode.py (bf16 and FP8 decode against
 #       the floor, a step's kernels by class; the 1B and 8B shapes), bench =
-#       gpu_bench.py, profile = gpu_profile.py (where a step's time goes), and writes the
+#       gpu_bench.py, families = family_throughput.py on CUDA (each family against
+#       Llama's, graphs on), profile = gpu_profile.py (where a step's time goes), and writes the
 #       logs and JSON to $OUT (default benchmarks/out/gpu; eight files for all four
 #       steps' default shapes, as many as a lent device
 #       machine brings back). SECONDS (default 540) bounds the whole run;
@@ -123,6 +124,16 @@ for shape in "${bench_shapes[@]}"; do
     log "gpu_bench $shape: exit $?"
     tail -4 "$out/gpu_bench-$shape.log" | tee -a "$out/session.log"
 done
+if [[ $steps == *" families "* ]]; then
+    log "family_throughput, up to $(left) s"
+    # on a CPU host (the script's own check) two short requests of one family
+    if [ "$cuda" = 1 ]; then args=(--device cuda --pairs 1); else
+        args=(--requests 2 --output-len 4 --pairs 1 --families Qwen3); fi
+    timeout "$(left)" $py benchmarks/family_throughput.py "${args[@]}" --no-record \
+        --json "$out/family_throughput.json" > "$out/family_throughput.log" 2>&1
+    log "family_throughput: exit $?"
+    tail -12 "$out/family_throughput.log" | tee -a "$out/session.log"
+fi
 if [[ $steps == *" profile "* ]]; then
     log "gpu_profile, up to $(left) s"
     if [ "$cuda" = 1 ]; then args=(--shapes "${shapes[@]}"); else args=(--smoke); fi
