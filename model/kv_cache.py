@@ -70,6 +70,7 @@ class PagedKVCache:
         # views made once: a decode step asks for each layer's
         self._layers = [pools[pool][j] for pool, j in self._where]
         self._block_nbytes = self.data[:, :, 0].numel() * self.data.element_size()
+        self.host: Tensor | None = None  # the host tier's blocks (add_host_pool)
         self._window_nbytes = 0
         if self.window_data is not None:
             self._window_nbytes = self.window_data[:, :, 0].numel() * self.data.element_size()
@@ -92,6 +93,27 @@ class PagedKVCache:
         self.data.index_fill_(2, blocks, 0)
         if window_blocks is not None and self.window_data is not None:
             self.window_data.index_fill_(2, window_blocks, 0)
+
+    def add_host_pool(self, slots: int) -> None:
+        """Host memory for `slots` blocks of `data` (pinned where the pool is on CUDA):
+        the prefix cache's host tier (service/engine/host_tier.py)."""
+        pin = self.data.device.type == "cuda"
+        shape = (2, self.data.shape[1], slots, self.data.shape[3])
+        self.host = torch.empty(shape, dtype=self.data.dtype, pin_memory=pin)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]], out: bool) -> None:
+        """Copy blocks of `data` (every layer's K and V) to host slots, pairs (block,
+        slot) (out), or host slots into blocks, pairs (slot, block): the same bytes."""
+        if not pairs:
+            return
+        assert self.host is not None, "no host pool"
+        first, second = (torch.tensor(side, dtype=torch.long) for side in zip(*pairs, strict=True))
+        if out:
+            moved = self.data.index_select(2, first.to(self.data.device)).cpu()
+            self.host.index_copy_(2, second, moved)
+        else:
+            moved = self.host.index_select(2, first).to(self.data.device)
+            self.data.index_copy_(2, second.to(self.data.device), moved)
 
     def layer(self, i: int) -> tuple[Tensor, Tensor]:
         """Layer i's K and V views of its pool (`data`, or `window_data` for a windowed

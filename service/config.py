@@ -19,6 +19,9 @@ CPU_MIXED_PREFILL_TOKENS = 128
 # sequences a step may carry: a GPU is far from its compute bound at 64 decodes (vLLM
 # defaults to 256); two CPU cores are not
 CPU_MAX_NUM_SEQS, CUDA_MAX_NUM_SEQS = 64, 256
+# the prefix cache's host tier on CUDA by default: llama.cpp's --cache-ram default, within
+# a quarter of the RAM a machine has free (on the CPU the KV pool is that RAM already)
+HOST_TIER_MAX_GIB = 8
 ATTENTION_BACKENDS = ("auto", "cpu", "triton", "torch")
 QUANTIZATIONS = ("none", "int8", "fp8")
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
@@ -121,6 +124,14 @@ class Settings:
     )
     kv_cache_gib: float = field(
         default=1.0, metadata={"help": "KV cache budget on the CPU, GiB (per rank)"}
+    )
+    kv_host_gib: float | None = field(
+        default=None,
+        metadata={
+            "help": "the prefix cache's host tier, GiB (per rank): evicted cached blocks "
+            "are copied there and back on a hit (default: 0 on the CPU; on CUDA "
+            "a quarter of the available RAM, at most 8)"
+        },
     )
     num_kv_blocks: int | None = field(
         default=None,
@@ -366,6 +377,8 @@ class Settings:
             raise ValueError(
                 f"speculative_min_speedup must be >= 0, got {self.speculative_min_speedup}"
             )
+        if self.kv_host_gib is not None and self.kv_host_gib < 0:
+            raise ValueError(f"kv_host_gib must be >= 0, got {self.kv_host_gib}")
         if self.kv_cache_gib <= 0:
             raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -380,6 +393,15 @@ class Settings:
     @property
     def kv_cache_bytes(self) -> int:
         return int(self.kv_cache_gib * GiB)
+
+    def host_tier_bytes(self, device_type: str, available: int) -> int:
+        """The host tier's budget on one rank: kv_host_gib, or the device's default
+        (available: the machine's available RAM)."""
+        if self.kv_host_gib is not None:
+            return int(self.kv_host_gib * GiB)
+        if device_type != "cuda":  # the pool is in this RAM already: size it instead
+            return 0
+        return min(HOST_TIER_MAX_GIB * GiB, available // 4) // self.tensor_parallel_size
 
     def seqs_per_step(self, device_type: str) -> int:
         """max_num_seqs, or the device's default."""

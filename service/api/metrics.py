@@ -289,6 +289,7 @@ class _EngineCollector(Collector):
             g = GaugeMetricFamily(name, doc, labels=["model"])
             g.add_metric(m, value)
             yield g
+        yield from _host_tier(m, snap)  # zeros without one, as the speculation's
         memory = self.device_memory()
         if memory is not None:
             for name, value in zip(("allocated", "reserved"), memory, strict=True):
@@ -336,3 +337,34 @@ class _EngineCollector(Collector):
         for reason in ("stop", "length", "abort", "error"):
             finished.add_metric([self.model, reason], counts.get(reason, 0))
         yield finished
+
+
+def _host_tier(m: list[str], snap: EngineSnapshot) -> Iterator[Metric]:
+    """The host tier's gauges (blocks and bytes held, of how many) and counters (blocks
+    copied out, restored on a hit, dropped by the tier; seconds spent copying)."""
+    each = snap.kv_host_block_bytes
+    for name, doc, value in (
+        ("kvserve_kv_host_capacity_blocks", "Host tier blocks.", snap.kv_host_blocks_total),
+        ("kvserve_kv_host_used_blocks", "Host tier blocks holding a cached block.",
+         snap.kv_host_blocks_used),
+        ("kvserve_kv_host_capacity_bytes", "Host tier size in bytes.",
+         snap.kv_host_blocks_total * each),
+        ("kvserve_kv_host_used_bytes", "Host tier bytes holding cached blocks.",
+         snap.kv_host_blocks_used * each),
+    ):  # fmt: skip
+        g = GaugeMetricFamily(name, doc, labels=["model"])
+        g.add_metric(m, value)
+        yield g
+    for name, doc, value in (
+        ("kvserve_kv_host_stored_blocks", "Cached blocks copied out of the KV pool to the "
+         "host tier.", snap.kv_host_stored_blocks),
+        ("kvserve_kv_host_restored_blocks", "Prefix-cache hits copied back from the host "
+         "tier instead of recomputed.", snap.kv_host_restored_blocks),
+        ("kvserve_kv_host_dropped_blocks", "Cached blocks the host tier evicted.",
+         snap.kv_host_dropped_blocks),
+        ("kvserve_kv_host_copy_seconds", "Time spent copying blocks out to and in from the "
+         "host tier.", snap.kv_host_copy_seconds),
+    ):  # fmt: skip
+        c = CounterMetricFamily(name, doc, labels=["model"])
+        c.add_metric(m, value)
+        yield c

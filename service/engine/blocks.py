@@ -8,54 +8,20 @@ holds exactly the request's tokens for that block, and was computed on top of ex
 the block the request matched one level up (entries carry a never-reused id, so a parent
 that was evicted and refilled does not match). When a request frees its blocks they keep
 their key and stay reusable until the pool needs them again: free blocks are evicted
-least recently freed first.
+least recently freed first; with a host tier (service/engine/host_tier.py) an evicted
+cached block is copied out there, and a hit on it copied back into a fresh block.
 """
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from itertools import count
 
+from service.engine.host_tier import Cached, HostTier
+from service.engine.prefix_keys import RESTORE, Hits, chain_hashes, root_digest
 from service.engine.request import Request
 from service.engine.window_blocks import WindowBlocks
-
-ROOT = -1  # the parent entry of a first block
-
-
-def block_digest(parent: bytes, tokens: Sequence[int]) -> bytes:
-    """The key of a full block: SHA-256 over its parent's key and its tokens (int64)."""
-    return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
-
-
-def root_digest(namespace: str, salt: str | None) -> bytes:
-    """The parent key of a request's first block: what else changes the KV (the model)
-    and who may share it (the cache_salt)."""
-    return hashlib.sha256(f"kvserve\0{namespace}\0{salt or ''}".encode()).digest()
-
-
-def chain_hashes(
-    token_ids: Sequence[int], block_size: int, known: list[bytes], root: bytes
-) -> list[bytes]:
-    """Extend `known` (keys of the first full blocks) over every full block of token_ids."""
-    hashes = list(known)
-    for i in range(len(hashes), len(token_ids) // block_size):
-        parent = hashes[-1] if hashes else root
-        hashes.append(block_digest(parent, token_ids[i * block_size : (i + 1) * block_size]))
-    return hashes
-
-
-class Hits(list[int]):
-    """A prompt's prefix-cache hits: the blocks of its first tokens, and `window` the
-    windowed layers' pool's blocks for the window of their end (WindowBlocks)."""
-
-    window: list[int]
-
-    def __init__(self, blocks: Sequence[int] = (), window: Sequence[int] = ()) -> None:
-        super().__init__(blocks)
-        self.window = list(window)
 
 
 class BlockManager:
@@ -66,10 +32,12 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         namespace: str = "",
         windows: WindowBlocks | None = None,
+        tier: HostTier | None = None,
     ) -> None:
         """namespace: what, besides the tokens, the KV depends on (the model): part of
         every key. windows: the windowed layers' own pool, where they have one
-        (PagedKVCache.window_data): every method here keeps it in step."""
+        (PagedKVCache.window_data): every method here keeps it in step. tier: where
+        evicted cached blocks go (not beside a window pool)."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(
                 f"num_blocks and block_size must be > 0, got {num_blocks}, {block_size}"
@@ -80,9 +48,12 @@ class BlockManager:
         self.ref_count = [0] * num_blocks
         self.namespace = namespace
         self.windows = windows
+        if tier is not None and (windows is not None or not enable_prefix_caching):
+            raise ValueError("a host tier needs the prefix cache and no window pool")
+        self.tier = tier
         self.block_hash: list[bytes | None] = [None] * num_blocks
         # what a cached block holds, checked on every hit: its tokens, the entry it was
-        # computed on top of (ROOT for a first block: then its root key), its own entry id
+        # computed on top of (for a first block, its root key), its own entry id
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self.block_parent: list[int | bytes | None] = [None] * num_blocks
         self.entry: list[int | None] = [None] * num_blocks
@@ -125,17 +96,26 @@ class BlockManager:
             return Hits()
         hashes = self._request_hashes(request)
         hits: list[int] = []
+        restore: list[tuple[int, Cached]] = []  # hits the host tier holds
         parent: int | bytes | None = self._root(request)
         for i, h in enumerate(hashes):
-            block = self._match(h, self._tokens(request, i), parent)
-            if block is None:
+            tokens = self._tokens(request, i)
+            block = self._match(h, tokens, parent)
+            if block is not None:
+                hits.append(block)
+                parent = self.entry[block]
+                continue
+            cached = self.tier.match(h, tokens, parent) if self.tier is not None else None
+            if cached is None:
                 break
-            hits.append(block)
-            parent = self.entry[block]
+            restore.append((len(hits), cached))
+            hits.append(RESTORE)
+            parent = cached.entry
         if hits and len(hits) * self.block_size >= request.num_tokens:
             hits.pop()
+            restore = [r for r in restore if r[0] < len(hits)]
         if self.windows is None or not hits:
-            return Hits(hits)
+            return Hits(hits, restore=restore)
         keys = hashes[: len(hits)]
         tokens = [self.block_tokens[b] for b in hits]
         anchors = [self.entry[b] for b in hits]
@@ -204,7 +184,8 @@ class BlockManager:
     def can_allocate(self, hits: Sequence[int], num_tokens: int, reserve: int = 0) -> bool:
         """Can a waiting request reuse `hits` and get blocks for num_tokens in total,
         leaving `reserve` blocks free (and 1% of the window pool, where reserve is)?"""
-        revived = sum(1 for b in hits if self.ref_count[b] == 0)
+        # a hit freed since needs its block back; one the host tier holds, a fresh block
+        revived = sum(1 for b in hits if b == RESTORE or self.ref_count[b] == 0)
         if self.blocks_for(num_tokens) - len(hits) + revived + reserve > self.num_free:
             return False
         if self.windows is None:
@@ -221,14 +202,18 @@ class BlockManager:
             window = hits.window if isinstance(hits, Hits) else []
             self.windows.allocate(request, window, len(hits) * self.block_size, num_tokens)
         for b in hits:
+            if b == RESTORE:
+                continue
             if self.ref_count[b] == 0:
                 del self.free[b]
             self.ref_count[b] += 1
         request.block_table = list(hits)
+        if isinstance(hits, Hits) and hits.restore:
+            self._restore(request.block_table, hits.restore)
         # hits are registered already; the next block sits on the last hit's entry
         self._registered[request.request_id] = (
             len(hits),
-            self.entry[hits[-1]] if hits else None,
+            self.entry[request.block_table[-1]] if hits else None,
         )
         self._grow(request, num_tokens)
 
@@ -250,8 +235,27 @@ class BlockManager:
         for _ in range(need):
             request.block_table.append(self._take())
 
+    def _restore(self, table: list[int], restore: list[tuple[int, Cached]]) -> None:
+        """Fresh blocks for the hits the host tier holds, registered as the blocks they
+        were (key, tokens, parent, entry id), their contents copied in before the step."""
+        assert self.tier is not None
+        slots = [self.tier.claim(cached.key) for _, cached in restore]  # before any eviction
+        for (i, cached), slot in zip(restore, slots, strict=True):
+            block = table[i] = self._take()
+            self.tier.copy_in(slot, block)
+            if cached.key not in self.cached:
+                self.cached[cached.key] = block
+                self.block_hash[block] = cached.key
+                self.block_tokens[block] = cached.tokens
+                self.block_parent[block] = cached.parent
+                self.entry[block] = cached.entry
+
     def _take(self) -> int:
         block, _ = self.free.popitem(last=False)  # least recently freed
+        key = self.block_hash[block]
+        if self.tier is not None and key is not None and self.cached.get(key) == block:
+            self.tier.store(block, Cached(key, self.block_tokens[block], self.block_parent[block],
+                                          self.entry[block]))  # type: ignore[arg-type]  # fmt: skip
         self._uncache(block)  # evict its cached contents
         self.ref_count[block] = 1
         return block

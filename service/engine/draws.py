@@ -1,5 +1,5 @@
-"""The arithmetic of a draw from a row's distribution: the top_p cut and the inversion of
-the row's CDF at a uniform number."""
+"""The arithmetic of a draw from a row's distribution: the top_p cut, the inversion of
+the row's CDF at a uniform number, and a seeded request's generator seed for a position."""
 
 from __future__ import annotations
 
@@ -50,3 +50,12 @@ def top_p_filter(probs: Tensor, top_p: Tensor) -> Tensor:
         out.index_copy_(0, rows[done], spread)
         rows = rows[~done]
     return out  # not reached: the last pass (k = v) takes every row left
+
+
+def seed_for(seed: int, position: int) -> int:
+    """A 63-bit generator seed from a request's seed and an output position (splitmix64's
+    finaliser, so that neighbouring seeds and positions give unrelated streams)."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & (2**64 - 1)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return (z ^ (z >> 31)) >> 1

@@ -135,9 +135,19 @@ class LLMEngine:
                 used, total, each = w_used, windows.num_blocks, w_each
             else:
                 window_bytes = (w_used * w_each, windows.num_blocks * w_each)
-        return self.stats.snapshot(
+        snap = self.stats.snapshot(
             len(sched.running), len(sched.waiting), used, total, each, window_bytes
         )
+        tier = blocks.tier
+        if tier is None:
+            return snap
+        s = tier.stats
+        return dataclasses.replace(
+            snap, kv_host_blocks_total=tier.num_slots, kv_host_blocks_used=tier.num_used,
+            kv_host_block_bytes=each, kv_host_stored_blocks=s.stored,
+            kv_host_restored_blocks=s.restored, kv_host_dropped_blocks=s.dropped,
+            kv_host_copy_seconds=self.stats.host_copy_seconds,
+        )  # fmt: skip
 
     def has_unfinished(self) -> bool:
         """Requests to step, or a step in flight whose tokens someone still waits for."""
@@ -196,6 +206,11 @@ class LLMEngine:
         """The speculator's drafts, then the scheduler's batch, counted."""
         self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
+        tier = self.blocks.tier
+        if tier is not None and (copies := tier.drain()):  # before the step's forward
+            t0 = self.clock()
+            self.runner.apply(copies)
+            self.stats.host_copy_seconds += self.clock() - t0
         self.stats.preemptions += len(batch.preempted)
         self.stats.prefix_queried_tokens += batch.prefix_queried
         self.stats.prefix_hit_tokens += batch.prefix_hits

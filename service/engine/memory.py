@@ -89,6 +89,18 @@ def kv_block_budget(
     return blocks, window_blocks
 
 
+def available_ram() -> int:
+    """Bytes of RAM this machine has free now (MemAvailable; 0 where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def window_pool_only(model: Transformer, draft: Transformer | None) -> bool:
     """Whether every layer's K/V sits in the window pool (every layer windowed, no draft
     model)."""

@@ -20,7 +20,8 @@ from service.config import Settings
 from service.engine.blocks import BlockManager
 from service.engine.cuda_graphs import decode_graphs
 from service.engine.draft import DraftModel, blocks_per_proposal
-from service.engine.memory import kv_block_budget
+from service.engine.host_tier import HostTier
+from service.engine.memory import available_ram, kv_block_budget
 from service.engine.ranks import Ranks
 from service.engine.runner import ModelRunner
 from service.engine.scheduler import Scheduler
@@ -60,6 +61,30 @@ def _backend(
         raise ValueError(f"quantization {settings.quantization}: {exc}") from None
 
 
+def _host_tier(
+    settings: Settings, kv_cache: PagedKVCache, prefix: bool, windows: bool, draft: bool
+) -> HostTier | None:
+    """The prefix cache's host tier (service/engine/host_tier.py), its host memory on
+    this rank. Not without the prefix cache, beside a window pool, or with a draft model
+    (whose own K/V of a block it would not restore): asked for there, a start-up error."""
+    budget = settings.host_tier_bytes(kv_cache.data.device.type, available_ram())
+    if budget <= 0:
+        return None
+    why = (
+        "the prefix cache is off" if not prefix
+        else "the model's windowed layers keep a pool of their own" if windows
+        else "a draft model keeps K/V the tier does not hold" if draft
+        else "it holds less than one block" if budget < kv_cache.block_nbytes else None
+    )  # fmt: skip
+    if why is not None:
+        if settings.kv_host_gib is not None:
+            raise ValueError(f"kv_host_gib: no host tier can be kept: {why}")
+        return None
+    slots = budget // kv_cache.block_nbytes
+    kv_cache.add_host_pool(slots)
+    return HostTier(slots)
+
+
 def assemble(
     model: Transformer, tokenizer: Tokenizer, settings: Settings, draft: Transformer | None
 ) -> EngineParts:
@@ -86,7 +111,8 @@ def assemble(
     if window_blocks:
         assert local.sliding_window is not None
         windows = WindowBlocks(window_blocks, settings.block_size, local.sliding_window, prefix)
-    blocks = BlockManager(num_blocks, settings.block_size, prefix, namespace, windows)
+    tier = _host_tier(settings, kv_cache, prefix, windows is not None, draft is not None)
+    blocks = BlockManager(num_blocks, settings.block_size, prefix, namespace, windows, tier)
     scheduler = Scheduler(
         blocks, max_num_seqs, settings.max_num_batched_tokens, settings.mixed_prefill_cap(device)
     )

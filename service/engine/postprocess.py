@@ -11,6 +11,7 @@ from model.backends.base import NON_FINITE
 from service.engine.batch import SchedulerOutput
 from service.engine.blocks import BlockManager
 from service.engine.output import RequestOutput, TextState, make_output
+from service.engine.ranks import Clear
 from service.engine.request import FinishReason, Request, Status
 from service.engine.runner import Launched, ModelRunner
 from service.engine.scheduler import Scheduler
@@ -99,7 +100,7 @@ class PostProcessor:
         while len(taken) < len(pending):
             token = pending[len(taken)]
             if token == NON_FINITE:  # this request alone fails; its K/V are not kept
-                self.runner.clear_blocks(self.blocks.uncache_owned(request))
+                self.runner.apply(Clear(*self.blocks.uncache_owned(request)))
                 message = "generation failed: the model produced non-finite logits (NaN or inf)"
                 return self.fail(request, message)
             request.output_ids.append(token)

@@ -12,6 +12,8 @@ from model.metadata import AttentionMetadata
 from model.transformer import Transformer
 from service.engine.batch import SchedulerOutput, Step
 from service.engine.cuda_graphs import DecodeGraphs
+from service.engine.draws import seed_for
+from service.engine.host_tier import Copies
 from service.engine.logprobs import LogprobRows, token_logprobs
 from service.engine.prompt_outputs import Pooled, pool, prompt_work, score_prompts
 from service.engine.ranks import Clear, RankError, Ranks
@@ -84,19 +86,23 @@ class ModelRunner:
         pool = self.generators.setdefault(request.request_id, [])
         while len(pool) <= row:
             pool.append(torch.Generator(device=self.device))
-        pool[row].manual_seed(_mix(seed, request.num_generated + row))
+        pool[row].manual_seed(seed_for(seed, request.num_generated + row))
         return pool[row]
 
-    def clear_blocks(self, blocks: tuple[list[int], list[int]]) -> None:
-        """Zero these blocks' K and V in every layer (on every rank): the global pool's,
-        and the windowed layers' pool's."""
-        if blocks[0] or blocks[1]:
-            if self.ranks is not None:
-                self.ranks.send(Clear(*blocks))
-            self._clear(*blocks)
+    def apply(self, message: Clear | Copies) -> None:
+        """Work on the KV pool outside a forward, on every rank: zero blocks whose K/V
+        must not be reused (Clear), or the host tier's copies a step owes (before it)."""
+        if self.ranks is not None:
+            self.ranks.send(message)
+        self._apply(message)
 
-    def _clear(self, blocks: list[int], window_blocks: list[int]) -> None:
-        self.kv_cache.clear(self._to_device(blocks), self._to_device(window_blocks))
+    def _apply(self, message: Clear | Copies) -> None:
+        if isinstance(message, Clear):
+            blocks, window = self._to_device(message.blocks), self._to_device(message.window_blocks)
+            self.kv_cache.clear(blocks, window)
+        else:  # out first: a block this step took may be restored into
+            self.kv_cache.copy_blocks(message.out, out=True)
+            self.kv_cache.copy_blocks(message.into, out=False)
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
@@ -279,18 +285,9 @@ class ModelRunner:
         while not Ranks.is_stop(message := self.ranks.receive()):
             if isinstance(message, Step):
                 self.forward(message)
-            elif isinstance(message, Clear):
-                self._clear(message.blocks, message.window_blocks)
+            elif isinstance(message, Clear | Copies):
+                self._apply(message)
         self.ranks.leave()
-
-
-def _mix(seed: int, position: int) -> int:
-    """A 63-bit generator seed from a request's seed and an output position (splitmix64's
-    finaliser, so that neighbouring seeds and positions give unrelated streams)."""
-    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & (2**64 - 1)
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
-    return (z ^ (z >> 31)) >> 1
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections import deque
 
 from service.engine.batch import ScheduledSeq, SchedulerOutput
-from service.engine.blocks import BlockManager, Hits
+from service.engine.blocks import BlockManager
+from service.engine.prefix_keys import Hits
 from service.engine.request import Request, Status
 
 

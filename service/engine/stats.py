@@ -27,6 +27,7 @@ class EngineStats:
     preemptions: int = 0
     spec_draft_tokens: int = 0  # speculative decoding: drafts verified ...
     spec_accepted_tokens: int = 0  # ... and accepted
+    host_copy_seconds: float = 0.0  # the host tier's copies, out and in
     finished: Counter[str] = field(default_factory=Counter)
 
     def snapshot(
@@ -77,6 +78,14 @@ class EngineSnapshot:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     finished: tuple[tuple[str, int], ...] = ()  # (finish reason, requests)
+    # the prefix cache's host tier (service/engine/host_tier.py): 0 without one
+    kv_host_blocks_total: int = 0
+    kv_host_blocks_used: int = 0
+    kv_host_block_bytes: int = 0
+    kv_host_stored_blocks: int = 0  # copied out of the device pool
+    kv_host_restored_blocks: int = 0  # copied back in: prefix hits it saved
+    kv_host_dropped_blocks: int = 0  # evicted from the tier itself
+    kv_host_copy_seconds: float = 0.0
 
     @property
     def kv_usage(self) -> float:

@@ -5,7 +5,7 @@ so even a forced hash collision shares nothing it should not."""
 
 import pytest
 
-import service.engine.blocks as blocks
+import service.engine.prefix_keys as prefix_keys
 from service.engine.blocks import BlockManager
 from service.engine.request import Request, SamplingParams
 
@@ -46,7 +46,7 @@ def test_salts_keep_tenants_apart() -> None:
 @pytest.fixture
 def colliding(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every block key is the same: the strongest forgery there is."""
-    monkeypatch.setattr(blocks, "block_digest", lambda parent, tokens: b"\0" * 32)
+    monkeypatch.setattr(prefix_keys, "block_digest", lambda parent, tokens: b"\0" * 32)
 
 
 def test_a_forced_collision_shares_no_block(colliding: None) -> None:
