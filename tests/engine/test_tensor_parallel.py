@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from service.build import build
-from tests.engine.tp_rank import dense_tokens, serve, settings
+from tests.engine.tp_rank import PROMPTS, dense_tokens, serve, settings
 from tests.engine.tp_ranks import WRITERS, run_ranks
 from tests.factories import write_tokenizer
 
@@ -80,6 +80,22 @@ def test_two_ranks_give_one_ranks_logits_and_tokens(
         assert got["kv_blocks"] // (2 if split else 1) == ref["kv_blocks"]
     budget = settings(str(ckpt), 2).kv_cache_bytes  # per rank
     assert budget - got["kv_pool_bytes"] < 2 * got["kv_pool_bytes"] / pool
+
+
+def test_two_ranks_restore_from_the_host_tier(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """The host tier's copies reach every rank: a prompt evicted from both ranks' pools
+    comes back from their host tiers (each its share of the heads) with one rank's tokens."""
+    ckpt = checkpoints["llama_kv_split"]
+    with torch.inference_mode():
+        ref = serve(build(settings(str(ckpt), 1, kv_host_gib=0.01)).engine)
+    args = ["-m", "tests.engine.tp_rank", str(ckpt), str(tmp_path / "rank0.json"), "0.001", "0.01"]
+    for rank, r in enumerate(run_ranks(2, args)):
+        assert r.returncode == 0, f"rank {rank} failed:\n{r.stdout[-3000:]}"
+    got = json.loads((tmp_path / "rank0.json").read_text())
+    assert ref["restored"] > 0 and got["restored"] > 0
+    assert got["tokens"]["a again"] == got["tokens"]["a"] == ref["tokens"]["a again"]
+    for rid in [*PROMPTS, "a again"]:  # the evicting prompts differ: the pools do
+        assert got["tokens"][rid] == ref["tokens"][rid], rid
 
 
 def _netns(*args: str) -> None:

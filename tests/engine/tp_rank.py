@@ -1,8 +1,9 @@
 """One tensor-parallel rank of the tests, built the way `kvserve serve` builds it:
-`python -m tests.engine.tp_rank CKPT OUT [KV_CACHE_GIB]` with RANK, WORLD_SIZE,
-MASTER_ADDR and MASTER_PORT set (tests/engine/tp_ranks.py starts them). Every rank runs the
-same dense forward; rank 0 then serves greedy requests through the engine while the
-others follow, and writes what it saw to OUT as JSON."""
+`python -m tests.engine.tp_rank CKPT OUT [KV_CACHE_GIB [KV_HOST_GIB]]` with RANK,
+WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (tests/engine/tp_ranks.py starts them). Every
+rank runs the same dense forward; rank 0 then serves greedy requests through the engine
+while the others follow, and writes what it saw to OUT as JSON. With a host tier, rank 0
+then evicts the first prompt's blocks with others and serves it again from the tier."""
 
 import json
 import os
@@ -19,8 +20,11 @@ from service.engine.request import SamplingParams
 PROMPTS = {"a": list(range(3, 40)), "b": [7, 8, 9, 7, 8, 9, 11], "c": list(range(100, 130))}
 
 
-def settings(ckpt: str, world: int, kv_cache_gib: float = 0.001) -> Settings:
+def settings(
+    ckpt: str, world: int, kv_cache_gib: float = 0.001, kv_host_gib: float = 0.0
+) -> Settings:
     return Settings(
+        kv_host_gib=kv_host_gib,
         model=ckpt,
         dtype="float32",
         tensor_parallel_size=world,
@@ -48,7 +52,22 @@ def serve(engine) -> dict[str, object]:  # type: ignore[no-untyped-def]
         for out in engine.step():
             tokens.setdefault(out.request_id, []).extend(out.token_ids)
             logprobs.setdefault(out.request_id, []).extend(lp.logprob for lp in out.logprobs)
-    return {"tokens": tokens, "logprobs": logprobs}
+    report = {"tokens": tokens, "logprobs": logprobs}
+    tier = engine.blocks.tier
+    if tier is not None:  # others' prompts take the whole pool twice over, then "a" again
+        pool = engine.blocks.num_blocks * engine.blocks.block_size
+        each = min(pool // 2, engine.max_model_len - 20)
+        evict = {f"evict{i}": list(range(200 + i * each, 200 + (i + 1) * each))
+                 for i in range(-(-2 * pool // each))}  # fmt: skip
+        again = {"a again": PROMPTS["a"]}
+        for batch in (evict, again):
+            for rid, prompt in batch.items():
+                engine.add_request(rid, [t % engine.model.cfg.vocab_size for t in prompt], params)
+            while engine.has_unfinished():
+                for out in engine.step():
+                    tokens.setdefault(out.request_id, []).extend(out.token_ids)
+        report["restored"] = tier.stats.restored
+    return report
 
 
 def _thread_name(tid: str) -> str:
@@ -74,9 +93,9 @@ def left_cleanly(within: float = 5.0) -> int:
 
 
 @torch.inference_mode()
-def main(ckpt: str, out: str, kv_cache_gib: float) -> int:
+def main(ckpt: str, out: str, kv_cache_gib: float, kv_host_gib: float) -> int:
     world = int(os.environ["WORLD_SIZE"])
-    engine = build(settings(ckpt, world, kv_cache_gib)).engine
+    engine = build(settings(ckpt, world, kv_cache_gib, kv_host_gib)).engine
     model = engine.model
     logits = model(dense_tokens(model.cfg.vocab_size))  # a collective: every rank runs it
     if model.tp.rank != 0:
@@ -98,4 +117,6 @@ def main(ckpt: str, out: str, kv_cache_gib: float) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2], float(sys.argv[3]) if len(sys.argv) > 3 else 0.001))
+    cache_gib = float(sys.argv[3]) if len(sys.argv) > 3 else 0.001
+    host_gib = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
+    sys.exit(main(sys.argv[1], sys.argv[2], cache_gib, host_gib))
