@@ -170,8 +170,10 @@ def main() -> None:
     speedup = later("off", "ttft_p50_s") / later("host", "ttft_p50_s")
     reach = later("host", "hit_rate") / max(later("unbounded", "hit_rate"), 1e-9)
     cost = no_reuse["host"]["output_tok_s"] / no_reuse["off"]["output_tok_s"]
-    print(f"turns 2+: TTFT p50 {speedup:.2f}x lower with the host tier; hit rate {reach:.0%} "
-          f"of the unbounded pool's; restored blocks {results['host']['restored_blocks']:.0f}")
+    print(
+        f"turns 2+: TTFT p50 {speedup:.2f}x lower with the host tier; hit rate {reach:.0%} "
+        f"of the unbounded pool's; restored blocks {results['host']['restored_blocks']:.0f}"
+    )
     print(f"no reuse: {no_reuse['off']['output_tok_s']:.1f} tok/s off, "
           f"{no_reuse['host']['output_tok_s']:.1f} with the tier ({cost:.2f}x)")  # fmt: skip
     write_json(args.json, {"results": results, "no_reuse": no_reuse, "speedup": speedup,
@@ -179,7 +181,9 @@ def main() -> None:
                            "args": {k: str(v) for k, v in vars(args).items()}})  # fmt: skip
     if args.no_record:
         return
-    shape = f"{args.users} users x {args.turns} turns, pool {args.num_kv_blocks} x {args.block_size}"
+    shape = (
+        f"{args.users} users x {args.turns} turns, pool {args.num_kv_blocks} x {args.block_size}"
+    )
     record("multiturn", {
         f"turns 2+ TTFT p50, host tier against none ({shape})":
             f"{later('host', 'ttft_p50_s') * 1e3:.0f} ms against {later('off', 'ttft_p50_s') * 1e3:.0f}"
