@@ -115,6 +115,22 @@ class PagedKVCache:
             moved = self.host.index_select(2, first).to(self.data.device)
             self.data.index_copy_(2, second.to(self.data.device), moved)
 
+    def host_block(self, slot: int) -> Tensor:
+        """A copy of one host slot's bytes, (2, layers, 1, elements)."""
+        assert self.host is not None, "no host pool"
+        return self.host[:, :, slot : slot + 1].clone()
+
+    def device_block(self, block: int) -> Tensor:
+        """A host copy of one block's bytes of `data`, as host_block gives a slot's."""
+        return self.data[:, :, block : block + 1].cpu().clone()
+
+    def load_blocks(self, pairs: list[tuple[Tensor, int]]) -> None:
+        """Blocks' bytes (each as host_block gives them) into these blocks of `data`."""
+        if pairs:
+            moved = torch.cat([data for data, _ in pairs], dim=2).to(self.data.device)
+            blocks = torch.tensor([b for _, b in pairs], dtype=torch.long, device=self.data.device)
+            self.data.index_copy_(2, blocks, moved)
+
     def layer(self, i: int) -> tuple[Tensor, Tensor]:
         """Layer i's K and V views of its pool (`data`, or `window_data` for a windowed
         layer where there is one), in the backend's layout."""

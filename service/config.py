@@ -133,6 +133,16 @@ class Settings:
             "a quarter of the available RAM, at most 8)"
         },
     )
+    kv_disk_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "the prefix cache's disk tier: a folder for the blocks the host tier "
+            "drops, read back on a hit, also after a restart (default: none)"
+        },
+    )
+    kv_disk_gib: float = field(
+        default=16.0, metadata={"help": "the disk tier's size limit, GiB (oldest files first)"}
+    )
     num_kv_blocks: int | None = field(
         default=None,
         metadata={"help": "KV blocks in the pool, overriding both budgets (default: from them)"},
@@ -379,6 +389,8 @@ class Settings:
             )
         if self.kv_host_gib is not None and self.kv_host_gib < 0:
             raise ValueError(f"kv_host_gib must be >= 0, got {self.kv_host_gib}")
+        if self.kv_disk_gib <= 0:
+            raise ValueError(f"kv_disk_gib must be > 0, got {self.kv_disk_gib}")
         if self.kv_cache_gib <= 0:
             raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -341,7 +341,8 @@ class _EngineCollector(Collector):
 
 def _host_tier(m: list[str], snap: EngineSnapshot) -> Iterator[Metric]:
     """The host tier's gauges (blocks and bytes held, of how many) and counters (blocks
-    copied out, restored on a hit, dropped by the tier; seconds spent copying)."""
+    copied out, restored on a hit, dropped by the tier; seconds spent copying), and its
+    disk tier's (files' blocks and bytes; blocks written, read back, found corrupt)."""
     each = snap.kv_host_block_bytes
     for name, doc, value in (
         ("kvserve_kv_host_capacity_blocks", "Host tier blocks.", snap.kv_host_blocks_total),
@@ -351,6 +352,8 @@ def _host_tier(m: list[str], snap: EngineSnapshot) -> Iterator[Metric]:
          snap.kv_host_blocks_total * each),
         ("kvserve_kv_host_used_bytes", "Host tier bytes holding cached blocks.",
          snap.kv_host_blocks_used * each),
+        ("kvserve_kv_disk_blocks", "Cached blocks in the disk tier's files.", snap.kv_disk_blocks),
+        ("kvserve_kv_disk_bytes", "Bytes of the disk tier's files.", snap.kv_disk_bytes),
     ):  # fmt: skip
         g = GaugeMetricFamily(name, doc, labels=["model"])
         g.add_metric(m, value)
@@ -364,6 +367,12 @@ def _host_tier(m: list[str], snap: EngineSnapshot) -> Iterator[Metric]:
          snap.kv_host_dropped_blocks),
         ("kvserve_kv_host_copy_seconds", "Time spent copying blocks out to and in from the "
          "host tier.", snap.kv_host_copy_seconds),
+        ("kvserve_kv_disk_written_blocks", "Blocks written to the disk tier.",
+         snap.kv_disk_written_blocks),
+        ("kvserve_kv_disk_read_blocks", "Prefix-cache hits read back from the disk tier.",
+         snap.kv_disk_read_blocks),
+        ("kvserve_kv_disk_corrupt_blocks", "Disk tier files that failed their checks "
+         "(deleted, their blocks recomputed).", snap.kv_disk_corrupt_blocks),
     ):  # fmt: skip
         c = CounterMetricFamily(name, doc, labels=["model"])
         c.add_metric(m, value)

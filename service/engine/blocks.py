@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import replace
 from itertools import count
 
 from service.engine.host_tier import Cached, HostTier
@@ -56,6 +57,7 @@ class BlockManager:
         # computed on top of (for a first block, its root key), its own entry id
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self.block_parent: list[int | bytes | None] = [None] * num_blocks
+        self.parent_key: list[bytes] = [b""] * num_blocks  # its parent's key: for the tiers
         self.entry: list[int | None] = [None] * num_blocks
         self._entries = count()  # entry ids are never reused
         self.cached: dict[bytes, int] = {}  # key -> block id
@@ -97,7 +99,8 @@ class BlockManager:
         hashes = self._request_hashes(request)
         hits: list[int] = []
         restore: list[tuple[int, Cached]] = []  # hits the host tier holds
-        parent: int | bytes | None = self._root(request)
+        root = self._root(request)
+        parent: int | bytes | None = root
         for i, h in enumerate(hashes):
             tokens = self._tokens(request, i)
             block = self._match(h, tokens, parent)
@@ -105,9 +108,12 @@ class BlockManager:
                 hits.append(block)
                 parent = self.entry[block]
                 continue
-            cached = self.tier.match(h, tokens, parent) if self.tier is not None else None
+            above = hashes[i - 1] if i else root
+            cached = self.tier.match(h, tokens, parent, above) if self.tier is not None else None
             if cached is None:
                 break
+            if cached.entry < 0:  # read from disk: an entry of this run's
+                cached = replace(cached, entry=next(self._entries))
             restore.append((len(hits), cached))
             hits.append(RESTORE)
             parent = cached.entry
@@ -164,6 +170,7 @@ class BlockManager:
                     self.block_hash[block] = hashes[i]
                     self.block_tokens[block] = tokens
                     self.block_parent[block] = parent
+                    self.parent_key[block] = hashes[i - 1] if i else self._root(request)
                     self.entry[block] = next(self._entries)
                 else:  # the same KV is cached already: chain on that entry
                     same = self._match(hashes[i], tokens, parent)
@@ -172,12 +179,9 @@ class BlockManager:
             parent = self.entry[block] if self.block_hash[block] is not None else None
         self._registered[request.request_id] = (n_full, parent)
         if self.windows is not None:
-            self.windows.cache_full_blocks(request, hashes, self._anchor)
-
-    def _anchor(self, key: bytes) -> int | None:
-        """The entry id of the global block cached under `key`, if any."""
-        block = self.cached.get(key)
-        return self.entry[block] if block is not None else None
+            # the entry id of the global block cached under a key, if any
+            anchor = lambda key: self.entry[self.cached[key]] if key in self.cached else None  # noqa: E731
+            self.windows.cache_full_blocks(request, hashes, anchor)
 
     # ---- allocation -------------------------------------------------------------------
 
@@ -248,14 +252,14 @@ class BlockManager:
                 self.block_hash[block] = cached.key
                 self.block_tokens[block] = cached.tokens
                 self.block_parent[block] = cached.parent
-                self.entry[block] = cached.entry
+                self.entry[block], self.parent_key[block] = cached.entry, cached.parent_key
 
     def _take(self) -> int:
         block, _ = self.free.popitem(last=False)  # least recently freed
         key = self.block_hash[block]
         if self.tier is not None and key is not None and self.cached.get(key) == block:
             self.tier.store(block, Cached(key, self.block_tokens[block], self.block_parent[block],
-                                          self.entry[block]))  # type: ignore[arg-type]  # fmt: skip
+                                          self.entry[block], self.parent_key[block]))  # type: ignore[arg-type]  # fmt: skip
         self._uncache(block)  # evict its cached contents
         self.ref_count[block] = 1
         return block

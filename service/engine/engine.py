@@ -141,7 +141,14 @@ class LLMEngine:
         tier = blocks.tier
         if tier is None:
             return snap
-        s = tier.stats
+        s, disk = tier.stats, tier.disk
+        if disk is not None:
+            d = disk.stats
+            snap = dataclasses.replace(
+                snap, kv_disk_blocks=disk.num_blocks, kv_disk_bytes=disk.num_bytes,
+                kv_disk_written_blocks=d.written, kv_disk_read_blocks=d.read,
+                kv_disk_corrupt_blocks=d.corrupt,
+            )  # fmt: skip
         return dataclasses.replace(
             snap, kv_host_blocks_total=tier.num_slots, kv_host_blocks_used=tier.num_used,
             kv_host_block_bytes=each, kv_host_stored_blocks=s.stored,
@@ -164,9 +171,19 @@ class LLMEngine:
             self.ranks.keepalive()
 
     def close(self) -> None:
-        """Rank 0 shutting down: the other ranks leave follow()."""
+        """Rank 0 shutting down: the other ranks leave follow(); the cached blocks of the
+        pool and the host tier go to the disk tier, where there is one, for the next run
+        to find."""
         if self.ranks is not None:
             self.ranks.stop()
+        tier, blocks = self.blocks.tier, self.blocks
+        if tier is None or tier.disk is None:
+            return
+        for key, b in blocks.cached.items():
+            data = self.kv_cache.device_block(b)
+            tier.disk.write(key, blocks.parent_key[b], blocks.block_tokens[b], data)  # type: ignore[arg-type]
+        self.runner.apply(tier.everything())
+        tier.disk.close()
 
     def follow(self) -> None:
         """A rank other than 0: run rank 0's forwards until it stops (or fails)."""

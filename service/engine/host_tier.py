@@ -8,14 +8,24 @@ block's tokens, the entry it was computed on top of and its own entry id, so tha
 restored block, and the blocks cached on top of it, chain exactly as before it left.
 Entries leave least recently stored first.
 
-A step's copies run before its forward, copies out before copies in: a block the step
-takes from the device pool has its old contents copied out first, and a slot restored
-from is not handed out again until the step's copies have run (`drain`)."""
+Behind it, optionally, the disk tier (service/engine/disk_tier.py): an entry the host
+tier drops is written there, and a hit there is read into a fresh block.
+
+A step's copies run before its forward, in this order: dropped entries' bytes to disk
+(from their host slot, or from the device block of one stored and dropped in the same
+step), copies out, copies in, blocks read from disk. A block the step takes from the
+device pool has its old contents copied out first, and a slot restored from is not
+handed out again until the step's copies have run (`drain`)."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+
+from torch import Tensor
+
+from model.kv_cache import PagedKVCache
+from service.engine.disk_tier import DiskTier
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,19 +35,24 @@ class Cached:
     key: bytes
     tokens: tuple[int, ...]
     parent: int | bytes  # the entry it sits on, or the root key for a first block
-    entry: int  # its own entry id (never reused)
+    entry: int  # its own entry id (never reused; -1: read from disk, not given one yet)
+    parent_key: bytes  # the key of the block it sits on (the root key for a first)
 
 
 @dataclass(slots=True)
 class Copies:
-    """The copies a step owes, in order: out (device block, host slot), then in (host
-    slot, device block)."""
+    """The copies a step owes, run in this order: host slots' bytes to disk (slot,
+    entry), out (device block, host slot), in (host slot, device block), blocks read
+    from disk (their bytes, device block)."""
 
+    spill: list[tuple[int, Cached]] = field(default_factory=list)
+    spill_device: list[tuple[int, Cached]] = field(default_factory=list)  # (device block, entry)
     out: list[tuple[int, int]] = field(default_factory=list)
     into: list[tuple[int, int]] = field(default_factory=list)
+    load: list[tuple[Tensor, int]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.out or self.into)
+        return bool(self.spill or self.spill_device or self.out or self.into or self.load)
 
 
 @dataclass(slots=True)
@@ -48,13 +63,15 @@ class TierStats:
 
 
 class HostTier:
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, disk: DiskTier | None = None) -> None:
         if num_slots <= 0:
             raise ValueError(f"a host tier needs slots, got {num_slots}")
-        self.num_slots = num_slots
+        self.num_slots, self.disk = num_slots, disk
         self.free = list(range(num_slots - 1, -1, -1))
         self.slots: OrderedDict[bytes, tuple[int, Cached]] = OrderedDict()  # oldest first
         self.held: list[int] = []  # slots restored from this step: free once it ran
+        self.fresh: set[int] = set()  # slots copied out to this step: their bytes not there yet
+        self.staged: dict[bytes, Tensor] = {}  # blocks read from disk this step, by key
         self.copies = Copies()
         self.stats = TierStats()
 
@@ -71,32 +88,59 @@ class HostTier:
             self.stats.dropped += 1
             if not self.slots:  # every slot is being restored from this step
                 return
-            _, (slot, _) = self.slots.popitem(last=False)
+            _, (slot, old) = self.slots.popitem(last=False)
+            if slot in self.fresh:  # its bytes are still in the block it left
+                out = self.copies.out
+                i = next(i for i in range(len(out) - 1, -1, -1) if out[i][1] == slot)
+                if self.disk is not None:
+                    self.copies.spill_device.append((out[i][0], old))
+                del out[i]
+                self.fresh.discard(slot)
+            elif self.disk is not None:
+                self.copies.spill.append((slot, old))
             self.free.append(slot)
         slot = self.free.pop()
         self.slots[cached.key] = (slot, cached)
+        self.fresh.add(slot)
         self.copies.out.append((block, slot))
         self.stats.stored += 1
 
-    def match(
-        self, key: bytes, tokens: tuple[int, ...], parent: int | bytes | None
-    ) -> Cached | None:
+    def match(self, key: bytes, tokens: tuple[int, ...], parent: int | bytes | None,
+              parent_key: bytes) -> Cached | None:  # fmt: skip
         """The entry under `key` if it holds exactly these tokens on top of exactly
-        `parent`, as the device pool's _match checks."""
+        `parent`, as the device pool's _match checks; else a block the disk holds under
+        `key` with these tokens on `parent_key` (entry -1: the pool gives it one)."""
         found = self.slots.get(key)
-        if found is None or parent is None:
+        if found is not None:
+            cached = found[1]
+            ok = parent is not None and cached.tokens == tokens and cached.parent == parent
+            return cached if ok else None
+        if self.disk is None or parent is None:
             return None
-        cached = found[1]
-        return cached if cached.tokens == tokens and cached.parent == parent else None
+        data = self.staged.get(key)
+        if data is None:
+            data = self.disk.read(key, parent_key, tokens)
+            if data is None:
+                return None
+            self.staged[key] = data
+        return Cached(key, tokens, parent, -1, parent_key)
 
-    def claim(self, key: bytes) -> int:
-        """Take the entry under `key` out of the tier, to be copied back: its slot."""
-        slot, _ = self.slots.pop(key)
-        self.held.append(slot)
-        return slot
+    def claim(self, key: bytes) -> int | Tensor:
+        """Take the entry under `key` out of the tier, to be copied back: its slot, or
+        its bytes read from disk."""
+        if key in self.slots:
+            slot, _ = self.slots.pop(key)
+            self.held.append(slot)
+            return slot
+        assert self.disk is not None
+        self.disk.stats.read += 1
+        return self.staged.pop(key)
 
-    def copy_in(self, slot: int, block: int) -> None:
-        self.copies.into.append((slot, block))
+    def copy_in(self, source: int | Tensor, block: int) -> None:
+        if isinstance(source, int):
+            self.copies.into.append((source, block))
+        else:
+            self.copies.load.append((source, block))
         self.stats.restored += 1
 
     def drain(self) -> Copies:
@@ -104,5 +148,24 @@ class HostTier:
         the slots they restored from are free again after them."""
         copies, self.copies = self.copies, Copies()
         self.free.extend(self.held)
-        self.held = []
+        self.held, self.staged = [], {}
+        self.fresh.clear()
         return copies
+
+    def everything(self) -> Copies:
+        """At shutdown: every entry's bytes to disk, so a restart finds them there."""
+        copies = Copies(spill=[(slot, cached) for slot, cached in self.slots.values()])
+        return copies if self.disk is not None else Copies()
+
+
+def run_copies(copies: Copies, kv_cache: PagedKVCache, disk: DiskTier | None) -> None:
+    """A step's copies, in their order (the module's docstring says why)."""
+    for slot, cached in copies.spill:
+        assert disk is not None
+        disk.write(cached.key, cached.parent_key, cached.tokens, kv_cache.host_block(slot))
+    for block, cached in copies.spill_device:
+        assert disk is not None
+        disk.write(cached.key, cached.parent_key, cached.tokens, kv_cache.device_block(block))
+    kv_cache.copy_blocks(copies.out, out=True)
+    kv_cache.copy_blocks(copies.into, out=False)
+    kv_cache.load_blocks(copies.load)

@@ -16,9 +16,10 @@ from model.config import ModelConfig
 from model.kv_cache import PagedKVCache
 from model.tokenizer import Tokenizer
 from model.transformer import Transformer
-from service.config import Settings
+from service.config import GiB, Settings
 from service.engine.blocks import BlockManager
 from service.engine.cuda_graphs import decode_graphs
+from service.engine.disk_tier import DiskTier
 from service.engine.draft import DraftModel, blocks_per_proposal
 from service.engine.host_tier import HostTier
 from service.engine.memory import available_ram, kv_block_budget
@@ -112,6 +113,13 @@ def assemble(
         assert local.sliding_window is not None
         windows = WindowBlocks(window_blocks, settings.block_size, local.sliding_window, prefix)
     tier = _host_tier(settings, kv_cache, prefix, windows is not None, draft is not None)
+    if settings.kv_disk_path is not None:
+        if tier is None or model.tp is not None:
+            raise ValueError("kv_disk_path: the disk tier goes behind a host tier, on one rank")
+        tier.disk = DiskTier(
+            settings.kv_disk_path, int(settings.kv_disk_gib * GiB),
+            f"{namespace}|{settings.block_size}", model.dtype,
+        )  # fmt: skip
     blocks = BlockManager(num_blocks, settings.block_size, prefix, namespace, windows, tier)
     scheduler = Scheduler(
         blocks, max_num_seqs, settings.max_num_batched_tokens, settings.mixed_prefill_cap(device)
@@ -135,6 +143,7 @@ def assemble(
         Masks(grammars),
         drafter.mirror if drafter else None,
     )
+    runner.disk = tier.disk if tier is not None else None
     speculator = Speculator(settings, max_model_len, drafter)
     return EngineParts(
         max_num_seqs,

@@ -12,8 +12,9 @@ from model.metadata import AttentionMetadata
 from model.transformer import Transformer
 from service.engine.batch import SchedulerOutput, Step
 from service.engine.cuda_graphs import DecodeGraphs
+from service.engine.disk_tier import DiskTier
 from service.engine.draws import seed_for
-from service.engine.host_tier import Copies
+from service.engine.host_tier import Copies, run_copies
 from service.engine.logprobs import LogprobRows, token_logprobs
 from service.engine.prompt_outputs import Pooled, pool, prompt_work, score_prompts
 from service.engine.ranks import Clear, RankError, Ranks
@@ -69,6 +70,7 @@ class ModelRunner:
         self.generators: dict[str, list[torch.Generator]] = {}  # seeded request's rows
         self._pin = self.device.type == "cuda"
         self.graphs = graphs() if graphs is not None else None
+        self.disk: DiskTier | None = None  # the host tier's disk tier, where there is one
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
         t = torch.tensor(values, dtype=torch.long, pin_memory=self._pin)
@@ -100,9 +102,8 @@ class ModelRunner:
         if isinstance(message, Clear):
             blocks, window = self._to_device(message.blocks), self._to_device(message.window_blocks)
             self.kv_cache.clear(blocks, window)
-        else:  # out first: a block this step took may be restored into
-            self.kv_cache.copy_blocks(message.out, out=True)
-            self.kv_cache.copy_blocks(message.into, out=False)
+        else:
+            run_copies(message, self.kv_cache, self.disk)
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)

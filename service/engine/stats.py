@@ -86,6 +86,12 @@ class EngineSnapshot:
     kv_host_restored_blocks: int = 0  # copied back in: prefix hits it saved
     kv_host_dropped_blocks: int = 0  # evicted from the tier itself
     kv_host_copy_seconds: float = 0.0
+    # its disk tier (service/engine/disk_tier.py)
+    kv_disk_blocks: int = 0
+    kv_disk_bytes: int = 0
+    kv_disk_written_blocks: int = 0
+    kv_disk_read_blocks: int = 0  # read back for a hit
+    kv_disk_corrupt_blocks: int = 0  # files that failed their checks (recomputed)
 
     @property
     def kv_usage(self) -> float:

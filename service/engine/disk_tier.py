@@ -1,0 +1,177 @@
+"""The prefix cache's third tier: blocks the host tier drops, written behind to files on
+local disk (`--kv-disk-path`, `--kv-disk-gib`) and read back on a later hit, also after
+a restart of the same model.
+
+A folder per model, dtype, quantization and block size (the prefix cache's namespace),
+a file per block named by its key (whose chain starts from the namespace and the
+request's cache_salt, so tenants stay apart). A file is its header (the key, its
+parent's key, the block's tokens, dtype and shape), the block's K and V in every layer,
+and a SHA-256 over both; it is written to a temporary name and renamed, so a reader sees
+a whole file or none. A read checks the checksum, the header and the size before the
+bytes are used: a corrupt or truncated file is deleted and its block recomputed.
+
+Entry ids do not survive a restart, so a file's hit is checked by its key, its tokens
+and its parent's key (the pool's hits also by the entries they sit on). The oldest files
+go first past the size limit. One writer thread does the writing; the scheduler reads."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import mmap
+import os
+import queue
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger("kvserve.engine")
+MAGIC = b"KVSBLK1\0"
+
+
+@dataclass(slots=True)
+class DiskStats:
+    written: int = 0  # blocks written to disk
+    read: int = 0  # blocks read back into the pool for a hit (HostTier.claim)
+    corrupt: int = 0  # files that failed their checks: deleted, recomputed
+    dropped: int = 0  # files deleted past the size limit
+
+
+class DiskTier:
+    def __init__(self, path: str, budget: int, namespace: str, dtype: torch.dtype) -> None:
+        tag = hashlib.sha256(f"kvserve-disk\0{namespace}".encode()).hexdigest()[:24]
+        self.dir = Path(path) / tag
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.budget, self.dtype = budget, dtype
+        self.stats = DiskStats()
+        self._lock = threading.Lock()  # the index: the writer adds, the scheduler reads
+        self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, oldest first
+        self._bytes = 0  # the files' sizes together
+        files = sorted(self.dir.glob("*.kvb"), key=lambda f: f.stat().st_mtime)
+        for f in files:  # what an earlier run of the same model left
+            self._index[bytes.fromhex(f.stem)] = size = f.stat().st_size
+            self._bytes += size
+        for f in self.dir.glob("*.tmp"):  # a write cut short
+            f.unlink(missing_ok=True)
+        self._trim()
+        self._queue: queue.Queue[tuple[bytes, bytes, tuple[int, ...], Tensor] | None] = (
+            queue.Queue()
+        )
+        self._writer = threading.Thread(
+            target=self._write_loop, name="kvserve-kv-disk", daemon=True
+        )
+        self._writer.start()
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._index)
+
+    @property
+    def num_bytes(self) -> int:
+        return self._bytes
+
+    def write(self, key: bytes, parent_key: bytes, tokens: tuple[int, ...], data: Tensor) -> None:
+        """Queue a block's bytes (a CPU tensor of its own) to be written behind."""
+        self._queue.put((key, parent_key, tokens, data))
+
+    def read(self, key: bytes, parent_key: bytes, tokens: tuple[int, ...]) -> Tensor | None:
+        """The block under `key`, if its file holds exactly these tokens on top of
+        exactly `parent_key` and passes its checks; None otherwise (a file that fails
+        them is deleted)."""
+        with self._lock:
+            if key not in self._index:
+                return None
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                header, data = self._check(m, key)
+        except (OSError, ValueError) as exc:
+            log.warning("KV disk block dropped", extra={"file": str(path), "why": str(exc)})
+            self._forget(key, corrupt=True)
+            return None
+        if header["parent"] != parent_key.hex() or tuple(header["tokens"]) != tokens:
+            return None  # a collision: not this request's block
+        return data
+
+    def flush(self) -> None:
+        """Wait until every queued block is written."""
+        self._queue.join()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._writer.join()
+
+    # ---- the files ---------------------------------------------------------------------
+
+    def _path(self, key: bytes) -> Path:
+        return self.dir / f"{key.hex()}.kvb"
+
+    def _check(self, m: mmap.mmap, key: bytes) -> tuple[dict, Tensor]:
+        if len(m) < len(MAGIC) + 4 + 32 or m[: len(MAGIC)] != MAGIC:
+            raise ValueError("not a KV block file, or cut short")
+        body = memoryview(m)[:-32]
+        try:
+            if hashlib.sha256(body).digest() != m[-32:]:
+                raise ValueError("checksum mismatch")
+        finally:
+            body.release()
+        start = len(MAGIC) + 4
+        length = int.from_bytes(m[len(MAGIC) : start], "little")
+        header = json.loads(m[start : start + length])
+        shape, dtype = tuple(header["shape"]), getattr(torch, header["dtype"])
+        payload = bytearray(m[start + length : len(m) - 32])
+        if header["key"] != key.hex() or dtype != self.dtype:
+            raise ValueError("another block's file")
+        if len(payload) != torch.Size(shape).numel() * dtype.itemsize:
+            raise ValueError("the payload's size is not its shape's")
+        return header, torch.frombuffer(payload, dtype=dtype).view(shape)
+
+    def _write_loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            try:
+                self._write(*item)
+            except OSError as exc:  # a full or failing disk: the block is not kept
+                log.warning("KV disk block not written", extra={"why": str(exc)})
+            finally:
+                self._queue.task_done()
+        self._queue.task_done()
+
+    def _write(self, key: bytes, parent_key: bytes, tokens: tuple[int, ...], data: Tensor) -> None:
+        header = json.dumps({
+            "key": key.hex(), "parent": parent_key.hex(), "tokens": list(tokens),
+            "dtype": str(data.dtype).removeprefix("torch."), "shape": list(data.shape),
+        }).encode()  # fmt: skip
+        body = MAGIC + len(header).to_bytes(4, "little") + header
+        body += data.contiguous().view(torch.uint8).numpy().tobytes()
+        path, tmp = self._path(key), self._path(key).with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            f.write(body + hashlib.sha256(body).digest())
+        os.replace(tmp, path)
+        with self._lock:
+            self._bytes += len(body) + 32 - self._index.get(key, 0)
+            self._index[key] = len(body) + 32
+            self._index.move_to_end(key)
+        self.stats.written += 1
+        self._trim()
+
+    def _trim(self) -> None:
+        """Delete the oldest files past the size limit."""
+        while True:
+            with self._lock:
+                if self._bytes <= self.budget or not self._index:
+                    return
+                key, size = self._index.popitem(last=False)
+                self._bytes -= size
+            self._path(key).unlink(missing_ok=True)
+            self.stats.dropped += 1
+
+    def _forget(self, key: bytes, corrupt: bool) -> None:
+        with self._lock:
+            self._bytes -= self._index.pop(key, 0)
+        self._path(key).unlink(missing_ok=True)
+        self.stats.corrupt += corrupt
