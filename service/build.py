@@ -26,6 +26,7 @@ from model.tokenizer import Tokenizer
 from model.transformer import Transformer
 from model.weights import load_config
 from service.config import Settings, quantization_conflict
+from service.engine.blocks import BlockManager
 from service.engine.engine import LLMEngine
 from service.engine.stats import EngineObserver
 
@@ -93,8 +94,8 @@ def build(
         "kv_blocks": engine.blocks.num_blocks,
         # the windowed layers' own pool, 0: none
         "kv_window_blocks": engine.kv_cache.window_blocks,
-        "kv_pool_sequences_of_max_len": engine.blocks.sequences_of(
-            engine.max_model_len, engine.kv_cache.window_only
+        "kv_pool_sequences_of_max_len": _sequences_of(
+            engine.blocks, engine.max_model_len, engine.kv_cache.window_only
         ),
         "speculative_method": settings.speculative_method,
         "num_speculative_tokens": settings.num_speculative_tokens,
@@ -211,3 +212,13 @@ def served_model_dir(settings: Settings) -> Path | None:
     missing and reachable; None: the demo model)."""
     source = resolve(settings.model, settings.revision, settings.download_dir)
     return source.path if source else None
+
+
+def _sequences_of(blocks: BlockManager, num_tokens: int, window_only: bool) -> int:
+    """How many sequences of num_tokens the pools hold at once (window_only: every
+    layer's K/V is in the window pool, none under the block pool's ids)."""
+    n = blocks.num_blocks // blocks.blocks_for(num_tokens)
+    if blocks.windows is not None:
+        held = blocks.windows.num_blocks // blocks.windows.held_by(num_tokens)
+        n = held if window_only else min(n, held)
+    return n

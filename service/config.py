@@ -143,6 +143,17 @@ class Settings:
     kv_disk_gib: float = field(
         default=16.0, metadata={"help": "the disk tier's size limit, GiB (oldest files first)"}
     )
+    kv_events_endpoint: str | None = field(
+        default=None,
+        metadata={
+            "help": "publish the prefix cache's block stored/removed events on this ZMQ "
+            "endpoint, in vLLM's format, e.g. tcp://*:5557 (default: none)"
+        },
+    )
+    kv_events_replay_endpoint: str | None = field(
+        default=None,
+        metadata={"help": "a ZMQ endpoint that replays missed KV event batches, e.g. tcp://*:5558"},
+    )
     num_kv_blocks: int | None = field(
         default=None,
         metadata={"help": "KV blocks in the pool, overriding both budgets (default: from them)"},
@@ -389,6 +400,10 @@ class Settings:
             )
         if self.kv_host_gib is not None and self.kv_host_gib < 0:
             raise ValueError(f"kv_host_gib must be >= 0, got {self.kv_host_gib}")
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ValueError(
+                "kv_events_replay_endpoint replays kv_events_endpoint's events: set both"
+            )
         if self.kv_disk_gib <= 0:
             raise ValueError(f"kv_disk_gib must be > 0, got {self.kv_disk_gib}")
         if self.kv_cache_gib <= 0:

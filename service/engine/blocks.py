@@ -20,6 +20,7 @@ from dataclasses import replace
 from itertools import count
 
 from service.engine.host_tier import Cached, HostTier
+from service.engine.kv_events import QUIET, Quiet
 from service.engine.prefix_keys import RESTORE, Hits, chain_hashes, root_digest
 from service.engine.request import Request
 from service.engine.window_blocks import WindowBlocks
@@ -52,6 +53,7 @@ class BlockManager:
         if tier is not None and (windows is not None or not enable_prefix_caching):
             raise ValueError("a host tier needs the prefix cache and no window pool")
         self.tier = tier
+        self.events: Quiet = QUIET  # --kv-events-endpoint: KVEvents, published each step
         self.block_hash: list[bytes | None] = [None] * num_blocks
         # what a cached block holds, checked on every hit: its tokens, the entry it was
         # computed on top of (for a first block, its root key), its own entry id
@@ -78,15 +80,6 @@ class BlockManager:
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
-
-    def sequences_of(self, num_tokens: int, window_only: bool = False) -> int:
-        """How many sequences of num_tokens the pools hold at once (window_only: every
-        layer's K/V is in the window pool, none under this pool's ids)."""
-        n = self.num_blocks // self.blocks_for(num_tokens)
-        if self.windows is not None:
-            held = self.windows.num_blocks // self.windows.held_by(num_tokens)
-            n = held if window_only else min(n, held)
-        return n
 
     # ---- prefix cache -----------------------------------------------------------------
 
@@ -172,6 +165,7 @@ class BlockManager:
                     self.block_parent[block] = parent
                     self.parent_key[block] = hashes[i - 1] if i else self._root(request)
                     self.entry[block] = next(self._entries)
+                    self.events.stored(hashes[i], hashes[i - 1] if i else None, tokens)
                 else:  # the same KV is cached already: chain on that entry
                     same = self._match(hashes[i], tokens, parent)
                     parent = self.entry[same] if same is not None else None
@@ -253,6 +247,7 @@ class BlockManager:
                 self.block_tokens[block] = cached.tokens
                 self.block_parent[block] = cached.parent
                 self.entry[block], self.parent_key[block] = cached.entry, cached.parent_key
+                self.events.stored_entry(cached)
 
     def _take(self) -> int:
         block, _ = self.free.popitem(last=False)  # least recently freed
@@ -268,6 +263,7 @@ class BlockManager:
         key = self.block_hash[block]
         if key is not None and self.cached.get(key) == block:
             del self.cached[key]
+            self.events.removed(key)
         self.block_hash[block] = self.block_tokens[block] = self.block_parent[block] = None
         self.entry[block] = None  # entries on top of it no longer match anything
 

@@ -176,6 +176,7 @@ class LLMEngine:
         to find."""
         if self.ranks is not None:
             self.ranks.stop()
+        self.blocks.events.close()
         tier, blocks = self.blocks.tier, self.blocks
         if tier is None or tier.disk is None:
             return
@@ -208,6 +209,7 @@ class LLMEngine:
         launched = self._launch(batch, prev, chain, outputs) if batch.seqs else None
         if prev is not None:
             outputs += self._collect(prev)
+        self.blocks.events.publish()  # what this step stored in the prefix cache, or evicted
         if launched is None:
             return outputs
         if chain:
@@ -216,6 +218,7 @@ class LLMEngine:
             own = self._collect(launched)
             outputs += own
             self._observe_speculation(batch, own, t0)
+            self.blocks.events.publish()
         self._observe("on_step", self.clock() - t0, batch.num_tokens, len(batch.seqs))
         return outputs
 

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from model.kv_cache import PagedKVCache
 from service.engine.disk_tier import DiskTier
+from service.engine.kv_events import QUIET, Quiet
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +75,7 @@ class HostTier:
         self.staged: dict[bytes, Tensor] = {}  # blocks read from disk this step, by key
         self.copies = Copies()
         self.stats = TierStats()
+        self.events: Quiet = QUIET  # --kv-events-endpoint: KVEvents, published each step
 
     @property
     def num_used(self) -> int:
@@ -89,6 +91,7 @@ class HostTier:
             if not self.slots:  # every slot is being restored from this step
                 return
             _, (slot, old) = self.slots.popitem(last=False)
+            self.events.removed(old.key, host=True)
             if slot in self.fresh:  # its bytes are still in the block it left
                 out = self.copies.out
                 i = next(i for i in range(len(out) - 1, -1, -1) if out[i][1] == slot)
@@ -103,6 +106,7 @@ class HostTier:
         self.slots[cached.key] = (slot, cached)
         self.fresh.add(slot)
         self.copies.out.append((block, slot))
+        self.events.stored_entry(cached, host=True)
         self.stats.stored += 1
 
     def match(self, key: bytes, tokens: tuple[int, ...], parent: int | bytes | None,
@@ -131,6 +135,7 @@ class HostTier:
         if key in self.slots:
             slot, _ = self.slots.pop(key)
             self.held.append(slot)
+            self.events.removed(key, host=True)
             return slot
         assert self.disk is not None
         self.disk.stats.read += 1

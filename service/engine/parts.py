@@ -22,6 +22,7 @@ from service.engine.cuda_graphs import decode_graphs
 from service.engine.disk_tier import DiskTier
 from service.engine.draft import DraftModel, blocks_per_proposal
 from service.engine.host_tier import HostTier
+from service.engine.kv_events import KVEvents
 from service.engine.memory import available_ram, kv_block_budget
 from service.engine.ranks import Ranks
 from service.engine.runner import ModelRunner
@@ -144,6 +145,13 @@ def assemble(
         drafter.mirror if drafter else None,
     )
     runner.disk = tier.disk if tier is not None else None
+    if settings.kv_events_endpoint is not None and (model.tp is None or model.tp.rank == 0):
+        pool = "GPU" if device == "cuda" else None
+        events = KVEvents(settings.kv_events_endpoint, settings.kv_events_replay_endpoint,
+                          settings.block_size, pool)  # fmt: skip
+        blocks.events = events
+        if tier is not None:
+            tier.events = events
     speculator = Speculator(settings, max_model_len, drafter)
     return EngineParts(
         max_num_seqs,
