@@ -54,6 +54,8 @@ class DiskTier:
         self._bytes = 0  # the files' sizes together
         files = sorted(self.dir.glob("*.kvb"), key=lambda f: f.stat().st_mtime)
         for f in files:  # what an earlier run of the same model left
+            if len(f.stem) != 64 or any(c not in "0123456789abcdef" for c in f.stem):
+                continue  # not a block's file
             self._index[bytes.fromhex(f.stem)] = size = f.stat().st_size
             self._bytes += size
         for f in self.dir.glob("*.tmp"):  # a write cut short
@@ -90,7 +92,7 @@ class DiskTier:
         try:
             with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
                 header, data = self._check(m, key)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             log.warning("KV disk block dropped", extra={"file": str(path), "why": str(exc)})
             self._forget(key, corrupt=True)
             return None
