@@ -90,13 +90,30 @@ def kv_block_budget(
 
 
 def available_ram() -> int:
-    """Bytes of RAM this machine has free now (MemAvailable; 0 where it cannot be read)."""
+    """Bytes of RAM this process may still take: the machine's MemAvailable, within the
+    container's cgroup limit where one is set (a container sees the host's meminfo)."""
+    free = _read_int("/proc/meminfo", "MemAvailable:") * 1024
+    for limit, used in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # cgroup v2
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+         "/sys/fs/cgroup/memory/memory.usage_in_bytes"),  # v1
+    ):  # fmt: skip
+        cap = _read_int(limit)
+        if 0 < cap < 1 << 60:  # "max", or v1's huge number: no limit
+            free = min(free, max(0, cap - _read_int(used)))
+            break
+    return free
+
+
+def _read_int(path: str, field: str | None = None) -> int:
+    """The number in a file (or on its line that starts with `field`); 0 where there is
+    none."""
     try:
-        with open("/proc/meminfo") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
+                if field is None or line.startswith(field):
+                    return int(line.split()[1 if field else 0])
+    except (OSError, ValueError, IndexError):
         pass
     return 0
 

@@ -9,6 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from model.weights import load_model
+from service.config import Settings
+from service.engine import memory
 from service.engine.blocks import BlockManager
 from service.engine.host_tier import HostTier
 from service.engine.prefix_keys import RESTORE
@@ -205,3 +207,20 @@ def test_a_host_tier_is_refused_where_it_cannot_be_kept(tmp_path) -> None:
     with pytest.raises(ValueError, match="kv_host_gib: no host tier .* prefix cache is off"):
         make_engine(MODEL, kv_host_gib=0.01, disable_prefix_caching=True)
     assert make_engine(MODEL).blocks.tier is None  # the CPU's default: none
+
+
+def test_the_default_host_tier_fits_the_machine_and_its_container(monkeypatch) -> None:
+    """On CUDA a quarter of the RAM free, at most 8 GiB, within a container's cgroup
+    limit (a container sees the host's meminfo); none on the CPU unless asked for."""
+    gib = 2**30
+    files = {"/proc/meminfo": 64 * gib // 1024, "/sys/fs/cgroup/memory.max": 10 * gib,
+             "/sys/fs/cgroup/memory.current": 6 * gib}  # fmt: skip
+    monkeypatch.setattr(memory, "_read_int", lambda path, field=None: files.get(path, 0))
+    assert memory.available_ram() == 4 * gib
+    settings = Settings()
+    assert settings.host_tier_bytes("cuda", memory.available_ram()) == gib
+    assert settings.host_tier_bytes("cuda", 64 * gib) == 8 * gib
+    assert settings.host_tier_bytes("cpu", 64 * gib) == 0
+    assert Settings(kv_host_gib=0.5).host_tier_bytes("cpu", 0) == gib // 2
+    del files["/sys/fs/cgroup/memory.max"]  # no limit: the machine's
+    assert memory.available_ram() == 64 * gib
