@@ -137,9 +137,9 @@ def _install_fault(spec: str) -> None:
         Tokenizer.encode = checked  # type: ignore[method-assign]
         return
     if kind == "collide-prefix":
-        import service.engine.blocks as blocks
+        import service.engine.prefix_keys as prefix_keys
 
-        blocks.block_digest = lambda parent, tokens: b"\0" * 32
+        prefix_keys.block_digest = lambda parent, tokens: b"\0" * 32
         return
     if kind == "nan-token":
         load = model.loader.load
