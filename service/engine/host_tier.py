@@ -42,9 +42,10 @@ class Cached:
 
 @dataclass(slots=True)
 class Copies:
-    """The copies a step owes, run in this order: host slots' bytes to disk (slot,
-    entry), out (device block, host slot), in (host slot, device block), blocks read
-    from disk (their bytes, device block)."""
+    """The copies a step owes, run in this order: dropped entries' bytes to disk (from a
+    host slot, or from the device block of one stored this step), out (device block,
+    host slot), in (host slot, device block), blocks read from disk (their bytes,
+    device block)."""
 
     spill: list[tuple[int, Cached]] = field(default_factory=list)
     spill_device: list[tuple[int, Cached]] = field(default_factory=list)  # (device block, entry)
