@@ -35,10 +35,12 @@ def check_invariants(bm: BlockManager, live: list[Request]) -> None:
         assert bm.block_hash[b] == h
 
 
-def run_operations(bm: BlockManager, operations: list, check) -> None:
+def run_operations(bm: BlockManager, operations: list, check, forward=None) -> None:
     """Allocate (a prompt on one of PREFIXES, with its prefix-cache hits), append, free;
-    check(live, last) after each, `last` each request's tokens of its last step. At the
-    end every request is freed."""
+    check(live, last) after each, `last` each request's tokens of its last step;
+    forward(r, start), where given, once a step's blocks are in place, before they are
+    registered: r's tokens from the block-aligned `start` on are computed. At the end
+    every request is freed."""
     live: list[Request] = []
     last: dict[str, int] = {}
     for counter, (op, a, b) in enumerate(operations):
@@ -48,6 +50,8 @@ def run_operations(bm: BlockManager, operations: list, check) -> None:
             cached = len(hits) * bm.block_size
             if bm.can_allocate(hits, r.num_tokens):
                 bm.allocate(r, hits, r.num_tokens)
+                if forward is not None:
+                    forward(r, cached)
                 last[r.request_id] = r.num_tokens - cached
                 r.num_computed = r.num_tokens
                 bm.cache_full_blocks(r)
@@ -56,8 +60,11 @@ def run_operations(bm: BlockManager, operations: list, check) -> None:
         elif op == "append" and live:
             r = live[a % len(live)]
             if bm.can_append(r, b):
+                start = r.num_computed
                 bm.append(r, b)
                 r.output_ids.extend([5] * b)
+                if forward is not None:
+                    forward(r, start - start % bm.block_size)
                 last[r.request_id] = b
                 r.num_computed = r.num_tokens
                 bm.cache_full_blocks(r)

@@ -16,7 +16,7 @@ from service.engine.host_tier import HostTier
 from service.engine.prefix_keys import RESTORE
 from service.engine.request import Request, SamplingParams
 from tests.engine.helpers import greedy, run_all, tokens_of
-from tests.engine.test_blocks import PREFIXES, check_invariants, ops
+from tests.engine.test_blocks import check_invariants, ops, run_operations
 from tests.factories import make_engine, small_model, write_gemma3
 
 BS = 4
@@ -68,38 +68,18 @@ def test_random_operations_restore_the_bytes_that_left(
     on the device or restored from the tier, holds its tokens' bytes once the step's
     copies ran, and every block is back at the end."""
     bm = BlockManager(num_blocks, BS, tier=HostTier(slots))
-    data, live = Bytes(bm), []
-    for counter, (op, a, b) in enumerate(operations):
-        if op == "allocate":
-            r = Request(
-                f"r{counter}", PREFIXES[a] + list(range(100, 100 + b)), SamplingParams(), 0.0
-            )
-            hits = bm.lookup(r)
-            if bm.can_allocate(hits, r.num_tokens):
-                bm.allocate(r, hits, r.num_tokens)
-                assert RESTORE not in r.block_table
-                data.step(r, len(hits) * BS)
-                data.check_hits(r, len(hits))
-                r.num_computed = r.num_tokens
-                bm.cache_full_blocks(r)
-                live.append(r)
-        elif op == "append" and live:
-            r = live[a % len(live)]
-            if bm.can_append(r, b):
-                start = r.num_computed
-                bm.append(r, b)
-                r.output_ids.extend([5] * b)
-                data.step(r, start - start % BS)
-                r.num_computed = r.num_tokens
-                bm.cache_full_blocks(r)
-        elif op == "free" and live:
-            r = live.pop(a % len(live))
-            bm.free_request(r)
-            bm.forget(r)
+    data = Bytes(bm)
+
+    def forward(r: Request, start: int) -> None:
+        assert RESTORE not in r.block_table
+        data.step(r, start)
+        data.check_hits(r, start // BS)
+
+    def check(live: list[Request], _: dict) -> None:
         check_invariants(bm, live)
         assert bm.tier.num_used + len(bm.tier.free) + len(bm.tier.held) == slots
-    for r in live:
-        bm.free_request(r)
+
+    run_operations(bm, operations, check, forward)
     assert bm.num_free == num_blocks
 
 
