@@ -46,8 +46,10 @@ class Tools:
         """The grammar the output holds to (ToolFormat.grammar)."""
         names = list(self.functions) if self.choice in ("auto", "required") else [self.choice]
         key = self.format.arguments_key
-        calls = [_call_schema(n, self.functions[n], key) for n in names]
-        schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": LAYOUT}
+        calls = [_call_schema(n, key) for n in names]
+        defs = {_DEF + n: _rebased(_parameters(self.functions[n]), _DEF + n) for n in names}
+        one = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        schema = {**one, "$defs": defs, "x-guidance": LAYOUT}
         spec = self.format.grammar(f"%json {json.dumps(schema)}", self.choice, self.parallel)
         if len(spec) > MAX_CONSTRAINT_CHARS:
             raise APIError(400, f"the tools' schemas exceed {MAX_CONSTRAINT_CHARS} characters",
@@ -98,11 +100,36 @@ def _choose(
     return Tools(functions, name, False, fmt)
 
 
-def _call_schema(name: str, fn: dict[str, Any], key: str) -> dict[str, Any]:
-    params = fn.get("parameters") or {"type": "object", "properties": {}}
+# Each tool's parameters sit under the grammar's root `$defs` by this prefix and the
+# tool's name, so that the references inside them (pydantic's `#/$defs/...`, older
+# drafts' `#/definitions/...`, `#` for recursion) still point into their own schema once
+# it is nested in a call
+_DEF = "tool-"
+_DATA = ("const", "enum", "default", "examples")  # values, not schemas: kept as written
+
+
+def _parameters(fn: dict[str, Any]) -> dict[str, Any]:
+    return fn.get("parameters") or {"type": "object", "properties": {}}
+
+
+def _call_schema(name: str, key: str) -> dict[str, Any]:
     return {
         "type": "object",
-        "properties": {"name": {"const": name}, key: params},
+        "properties": {"name": {"const": name}, key: {"$ref": f"#/$defs/{_DEF}{name}"}},
         "required": ["name", key],
         "additionalProperties": False,
     }
+
+
+def _rebased(schema: Any, name: str) -> Any:
+    """A copy of a schema whose local references (`#...`) point to where it now sits,
+    under the root's `$defs[name]`."""
+    if isinstance(schema, list):
+        return [_rebased(v, name) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v if k in _DATA else _rebased(v, name) for k, v in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        out["$ref"] = f"#/$defs/{name}{ref[1:]}"
+    return out

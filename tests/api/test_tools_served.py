@@ -5,6 +5,7 @@ a grammar (arguments validate against each tool's schema at temperature 1), para
 one; streamed calls equal the whole response's for the same seed; "none" renders no
 tools; a multi-turn exchange with tool results renders; bad tools are 400s."""
 
+import enum
 import itertools
 import json
 import re
@@ -16,6 +17,7 @@ from pathlib import Path
 import httpx
 import jsonschema
 import openai
+import pydantic
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -296,3 +298,84 @@ def test_the_node_sdk_reads_the_same_calls(served) -> None:
         (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got["helper"]
     ]
     assert helper == whole
+
+
+class Unit(enum.StrEnum):
+    celsius = "celsius"
+    fahrenheit = "fahrenheit"
+
+
+class Strict(pydantic.BaseModel):
+    """additionalProperties false, as strict tools have (the OpenAI Agents SDK's)"""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+
+class Place(Strict):
+    city: str = pydantic.Field(max_length=8)
+    country: str | None = pydantic.Field(default=None, max_length=4)
+
+
+class Stop(Strict):
+    place: Place
+    days: int = pydantic.Field(ge=1, le=9)
+
+
+class Trip(Strict):
+    """A model as pydantic writes it: nested models and a list of them under `$defs`
+    (Stop refers to Place there), an optional field, an enum."""
+
+    stops: list[Stop] = pydantic.Field(min_length=1, max_length=2)
+    unit: Unit
+    note: str | None = pydantic.Field(default=None, max_length=6)
+
+
+# older drafts' `definitions`, and a reference from one definition to another
+LEGACY = {"type": "object", "required": ["p"], "additionalProperties": False,
+          "properties": {"p": {"$ref": "#/definitions/Pair"}},
+          "definitions": {
+              "Pair": {"type": "array", "items": {"$ref": "#/definitions/Digit"},
+                       "minItems": 2, "maxItems": 2},
+              "Digit": {"type": "integer", "minimum": 0, "maximum": 9}}}  # fmt: skip
+DEFS_TOOLS = [
+    {"type": "function", "function": {"name": "plan_trip", "parameters": Trip.model_json_schema()}},
+    {"type": "function", "function": {"name": "pair", "parameters": LEGACY}},
+]
+DEFS_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in DEFS_TOOLS}
+
+
+@pytest.mark.parametrize("choice", ["required", "auto", "plan_trip", "pair"])
+def test_tools_whose_schemas_use_defs_are_called_validly(served, opening: int, choice) -> None:
+    """Pydantic's `model_json_schema()` (references into `$defs`) and a draft-07 schema
+    (`definitions`): held to valid calls under every tool_choice, whole and streamed
+    alike (auto pushed to a call by a logit bias on its opening marker)."""
+    client, model = served
+    named = {"type": "function", "function": {"name": choice}}
+    kw = dict(model=model, messages=ASK, tools=DEFS_TOOLS, temperature=1.0, seed=2,
+              max_tokens=600, parallel_tool_calls=False,
+              tool_choice=choice if choice in ("required", "auto") else named)  # fmt: skip
+    if choice == "auto":
+        kw["logit_bias"] = {str(opening): 100}
+    whole = client.chat.completions.create(**kw).choices[0]
+    assert whole.finish_reason == "tool_calls", whole
+    (call,) = whole.message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, DEFS_SCHEMAS[call.function.name])
+    if call.function.name == "plan_trip":
+        Trip.model_validate(arguments)
+    assert choice in ("required", "auto", call.function.name)
+    assert streamed_calls(client, **kw) == ([(call.function.name, arguments)], "tool_calls")
+
+
+def test_the_responses_api_calls_tools_whose_schemas_use_defs(served) -> None:
+    client, model = served
+    tools = [{"type": "function", **t["function"]} for t in DEFS_TOOLS]
+    kw = dict(model=model, input="Plan a trip", tools=tools, temperature=1.0,
+              max_output_tokens=600, tool_choice={"type": "function", "name": "plan_trip"})  # fmt: skip
+    whole = client.responses.create(**kw)
+    (call,) = [item for item in whole.output if item.type == "function_call"]
+    Trip.model_validate_json(call.arguments)
+    with client.responses.stream(**kw) as stream:
+        final = stream.get_final_response()
+    (streamed,) = [item for item in final.output if item.type == "function_call"]
+    Trip.model_validate_json(streamed.arguments)
