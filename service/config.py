@@ -173,6 +173,13 @@ class Settings:
             "from, in memory (the oldest evicted first)"
         },
     )
+    responses_store_mib: float = field(
+        default=256.0,
+        metadata={
+            "help": "/v1/responses: the stored responses' size limit, MiB of their JSON "
+            "(the oldest evicted first)"
+        },
+    )
     responses_store_ttl: float = field(
         default=3600.0,
         metadata={"help": "/v1/responses: seconds a stored response can be continued from"},
@@ -322,6 +329,7 @@ class Settings:
             "num_speculative_tokens",
             "speculative_max_batch",
             "responses_store_size",
+            "responses_store_mib",
             "responses_store_ttl",
         )
         for name in positive:

@@ -3,6 +3,7 @@ a request id and one structured log line per request, rejection counting."""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import time
@@ -115,7 +116,9 @@ class Gate:
         app_state = scope["app"].state
         try:
             if path not in self.open_paths:
-                _authorize(self.settings, headers.get("authorization", ""))
+                scope["state"]["owner"] = _authorize(
+                    self.settings, headers.get("authorization", "")
+                )
             if path not in OPEN_PATHS and app_state.serving is None:
                 failed = app_state.load_error is not None
                 raise APIError(
@@ -140,9 +143,11 @@ class Gate:
         )
 
 
-def _authorize(settings: Settings, header: str) -> None:
+def _authorize(settings: Settings, header: str) -> str:
+    """Check the request's API key; what it makes is owned by the key's SHA-256 ("" when
+    the server takes no keys: one owner for all)."""
     if not settings.api_keys:
-        return
+        return ""
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token:
         raise APIError(
@@ -151,3 +156,9 @@ def _authorize(settings: Settings, header: str) -> None:
     matches = [hmac.compare_digest(token.encode(), key.encode()) for key in settings.api_keys]
     if not any(matches):
         raise APIError(401, "Incorrect API key provided", code="invalid_api_key")
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def owner_of(request: Any) -> str:
+    """Who owns what a request stores (Gate's _authorize)."""
+    return request.scope.get("state", {}).get("owner", "")

@@ -20,7 +20,8 @@ from typing import Any
 
 IN_MEMORY = ":memory:"
 _SCHEMA = """CREATE TABLE IF NOT EXISTS responses (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE NOT NULL, expires REAL NOT NULL,
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE NOT NULL, owner TEXT NOT NULL,
+    expires REAL NOT NULL, bytes INTEGER NOT NULL,
     messages TEXT NOT NULL, response TEXT NOT NULL, inputs TEXT NOT NULL)"""
 
 
@@ -29,10 +30,11 @@ class ResponseStore:
         self,
         size: int,
         ttl: float,
+        budget: int,
         path: str = IN_MEMORY,
         clock: Callable[[], float] = time.time,  # wall time: the fronts share it
     ):
-        self.size, self.ttl, self.clock = size, ttl, clock
+        self.size, self.ttl, self.budget, self.clock = size, ttl, budget, clock
         self._db = sqlite3.connect(path, timeout=10.0, check_same_thread=False)
         self._lock = threading.Lock()  # one connection, the routes' threads
         with self._lock, self._db:
@@ -43,46 +45,69 @@ class ResponseStore:
     def put(
         self,
         response_id: str,
+        owner: str,
         messages: list[dict[str, Any]],
         response: dict[str, Any],
         inputs: list[dict[str, Any]] | None = None,
-    ) -> None:
-        row = (response_id, self.clock() + self.ttl, json.dumps(messages), json.dumps(response),
-               json.dumps(inputs or []))  # fmt: skip
+    ) -> bool:
+        """Store a response (False: it alone is larger than the store's byte budget, and
+        is not kept)."""
+        texts = (json.dumps(messages), json.dumps(response), json.dumps(inputs or []))
+        size = sum(len(t) for t in texts)
+        if size > self.budget:
+            return False
         with self._lock, self._db:
             self._db.execute("DELETE FROM responses WHERE id = ?", (response_id,))
             self._db.execute(
-                "INSERT INTO responses (id, expires, messages, response, inputs) "
-                "VALUES (?, ?, ?, ?, ?)",
-                row,
+                "INSERT INTO responses (id, owner, expires, bytes, messages, response, inputs) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (response_id, owner, self.clock() + self.ttl, size, *texts),
             )
-            self._db.execute(
-                "DELETE FROM responses WHERE seq <= "
-                "(SELECT seq FROM responses ORDER BY seq DESC LIMIT 1 OFFSET ?)",
-                (self.size,),
-            )
+            self._evict()
+        return True
 
-    def get(self, response_id: str) -> list[dict[str, Any]] | None:
-        """The conversation up to and with that response (None: never stored, evicted
-        or expired)."""
-        return self._column(response_id, "messages")
+    def _evict(self) -> None:
+        """The oldest past the count, then the oldest past the byte budget."""
+        self._db.execute(
+            "DELETE FROM responses WHERE seq <= "
+            "(SELECT seq FROM responses ORDER BY seq DESC LIMIT 1 OFFSET ?)",
+            (self.size,),
+        )
+        self._db.execute(
+            "DELETE FROM responses WHERE seq <= (SELECT seq FROM (SELECT seq, SUM(bytes) "
+            "OVER (ORDER BY seq DESC) AS newer FROM responses) WHERE newer > ? "
+            "ORDER BY seq DESC LIMIT 1)",
+            (self.budget,),
+        )
 
-    def response(self, response_id: str) -> dict[str, Any] | None:
+    def get(self, response_id: str, owner: str) -> list[dict[str, Any]] | None:
+        """The conversation up to and with that response (None: never stored, another
+        key's, evicted or expired)."""
+        return self._column(response_id, owner, "messages")
+
+    def response(self, response_id: str, owner: str) -> dict[str, Any] | None:
         """The response object as it was returned (None as get's)."""
-        return self._column(response_id, "response")
+        return self._column(response_id, owner, "response")
 
-    def inputs(self, response_id: str) -> list[dict[str, Any]] | None:
+    def inputs(self, response_id: str, owner: str) -> list[dict[str, Any]] | None:
         """The input items that response was given (None as get's)."""
-        return self._column(response_id, "inputs")
+        return self._column(response_id, owner, "inputs")
 
-    def delete(self, response_id: str) -> bool:
-        """Forget a response; False: there was none to forget."""
+    def delete(self, response_id: str, owner: str) -> bool:
+        """Forget a response; False: there was none of this owner's to forget."""
         with self._lock, self._db:
             gone = self._db.execute(
-                "DELETE FROM responses WHERE id = ? AND expires >= ?",
-                (response_id, self.clock()),
+                "DELETE FROM responses WHERE id = ? AND owner = ? AND expires >= ?",
+                (response_id, owner, self.clock()),
             )
             return gone.rowcount > 0
+
+    @property
+    def num_bytes(self) -> int:
+        """The stored responses' JSON, in bytes (what the budget bounds)."""
+        with self._lock:
+            (n,) = self._db.execute("SELECT COALESCE(SUM(bytes), 0) FROM responses").fetchone()
+        return n
 
     def __len__(self) -> int:
         with self._lock:
@@ -91,10 +116,10 @@ class ResponseStore:
             ).fetchone()
         return n
 
-    def _column(self, response_id: str, column: str) -> Any:
+    def _column(self, response_id: str, owner: str, column: str) -> Any:
         with self._lock, self._db:
             self._db.execute("DELETE FROM responses WHERE expires < ?", (self.clock(),))
             row = self._db.execute(
-                f"SELECT {column} FROM responses WHERE id = ?", (response_id,)
+                f"SELECT {column} FROM responses WHERE id = ? AND owner = ?", (response_id, owner)
             ).fetchone()
         return json.loads(row[0]) if row is not None else None

@@ -11,18 +11,32 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from service.api.chat import chat_completions
+from service.api.middleware import owner_of
 from service.api.protocol import APIError, ChatCompletionRequest
 from service.api.state import ServingState
 from service.limits import MAX_MESSAGES, MAX_TOOLS
 
 router = APIRouter()
+
+
+# OpenAI's bounds on metadata: it is stored and returned, never read by the model
+MetadataKey = Annotated[str, StringConstraints(max_length=64)]
+MetadataValue = Annotated[str, StringConstraints(max_length=512)]
+
+
+class TextConfig(BaseModel):
+    """`text`: the output's format; any other key is refused (it would be stored)."""
+
+    model_config = ConfigDict(extra="forbid")
+    format: dict[str, Any] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
 
 
 class ResponsesRequest(BaseModel):
@@ -33,14 +47,14 @@ class ResponsesRequest(BaseModel):
     tools: list[dict[str, Any]] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Any = None
     parallel_tool_calls: bool = True
-    text: dict[str, Any] | None = None
+    text: TextConfig | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
     stream: bool = False
     previous_response_id: str | None = None
     store: bool = True
-    metadata: dict[str, str] | None = None
+    metadata: dict[MetadataKey, MetadataValue] | None = Field(default=None, max_length=16)
 
 
 def _new(prefix: str) -> str:
@@ -50,12 +64,12 @@ def _new(prefix: str) -> str:
 # ---- the request, as a chat request ---------------------------------------------------
 
 
-def _messages(state: ServingState, req: ResponsesRequest) -> list[dict[str, Any]]:
+def _messages(state: ServingState, req: ResponsesRequest, owner: str) -> list[dict[str, Any]]:
     """The conversation: the stored one before (without its instructions), these
     instructions, this input."""
     earlier: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
-        found = state.responses.get(req.previous_response_id)
+        found = state.responses.get(req.previous_response_id, owner)
         if found is None:
             raise APIError(404, f"Response with id '{req.previous_response_id}' not found.",
                            param="previous_response_id", code="not_found")  # fmt: skip
@@ -97,15 +111,34 @@ _ITEM_IDS = {"message": "msg", "function_call": "fc", "function_call_output": "f
 
 def _input_items(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The input as the items GET /v1/responses/{id}/input_items lists: a text input as
-    one user message, each item with an id (its own where it had one)."""
+    one user message, each item with an id (its own where it had one) and only the
+    fields its type has (what else a client sends is not stored)."""
     if isinstance(value, str):
         value = [{"type": "message", "role": "user",
                   "content": [{"type": "input_text", "text": value}]}]  # fmt: skip
     items = []
     for item in value:
         kind = item.get("type", "message")
-        items.append({"id": _new(_ITEM_IDS.get(kind, "item")), **item, "type": kind})
+        kept = {k: item[k] for k in _ITEM_FIELDS.get(kind, ()) if k in item}
+        if isinstance(kept.get("content"), list):
+            kept["content"] = [_part(p) for p in kept["content"]]
+        items.append({"id": _new(_ITEM_IDS.get(kind, "item")), **kept, "type": kind})
     return items
+
+
+_ITEM_FIELDS = {
+    "message": ("id", "role", "content", "status"),
+    "function_call": ("id", "call_id", "name", "arguments", "status"),
+    "function_call_output": ("id", "call_id", "output", "status"),
+    "reasoning": ("id", "summary", "content", "status"),
+}
+
+
+def _part(part: Any) -> Any:
+    """A content part as stored: its type and text."""
+    if not isinstance(part, dict):
+        return part
+    return {k: part[k] for k in ("type", "text") if k in part}
 
 
 def _strings(item: dict[str, Any], i: int, *names: str) -> None:
@@ -149,7 +182,7 @@ def _tools(req: ResponsesRequest) -> tuple[list[dict[str, Any]] | None, Any]:
 
 
 def _format(req: ResponsesRequest) -> dict[str, Any] | None:
-    fmt = (req.text or {}).get("format")
+    fmt = req.text.format if req.text else None
     if not fmt or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_schema":
@@ -158,8 +191,9 @@ def _format(req: ResponsesRequest) -> dict[str, Any] | None:
     return {"type": fmt.get("type")}  # json_object, or what the chat path refuses
 
 
-def _chat_request(state: ServingState, req: ResponsesRequest, stream: bool) -> tuple:
-    messages = _messages(state, req)
+def _chat_request(state: ServingState, req: ResponsesRequest, owner: str) -> tuple:
+    messages = _messages(state, req, owner)
+    stream = req.stream
     tools, choice = _tools(req)
     body = {
         "model": req.model, "messages": messages, "tools": tools, "tool_choice": choice,
@@ -216,13 +250,24 @@ def _response(
         "status": "incomplete" if incomplete else "completed",
         "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
         "error": None, "output": output, "instructions": req.instructions,
-        "tools": req.tools or [], "tool_choice": req.tool_choice or "auto",
+        "tools": _echoed_tools(req), "tool_choice": req.tool_choice or "auto",
         "parallel_tool_calls": req.parallel_tool_calls, "temperature": req.temperature,
         "top_p": req.top_p, "max_output_tokens": req.max_output_tokens,
         "previous_response_id": req.previous_response_id, "store": req.store,
-        "text": req.text or {"format": {"type": "text"}}, "metadata": req.metadata or {},
+        "text": _echoed_text(req), "metadata": req.metadata or {},
         "usage": _usage(usage) if usage else None,
     }  # fmt: skip
+
+
+def _echoed_tools(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The tools as the response repeats them: the fields a function tool has."""
+    keys = ("type", "name", "description", "parameters", "strict")
+    return [{k: t[k] for k in keys if k in t} for t in req.tools or []]
+
+
+def _echoed_text(req: ResponsesRequest) -> dict[str, Any]:
+    text = req.text.model_dump(exclude_none=True) if req.text else {}
+    return {"format": {"type": "text"}, **text}
 
 
 def _usage(chat: dict[str, Any]) -> dict[str, Any]:
@@ -234,8 +279,8 @@ def _usage(chat: dict[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _remember(state: ServingState, req: ResponsesRequest, rid: str, messages: list,
-              output: list[dict[str, Any]], response: dict[str, Any]) -> None:  # fmt: skip
+def _remember(state: ServingState, req: ResponsesRequest, owner: str, rid: str,
+              messages: list, output: list[dict[str, Any]], response: dict[str, Any]) -> None:  # fmt: skip
     """Store the response, and the conversation with its output (no instructions: each
     request gives its own) for a later previous_response_id."""
     if not req.store:
@@ -248,19 +293,20 @@ def _remember(state: ServingState, req: ResponsesRequest, rid: str, messages: li
     reply: dict[str, Any] = {"role": "assistant", "content": text or None}
     if calls:
         reply["tool_calls"] = calls
-    state.responses.put(rid, [*said, reply], response, _input_items(req.input))
+    state.responses.put(rid, owner, [*said, reply], response, _input_items(req.input))
 
 
 @router.post("/v1/responses")
 async def responses(req: ResponsesRequest, request: Request) -> Response:
     state: ServingState = request.app.state.serving
     state.check_model(req.model)
-    chat, messages = _chat_request(state, req, req.stream)
+    owner = owner_of(request)
+    chat, messages = _chat_request(state, req, owner)
     rid, created = _new("resp"), int(time.time())
     answer = await chat_completions(chat, request)
     if req.stream:
         assert isinstance(answer, StreamingResponse)
-        events = _events(state, req, rid, created, messages, answer.body_iterator)
+        events = _events(state, req, owner, rid, created, messages, answer.body_iterator)
         return StreamingResponse(
             events, media_type="text/event-stream", background=answer.background
         )
@@ -271,14 +317,14 @@ async def responses(req: ResponsesRequest, request: Request) -> Response:
     output = _output(choice["message"])
     done = _response(req, rid, created, body["model"], output, body["usage"],
                      choice["finish_reason"])  # fmt: skip
-    _remember(state, req, rid, messages, output, done)
+    _remember(state, req, owner, rid, messages, output, done)
     return JSONResponse(done)
 
 
 @router.get("/v1/responses/{response_id}")
 async def get_response(response_id: str, request: Request) -> JSONResponse:
     """A stored response, as it was returned (a 404 where none is stored)."""
-    found = request.app.state.serving.responses.response(response_id)
+    found = request.app.state.serving.responses.response(response_id, owner_of(request))
     if found is None:
         raise _not_found(response_id)
     return JSONResponse(found)
@@ -294,7 +340,7 @@ async def input_items(
 ) -> JSONResponse:
     """A stored response's input items, a page at a time, as OpenAI lists them (newest
     first unless order is asc; after: the id the page starts after)."""
-    items = request.app.state.serving.responses.inputs(response_id)
+    items = request.app.state.serving.responses.inputs(response_id, owner_of(request))
     if items is None:
         raise _not_found(response_id)
     items = items[::-1] if order == "desc" else items
@@ -313,7 +359,7 @@ async def input_items(
 
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: str, request: Request) -> JSONResponse:
-    if not request.app.state.serving.responses.delete(response_id):
+    if not request.app.state.serving.responses.delete(response_id, owner_of(request)):
         raise _not_found(response_id)
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
@@ -327,8 +373,8 @@ def _not_found(response_id: str) -> APIError:
 
 
 async def _events(
-    state: ServingState, req: ResponsesRequest, rid: str, created: int, messages: list,
-    chunks: AsyncIterator[Any],
+    state: ServingState, req: ResponsesRequest, owner: str, rid: str, created: int,
+    messages: list, chunks: AsyncIterator[Any],
 ) -> AsyncIterator[bytes]:  # fmt: skip
     """The chat stream's chunks as the Responses API's events."""
     seq = 0
@@ -416,6 +462,6 @@ async def _events(
                     content_index=0, part=part)  # fmt: skip
         yield event("response.output_item.done", output_index=at, item=text_item)
     done = _response(req, rid, created, model, output, usage, finish)
-    _remember(state, req, rid, messages, output, done)
+    _remember(state, req, owner, rid, messages, output, done)
     kind = "response.incomplete" if done["status"] == "incomplete" else "response.completed"
     yield event(kind, response=done)

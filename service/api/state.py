@@ -62,7 +62,8 @@ class ServingState:
         supervisor's folder) when this is one of several, else this process's."""
         s, attach = self.settings, getattr(self.engine, "attach", None)
         path = attach.responses if attach is not None else IN_MEMORY
-        return ResponseStore(s.responses_store_size, s.responses_store_ttl, path)
+        budget = int(s.responses_store_mib * (1 << 20))
+        return ResponseStore(s.responses_store_size, s.responses_store_ttl, budget, path)
 
     @functools.cached_property
     def think_ids(self) -> tuple[int, int] | None:

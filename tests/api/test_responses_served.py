@@ -150,3 +150,71 @@ def test_bad_input_item_pages_are_400s(served) -> None:
         assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
     with pytest.raises(openai.NotFoundError):
         client.responses.input_items.list("resp_nope")
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory: pytest.TempPathFactory):
+    """A server with two API keys, as two tenants."""
+    path = tmp_path_factory.mktemp("qwen3-responses-keys")
+    write_qwen3(path, max_position_embeddings=2048)
+    write_qwen_tokenizer(path, TEMPLATE, "the weather in paris is mild", thinks=False)
+    server = start_server(str(path), "--model", str(path), "--api-keys", "alice-key,bob-key")
+    clients = [openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+               for key in ("alice-key", "bob-key")]  # fmt: skip
+    yield *clients, clients[0].models.list().data[0].id
+    assert server.stop() == 0
+
+
+def test_a_stored_response_is_its_api_keys_alone(keyed) -> None:
+    """Another key can neither read, list, continue nor delete it: each is a 404, as for
+    a response never stored; streamed responses are scoped alike."""
+    alice, bob, model = keyed
+    for stream in (False, True):
+        kw = dict(model=model, input="my secret is 4711", max_output_tokens=2)
+        if stream:
+            events = list(alice.responses.create(**kw, stream=True))
+            rid = events[-1].response.id
+        else:
+            rid = alice.responses.create(**kw).id
+        for call in (
+            lambda: bob.responses.retrieve(rid),
+            lambda: bob.responses.input_items.list(rid),
+            lambda: bob.responses.create(model=model, input="and?", previous_response_id=rid),
+            lambda: bob.responses.delete(rid),
+        ):
+            with pytest.raises(openai.NotFoundError):
+                call()
+        assert alice.responses.retrieve(rid).id == rid
+        assert alice.responses.input_items.list(rid).data[0].content[0].text == kw["input"]
+        later = alice.responses.create(model=model, input="and?", max_output_tokens=1,
+                                       previous_response_id=rid)  # fmt: skip
+        assert later.previous_response_id == rid
+        alice.responses.delete(rid)
+
+
+def test_what_is_stored_is_bounded(keyed) -> None:
+    """OpenAI's metadata limits (16 pairs, keys of 64 characters, values of 512) and
+    unknown `text` keys are 400s naming the field; unknown fields of input items and
+    tools are not stored."""
+    alice, _, model = keyed
+    cases = [
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+        ({"metadata": {"k" * 65: "v"}}, "metadata"),
+        ({"metadata": {"k": "v" * 513}}, "metadata"),
+        ({"text": {"format": {"type": "text"}, "padding": "x" * 1000}}, "text.padding"),
+    ]  # fmt: skip
+    for extra, param in cases:
+        with pytest.raises(openai.BadRequestError) as err:
+            alice.responses.create(model=model, input="hi", max_output_tokens=1, extra_body=extra)
+        assert err.value.body["param"].startswith(param), err.value.body
+    ok = alice.responses.create(
+        model=model, max_output_tokens=1, metadata={f"k{i}": "v" * 512 for i in range(16)},
+        input=[{"role": "user", "content": [{"type": "input_text", "text": "hi", "pad": "x" * 999}],
+                "padding": "x" * 999}],
+        tools=[{**FUNCTIONS[0], "padding": "x" * 999}],
+    )  # fmt: skip
+    raw = httpx.get(f"{alice.base_url}responses/{ok.id}",
+                    headers={"Authorization": "Bearer alice-key"}).text  # fmt: skip
+    items = httpx.get(f"{alice.base_url}responses/{ok.id}/input_items",
+                      headers={"Authorization": "Bearer alice-key"}).text  # fmt: skip
+    assert "x" * 999 not in raw + items and len(ok.metadata) == 16
