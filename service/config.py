@@ -147,12 +147,22 @@ class Settings:
         default=None,
         metadata={
             "help": "publish the prefix cache's block stored/removed events on this ZMQ "
-            "endpoint, in vLLM's format, e.g. tcp://*:5557 (default: none)"
+            "endpoint, in vLLM's format, e.g. tcp://127.0.0.1:5557; unauthenticated, with "
+            "the prompts' token ids: bind an address only routers reach (default: none)"
         },
     )
     kv_events_replay_endpoint: str | None = field(
         default=None,
-        metadata={"help": "a ZMQ endpoint that replays missed KV event batches, e.g. tcp://*:5558"},
+        metadata={
+            "help": "a ZMQ endpoint that replays missed KV event batches, e.g. tcp://127.0.0.1:5558"
+        },
+    )
+    kv_events_omit_token_ids: bool = field(
+        default=False,
+        metadata={
+            "help": "KV events carry each block's hash but not its token ids (the prompts' "
+            "text), for routers that need only the hashes"
+        },
     )
     num_kv_blocks: int | None = field(
         default=None,

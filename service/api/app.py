@@ -230,7 +230,8 @@ def _install_routes(app: FastAPI) -> None:
             status = "failed" if request.app.state.load_error is not None else "loading"
             return JSONResponse({"status": status}, status_code=503)
         snap = state.engine.snapshot()
-        ok = state.engine.healthy() and not state.draining
+        replay_down = snap.kv_events_replay_up is False  # a KV events reader gets no replay
+        ok = state.engine.healthy() and not state.draining and not replay_down
         status = "draining" if state.draining else ("ok" if ok else "unhealthy")
         body = {
             "status": status,
@@ -245,6 +246,8 @@ def _install_routes(app: FastAPI) -> None:
                 "usage": snap.kv_usage,
             },
         }
+        if replay_down:
+            body["kv_events"] = "the replay socket's thread has failed"
         if state.fronts > 1:  # which of --api-server-count answered
             body["front"] = state.engine.front  # type: ignore[union-attr]
         return JSONResponse(body, status_code=200 if ok else 503)

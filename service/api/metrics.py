@@ -290,6 +290,7 @@ class _EngineCollector(Collector):
             g.add_metric(m, value)
             yield g
         yield from _host_tier(m, snap)  # zeros without one, as the speculation's
+        yield from _kv_events(m, snap)
         memory = self.device_memory()
         if memory is not None:
             for name, value in zip(("allocated", "reserved"), memory, strict=True):
@@ -377,3 +378,16 @@ def _host_tier(m: list[str], snap: EngineSnapshot) -> Iterator[Metric]:
         c = CounterMetricFamily(name, doc, labels=["model"])
         c.add_metric(m, value)
         yield c
+
+
+def _kv_events(m: list[str], snap: EngineSnapshot) -> Iterator[Metric]:
+    """Whether the KV events replay socket's thread has failed (0 while it answers, and
+    without one), and the malformed requests it dropped."""
+    failed = GaugeMetricFamily("kvserve_kv_events_replay_failed", "1 when the KV events "
+                               "replay socket's thread has failed, else 0.", labels=["model"])  # fmt: skip
+    failed.add_metric(m, float(snap.kv_events_replay_up is False))
+    yield failed
+    bad = CounterMetricFamily("kvserve_kv_events_replay_malformed", "KV events replay "
+                              "requests dropped as malformed.", labels=["model"])  # fmt: skip
+    bad.add_metric(m, snap.kv_events_malformed)
+    yield bad

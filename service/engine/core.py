@@ -19,7 +19,7 @@ import zmq
 from service.config import Settings
 from service.engine import wire
 from service.engine.output import RequestOutput
-from service.engine.stats import EngineObserver
+from service.engine.stats import EngineObserver, EngineSnapshot
 from service.engine.structured import SETUP_POOL
 
 log = logging.getLogger("kvserve.engine")
@@ -130,6 +130,7 @@ class Core:
         # requests whose grammar's start matcher is being built off the step (llguidance
         # releases the GIL), added once it is: a large grammar never stalls a step
         self.preparing: dict[str, tuple[Future, wire.Add]] = {}
+        self.sent: EngineSnapshot | None = None  # the snapshot the fronts have last
 
     def serve(self) -> None:
         from service.build import build
@@ -180,7 +181,8 @@ class Core:
                 self.outputs += engine.step()
             elif not (self.outputs or self.failed):
                 engine.idle()
-                continue
+                if engine.snapshot() == self.sent:
+                    continue  # idle, and nothing the fronts read has changed
             self._publish()
 
     def _drain(self) -> bool:
@@ -265,6 +267,7 @@ class Core:
         for rid in [r for r in self.front_of if r not in self.seq_ids and r not in self.preparing]:
             del self.front_of[rid]
         snapshot, busy = engine.snapshot(), engine.has_unfinished()
+        self.sent = snapshot
         memory, events = self.built.device_memory(), self.recorder.take()
         for front in range(len(self.fronts)):
             step = wire.Step(

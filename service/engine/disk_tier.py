@@ -7,7 +7,9 @@ a file per block named by its key (whose chain starts from the namespace and the
 request's cache_salt, so tenants stay apart). A file is its header (the key, its
 parent's key, the block's tokens, dtype and shape), the block's K and V in every layer,
 and a SHA-256 over both; it is written to a temporary name and renamed, so a reader sees
-a whole file or none. A read checks the checksum, the header and the size before the
+a whole file or none, and a write that fails leaves no temporary file behind. The files
+hold prompts' tokens: each is created 0600 in folders of 0700 (never through a link), and
+a `--kv-disk-path` other users can write to is refused. A read checks the checksum, the header and the size before the
 bytes are used: a corrupt or truncated file is deleted and its block recomputed.
 
 Entry ids do not survive a restart, so a file's hit is checked by its key, its tokens
@@ -22,6 +24,7 @@ import logging
 import mmap
 import os
 import queue
+import stat
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -42,11 +45,32 @@ class DiskStats:
     dropped: int = 0  # files deleted past the size limit
 
 
+def private_folder(path: Path, flag: str) -> Path:
+    """`path` as a folder of this user's alone (made 0700 if missing); a ValueError
+    naming the flag if it cannot be one: not a folder, not this user's, or writable by
+    other users (who could plant or replace the files kvserve reads back)."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        info = path.lstat()
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: {exc.strerror or exc}") from None
+    if not stat.S_ISDIR(info.st_mode):
+        raise ValueError(f"{flag} {path}: not a folder (a link or a file)")
+    if info.st_uid != os.geteuid():
+        raise ValueError(f"{flag} {path}: belongs to another user (uid {info.st_uid})")
+    if info.st_mode & 0o022:
+        raise ValueError(f"{flag} {path}: other users can write to it (mode "
+                         f"{stat.S_IMODE(info.st_mode):o}); give kvserve a folder of its own, "
+                         "chmod 700")  # fmt: skip
+    return path
+
+
 class DiskTier:
     def __init__(self, path: str, budget: int, namespace: str, dtype: torch.dtype) -> None:
         tag = hashlib.sha256(f"kvserve-disk\0{namespace}".encode()).hexdigest()[:24]
-        self.dir = Path(path) / tag
-        self.dir.mkdir(parents=True, exist_ok=True)
+        private_folder(Path(path), "--kv-disk-path")
+        self.dir = private_folder(Path(path) / tag, "--kv-disk-path")
+        os.chmod(self.dir, 0o700)
         self.budget, self.dtype = budget, dtype
         self.stats = DiskStats()
         self._lock = threading.Lock()  # the index: the writer adds, the scheduler reads
@@ -58,6 +82,7 @@ class DiskTier:
                 continue  # not a block's file
             self._index[bytes.fromhex(f.stem)] = size = f.stat().st_size
             self._bytes += size
+            f.chmod(0o600)  # an earlier version's files were readable by all
         for f in self.dir.glob("*.tmp"):  # a write cut short
             f.unlink(missing_ok=True)
         self._trim()
@@ -90,7 +115,8 @@ class DiskTier:
                 return None
         path = self._path(key)
         try:
-            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with open(fd, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
                 header, data = self._check(m, key)
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             log.warning("KV disk block dropped", extra={"file": str(path), "why": str(exc)})
@@ -151,9 +177,15 @@ class DiskTier:
         body = MAGIC + len(header).to_bytes(4, "little") + header
         body += data.contiguous().view(torch.uint8).numpy().tobytes()
         path, tmp = self._path(key), self._path(key).with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            f.write(body + hashlib.sha256(body).digest())
-        os.replace(tmp, path)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)  # fmt: skip
+        try:
+            with open(fd, "wb") as f:
+                f.write(body + hashlib.sha256(body).digest())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         with self._lock:
             self._bytes += len(body) + 32 - self._index.get(key, 0)
             self._index[key] = len(body) + 32

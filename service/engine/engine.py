@@ -138,6 +138,10 @@ class LLMEngine:
         snap = self.stats.snapshot(
             len(sched.running), len(sched.waiting), used, total, each, window_bytes
         )
+        events = blocks.events
+        snap = dataclasses.replace(
+            snap, kv_events_replay_up=events.replay_up, kv_events_malformed=events.malformed
+        )
         tier = blocks.tier
         if tier is None:
             return snap

@@ -148,7 +148,7 @@ def assemble(
     if settings.kv_events_endpoint is not None and (model.tp is None or model.tp.rank == 0):
         pool = "GPU" if device == "cuda" else None
         events = KVEvents(settings.kv_events_endpoint, settings.kv_events_replay_endpoint,
-                          settings.block_size, pool)  # fmt: skip
+                          settings.block_size, pool, not settings.kv_events_omit_token_ids)  # fmt: skip
         blocks.events = events
         if tier is not None:
             tier.events = events

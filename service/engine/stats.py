@@ -92,6 +92,9 @@ class EngineSnapshot:
     kv_disk_written_blocks: int = 0
     kv_disk_read_blocks: int = 0  # read back for a hit
     kv_disk_corrupt_blocks: int = 0  # files that failed their checks (recomputed)
+    # KV events' replay socket (service/engine/kv_events.py): None without one
+    kv_events_replay_up: bool | None = None
+    kv_events_malformed: int = 0  # replay requests dropped as malformed
 
     @property
     def kv_usage(self) -> float:

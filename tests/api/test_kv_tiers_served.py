@@ -3,11 +3,16 @@ pool of 48 blocks): a conversation's next turn, after others evicted it, is serv
 the host tier (usage's cached_tokens, the kvserve_kv_host_* counters); after a restart
 (SIGTERM writes the cached blocks to disk) the same turn is read from the disk tier."""
 
+import stat
+import time
+from pathlib import Path
+
 import httpx
 import pytest
+import zmq
 
 from tests.deploy.test_metrics import scrape
-from tests.factories import start_server
+from tests.factories import free_port, start_server
 
 pytestmark = pytest.mark.slow
 FLAGS = ("--num-kv-blocks", "48", "--block-size", "16", "--kv-host-gib", "0.05")
@@ -47,3 +52,39 @@ def test_a_turn_comes_back_from_the_host_tier_then_from_disk(tmp_path) -> None:
         assert metrics["kvserve_kv_disk_corrupt_blocks_total{}"] == 0
     finally:
         assert restarted.stop() == 0
+
+
+def test_kv_events_warn_of_a_wildcard_and_survive_malformed_replay_requests(tmp_path) -> None:
+    """A publisher bound to every interface is warned of in the log; replay requests of
+    the wrong shape are dropped and counted while /health stays 200 and a well-formed
+    request is still answered; the disk tier's files are the server user's alone."""
+    pub, replay = free_port(), free_port()
+    disk = tmp_path / "kv"
+    server = start_server(str(tmp_path), *FLAGS, "--kv-disk-path", str(disk),
+                          "--kv-events-endpoint", f"tcp://0.0.0.0:{pub}",
+                          "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}")  # fmt: skip
+    ctx = zmq.Context()
+    try:
+        log = Path(server.log_path).read_text()
+        assert "KV events bound to every interface" in log and f"tcp://0.0.0.0:{pub}" in log
+        turn(server.url, "a prompt to publish " * 20)
+        for frames in ([b"x"], [b"", b"1", b"2"], [b"", b"short"]):
+            bad = ctx.socket(zmq.DEALER)
+            bad.connect(f"tcp://127.0.0.1:{replay}")
+            bad.send_multipart(frames)
+        good = ctx.socket(zmq.DEALER)
+        good.connect(f"tcp://127.0.0.1:{replay}")
+        good.send_multipart([b"", (0).to_bytes(8, "big")])
+        assert good.poll(10_000) and len(good.recv_multipart()) == 3  # a batch, then more
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+        deadline = time.monotonic() + 10  # an idle engine's snapshot follows within a second
+        while (metrics := scrape(server))["kvserve_kv_events_replay_malformed_total{}"] < 3:
+            assert time.monotonic() < deadline, metrics
+            time.sleep(0.2)
+        assert metrics["kvserve_kv_events_replay_failed{}"] == 0
+        assert metrics["kvserve_kv_events_replay_malformed_total{}"] == 3
+    finally:
+        ctx.destroy(linger=0)
+        assert server.stop() == 0
+    files = [disk, *disk.rglob("*")]
+    assert len(files) > 3 and all(stat.S_IMODE(f.stat().st_mode) & 0o077 == 0 for f in files)

@@ -176,14 +176,15 @@ def test_a_stored_response_is_its_api_keys_alone(keyed) -> None:
             rid = events[-1].response.id
         else:
             rid = alice.responses.create(**kw).id
-        for call in (
-            lambda: bob.responses.retrieve(rid),
-            lambda: bob.responses.input_items.list(rid),
-            lambda: bob.responses.create(model=model, input="and?", previous_response_id=rid),
-            lambda: bob.responses.delete(rid),
+        for call, args in (
+            (bob.responses.retrieve, {}),
+            (bob.responses.input_items.list, {}),
+            (bob.responses.delete, {}),
         ):
             with pytest.raises(openai.NotFoundError):
-                call()
+                call(rid, **args)
+        with pytest.raises(openai.NotFoundError):
+            bob.responses.create(model=model, input="and?", previous_response_id=rid)
         assert alice.responses.retrieve(rid).id == rid
         assert alice.responses.input_items.list(rid).data[0].content[0].text == kw["input"]
         later = alice.responses.create(model=model, input="and?", max_output_tokens=1,

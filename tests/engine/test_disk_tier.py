@@ -3,11 +3,13 @@ conversation's blocks written to files come back after a restart (bit for bit: t
 logprobs of blocks that never left the pool); a corrupt or truncated file is detected,
 deleted and its block recomputed; another tenant's salt or another model finds nothing."""
 
+import stat
 from pathlib import Path
 
 import pytest
 import torch
 
+from service.engine.disk_tier import DiskTier
 from service.engine.prefix_keys import chain_hashes, root_digest
 from tests.engine.helpers import greedy, run_all, tokens_of
 from tests.factories import make_engine, small_model
@@ -87,3 +89,56 @@ def test_another_salt_or_model_reads_nothing(tmp_path: Path) -> None:
     another = disk_engine(tmp_path, model=small_model(max_position=256))  # another config
     assert next_turn(another, salt="tenant-1")[0].num_cached_tokens == 0
     assert another.blocks.tier.disk.dir != same.blocks.tier.disk.dir
+
+
+def test_files_are_private_and_never_written_through_a_link(tmp_path: Path) -> None:
+    """Files 0600 in a 0700 folder; a link planted where a temporary file goes fails
+    that write (the block is not kept) without touching the link's target."""
+    root = tmp_path / "kv"
+    first_run(root)
+    (folder,) = root.iterdir()
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700 == stat.S_IMODE(folder.stat().st_mode)
+    files = list(folder.iterdir())
+    assert files and {stat.S_IMODE(f.stat().st_mode) for f in files} == {0o600}
+    tier = DiskTier(str(root), 1 << 30, "ns", torch.float32)
+    victim = tmp_path / "victim"
+    victim.write_text("untouched")
+    key = bytes(32)
+    tier._path(key).with_suffix(".tmp").symlink_to(victim)
+    tier.write(key, bytes(32), (1, 2), torch.zeros(4))
+    tier.flush()
+    assert victim.read_text() == "untouched" and tier.read(key, bytes(32), (1, 2)) is None
+    tier.close()
+
+
+def test_a_failed_write_leaves_no_temporary_file(tmp_path: Path) -> None:
+    """The rename fails (a folder sits where the file goes): the block is not kept, its
+    temporary file is removed, and the next write works."""
+    tier = DiskTier(str(tmp_path / "kv"), 1 << 30, "ns", torch.float32)
+    stuck, fine = bytes([1]) * 32, bytes([2]) * 32
+    (tier._path(stuck) / "in-the-way").mkdir(parents=True)
+    tier.write(stuck, bytes(32), (1,), torch.ones(4))
+    tier.write(fine, bytes(32), (2,), torch.ones(4))
+    tier.flush()
+    assert not list(tier.dir.glob("*.tmp"))
+    assert tier.read(fine, bytes(32), (2,)) is not None and tier.stats.written == 1
+    tier.close()
+
+
+@pytest.mark.parametrize("case", ["others-write", "a-file", "a-planted-link"])
+def test_an_unsafe_folder_is_refused_naming_the_flag(tmp_path: Path, case: str) -> None:
+    """A folder others can write to, a file, or the model's folder planted as a link."""
+    path = tmp_path / "kv"
+    if case == "others-write":
+        path.mkdir()
+        path.chmod(0o777)
+    elif case == "a-file":
+        path.write_text("")
+    else:
+        tier = DiskTier(str(path), 1 << 30, "ns", torch.float32)  # to learn its folder
+        tier.close()
+        tier.dir.rmdir()
+        (tmp_path / "elsewhere").mkdir(mode=0o700)
+        tier.dir.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ValueError, match="--kv-disk-path"):
+        DiskTier(str(path), 1 << 30, "ns", torch.float32)

@@ -95,3 +95,85 @@ def test_a_subscriber_sees_blocks_stored_evicted_and_replayed(tmp_path) -> None:
     assert again == seqs[1:]
     engine.close()
     ctx.destroy(linger=0)
+
+
+def replayed(asker: Any, start: int) -> list[int]:
+    """The sequence numbers a replay request from `start` gets back."""
+    asker.send_multipart((b"", start.to_bytes(8, "big")))
+    got = []
+    while True:
+        assert asker.poll(5000), "the replay socket did not answer"
+        _, seq, payload = asker.recv_multipart()
+        if not payload:
+            return got
+        got.append(int.from_bytes(seq, "big"))
+
+
+def test_malformed_replay_requests_are_dropped_and_the_socket_answers_on(tmp_path) -> None:
+    """One frame, too many, an empty delimiter's absence, a start of the wrong size:
+    each dropped and counted; the next subscriber still gets its replay. A thread that
+    fails shows in the engine's snapshot (what /health and the metrics read)."""
+    pub, replay = f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/replay"
+    engine = make_engine(MODEL, num_kv_blocks=16, kv_events_endpoint=pub,
+                         kv_events_replay_endpoint=replay)  # fmt: skip
+    run_all(engine, {"a": (list(range(1, 22)), greedy(2))})
+    ctx = zmq.Context()
+    bad = [(b"x",), (b"", b"1", b"2", b"3"), (b"nodelim", b"12345678"), (b"", b"123")]
+    for frames in bad:
+        asker = ctx.socket(zmq.DEALER)
+        asker.connect(replay)
+        asker.send_multipart(frames)
+    good = ctx.socket(zmq.DEALER)
+    good.connect(replay)
+    assert replayed(good, 0) == list(range(engine.blocks.events.seq))
+    snap = engine.snapshot()
+    assert snap.kv_events_replay_up is True and snap.kv_events_malformed == len(bad)
+    events = engine.blocks.events
+
+    def fail() -> None:
+        raise RuntimeError("a failure the thread cannot answer past")
+
+    events._answer_one = fail  # the thread's next request meets it
+    good.send_multipart((b"", (0).to_bytes(8, "big")))
+    events._thread.join(5)
+    assert engine.snapshot().kv_events_replay_up is False
+    engine.close()
+    ctx.destroy(linger=0)
+
+
+def test_token_ids_can_be_left_out(tmp_path) -> None:
+    """--kv-events-omit-token-ids: the hashes and their chain, no prompt tokens."""
+    pub = f"ipc://{tmp_path}/events"
+    engine = make_engine(MODEL, num_kv_blocks=16, kv_events_endpoint=pub,
+                         kv_events_omit_token_ids=True)  # fmt: skip
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.connect(pub)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv-events")
+    time.sleep(0.3)
+    prompt = list(range(1, 22))
+    run_all(engine, {"a": (prompt, greedy(2))})
+    decode = msgspec.msgpack.Decoder(KVEventBatch).decode
+    events = []
+    while sub.poll(500):
+        events += decode(sub.recv_multipart()[2]).events
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    keys = chain_hashes(prompt, 4, [], root_digest(engine.blocks.namespace, None))
+    assert [e.block_hashes for e in stored[:5]] == [[k] for k in keys]
+    assert stored and all(e.token_ids == [] for e in stored)
+    engine.close()
+    ctx.destroy(linger=0)
+
+
+def test_a_wildcard_endpoint_is_told_apart() -> None:
+    from service.engine.kv_events import is_wildcard
+
+    for endpoint in ("tcp://*:5557", "tcp://0.0.0.0:5557", "tcp://[::]:5557", "tcp://:::5557"):
+        assert is_wildcard(endpoint), endpoint
+    for endpoint in (
+        "tcp://127.0.0.1:5557",
+        "tcp://10.0.0.7:5557",
+        "ipc:///run/kv",
+        "tcp://[::1]:1",
+    ):
+        assert not is_wildcard(endpoint), endpoint
