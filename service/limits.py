@@ -15,3 +15,7 @@ MAX_TOOLS = 128  # tools in one chat request (their schemas: MAX_CONSTRAINT_CHAR
 MAX_CACHE_SALT_CHARS = 256
 MAX_CHOICES = 256  # strings in guided_choice / structured_outputs.choice
 MAX_CONSTRAINT_CHARS = 100_000  # a JSON Schema, regex or grammar, as text: compiled per request
+# entries of prompt-token logprobs in one response (prompt tokens x (alternatives + 1),
+# over every prompt and choice, echo's and prompt_logprobs' each): about 50 bytes of
+# JSON an entry, so a response stays within tens of MB
+MAX_PROMPT_LOGPROB_ENTRIES = 500_000

@@ -9,15 +9,16 @@ from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from service.api.chat_output import ChoiceReader
 from service.api.chat_template import TEMPLATE_VARIABLES
-from service.api.prompt_logprobs import vllm_prompt_logprobs
+from service.api.prompt_logprobs import check_size, vllm_prompt_logprobs
 from service.api.protocol import APIError, ChatCompletionRequest
 from service.api.reasoning import grammar_start, opens_thinking
 from service.api.serving import (
+    Choice,
     ClientDisconnected,
     check_stream_options,
     collect,
@@ -30,7 +31,7 @@ from service.api.serving import (
     until_disconnect,
     validate_prompt,
 )
-from service.api.sse import stream_chunks, usage
+from service.api.sse import encoded_in_turns, stream_chunks, usage
 from service.api.state import ServingState
 from service.api.tools import Tools, tools_of
 from service.engine.output import RequestOutput, TokenLogprobs
@@ -90,6 +91,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     if params.constraint is not None and (start := grammar_start(prompt, markers)):
         params = replace(params, constraint=replace(params.constraint, think=start))
     await validate_prompt(state, prompt, params)
+    if req.prompt_logprobs is not None:
+        check_size(len(prompt), req.n, [req.prompt_logprobs], "prompt_logprobs")
     admission = state.admit(req.n, (len(prompt) + params.max_tokens) * req.n)
     rid, created = new_id("chatcmpl"), int(time.time())
     if req.stream:
@@ -112,6 +115,18 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
         admission.release()
     raise_if_failed(choices)
     readers = [_reader(req, markers, thinking, tools) for _ in choices]
+    return await encoded_in_turns(_body(state, req, prompt, choices, readers, rid, created))
+
+
+def _body(
+    state: ServingState,
+    req: ChatCompletionRequest,
+    prompt: list[int],
+    choices: list[Choice],
+    readers: list[ChoiceReader],
+    rid: str,
+    created: int,
+) -> dict[str, Any]:
     body = {
         "id": rid,
         "object": "chat.completion",
@@ -131,7 +146,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     if req.prompt_logprobs is not None:  # vLLM's: the rendered prompt's tokens
         scored = choices[0].prompt_logprobs or []
         body["prompt_logprobs"] = vllm_prompt_logprobs(state, scored, req.prompt_logprobs)
-    return JSONResponse(body)
+    return body
 
 
 def _stream(

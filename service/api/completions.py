@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from service.api.prompt_logprobs import echo_logprobs, vllm_prompt_logprobs
+from service.api.prompt_logprobs import check_size, echo_logprobs, vllm_prompt_logprobs
 from service.api.protocol import APIError, CompletionRequest
 from service.api.serving import (
     Choice,
@@ -29,7 +30,7 @@ from service.api.serving import (
     until_disconnect,
     validate_prompt,
 )
-from service.api.sse import stream_chunks, usage
+from service.api.sse import encoded_in_turns, stream_chunks, usage
 from service.api.state import ServingState
 from service.engine.output import RequestOutput, TokenLogprobs
 
@@ -92,6 +93,7 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
     params = sampling_params(req, max_tokens, req.logprobs, _scored(req))
     for ids in prompts:
         await validate_prompt(state, ids, params)
+    _check_scored_size(req, prompts)
     demand = sum(len(ids) + params.max_tokens for ids in prompts) * req.n
     admission = state.admit(len(prompts) * req.n, demand)
     rid, created = new_id("cmpl"), int(time.time())
@@ -112,6 +114,18 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
         admission.release()
     for choices in results:
         raise_if_failed(choices)
+    return await encoded_in_turns(_body(state, req, prompts, results, head))
+
+
+def _body(
+    state: ServingState,
+    req: CompletionRequest,
+    prompts: list[list[int]],
+    results: list[list[Choice]],
+    head: dict[str, Any],
+) -> dict[str, Any]:
+    """The whole response: each prompt's choices, with the echo and the logprobs asked
+    for (a prompt's lists of them as iterators, encoded in turns)."""
     out_choices = []
     for i, (echo, choices) in enumerate(zip(_echoes(state, req, prompts), results, strict=True)):
         scored = choices[0].prompt_logprobs or []
@@ -123,7 +137,7 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
                 lp = _logprobs(state, c.logprobs, len(echo))
                 if req.echo:
                     head_lp = echo_logprobs(state, prompts[i], scored, req.logprobs)
-                    lp = {k: head_lp[k] + v for k, v in lp.items()}
+                    lp = {k: itertools.chain(head_lp[k], v) for k, v in lp.items()}
             entry = {
                 "index": i * req.n + j,
                 "text": echo + c.text,
@@ -135,12 +149,21 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
             out_choices.append(entry)
     completion = sum(len(c.token_ids) for cs in results for c in cs)
     cached = sum(cs[0].cached for cs in results)
-    body = {
+    return {
         **head,
         "choices": out_choices,
         "usage": usage(sum(map(len, prompts)), completion, cached),
     }
-    return JSONResponse(body)
+
+
+def _check_scored_size(req: CompletionRequest, prompts: list[list[int]]) -> None:
+    """echo's and prompt_logprobs' entries for every prompt token, within the cap."""
+    forms = {"logprobs": req.logprobs if req.echo else None,
+             "prompt_logprobs": req.prompt_logprobs}  # fmt: skip
+    asked = {k: v for k, v in forms.items() if v is not None}
+    if asked:
+        param = "prompt_logprobs" if "prompt_logprobs" in asked else "logprobs"
+        check_size(sum(map(len, prompts)), req.n, list(asked.values()), param)
 
 
 def _stream(
@@ -186,7 +209,7 @@ def _stream(
         if req.logprobs is not None:
             lp = _logprobs(state, out.logprobs, offsets.get(index, 0))
             if "logprobs" in head:
-                lp = {k: head["logprobs"][k] + v for k, v in lp.items()}
+                lp = {k: itertools.chain(head["logprobs"][k], v) for k, v in lp.items()}
         offsets[index] = offsets.get(index, 0) + len(out.text)
         text = head.get("text", "") + out.text
         entry = {"index": index, "text": text, "logprobs": lp, "finish_reason": reason}

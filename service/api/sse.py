@@ -6,8 +6,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Callable, Iterable
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any, TypeVar
+
+from fastapi.responses import JSONResponse
 
 from service.api.protocol import APIError
 from service.engine.output import RequestOutput
@@ -54,6 +57,73 @@ async def merged(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]
 _to_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
+class EncodedJSON(JSONResponse):
+    """A JSON response whose body was encoded already (json_in_turns)."""
+
+    def render(self, content: Any) -> bytes:
+        return content
+
+
+TURN_S = 0.002  # how long json_in_turns encodes before it lets the loop serve others
+
+
+async def json_in_turns(value: Any) -> bytes:
+    """`value` as JSON, encoded on the event loop in turns of about TURN_S, each followed
+    by as long a pause for the loop's other work and the engine thread. A response of
+    many prompt logprobs takes seconds to build and encode: at once it would stall every
+    other stream for as long, and in a worker thread the GIL would (the loop waits for it
+    after each of its system calls, several an event). Each turn's pieces are joined as
+    it ends, so the last join copies a few thousand strings, not millions."""
+    done: list[bytes] = []
+    turn: list[str] = []
+    end = time.perf_counter() + TURN_S
+    for piece in pieces(value):
+        turn.append(piece)
+        if time.perf_counter() > end:
+            done.append("".join(turn).encode())
+            turn = []
+            await asyncio.sleep(TURN_S)
+            end = time.perf_counter() + TURN_S
+    done.append("".join(turn).encode())
+    return b"".join(done)
+
+
+async def encoded_in_turns(body: dict[str, Any]) -> EncodedJSON:
+    return EncodedJSON(await json_in_turns(body))
+
+
+def pieces(value: Any, depth: int = 0) -> Iterator[str]:
+    """`value` as JSON, in pieces: a container near the top or of many items an item at
+    a time, an iterator (a lazily built list) as an array; the rest by the JSON encoder,
+    whole."""
+    if isinstance(value, dict) and (depth < 4 or len(value) > 32):
+        yield "{"
+        for i, (k, v) in enumerate(value.items()):
+            yield ("," if i else "") + _to_json(k) + ":"
+            yield from pieces(v, depth + 1)
+        yield "}"
+    elif isinstance(value, Iterator) or (
+        isinstance(value, list | tuple) and (depth < 4 or len(value) > 32)
+    ):
+        yield "["
+        for i, v in enumerate(value):
+            if i:
+                yield ","
+            yield from pieces(v, depth + 1)
+        yield "]"
+    else:
+        yield _leaf_json(value)
+
+
+def _as_list(value: Any) -> list[Any]:
+    if isinstance(value, Iterator):  # a lazy list inside a small container
+        return list(value)
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+_leaf_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), default=_as_list).encode
+
+
 def sse(data: dict[str, Any] | str) -> bytes:
     payload = data if isinstance(data, str) else _to_json(data)
     return f"data: {payload}\n\n".encode()
@@ -92,8 +162,12 @@ async def stream_chunks(
                     raise APIError(500, out.error)
                 completion += len(out.token_ids)
                 cached[i] = out.num_cached_tokens
-                if (item := choice(i, out)) is not None:
+                if (item := choice(i, out)) is None:
+                    continue
+                if out.prompt_logprobs is None:
                     yield sse({**head, "choices": [item]})
+                else:  # a prompt's scores, with its first token: large, built in turns
+                    yield b"data: " + await json_in_turns({**head, "choices": [item]}) + b"\n\n"
         if include_usage:
             total = usage(prompt_tokens, completion, sum(cached.values()))
             yield sse({**head, "choices": [], "usage": total})

@@ -36,7 +36,7 @@ class LogprobRows:
         for j, i in enumerate(self.rows):
             if tokens[i] >= 0:
                 n = self.counts[j]
-                top = list(zip(ids[j][:n], values[j][:n], strict=True))
+                top = tuple(zip(ids[j][:n], values[j][:n], strict=True))
                 result[i] = TokenLogprobs(tokens[i], chosen[j], top)
         return result
 

@@ -12,7 +12,10 @@ from service.engine.request import FinishReason, Request
 class TokenLogprobs:
     token_id: int
     logprob: float
-    top: list[tuple[int, float]]  # the N most likely tokens, most likely first
+    # the N most likely tokens, most likely first: tuples of numbers, which the garbage
+    # collector stops tracking (a prompt's entries are many, and a collection walks each
+    # tracked object)
+    top: tuple[tuple[int, float], ...]
     rank: int | None = None  # its place among the vocab's logprobs (1: the most likely)
 
 

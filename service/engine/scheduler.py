@@ -17,6 +17,12 @@ from service.engine.blocks import BlockManager
 from service.engine.prefix_keys import Hits
 from service.engine.request import Request, Status
 
+# A prompt token whose logprobs are asked for (echo, prompt_logprobs) is one row of the
+# vocabulary-wide log-softmax, rank and top-k besides its forward: against the cap of a
+# step that carries decodes it counts as this many plain prompt tokens
+# (docs/decisions.md has the measurement)
+SCORED_TOKEN_COST = 4
+
 
 class Scheduler:
     def __init__(
@@ -36,6 +42,7 @@ class Scheduler:
         self.mixed_prefill_tokens = mixed_prefill_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last is the newest
+        self.scored_cost = 1  # this step's (schedule: SCORED_TOKEN_COST beside decodes)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -48,10 +55,12 @@ class Scheduler:
         out = SchedulerOutput()
         budget = prefill = self.max_num_batched_tokens
         cap = self.mixed_prefill_tokens
+        self.scored_cost = 1
         if cap is not None and any(
             r.remaining == 1 and not r.last_is_pending for r in self.running
         ):
             prefill = min(prefill, cap)  # decodes ride in this step: keep it short
+            self.scored_cost = SCORED_TOKEN_COST
         budget, prefill = self._schedule_running(out, budget, prefill)
         if not out.preempted:  # no room was found for running work: admit nothing new
             allowed = min(budget, prefill)
@@ -70,7 +79,8 @@ class Scheduler:
                 i += 1
                 continue
             chunk = request.remaining > 1
-            n = min(request.remaining, budget, prefill if chunk else budget)
+            cost = self._cost(request) if chunk else 1
+            n = min(request.remaining, budget, prefill // cost if chunk else budget)
             if n == 0:  # no prefill allowance left this step: it continues next step
                 i += 1
                 continue
@@ -82,7 +92,7 @@ class Scheduler:
             out.seqs.append(seq)
             n += len(drafts)
             budget -= n
-            prefill -= n if chunk else 0
+            prefill -= n * cost if chunk else 0
             i += 1
         return budget, prefill
 
@@ -121,8 +131,9 @@ class Scheduler:
             # prompt logprobs and mean pooling need every prompt token: no cache hits
             hits = Hits() if request.computes_prompt else self.blocks.lookup(request)
             cached = len(hits) * self.blocks.block_size
-            n = min(request.num_tokens - cached, budget)
-            if not self.blocks.can_allocate(hits, cached + n, self._watermark()):
+            cost = self._cost(request)
+            n = min(request.num_tokens - cached, budget // cost)
+            if n == 0 or not self.blocks.can_allocate(hits, cached + n, self._watermark()):
                 break
             self.blocks.allocate(request, hits, cached + n)
             self.waiting.remove(request)
@@ -134,8 +145,12 @@ class Scheduler:
             out.prefix_hits += cached
             self.running.append(request)
             out.seqs.append(_seq(request, cached, n, n == request.num_tokens - cached))
-            budget -= n
+            budget -= n * cost
         return budget
+
+    def _cost(self, request: Request) -> int:
+        """What a prompt token of `request` counts for against this step's allowance."""
+        return self.scored_cost if request.params.prompt_logprobs is not None else 1
 
     def _watermark(self) -> int:
         """Blocks a new prompt must leave free while others run (1% of the pool, at least

@@ -20,7 +20,7 @@ def out(token: int, index: int = 0, finished: bool = False, error: str | None = 
         index=index,
         token_ids=[token],
         text=f"<{token}>",
-        logprobs=[TokenLogprobs(token, -0.5, [])],
+        logprobs=[TokenLogprobs(token, -0.5, ())],
         finished=finished,
         finish_reason=FinishReason.STOP if finished else None,
         num_output_tokens=token,

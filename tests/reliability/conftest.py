@@ -57,6 +57,7 @@ def row(request: pytest.FixtureRequest) -> Iterator[Row]:
 ORDER = (
     "Fuzzing",
     "Oversized",
+    "Prompt logprobs",
     "Forged",
     "Disconnect",
     "Grammar",

@@ -9,6 +9,7 @@ import asyncio
 import itertools
 import json
 import statistics
+import sys
 import time
 
 import httpx
@@ -113,3 +114,73 @@ def test_tokenizing_runs_off_the_event_loop(tmp_path) -> None:
             assert c.post("/tokenize", json={"prompt": "hello"}).json()["count"] >= 1
     finally:
         server.stop()
+
+
+SCORED = {"max_tokens": 1, "echo": True, "logprobs": 20, "prompt_logprobs": 20}
+PROMPT_IDS = [[(7 * p + 13 * i) % 5000 + 300 for i in range(1900)] for p in range(7)]
+CHAT_OVER = {"messages": [{"role": "user", "content": "word " * 3000}], "max_tokens": 1,
+             "prompt_logprobs": 20, "n": 8}  # fmt: skip
+# the heavy requests from a process of their own: reading 25 MB bodies on the loop that
+# times the stream would show the client's stalls, not the server's
+# (nor parsing them beside it: their bodies are kept in files, read once it is over)
+HEAVY_CLIENT = """
+import concurrent.futures, json, sys, httpx
+print("ready", flush=True)  # its start-up done, not beside the stream
+url, folder, bodies = sys.argv[1], sys.argv[2], json.loads(sys.stdin.readline())
+def post(i):
+    r = httpx.post(url + bodies[i][0], json=bodies[i][1], timeout=300)
+    open(f"{folder}/answer-{i}.json", "wb").write(r.content)
+    return r.status_code
+with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+    print(json.dumps(list(pool.map(post, range(len(bodies))))))
+"""
+
+
+def test_prompt_logprobs_at_their_size_cap_beside_a_stream(tmp_path, row: Row) -> None:
+    """Prompt logprobs at their size cap beside a stream"""
+    server = harness(tmp_path)
+    bodies = [["/v1/completions", SCORED | {"prompt": PROMPT_IDS[:6]}]] * 3 + [
+        ["/v1/completions", SCORED | {"prompt": PROMPT_IDS}],
+        ["/v1/chat/completions", CHAT_OVER],
+    ]
+    try:
+
+        async def main() -> tuple[list[float], list[float], bytes]:
+            async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+                await steady(client, 8)  # warm-up
+                alone, _ = await steady(client, 200)
+                heavy = await asyncio.create_subprocess_exec(
+                    sys.executable, "-c", HEAVY_CLIENT, server.url, str(tmp_path),
+                    stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                )  # fmt: skip
+                assert await heavy.stdout.readline() == b"ready\n"
+                send = heavy.communicate(json.dumps(bodies).encode() + b"\n")
+                (beside, _), (out, _) = await asyncio.gather(steady(client, 800), send)
+                return alone, beside, out
+
+        alone, beside, out = asyncio.run(main())
+        health = server.wait_idle()
+    finally:
+        server.stop()
+    codes = json.loads(out)
+    raw = [(tmp_path / f"answer-{i}.json").read_bytes() for i in range(len(bodies))]
+    sizes = [len(r) for r in raw[:3]]
+    answers = [json.loads(r) for r in raw]
+    params = sorted({body["error"]["param"] for body in answers[3:]})
+    row.load = (
+        "an 800-token stream (outlasting them) beside 3 requests at the cap (6 prompts of "
+        "1,900 tokens with echo, logprobs 20 and prompt_logprobs 20: 478,800 entries each) "
+        "and 2 over it (7 prompts; a chat prompt scored 20 deep for n=8), sent by another "
+        "process"
+    )
+    row.add(
+        f"the stream's worst gap between events: {max(alone):.0f} ms alone, {max(beside):.0f} "
+        f"ms beside them (target under 100)"
+    )
+    row.add(
+        f"at the cap: {codes[:3]}, bodies of {min(sizes) / 1e6:.1f}-{max(sizes) / 1e6:.1f} MB; "
+        f"over it: {codes[3:]} naming {params}"
+    )
+    assert codes == [200] * 3 + [400] * 2 and params == ["prompt_logprobs"]
+    assert all(len(c["prompt_logprobs"]) == 1900 for a in answers[:3] for c in a["choices"])
+    assert health["kv_cache"]["blocks_used"] == 0
