@@ -32,7 +32,8 @@ import zmq
 
 from service.config import Settings
 from service.engine import core, wire
-from service.engine.attach import Attach
+from service.engine.attach import Attach, engine_gone
+from service.proctitle import name_process
 
 log = logging.getLogger("kvserve.server")
 SPAWN = multiprocessing.get_context("spawn")
@@ -55,6 +56,7 @@ def front_main(settings: Settings, attach: Attach, replacing: bool) -> None:
     from service.api.app import create_app, engine_process_state
     from service.server import configure_logging, run_app
 
+    name_process(f"front {attach.front}")
     os.setpgrp()  # a terminal's Ctrl-C reaches the supervisor, which drains the fronts
     configure_logging(settings.log_level)
     if replacing:
@@ -106,6 +108,7 @@ class Supervisor:
             daemon=True,
         )
         self.responses = str(folder / "responses.sqlite")  # the fronts' shared store
+        self.engine_status = folder / "engine-status"  # its exit code, for the fronts
         self.fronts: list[Any] = [None] * n
         self.stopping = False
 
@@ -116,7 +119,8 @@ class Supervisor:
             self._start_front(i, replacing=False)
 
     def _start_front(self, i: int, replacing: bool) -> None:
-        attach = Attach(i, *self.endpoints[i], self.engine.pid, self.responses)
+        attach = Attach(i, *self.endpoints[i], self.engine.pid, self.responses,
+                        str(self.engine_status))  # fmt: skip
         front = SPAWN.Process(
             target=front_main,
             args=(self.settings, attach, replacing),
@@ -171,7 +175,11 @@ class Supervisor:
             self.control.send(wire.encode(message), zmq.NOBLOCK)
 
     def _engine_gone(self) -> int:
-        log.error("the engine process exited (%s): the fronts end", self.engine.exitcode)
+        code = self.engine.exitcode
+        written = self.engine_status.with_suffix(".tmp")
+        written.write_text(str(code))
+        os.replace(written, self.engine_status)  # a front reads all of it or nothing
+        log.error("%s: the fronts end", engine_gone(code))
         deadline = time.monotonic() + ENGINE_GRACE_S
         for front in self.fronts:
             front.join(max(0.0, deadline - time.monotonic()))

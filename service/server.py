@@ -23,6 +23,7 @@ from model.parallel import env_rank
 from service.api.app import create_app
 from service.config import Settings
 from service.launch import RankProcesses, rendezvous
+from service.proctitle import name_process
 
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
 
@@ -150,6 +151,7 @@ def follow(settings: Settings) -> int:
     from service.build import build
 
     rank = env_rank()
+    name_process(f"rank {rank}")
     log = logging.getLogger("kvserve.server")
     # SIGTERM (torchrun passes it to every rank) waits for rank 0: it drains its requests,
     # which needs this rank, then tells it to stop; if rank 0 is gone instead, the next

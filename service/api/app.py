@@ -310,8 +310,7 @@ def _install_routes(app: FastAPI) -> None:
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         state = _serving(request)
-        headers = {"X-Kvserve-Front": str(state.engine.front)} if state.fronts > 1 else None  # type: ignore[union-attr]
-        return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST, headers=headers)
+        return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/")
     async def index() -> FileResponse:

@@ -1,5 +1,6 @@
 """ASGI middleware of the API: body limit (413), API keys (401), 503 while loading,
-a request id and one structured log line per request, rejection counting."""
+a request id (and, among several fronts, the front's index) on every response, one
+structured log line per request, rejection counting."""
 
 from __future__ import annotations
 
@@ -109,7 +110,10 @@ class Gate:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message.setdefault("headers", []).append((b"x-request-id", request_id.encode()))
+                headers = message.setdefault("headers", [])
+                headers.append((b"x-request-id", request_id.encode()))
+                if (front := _front(app_state)) is not None:  # which of several answered
+                    headers.append((b"x-kvserve-front", str(front).encode()))
             await send(message)
 
         path = scope["path"]
@@ -141,6 +145,14 @@ class Gate:
                 "ms": round(1000 * (time.perf_counter() - start), 1),
             },
         )
+
+
+def _front(app_state: Any) -> int | None:
+    """This front's index where the server runs several (--api-server-count)."""
+    serving = getattr(app_state, "serving", None)
+    if serving is None or serving.fronts == 1:
+        return None
+    return serving.engine.front
 
 
 def _authorize(settings: Settings, header: str) -> str:

@@ -31,7 +31,7 @@ from model.loader import tokenizer_for
 from model.tokenizer import Tokenizer
 from service.config import Settings
 from service.engine import core, wire
-from service.engine.attach import Attach, Sibling
+from service.engine.attach import Attach, Sibling, engine_gone
 from service.engine.checks import check_request
 from service.engine.output import RequestOutput
 from service.engine.request import SamplingParams
@@ -92,7 +92,7 @@ class EngineClient:
         self._push.bind(inputs)
         self._pull.bind(outputs)
         if attach is not None:
-            self.process: Any = Sibling(attach.engine_pid)
+            self.process: Any = Sibling(attach.engine_pid, attach.engine_status)
         else:
             spawn = multiprocessing.get_context("spawn")
             self.process = spawn.Process(
@@ -124,7 +124,7 @@ class EngineClient:
                     self.process.join(10)
                     raise RuntimeError(message.error)
             elif not self.process.is_alive():
-                raise RuntimeError(f"the engine process exited ({self.process.exitcode})")
+                raise RuntimeError(engine_gone(self.process.exitcode))
         self.process.kill()
         raise TimeoutError("the engine process did not load the model in time")
 
@@ -150,7 +150,7 @@ class EngineClient:
     def error(self) -> BaseException | None:
         """Why the engine stopped (None: it did not, or it was shut down)."""
         if self._error is None and not self.process.is_alive() and not self._shut:
-            self._error = EngineDeadError(f"the engine process exited ({self.process.exitcode})")
+            self._error = EngineDeadError(engine_gone(self.process.exitcode))
         return self._error
 
     @property

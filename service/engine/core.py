@@ -21,6 +21,7 @@ from service.engine import wire
 from service.engine.output import RequestOutput
 from service.engine.stats import EngineObserver, EngineSnapshot
 from service.engine.structured import SETUP_POOL
+from service.proctitle import name_process
 
 log = logging.getLogger("kvserve.engine")
 IDLE_POLL_MS = 500  # how often an idle engine looks at its front and its ranks
@@ -60,6 +61,7 @@ def run(
     several) is gone. `observer(model id)` makes the engine's observer here (with several
     fronts, the metrics the fronts' scrapes merge); without one, the observer's events go
     to front 0 with each step."""
+    name_process("engine core")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)

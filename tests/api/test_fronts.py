@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from pathlib import Path
 
 import httpx
 import openai
@@ -90,6 +91,13 @@ def test_both_fronts_serve_streams_and_every_scrape_counts_all_traffic(fronts: S
         if len(scrapes) == 2:
             break
     assert sorted(scrapes) == [0, 1]
+
+    async def health(client: httpx.AsyncClient, _: int) -> tuple[int, int]:
+        resp = await client.get("/health")
+        return int(resp.headers["x-kvserve-front"]), resp.json()["front"]
+
+    answers = asyncio.run(by_front(fronts.url, 8, health))
+    assert all(front == body for front, said in answers.items() for body in said)
     for texts in scrapes.values():
         for text in texts:
             finished = sample(text, "kvserve_e2e_request_latency_seconds_count") - done_before
@@ -169,3 +177,14 @@ def test_a_response_stored_by_one_front_is_continued_through_the_other(fronts: S
     assert gone.json()["deleted"] is True
     for _ in range(6):  # gone in whichever front answers
         assert httpx.get(f"{fronts.url}/v1/responses/{made[0][0]}").status_code == 404
+
+
+def test_each_process_is_named_for_ps(fronts: Server) -> None:
+    """ps shows the engine core and each front by name, not as multiprocessing's spawn
+    (beside them, multiprocessing's own resource tracker)."""
+    children = Path(f"/proc/{fronts.proc.pid}/task/{fronts.proc.pid}/children").read_text()
+    lines = [Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+             for pid in children.split()]  # fmt: skip
+    named = sorted(line.strip() for line in lines if line.startswith("kvserve"))
+    assert named == ["kvserve: engine core", "kvserve: front 0", "kvserve: front 1"], lines
+    assert all("resource_tracker" in line for line in lines if not line.startswith("kvserve"))

@@ -81,6 +81,11 @@ def test_two_ranks_serve_one_ranks_tokens(family: str, engine_process: str, tmp_
         # rank 1, started by the server (with the engine process on, that process and
         # multiprocessing's resource tracker too)
         assert len(rank_pids(two)) == (3 if engine_process == "on" else 1)
+        names = {
+            Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0] for pid in rank_pids(two)
+        }
+        assert b"kvserve: rank 1" in names  # as ps shows it
+        assert (b"kvserve: engine core" in names) == (engine_process == "on")
         text, lps = complete(two, ckpt.name)
         card = httpx.get(f"{two.url}/v1/models/{ckpt.name}", timeout=30).json()
         assert card["memory"]["tensor_parallel_size"] == 2
