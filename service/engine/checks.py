@@ -36,19 +36,28 @@ def check_request(
     bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
     if bad is not None:
         raise ParamError("prompt", f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
-    total = len(prompt_ids) + params.max_tokens
+    pools = params.pooling is not None  # an embedding: its input's rows, no new token
+    total = len(prompt_ids) + (0 if pools else params.max_tokens)
     if total > limits.max_model_len:
-        raise ContextLengthError(
-            "max_tokens" if len(prompt_ids) < limits.max_model_len else "prompt",
-            f"this model's maximum context length is {limits.max_model_len} tokens; the "
-            f"request has {len(prompt_ids)} prompt tokens and max_tokens "
-            f"{params.max_tokens} ({total} in total)",
-        )
+        raise _too_long(len(prompt_ids), params.max_tokens, pools, limits.max_model_len)
     if params.constraint is not None:
         grammars.check(params.constraint)  # ConstraintError: a 400 naming the param
     if limits.blocks_for(total) > limits.num_blocks:
         capacity = limits.num_blocks * limits.block_size
         raise ContextLengthError(
-            "max_tokens",
-            f"prompt + max_tokens ({total}) exceed the KV cache capacity of {capacity} tokens",
+            "input" if pools else "max_tokens",
+            f"{total} tokens ({'the input' if pools else 'prompt + max_tokens'}) exceed the KV "
+            f"cache capacity of {capacity} tokens",
         )
+
+
+def _too_long(prompt: int, max_tokens: int, pools: bool, limit: int) -> ContextLengthError:
+    said = f"this model's maximum context length is {limit} tokens"
+    if pools:
+        return ContextLengthError("input", f"{said}; the input has {prompt} tokens")
+    total = prompt + max_tokens
+    return ContextLengthError(
+        "max_tokens" if prompt < limit else "prompt",
+        f"{said}; the request has {prompt} prompt tokens and max_tokens {max_tokens} "
+        f"({total} in total)",
+    )

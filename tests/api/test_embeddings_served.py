@@ -47,5 +47,14 @@ def test_embeddings_are_transformers_pooled_states(pooling: str, tmp_path) -> No
         with pytest.raises(openai.BadRequestError) as err:
             client.embeddings.create(model=model, input=["a", ""])
         assert err.value.body["param"] == "input"
+        # the whole context is the input's: no token is generated, none is asked for
+        limit = client.models.list().data[0].max_model_len
+        full = client.embeddings.create(model=model, input=[[5] * limit])
+        assert full.usage.prompt_tokens == limit
+        with pytest.raises(openai.BadRequestError) as err:
+            client.embeddings.create(model=model, input=[[5] * (limit + 1)])
+        body = err.value.body
+        assert body["param"] == "input" and body["code"] == "context_length_exceeded"
+        assert "max_tokens" not in body["message"] and f"{limit + 1} tokens" in body["message"]
     finally:
         assert server.stop() == 0
