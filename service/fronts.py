@@ -19,6 +19,7 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -197,6 +198,40 @@ class Supervisor:
         self.ctx.term()
 
 
+RUN_PREFIX = "kvserve-"  # a supervisor's run folder, in the temporary folder (0700)
+OWNER = "owner"  # in a run folder: the pid and start time of the supervisor that made it
+
+
+def process_key(pid: int) -> str | None:
+    """A live process's pid and start time (None: no such process): the pair a reused
+    pid does not repeat."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return f"{pid} {stat.rpartition(')')[2].split()[19]}"  # field 22, starttime
+
+
+def clean_stale_run_folders(root: Path) -> list[Path]:
+    """Delete the run folders under `root` whose supervisor is gone (killed before it
+    could: they hold its users' stored responses); those of running supervisors, other
+    users' and folders that are not run folders stay. Returns what it deleted."""
+    gone = []
+    for folder in root.glob(RUN_PREFIX + "*"):
+        try:
+            owner = (folder / OWNER).read_text().strip()
+            mine = folder.lstat().st_uid == os.geteuid() and folder.is_dir()
+        except OSError:
+            continue
+        pid = owner.split()[0] if owner else ""
+        if mine and pid.isdigit() and process_key(int(pid)) != owner:
+            shutil.rmtree(folder, ignore_errors=True)
+            gone.append(folder)
+    if gone:
+        log.info("deleted %d run folders of supervisors that had died", len(gone))
+    return gone
+
+
 def serve_fronts(settings: Settings) -> int:
     from service.api.metrics import MULTIPROCESS
     from service.server import configure_logging
@@ -208,8 +243,10 @@ def serve_fronts(settings: Settings) -> int:
         where = f"{settings.host}:{settings.port}"
         print(f"kvserve: error: cannot listen on {where}: {exc}", file=sys.stderr)
         return 1
-    with tempfile.TemporaryDirectory(prefix="kvserve-") as name:
+    clean_stale_run_folders(Path(tempfile.gettempdir()))
+    with tempfile.TemporaryDirectory(prefix=RUN_PREFIX) as name:
         folder = Path(name)
+        (folder / OWNER).write_text(process_key(os.getpid()) or "")
         (folder / "metrics").mkdir()
         os.environ[MULTIPROCESS] = str(folder / "metrics")  # read by the processes it starts
         supervisor = Supervisor(settings, folder)

@@ -7,21 +7,46 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
+from service.fronts import process_key
 from tests.factories import Server, start_server
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def fronts(tmp_path_factory) -> Server:
-    server = start_server(str(tmp_path_factory.mktemp("fronts")), "--api-server-count", "2")
+def temp_root(tmp_path_factory) -> Path:
+    """The server's temporary folder, holding beforehand the run folder of a supervisor
+    killed with its stored responses (its pid gone), one of a supervisor still running
+    (this test's process) and a folder that is not a run folder."""
+    root = tmp_path_factory.mktemp("tmp")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for name, owner in (
+        ("kvserve-dead", f"{dead.pid} 1"),
+        ("kvserve-alive", process_key(os.getpid())),
+    ):
+        (root / name).mkdir(mode=0o700)
+        (root / name / "owner").write_text(owner)
+        (root / name / "responses.sqlite").write_text("a user's conversation")
+    (root / "kvserve-other").mkdir()
+    return root
+
+
+@pytest.fixture(scope="module")
+def fronts(tmp_path_factory, temp_root: Path) -> Server:
+    server = start_server(str(tmp_path_factory.mktemp("fronts")), "--api-server-count", "2",
+                          env={"TMPDIR": str(temp_root)})  # fmt: skip
     yield server.wait_fronts(2)
     assert server.stop() == 0
 
@@ -188,3 +213,13 @@ def test_each_process_is_named_for_ps(fronts: Server) -> None:
     named = sorted(line.strip() for line in lines if line.startswith("kvserve"))
     assert named == ["kvserve: engine core", "kvserve: front 0", "kvserve: front 1"], lines
     assert all("resource_tracker" in line for line in lines if not line.startswith("kvserve"))
+
+
+def test_a_dead_supervisors_run_folder_is_deleted_at_start(fronts: Server, temp_root: Path) -> None:
+    """Its stored responses with it; a running supervisor's and other folders stay, and
+    this server's own folder names its owner."""
+    left = sorted(p.name for p in temp_root.iterdir() if p.name.startswith("kvserve-"))
+    assert "kvserve-dead" not in left and {"kvserve-alive", "kvserve-other"} <= set(left)
+    (own,) = [temp_root / n for n in left if n not in ("kvserve-alive", "kvserve-other")]
+    assert (own / "owner").read_text() == process_key(fronts.proc.pid)
+    assert stat.S_IMODE(own.stat().st_mode) == 0o700
