@@ -19,6 +19,17 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from service.engine.output import RequestOutput
+
+# why a request is turned away, by its HTTP status (and a prompt too long for the context)
+REJECT_REASONS = {
+    400: "invalid_request",
+    401: "unauthorized",
+    404: "not_found",
+    413: "too_large",
+    429: "queue_full",
+    503: "unavailable",
+}
+REJECTION_REASONS = (*REJECT_REASONS.values(), "context_length_exceeded")
 from service.engine.stats import EngineSnapshot
 
 MULTIPROCESS = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's switch to shared files
@@ -151,6 +162,8 @@ class Metrics:
             ["model", "reason"],
             registry=r,
         )
+        for reason in REJECTION_REASONS:  # at 0 from the start: a panel or alert on one
+            self.rejected.labels(model, reason)  # reads 0, not "no data"
         self.http = Counter(
             "kvserve_http_requests_total",
             "HTTP requests by route and status.",

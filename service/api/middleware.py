@@ -14,20 +14,12 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from service.api.metrics import REJECT_REASONS
 from service.api.protocol import APIError
 from service.config import Settings
 
 log = logging.getLogger("kvserve.api")
 OPEN_PATHS = ("/health", "/metrics", "/", "/favicon.ico")
-
-REJECT_REASONS = {
-    400: "invalid_request",
-    401: "unauthorized",
-    404: "not_found",
-    413: "too_large",
-    429: "queue_full",
-    503: "unavailable",
-}
 
 
 def count_rejection(app_state: Any, err: APIError) -> None:

@@ -116,6 +116,7 @@ def test_both_fronts_serve_streams_and_every_scrape_counts_all_traffic(fronts: S
         if len(scrapes) == 2:
             break
     assert sorted(scrapes) == [0, 1]
+    assert all('reason="queue_full"' in text for texts in scrapes.values() for text in texts)
 
     async def health(client: httpx.AsyncClient, _: int) -> tuple[int, int]:
         resp = await client.get("/health")

@@ -91,3 +91,13 @@ def test_metrics_lint_and_count_traffic(server: Server) -> None:
     info = [k for k in after if k.startswith("kvserve_model_info")]
     auto = dtype_name(pick_dtype("auto", torch.device("cpu")))  # bf16 from AVX2 up
     assert info and f"dtype={auto}" in info[0] and "device=cpu" in info[0]
+
+
+def test_every_rejection_reason_is_exported_from_the_start(server: Server) -> None:
+    """Each reason's series exists before any such rejection (at 0 until one), so a
+    dashboard panel or alert on it reads a number, not "no data"."""
+    from service.api.metrics import REJECTION_REASONS
+
+    metrics = scrape(server)
+    for reason in REJECTION_REASONS:
+        assert metrics.get(f"kvserve_requests_rejected_total{{reason={reason}}}", -1) >= 0, reason
