@@ -19,6 +19,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from service.engine.output import RequestOutput
+from service.engine.stats import EngineSnapshot
 
 # why a request is turned away, by its HTTP status (and a prompt too long for the context)
 REJECT_REASONS = {
@@ -30,7 +31,6 @@ REJECT_REASONS = {
     503: "unavailable",
 }
 REJECTION_REASONS = (*REJECT_REASONS.values(), "context_length_exceeded")
-from service.engine.stats import EngineSnapshot
 
 MULTIPROCESS = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's switch to shared files
 
