@@ -128,12 +128,16 @@ def _present(engine: Engine, image: str) -> bool:
 
 def base_images(engine: Engine, workdir: Path) -> bool:
     """The base and Prometheus images: present, pulled, or built here as stand-ins.
-    True where the base is a stand-in (its pip trusts the bridge's plain-HTTP index)."""
+    True where the base's pip trusts the bridge's plain-HTTP index (this recipe's
+    stand-in, or any other base set up so: shared/docker's), which a build on it can then
+    take torch from, whoever built the base."""
     if not _present(engine, BASE_IMAGE):
         _build_base(engine, workdir / "rootfs")
     if not _present(engine, PROMETHEUS_IMAGE):
         _build_prometheus(engine, workdir / "prometheus")
-    return engine.image_label(BASE_IMAGE, STAND_IN_LABEL) == STAND_IN_REV
+    pip = engine("run", "--rm", "--entrypoint", "pip", BASE_IMAGE, "config", "list",
+                 check=False, timeout=120)  # fmt: skip
+    return BRIDGE_GATEWAY in pip.stdout
 
 
 def _host_index() -> str:

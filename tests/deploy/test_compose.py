@@ -65,8 +65,8 @@ class Stack:
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     workdir = tmp_path_factory.mktemp("compose")
     with docker_engine(workdir) as engine:
-        stand_in = base_images(engine, workdir)
-        with torch_index(workdir) if stand_in else contextlib.nullcontext() as index:
+        trusts_index = base_images(engine, workdir)
+        with torch_index(workdir) if trusts_index else contextlib.nullcontext() as index:
             s = Stack(engine, workdir, index)
             try:
                 yield s
@@ -91,7 +91,7 @@ def test_the_gpu_variant_refuses_a_cpu_torch(stack: Stack) -> None:
     """The legacy builder (no BuildKit) on the GPU variant, given an index whose only
     torch is the CPU build: the build stops at the check, naming what it got."""
     if not stack.env["TORCH_INDEX_URL"]:
-        pytest.skip("needs the local CPU-only torch index (built with the stand-in base)")
+        pytest.skip("needs the local CPU-only torch index (a base whose pip trusts it)")
     got = stack.engine(
         "build", "--force-rm", "--build-arg", "VARIANT=gpu", "--build-arg",
         f"TORCH_INDEX_URL={stack.env['TORCH_INDEX_URL']}", "-t", "kvserve:check-gpu", ".",
