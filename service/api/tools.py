@@ -79,6 +79,9 @@ def tools_of(raw: list[Any] | None, choice: Any, parallel: bool, fmt: ToolFormat
         if not isinstance(fn.get("parameters", {}), dict):
             raise APIError(400, "parameters must be a JSON Schema object",
                            param=f"tools[{i}].function.parameters")  # fmt: skip
+        if (cycle := _ref_cycle(_parameters(fn))) is not None:
+            raise APIError(400, f"parameters: {cycle} refers only to references, in a cycle: "
+                           "no value can match it", param=f"tools[{i}].function.parameters")  # fmt: skip
         functions[name] = fn
     return _choose(functions, choice, parallel, fmt)
 
@@ -119,6 +122,45 @@ def _call_schema(name: str, key: str) -> dict[str, Any]:
         "required": ["name", key],
         "additionalProperties": False,
     }
+
+
+def _ref_cycle(schema: dict[str, Any]) -> str | None:
+    """A local reference whose chain of references-only schemas comes back to itself
+    (`A: {$ref: B}, B: {$ref: A}`), which no value matches and a grammar would hold
+    to no output at all; None where there is none."""
+    for ref in _local_refs(schema):
+        seen, at = set(), ref
+        while at is not None and at not in seen:
+            seen.add(at)
+            target = _pointer(schema, at)
+            at = target.get("$ref") if isinstance(target, dict) and len(target) == 1 else None
+            at = at if isinstance(at, str) and at.startswith("#") else None
+        if at is not None:
+            return at
+    return None
+
+
+def _local_refs(schema: Any) -> set[str]:
+    if isinstance(schema, list):
+        return set().union(*(_local_refs(v) for v in schema)) if schema else set()
+    if not isinstance(schema, dict):
+        return set()
+    found = {v for k, v in schema.items() if k == "$ref" and isinstance(v, str) and v[:1] == "#"}
+    return found.union(*(_local_refs(v) for k, v in schema.items() if k not in _DATA))
+
+
+def _pointer(schema: dict[str, Any], ref: str) -> Any:
+    """What a local reference (`#/a/b`) points to in `schema` (None: nothing)."""
+    at: Any = schema
+    for part in filter(None, ref[1:].split("/")):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(at, dict):
+            at = at.get(part)
+        elif isinstance(at, list) and part.isdigit() and int(part) < len(at):
+            at = at[int(part)]
+        else:
+            return None
+    return at
 
 
 def _rebased(schema: Any, name: str) -> Any:

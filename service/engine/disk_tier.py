@@ -76,12 +76,16 @@ class DiskTier:
         self._lock = threading.Lock()  # the index: the writer adds, the scheduler reads
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, oldest first
         self._bytes = 0  # the files' sizes together
-        files = sorted(self.dir.glob("*.kvb"), key=lambda f: f.stat().st_mtime)
-        for f in files:  # what an earlier run of the same model left
-            if len(f.stem) != 64 or any(c not in "0123456789abcdef" for c in f.stem):
+        for f in sorted(self.dir.glob("*.kvb"), key=lambda f: f.lstat().st_mtime):
+            info = f.lstat()  # what an earlier run of the same model left: its files alone
+            if (
+                not stat.S_ISREG(info.st_mode)
+                or len(f.stem) != 64
+                or any(c not in "0123456789abcdef" for c in f.stem)
+            ):
                 continue  # not a block's file
-            self._index[bytes.fromhex(f.stem)] = size = f.stat().st_size
-            self._bytes += size
+            self._index[bytes.fromhex(f.stem)] = info.st_size
+            self._bytes += info.st_size
             f.chmod(0o600)  # an earlier version's files were readable by all
         for f in self.dir.glob("*.tmp"):  # a write cut short
             f.unlink(missing_ok=True)
@@ -201,11 +205,20 @@ class DiskTier:
                     return
                 key, size = self._index.popitem(last=False)
                 self._bytes -= size
-            self._path(key).unlink(missing_ok=True)
+            _remove(self._path(key))
             self.stats.dropped += 1
 
     def _forget(self, key: bytes, corrupt: bool) -> None:
         with self._lock:
             self._bytes -= self._index.pop(key, 0)
-        self._path(key).unlink(missing_ok=True)
+        _remove(self._path(key))
         self.stats.corrupt += corrupt
+
+
+def _remove(path: Path) -> None:
+    """Delete a block's file; what cannot be deleted (a folder planted in its place) is
+    left, never a failure of the step."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("KV disk file not deleted", extra={"file": str(path), "why": str(exc)})
