@@ -17,6 +17,7 @@ NCCL on CUDA, gloo on the CPU: nothing else is needed to run on 2-8 devices or h
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -191,6 +192,25 @@ def env_rank() -> int:
 JOIN_TIMEOUT_FLOOR_S = 60.0
 
 
+def _store(rank: int, world: int, timeout: timedelta) -> tuple[dist.Store, int]:
+    """Where the ranks meet: served by rank 0 on MASTER_ADDR:MASTER_PORT and that address
+    alone (torch's env:// rendezvous listens on every interface, for as long as the
+    group lives); under torchrun, its agent's store, as env:// finds it."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        store, rank, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+        return store, rank
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if rank != 0:
+        return dist.TCPStore(host, port, world, False, timeout=timeout), rank
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, port))
+    listener.listen(128)
+    fd = listener.detach()  # the store's from here on
+    return dist.TCPStore(host, port, world, True, timeout=timeout, master_listen_fd=fd), rank
+
+
 def join(world: int, device: torch.device, timeout_s: float) -> TensorParallel:
     """Join the process group of `world` ranks (from RANK, WORLD_SIZE, MASTER_ADDR and
     MASTER_PORT): NCCL on CUDA, gloo on the CPU. A collective that waits longer than
@@ -214,7 +234,7 @@ def join(world: int, device: torch.device, timeout_s: float) -> TensorParallel:
         import torch.distributed.nn  # noqa: F401
 
         joining = timedelta(seconds=max(timeout_s, JOIN_TIMEOUT_FLOOR_S))
-        store, rank, _ = next(dist.rendezvous("env://", env_rank(), world, timeout=joining))
+        store, rank = _store(env_rank(), world, joining)
         dist.init_process_group(
             "nccl" if device.type == "cuda" else "gloo",
             store=store,

@@ -5,6 +5,7 @@ and fails fast and non-zero when a rank dies or hangs (never a hang of its own).
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -40,6 +41,28 @@ def rank_pids(server: Server) -> list[int]:
         ["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True
     ).stdout
     return [int(p) for p in out.split()]
+
+
+def listening(pids: list[int]) -> set[str]:
+    """The addresses the processes' listening TCP sockets are bound to (from /proc)."""
+    inodes = set()
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            target = os.readlink(fd) if fd.is_symlink() else ""
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = set()
+    for table, width in (("tcp", 8), ("tcp6", 32)):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                raw = bytes.fromhex(cols[1].split(":")[0][:width])
+                if width == 8:
+                    found.add(socket.inet_ntop(socket.AF_INET, raw[::-1]))
+                else:  # four little-endian words
+                    words = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
+                    found.add(socket.inet_ntop(socket.AF_INET6, words))
+    return found
 
 
 def complete(server: Server, model: str) -> tuple[str, list[float]]:
