@@ -142,7 +142,8 @@ def rope_tables(cfg: ModelConfig, device: torch.device) -> tuple[Tensor, Tensor]
     """cos and sin tables (max_position, d_head) in the HF "rotate half" layout (dim j
     turns with dim j + d_head/2), fp32. With partial rotary (rotary_dim r < d_head) the
     first r/2 pairs turn at the frequencies of an r-dimensional rotation and the others
-    keep still (cos 1, sin 0): kvserve's layout of such a head (rotary_order)."""
+    keep still (cos 1, sin 0): kvserve's layout of such a head (rotary_order). LongRoPE's
+    tables are twice as long (_long_rope_freqs)."""
     t = torch.arange(cfg.max_position, device=device, dtype=torch.float32)
     scaling, half = cfg.rope_scaling, cfg.head_dim // 2
     if isinstance(scaling, LongRope):
@@ -150,23 +151,25 @@ def rope_tables(cfg: ModelConfig, device: torch.device) -> tuple[Tensor, Tensor]
     else:
         inv_freq = rope_inv_freq(cfg.rotary, cfg.rope_theta, scaling).to(device)
         freqs, scale = torch.outer(t, inv_freq), 1.0  # (P, rotary/2)
-    cos, sin = torch.ones(len(t), half, device=device), torch.zeros(len(t), half, device=device)
+    rows = freqs.shape[0]
+    cos, sin = torch.ones(rows, half, device=device), torch.zeros(rows, half, device=device)
     cos[:, : freqs.shape[1]], sin[:, : freqs.shape[1]] = freqs.cos() * scale, freqs.sin() * scale
-    return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)  # (P, d_head)
+    return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)  # (rows, d_head)
 
 
 def _long_rope_freqs(cfg: ModelConfig, scaling: LongRope, t: Tensor) -> Tensor:
-    """LongRoPE's angles (P, rotary/2): the short factors at positions below the
-    pretraining length, the long ones from it on. transformers picks one set for a whole
-    sequence by its length (and recomputes the cache when a sequence crosses over); here
-    a token's rotation depends on its position alone, so its cached K stays valid: the
-    two agree up to the pretraining length, and past it on every token but the earlier
-    ones of a sequence that crossed."""
+    """LongRoPE's angles (2P, rotary/2). transformers picks one set of factors for a
+    whole sequence by its length: the short ones within the pretraining length, the long
+    ones past it. Rows 0..P-1 turn a position by the short factors below the pretraining
+    length and the long ones from it on (a sequence that crosses it while it generates:
+    its cached K keeps its rotation, as transformers' cache does); rows P..2P-1 turn every
+    position by the long ones (a sequence whose prompt is past it:
+    Transformer.long_rope_rows)."""
     base = rope_inv_freq(cfg.rotary, cfg.rope_theta, None).to(t.device)
     short = base / torch.tensor(scaling.short_factor, device=t.device)
     long = base / torch.tensor(scaling.long_factor, device=t.device)
     inv_freq = torch.where((t < scaling.original_max_position)[:, None], short, long)
-    return t[:, None] * inv_freq
+    return torch.cat((t[:, None] * inv_freq, t[:, None] * long))
 
 
 def rotary_order(head_dim: int, rotary_dim: int) -> Tensor:

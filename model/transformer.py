@@ -8,7 +8,7 @@ from torch import Tensor, nn
 from model.attention import Attention
 from model.backends.base import Backend, FusedLayers
 from model.backends.reference import REFERENCE
-from model.config import ModelConfig
+from model.config import LongRope, ModelConfig
 from model.kv_cache import PagedKVCache
 from model.layers import (
     alibi_slopes,
@@ -170,6 +170,24 @@ class Transformer(nn.Module):
             x = x.index_select(0, logits_indices)
         return self.head(x, kv_cache.backend if kv_cache is not None else REFERENCE)
 
+    def long_rope_rows(
+        self, positions: Tensor, prompt_lens: list[int], query_lens: list[int]
+    ) -> Tensor | None:
+        """The RoPE rows of a step's tokens (positions: (T,), query_lens tokens per
+        sequence) where a LongRoPE model turns them otherwise than by position: every
+        token of a sequence whose prompt is longer than the pretraining length by the
+        long factors, as transformers turns such a sequence (the tables' second half,
+        model/layers.py). None: every row is its position."""
+        scaling = self.cfg.rope_scaling
+        if not isinstance(scaling, LongRope):
+            return None
+        long = [n > scaling.original_max_position for n in prompt_lens]
+        if not any(long):
+            return None
+        offset = torch.tensor([self.cfg.max_position * x for x in long], device=positions.device)
+        counts = torch.tensor(query_lens, device=positions.device)
+        return positions + torch.repeat_interleave(offset, counts)
+
     def hidden(
         self,
         tokens: Tensor,
@@ -178,8 +196,10 @@ class Transformer(nn.Module):
     ) -> Tensor:
         """tokens: (T,) as forward -> the final hidden states (T, d): after the final norm
         (what the head reads, and what embeddings pool)."""
-        if meta is None:
+        if meta is None:  # one sequence, all of it here: its prompt
             meta = AttentionMetadata.dense(tokens.shape[0], tokens.device)
+            n = [tokens.shape[0]]
+            meta.rope_rows = self.long_rope_rows(meta.positions, n, n)
         if kv_cache is not None and meta.slot_mapping is None:
             raise ValueError("a KV cache needs paged metadata (slot mapping and block tables)")
         positions = meta.positions
@@ -198,7 +218,8 @@ class Transformer(nn.Module):
             x = x + self._sinusoidal[positions].to(x.dtype)
         rope = local = None
         if self._rope is not None:
-            rope = (self._rope[0][positions], self._rope[1][positions])  # (T, dh) each
+            rows = positions if meta.rope_rows is None else meta.rope_rows
+            rope = (self._rope[0][rows], self._rope[1][rows])  # (T, dh) each
         if self._rope_local is not None:
             local = (self._rope_local[0][positions], self._rope_local[1][positions])
         backend = kv_cache.backend if kv_cache is not None else REFERENCE

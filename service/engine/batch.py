@@ -42,3 +42,6 @@ class Step:
     logit_rows: list[int]  # rows of `tokens` whose logits are sampled
     # the windowed layers' own pool's tables (PagedKVCache.window_data), where it has one
     window_tables: list[list[int]] | None = None
+    # each sequence's prompt length (LongRoPE turns a prompt past the model's pretraining
+    # length by its long factors throughout: Transformer.long_rope_rows); None: not read
+    prompt_lens: list[int] | None = None

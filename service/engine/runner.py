@@ -154,6 +154,7 @@ class ModelRunner:
             [s.num_new + len(s.drafts) for s in batch.seqs],
             logit_rows,
             [s.request.window_table for s in batch.seqs] if windowed else None,
+            [s.request.num_prompt for s in batch.seqs],
         )
         filled = (fill, prev.ids) if fill else None  # type: ignore[union-attr]
         if self.ranks is None:
@@ -239,6 +240,10 @@ class ModelRunner:
             step.window_tables,
             self.kv_cache.window_null_block,
         )
+        if step.prompt_lens is not None:
+            meta.rope_rows = self.model.long_rope_rows(
+                meta.positions, step.prompt_lens, step.num_new
+            )
         tokens = self._to_device(step.tokens)
         if fill is not None:
             tokens = self._fill(tokens, *fill)

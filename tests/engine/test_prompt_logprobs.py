@@ -67,3 +67,26 @@ def test_a_one_token_prompt_has_none(model) -> None:
     e = make_engine(model)
     outs = run_all(e, {"a": ([7], greedy(2, prompt_logprobs=1))})["a"]
     assert outs[0].prompt_logprobs == []
+
+
+def test_a_long_rope_prompt_past_the_pretraining_length_is_transformers(tmp_path) -> None:
+    """Phi-3's LongRoPE: a prompt longer than the pretraining length (128 here) turns by
+    the long factors throughout, as transformers turns it, through the paged engine in
+    chunks: every prompt token's logprob, and the greedy tokens after it, are
+    transformers' (the short factors at its first 128 positions were 8e-3 away)."""
+    from model.weights import load_model
+    from tests.factories import write_phi3
+
+    hf = write_phi3(tmp_path)
+    engine = make_engine(load_model(tmp_path, torch.float32))
+    prompt = torch.randint(
+        3, hf.config.vocab_size, (160,), generator=torch.Generator().manual_seed(1)
+    )
+    with torch.inference_mode():
+        lp = torch.log_softmax(hf(prompt[None]).logits[0].float(), dim=-1)
+        hf.generation_config.eos_token_id = None
+        want = hf.generate(prompt[None], max_new_tokens=8, do_sample=False, pad_token_id=0,
+                           attention_mask=torch.ones(1, 160, dtype=torch.long))[0, 160:]  # fmt: skip
+    out = run_all(engine, {"a": (prompt.tolist(), greedy(8, prompt_logprobs=2))})["a"]
+    check(out[0].prompt_logprobs, prompt.tolist(), lp, 2)
+    assert tokens_of(out) == want.tolist()

@@ -130,9 +130,21 @@ def test_long_rope_past_the_pretraining_length_is_transformers_long_rotation(
     long = torch.arange(128, 256)[None]  # past original_max_position_embeddings (128)
     cos, sin = Phi3RotaryEmbedding(hf.config)(torch.zeros(1, dtype=torch.float32), long)
     pairs = cos.shape[-1] // 2  # 3 rotated pairs of the 8-dim head
-    for ref, got in ((cos[0], ours._rope[0][128:]), (sin[0], ours._rope[1][128:])):
+    for ref, got in ((cos[0], ours._rope[0][128:256]), (sin[0], ours._rope[1][128:256])):
         assert (ref[:, :pairs] - got[:, :pairs]).abs().max().item() <= 1e-5
         assert (ref[:, pairs:] - got[:, 4 : 4 + pairs]).abs().max().item() <= 1e-5
+
+
+@torch.no_grad()
+def test_a_long_rope_sequence_past_the_pretraining_length_is_transformers(tmp_path: Path) -> None:
+    """A sequence longer than the pretraining length turns every token by the long
+    factors, as transformers turns it (its first 128 by the short ones were 8e-3 away)."""
+    hf = write_phi3(tmp_path)
+    ours = load_model(tmp_path)
+    tokens = torch.randint(3, hf.config.vocab_size, (160,))
+    ref = torch.log_softmax(hf(tokens[None]).logits[0].float(), dim=-1)
+    got = torch.log_softmax(ours(tokens).float(), dim=-1)
+    assert (ref - got).abs().max().item() <= 1e-4
 
 
 def test_llama3_rope_scaling_parity(tmp_path: Path) -> None:
