@@ -19,12 +19,17 @@ pytestmark = pytest.mark.slow
 FUNCTIONS = [{"type": "function", **t["function"]} for t in TOOLS]  # the Responses shape
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory):
+def serve(tmp_path_factory: pytest.TempPathFactory, *flags: str):
+    """The Qwen3 checkpoint behind the tools template, served with `flags`."""
     path = tmp_path_factory.mktemp("qwen3-responses")
     write_qwen3(path, max_position_embeddings=2048)
     write_qwen_tokenizer(path, TEMPLATE, "the weather in paris is mild", thinks=False)
-    server = start_server(str(path), "--model", str(path), "--responses-store-size", "3")
+    return start_server(str(path), "--model", str(path), *flags)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory):
+    server = serve(tmp_path_factory, "--responses-store-size", "3")
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
     yield client, client.models.list().data[0].id
     assert server.stop() == 0
@@ -155,10 +160,7 @@ def test_bad_input_item_pages_are_400s(served) -> None:
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory: pytest.TempPathFactory):
     """A server with two API keys, as two tenants."""
-    path = tmp_path_factory.mktemp("qwen3-responses-keys")
-    write_qwen3(path, max_position_embeddings=2048)
-    write_qwen_tokenizer(path, TEMPLATE, "the weather in paris is mild", thinks=False)
-    server = start_server(str(path), "--model", str(path), "--api-keys", "alice-key,bob-key")
+    server = serve(tmp_path_factory, "--api-keys", "alice-key,bob-key")
     clients = [openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
                for key in ("alice-key", "bob-key")]  # fmt: skip
     yield *clients, clients[0].models.list().data[0].id
