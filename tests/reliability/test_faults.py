@@ -198,7 +198,7 @@ def engine_process(front: int) -> int:
             cmdline = (stat.parent / "cmdline").read_bytes()
         except OSError:
             continue
-        if int(fields[1]) == front and b"multiprocessing.spawn" in cmdline:
+        if int(fields[1]) == front and cmdline.startswith(b"kvserve: engine core"):
             return int(stat.parent.name)
     raise AssertionError(f"no engine process under {front}")
 
