@@ -175,7 +175,7 @@ def test_prompt_logprobs_at_their_size_cap_beside_a_stream(tmp_path, row: Row) -
     )
     row.add(
         f"the stream's worst gap between events: {max(alone):.0f} ms alone, {max(beside):.0f} "
-        f"ms beside them (target under 100)"
+        f"ms beside them (target under 100); p99 {pct(alone, 99):.0f} / {pct(beside, 99):.0f} ms"
     )
     row.add(
         f"at the cap: {codes[:3]}, bodies of {min(sizes) / 1e6:.1f}-{max(sizes) / 1e6:.1f} MB; "
