@@ -164,7 +164,7 @@ def _long_rope_freqs(cfg: ModelConfig, scaling: LongRope, t: Tensor) -> Tensor:
     length and the long ones from it on (a sequence that crosses it while it generates:
     its cached K keeps its rotation, as transformers' cache does); rows P..2P-1 turn every
     position by the long ones (a sequence whose prompt is past it:
-    Transformer.long_rope_rows)."""
+    Transformer.rope_rows)."""
     base = rope_inv_freq(cfg.rotary, cfg.rope_theta, None).to(t.device)
     short = base / torch.tensor(scaling.short_factor, device=t.device)
     long = base / torch.tensor(scaling.long_factor, device=t.device)

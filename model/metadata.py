@@ -32,9 +32,9 @@ class AttentionMetadata:
     block_tables: Tensor | None = None  # (B, max_blocks) block ids, padded with the null block
     row_lens: Tensor | None = None  # (T,) keys each new token sees: its position + 1
     row_seq: Tensor | None = None  # (T,) sequence of each new token; None: one per sequence
-    # (T,) each token's row of the RoPE tables where it is not its position (a LongRoPE
-    # prompt past the pretraining length: Transformer.long_rope_rows); None: positions
-    rope_rows: Tensor | None = None
+    # each sequence's prompt length, where the engine gives it (LongRoPE turns a prompt
+    # past the pretraining length otherwise: Transformer.rope_rows)
+    prompt_lens: list[int] | None = None
     # the triton backend's int32 view of the batch (model/backends/triton/backend.py fills them)
     query_start: Tensor | None = None  # (B + 1,) first row of each sequence
     seq_lens_t: Tensor | None = None  # (B,) seq_lens on the device

@@ -170,22 +170,19 @@ class Transformer(nn.Module):
             x = x.index_select(0, logits_indices)
         return self.head(x, kv_cache.backend if kv_cache is not None else REFERENCE)
 
-    def long_rope_rows(
-        self, positions: Tensor, prompt_lens: list[int], query_lens: list[int]
-    ) -> Tensor | None:
-        """The RoPE rows of a step's tokens (positions: (T,), query_lens tokens per
-        sequence) where a LongRoPE model turns them otherwise than by position: every
-        token of a sequence whose prompt is longer than the pretraining length by the
-        long factors, as transformers turns such a sequence (the tables' second half,
-        model/layers.py). None: every row is its position."""
-        scaling = self.cfg.rope_scaling
-        if not isinstance(scaling, LongRope):
-            return None
-        long = [n > scaling.original_max_position for n in prompt_lens]
+    def rope_rows(self, meta: AttentionMetadata) -> Tensor:
+        """Each token's row of the RoPE tables: its position, but for a LongRoPE model
+        every token of a sequence whose prompt is longer than the pretraining length
+        turns by the long factors, as transformers turns such a sequence (the tables'
+        second half, model/layers.py)."""
+        scaling, positions = self.cfg.rope_scaling, meta.positions
+        if not isinstance(scaling, LongRope) or meta.prompt_lens is None:
+            return positions
+        long = [n > scaling.original_max_position for n in meta.prompt_lens]
         if not any(long):
-            return None
+            return positions
         offset = torch.tensor([self.cfg.max_position * x for x in long], device=positions.device)
-        counts = torch.tensor(query_lens, device=positions.device)
+        counts = torch.tensor(meta.query_lens, device=positions.device)
         return positions + torch.repeat_interleave(offset, counts)
 
     def hidden(
@@ -198,8 +195,7 @@ class Transformer(nn.Module):
         (what the head reads, and what embeddings pool)."""
         if meta is None:  # one sequence, all of it here: its prompt
             meta = AttentionMetadata.dense(tokens.shape[0], tokens.device)
-            n = [tokens.shape[0]]
-            meta.rope_rows = self.long_rope_rows(meta.positions, n, n)
+            meta.prompt_lens = [tokens.shape[0]]
         if kv_cache is not None and meta.slot_mapping is None:
             raise ValueError("a KV cache needs paged metadata (slot mapping and block tables)")
         positions = meta.positions
@@ -218,7 +214,7 @@ class Transformer(nn.Module):
             x = x + self._sinusoidal[positions].to(x.dtype)
         rope = local = None
         if self._rope is not None:
-            rows = positions if meta.rope_rows is None else meta.rope_rows
+            rows = self.rope_rows(meta)
             rope = (self._rope[0][rows], self._rope[1][rows])  # (T, dh) each
         if self._rope_local is not None:
             local = (self._rope_local[0][positions], self._rope_local[1][positions])

@@ -43,5 +43,5 @@ class Step:
     # the windowed layers' own pool's tables (PagedKVCache.window_data), where it has one
     window_tables: list[list[int]] | None = None
     # each sequence's prompt length (LongRoPE turns a prompt past the model's pretraining
-    # length by its long factors throughout: Transformer.long_rope_rows); None: not read
+    # length by its long factors throughout: Transformer.rope_rows); None: not given
     prompt_lens: list[int] | None = None

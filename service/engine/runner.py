@@ -240,10 +240,7 @@ class ModelRunner:
             step.window_tables,
             self.kv_cache.window_null_block,
         )
-        if step.prompt_lens is not None:
-            meta.rope_rows = self.model.long_rope_rows(
-                meta.positions, step.prompt_lens, step.num_new
-            )
+        meta.prompt_lens = step.prompt_lens
         tokens = self._to_device(step.tokens)
         if fill is not None:
             tokens = self._fill(tokens, *fill)
