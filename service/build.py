@@ -7,6 +7,7 @@ demand, not at every start."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -28,6 +29,10 @@ from model.weights import load_config
 from service.config import Settings, quantization_conflict
 from service.engine.blocks import BlockManager
 from service.engine.engine import LLMEngine
+from service.engine.process import core
+from service.engine.process.attach import Attach
+from service.engine.process.core import Observers
+from service.engine.process.transport import CoreSide, InProcess, InThread, Link
 from service.engine.stats import EngineObserver
 
 log = logging.getLogger("kvserve.build")
@@ -148,6 +153,30 @@ def build(
         floors=measure_floors,
         device_memory=device_memory,
     )
+
+
+def engine_link(settings: Settings, attach: Attach | None = None) -> Link:
+    """How the fronts reach the engine core (`--engine-process`): a process of its own
+    when on, and always for one of several fronts (attach); else a thread of this
+    process ("auto" is off: docs/operations.md says why)."""
+    if settings.engine_process == "on" or attach is not None:
+        return InProcess(functools.partial(engine_process, settings), attach)
+    return InThread(functools.partial(_serve_in_thread, settings))
+
+
+def engine_process(
+    settings: Settings,
+    inputs: list[str],
+    outputs: list[str],
+    parent: int,
+    observer: Observers | None = None,
+) -> None:
+    """The engine process's main (multiprocessing's spawn target)."""
+    core.run(functools.partial(build, settings), inputs, outputs, parent, observer)
+
+
+def _serve_in_thread(settings: Settings, side: CoreSide, keep: Callable[[Any], None]) -> int:
+    return core.serve(functools.partial(build, settings), side, keep=keep)
 
 
 def _draft_source(settings: Settings) -> ModelSource | None:

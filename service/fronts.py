@@ -1,9 +1,9 @@
 """`kvserve serve --api-server-count N` (N > 1): one engine process, N HTTP front processes
 on one port, and this process supervising them.
 
-This process binds the port, starts the engine core (service/engine/core.py) and the
+This process binds the port, starts the engine core (service/engine/process/core.py) and the
 fronts (each the whole FastAPI app with its own event loop, attached to the engine
-through its own pair of ZMQ sockets, service/engine/client.py), then watches them:
+through its own pair of ZMQ sockets, service/engine/process/client.py), then watches them:
 - a front that dies is replaced; the engine aborts what it had asked for (FrontGone);
 - the engine dying ends every front (each sees it through a pidfd, answers 503, ends its
   streams with an error event and exits non-zero); this process then exits non-zero;
@@ -31,9 +31,10 @@ from typing import Any
 
 import zmq
 
+from service.build import engine_process
 from service.config import Settings
-from service.engine import core, wire
-from service.engine.attach import Attach, engine_gone
+from service.engine.process import wire
+from service.engine.process.attach import Attach, engine_gone
 from service.proctitle import name_process
 
 log = logging.getLogger("kvserve.server")
@@ -54,17 +55,17 @@ def front_main(settings: Settings, attach: Attach, replacing: bool) -> None:
     to the engine. A first front listens at once (every front is loading: /health says
     so); one replacing a dead front attaches first, so that no connection the kernel
     gives it meets a loading front while the others serve."""
-    from service.api.app import create_app, engine_process_state
+    from service.api.app import build_state, create_app
     from service.server import configure_logging, run_app
 
     name_process(f"front {attach.front}")
     os.setpgrp()  # a terminal's Ctrl-C reaches the supervisor, which drains the fronts
     configure_logging(settings.log_level)
     if replacing:
-        state = engine_process_state(settings, attach)
+        state = build_state(settings, attach)
         app = create_app(settings, lambda _: state)
     else:
-        app = create_app(settings, lambda s: engine_process_state(s, attach))
+        app = create_app(settings, lambda s: build_state(s, attach))
     listener = bind(settings)
     listener.listen(2048)
     sys.exit(run_app(app, settings, sockets=[listener]))
@@ -97,7 +98,7 @@ class Supervisor:
         control = f"ipc://{folder / 'control'}"
         self.control.bind(control)
         self.engine = SPAWN.Process(
-            target=core.run,
+            target=engine_process,
             args=(
                 settings,
                 [control, *(inputs for inputs, _ in self.endpoints)],

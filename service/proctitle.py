@@ -11,3 +11,9 @@ def name_process(role: str) -> None:
     """Name this process "kvserve: <role>" (its command line as ps shows it, and its
     thread name as top shows it)."""
     setproctitle.setproctitle(f"kvserve: {role}")
+
+
+def name_thread(role: str) -> None:
+    """Name the calling thread `role` as `top -H` and /proc/<pid>/task/<tid>/comm show it
+    (15 characters kept)."""
+    setproctitle.setthreadtitle(role)

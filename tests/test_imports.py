@@ -103,9 +103,22 @@ def test_no_import_circles() -> None:
     assert cycles() == []
 
 
+# the service's leaves, which any floor of it may read: the settings, the limits on what a
+# request may ask, the processes' names
+SERVICE_LEAVES = ("service.config", "service.limits", "service.proctitle")
+
+
 def test_imports_go_one_way_down_the_floors() -> None:
     assert importers_of("service", "model") == []  # the model knows nothing of serving
     assert importers_of("service.api", "service.engine") == []
+    # the engine reaches nothing of the service above it (the builder, the servers, the
+    # CLI): what it needs built is handed to it
+    upward = [
+        edge
+        for edge in importers_of("service", "service.engine")
+        if not edge.split(" -> ")[1].startswith(("service.engine", *SERVICE_LEAVES))
+    ]
+    assert upward == []
 
 
 def test_the_model_core_reaches_the_hardware_through_the_backend_interface() -> None:

@@ -25,58 +25,20 @@ from service.api.protocol import APIError, DetokenizeRequest, TokenizeRequest
 from service.api.serving import GenerationFailed, encode_messages
 from service.api.state import ServingState
 from service.config import Settings
-from service.engine.attach import Attach
+from service.engine.process.attach import Attach
+from service.engine.process.client import EngineClient
 
 log = logging.getLogger("kvserve.api")
 STATIC = Path(__file__).with_name("static")
 
 
-def build_state(settings: Settings) -> ServingState:
-    """Start the engine and assemble the serving state. Blocking. The engine runs in a
-    thread of this process (AsyncEngine: its thread loads the model, service/build.py,
-    and does every torch op) or, with --engine-process on, in a process of its own
-    (EngineClient: service/engine/core.py)."""
-    if settings.engine_process == "on":  # "auto" is off: docs/operations.md says why
-        return engine_process_state(settings)
-    from service.build import Built, build
-    from service.engine.async_engine import AsyncEngine
-    from service.engine.engine import LLMEngine
+def build_state(settings: Settings, attach: Attach | None = None) -> ServingState:
+    """Start the engine core and assemble the serving state. Blocking. The core runs in a
+    thread of this process or in a process of its own, or (attach) is the one the
+    supervisor of --api-server-count fronts started (service/build.py: engine_link)."""
+    from service.build import engine_link
 
-    metrics: list[Metrics] = []  # made once the model id is known, before the engine
-
-    def observer(model_id: str) -> Metrics:
-        metrics.append(Metrics(model_id))
-        return metrics[0]
-
-    built: list[Built] = []
-
-    def make_engine() -> LLMEngine:  # on the engine thread
-        built.append(build(settings, observer))
-        return built[0].engine
-
-    async_engine = AsyncEngine(make_engine, stuck_after_s=settings.stuck_after)
-    async_engine.start()
-    done = built[0]
-    done.engine.grammars.prepare()  # structured outputs' token table, before any request
-    metrics[0].attach_engine(async_engine.snapshot, done.info, done.device_memory)
-    return ServingState(
-        settings=settings.replace(max_num_seqs=done.engine.max_num_seqs),
-        engine=async_engine,
-        tokenizer=done.tokenizer,
-        model_id=done.model_id,
-        template=ChatTemplate.for_model(done.model_dir),
-        audit=done.audit,
-        metrics=metrics[0],
-        measure_floors=lambda: async_engine.call(done.floors),
-    )
-
-
-def engine_process_state(settings: Settings, attach: Attach | None = None) -> ServingState:
-    """The state of a front whose engine runs in a process of its own: started here, or
-    (attach) one front of --api-server-count, meeting the engine its supervisor started."""
-    from service.engine.client import EngineClient
-
-    client = EngineClient(settings, stuck_after_s=settings.stuck_after, attach=attach)
+    client = EngineClient(engine_link(settings, attach), stuck_after_s=settings.stuck_after)
     ready = client.start()
     metrics = Metrics(ready.model_id)
     client.observer = metrics

@@ -20,8 +20,8 @@ from service.api.state import ServingState
 from service.api.structured import constraint_of
 from service.engine.checks import ContextLengthError
 from service.engine.output import RequestOutput
+from service.engine.process.streams import EngineDeadError, RequestFailed
 from service.engine.request import ParamError, SamplingParams
-from service.engine.streams import EngineDeadError, RequestFailed
 from service.engine.structured import SETUP_POOL
 from service.limits import MAX_PROMPTS
 

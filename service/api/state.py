@@ -19,8 +19,7 @@ from service.api.reasoning import think_markers
 from service.api.response_store import IN_MEMORY, ResponseStore
 from service.api.tool_formats import ToolFormat, format_for
 from service.config import Settings
-from service.engine.async_engine import AsyncEngine
-from service.engine.client import EngineClient
+from service.engine.process.client import EngineClient
 
 
 async def _no_floors() -> dict[str, Any]:
@@ -30,7 +29,7 @@ async def _no_floors() -> dict[str, Any]:
 @dataclass
 class ServingState:
     settings: Settings
-    engine: AsyncEngine | EngineClient
+    engine: EngineClient
     tokenizer: Tokenizer
     model_id: str
     template: ChatTemplate
@@ -60,7 +59,7 @@ class ServingState:
     def responses(self) -> ResponseStore:
         """The stored responses /v1/responses continues from: every front's (in the
         supervisor's folder) when this is one of several, else this process's."""
-        s, attach = self.settings, getattr(self.engine, "attach", None)
+        s, attach = self.settings, self.engine.attach
         path = attach.responses if attach is not None else IN_MEMORY
         budget = int(s.responses_store_mib * (1 << 20))
         return ResponseStore(s.responses_store_size, s.responses_store_ttl, budget, path)

@@ -1,7 +1,7 @@
 """A request's checks before it is queued: the prompt's ids, the context length, the
 structured-output constraint and the KV pool's capacity. The engine runs them on add;
-a front process runs them itself (service/engine/client.py), from the limits the engine
-sends it, so that a bad request never crosses to the engine."""
+the client runs them first (service/engine/process/client.py), from the limits the core
+sends it, so that a bad request never reaches the core."""
 
 from __future__ import annotations
 

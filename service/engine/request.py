@@ -168,7 +168,7 @@ class SamplingParams:
 class ParamError(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(f"{param}: {message}")
-        self.param = param
+        self.param, self.message = param, message
 
 
 def _check(ok: bool, param: str, message: str) -> None:

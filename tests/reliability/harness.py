@@ -35,7 +35,7 @@ TRACKED = (
     "service.engine.request.Request",
     "service.engine.output.RequestOutput",
     "service.engine.output.TextState",
-    "service.engine.async_engine._Stream",
+    "service.engine.process.client._Stream",
     "service.api.state.Admission",
 )
 
@@ -51,8 +51,9 @@ def _debug_state(app: Any) -> dict[str, Any]:
     by_type = collections.Counter(f"{type(o).__module__}.{type(o).__qualname__}" for o in objects)
     state = app.state.serving
     engine = state.engine
-    if hasattr(engine, "engine"):  # the engine in this process (AsyncEngine): its objects
-        inner = engine.engine
+    served = engine.link.shared()
+    if served is not None:  # the engine core in a thread of this process: its objects
+        inner = served.engine
         requests, waiting = len(inner.requests), len(inner.scheduler.waiting)
         running, blocks_used = len(inner.scheduler.running), inner.blocks.num_used
     else:  # --engine-process on: what the engine process published after its last step

@@ -4,14 +4,13 @@ joined without losing a token, a character, a logprob or an error."""
 import asyncio
 import time
 
-from service.engine.async_engine import AsyncEngine
-from service.engine.output import RequestOutput, TokenLogprobs
-from service.engine.request import FinishReason, SamplingParams
-from service.engine.streams import deltas
-from tests.engine.helpers import greedy
-from tests.factories import make_engine, small_model
+import pytest
 
-MODEL = small_model()
+from service.engine.output import RequestOutput, TokenLogprobs
+from service.engine.process.streams import deltas
+from service.engine.request import FinishReason, SamplingParams
+from tests.engine.helpers import greedy
+from tests.engine.process.cores import TRANSPORTS, client
 
 
 def out(token: int, index: int = 0, finished: bool = False, error: str | None = None):
@@ -77,11 +76,11 @@ def test_an_error_queued_behind_outputs_is_raised_after_them() -> None:
     assert isinstance(error, RuntimeError) and str(error) == "engine died"
 
 
-def test_a_slow_caller_gets_every_token_in_fewer_deltas_than_steps() -> None:
-    """Over the real engine thread: a caller that sleeps between deltas reads the same
-    tokens as one that keeps up, in fewer deltas."""
-    engine = AsyncEngine(lambda: make_engine(MODEL))
-    engine.start()
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_slow_caller_gets_every_token_in_fewer_deltas_than_steps(transport: str) -> None:
+    """Over a real core: a caller that sleeps between deltas reads the same tokens as one
+    that keeps up, in fewer deltas."""
+    engine = client(transport)
 
     async def read(rid: str, params: SamplingParams, pause: float) -> tuple[list[int], int]:
         tokens, count = [], 0

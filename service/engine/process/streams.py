@@ -1,6 +1,5 @@
-"""What both engine fronts (async_engine.py's thread, client.py's process) hand their
-callers: a request's deltas from its queue, the errors that end a stream, and the
-thread-safe hand-offs onto a caller's event loop."""
+"""What the client (client.py) hands its callers: a request's deltas from its queue, the
+errors that end a stream, and the thread-safe hand-offs onto a caller's event loop."""
 
 from __future__ import annotations
 

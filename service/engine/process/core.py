@@ -1,35 +1,58 @@
-"""The engine core in its own process (`--engine-process on`): load, then schedule, run
-and postprocess in a loop that never waits on HTTP. Requests (already checked by the
-front) and aborts arrive on one ZMQ socket; each step's outputs for every request, the
-engine's snapshot and the observer's events leave on another as one message
-(service/engine/wire.py). The front (client.py) starts it and shuts it down; it ignores
-SIGINT and SIGTERM, which the front drains on, and exits if the front goes away."""
+"""The engine core's one loop: load, then take requests and aborts, schedule, run and
+postprocess, and send each step's outputs for every request, the engine's snapshot and
+the observer's events to the fronts (wire.py's messages), never waiting on HTTP. It runs
+in a thread of the server's process or in a process of its own; `CoreSide`
+(transport.py) is all it knows of which. In a process (`run`), it ignores SIGINT and
+SIGTERM, which the fronts drain on, and exits if the process that started it is gone."""
 
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import sys
 from collections.abc import Callable
 from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Protocol
 
 import zmq
 
-from service.config import Settings
-from service.engine import wire
+from service.engine.engine import LLMEngine
 from service.engine.output import RequestOutput
+from service.engine.process import wire
+from service.engine.process.transport import CoreSide, ZmqSide
 from service.engine.stats import EngineObserver, EngineSnapshot
 from service.engine.structured import SETUP_POOL
 from service.proctitle import name_process
 
 log = logging.getLogger("kvserve.engine")
-IDLE_POLL_MS = 500  # how often an idle engine looks at its front and its ranks
+IDLE_POLL_MS = 500  # how often an idle engine looks at its fronts and its ranks
 GRAMMAR_POLL_MS = 2  # how often an idle engine looks for grammars made ready
+
+Observers = Callable[[str], EngineObserver]
+
+
+class Served(Protocol):
+    """What building the engine gives the core (service/build.py's Built)."""
+
+    engine: LLMEngine
+    model_id: str
+    model_dir: Path | None
+    audit: dict[str, Any]
+    info: dict[str, str]
+
+    @property
+    def tokenizer(self) -> Any: ...
+    def floors(self) -> dict[str, Any]: ...
+    def device_memory(self) -> tuple[int, int] | None: ...
+
+
+Make = Callable[[Observers], Served]
 
 
 class Recorder:
-    """The engine's observer: keeps each step's measurements for the next message."""
+    """The engine's observer where the fronts keep the metrics: each step's measurements,
+    kept for the next message."""
 
     def __init__(self) -> None:
         self.events: list[wire.Event] = []
@@ -48,111 +71,77 @@ class Recorder:
         return events
 
 
+def serve(
+    make: Make,
+    side: CoreSide,
+    observer: Observers | None = None,
+    keep: Callable[[Served], None] | None = None,
+) -> int:
+    """Build the engine (`make(observers)`), then loop until shut down or orphaned: 0,
+    or 1 where the load or the loop failed (the fronts are told why). `observer(model
+    id)` makes the engine's observer here (several fronts: the metrics their scrapes
+    merge); without one, the observer's events go to front 0 with each step. `keep`
+    receives what was built, before the fronts hear it is ready."""
+    core = Core(side, observer)
+    try:
+        served = make(observer or (lambda _: core.recorder))
+        served.engine.grammars.prepare()
+    except BaseException as exc:  # the front logs it as it would its own load's
+        side.send_all(wire.Failed(str(exc) or type(exc).__name__))
+        return 1
+    if keep is not None:
+        keep(served)
+    return core.serve(served)
+
+
 def run(
-    settings: Settings,
+    make: Make,
     inputs: list[str],
     outputs: list[str],
     parent: int,
-    observer: Callable[[str], EngineObserver] | None = None,
+    observer: Observers | None = None,
 ) -> None:
-    """The engine process's main (multiprocessing's spawn target): requests from every
-    endpoint in `inputs`, each front's outputs to its endpoint in `outputs` (front i at
-    outputs[i]); it exits when its parent process (the front, or the supervisor of
-    several) is gone. `observer(model id)` makes the engine's observer here (with several
-    fronts, the metrics the fronts' scrapes merge); without one, the observer's events go
-    to front 0 with each step."""
+    """The engine process's main: requests from every endpoint in `inputs`, each front's
+    outputs to its endpoint in `outputs` (front i at outputs[i]); it exits when its parent
+    process (the front, or the supervisor of several) is gone."""
     name_process("engine core")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
-    for endpoint in inputs:
-        pull.connect(endpoint)
-    fronts = Fronts(ctx, outputs)
+    side = ZmqSide(ctx, inputs, outputs, parent)
     try:
-        Core(settings, pull, fronts, parent, observer).serve()
+        code = serve(make, side, observer)
     finally:
-        fronts.close(linger=1000)
-        pull.close(linger=0)
+        side.close(linger=1000)
         ctx.term()
-
-
-class Fronts:
-    """One PUSH socket per front process. Sends never block (no high-water mark): a
-    front that died keeps its queue only until the supervisor says it is gone."""
-
-    def __init__(self, ctx: zmq.Context, endpoints: list[str]) -> None:
-        self.ctx, self.endpoints = ctx, endpoints
-        self.sockets = [self._open(e) for e in endpoints]
-
-    def _open(self, endpoint: str) -> zmq.Socket:
-        socket = self.ctx.socket(zmq.PUSH)
-        socket.setsockopt(zmq.SNDHWM, 0)
-        socket.connect(endpoint)
-        return socket
-
-    def __len__(self) -> int:
-        return len(self.sockets)
-
-    def send(self, front: int, message: object) -> None:
-        self.sockets[front].send(wire.encode(message))
-
-    def send_all(self, message: object) -> None:
-        data = wire.encode(message)
-        for socket in self.sockets:
-            socket.send(data)
-
-    def reset(self, front: int) -> None:
-        """Drop what was queued for a dead front; its replacement connects afresh."""
-        self.sockets[front].close(linger=0)
-        self.sockets[front] = self._open(self.endpoints[front])
-
-    def close(self, linger: int) -> None:
-        for socket in self.sockets:
-            socket.close(linger=linger)
+    raise SystemExit(code)
 
 
 class Core:
-    def __init__(
-        self,
-        settings: Settings,
-        pull: zmq.Socket,
-        fronts: Fronts,
-        parent: int,
-        observer: Callable[[str], EngineObserver] | None,
-    ) -> None:
-        self.settings, self.pull, self.fronts, self.parent = settings, pull, fronts, parent
+    def __init__(self, side: CoreSide, observer: Observers | None) -> None:
+        self.side, self.observer = side, observer
         self.recorder = Recorder()
-        self.observer = observer
         self.seq_ids: dict[str, list[str]] = {}  # request id -> its sequences' ids
         self.front_of: dict[str, int] = {}  # request id -> the front whose stream it is
-        self.failed: list[tuple[str, str]] = []
+        self.failed: list[wire.Rejected] = []
         self.outputs: list[RequestOutput] = []
         # requests whose grammar's start matcher is being built off the step (llguidance
         # releases the GIL), added once it is: a large grammar never stalls a step
         self.preparing: dict[str, tuple[Future, wire.Add]] = {}
         self.sent: EngineSnapshot | None = None  # the snapshot the fronts have last
 
-    def serve(self) -> None:
-        from service.build import build
-
-        try:
-            built = build(self.settings, self.observer or (lambda _: self.recorder))
-            engine = built.engine
-            engine.grammars.prepare()
-        except BaseException as exc:  # the front logs it as it would its own load's
-            self.fronts.send_all(wire.Failed(str(exc) or type(exc).__name__))
-            raise SystemExit(1) from None
-        self.engine, self.built = engine, built
-        self.fronts.send_all(self._ready())
+    def serve(self, served: Served) -> int:
+        self.engine, self.built = served.engine, served
+        self.side.send_all(self._ready())
         try:
             self._loop()
         except BaseException as exc:  # the loop died: the fronts fail every stream
             log.exception("engine loop died")
-            self.fronts.send_all(wire.Failed(f"engine loop died: {_why(exc)}"))
-            raise SystemExit(1) from None
-        engine.close()
+            self.side.send_all(wire.Failed(f"engine loop died: {_why(exc)}"))
+            return 1
+        self.engine.close()
+        return 0
 
     def _ready(self) -> wire.Ready:
         engine, built = self.engine, self.built
@@ -173,10 +162,10 @@ class Core:
         while True:
             busy = engine.has_unfinished()
             wait = 0 if busy else GRAMMAR_POLL_MS if self.preparing else IDLE_POLL_MS
-            if self.pull.poll(wait) and self._drain():
+            if self.side.wait(wait) and self._drain():
                 return  # shut down
             self._add_prepared()
-            if os.getppid() != self.parent:
+            if self.side.orphaned():
                 log.error("the process that started the engine is gone: the engine exits")
                 return
             if engine.has_unfinished():
@@ -189,11 +178,7 @@ class Core:
 
     def _drain(self) -> bool:
         """Take every message waiting; True on Shutdown."""
-        while True:
-            try:
-                message = wire.decode_to_engine(self.pull.recv(zmq.NOBLOCK))
-            except zmq.Again:
-                return False
+        for message in self.side.take():
             if isinstance(message, wire.Add) and message.params.constraint is not None:
                 check = self.engine.grammars.check
                 future = SETUP_POOL.submit(check, message.params.constraint)
@@ -208,6 +193,7 @@ class Core:
                 self._front_gone(message.front)
             else:
                 return True
+        return False
 
     def _add(self, add: wire.Add) -> None:
         engine = self.engine
@@ -222,7 +208,7 @@ class Core:
             for seq_id in list(engine.requests):  # siblings it added before failing
                 if seq_id == add.request_id or seq_id.startswith(add.request_id + "."):
                     engine.drop(seq_id)
-            self.failed.append((add.request_id, _why(exc)))
+            self.failed.append(wire.Rejected.of(add.request_id, exc))
 
     def _add_prepared(self) -> None:
         """Add the requests whose grammar is ready (or failed: the add says why)."""
@@ -242,15 +228,15 @@ class Core:
         for rid in gone:
             self._abort(rid)
         log.warning("front %d is gone: %d of its requests aborted", front, len(gone))
-        self.fronts.reset(front)
-        self.fronts.send(front, self._ready())
+        self.side.reset(front)
+        self.side.send(front, self._ready())
 
     def _floors(self, front: int) -> None:
         try:
             result = wire.FloorsResult(self.built.floors())
         except Exception as exc:
             result = wire.FloorsResult(None, _why(exc))
-        self.fronts.send(front, result)
+        self.side.send(front, result)
 
     def _publish(self) -> None:
         """Each front its requests' outputs and the engine's snapshot; the observer's
@@ -260,22 +246,22 @@ class Core:
             r for r, ids in self.seq_ids.items() if not any(i in engine.requests for i in ids)
         ]:
             del self.seq_ids[rid]
-        outputs: list[list[RequestOutput]] = [[] for _ in range(len(self.fronts))]
-        failed: list[list[tuple[str, str]]] = [[] for _ in range(len(self.fronts))]
+        outputs: list[list[RequestOutput]] = [[] for _ in range(self.side.fronts)]
+        failed: list[list[wire.Rejected]] = [[] for _ in range(self.side.fronts)]
         for out in self.outputs:
             outputs[self._front(out.request_id)].append(out)
-        for rid, why in self.failed:
-            failed[self._front(rid)].append((rid, why))
+        for rejected in self.failed:
+            failed[self._front(rejected.request_id)].append(rejected)
         for rid in [r for r in self.front_of if r not in self.seq_ids and r not in self.preparing]:
             del self.front_of[rid]
         snapshot, busy = engine.snapshot(), engine.has_unfinished()
         self.sent = snapshot
         memory, events = self.built.device_memory(), self.recorder.take()
-        for front in range(len(self.fronts)):
+        for front in range(self.side.fronts):
             step = wire.Step(
                 outputs[front], failed[front], snapshot, events if front == 0 else [], busy, memory
             )
-            self.fronts.send(front, step)
+            self.side.send(front, step)
         self.outputs, self.failed = [], []
 
     def _front(self, request_id: str) -> int:

@@ -1,7 +1,8 @@
-"""What crosses between the front processes and the engine core process (service/engine/core.py
-and client.py): typed messages, msgpack-encoded by msgspec. A step's outputs for every
-request of a front travel to it as one message, with the engine's snapshot; the
-observer's events go with one front's message."""
+"""What crosses between the fronts and the engine core (core.py and client.py): typed
+messages, passed as they are within a process and msgpack-encoded by msgspec between
+processes (transport.py). A step's outputs for every request of a front travel to it as
+one message, with the engine's snapshot; the observer's events go with one front's
+message."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import msgspec
 
 from service.engine.checks import Limits
 from service.engine.output import RequestOutput
-from service.engine.request import SamplingParams
+from service.engine.request import ParamError, SamplingParams
 from service.engine.stats import EngineSnapshot
 
 # ---- front -> engine -------------------------------------------------------------------
@@ -79,9 +80,24 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
     snapshot: EngineSnapshot
 
 
+class Rejected(msgspec.Struct, array_like=True):
+    """An add the engine could not take: why, and the parameter at fault where the
+    request's parameters were (a 400), else a bug (the request fails alone)."""
+
+    request_id: str
+    why: str
+    param: str | None = None
+
+    @classmethod
+    def of(cls, request_id: str, exc: Exception) -> Rejected:
+        if isinstance(exc, ParamError):
+            return cls(request_id, exc.message, exc.param)
+        return cls(request_id, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+
+
 class Step(msgspec.Struct, tag=True, array_like=True):
     outputs: list[RequestOutput]
-    failed: list[tuple[str, str]]  # (request id, why): an add the engine could not take
+    failed: list[Rejected]
     snapshot: EngineSnapshot
     events: list[Event]
     busy: bool
