@@ -17,7 +17,7 @@ from model.config import ModelConfig
 from model.loader import load
 from model.transformer import Transformer
 from service.config import Settings
-from service.engine.engine import LLMEngine
+from service.engine.core.engine import LLMEngine
 from service.engine.request import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]

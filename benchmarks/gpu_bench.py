@@ -47,7 +47,7 @@ from model.backends.machine import matmul_throughput
 from service import bench
 from service.bench_cli import spawn
 from service.config import Settings
-from service.engine.engine import LLMEngine
+from service.engine.core.engine import LLMEngine
 
 MIXED = dict(logprobs=1, frequency_penalty=0.5)  # what some of the offline requests ask for
 

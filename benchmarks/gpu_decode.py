@@ -44,7 +44,7 @@ from model.audit import count_params
 from model.backends.machine import matmul_throughput
 from model.tokenizer import Tokenizer
 from service.config import Settings
-from service.engine.engine import LLMEngine
+from service.engine.core.engine import LLMEngine
 from service.engine.request import SamplingParams
 
 SHAPES = {"llama-3.2-1b": LLAMA_32_1B, "llama-3.1-8b": LLAMA_31_8B}

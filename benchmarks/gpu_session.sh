@@ -95,7 +95,7 @@ cuda=$($py -c 'import torch; print(int(torch.cuda.is_available()))')
 if [[ $steps == *" tests "* ]]; then
     log "tests (pytest -m gpu), up to $(( $(left) / 3 )) s"
     # shellcheck disable=SC2086  # KVSERVE_GPU_TESTS: a -k expression, when given
-    timeout $(( $(left) / 3 )) $py -m pytest -v -rs --durations=0 -m gpu tests/engine/test_gpu.py \
+    timeout $(( $(left) / 3 )) $py -m pytest -v -rs --durations=0 -m gpu tests/engine/exec/test_gpu.py \
         ${KVSERVE_GPU_TESTS:+-k "$KVSERVE_GPU_TESTS"} \
         -p no:cacheprovider > "$out/gpu_tests.log" 2>&1
     log "tests: exit $? ($(tail -1 "$out/gpu_tests.log"))"

@@ -35,7 +35,7 @@ import torch
 from model.backends.fp8 import Fp8Linear, to_fp8
 from model.loader import load
 from service.config import Settings
-from service.engine.engine import LLMEngine
+from service.engine.core.engine import LLMEngine
 from service.engine.request import SamplingParams
 from tests import factories as hf
 

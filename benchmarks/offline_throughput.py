@@ -26,7 +26,7 @@ from model.backends.machine import memory_bandwidth
 from model.tokenizer import Tokenizer
 from model.weights import load_model
 from service.config import Settings
-from service.engine.engine import LLMEngine
+from service.engine.core.engine import LLMEngine
 
 
 def run_hf(

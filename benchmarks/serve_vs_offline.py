@@ -32,7 +32,7 @@ from model.loader import load
 from service import bench
 from service.bench_cli import spawn
 from service.config import Settings
-from service.engine.engine import LLMEngine
+from service.engine.core.engine import LLMEngine
 
 
 def main() -> None:

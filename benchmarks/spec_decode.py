@@ -35,7 +35,7 @@ from model.loader import load
 from model.transformer import Transformer
 from service.bench_report import cpu_model, write_report
 from service.config import Settings
-from service.engine.engine import LLMEngine
+from service.engine.core.engine import LLMEngine
 from service.engine.request import SamplingParams
 
 

@@ -106,7 +106,7 @@ def window_pool_blocks(
     cfg: ModelConfig, block_size: int, max_num_seqs: int, max_num_batched_tokens: int
 ) -> int:
     """The most blocks of the windowed layers' own pool a step's sequences hold: each the
-    blocks of its window and of its new tokens (service/engine/window_blocks.py), which
+    blocks of its window and of its new tokens (service/engine/kv/window_blocks.py), which
     are at most ceil((window - 1 + new) / block_size) + 1, and at most
     max_num_batched_tokens new tokens in all."""
     per_seq = window_span_blocks(cfg, block_size, 1)

@@ -21,7 +21,7 @@ class PagedKVCache:
 
     With window_blocks, a model with windowed layers keeps their K and V in a pool of
     their own, `window_data`, of that many blocks and its own block ids: a sequence holds
-    there only the blocks its windows still see (service/engine/window_blocks.py), and
+    there only the blocks its windows still see (service/engine/kv/window_blocks.py), and
     the global layers' pool `data` holds the whole context. Where every layer is windowed
     (Mistral, Phi-3 with sliding_window), `data` has no layers: its block ids only name
     the blocks of each sequence's context, for the prefix cache.
@@ -96,7 +96,7 @@ class PagedKVCache:
 
     def add_host_pool(self, slots: int) -> None:
         """Host memory for `slots` blocks of `data` (pinned where the pool is on CUDA):
-        the prefix cache's host tier (service/engine/host_tier.py)."""
+        the prefix cache's host tier (service/engine/kv/host_tier.py)."""
         pin = self.data.device.type == "cuda"
         shape = (2, self.data.shape[1], slots, self.data.shape[3])
         self.host = torch.empty(shape, dtype=self.data.dtype, pin_memory=pin)

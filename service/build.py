@@ -27,13 +27,13 @@ from model.tokenizer import Tokenizer
 from model.transformer import Transformer
 from model.weights import load_config
 from service.config import Settings, quantization_conflict
-from service.engine.blocks import BlockManager
-from service.engine.engine import LLMEngine
+from service.engine.core.engine import LLMEngine
+from service.engine.core.stats import EngineObserver
+from service.engine.kv.blocks import BlockManager
 from service.engine.process import core
 from service.engine.process.attach import Attach
 from service.engine.process.core import Observers
 from service.engine.process.transport import CoreSide, InProcess, InThread, Link
-from service.engine.stats import EngineObserver
 
 log = logging.getLogger("kvserve.build")
 
@@ -55,7 +55,7 @@ def build(
 ) -> Built:
     """Load and build; `observer(model_id)` gives the engine's observer (the metrics).
     With tensor_parallel_size > 1 every rank calls this (rank 0 then serves, the others
-    follow its steps: service/engine/ranks.py)."""
+    follow its steps: service/engine/exec/ranks.py)."""
     device = pick_device(settings.device)
     why = quantization_conflict(
         settings.quantization, settings.attention_backend, settings.dtype, device.type
@@ -75,55 +75,10 @@ def build(
     engine = LLMEngine(
         loaded.model, loaded.tokenizer, settings, observer=observer(model_id), draft=draft
     )
-    cfg, name = loaded.model.cfg, dtype_name(dtype)
-    report = audit(
-        cfg, name, kv_pool_bytes=engine.kv_cache.nbytes, quantization=settings.quantization
-    ).as_dict()
-    backend = engine.backend.describe()
     world = tp.world if tp is not None else 1
-    report |= {
-        "architecture": cfg.architecture,
-        "features": cfg.features,
-        "hidden_size": cfg.d_model,  # an embedding's length (/v1/embeddings)
-        "tensor_parallel_size": world,
-        "kv_pool_bytes": engine.kv_cache.nbytes * world,  # every rank's share
-        # the tokens the block ids name (window_only: no K/V under them, the window
-        # pool holds it)
-        "kv_pool_tokens": engine.blocks.num_blocks * settings.block_size,
-        "device": str(device),
-        "attention_backend": backend,
-        "quantization": settings.quantization,
-        "cuda_graphs": engine.runner.graphs is not None,
-        "async_scheduling": engine.async_scheduling,
-        "block_size": settings.block_size,
-        "kv_blocks": engine.blocks.num_blocks,
-        # the windowed layers' own pool, 0: none
-        "kv_window_blocks": engine.kv_cache.window_blocks,
-        "kv_pool_sequences_of_max_len": _sequences_of(
-            engine.blocks, engine.max_model_len, engine.kv_cache.window_only
-        ),
-        "speculative_method": settings.speculative_method,
-        "num_speculative_tokens": settings.num_speculative_tokens,
-    }
-    log.info(
-        "engine ready%s: device %s, dtype %s, weights %s, attention backend %s%s, CUDA graphs "
-        "%s, async scheduling %s, %d KV blocks of %d tokens (%s%.1f MiB), max_model_len %d",
-        f" (rank {tp.rank} of {tp.world})" if tp is not None else "",
-        device,
-        name,
-        settings.quantization if settings.quantization != "none" else name,
-        backend["name"],
-        f" (ISA {backend['isa']}, linears {backend['linear_isa']})" if "isa" in backend else "",
-        "on" if engine.runner.graphs is not None else "off",
-        "on" if engine.async_scheduling else "off",
-        engine.blocks.num_blocks,
-        settings.block_size,
-        f"{engine.kv_cache.window_blocks} more for the windowed layers, "
-        if engine.kv_cache.window_blocks
-        else "",
-        engine.kv_cache.nbytes / (1 << 20),
-        engine.max_model_len,
-    )
+    report = _report(settings, engine, dtype, device, world)
+    _log_ready(settings, engine, report, tp)
+    cfg, name = loaded.model.cfg, dtype_name(dtype)
 
     def measure_floors() -> dict[str, Any]:  # small buffers: ~0.5 s
         bandwidth = memory_bandwidth(device, mib=256)
@@ -145,13 +100,74 @@ def build(
             "dtype": name,
             "quantization": settings.quantization,
             "device": device.type,
-            "attention_backend": backend["name"],
+            "attention_backend": report["attention_backend"]["name"],
             "block_size": str(settings.block_size),
             "max_model_len": str(engine.max_model_len),
             "tensor_parallel_size": str(world),
         },
         floors=measure_floors,
         device_memory=device_memory,
+    )
+
+
+def _report(
+    settings: Settings, engine: LLMEngine, dtype: torch.dtype, device: torch.device, world: int
+) -> dict[str, Any]:
+    """model/audit.py's report of the model and how this engine was built (/v1/models,
+    the start-up line, the admission's KV figures)."""
+    cfg = engine.model.cfg
+    report = audit(
+        cfg, dtype_name(dtype), kv_pool_bytes=engine.kv_cache.nbytes,
+        quantization=settings.quantization,
+    ).as_dict()  # fmt: skip
+    return report | {
+        "architecture": cfg.architecture,
+        "features": cfg.features,
+        "hidden_size": cfg.d_model,  # an embedding's length (/v1/embeddings)
+        "tensor_parallel_size": world,
+        "kv_pool_bytes": engine.kv_cache.nbytes * world,  # every rank's share
+        # the tokens the block ids name (window_only: no K/V under them, the window
+        # pool holds it)
+        "kv_pool_tokens": engine.blocks.num_blocks * settings.block_size,
+        "device": str(device),
+        "attention_backend": engine.backend.describe(),
+        "quantization": settings.quantization,
+        "cuda_graphs": engine.runner.graphs is not None,
+        "async_scheduling": engine.async_scheduling,
+        "block_size": settings.block_size,
+        "kv_blocks": engine.blocks.num_blocks,
+        # the windowed layers' own pool, 0: none
+        "kv_window_blocks": engine.kv_cache.window_blocks,
+        "kv_pool_sequences_of_max_len": _sequences_of(
+            engine.blocks, engine.max_model_len, engine.kv_cache.window_only
+        ),
+        "speculative_method": settings.speculative_method,
+        "num_speculative_tokens": settings.num_speculative_tokens,
+    }
+
+
+def _log_ready(
+    settings: Settings, engine: LLMEngine, report: dict[str, Any], tp: TensorParallel | None
+) -> None:
+    backend, name = report["attention_backend"], report["dtype"]
+    log.info(
+        "engine ready%s: device %s, dtype %s, weights %s, attention backend %s%s, CUDA graphs "
+        "%s, async scheduling %s, %d KV blocks of %d tokens (%s%.1f MiB), max_model_len %d",
+        f" (rank {tp.rank} of {tp.world})" if tp is not None else "",
+        report["device"],
+        name,
+        settings.quantization if settings.quantization != "none" else name,
+        backend["name"],
+        f" (ISA {backend['isa']}, linears {backend['linear_isa']})" if "isa" in backend else "",
+        "on" if engine.runner.graphs is not None else "off",
+        "on" if engine.async_scheduling else "off",
+        engine.blocks.num_blocks,
+        settings.block_size,
+        f"{engine.kv_cache.window_blocks} more for the windowed layers, "
+        if engine.kv_cache.window_blocks
+        else "",
+        engine.kv_cache.nbytes / (1 << 20),
+        engine.max_model_len,
     )
 
 

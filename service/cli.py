@@ -149,14 +149,22 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    p = report["parameters"]
-    gib = 1 << 30
-    each = f" per device (of {world})" if world > 1 else ""
     held = dtype_name(dtype) + (
         f", linears {args.quantization}" if args.quantization != "none" else ""
     )
+    print("\n".join(_plan_lines(report, cfg.name, held, memory, world, machine is not None)))
+    return 0
+
+
+def _plan_lines(
+    report: dict, name: str, held: str, memory: int, world: int, measured: bool
+) -> list[str]:
+    """`kvserve plan`'s report in words."""
+    p = report["parameters"]
+    gib = 1 << 30
+    each = f" per device (of {world})" if world > 1 else ""
     lines = [
-        f"model {cfg.name}: {p['total']:,} parameters ({held}, {report['weight_bytes'] / gib:.2f} GiB of weights)",
+        f"model {name}: {p['total']:,} parameters ({held}, {report['weight_bytes'] / gib:.2f} GiB of weights)",
         f"  embedding {p['embedding']:,}  attention {p['attention']:,}  ffn {p['ffn']:,}  norms {p['norms']:,}  head {p['head']:,}",
         f"weights{each}: {report['weight_bytes_per_device'] / gib:.2f} GiB",
         f"KV cache: {report['kv_bytes_per_token']:,} bytes per token"
@@ -176,14 +184,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             f"logits all-gather {report['allgather_bytes_per_token']:,} bytes; "
             f"{report['link_bytes_per_token_per_device']:,} bytes sent per device (ring)"
         )
-    if machine:
+    if measured:
+        device = report["device"].split(":")[0]
         lines += [
-            f"this {device.type}: read bandwidth {report['bandwidth_gb_s']:.1f} GB/s, matmul {report['matmul_tflops']:.2f} TFLOP/s",
+            f"this {device}: read bandwidth {report['bandwidth_gb_s']:.1f} GB/s, matmul {report['matmul_tflops']:.2f} TFLOP/s",
             f"  decode floor {report['decode_floor_ms_per_token']:.2f} ms/token (weights / bandwidth)",
             f"  prefill ceiling {report['prefill_ceiling_tokens_per_s']:,.0f} tokens/s (matmul / 2 x parameters)",
         ]
-    print("\n".join(lines))
-    return 0
+    return lines
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

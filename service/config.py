@@ -69,6 +69,38 @@ def quantization_conflict(quantization: str, backend: str, dtype: str, device: s
     return None
 
 
+# the settings checked on their own: positive, non-negative, one of their choices
+POSITIVE = (
+    "port",
+    "block_size",
+    "num_kv_blocks",
+    "max_num_seqs",
+    "api_server_count",
+    "max_num_batched_tokens",
+    "max_body_bytes",
+    "tensor_parallel_size",
+    "rank_timeout",
+    "num_speculative_tokens",
+    "speculative_max_batch",
+    "responses_store_size",
+    "responses_store_mib",
+    "responses_store_ttl",
+    "kv_disk_gib",
+    "kv_cache_gib",
+)
+NON_NEGATIVE = ("mixed_prefill_tokens", "max_queue", "speculative_min_speedup", "kv_host_gib")
+CHOICES = {
+    "attention_backend": ATTENTION_BACKENDS,
+    "tool_call_format": TOOL_CALL_FORMATS,
+    "pooling": POOLING,
+    "quantization": QUANTIZATIONS,
+    "speculative_method": SPECULATIVE_METHODS,
+    "engine_process": ENGINE_PROCESS,
+    "async_scheduling": ASYNC_SCHEDULING,
+    "log_level": ("debug", "info", "warning", "error"),
+}
+
+
 @dataclass(frozen=True, slots=True)
 class Settings:
     model: str | None = field(
@@ -326,56 +358,40 @@ class Settings:
     )
 
     def __post_init__(self) -> None:
-        positive = (
-            "port",
-            "block_size",
-            "num_kv_blocks",
-            "max_num_seqs",
-            "api_server_count",
-            "max_num_batched_tokens",
-            "max_body_bytes",
-            "tensor_parallel_size",
-            "rank_timeout",
-            "num_speculative_tokens",
-            "speculative_max_batch",
-            "responses_store_size",
-            "responses_store_mib",
-            "responses_store_ttl",
-        )
-        for name in positive:
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"{name} must be > 0, got {value}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, "
-                f"got {self.attention_backend!r}"
-            )
-        if self.tool_call_format not in TOOL_CALL_FORMATS:
-            raise ValueError(
-                f"tool_call_format must be one of {list(TOOL_CALL_FORMATS)}, "
-                f"got {self.tool_call_format!r}"
-            )
-        if self.pooling not in POOLING:
-            raise ValueError(f"pooling must be one of {list(POOLING)}, got {self.pooling!r}")
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(
-                f"quantization must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}"
-            )
+        self._check_values()
         why = quantization_conflict(
             self.quantization, self.attention_backend, self.dtype, self.device
         )
         if why is not None:
             raise ValueError(why)
-        if self.speculative_method not in SPECULATIVE_METHODS:
+        self._check_processes()
+        self._check_speculation()
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
             raise ValueError(
-                f"speculative_method must be one of {list(SPECULATIVE_METHODS)}, "
-                f"got {self.speculative_method!r}"
+                "kv_events_replay_endpoint replays kv_events_endpoint's events: set both"
             )
-        if self.engine_process not in ENGINE_PROCESS:
+
+    def _check_values(self) -> None:
+        """Each setting on its own: within its range, one of its choices."""
+        for name in POSITIVE:
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        for name in NON_NEGATIVE:
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        for name, choices in CHOICES.items():
+            value = getattr(self, name)
+            if value not in choices:
+                raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
-                f"engine_process must be one of {list(ENGINE_PROCESS)}, got {self.engine_process!r}"
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+
+    def _check_processes(self) -> None:
+        """The fronts, the engine's process and the ranks that go together."""
         if self.api_server_count > 1 and self.engine_process == "off":
             raise ValueError(
                 "api_server_count: several front processes share one engine process; "
@@ -386,11 +402,6 @@ class Settings:
                 "api_server_count: several fronts run one rank's engine in its own "
                 "process; with --tensor-parallel-size > 1 use one front"
             )
-        if self.async_scheduling not in ASYNC_SCHEDULING:
-            raise ValueError(
-                f"async_scheduling must be one of {list(ASYNC_SCHEDULING)}, "
-                f"got {self.async_scheduling!r}"
-            )
         if self.async_scheduling == "on" and (
             self.speculative_method != "none" or self.tensor_parallel_size > 1
         ):
@@ -398,6 +409,8 @@ class Settings:
                 "async_scheduling: on runs one rank without speculative decoding (drafts "
                 "and other ranks need each step's tokens on the host); use auto or off"
             )
+
+    def _check_speculation(self) -> None:
         if (self.speculative_method == "draft") != (self.speculative_model is not None):
             raise ValueError(
                 "speculative_model: --speculative-method draft needs --speculative-model, "
@@ -407,32 +420,6 @@ class Settings:
             raise ValueError(
                 "speculative_model: a draft model runs on one rank; with "
                 "--tensor-parallel-size > 1 use --speculative-method ngram"
-            )
-        if self.mixed_prefill_tokens is not None and self.mixed_prefill_tokens < 0:
-            raise ValueError(f"mixed_prefill_tokens must be >= 0, got {self.mixed_prefill_tokens}")
-        if self.max_queue < 0:
-            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
-        if self.speculative_min_speedup < 0:
-            raise ValueError(
-                f"speculative_min_speedup must be >= 0, got {self.speculative_min_speedup}"
-            )
-        if self.kv_host_gib is not None and self.kv_host_gib < 0:
-            raise ValueError(f"kv_host_gib must be >= 0, got {self.kv_host_gib}")
-        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
-            raise ValueError(
-                "kv_events_replay_endpoint replays kv_events_endpoint's events: set both"
-            )
-        if self.kv_disk_gib <= 0:
-            raise ValueError(f"kv_disk_gib must be > 0, got {self.kv_disk_gib}")
-        if self.kv_cache_gib <= 0:
-            raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
-            )
-        if self.log_level not in ("debug", "info", "warning", "error"):
-            raise ValueError(
-                f"log_level must be debug, info, warning or error, got {self.log_level!r}"
             )
 
     @property

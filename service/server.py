@@ -133,7 +133,7 @@ def run_app(app: Any, settings: Settings, sockets: list[socket.socket] | None = 
 
 def _rank_exited(app: Any, rank: int, status: int) -> None:
     """A rank this server started exited: fail the engine (or the load) and exit."""
-    from service.engine.ranks import RankError
+    from service.engine.exec.ranks import RankError
 
     error = RankError(f"tensor-parallel rank {rank} exited with status {status}")
     serving = getattr(app.state, "serving", None)

@@ -22,7 +22,7 @@ from model.demo import init_weights
 from model.tokenizer import Tokenizer
 from model.transformer import Transformer
 from service.config import Settings
-from service.engine.engine import LLMEngine
+from service.engine.core.engine import LLMEngine
 from service.launch import free_port
 
 # ---- models and engines ------------------------------------------------------------

@@ -95,7 +95,7 @@ def test_the_reader_sees_the_imports() -> None:
     graph = imports()
     assert "model.config" in graph["model.transformer"]  # from model.config import X
     assert "model.backends.base" in graph["model.attention"]  # from a package's module
-    assert "service.engine.request" in graph["service.engine.scheduler"]
+    assert "service.engine.request" in graph["service.engine.core.scheduler"]
     assert len(graph) > 60
 
 

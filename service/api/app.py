@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse, Response
@@ -114,7 +114,7 @@ def create_app(
     app.include_router(chat.router)
     app.include_router(embeddings.router)
     app.include_router(responses.router)
-    _install_routes(app)
+    app.include_router(routes)
     return app
 
 
@@ -184,100 +184,117 @@ def _serving(request: Request) -> ServingState:
     return state
 
 
-def _install_routes(app: FastAPI) -> None:
-    @app.get("/health")
-    async def health(request: Request) -> JSONResponse:
-        state: ServingState | None = request.app.state.serving
-        if state is None:
-            status = "failed" if request.app.state.load_error is not None else "loading"
-            return JSONResponse({"status": status}, status_code=503)
-        snap = state.engine.snapshot()
-        replay_down = snap.kv_events_replay_up is False  # a KV events reader gets no replay
-        ok = state.engine.healthy() and not state.draining and not replay_down
-        status = "draining" if state.draining else ("ok" if ok else "unhealthy")
-        body = {
-            "status": status,
-            "model": state.model_id,
-            "running": snap.running,
-            "waiting": snap.waiting,
-            "kv_cache": {
-                "blocks_total": snap.kv_blocks_total,
-                "blocks_used": snap.kv_blocks_used,
-                "bytes_total": snap.kv_bytes_total,
-                "bytes_used": snap.kv_bytes_used,
-                "usage": snap.kv_usage,
-            },
-        }
-        if replay_down:
-            body["kv_events"] = "the replay socket's thread has failed"
-        if state.fronts > 1:  # which of --api-server-count answered
-            body["front"] = state.engine.front  # type: ignore[union-attr]
-        return JSONResponse(body, status_code=200 if ok else 503)
+# the routes beside the API's own (completions, chat, embeddings, responses)
+routes = APIRouter()
 
-    def model_card(state: ServingState, detail: bool) -> dict[str, Any]:
-        card: dict[str, Any] = {
-            "id": state.model_id,
-            "object": "model",
-            "created": int(state.started),
-            "owned_by": "kvserve",
-            "max_model_len": state.max_model_len,
-        }
-        if detail:  # the family and its variations, then the memory audit
-            memory = dict(state.audit)
-            card["architecture"] = memory.pop("architecture")
-            card["features"] = memory.pop("features")
-            card["memory"] = memory
-        return card
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [model_card(_serving(request), False)]})
+@routes.get("/health")
+async def health(request: Request) -> JSONResponse:
+    state: ServingState | None = request.app.state.serving
+    if state is None:
+        status = "failed" if request.app.state.load_error is not None else "loading"
+        return JSONResponse({"status": status}, status_code=503)
+    ok, body = _health(state)
+    return JSONResponse(body, status_code=200 if ok else 503)
 
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str, request: Request) -> JSONResponse:
-        state = _serving(request)
-        state.check_model(model_id)
-        card = model_card(state, True)
-        if state.floors is None:  # measured on the engine thread, once
-            state.floors = await state.measure_floors()
-        card["memory"] = {**card["memory"], "floors": state.floors}
-        return JSONResponse(card)
 
-    @app.post("/tokenize")
-    async def tokenize(req: TokenizeRequest, request: Request) -> JSONResponse:
-        state = _serving(request)
-        state.check_model(req.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
-        if req.prompt is not None:  # off the event loop, as the generation routes do
-            add_bos = None if req.add_special_tokens else False
-            tokens = await asyncio.to_thread(state.tokenizer.encode, req.prompt, add_bos=add_bos)
-        else:
-            tokens = await asyncio.to_thread(
-                encode_messages, state, req.messages or [], add_generation_prompt=True
-            )
-        return JSONResponse(
-            {"tokens": tokens, "count": len(tokens), "max_model_len": state.max_model_len}
+def _health(state: ServingState) -> tuple[bool, dict[str, Any]]:
+    """Whether the server is healthy, and what /health says of it."""
+    snap = state.engine.snapshot()
+    replay_down = snap.kv_events_replay_up is False  # a KV events reader gets no replay
+    ok = state.engine.healthy() and not state.draining and not replay_down
+    status = "draining" if state.draining else ("ok" if ok else "unhealthy")
+    body: dict[str, Any] = {
+        "status": status,
+        "model": state.model_id,
+        "running": snap.running,
+        "waiting": snap.waiting,
+        "kv_cache": {
+            "blocks_total": snap.kv_blocks_total,
+            "blocks_used": snap.kv_blocks_used,
+            "bytes_total": snap.kv_bytes_total,
+            "bytes_used": snap.kv_bytes_used,
+            "usage": snap.kv_usage,
+        },
+    }
+    if replay_down:
+        body["kv_events"] = "the replay socket's thread has failed"
+    if state.fronts > 1:  # which of --api-server-count answered
+        body["front"] = state.engine.front
+    return ok, body
+
+
+def _model_card(state: ServingState, detail: bool) -> dict[str, Any]:
+    card: dict[str, Any] = {
+        "id": state.model_id,
+        "object": "model",
+        "created": int(state.started),
+        "owned_by": "kvserve",
+        "max_model_len": state.max_model_len,
+    }
+    if detail:  # the family and its variations, then the memory audit
+        memory = dict(state.audit)
+        card["architecture"] = memory.pop("architecture")
+        card["features"] = memory.pop("features")
+        card["memory"] = memory
+    return card
+
+
+@routes.get("/v1/models")
+async def models(request: Request) -> JSONResponse:
+    return JSONResponse({"object": "list", "data": [_model_card(_serving(request), False)]})
+
+
+@routes.get("/v1/models/{model_id:path}")
+async def model(model_id: str, request: Request) -> JSONResponse:
+    state = _serving(request)
+    state.check_model(model_id)
+    card = _model_card(state, True)
+    if state.floors is None:  # measured on the engine thread, once
+        state.floors = await state.measure_floors()
+    card["memory"] = {**card["memory"], "floors": state.floors}
+    return JSONResponse(card)
+
+
+@routes.post("/tokenize")
+async def tokenize(req: TokenizeRequest, request: Request) -> JSONResponse:
+    state = _serving(request)
+    state.check_model(req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+    if req.prompt is not None:  # off the event loop, as the generation routes do
+        add_bos = None if req.add_special_tokens else False
+        tokens = await asyncio.to_thread(state.tokenizer.encode, req.prompt, add_bos=add_bos)
+    else:
+        tokens = await asyncio.to_thread(
+            encode_messages, state, req.messages or [], add_generation_prompt=True
         )
+    return JSONResponse(
+        {"tokens": tokens, "count": len(tokens), "max_model_len": state.max_model_len}
+    )
 
-    @app.post("/detokenize")
-    async def detokenize(req: DetokenizeRequest, request: Request) -> JSONResponse:
-        state = _serving(request)
-        state.check_model(req.model)
-        bad = next((t for t in req.tokens if not state.tokenizer.valid_id(t)), None)
-        if bad is not None:
-            raise APIError(400, f"token id {bad} is not in the vocabulary", param="tokens")
-        return JSONResponse({"prompt": state.tokenizer.decode(req.tokens)})
 
-    @app.get("/metrics")
-    async def metrics(request: Request) -> Response:
-        state = _serving(request)
-        return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+@routes.post("/detokenize")
+async def detokenize(req: DetokenizeRequest, request: Request) -> JSONResponse:
+    state = _serving(request)
+    state.check_model(req.model)
+    bad = next((t for t in req.tokens if not state.tokenizer.valid_id(t)), None)
+    if bad is not None:
+        raise APIError(400, f"token id {bad} is not in the vocabulary", param="tokens")
+    return JSONResponse({"prompt": state.tokenizer.decode(req.tokens)})
 
-    @app.get("/")
-    async def index() -> FileResponse:
-        return FileResponse(STATIC / "index.html", media_type="text/html")
 
-    @app.get("/favicon.ico", include_in_schema=False)
-    async def favicon() -> FileResponse:
-        return FileResponse(STATIC / "favicon.svg", media_type="image/svg+xml")
+@routes.get("/metrics")
+async def metrics(request: Request) -> Response:
+    state = _serving(request)
+    return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+
+@routes.get("/")
+async def index() -> FileResponse:
+    return FileResponse(STATIC / "index.html", media_type="text/html")
+
+
+@routes.get("/favicon.ico", include_in_schema=False)
+async def favicon() -> FileResponse:
+    return FileResponse(STATIC / "favicon.svg", media_type="image/svg+xml")

@@ -18,8 +18,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
+from service.engine.core.stats import EngineSnapshot
 from service.engine.output import RequestOutput
-from service.engine.stats import EngineSnapshot
 
 # why a request is turned away, by its HTTP status (and a prompt too long for the context)
 REJECT_REASONS = {
@@ -260,8 +260,25 @@ class _EngineCollector(Collector):
         self.device_memory = device_memory
 
     def collect(self) -> Iterator[Metric]:
-        snap = stats = self.snapshot()
+        snap = self.snapshot()
         m = [self.model]
+        yield from self._config(snap)
+        yield from _gauges(m, snap)
+        yield from _host_tier(m, snap)  # zeros without one, as the speculation's
+        yield from _kv_events(m, snap)
+        memory = self.device_memory()
+        if memory is not None:
+            for name, value in zip(("allocated", "reserved"), memory, strict=True):
+                g = GaugeMetricFamily(
+                    f"kvserve_cuda_memory_{name}_bytes",
+                    f"CUDA memory {name} by PyTorch.",
+                    labels=["model"],
+                )
+                g.add_metric(m, value)
+                yield g
+        yield from _counters(m, snap)
+
+    def _config(self, snap: EngineSnapshot) -> Iterator[Metric]:
         info = GaugeMetricFamily(
             "kvserve_model_info", "The served model (value 1).", labels=["model", *self.info]
         )
@@ -278,79 +295,75 @@ class _EngineCollector(Collector):
             [self.model, self.info.get("block_size", ""), str(snap.kv_blocks_total)], 1
         )
         yield config
-        for name, doc, value in (
-            ("kvserve_requests_running", "Sequences being computed.", snap.running),
-            ("kvserve_requests_waiting", "Sequences waiting to be scheduled.", snap.waiting),
-            (
-                "kvserve_kv_cache_capacity_blocks",
-                "KV cache blocks in the pool.",
-                snap.kv_blocks_total,
-            ),
-            (
-                "kvserve_kv_cache_used_blocks",
-                "KV cache blocks held by requests.",
-                snap.kv_blocks_used,
-            ),
-            (
-                "kvserve_kv_cache_capacity_bytes",
-                "KV cache pool size in bytes.",
-                snap.kv_bytes_total,
-            ),
-            ("kvserve_kv_cache_used_bytes", "KV cache bytes held by requests.", snap.kv_bytes_used),
-            ("kvserve_kv_cache_usage_ratio", "Share of KV blocks in use (0-1).", snap.kv_usage),
-        ):
-            g = GaugeMetricFamily(name, doc, labels=["model"])
-            g.add_metric(m, value)
-            yield g
-        yield from _host_tier(m, snap)  # zeros without one, as the speculation's
-        yield from _kv_events(m, snap)
-        memory = self.device_memory()
-        if memory is not None:
-            for name, value in zip(("allocated", "reserved"), memory, strict=True):
-                g = GaugeMetricFamily(
-                    f"kvserve_cuda_memory_{name}_bytes",
-                    f"CUDA memory {name} by PyTorch.",
-                    labels=["model"],
-                )
-                g.add_metric(m, value)
-                yield g
-        for name, doc, value in (
-            ("kvserve_prompt_tokens", "Prompt tokens received.", stats.prompt_tokens),
-            ("kvserve_generation_tokens", "Tokens generated.", stats.generation_tokens),
-            (
-                "kvserve_prefix_cache_queried_tokens",
-                "Prompt tokens looked up in the prefix cache.",
-                stats.prefix_queried_tokens,
-            ),
-            (
-                "kvserve_prefix_cache_hit_tokens",
-                "Prompt tokens served by the prefix cache.",
-                stats.prefix_hit_tokens,
-            ),
-            ("kvserve_preemptions", "Requests preempted to free KV blocks.", stats.preemptions),
-            (
-                "kvserve_spec_decode_draft_tokens",
-                "Speculative draft tokens verified by the model.",
-                stats.spec_draft_tokens,
-            ),
-            (
-                "kvserve_spec_decode_accepted_tokens",
-                "Speculative draft tokens accepted (each one a step saved).",
-                stats.spec_accepted_tokens,
-            ),
-        ):
-            c = CounterMetricFamily(name, doc, labels=["model"])
-            c.add_metric(m, value)
-            yield c
-        finished = CounterMetricFamily(
-            "kvserve_requests_finished",
-            "Finished sequences by finish reason.",
-            labels=["model", "finish_reason"],
-        )
-        counts = dict(stats.finished)
-        for reason in ("stop", "length", "abort", "error"):
-            finished.add_metric([self.model, reason], counts.get(reason, 0))
-        yield finished
+
+
+def _gauges(m: list[str], snap: EngineSnapshot) -> Iterator[Metric]:
+    """The engine's requests and KV pool as its last step left them."""
+    for name, doc, value in (
+        ("kvserve_requests_running", "Sequences being computed.", snap.running),
+        ("kvserve_requests_waiting", "Sequences waiting to be scheduled.", snap.waiting),
+        (
+            "kvserve_kv_cache_capacity_blocks",
+            "KV cache blocks in the pool.",
+            snap.kv_blocks_total,
+        ),
+        (
+            "kvserve_kv_cache_used_blocks",
+            "KV cache blocks held by requests.",
+            snap.kv_blocks_used,
+        ),
+        (
+            "kvserve_kv_cache_capacity_bytes",
+            "KV cache pool size in bytes.",
+            snap.kv_bytes_total,
+        ),
+        ("kvserve_kv_cache_used_bytes", "KV cache bytes held by requests.", snap.kv_bytes_used),
+        ("kvserve_kv_cache_usage_ratio", "Share of KV blocks in use (0-1).", snap.kv_usage),
+    ):
+        g = GaugeMetricFamily(name, doc, labels=["model"])
+        g.add_metric(m, value)
+        yield g
+
+
+def _counters(m: list[str], stats: EngineSnapshot) -> Iterator[Metric]:
+    """The engine's token, prefix-cache, preemption, speculation and finish counts."""
+    for name, doc, value in (
+        ("kvserve_prompt_tokens", "Prompt tokens received.", stats.prompt_tokens),
+        ("kvserve_generation_tokens", "Tokens generated.", stats.generation_tokens),
+        (
+            "kvserve_prefix_cache_queried_tokens",
+            "Prompt tokens looked up in the prefix cache.",
+            stats.prefix_queried_tokens,
+        ),
+        (
+            "kvserve_prefix_cache_hit_tokens",
+            "Prompt tokens served by the prefix cache.",
+            stats.prefix_hit_tokens,
+        ),
+        ("kvserve_preemptions", "Requests preempted to free KV blocks.", stats.preemptions),
+        (
+            "kvserve_spec_decode_draft_tokens",
+            "Speculative draft tokens verified by the model.",
+            stats.spec_draft_tokens,
+        ),
+        (
+            "kvserve_spec_decode_accepted_tokens",
+            "Speculative draft tokens accepted (each one a step saved).",
+            stats.spec_accepted_tokens,
+        ),
+    ):
+        c = CounterMetricFamily(name, doc, labels=["model"])
+        c.add_metric(m, value)
+        yield c
+    finished = CounterMetricFamily(
+        "kvserve_requests_finished",
+        "Finished sequences by finish reason.",
+        labels=["model", "finish_reason"],
+    )
+    counts = dict(stats.finished)
+    for reason in ("stop", "length", "abort", "error"):
+        finished.add_metric([m[0], reason], counts.get(reason, 0))
+    yield finished
 
 
 def _host_tier(m: list[str], snap: EngineSnapshot) -> Iterator[Metric]:

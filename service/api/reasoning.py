@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from model.tokenizer import Tokenizer
-from service.engine.structured import THINK_CLOSE as CLOSE
-from service.engine.structured import THINK_OPEN as OPEN
+from service.engine.sample.structured import THINK_CLOSE as CLOSE
+from service.engine.sample.structured import THINK_OPEN as OPEN
 
 
 def think_markers(tokenizer: Tokenizer) -> tuple[int, int] | None:

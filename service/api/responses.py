@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
@@ -377,22 +377,11 @@ async def _events(
     messages: list, chunks: AsyncIterator[Any],
 ) -> AsyncIterator[bytes]:  # fmt: skip
     """The chat stream's chunks as the Responses API's events."""
-    seq = 0
-
-    def event(kind: str, **fields: Any) -> bytes:
-        nonlocal seq
-        seq += 1
-        data = json.dumps({"type": kind, "sequence_number": seq - 1, **fields})
-        return f"event: {kind}\ndata: {data}\n\n".encode()
-
+    out = _EventStream()
     model = state.model_id
     shell = _response(req, rid, created, model, [], None, None) | {"status": "in_progress"}
-    yield event("response.created", response=shell)
-    yield event("response.in_progress", response=shell)
-    output: list[dict[str, Any]] = []
-    text_item: dict[str, Any] | None = None
-    reasoning: dict[str, Any] | None = None
-    calls: dict[int, dict[str, Any]] = {}  # the function_call items, by call index
+    yield out.event("response.created", response=shell)
+    yield out.event("response.in_progress", response=shell)
     usage, finish = None, None
     async for raw in chunks:
         for line in (raw if isinstance(raw, bytes) else raw.encode()).split(b"\n\n"):
@@ -400,68 +389,104 @@ async def _events(
                 continue
             chunk = json.loads(line[6:])
             if "error" in chunk:
-                yield event("error", code=chunk["error"].get("code"),
-                            message=chunk["error"].get("message"), param=None)  # fmt: skip
+                yield out.event("error", code=chunk["error"].get("code"),
+                                message=chunk["error"].get("message"), param=None)  # fmt: skip
                 return
             usage = chunk.get("usage") or usage
             for c in chunk.get("choices", []):
                 delta, finish = c.get("delta", {}), c.get("finish_reason") or finish
-                if delta.get("reasoning_content"):
-                    if reasoning is None:
-                        reasoning = _reasoning_item("")
-                        output.append(reasoning)
-                        yield event("response.output_item.added", output_index=len(output) - 1,
-                                    item=reasoning)  # fmt: skip
-                    reasoning["content"][0]["text"] += delta["reasoning_content"]
-                    yield event("response.reasoning_text.delta", item_id=reasoning["id"],
-                                output_index=output.index(reasoning), content_index=0,
-                                delta=delta["reasoning_content"])  # fmt: skip
-                if delta.get("content"):
-                    if text_item is None:
-                        text_item = _message_item("", "in_progress")
-                        output.append(text_item)
-                        at = len(output) - 1
-                        yield event("response.output_item.added", output_index=at,
-                                    item={**text_item, "content": []})  # fmt: skip
-                        yield event("response.content_part.added", item_id=text_item["id"],
-                                    output_index=at, content_index=0,
-                                    part={"type": "output_text", "text": "", "annotations": []})  # fmt: skip
-                    text_item["content"][0]["text"] += delta["content"]
-                    yield event("response.output_text.delta", item_id=text_item["id"],
-                                output_index=output.index(text_item), content_index=0,
-                                delta=delta["content"], logprobs=[])  # fmt: skip
-                for call in delta.get("tool_calls") or []:  # a header, then fragments
-                    fn = call["function"]
-                    if call["index"] not in calls:
-                        calls[call["index"]] = item = _call_item(call["id"], fn["name"], "",
-                                                                 "in_progress")  # fmt: skip
-                        output.append(item)
-                        yield event("response.output_item.added", output_index=len(output) - 1,
-                                    item=item)  # fmt: skip
-                    item = calls[call["index"]]
-                    if fn.get("arguments"):
-                        item["arguments"] += fn["arguments"]
-                        yield event("response.function_call_arguments.delta", item_id=item["id"],
-                                    output_index=output.index(item), delta=fn["arguments"])  # fmt: skip
-    for item in calls.values():
-        at, item["status"] = output.index(item), "completed"
-        yield event("response.function_call_arguments.done", item_id=item["id"],
-                    output_index=at, arguments=item["arguments"], name=item["name"])  # fmt: skip
-        yield event("response.output_item.done", output_index=at, item=item)
-    if reasoning is not None:
-        at = output.index(reasoning)
-        yield event("response.reasoning_text.done", item_id=reasoning["id"], output_index=at,
-                    content_index=0, text=reasoning["content"][0]["text"])  # fmt: skip
-        yield event("response.output_item.done", output_index=at, item=reasoning)
-    if text_item is not None:
-        at, part = output.index(text_item), text_item["content"][0]
-        text_item["status"] = "completed"
-        yield event("response.output_text.done", item_id=text_item["id"], output_index=at,
-                    content_index=0, text=part["text"], logprobs=[])  # fmt: skip
-        yield event("response.content_part.done", item_id=text_item["id"], output_index=at,
-                    content_index=0, part=part)  # fmt: skip
-        yield event("response.output_item.done", output_index=at, item=text_item)
-    done = _response(req, rid, created, model, output, usage, finish)
-    _remember(state, req, owner, rid, messages, output, done)
+                for event in out.delta(delta):
+                    yield event
+    for event in out.done():
+        yield event
+    done = _response(req, rid, created, model, out.output, usage, finish)
+    _remember(state, req, owner, rid, messages, out.output, done)
     kind = "response.incomplete" if done["status"] == "incomplete" else "response.completed"
-    yield event(kind, response=done)
+    yield out.event(kind, response=done)
+
+
+class _EventStream:
+    """A streamed response's output items as they grow, and the events that say so."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+        self.output: list[dict[str, Any]] = []
+        self.text: dict[str, Any] | None = None
+        self.reasoning: dict[str, Any] | None = None
+        self.calls: dict[int, dict[str, Any]] = {}  # the function_call items, by call index
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        self.seq += 1
+        data = json.dumps({"type": kind, "sequence_number": self.seq - 1, **fields})
+        return f"event: {kind}\ndata: {data}\n\n".encode()
+
+    def delta(self, delta: dict[str, Any]) -> Iterator[bytes]:
+        """The events of one chat delta: reasoning, then text, then tool calls."""
+        if delta.get("reasoning_content"):
+            yield from self._reasoning(delta["reasoning_content"])
+        if delta.get("content"):
+            yield from self._text(delta["content"])
+        for call in delta.get("tool_calls") or []:  # a header, then fragments
+            yield from self._call(call)
+
+    def _reasoning(self, text: str) -> Iterator[bytes]:
+        if self.reasoning is None:
+            self.reasoning = _reasoning_item("")
+            self.output.append(self.reasoning)
+            yield self.event("response.output_item.added", output_index=len(self.output) - 1,
+                             item=self.reasoning)  # fmt: skip
+        self.reasoning["content"][0]["text"] += text
+        yield self.event("response.reasoning_text.delta", item_id=self.reasoning["id"],
+                         output_index=self.output.index(self.reasoning), content_index=0,
+                         delta=text)  # fmt: skip
+
+    def _text(self, text: str) -> Iterator[bytes]:
+        if self.text is None:
+            self.text = _message_item("", "in_progress")
+            self.output.append(self.text)
+            at = len(self.output) - 1
+            yield self.event("response.output_item.added", output_index=at,
+                             item={**self.text, "content": []})  # fmt: skip
+            yield self.event("response.content_part.added", item_id=self.text["id"],
+                             output_index=at, content_index=0,
+                             part={"type": "output_text", "text": "", "annotations": []})  # fmt: skip
+        self.text["content"][0]["text"] += text
+        yield self.event("response.output_text.delta", item_id=self.text["id"],
+                         output_index=self.output.index(self.text), content_index=0,
+                         delta=text, logprobs=[])  # fmt: skip
+
+    def _call(self, call: dict[str, Any]) -> Iterator[bytes]:
+        fn = call["function"]
+        if call["index"] not in self.calls:
+            item = _call_item(call["id"], fn["name"], "", "in_progress")
+            self.calls[call["index"]] = item
+            self.output.append(item)
+            yield self.event("response.output_item.added", output_index=len(self.output) - 1,
+                             item=item)  # fmt: skip
+        item = self.calls[call["index"]]
+        if fn.get("arguments"):
+            item["arguments"] += fn["arguments"]
+            yield self.event("response.function_call_arguments.delta", item_id=item["id"],
+                             output_index=self.output.index(item), delta=fn["arguments"])  # fmt: skip
+
+    def done(self) -> Iterator[bytes]:
+        """Each item's closing events: the calls, the reasoning, the text."""
+        output = self.output
+        for item in self.calls.values():
+            at, item["status"] = output.index(item), "completed"
+            yield self.event("response.function_call_arguments.done", item_id=item["id"],
+                             output_index=at, arguments=item["arguments"], name=item["name"])  # fmt: skip
+            yield self.event("response.output_item.done", output_index=at, item=item)
+        if self.reasoning is not None:
+            at, text = output.index(self.reasoning), self.reasoning["content"][0]["text"]
+            yield self.event("response.reasoning_text.done", item_id=self.reasoning["id"],
+                             output_index=at, content_index=0, text=text)  # fmt: skip
+            yield self.event("response.output_item.done", output_index=at, item=self.reasoning)
+        if self.text is not None:
+            at, part = output.index(self.text), self.text["content"][0]
+            self.text["status"] = "completed"
+            yield self.event("response.output_text.done", item_id=self.text["id"],
+                             output_index=at, content_index=0, text=part["text"], logprobs=[])  # fmt: skip
+            yield self.event("response.content_part.done", item_id=self.text["id"],
+                             output_index=at, content_index=0, part=part)  # fmt: skip
+            yield self.event("response.output_item.done", output_index=at, item=self.text)

@@ -18,11 +18,11 @@ from service.api.chat_template import ChatTemplateError
 from service.api.protocol import APIError, SamplingFields
 from service.api.state import ServingState
 from service.api.structured import constraint_of
-from service.engine.checks import ContextLengthError
+from service.engine.core.checks import ContextLengthError
 from service.engine.output import RequestOutput
 from service.engine.process.streams import EngineDeadError, RequestFailed
 from service.engine.request import ParamError, SamplingParams
-from service.engine.structured import SETUP_POOL
+from service.engine.sample.structured import SETUP_POOL
 from service.limits import MAX_PROMPTS
 
 T = TypeVar("T")

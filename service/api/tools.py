@@ -3,7 +3,7 @@
 `[TOOL_CALLS]` array).
 
 Every tool_choice but "none" holds the output to a grammar built from the tools' schemas
-(service/engine/structured.py): "required" and a named function to one or more calls of
+(service/engine/sample/structured.py): "required" and a named function to one or more calls of
 a given tool with arguments its parameters' schema accepts; "auto" to any text or calls,
 each call, from its opening on, held the same.
 

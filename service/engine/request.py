@@ -38,7 +38,7 @@ CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 @dataclass(frozen=True, slots=True)
 class Constraint:
-    """What a request's output must match (structured outputs, service/engine/structured.py).
+    """What a request's output must match (structured outputs, service/engine/sample/structured.py).
     spec: the JSON Schema (JSON text), the regex, the choices (a JSON list of strings) or
     the grammar (Lark or GBNF); param: the API parameter it came from, named in errors;
     think: a reasoning model's output holds to it from its first token (""), after the
@@ -187,7 +187,7 @@ class Request:
     status: Status = Status.WAITING
     num_computed: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
-    # the windowed layers' pool (service/engine/window_blocks.py): an entry per block of
+    # the windowed layers' pool (service/engine/kv/window_blocks.py): an entry per block of
     # block_table, its null block where the windows no longer see it
     window_table: list[int] = field(default_factory=list)
     num_cached_prompt: int = 0  # prompt tokens served by the prefix cache (first admission)

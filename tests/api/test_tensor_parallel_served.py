@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.engine.tp_ranks import WRITERS
+from tests.engine.exec.tp_ranks import WRITERS
 from tests.factories import Server, start_server, write_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -74,7 +74,7 @@ def complete(server: Server, model: str) -> tuple[str, list[float]]:
 
 
 # the server's part (starting rank 1, serving, draining, stopping it) is the same for every
-# family; tests/engine/test_tensor_parallel.py splits each family (GPT-2's fused Conv1D
+# family; tests/engine/exec/test_tensor_parallel.py splits each family (GPT-2's fused Conv1D
 # with biases included). Here: K/V heads split over the ranks (~15 s a case on 2 cores)
 @pytest.mark.parametrize(
     "family, engine_process", [("llama_kv_split", "off"), ("llama_kv_split", "on")]

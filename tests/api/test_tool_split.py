@@ -17,7 +17,7 @@ from service.api.tool_formats import ToolFormat, format_for
 from service.api.tool_split import merge, split_calls, splitter
 from service.api.tools import Tools
 from service.engine.request import Constraint
-from service.engine.structured import Grammars
+from service.engine.sample.structured import Grammars
 
 FUNCTIONS = {
     "add": {"name": "add", "parameters": {"type": "object", "properties": {

@@ -1,7 +1,7 @@
 """Driving an engine in the engine tests: greedy requests, run to the end, their tokens
 (engines themselves come from tests/factories.py)."""
 
-from service.engine.engine import LLMEngine
+from service.engine.core.engine import LLMEngine
 from service.engine.output import RequestOutput
 from service.engine.request import SamplingParams
 

@@ -5,7 +5,7 @@ per-row `weight_scale`, as FBGEMM's and compressed-tensors' FP8 checkpoints) loa
 weights their scales say; a quantization kvserve cannot read, or FP8 values without
 scales, stop the load naming them; a model with FP8 linears (the dequantizing path the
 CPU runs) stays close to bf16's logits. The CUDA path (`torch._scaled_mm`) is
-tests/engine/test_gpu.py's."""
+tests/engine/exec/test_gpu.py's."""
 
 import json
 import math

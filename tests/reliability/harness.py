@@ -28,7 +28,7 @@ from typing import Any
 import model.loader
 import service.server
 from service.cli import main
-from service.engine.engine import LLMEngine
+from service.engine.core.engine import LLMEngine
 
 # kvserve's per-request objects, by qualified name
 TRACKED = (
@@ -102,7 +102,7 @@ def _install_fault(spec: str) -> None:
         LLMEngine.add_request = failing_add  # type: ignore[method-assign]
         return
     if kind == "raise-in-update":
-        from service.engine.postprocess import PostProcessor
+        from service.engine.core.postprocess import PostProcessor
 
         stop_reason = PostProcessor._stop_reason
 
@@ -138,7 +138,7 @@ def _install_fault(spec: str) -> None:
         Tokenizer.encode = checked  # type: ignore[method-assign]
         return
     if kind == "collide-prefix":
-        import service.engine.prefix_keys as prefix_keys
+        import service.engine.kv.prefix_keys as prefix_keys
 
         prefix_keys.block_digest = lambda parent, tokens: b"\0" * 32
         return

@@ -499,6 +499,33 @@ def _split_decode(
     return out
 
 
+def _constants(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    alibi: torch.Tensor | None,
+    window: int | None,
+    softcap: float | None,
+) -> dict[str, object]:
+    """The attention kernels' compile-time constants for these shapes and options."""
+    h, d = q.shape[1], q.shape[2]
+    bs, kv = k_cache.shape[1], k_cache.shape[2]
+    upcast = INTERPRET or q.dtype == torch.float32
+    return dict(
+        G=h // kv,
+        KV=kv,
+        D=d,
+        D_PAD=max(16, triton.next_power_of_2(d)),
+        BS=bs,
+        TILE=max(bs, KEY_TILE),
+        BLOCK_G=triton.next_power_of_2(h // kv),
+        HAS_ALIBI=alibi is not None,
+        WINDOWED=window is not None,
+        SOFTCAP=softcap is not None,
+        UPCAST=upcast,
+        PRECISION="ieee" if upcast else "tf32",
+    )
+
+
 def paged_attention(
     q: torch.Tensor,  # (T, H, D), rows may be strided (a view of the fused qkv)
     k_cache: torch.Tensor,  # (NB, BS, KV, D)
@@ -520,24 +547,9 @@ def paged_attention(
     split over several programs and merged (flash-decoding). A sequence of seq_len 0 (a
     padding row) gives zeros."""
     t, h, d = q.shape
-    bs, kv = k_cache.shape[1], k_cache.shape[2]
-    group = h // kv
-    block_g = triton.next_power_of_2(group)
-    upcast = INTERPRET or q.dtype == torch.float32
-    consts = dict(
-        G=group,
-        KV=kv,
-        D=d,
-        D_PAD=max(16, triton.next_power_of_2(d)),
-        BS=bs,
-        TILE=max(bs, KEY_TILE),
-        BLOCK_G=block_g,
-        HAS_ALIBI=alibi is not None,
-        WINDOWED=window is not None,
-        SOFTCAP=softcap is not None,
-        UPCAST=upcast,
-        PRECISION="ieee" if upcast else "tf32",
-    )
+    kv = k_cache.shape[2]
+    consts = _constants(q, k_cache, alibi, window, softcap)
+    block_g = consts["BLOCK_G"]
     if max_query_len == 1 and t > 0:
         splits = decode_splits(t, kv) if splits is None else splits
         if splits > 1:

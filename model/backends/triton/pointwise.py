@@ -9,7 +9,7 @@ triton backend's prepare() hands them to the model, model/backends/triton/backen
 
 Like kernels.py they run in Triton's interpreter where there is no GPU (TRITON_INTERPRET
 set before import); the interpreter's casts to float8 are wrong, so quantize_rows_fp8 is
-proved on CUDA alone (tests/engine/test_gpu.py) and compiled for sm_90 on the CPU.
+proved on CUDA alone (tests/engine/exec/test_gpu.py) and compiled for sm_90 on the CPU.
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ from typing import Any
 
 from model.loader import tokenizer_for
 from model.tokenizer import Tokenizer
-from service.engine.checks import check_request
+from service.engine.core.checks import check_request
+from service.engine.core.stats import EngineObserver, EngineSnapshot
 from service.engine.output import RequestOutput
 from service.engine.process import wire
 from service.engine.process.streams import (
@@ -39,8 +40,7 @@ from service.engine.process.streams import (
 )
 from service.engine.process.transport import Link
 from service.engine.request import ParamError, SamplingParams
-from service.engine.stats import EngineObserver, EngineSnapshot
-from service.engine.structured import Grammars
+from service.engine.sample.structured import Grammars
 
 log = logging.getLogger("kvserve.engine")
 READY_POLL_S = 0.25  # how often a front waiting for the load looks at whether the core runs

@@ -17,12 +17,12 @@ from typing import Any, Protocol
 
 import zmq
 
-from service.engine.engine import LLMEngine
+from service.engine.core.engine import LLMEngine
+from service.engine.core.stats import EngineObserver, EngineSnapshot
 from service.engine.output import RequestOutput
 from service.engine.process import wire
 from service.engine.process.transport import CoreSide, ZmqSide
-from service.engine.stats import EngineObserver, EngineSnapshot
-from service.engine.structured import SETUP_POOL
+from service.engine.sample.structured import SETUP_POOL
 from service.proctitle import name_process
 
 log = logging.getLogger("kvserve.engine")

@@ -10,10 +10,10 @@ from typing import Any
 
 import msgspec
 
-from service.engine.checks import Limits
+from service.engine.core.checks import Limits
+from service.engine.core.stats import EngineSnapshot
 from service.engine.output import RequestOutput
 from service.engine.request import ParamError, SamplingParams
-from service.engine.stats import EngineSnapshot
 
 # ---- front -> engine -------------------------------------------------------------------
 

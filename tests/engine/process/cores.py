@@ -7,7 +7,7 @@ import functools
 from typing import Any
 
 from service.build import Built
-from service.engine.engine import LLMEngine
+from service.engine.core.engine import LLMEngine
 from service.engine.process import core
 from service.engine.process.client import EngineClient
 from service.engine.process.transport import CoreSide, InProcess, InThread

@@ -1,0 +1,220 @@
+"""The engine's parts, assembled once from the model and the settings: the execution
+backend, the KV pool sized to the memory budget (agreed between tensor-parallel ranks),
+the block manager with its prefix-cache namespace, the scheduler, and the model runner
+with its CUDA graphs, grammar masks and speculative draft model. The device's defaults
+(sequences per step, the mixed-prefill cap) are resolved here; LLMEngine
+(service/engine/core/engine.py) keeps these parts and drives them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from model.backends import Backend, select_backend
+from model.config import ModelConfig
+from model.kv_cache import PagedKVCache
+from model.tokenizer import Tokenizer
+from model.transformer import Transformer
+from service.config import GiB, Settings
+from service.engine.core.scheduler import Scheduler
+from service.engine.exec.cuda_graphs import decode_graphs
+from service.engine.exec.draft import DraftModel, blocks_per_proposal
+from service.engine.exec.ranks import Ranks
+from service.engine.exec.runner import ModelRunner
+from service.engine.exec.speculative import Speculator
+from service.engine.kv.blocks import BlockManager
+from service.engine.kv.disk_tier import DiskTier
+from service.engine.kv.host_tier import HostTier
+from service.engine.kv.kv_events import KVEvents
+from service.engine.kv.memory import available_ram, kv_block_budget
+from service.engine.kv.window_blocks import WindowBlocks
+from service.engine.sample.structured import Grammars, Masks
+
+
+@dataclass(frozen=True, slots=True)
+class EngineParts:
+    max_num_seqs: int  # sequences a step may hold (the device's default unless set)
+    max_model_len: int  # the context a request may fill: --max-model-len, at most the model's
+    backend: Backend
+    ranks: Ranks | None  # with tensor parallelism: every rank builds the parts, rank 0 steps
+    kv_cache: PagedKVCache
+    blocks: BlockManager
+    scheduler: Scheduler
+    eos_ids: frozenset[int]  # the tokenizer's and the checkpoint's
+    grammars: Grammars  # structured outputs: nothing is built until a request asks
+    runner: ModelRunner
+    speculator: Speculator
+    async_scheduling: bool  # queue a step before reading the last one's tokens (engine.py)
+
+
+def _backend(
+    settings: Settings, device: torch.device, dtype: torch.dtype, cfg: ModelConfig
+) -> Backend:
+    """The attention backend the settings ask for. int8 weights run on the cpu backend's
+    kernels alone, so with them `auto` means cpu: where it cannot run, the reason is the
+    error (not torch's refusal of the weights after it was picked instead)."""
+    name = settings.attention_backend
+    if settings.quantization != "int8" or name != "auto":
+        return select_backend(name, device, dtype, cfg, settings.block_size)
+    try:
+        return select_backend("cpu", device, dtype, cfg, settings.block_size)
+    except ValueError as exc:
+        raise ValueError(f"quantization {settings.quantization}: {exc}") from None
+
+
+def _host_tier(
+    settings: Settings, kv_cache: PagedKVCache, prefix: bool, windows: bool, draft: bool
+) -> HostTier | None:
+    """The prefix cache's host tier (service/engine/kv/host_tier.py), its host memory on
+    this rank. Not without the prefix cache, beside a window pool, or with a draft model
+    (whose own K/V of a block it would not restore): asked for there, a start-up error."""
+    budget = settings.host_tier_bytes(kv_cache.data.device.type, available_ram())
+    if budget <= 0:
+        return None
+    why = (
+        "the prefix cache is off" if not prefix
+        else "the model's windowed layers keep a pool of their own" if windows
+        else "a draft model keeps K/V the tier does not hold" if draft
+        else "it holds less than one block" if budget < kv_cache.block_nbytes else None
+    )  # fmt: skip
+    if why is not None:
+        if settings.kv_host_gib is not None:
+            raise ValueError(f"kv_host_gib: no host tier can be kept: {why}")
+        return None
+    slots = budget // kv_cache.block_nbytes
+    kv_cache.add_host_pool(slots)
+    return HostTier(slots)
+
+
+def assemble(
+    model: Transformer, tokenizer: Tokenizer, settings: Settings, draft: Transformer | None
+) -> EngineParts:
+    """draft: the speculative draft model (--speculative-method draft), else None."""
+    if (settings.speculative_method == "draft") != (draft is not None):
+        raise ValueError("speculative_model: a draft model goes with --speculative-method draft")
+    device = model.device.type
+    max_num_seqs = settings.seqs_per_step(device)
+    max_model_len = min(settings.max_model_len or model.cfg.max_position, model.cfg.max_position)
+    backend = _backend(settings, model.device, model.dtype, model.local_cfg)
+    ranks = Ranks(model.tp, model.device) if model.tp is not None else None
+    kv_cache, blocks, tier = _kv(model, settings, max_num_seqs, draft, backend, ranks)
+    scheduler = Scheduler(
+        blocks, max_num_seqs, settings.max_num_batched_tokens, settings.mixed_prefill_cap(device)
+    )
+    eos_ids = frozenset(tokenizer.eos_ids) | frozenset(model.cfg.eos_token_ids)
+    drafter = (
+        _draft_model(draft, settings, blocks.num_blocks, model.cfg.vocab_size) if draft else None
+    )
+    grammars = Grammars(tokenizer, model.cfg.vocab_size, sorted(eos_ids))
+    runner = _runner(model, settings, kv_cache, backend, ranks, grammars, drafter, max_model_len)
+    runner.disk = tier.disk if tier is not None else None
+    _kv_events(settings, model, blocks, tier)
+    speculator = Speculator(settings, max_model_len, drafter)
+    return EngineParts(
+        max_num_seqs,
+        max_model_len,
+        backend,
+        ranks,
+        kv_cache,
+        blocks,
+        scheduler,
+        eos_ids,
+        grammars,
+        runner,
+        speculator,
+        settings.async_steps(device) and ranks is None and speculator.method == "none",
+    )
+
+
+def _kv(
+    model: Transformer,
+    settings: Settings,
+    max_num_seqs: int,
+    draft: Transformer | None,
+    backend: Backend,
+    ranks: Ranks | None,
+) -> tuple[PagedKVCache, BlockManager, HostTier | None]:
+    """The KV pool as large as the budget allows (every rank agreeing), its block manager
+    with the prefix cache, the window pool and the host and disk tiers asked for."""
+    local = model.local_cfg  # the shapes this rank holds (the model's, on one rank)
+    num_blocks, window_blocks = kv_block_budget(model, settings, max_num_seqs, draft)
+    if ranks is not None:
+        num_blocks = ranks.agree_min(num_blocks)
+        window_blocks = ranks.agree_min(window_blocks)
+    kv_cache = PagedKVCache(
+        local, num_blocks, settings.block_size, model.dtype, model.device, backend, window_blocks
+    )
+    # the model is part of every prefix-cache key (with each request's cache_salt)
+    namespace = f"{model.cfg!r}|{model.dtype}|{settings.quantization}"
+    prefix = not settings.disable_prefix_caching
+    windows = None
+    if window_blocks:
+        assert local.sliding_window is not None
+        windows = WindowBlocks(window_blocks, settings.block_size, local.sliding_window, prefix)
+    tier = _host_tier(settings, kv_cache, prefix, windows is not None, draft is not None)
+    if settings.kv_disk_path is not None:
+        if tier is None or model.tp is not None:
+            raise ValueError("kv_disk_path: the disk tier goes behind a host tier, on one rank")
+        tier.disk = DiskTier(
+            settings.kv_disk_path, int(settings.kv_disk_gib * GiB),
+            f"{namespace}|{settings.block_size}", model.dtype,
+        )  # fmt: skip
+    blocks = BlockManager(num_blocks, settings.block_size, prefix, namespace, windows, tier)
+    return kv_cache, blocks, tier
+
+
+def _runner(
+    model: Transformer,
+    settings: Settings,
+    kv_cache: PagedKVCache,
+    backend: Backend,
+    ranks: Ranks | None,
+    grammars: Grammars,
+    drafter: DraftModel | None,
+    max_model_len: int,
+) -> ModelRunner:
+    device, max_num_seqs = model.device.type, settings.seqs_per_step(model.device.type)
+    # not captured across ranks: a graph would replay its collectives unchecked
+    graphs = (
+        not settings.enforce_eager
+        and backend.name == "triton"
+        and not model.tp
+        and device == "cuda"
+    )
+    return ModelRunner(
+        model,
+        kv_cache,
+        decode_graphs(model, kv_cache, max_num_seqs, max_model_len) if graphs else None,
+        settings.quantization,
+        ranks,
+        Masks(grammars),
+        drafter.mirror if drafter else None,
+    )
+
+
+def _kv_events(
+    settings: Settings, model: Transformer, blocks: BlockManager, tier: HostTier | None
+) -> None:
+    """The prefix cache's events for routers, published by rank 0 where asked for."""
+    if settings.kv_events_endpoint is None or (model.tp is not None and model.tp.rank != 0):
+        return
+    pool = "GPU" if model.device.type == "cuda" else None
+    events = KVEvents(settings.kv_events_endpoint, settings.kv_events_replay_endpoint,
+                      settings.block_size, pool, not settings.kv_events_omit_token_ids)  # fmt: skip
+    blocks.events = events
+    if tier is not None:
+        tier.events = events
+
+
+def _draft_model(draft: Transformer, s: Settings, num_blocks: int, target_vocab: int) -> DraftModel:
+    """The draft model's runner over its own cache: the target's blocks plus the scratch
+    its proposals look ahead in."""
+    k, batch = s.num_speculative_tokens, s.speculative_max_batch
+    blocks = num_blocks + blocks_per_proposal(k, s.block_size) * batch
+    backend = select_backend(
+        s.attention_backend, draft.device, draft.dtype, draft.cfg, s.block_size
+    )
+    cache = PagedKVCache(draft.cfg, blocks, s.block_size, draft.dtype, draft.device, backend)
+    runner = ModelRunner(draft, cache, None, s.quantization)
+    return DraftModel(runner, num_blocks, k, batch, target_vocab)

@@ -1,0 +1,181 @@
+"""Continuous batching under one token budget per step.
+
+Each step: running requests first (decodes, and prefills that are mid-chunk), then prefill
+chunks of waiting requests, FCFS, mixed into the same batch. A step that carries decodes
+computes at most `mixed_prefill_tokens` prompt tokens besides them (when set), so running
+streams wait one short step for a new prompt, not one step of the whole token budget.
+When blocks run out the newest running request is preempted: its blocks are freed and it
+re-queues at the front, to be recomputed from its prompt plus what it has generated.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from service.engine.batch import ScheduledSeq, SchedulerOutput
+from service.engine.kv.blocks import BlockManager
+from service.engine.kv.prefix_keys import Hits
+from service.engine.request import Request, Status
+
+# A prompt token whose logprobs are asked for (echo, prompt_logprobs) is one row of the
+# vocabulary-wide log-softmax, rank and top-k besides its forward: against the cap of a
+# step that carries decodes it counts as this many plain prompt tokens
+# (docs/decisions.md has the measurement)
+SCORED_TOKEN_COST = 4
+
+
+class Scheduler:
+    def __init__(
+        self,
+        blocks: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        mixed_prefill_tokens: int | None = None,
+    ) -> None:
+        if max_num_seqs <= 0 or max_num_batched_tokens <= 0:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be > 0")
+        if mixed_prefill_tokens is not None and mixed_prefill_tokens <= 0:
+            raise ValueError("mixed_prefill_tokens must be > 0 (or None: no cap)")
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.mixed_prefill_tokens = mixed_prefill_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last is the newest
+        self.scored_cost = 1  # this step's (schedule: SCORED_TOKEN_COST beside decodes)
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = prefill = self.max_num_batched_tokens
+        cap = self.mixed_prefill_tokens
+        self.scored_cost = 1
+        if cap is not None and any(
+            r.remaining == 1 and not r.last_is_pending for r in self.running
+        ):
+            prefill = min(prefill, cap)  # decodes ride in this step: keep it short
+            self.scored_cost = SCORED_TOKEN_COST
+        budget, prefill = self._schedule_running(out, budget, prefill)
+        if not out.preempted:  # no room was found for running work: admit nothing new
+            allowed = min(budget, prefill)
+            budget -= allowed - self._schedule_waiting(out, allowed)
+        assert budget >= 0 and out.num_tokens <= self.max_num_batched_tokens
+        assert len(out.seqs) <= self.max_num_seqs and len(self.running) <= self.max_num_seqs
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, prefill: int) -> tuple[int, int]:
+        """Decodes and mid-prompt chunks; `prefill` caps the chunks (more than one token).
+        Returns what is left of both budgets."""
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            if request.last_is_pending:  # async scheduling: nothing comes after it
+                i += 1
+                continue
+            chunk = request.remaining > 1
+            cost = self._cost(request) if chunk else 1
+            n = min(request.remaining, budget, prefill // cost if chunk else budget)
+            if n == 0:  # no prefill allowance left this step: it continues next step
+                i += 1
+                continue
+            drafts = self._drafts(request, budget) if not chunk else []
+            if not self._make_room(request, n, out):
+                break  # the request itself was preempted; everything after it too
+            self.blocks.append(request, n + len(drafts))
+            seq = _seq(request, request.num_computed, n, n == request.remaining, drafts)
+            out.seqs.append(seq)
+            n += len(drafts)
+            budget -= n
+            prefill -= n * cost if chunk else 0
+            i += 1
+        return budget, prefill
+
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        """The proposed tokens a decode verifies this step: as many as the token budget
+        leaves room for, and none where they would need blocks that are not free (a
+        speculation never preempts anyone)."""
+        drafts = request.draft_ids[: budget - 1]
+        if drafts and not self.blocks.can_append(request, 1 + len(drafts)):
+            return []
+        return drafts
+
+    def _make_room(self, request: Request, n: int, out: SchedulerOutput) -> bool:
+        """Preempt the newest running requests until `request` can grow by n tokens."""
+        while not self.blocks.can_append(request, n):
+            victim = self.running.pop()
+            self.preempt(victim)
+            out.preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def preempt(self, request: Request) -> None:
+        self.blocks.free_request(request)
+        request.num_computed = 0
+        request.pool_sum = None  # a mean pooled so far: its rows are computed again
+        request.num_preemptions += 1
+        request.status = Status.WAITING
+        self.waiting.appendleft(request)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        while budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self._next_ready()
+            if request is None:
+                break
+            # prompt logprobs and mean pooling need every prompt token: no cache hits
+            hits = Hits() if request.computes_prompt else self.blocks.lookup(request)
+            cached = len(hits) * self.blocks.block_size
+            cost = self._cost(request)
+            n = min(request.num_tokens - cached, budget // cost)
+            if n == 0 or not self.blocks.can_allocate(hits, cached + n, self._watermark()):
+                break
+            self.blocks.allocate(request, hits, cached + n)
+            self.waiting.remove(request)
+            request.num_computed = cached
+            request.status = Status.RUNNING
+            if request.num_preemptions == 0:
+                request.num_cached_prompt = cached
+            out.prefix_queried += request.num_tokens
+            out.prefix_hits += cached
+            self.running.append(request)
+            out.seqs.append(_seq(request, cached, n, n == request.num_tokens - cached))
+            budget -= n * cost
+        return budget
+
+    def _cost(self, request: Request) -> int:
+        """What a prompt token of `request` counts for against this step's allowance."""
+        return self.scored_cost if request.params.prompt_logprobs is not None else 1
+
+    def _watermark(self) -> int:
+        """Blocks a new prompt must leave free while others run (1% of the pool, at least
+        one), so that admitting it does not preempt a running request on the next step,
+        when a decode crosses into a new block (vLLM keeps the same watermark)."""
+        return max(1, self.blocks.num_blocks // 100) if self.running else 0
+
+    def _next_ready(self) -> Request | None:
+        """First waiting request that may start (n>1 siblings wait for the first's prompt)."""
+        return next((r for r in self.waiting if r.ready), None)
+
+    def remove(self, request: Request) -> None:
+        """Take a finished or aborted request out of the queues and free its blocks."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.blocks.free_request(request)
+        self.blocks.forget(request)
+
+
+def _seq(
+    request: Request, start: int, n: int, last: bool, drafts: list[int] | None = None
+) -> ScheduledSeq:
+    """A scheduled chunk; one that reaches the last token samples the next, or for an
+    embedding request pools its prompt instead."""
+    pools = last and request.params.pooling is not None
+    return ScheduledSeq(request, start, n, last and not pools, drafts or [], pools)

@@ -1,0 +1,2 @@
+"""Choosing tokens: the batched sampler and its draws, logprobs, and structured outputs'
+grammars and masks."""

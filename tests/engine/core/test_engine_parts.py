@@ -1,0 +1,65 @@
+"""The engine built from parts a test chose: a runner that samples a script instead of
+running a model, so the step's own logic (acceptance, stop conditions, finishing, the
+blocks it frees) is checked on its own."""
+
+import dataclasses
+from collections.abc import Iterator
+
+from service.config import Settings
+from service.engine.batch import SchedulerOutput
+from service.engine.core.engine import LLMEngine
+from service.engine.core.parts import assemble
+from service.engine.exec.runner import Launched
+from service.engine.sample.sampler import SampleResult
+from tests.engine.helpers import greedy, run_all, tokens_of
+from tests.factories import small_model, tokenizer
+
+
+class ScriptedRunner:
+    """Every sampled row takes the script's next token; a forward is never run."""
+
+    def __init__(self, script: list[int]) -> None:
+        self.script: Iterator[int] = iter(script)
+        self.steps = 0
+        self.released: list[str] = []
+
+    def launch(
+        self, batch: SchedulerOutput, prev: Launched | None = None, read_later: bool = False
+    ) -> Launched:
+        self.steps += 1
+        rows = sum(1 + len(s.drafts) for s in batch.seqs if s.sample)
+        ids = [next(self.script) for _ in range(rows)]
+        return Launched(batch, SampleResult(ids, [None] * rows))
+
+    @staticmethod
+    def read(launched: Launched) -> SampleResult:
+        assert launched.result is not None
+        return launched.result
+
+    def release(self, request_id: str) -> None:
+        self.released.append(request_id)
+
+    def clear_blocks(self, blocks: list[int]) -> None:
+        pass
+
+
+def scripted_engine(script: list[int]) -> tuple[LLMEngine, ScriptedRunner]:
+    model, settings = small_model(), Settings(num_kv_blocks=64, block_size=4)
+    runner = ScriptedRunner(script)
+    parts = dataclasses.replace(assemble(model, tokenizer(), settings, None), runner=runner)
+    return LLMEngine(model, tokenizer(), settings, parts=parts), runner
+
+
+def test_an_engine_from_injected_parts_steps_on_a_scripted_runner() -> None:
+    engine, runner = scripted_engine([5, 6, 7, 8, 9])
+    out = run_all(engine, {"a": ([1, 2, 3, 4, 5], greedy(3))})["a"]
+    assert tokens_of(out) == [5, 6, 7] and out[-1].finish_reason == "length"
+    assert runner.steps == 3 and runner.released == ["a"]
+    assert engine.blocks.num_used == 0 and not engine.requests
+
+
+def test_a_stop_token_from_the_script_finishes_the_request() -> None:
+    engine, _ = scripted_engine([5, 6, 7, 8])
+    out = run_all(engine, {"b": ([1, 2, 3], greedy(8, stop_token_ids=[6]))})["b"]
+    assert tokens_of(out) == [5, 6] and out[-1].finish_reason == "stop"
+    assert engine.stats.finished["stop"] == 1 and engine.blocks.num_used == 0
