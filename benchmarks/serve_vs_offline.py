@@ -21,11 +21,13 @@ import json
 import shlex
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 from benchmarks.common import OUT, SMOKE, SMOLLM2_135M, checkpoint, run_batch
+from benchmarks.process_cpu import cpu_by_role, spent
 from benchmarks.results import record
 from model.backends.device import pick_device, pick_dtype
 from model.loader import load
@@ -96,14 +98,22 @@ def main() -> None:
         def prompts(seed: int) -> list[tuple[list[int], int]]:
             return bench.workload("fixed", n, args.prompt_len, args.output_len, vocab, seed)
 
-        def offline(seed: int) -> float:
+        def offline(seed: int) -> tuple[float, float]:
+            """Output tokens a second, and CPU µs per output token."""
             reqs = prompts(seed)
-            return run_batch(engine, [p for p, _ in reqs], args.output_len)["output_tok_s"]
+            cpu = time.process_time()
+            run = run_batch(engine, [p for p, _ in reqs], args.output_len)
+            return run["output_tok_s"], 1e6 * (time.process_time() - cpu) / run["output_tokens"]
 
         def http(seed: int) -> dict:
+            """The run's figures, and the server's CPU µs per output token by role."""
             work = bench.run(url, prompts(seed), conc, None, 600, None, None, seed)
+            before = cpu_by_role(proc.pid)
             with bench.event_loop() as runner:
-                return runner.run(work)
+                result = runner.run(work)
+            tokens = max(1, result["completed"] * args.output_len)
+            spent_us = spent(before, cpu_by_role(proc.pid))
+            return result | {"cpu_us_per_token": {r: 1e6 * s / tokens for r, s in spent_us.items()}}
 
         offline(10_000)  # warm-up of both sides, not counted
         http(10_001)
@@ -111,12 +121,14 @@ def main() -> None:
         for i in range(args.pairs):
             seed = 2 * i + 1
             if i % 2:
-                off = offline(seed)
+                off, off_cpu = offline(seed)
                 served = http(seed + 1)
             else:
                 served = http(seed + 1)
-                off = offline(seed)
-            pairs.append({"http": served, "offline_tok_s": off})
+                off, off_cpu = offline(seed)
+            pairs.append(
+                {"http": served, "offline_tok_s": off, "offline_cpu_us_per_token": off_cpu}
+            )
             print_pair(i, pairs[-1], conc)
     finally:
         proc.terminate()
@@ -131,7 +143,9 @@ def main() -> None:
         f"{off_med:.1f} = {100 * http_med / off_med:.1f}%; "
         f"errors {sum(p['http']['errors'] for p in pairs)}"
     )
+    cpu = cpu_table(pairs)
     result = {
+        "cpu_us_per_token": cpu,
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "threads": torch.get_num_threads(),
         "pairs": pairs,
@@ -158,6 +172,24 @@ def main() -> None:
                 )
             },
         )
+
+
+def cpu_table(pairs: list[dict]) -> dict[str, float]:
+    """Median CPU µs per streamed token, by the server's roles and for the offline engine;
+    prints them as a table."""
+    roles = sorted({r for p in pairs for r in p["http"]["cpu_us_per_token"]})
+    table = {
+        r: statistics.median(p["http"]["cpu_us_per_token"].get(r, 0.0) for p in pairs)
+        for r in roles
+    }
+    table["offline engine"] = statistics.median(p["offline_cpu_us_per_token"] for p in pairs)
+    print("CPU µs per output token (medians; the server's from /proc, by role)")
+    for role, us in table.items():
+        print(f"  {role:<16} {us:8.1f}")
+    engine = table.get("engine core")
+    if engine:
+        print(f"  engine core / offline engine: {engine / table['offline engine']:.2f}x")
+    return table
 
 
 def print_pair(i: int, pair: dict, conc: int) -> None:
