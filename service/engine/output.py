@@ -23,7 +23,7 @@ class TokenLogprobs:
 class RequestOutput:
     """What one step produced for one request: a delta, not the whole output so far."""
 
-    request_id: str
+    request_id: str  # the sequence's (request.sequence_ids)
     index: int  # which of the request's n choices
     token_ids: list[int]
     text: str
@@ -43,6 +43,12 @@ class RequestOutput:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    parent: str | None = None  # the client's request id, for one of n > 1 sequences
+
+    @property
+    def asked_as(self) -> str:
+        """The id of the client's request this output answers."""
+        return self.parent or self.request_id
 
 
 class TextState:
@@ -110,4 +116,5 @@ def make_output(
         first_scheduled_time=request.first_scheduled_time,
         first_token_time=request.first_token_time,
         finish_time=request.finish_time,
+        parent=request.parent,
     )

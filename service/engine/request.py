@@ -165,6 +165,13 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
 
 
+def sequence_ids(request_id: str, n: int) -> list[str]:
+    """The ids of a request's sequences: its own for one, `{id}.{i}` for n > 1. The one
+    place they are made; what a sequence belongs to travels with it (Request.parent,
+    RequestOutput.parent), never parsed back."""
+    return [request_id] if n == 1 else [f"{request_id}.{i}" for i in range(n)]
+
+
 class ParamError(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(f"{param}: {message}")
@@ -183,6 +190,9 @@ class Request:
     params: SamplingParams
     arrival_time: float
     index: int = 0  # which of the n choices this sequence is
+    # the id the client's request has, where this is one of its n > 1 sequences (which
+    # have ids of their own: sequence_ids); None: the request is this sequence
+    parent: str | None = None
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     num_computed: int = 0  # tokens whose K/V are in the cache
@@ -223,6 +233,11 @@ class Request:
         return self.scores_prompt or (
             self.params.pooling == "mean" and self.num_computed < len(self.prompt_ids)
         )
+
+    @property
+    def asked_as(self) -> str:
+        """The id of the client's request this sequence answers."""
+        return self.parent or self.request_id
 
     @property
     def scores_prompt(self) -> bool:

@@ -18,7 +18,7 @@ from service.engine.core.stats import EngineObserver, EngineSnapshot, EngineStat
 from service.engine.exec.ranks import RankError
 from service.engine.exec.runner import Launched
 from service.engine.output import RequestOutput, TextState
-from service.engine.request import FinishReason, ParamError, Request, SamplingParams
+from service.engine.request import FinishReason, ParamError, Request, SamplingParams, sequence_ids
 
 log = logging.getLogger("kvserve.engine")
 
@@ -87,7 +87,8 @@ class LLMEngine:
         """Queue a request; n > 1 adds n sequences `{id}.{i}` whose siblings wait for the
         first one's prompt and then reuse its blocks through the prefix cache."""
         self.validate(prompt_ids, params)
-        ids = [request_id] if params.n == 1 else [f"{request_id}.{i}" for i in range(params.n)]
+        ids = sequence_ids(request_id, params.n)
+        parent = request_id if params.n > 1 else None
         if any(i in self.requests for i in ids):
             raise ParamError("request_id", f"request {request_id!r} already exists")
         first: Request | None = None
@@ -97,7 +98,7 @@ class LLMEngine:
             p = params
             if params.seed is not None and i:
                 p = dataclasses.replace(params, seed=params.seed + i)
-            request = Request(rid, list(prompt_ids), p, now, index=i, wait_for=first)
+            request = Request(rid, list(prompt_ids), p, now, i, parent, wait_for=first)
             if p.constraint is not None:
                 request.guide = self.grammars.guide(p.constraint)
             first = first or request

@@ -221,7 +221,7 @@ class EngineClient:
             self._replay(self.observer, step.events)
         batches: Batches = {}
         with self._lock:
-            for rid, outs in by_request(step.outputs, self._streams).items():
+            for rid, outs in by_request(step.outputs).items():
                 stream = self._streams.get(rid)
                 if stream is None:
                     continue

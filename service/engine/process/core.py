@@ -205,8 +205,8 @@ class Core:
         except Exception as exc:  # this request fails alone; the loop goes on
             if not isinstance(exc, ValueError):
                 log.exception("request %s failed to start", add.request_id)
-            for seq_id in list(engine.requests):  # siblings it added before failing
-                if seq_id == add.request_id or seq_id.startswith(add.request_id + "."):
+            for seq_id, request in list(engine.requests.items()):  # those it added
+                if request.asked_as == add.request_id:
                     engine.drop(seq_id)
             self.failed.append(wire.Rejected.of(add.request_id, exc))
 
@@ -249,9 +249,9 @@ class Core:
         outputs: list[list[RequestOutput]] = [[] for _ in range(self.side.fronts)]
         failed: list[list[wire.Rejected]] = [[] for _ in range(self.side.fronts)]
         for out in self.outputs:
-            outputs[self._front(out.request_id)].append(out)
+            outputs[self.front_of.get(out.asked_as, 0)].append(out)
         for rejected in self.failed:
-            failed[self._front(rejected.request_id)].append(rejected)
+            failed[self.front_of.get(rejected.request_id, 0)].append(rejected)
         for rid in [r for r in self.front_of if r not in self.seq_ids and r not in self.preparing]:
             del self.front_of[rid]
         snapshot, busy = engine.snapshot(), engine.has_unfinished()
@@ -263,13 +263,6 @@ class Core:
             )
             self.side.send(front, step)
         self.outputs, self.failed = [], []
-
-    def _front(self, request_id: str) -> int:
-        """The front of a request or of one of its sequences (`{id}.{i}`)."""
-        front = self.front_of.get(request_id)
-        if front is None:
-            front = self.front_of.get(request_id.rpartition(".")[0], 0)
-        return front
 
 
 def _why(exc: BaseException) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Container
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -97,15 +97,11 @@ def put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
         q.put_nowait(item)
 
 
-def by_request(
-    outputs: list[RequestOutput], streams: Container[str]
-) -> dict[str, list[RequestOutput]]:
-    """A step's outputs by the request each belongs to: its own id where a stream has it,
-    else its parent's (a sequence of an n > 1 request is `{id}.{i}`)."""
+def by_request(outputs: list[RequestOutput]) -> dict[str, list[RequestOutput]]:
+    """A step's outputs by the client's request each answers (n > 1: its sequences')."""
     grouped: dict[str, list[RequestOutput]] = {}
     for out in outputs:
-        rid = out.request_id
-        grouped.setdefault(rid if rid in streams else rid.rpartition(".")[0], []).append(out)
+        grouped.setdefault(out.asked_as, []).append(out)
     return grouped
 
 

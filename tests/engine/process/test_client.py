@@ -94,6 +94,26 @@ def test_a_request_the_core_refuses_fails_alone_with_its_parameter(engine: Engin
         engine.validate([1, 10_000], greedy(3))
 
 
+def test_n_sequences_stream_to_the_request_that_asked(engine: EngineClient) -> None:
+    """An n > 1 request's sequences reach its stream, beside a request whose own id has a
+    dot."""
+
+    async def main() -> tuple[list[list], list[int]]:
+        async def choices() -> list[list]:
+            got: list[list] = [[], [], []]
+            async for outs in engine.generate("n3", [7, 8, 9], greedy(5, n=3)):
+                for o in outs:
+                    got[o.index] += o.token_ids
+            return got
+
+        return await asyncio.gather(choices(), collect(engine, "n3.x", [7, 8], greedy(4)))
+
+    got, lookalike = asyncio.run(main())
+    assert [len(c) for c in got] == [5, 5, 5] and len(lookalike) == 4
+    assert got[0] == got[1] == got[2]  # greedy: the same tokens each time
+    assert settled(engine)
+
+
 def test_other_threads_read_the_snapshot_sent_after_each_step(engine: EngineClient) -> None:
     """The metrics and /health read an immutable snapshot the core sends with every
     step, already current when a request's last delta arrives."""

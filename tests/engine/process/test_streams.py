@@ -3,11 +3,12 @@ joined without losing a token, a character, a logprob or an error."""
 
 import asyncio
 import time
+from dataclasses import replace
 
 import pytest
 
 from service.engine.output import RequestOutput, TokenLogprobs
-from service.engine.process.streams import deltas
+from service.engine.process.streams import by_request, deltas
 from service.engine.request import FinishReason, SamplingParams
 from tests.engine.helpers import greedy
 from tests.engine.process.cores import TRANSPORTS, client
@@ -97,3 +98,11 @@ def test_a_slow_caller_gets_every_token_in_fewer_deltas_than_steps(transport: st
         engine.shutdown()
     assert slow == fast and len(fast) == 24
     assert slow_count < fast_count
+
+
+def test_a_steps_outputs_go_to_the_request_each_answers() -> None:
+    """Grouped by the request each sequence answers (carried with it), not by the shape
+    of its id: a request whose own id has a dot keeps its outputs."""
+    dotted = replace(out(1), request_id="x.y")
+    first, second = (replace(out(2, i), request_id=f"r.{i}", parent="r") for i in (0, 1))
+    assert by_request([dotted, first, second]) == {"x.y": [dotted], "r": [first, second]}
