@@ -26,7 +26,7 @@ from service.engine.exec.speculative import Speculator
 from service.engine.kv.blocks import BlockManager
 from service.engine.kv.disk_tier import DiskTier
 from service.engine.kv.host_tier import HostTier
-from service.engine.kv.kv_events import KVEvents
+from service.engine.kv.kv_events import QUIET, KVEvents, Quiet
 from service.engine.kv.memory import available_ram, kv_block_budget
 from service.engine.kv.window_blocks import WindowBlocks
 from service.engine.sample.structured import Grammars, Masks
@@ -63,15 +63,16 @@ def _backend(
         raise ValueError(f"quantization {settings.quantization}: {exc}") from None
 
 
-def _host_tier(
+def _host_slots(
     settings: Settings, kv_cache: PagedKVCache, prefix: bool, windows: bool, draft: bool
-) -> HostTier | None:
-    """The prefix cache's host tier (service/engine/kv/host_tier.py), its host memory on
-    this rank. Not without the prefix cache, beside a window pool, or with a draft model
-    (whose own K/V of a block it would not restore): asked for there, a start-up error."""
+) -> int:
+    """The blocks the prefix cache's host tier holds (service/engine/kv/host_tier.py),
+    its host memory on this rank added to the pool; 0: no tier. Not without the prefix
+    cache, beside a window pool, or with a draft model (whose own K/V of a block it would
+    not restore): asked for there, a start-up error."""
     budget = settings.host_tier_bytes(kv_cache.data.device.type, available_ram())
     if budget <= 0:
-        return None
+        return 0
     why = (
         "the prefix cache is off" if not prefix
         else "the model's windowed layers keep a pool of their own" if windows
@@ -81,10 +82,10 @@ def _host_tier(
     if why is not None:
         if settings.kv_host_gib is not None:
             raise ValueError(f"kv_host_gib: no host tier can be kept: {why}")
-        return None
+        return 0
     slots = budget // kv_cache.block_nbytes
     kv_cache.add_host_pool(slots)
-    return HostTier(slots)
+    return slots
 
 
 def assemble(
@@ -98,7 +99,7 @@ def assemble(
     max_model_len = min(settings.max_model_len or model.cfg.max_position, model.cfg.max_position)
     backend = _backend(settings, model.device, model.dtype, model.local_cfg)
     ranks = Ranks(model.tp, model.device) if model.tp is not None else None
-    kv_cache, blocks, tier = _kv(model, settings, max_num_seqs, draft, backend, ranks)
+    kv_cache, blocks, disk = _kv(model, settings, max_num_seqs, draft, backend, ranks)
     scheduler = Scheduler(
         blocks, max_num_seqs, settings.max_num_batched_tokens, settings.mixed_prefill_cap(device)
     )
@@ -107,9 +108,9 @@ def assemble(
         _draft_model(draft, settings, blocks.num_blocks, model.cfg.vocab_size) if draft else None
     )
     grammars = Grammars(tokenizer, model.cfg.vocab_size, sorted(eos_ids))
-    runner = _runner(model, settings, kv_cache, backend, ranks, grammars, drafter, max_model_len)
-    runner.disk = tier.disk if tier is not None else None
-    _kv_events(settings, model, blocks, tier)
+    runner = _runner(
+        model, settings, kv_cache, backend, ranks, grammars, drafter, max_model_len, disk
+    )
     speculator = Speculator(settings, max_model_len, drafter)
     return EngineParts(
         max_num_seqs,
@@ -134,9 +135,10 @@ def _kv(
     draft: Transformer | None,
     backend: Backend,
     ranks: Ranks | None,
-) -> tuple[PagedKVCache, BlockManager, HostTier | None]:
+) -> tuple[PagedKVCache, BlockManager, DiskTier | None]:
     """The KV pool as large as the budget allows (every rank agreeing), its block manager
-    with the prefix cache, the window pool and the host and disk tiers asked for."""
+    with the prefix cache, the window pool, the host and disk tiers and the events asked
+    for, each built whole; and the disk tier, whose reads and writes the runner runs."""
     local = model.local_cfg  # the shapes this rank holds (the model's, on one rank)
     num_blocks, window_blocks = kv_block_budget(model, settings, max_num_seqs, draft)
     if ranks is not None:
@@ -152,16 +154,19 @@ def _kv(
     if window_blocks:
         assert local.sliding_window is not None
         windows = WindowBlocks(window_blocks, settings.block_size, local.sliding_window, prefix)
-    tier = _host_tier(settings, kv_cache, prefix, windows is not None, draft is not None)
+    slots = _host_slots(settings, kv_cache, prefix, windows is not None, draft is not None)
+    disk = None
     if settings.kv_disk_path is not None:
-        if tier is None or model.tp is not None:
+        if not slots or model.tp is not None:
             raise ValueError("kv_disk_path: the disk tier goes behind a host tier, on one rank")
-        tier.disk = DiskTier(
+        disk = DiskTier(
             settings.kv_disk_path, int(settings.kv_disk_gib * GiB),
             f"{namespace}|{settings.block_size}", model.dtype,
         )  # fmt: skip
-    blocks = BlockManager(num_blocks, settings.block_size, prefix, namespace, windows, tier)
-    return kv_cache, blocks, tier
+    events = _kv_events(settings, model)  # opened last: nothing above fails after it
+    tier = HostTier(slots, disk, events) if slots else None
+    blocks = BlockManager(num_blocks, settings.block_size, prefix, namespace, windows, tier, events)
+    return kv_cache, blocks, disk
 
 
 def _runner(
@@ -173,6 +178,7 @@ def _runner(
     grammars: Grammars,
     drafter: DraftModel | None,
     max_model_len: int,
+    disk: DiskTier | None,
 ) -> ModelRunner:
     device, max_num_seqs = model.device.type, settings.seqs_per_step(model.device.type)
     # not captured across ranks: a graph would replay its collectives unchecked
@@ -190,21 +196,17 @@ def _runner(
         ranks,
         Masks(grammars),
         drafter.mirror if drafter else None,
+        disk,
     )
 
 
-def _kv_events(
-    settings: Settings, model: Transformer, blocks: BlockManager, tier: HostTier | None
-) -> None:
+def _kv_events(settings: Settings, model: Transformer) -> Quiet:
     """The prefix cache's events for routers, published by rank 0 where asked for."""
     if settings.kv_events_endpoint is None or (model.tp is not None and model.tp.rank != 0):
-        return
+        return QUIET
     pool = "GPU" if model.device.type == "cuda" else None
-    events = KVEvents(settings.kv_events_endpoint, settings.kv_events_replay_endpoint,
-                      settings.block_size, pool, not settings.kv_events_omit_token_ids)  # fmt: skip
-    blocks.events = events
-    if tier is not None:
-        tier.events = events
+    return KVEvents(settings.kv_events_endpoint, settings.kv_events_replay_endpoint,
+                    settings.block_size, pool, not settings.kv_events_omit_token_ids)  # fmt: skip
 
 
 def _draft_model(draft: Transformer, s: Settings, num_blocks: int, target_vocab: int) -> DraftModel:

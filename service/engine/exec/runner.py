@@ -64,13 +64,15 @@ class ModelRunner:
         ranks: Ranks | None = None,
         masks: Masks | None = None,
         mirror: Callable[[Step], None] | None = None,
+        disk: DiskTier | None = None,
     ) -> None:
         """graphs: builds the CUDA graphs of decode steps (after the weights are
         prepared); None runs every step eagerly. quantization: of the linear weights, as
         the backend's prepare() takes it. ranks: the tensor-parallel step channel (rank 0
         sends every forward's inputs, the others follow()). masks: the allowed tokens of
         constrained requests (structured outputs). mirror: runs after each forward with
-        its inputs (the speculative draft model computes its own K/V of them)."""
+        its inputs (the speculative draft model computes its own K/V of them). disk: the
+        host tier's disk tier, whose reads and writes a step's copies include."""
         self.model, self.ranks, self.mirror = model, ranks, mirror
         self.backend = kv_cache.backend
         # the weight layouts its linears read
@@ -83,7 +85,7 @@ class ModelRunner:
         self.generators: dict[str, list[torch.Generator]] = {}  # seeded request's rows
         self._pin = self.device.type == "cuda"
         self.graphs = graphs() if graphs is not None else None
-        self.disk: DiskTier | None = None  # the host tier's disk tier, where there is one
+        self.disk = disk
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
         t = torch.tensor(values, dtype=torch.long, pin_memory=self._pin)

@@ -35,11 +35,13 @@ class BlockManager:
         namespace: str = "",
         windows: WindowBlocks | None = None,
         tier: HostTier | None = None,
+        events: Quiet = QUIET,
     ) -> None:
         """namespace: what, besides the tokens, the KV depends on (the model): part of
         every key. windows: the windowed layers' own pool, where they have one
         (PagedKVCache.window_data): every method here keeps it in step. tier: where
-        evicted cached blocks go (not beside a window pool)."""
+        evicted cached blocks go (not beside a window pool). events: where what the
+        prefix cache stores and evicts is reported (--kv-events-endpoint: KVEvents)."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(
                 f"num_blocks and block_size must be > 0, got {num_blocks}, {block_size}"
@@ -53,7 +55,7 @@ class BlockManager:
         if tier is not None and (windows is not None or not enable_prefix_caching):
             raise ValueError("a host tier needs the prefix cache and no window pool")
         self.tier = tier
-        self.events: Quiet = QUIET  # --kv-events-endpoint: KVEvents, published each step
+        self.events = events
         self.block_hash: list[bytes | None] = [None] * num_blocks
         # what a cached block holds, checked on every hit: its tokens, the entry it was
         # computed on top of (for a first block, its root key), its own entry id

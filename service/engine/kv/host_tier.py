@@ -65,7 +65,9 @@ class TierStats:
 
 
 class HostTier:
-    def __init__(self, num_slots: int, disk: DiskTier | None = None) -> None:
+    def __init__(self, num_slots: int, disk: DiskTier | None = None, events: Quiet = QUIET) -> None:
+        """disk: the tier behind this one, where there is one; events: as the block
+        manager's (the tier's entries are reported with host=True)."""
         if num_slots <= 0:
             raise ValueError(f"a host tier needs slots, got {num_slots}")
         self.num_slots, self.disk = num_slots, disk
@@ -76,7 +78,7 @@ class HostTier:
         self.staged: dict[bytes, Tensor] = {}  # blocks read from disk this step, by key
         self.copies = Copies()
         self.stats = TierStats()
-        self.events: Quiet = QUIET  # --kv-events-endpoint: KVEvents, published each step
+        self.events = events
 
     @property
     def num_used(self) -> int:
