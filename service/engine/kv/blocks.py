@@ -239,10 +239,10 @@ class BlockManager:
         """Fresh blocks for the hits the host tier holds, registered as the blocks they
         were (key, tokens, parent, entry id), their contents copied in before the step."""
         assert self.tier is not None
-        slots = [self.tier.claim(cached.key) for _, cached in restore]  # before any eviction
-        for (i, cached), slot in zip(restore, slots, strict=True):
+        claimed = [self.tier.claim(cached.key) for _, cached in restore]  # before any eviction
+        for (i, cached), source in zip(restore, claimed, strict=True):
             block = table[i] = self._take()
-            self.tier.copy_in(slot, block)
+            self.tier.copy_in(source, block)
             if cached.key not in self.cached:
                 self.cached[cached.key] = block
                 self.block_hash[block] = cached.key

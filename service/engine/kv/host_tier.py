@@ -57,6 +57,26 @@ class Copies:
         return bool(self.spill or self.spill_device or self.out or self.into or self.load)
 
 
+@dataclass(frozen=True, slots=True)
+class InSlot:
+    """A claimed entry's bytes in a host slot: copied in from there."""
+
+    slot: int
+
+    def copy_into(self, block: int, copies: Copies) -> None:
+        copies.into.append((self.slot, block))
+
+
+@dataclass(frozen=True, slots=True)
+class ReadFromDisk:
+    """A claimed entry's bytes, read from its disk file this step: loaded into the block."""
+
+    data: Tensor
+
+    def copy_into(self, block: int, copies: Copies) -> None:
+        copies.load.append((self.data, block))
+
+
 @dataclass(slots=True)
 class TierStats:
     stored: int = 0  # blocks copied out to the tier
@@ -132,23 +152,20 @@ class HostTier:
             self.staged[key] = data
         return Cached(key, tokens, parent, -1, parent_key)
 
-    def claim(self, key: bytes) -> int | Tensor:
-        """Take the entry under `key` out of the tier, to be copied back: its slot, or
-        its bytes read from disk."""
+    def claim(self, key: bytes) -> InSlot | ReadFromDisk:
+        """Take the entry under `key` out of the tier, to be copied back (copy_in): from
+        its slot, or its bytes read from disk."""
         if key in self.slots:
             slot, _ = self.slots.pop(key)
             self.held.append(slot)
             self.events.removed(key, host=True)
-            return slot
+            return InSlot(slot)
         assert self.disk is not None
         self.disk.stats.read += 1
-        return self.staged.pop(key)
+        return ReadFromDisk(self.staged.pop(key))
 
-    def copy_in(self, source: int | Tensor, block: int) -> None:
-        if isinstance(source, int):
-            self.copies.into.append((source, block))
-        else:
-            self.copies.load.append((source, block))
+    def copy_in(self, claimed: InSlot | ReadFromDisk, block: int) -> None:
+        claimed.copy_into(block, self.copies)
         self.stats.restored += 1
 
     def drain(self) -> Copies:
