@@ -107,7 +107,7 @@ class BlockManager:
             cached = self.tier.match(h, tokens, parent, above) if self.tier is not None else None
             if cached is None:
                 break
-            if cached.entry < 0:  # read from disk: an entry of this run's
+            if cached.entry is None:  # read from disk: an entry of this run's
                 cached = replace(cached, entry=next(self._entries))
             restore.append((len(hits), cached))
             hits.append(RESTORE)

@@ -36,7 +36,7 @@ class Cached:
     key: bytes
     tokens: tuple[int, ...]
     parent: int | bytes  # the entry it sits on, or the root key for a first block
-    entry: int  # its own entry id (never reused; -1: read from disk, not given one yet)
+    entry: int | None  # its own entry id (never reused); None: read from disk, none yet
     parent_key: bytes  # the key of the block it sits on (the root key for a first)
 
 
@@ -136,7 +136,7 @@ class HostTier:
               parent_key: bytes) -> Cached | None:  # fmt: skip
         """The entry under `key` if it holds exactly these tokens on top of exactly
         `parent`, as the device pool's _match checks; else a block the disk holds under
-        `key` with these tokens on `parent_key` (entry -1: the pool gives it one)."""
+        `key` with these tokens on `parent_key` (no entry id: the pool gives it one)."""
         found = self.slots.get(key)
         if found is not None:
             cached = found[1]
@@ -150,7 +150,7 @@ class HostTier:
             if data is None:
                 return None
             self.staged[key] = data
-        return Cached(key, tokens, parent, -1, parent_key)
+        return Cached(key, tokens, parent, None, parent_key)
 
     def claim(self, key: bytes) -> InSlot | ReadFromDisk:
         """Take the entry under `key` out of the tier, to be copied back (copy_in): from
