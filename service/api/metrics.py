@@ -11,7 +11,7 @@ Renaming a metric is a breaking change.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -268,14 +268,10 @@ class _EngineCollector(Collector):
         yield from _kv_events(m, snap)
         memory = self.device_memory()
         if memory is not None:
-            for name, value in zip(("allocated", "reserved"), memory, strict=True):
-                g = GaugeMetricFamily(
-                    f"kvserve_cuda_memory_{name}_bytes",
-                    f"CUDA memory {name} by PyTorch.",
-                    labels=["model"],
-                )
-                g.add_metric(m, value)
-                yield g
+            yield from _per_model(GaugeMetricFamily, m, (
+                (f"kvserve_cuda_memory_{name}_bytes", f"CUDA memory {name} by PyTorch.", value)
+                for name, value in zip(("allocated", "reserved"), memory, strict=True)
+            ))  # fmt: skip
         yield from _counters(m, snap)
 
     def _config(self, snap: EngineSnapshot) -> Iterator[Metric]:
@@ -297,64 +293,78 @@ class _EngineCollector(Collector):
         yield config
 
 
+def _per_model(
+    family: type[GaugeMetricFamily] | type[CounterMetricFamily],
+    m: list[str],
+    rows: Iterable[tuple[str, str, float]],
+) -> Iterator[Metric]:
+    """A family of `family` for each (name, doc, value) row, labelled by the model."""
+    for name, doc, value in rows:
+        metric = family(name, doc, labels=["model"])
+        metric.add_metric(m, value)
+        yield metric
+
+
 def _gauges(m: list[str], snap: EngineSnapshot) -> Iterator[Metric]:
     """The engine's requests and KV pool as its last step left them."""
-    for name, doc, value in (
-        ("kvserve_requests_running", "Sequences being computed.", snap.running),
-        ("kvserve_requests_waiting", "Sequences waiting to be scheduled.", snap.waiting),
+    yield from _per_model(
+        GaugeMetricFamily,
+        m,
         (
-            "kvserve_kv_cache_capacity_blocks",
-            "KV cache blocks in the pool.",
-            snap.kv_blocks_total,
+            ("kvserve_requests_running", "Sequences being computed.", snap.running),
+            ("kvserve_requests_waiting", "Sequences waiting to be scheduled.", snap.waiting),
+            (
+                "kvserve_kv_cache_capacity_blocks",
+                "KV cache blocks in the pool.",
+                snap.kv_blocks_total,
+            ),
+            (
+                "kvserve_kv_cache_used_blocks",
+                "KV cache blocks held by requests.",
+                snap.kv_blocks_used,
+            ),
+            (
+                "kvserve_kv_cache_capacity_bytes",
+                "KV cache pool size in bytes.",
+                snap.kv_bytes_total,
+            ),
+            ("kvserve_kv_cache_used_bytes", "KV cache bytes held by requests.", snap.kv_bytes_used),
+            ("kvserve_kv_cache_usage_ratio", "Share of KV blocks in use (0-1).", snap.kv_usage),
         ),
-        (
-            "kvserve_kv_cache_used_blocks",
-            "KV cache blocks held by requests.",
-            snap.kv_blocks_used,
-        ),
-        (
-            "kvserve_kv_cache_capacity_bytes",
-            "KV cache pool size in bytes.",
-            snap.kv_bytes_total,
-        ),
-        ("kvserve_kv_cache_used_bytes", "KV cache bytes held by requests.", snap.kv_bytes_used),
-        ("kvserve_kv_cache_usage_ratio", "Share of KV blocks in use (0-1).", snap.kv_usage),
-    ):
-        g = GaugeMetricFamily(name, doc, labels=["model"])
-        g.add_metric(m, value)
-        yield g
+    )
 
 
 def _counters(m: list[str], stats: EngineSnapshot) -> Iterator[Metric]:
     """The engine's token, prefix-cache, preemption, speculation and finish counts."""
-    for name, doc, value in (
-        ("kvserve_prompt_tokens", "Prompt tokens received.", stats.prompt_tokens),
-        ("kvserve_generation_tokens", "Tokens generated.", stats.generation_tokens),
+    yield from _per_model(
+        CounterMetricFamily,
+        m,
         (
-            "kvserve_prefix_cache_queried_tokens",
-            "Prompt tokens looked up in the prefix cache.",
-            stats.prefix_queried_tokens,
+            ("kvserve_prompt_tokens", "Prompt tokens received.", stats.prompt_tokens),
+            ("kvserve_generation_tokens", "Tokens generated.", stats.generation_tokens),
+            (
+                "kvserve_prefix_cache_queried_tokens",
+                "Prompt tokens looked up in the prefix cache.",
+                stats.prefix_queried_tokens,
+            ),
+            (
+                "kvserve_prefix_cache_hit_tokens",
+                "Prompt tokens served by the prefix cache.",
+                stats.prefix_hit_tokens,
+            ),
+            ("kvserve_preemptions", "Requests preempted to free KV blocks.", stats.preemptions),
+            (
+                "kvserve_spec_decode_draft_tokens",
+                "Speculative draft tokens verified by the model.",
+                stats.spec_draft_tokens,
+            ),
+            (
+                "kvserve_spec_decode_accepted_tokens",
+                "Speculative draft tokens accepted (each one a step saved).",
+                stats.spec_accepted_tokens,
+            ),
         ),
-        (
-            "kvserve_prefix_cache_hit_tokens",
-            "Prompt tokens served by the prefix cache.",
-            stats.prefix_hit_tokens,
-        ),
-        ("kvserve_preemptions", "Requests preempted to free KV blocks.", stats.preemptions),
-        (
-            "kvserve_spec_decode_draft_tokens",
-            "Speculative draft tokens verified by the model.",
-            stats.spec_draft_tokens,
-        ),
-        (
-            "kvserve_spec_decode_accepted_tokens",
-            "Speculative draft tokens accepted (each one a step saved).",
-            stats.spec_accepted_tokens,
-        ),
-    ):
-        c = CounterMetricFamily(name, doc, labels=["model"])
-        c.add_metric(m, value)
-        yield c
+    )
     finished = CounterMetricFamily(
         "kvserve_requests_finished",
         "Finished sequences by finish reason.",
@@ -371,7 +381,7 @@ def _host_tier(m: list[str], snap: EngineSnapshot) -> Iterator[Metric]:
     copied out, restored on a hit, dropped by the tier; seconds spent copying), and its
     disk tier's (files' blocks and bytes; blocks written, read back, found corrupt)."""
     each = snap.kv_host_block_bytes
-    for name, doc, value in (
+    yield from _per_model(GaugeMetricFamily, m, (
         ("kvserve_kv_host_capacity_blocks", "Host tier blocks.", snap.kv_host_blocks_total),
         ("kvserve_kv_host_used_blocks", "Host tier blocks holding a cached block.",
          snap.kv_host_blocks_used),
@@ -381,11 +391,8 @@ def _host_tier(m: list[str], snap: EngineSnapshot) -> Iterator[Metric]:
          snap.kv_host_blocks_used * each),
         ("kvserve_kv_disk_blocks", "Cached blocks in the disk tier's files.", snap.kv_disk_blocks),
         ("kvserve_kv_disk_bytes", "Bytes of the disk tier's files.", snap.kv_disk_bytes),
-    ):  # fmt: skip
-        g = GaugeMetricFamily(name, doc, labels=["model"])
-        g.add_metric(m, value)
-        yield g
-    for name, doc, value in (
+    ))  # fmt: skip
+    yield from _per_model(CounterMetricFamily, m, (
         ("kvserve_kv_host_stored_blocks", "Cached blocks copied out of the KV pool to the "
          "host tier.", snap.kv_host_stored_blocks),
         ("kvserve_kv_host_restored_blocks", "Prefix-cache hits copied back from the host "
@@ -400,10 +407,7 @@ def _host_tier(m: list[str], snap: EngineSnapshot) -> Iterator[Metric]:
          snap.kv_disk_read_blocks),
         ("kvserve_kv_disk_corrupt_blocks", "Disk tier files that failed their checks "
          "(deleted, their blocks recomputed).", snap.kv_disk_corrupt_blocks),
-    ):  # fmt: skip
-        c = CounterMetricFamily(name, doc, labels=["model"])
-        c.add_metric(m, value)
-        yield c
+    ))  # fmt: skip
 
 
 def _kv_events(m: list[str], snap: EngineSnapshot) -> Iterator[Metric]:
