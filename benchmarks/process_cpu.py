@@ -37,13 +37,12 @@ def _tree(pid: int) -> list[int]:
     return found
 
 
-def _role(pid: int, top: int) -> str:
-    title = _title(pid)
+def _role(title: str, top: bool) -> str:
     if "engine core" in title:
         return "engine core"
     if "kvserve: rank" in title:
         return "ranks"
-    if "kvserve: front" in title or pid == top:
+    if "kvserve: front" in title or top:
         return "fronts"
     return "other"
 
@@ -52,22 +51,18 @@ def cpu_by_role(pid: int) -> dict[str, float]:
     """CPU seconds so far of the server whose top process is `pid`, by role. Where fronts
     run as processes of their own, the top process is their supervisor."""
     roles: Counter[str] = Counter()
-    tree = _tree(pid)
-    several = any("kvserve: front" in _title(p) for p in tree)
-    for p in tree:
+    titles = {p: _title(p) for p in _tree(pid)}
+    several = any("kvserve: front" in title for title in titles.values())
+    for p, title in titles.items():
         try:
-            role = "supervisor" if p == pid and several else _role(p, pid)
-            if role != "fronts":
-                roles[role] += _stat(Path(f"/proc/{p}/stat"))[2]
-                continue
+            role = "supervisor" if p == pid and several else _role(title, p == pid)
             total = _stat(Path(f"/proc/{p}/stat"))[2]
-            engine = sum(
-                _stat(t / "stat")[2]
-                for t in Path(f"/proc/{p}/task").iterdir()
-                if _stat(t / "stat")[0] == ENGINE_THREAD
-            )
-            roles["engine core"] += engine
-            roles["fronts"] += total - engine
+            if role == "fronts":  # a front's thread running the engine core, if any
+                threads = [_stat(t / "stat") for t in Path(f"/proc/{p}/task").iterdir()]
+                engine = sum(cpu for comm, _, cpu in threads if comm == ENGINE_THREAD)
+                roles["engine core"] += engine
+                total -= engine
+            roles[role] += total
         except (OSError, ValueError):
             continue  # exited while read
     return dict(roles)

@@ -109,8 +109,9 @@ def assemble(
     )
     grammars = Grammars(tokenizer, model.cfg.vocab_size, sorted(eos_ids))
     runner = _runner(
-        model, settings, kv_cache, backend, ranks, grammars, drafter, max_model_len, disk
-    )
+        model, settings, kv_cache, backend, ranks, grammars, drafter, max_num_seqs,
+        max_model_len, disk,
+    )  # fmt: skip
     speculator = Speculator(settings, max_model_len, drafter)
     return EngineParts(
         max_num_seqs,
@@ -177,10 +178,11 @@ def _runner(
     ranks: Ranks | None,
     grammars: Grammars,
     drafter: DraftModel | None,
+    max_num_seqs: int,
     max_model_len: int,
     disk: DiskTier | None,
 ) -> ModelRunner:
-    device, max_num_seqs = model.device.type, settings.seqs_per_step(model.device.type)
+    device = model.device.type
     # not captured across ranks: a graph would replay its collectives unchecked
     graphs = (
         not settings.enforce_eager

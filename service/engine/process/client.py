@@ -181,7 +181,7 @@ class EngineClient:
         Leaving the iterator early (client gone, cancelled) aborts the request."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), params.n)
         with self._lock:
-            if self._closed or not self.alive:
+            if not self.alive:  # closed, or the core is gone
                 raise EngineDeadError(f"engine is not running: {self.error!r}")
             self._streams[request_id] = stream
         self.link.send(wire.Add(request_id, prompt_ids, params, self.front))
