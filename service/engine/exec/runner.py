@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -45,13 +45,13 @@ class Launched:
 class StepInputs:
     """A step's forward inputs and who samples from which of its logit rows."""
 
+    step: Step
     scored: list[Scored]  # the prompt rows whose logprobs are wanted
     pooled: list[Pooled]  # the rows of the embedding requests
-    step: Step = None  # type: ignore[assignment]  # set once the tokens are gathered
-    sampled: list[Request] = field(default_factory=list)  # a request once per row it samples
-    gens: list[torch.Generator | None] = field(default_factory=list)
-    fill: list[tuple[int, int]] = field(default_factory=list)  # (row of tokens, row of prev's ids)
-    unread: dict[str, int] = field(default_factory=dict)  # request -> its pending token's row
+    sampled: list[Request]  # a request once per row it samples
+    gens: list[torch.Generator | None]
+    fill: list[tuple[int, int]]  # (row of tokens, row of prev's ids)
+    unread: dict[str, int]  # request -> its pending token's row of prev's ids
 
 
 class ModelRunner:
@@ -155,25 +155,29 @@ class ModelRunner:
         """The forward's inputs in plain ints, and who samples from which of its rows."""
         tokens: list[int] = []
         logit_rows: list[int] = []
-        inputs = StepInputs(*prompt_work(batch.seqs))
+        sampled: list[Request] = []
+        gens: list[torch.Generator | None] = []
+        fill: list[tuple[int, int]] = []
+        unread: dict[str, int] = {}
+        scored, pooled = prompt_work(batch.seqs)
         for seq in batch.seqs:
             rid = seq.request.request_id
             tokens.extend(seq.request.tokens(seq.start, seq.start + seq.num_new))
             if tokens[-1] == PENDING:  # its one unread token: the last, a decode's input
                 assert prev is not None and prev.ids is not None, "a pending token, no step"
-                inputs.unread[rid] = prev.rows[rid]  # type: ignore[index]
-                inputs.fill.append((len(tokens) - 1, inputs.unread[rid]))
+                unread[rid] = prev.rows[rid]  # type: ignore[index]
+                fill.append((len(tokens) - 1, unread[rid]))
             tokens.extend(seq.drafts)  # speculative: each draft's position samples too
             if seq.sample:
                 rows = 1 + len(seq.drafts)
                 logit_rows.extend(range(len(tokens) - rows, len(tokens)))
-                inputs.sampled.extend([seq.request] * rows)
-                inputs.gens.extend(self.generator_for(seq.request, j) for j in range(rows))
+                sampled.extend([seq.request] * rows)
+                gens.extend(self.generator_for(seq.request, j) for j in range(rows))
         logit_rows += [
-            r for _, first, targets in inputs.scored for r in range(first, first + len(targets))
+            r for _, first, targets in scored for r in range(first, first + len(targets))
         ]
         windowed = self.kv_cache.window_data is not None
-        inputs.step = Step(
+        step = Step(
             tokens,
             [s.request.block_table for s in batch.seqs],
             [s.start for s in batch.seqs],
@@ -182,7 +186,7 @@ class ModelRunner:
             [s.request.window_table for s in batch.seqs] if windowed else None,
             [s.request.num_prompt for s in batch.seqs],
         )
-        return inputs
+        return StepInputs(step, scored, pooled, sampled, gens, fill, unread)
 
     def _forward_all(
         self,
