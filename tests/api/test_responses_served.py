@@ -100,7 +100,7 @@ def test_function_calls_and_their_outputs(served) -> None:
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert len(done) == 1 and events[-1].type == "response.completed"
     follow = client.responses.create(
-        model=model, tools=FUNCTIONS, max_output_tokens=3, input=[
+        model=model, tools=FUNCTIONS, max_output_tokens=3, temperature=0.0, input=[
             {"role": "user", "content": "What is the weather in Paris?"},
             {"type": "function_call", "call_id": calls[0].call_id, "name": calls[0].name,
              "arguments": calls[0].arguments},
