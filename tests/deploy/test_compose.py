@@ -124,7 +124,7 @@ def test_up_serves_out_of_the_box(stack: Stack) -> None:
 
 def test_an_sse_stream(stack: Stack) -> None:
     body = {"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 24,
-            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     events = []
     with httpx.stream("POST", KVSERVE + "/v1/chat/completions", json=body, timeout=60) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
@@ -199,7 +199,7 @@ def test_a_hub_model_from_a_host_cache_of_another_uid(stack: Stack, tmp_path: Pa
     assert stack.exec("stat", "-c", "%u:%g", "/proc/1") == f"{HOST_UID}:{HOST_UID}"
     models = httpx.get(KVSERVE + "/v1/models", timeout=10).json()
     assert [m["id"] for m in models["data"]] == [HUB_MODEL]
-    body = {"model": HUB_MODEL, "prompt": [5, 6, 7], "max_tokens": 4}
+    body = {"model": HUB_MODEL, "prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True}
     got = httpx.post(KVSERVE + "/v1/completions", json=body, timeout=60)
     assert got.status_code == 200 and got.json()["usage"]["completion_tokens"] == 4
     stack.exec("sh", "-c", "echo written > /hf/hub/.kvserve-write-check", user=str(HOST_UID))

@@ -191,7 +191,9 @@ def test_a_server_started_with_every_variable_empty_serves_the_defaults(tmp_path
     try:
         with srv.client() as c:
             assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["kvserve-demo-random"]
-            r = c.post("/v1/completions", json={"prompt": "empty", "max_tokens": 4})
+            r = c.post(
+                "/v1/completions", json={"prompt": "empty", "max_tokens": 4, "ignore_eos": True}
+            )
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
     finally:
