@@ -19,6 +19,7 @@ from model.transformer import Transformer
 from service.config import Settings
 from service.engine.core.engine import LLMEngine
 from service.engine.request import SamplingParams
+from service.engine.text.processor import Texts
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "out"  # JSON results and the checkpoints written, untracked
@@ -134,12 +135,16 @@ def run_batch(
     out_len: int,
     extras: Callable[[int], dict] | None = None,
 ) -> dict[str, float]:
-    """Every prompt as a greedy request of out_len tokens at once, run to the end;
+    """Every prompt as a greedy request of out_len tokens at once, run to the end, its
+    text made as a front makes it (an offline user reads text, as a client does);
     extras(i): more SamplingParams fields for request i (none by default)."""
+    texts = Texts(engine.tokenizer, engine.stop)
     for i, p in enumerate(prompts):
         more = extras(i) if extras is not None else {}
         params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True, **more)
-        engine.add_request(f"b{i}-{time.monotonic_ns()}", p, params)
+        rid = f"b{i}-{time.monotonic_ns()}"
+        engine.add_request(rid, p, params)
+        texts.add(rid, params)
     decode_times: list[float] = []
     generated = 0
     kinds, observer = _StepKinds(), engine.observer
@@ -148,7 +153,7 @@ def run_batch(
     try:
         while engine.has_unfinished():
             s0 = time.perf_counter()
-            outs = engine.step()
+            outs = texts.process(engine.step())
             dt = time.perf_counter() - s0
             generated += sum(len(o.token_ids) for o in outs)
             if outs and kinds.decode_only:
@@ -167,12 +172,15 @@ def run_batch(
 
 def run_single(engine: LLMEngine, prompt: list[int], out_len: int) -> dict[str, float]:
     params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
-    engine.add_request(f"single-{time.monotonic_ns()}", prompt, params)
+    rid = f"single-{time.monotonic_ns()}"
+    texts = Texts(engine.tokenizer, engine.stop)
+    engine.add_request(rid, prompt, params)
+    texts.add(rid, params)
     t0 = time.perf_counter()
     first = None
     n = 0
     while engine.has_unfinished():
-        outs = engine.step()
+        outs = texts.process(engine.step())
         n += sum(len(o.token_ids) for o in outs)
         if first is None and n:
             first = time.perf_counter()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -34,7 +34,9 @@ from service.api.serving import (
 from service.api.sse import encoded_in_turns, stream_chunks, usage
 from service.api.state import ServingState
 from service.api.tools import Tools, tools_of
+from service.engine.core.checks import Checked
 from service.engine.output import RequestOutput, TokenLogprobs
+from service.engine.request import SamplingParams
 
 router = APIRouter()
 
@@ -56,14 +58,28 @@ def _logprobs(state: ServingState, lps: list[TokenLogprobs]) -> dict[str, Any]:
     }
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
-    state: ServingState = request.app.state.serving
-    state.check_model(req.model)
+@dataclass(frozen=True, slots=True)
+class ChatRun:
+    """A chat request made ready to run: its prompt, its sampling, and a reader per
+    choice for its thinking, content and tool calls (chat_output.py). Chat completions
+    and /v1/responses each format what the readers yield."""
+
+    request: Checked  # its prompt and sampling
+    markers: tuple[int, int] | None  # the model's think markers (None: it does not reason)
+    thinking: bool  # the prompt left the think block open
+    tools: Tools | None
+    include_reasoning: bool
+
+    def reader(self) -> ChoiceReader:
+        thinking = self.thinking if self.markers is not None else None
+        return ChoiceReader(thinking, self.tools, self.include_reasoning)
+
+
+async def prepare(state: ServingState, req: ChatCompletionRequest) -> ChatRun:
+    """Render, tokenize and check a chat request (400s for what is wrong with it)."""
     tools = tools_of(req.tools, req.tool_choice, req.parallel_tool_calls, state.tool_format)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
-    include_usage = check_stream_options(req)
     template_kwargs = _template_kwargs(req)
     budget = req.max_thinking_tokens or req.thinking_token_budget
     # rendering and tokenizing a large conversation (and, the first time, finding the
@@ -81,18 +97,37 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     params = sampling_params(req, max_tokens, top, req.prompt_logprobs)
     if budget is not None:
         params = replace(params, thinking_budget=budget, think_ids=markers, thinking_open=thinking)
-    if tools is not None and tools.format.keeps_special_tokens:  # its opening is one
-        params = replace(params, skip_special_tokens=False)
-    if tools is not None and params.constraint is None:
-        params = replace(params, constraint=tools.constraint())
-    elif tools is not None and tools.choice != "auto":
-        raise APIError(400, "tool_choice required or a named function takes no structured "
-                       "output beside it", param="tool_choice")  # fmt: skip
+    params = _with_tools(params, tools)
     if params.constraint is not None and (start := grammar_start(prompt, markers)):
         params = replace(params, constraint=replace(params.constraint, think=start))
-    await validate_prompt(state, prompt, params)
+    checked = await validate_prompt(state, prompt, params)
     if req.prompt_logprobs is not None:
         check_size(len(prompt), req.n, [req.prompt_logprobs], "prompt_logprobs")
+    return ChatRun(checked, markers, thinking, tools, req.include_reasoning)
+
+
+def _with_tools(params: SamplingParams, tools: Tools | None) -> SamplingParams:
+    """A request's sampling with its tools: their grammar, and special tokens kept where
+    the model's call opens with one."""
+    if tools is None:
+        return params
+    if tools.format.keeps_special_tokens:
+        params = replace(params, skip_special_tokens=False)
+    if params.constraint is None:
+        return replace(params, constraint=tools.constraint())
+    if tools.choice != "auto":
+        raise APIError(400, "tool_choice required or a named function takes no structured "
+                       "output beside it", param="tool_choice")  # fmt: skip
+    return params
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+    state: ServingState = request.app.state.serving
+    state.check_model(req.model)
+    include_usage = check_stream_options(req)
+    run = await prepare(state, req)
+    prompt, params = run.request.prompt_ids, run.request.params
     admission = state.admit(req.n, (len(prompt) + params.max_tokens) * req.n)
     rid, created = new_id("chatcmpl"), int(time.time())
     if req.stream:
@@ -102,19 +137,19 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
             "created": created,
             "model": state.model_id,
         }
-        readers = [_reader(req, markers, thinking, tools) for _ in range(req.n)]
-        body = _stream(state, req, prompt, params, head, include_usage, admission.release, readers)
+        readers = [run.reader() for _ in range(req.n)]
+        body = _stream(state, req, run.request, head, include_usage, admission.release, readers)
         return StreamingResponse(
             body, media_type="text/event-stream", background=BackgroundTask(admission.arelease)
         )
     try:
-        choices = await until_disconnect(request, collect(state, rid, prompt, params))
+        choices = await until_disconnect(request, collect(state, rid, run.request))
     except ClientDisconnected:
         return Response(status_code=499)
     finally:
         admission.release()
     raise_if_failed(choices)
-    readers = [_reader(req, markers, thinking, tools) for _ in choices]
+    readers = [run.reader() for _ in choices]
     return await encoded_in_turns(_body(state, req, prompt, choices, readers, rid, created))
 
 
@@ -152,8 +187,7 @@ def _body(
 def _stream(
     state: ServingState,
     req: ChatCompletionRequest,
-    prompt: list[int],
-    params: Any,
+    checked: Checked,
     head: dict[str, Any],
     include_usage: bool,
     release: Any,
@@ -185,8 +219,9 @@ def _stream(
          "finish_reason": None}
         for i in range(req.n)
     )  # fmt: skip
-    streams = [generate(state, head["id"], prompt, params)]
-    return stream_chunks(head, roles, streams, choice, len(prompt), include_usage, release)
+    streams = [generate(state, head["id"], checked)]
+    prompt_tokens = len(checked.prompt_ids)
+    return stream_chunks(head, roles, streams, choice, prompt_tokens, include_usage, release)
 
 
 def _template_kwargs(req: ChatCompletionRequest) -> dict[str, Any] | None:
@@ -210,12 +245,3 @@ def _render(
     """The prompt's ids, and the model's think markers (None: it does not reason)."""
     prompt = encode_messages(state, req.messages, req.add_generation_prompt, template_kwargs, tools)
     return prompt, state.think_ids
-
-
-def _reader(
-    req: ChatCompletionRequest,
-    markers: tuple[int, int] | None,
-    thinking: bool,
-    tools: Tools | None,
-) -> ChoiceReader:
-    return ChoiceReader(thinking if markers is not None else None, tools, req.include_reasoning)

@@ -32,6 +32,7 @@ from service.api.serving import (
 )
 from service.api.sse import encoded_in_turns, stream_chunks, usage
 from service.api.state import ServingState
+from service.engine.core.checks import Checked
 from service.engine.output import RequestOutput, TokenLogprobs
 
 router = APIRouter()
@@ -91,22 +92,19 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
     prompts = await asyncio.to_thread(_prompts, state, req)
     max_tokens = 16 if req.max_tokens is None else max(req.max_tokens, 1)  # 0: one, dropped
     params = sampling_params(req, max_tokens, req.logprobs, _scored(req))
-    for ids in prompts:
-        await validate_prompt(state, ids, params)
+    checked = [await validate_prompt(state, ids, params) for ids in prompts]
     _check_scored_size(req, prompts)
     demand = sum(len(ids) + params.max_tokens for ids in prompts) * req.n
     admission = state.admit(len(prompts) * req.n, demand)
     rid, created = new_id("cmpl"), int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created, "model": state.model_id}
     if req.stream:
-        body = _stream(state, req, prompts, params, head, include_usage, admission.release)
+        body = _stream(state, req, checked, head, include_usage, admission.release)
         return StreamingResponse(
             body, media_type="text/event-stream", background=BackgroundTask(admission.arelease)
         )
     try:
-        work = asyncio.gather(
-            *(collect(state, f"{rid}-{i}", ids, params) for i, ids in enumerate(prompts))
-        )
+        work = asyncio.gather(*(collect(state, f"{rid}-{i}", c) for i, c in enumerate(checked)))
         results: list[list[Choice]] = await until_disconnect(request, work)
     except ClientDisconnected:
         return Response(status_code=499)
@@ -169,13 +167,12 @@ def _check_scored_size(req: CompletionRequest, prompts: list[list[int]]) -> None
 def _stream(
     state: ServingState,
     req: CompletionRequest,
-    prompts: list[list[int]],
-    params: Any,
+    checked: list[Checked],
     head: dict[str, Any],
     include_usage: bool,
     release: Any,
 ) -> AsyncIterator[bytes]:
-    rid = head["id"]
+    rid, prompts = head["id"], [c.prompt_ids for c in checked]
     offsets: dict[int, int] = {}  # text sent so far per choice (logprobs' text_offset)
     echoes = _echoes(state, req, prompts)
     # the prompt's logprobs come with its first token: the echo then waits for them
@@ -217,7 +214,7 @@ def _stream(
             entry["prompt_logprobs"] = head["prompt_logprobs"]
         return entry
 
-    streams = [generate(state, f"{rid}-{i}", ids, params) for i, ids in enumerate(prompts)]
+    streams = [generate(state, f"{rid}-{i}", c) for i, c in enumerate(checked)]
     prompt_tokens = sum(map(len, prompts))
     return stream_chunks(head, opening, streams, choice, prompt_tokens, include_usage, release)
 

@@ -22,6 +22,7 @@ from service.api.serving import (
     validate_prompt,
 )
 from service.api.state import ServingState
+from service.engine.core.checks import Checked
 from service.engine.request import SamplingParams
 
 router = APIRouter()
@@ -35,11 +36,9 @@ def _inputs(state: ServingState, req: EmbeddingRequest) -> list[list[int]]:
     return inputs
 
 
-async def _embed(
-    state: ServingState, request_id: str, ids: list[int], params: SamplingParams
-) -> list[float]:
+async def _embed(state: ServingState, request_id: str, request: Checked) -> list[float]:
     embedding = None
-    async for outs in generate(state, request_id, ids, params):
+    async for outs in generate(state, request_id, request):
         for out in outs:
             embedding = out.embedding if out.embedding is not None else embedding
     if embedding is None:
@@ -68,14 +67,11 @@ async def embeddings(req: EmbeddingRequest, request: Request) -> Response:
         )
     inputs = await asyncio.to_thread(_inputs, state, req)
     params = SamplingParams(max_tokens=1, pooling=state.settings.pooling)
-    for ids in inputs:
-        await validate_prompt(state, ids, params)
+    checked = [await validate_prompt(state, ids, params) for ids in inputs]
     admission = state.admit(len(inputs), sum(len(ids) + 1 for ids in inputs))
     rid = new_id("embd")
     try:
-        work = asyncio.gather(
-            *(_embed(state, f"{rid}-{i}", ids, params) for i, ids in enumerate(inputs))
-        )
+        work = asyncio.gather(*(_embed(state, f"{rid}-{i}", c) for i, c in enumerate(checked)))
         vectors: list[list[float]] = await until_disconnect(request, work)
     except ClientDisconnected:
         return Response(status_code=499)

@@ -1,25 +1,38 @@
-"""POST /v1/responses: OpenAI's Responses API as a stateless translation to the chat path
-(service/api/chat.py), as llama.cpp does: `input` (text, or message, function_call and
-function_call_output items) after `instructions`, `tools` and `tool_choice`, `text.format`,
-`max_output_tokens`; the answer as output items (reasoning, message, function_call), and
-streamed as the Responses API's events. `previous_response_id` continues a stored
-conversation (service/api/response_store.py); one not stored is a 404."""
+"""POST /v1/responses: OpenAI's Responses API over the chat path (service/api/chat.py
+prepares the request, chat_output.py reads its thinking, text and tool calls), formatted
+here from the generation's deltas: `input` (text, or message, function_call and
+function_call_output items) after `instructions`, `tools` and `tool_choice`,
+`text.format`, `max_output_tokens`; the answer as output items (reasoning, message,
+function_call), and streamed as the Responses API's events. `previous_response_id`
+continues a stored conversation (service/api/response_store.py); one not stored is a
+404."""
 
 from __future__ import annotations
 
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+from starlette.background import BackgroundTask
 
-from service.api.chat import chat_completions
+from service.api.chat import ChatRun, prepare
 from service.api.middleware import owner_of
 from service.api.protocol import APIError, ChatCompletionRequest
+from service.api.serving import (
+    ClientDisconnected,
+    collect,
+    finish_reason,
+    generate,
+    raise_if_failed,
+    until_disconnect,
+)
+from service.api.sse import usage
 from service.api.state import ServingState
 from service.limits import MAX_MESSAGES, MAX_TOOLS
 
@@ -192,15 +205,15 @@ def _format(req: ResponsesRequest) -> dict[str, Any] | None:
 
 
 def _chat_request(state: ServingState, req: ResponsesRequest, owner: str) -> tuple:
+    """The request as a chat request (run by the chat path's preparation, chat.prepare),
+    and its conversation."""
     messages = _messages(state, req, owner)
-    stream = req.stream
     tools, choice = _tools(req)
     body = {
         "model": req.model, "messages": messages, "tools": tools, "tool_choice": choice,
         "parallel_tool_calls": req.parallel_tool_calls, "response_format": _format(req),
         "max_tokens": req.max_output_tokens, "temperature": req.temperature,
-        "top_p": req.top_p, "stream": stream,
-        "stream_options": {"include_usage": True} if stream else None,
+        "top_p": req.top_p,
     }  # fmt: skip
     try:
         return ChatCompletionRequest(**body), messages
@@ -279,10 +292,23 @@ def _usage(chat: dict[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _remember(state: ServingState, req: ResponsesRequest, owner: str, rid: str,
-              messages: list, output: list[dict[str, Any]], response: dict[str, Any]) -> None:  # fmt: skip
+@dataclass(frozen=True, slots=True)
+class _Asked:
+    """What a response remembers of its request."""
+
+    req: ResponsesRequest
+    owner: str  # the API key's (middleware.owner_of)
+    rid: str
+    created: int
+    messages: list[dict[str, Any]]  # the conversation, as chat messages
+
+
+def _remember(
+    state: ServingState, asked: _Asked, output: list[dict[str, Any]], response: dict[str, Any]
+) -> None:
     """Store the response, and the conversation with its output (no instructions: each
     request gives its own) for a later previous_response_id."""
+    req, messages = asked.req, asked.messages
     if not req.store:
         return
     said = [m for m in messages if not (m["role"] == "system" and m["content"] == req.instructions)]
@@ -293,7 +319,7 @@ def _remember(state: ServingState, req: ResponsesRequest, owner: str, rid: str,
     reply: dict[str, Any] = {"role": "assistant", "content": text or None}
     if calls:
         reply["tool_calls"] = calls
-    state.responses.put(rid, owner, [*said, reply], response, _input_items(req.input))
+    state.responses.put(asked.rid, asked.owner, [*said, reply], response, _input_items(req.input))
 
 
 @router.post("/v1/responses")
@@ -302,22 +328,30 @@ async def responses(req: ResponsesRequest, request: Request) -> Response:
     state.check_model(req.model)
     owner = owner_of(request)
     chat, messages = _chat_request(state, req, owner)
+    run = await prepare(state, chat)
+    prompt, params = run.request.prompt_ids, run.request.params
+    admission = state.admit(1, len(prompt) + params.max_tokens)
     rid, created = _new("resp"), int(time.time())
-    answer = await chat_completions(chat, request)
+    asked = _Asked(req, owner, rid, created, messages)
     if req.stream:
-        assert isinstance(answer, StreamingResponse)
-        events = _events(state, req, owner, rid, created, messages, answer.body_iterator)
+        events = _events(state, asked, run, admission.release)
         return StreamingResponse(
-            events, media_type="text/event-stream", background=answer.background
+            events, media_type="text/event-stream", background=BackgroundTask(admission.arelease)
         )
-    if not isinstance(answer, JSONResponse):
-        return answer  # a client that went away
-    body = json.loads(answer.body)
-    choice = body["choices"][0]
-    output = _output(choice["message"])
-    done = _response(req, rid, created, body["model"], output, body["usage"],
-                     choice["finish_reason"])  # fmt: skip
-    _remember(state, req, owner, rid, messages, output, done)
+    try:
+        work = collect(state, rid, run.request)
+        (choice,) = await until_disconnect(request, work)
+    except ClientDisconnected:
+        return Response(status_code=499)
+    finally:
+        admission.release()
+    raise_if_failed([choice])
+    reader = run.reader()
+    output = _output(reader.message(choice.text))
+    spent = usage(len(prompt), len(choice.token_ids), choice.cached)
+    finish = reader.finish_reason(choice.finish_reason)
+    done = _response(req, rid, created, state.model_id, output, spent, finish)
+    _remember(state, asked, output, done)
     return JSONResponse(done)
 
 
@@ -373,34 +407,37 @@ def _not_found(response_id: str) -> APIError:
 
 
 async def _events(
-    state: ServingState, req: ResponsesRequest, owner: str, rid: str, created: int,
-    messages: list, chunks: AsyncIterator[Any],
-) -> AsyncIterator[bytes]:  # fmt: skip
-    """The chat stream's chunks as the Responses API's events."""
-    out = _EventStream()
-    model = state.model_id
-    shell = _response(req, rid, created, model, [], None, None) | {"status": "in_progress"}
+    state: ServingState, asked: _Asked, run: ChatRun, release: Callable[[], None]
+) -> AsyncIterator[bytes]:
+    """The chat generation's deltas, read into thinking, text and tool calls, as the
+    Responses API's events; an error after the 200 as an `error` event."""
+    out, reader = _EventStream(), run.reader()
+    req, model = asked.req, state.model_id
+    shell = _response(req, asked.rid, asked.created, model, [], None, None)
+    shell["status"] = "in_progress"
     yield out.event("response.created", response=shell)
     yield out.event("response.in_progress", response=shell)
-    usage, finish = None, None
-    async for raw in chunks:
-        for line in (raw if isinstance(raw, bytes) else raw.encode()).split(b"\n\n"):
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                yield out.event("error", code=chunk["error"].get("code"),
-                                message=chunk["error"].get("message"), param=None)  # fmt: skip
-                return
-            usage = chunk.get("usage") or usage
-            for c in chunk.get("choices", []):
-                delta, finish = c.get("delta", {}), c.get("finish_reason") or finish
-                for event in out.delta(delta):
+    completion, cached, finish = 0, 0, None
+    try:
+        async for outs in generate(state, asked.rid, run.request):
+            for o in outs:
+                if o.finished and o.error:
+                    raise APIError(500, o.error)
+                completion, cached = completion + len(o.token_ids), o.num_cached_tokens
+                finish = reader.finish_reason(finish_reason(o)) or finish
+                for event in out.delta(reader.feed(o.text, o.finished)):
                     yield event
+    except Exception as exc:  # the 200 is already sent: the error goes inside the stream
+        error = exc.body()["error"] if isinstance(exc, APIError) else {"message": str(exc)}
+        yield out.event("error", code=error.get("code"), message=error.get("message"), param=None)
+        return
+    finally:
+        release()
     for event in out.done():
         yield event
-    done = _response(req, rid, created, model, out.output, usage, finish)
-    _remember(state, req, owner, rid, messages, out.output, done)
+    spent = usage(len(run.request.prompt_ids), completion, cached)
+    done = _response(req, asked.rid, asked.created, model, out.output, spent, finish)
+    _remember(state, asked, out.output, done)
     kind = "response.incomplete" if done["status"] == "incomplete" else "response.completed"
     yield out.event(kind, response=done)
 

@@ -18,7 +18,7 @@ from service.api.chat_template import ChatTemplateError
 from service.api.protocol import APIError, SamplingFields
 from service.api.state import ServingState
 from service.api.structured import constraint_of
-from service.engine.core.checks import ContextLengthError
+from service.engine.core.checks import Checked, ContextLengthError
 from service.engine.output import RequestOutput
 from service.engine.process.streams import EngineDeadError, RequestFailed
 from service.engine.request import ParamError, SamplingParams
@@ -80,15 +80,15 @@ def bad_request(exc: ParamError) -> APIError:
 
 async def validate_prompt(
     state: ServingState, prompt_ids: list[int], params: SamplingParams
-) -> None:
-    """The engine's checks of a request; a structured-output constraint is compiled, and
-    its start matcher built, off the event loop and below the engine's priority."""
+) -> Checked:
+    """The request checked (the one time it is), else a 400; a structured-output
+    constraint is compiled, and its start matcher built, off the event loop and below
+    the engine's priority."""
     try:
         if params.constraint is None:
-            state.engine.validate(prompt_ids, params)
-        else:
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(SETUP_POOL, state.engine.validate, prompt_ids, params)
+            return state.engine.validate(prompt_ids, params)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(SETUP_POOL, state.engine.validate, prompt_ids, params)
     except ParamError as exc:
         raise bad_request(exc) from None
 
@@ -180,11 +180,9 @@ class Choice:
     error: str | None = None
 
 
-async def collect(
-    state: ServingState, request_id: str, prompt_ids: list[int], params: SamplingParams
-) -> list[Choice]:
-    choices = [Choice() for _ in range(params.n)]
-    async for outs in generate(state, request_id, prompt_ids, params):
+async def collect(state: ServingState, request_id: str, request: Checked) -> list[Choice]:
+    choices = [Choice() for _ in range(request.params.n)]
+    async for outs in generate(state, request_id, request):
         for out in outs:
             c = choices[out.index]
             c.text += out.text
@@ -200,10 +198,10 @@ async def collect(
 
 
 async def generate(
-    state: ServingState, request_id: str, prompt_ids: list[int], params: SamplingParams
+    state: ServingState, request_id: str, request: Checked
 ) -> AsyncIterator[list[RequestOutput]]:
     try:
-        async for outs in state.engine.generate(request_id, prompt_ids, params):
+        async for outs in state.engine.generate(request_id, request):
             yield outs
     except EngineDeadError as exc:
         raise APIError(503, f"The engine stopped: {exc}") from None

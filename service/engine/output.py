@@ -1,10 +1,10 @@
-"""Per-request output: incremental text, stop strings, and the deltas handed out."""
+"""Per-request output: the deltas the engine core hands out, token ids and numbers (the
+front makes their text: service/engine/text/)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from model.tokenizer import Tokenizer
 from service.engine.request import FinishReason, Request
 
 
@@ -26,7 +26,6 @@ class RequestOutput:
     request_id: str  # the sequence's (request.sequence_ids)
     index: int  # which of the request's n choices
     token_ids: list[int]
-    text: str
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     # the first output of a request that asked for prompt_logprobs: one per prompt token
     # after the first (SamplingParams.prompt_logprobs)
@@ -44,6 +43,9 @@ class RequestOutput:
     first_token_time: float | None = None
     finish_time: float | None = None
     parent: str | None = None  # the client's request id, for one of n > 1 sequences
+    # the tokens' text: filled in by the front's output processor (service/engine/text/),
+    # never by the core
+    text: str = ""
 
     @property
     def asked_as(self) -> str:
@@ -51,47 +53,8 @@ class RequestOutput:
         return self.parent or self.request_id
 
 
-class TextState:
-    """Detokenizes a request's output and watches for stop strings, which may span
-    tokens. Text that could be the start of a stop string is held back until it is not;
-    a matched stop string and everything after it is never emitted."""
-
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...], skip_special: bool) -> None:
-        self.detok = tokenizer.detokenizer(skip_special=skip_special)
-        self.stop = stop
-        self.hold = max((len(s) for s in stop), default=1) - 1
-        self.text = ""  # everything decoded so far (up to a stop match)
-        self.emitted = 0
-        self.stopped = False
-
-    def push(self, token_id: int) -> bool:
-        """Add a token; True when a stop string has matched."""
-        before = len(self.text)
-        self.text += self.detok.push([token_id])
-        if not self.stop:
-            return False
-        start = max(0, before - self.hold)
-        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
-        if hits:
-            self.text = self.text[: min(hits)]
-            self.stopped = True
-        return self.stopped
-
-    def take(self, final: bool) -> str:
-        """The text that can be emitted now (all of it when the request is finishing)."""
-        if final:
-            if not self.stopped:
-                self.text += self.detok.flush()
-            end = len(self.text)
-        else:
-            end = max(self.emitted, len(self.text) - self.hold)
-        delta = self.text[self.emitted : end]
-        self.emitted = end
-        return delta
-
-
 def make_output(
-    request: Request, tokens: list[int], text: str, logprobs: list[TokenLogprobs]
+    request: Request, tokens: list[int], logprobs: list[TokenLogprobs]
 ) -> RequestOutput:
     prompt_logprobs = None
     wanted = request.params.prompt_logprobs is not None and request.index == 0
@@ -102,7 +65,6 @@ def make_output(
         request_id=request.request_id,
         index=request.index,
         token_ids=tokens,
-        text=text,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         embedding=request.embedding,

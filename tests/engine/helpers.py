@@ -1,9 +1,10 @@
-"""Driving an engine in the engine tests: greedy requests, run to the end, their tokens
-(engines themselves come from tests/factories.py)."""
+"""Driving an engine in the engine tests: greedy requests, run to the end with their text
+made as a front makes it, their tokens (engines themselves come from tests/factories.py)."""
 
 from service.engine.core.engine import LLMEngine
 from service.engine.output import RequestOutput
 from service.engine.request import SamplingParams
+from service.engine.text.processor import Texts
 
 
 def greedy(max_tokens: int, **kw: object) -> SamplingParams:
@@ -13,11 +14,13 @@ def greedy(max_tokens: int, **kw: object) -> SamplingParams:
 def run_all(
     engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]
 ) -> dict[str, list[RequestOutput]]:
+    texts = Texts(engine.tokenizer, engine.stop)
     for rid, (prompt, params) in requests.items():
         engine.add_request(rid, prompt, params)
+        texts.add(rid, params)
     outputs: dict[str, list[RequestOutput]] = {}
     while engine.has_unfinished():
-        for out in engine.step():
+        for out in texts.process(engine.step()):
             outputs.setdefault(out.request_id, []).append(out)
     return outputs
 

@@ -34,7 +34,7 @@ from service.engine.core.engine import LLMEngine
 TRACKED = (
     "service.engine.request.Request",
     "service.engine.output.RequestOutput",
-    "service.engine.output.TextState",
+    "service.engine.text.processor.TextState",
     "service.engine.process.client._Stream",
     "service.api.state.Admission",
 )

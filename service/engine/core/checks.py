@@ -1,7 +1,8 @@
 """A request's checks before it is queued: the prompt's ids, the context length, the
-structured-output constraint and the KV pool's capacity. The engine runs them on add;
-the client runs them first (service/engine/process/client.py), from the limits the core
-sends it, so that a bad request never reaches the core."""
+structured-output constraint and the KV pool's capacity. They run once: in the front
+(service/engine/process/client.py, with the limits the core sent it), or in
+LLMEngine.add_request for an engine driven in its own process. What passes is `Checked`,
+the only form in which a request reaches the engine's queue."""
 
 from __future__ import annotations
 
@@ -26,10 +27,19 @@ class Limits:
         return -(-tokens // self.block_size)
 
 
+@dataclass(frozen=True, slots=True)
+class Checked:
+    """A request that passed check_request (made there alone)."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
 def check_request(
     prompt_ids: list[int], params: SamplingParams, limits: Limits, grammars: Grammars
-) -> None:
-    """Raise ParamError (a 400 naming the parameter) or ContextLengthError."""
+) -> Checked:
+    """The request, checked; else ParamError (a 400 naming the parameter) or
+    ContextLengthError."""
     if not prompt_ids:
         raise ParamError("prompt", "must not be empty")
     vocab = limits.vocab_size
@@ -49,6 +59,7 @@ def check_request(
             f"{total} tokens ({'the input' if pools else 'prompt + max_tokens'}) exceed the KV "
             f"cache capacity of {capacity} tokens",
         )
+    return Checked(prompt_ids, params)
 
 
 def _too_long(prompt: int, max_tokens: int, pools: bool, limit: int) -> ContextLengthError:

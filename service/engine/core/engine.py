@@ -11,13 +11,13 @@ from model.tokenizer import Tokenizer
 from model.transformer import Transformer
 from service.config import Settings
 from service.engine.batch import SchedulerOutput
-from service.engine.core.checks import Limits, check_request
+from service.engine.core.checks import Checked, Limits, check_request
 from service.engine.core.parts import EngineParts, assemble
 from service.engine.core.postprocess import PostProcessor
 from service.engine.core.stats import EngineObserver, EngineSnapshot, EngineStats
 from service.engine.exec.ranks import RankError
 from service.engine.exec.runner import Launched
-from service.engine.output import RequestOutput, TextState
+from service.engine.output import RequestOutput
 from service.engine.request import FinishReason, ParamError, Request, SamplingParams, sequence_ids
 
 log = logging.getLogger("kvserve.engine")
@@ -63,7 +63,7 @@ class LLMEngine:
             self._observe,
             self.clock,
         )
-        self.requests, self.texts = self.post.requests, self.post.texts
+        self.requests = self.post.requests
 
     # ---- admission -------------------------------------------------------------------
 
@@ -77,16 +77,21 @@ class LLMEngine:
         vocab = self.model.cfg.vocab_size
         return Limits(vocab, self.max_model_len, self.blocks.num_blocks, self.blocks.block_size)
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise ParamError / ContextLengthError (service/engine/core/checks.py)."""
-        check_request(prompt_ids, params, self.limits, self.grammars)
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> Checked:
+        """The request checked, else ParamError / ContextLengthError
+        (service/engine/core/checks.py)."""
+        return check_request(prompt_ids, params, self.limits, self.grammars)
 
     def add_request(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams
     ) -> list[str]:
-        """Queue a request; n > 1 adds n sequences `{id}.{i}` whose siblings wait for the
-        first one's prompt and then reuse its blocks through the prefix cache."""
-        self.validate(prompt_ids, params)
+        """Check a request and queue it (add)."""
+        return self.add(request_id, self.validate(prompt_ids, params))
+
+    def add(self, request_id: str, checked: Checked) -> list[str]:
+        """Queue a checked request; n > 1 adds n sequences `{id}.{i}` whose siblings wait
+        for the first one's prompt and then reuse its blocks through the prefix cache."""
+        prompt_ids, params = checked.prompt_ids, checked.params
         ids = sequence_ids(request_id, params.n)
         parent = request_id if params.n > 1 else None
         if any(i in self.requests for i in ids):
@@ -105,7 +110,6 @@ class LLMEngine:
             self.requests[rid] = request
             if p.reads_each_step:
                 self.post.read_each_step.add(rid)
-            self.texts[rid] = TextState(self.tokenizer, p.stop, p.skip_special_tokens)
             self.scheduler.add(request)
         return ids
 
@@ -114,6 +118,17 @@ class LLMEngine:
         if request is None:
             return None
         self.post.finish(request, FinishReason.ABORT)
+        return self.post.emit(request, [], [])
+
+    def stop(self, request_id: str, kept: int) -> RequestOutput | None:
+        """A stop string, found by the front (service/engine/text/), ended the sequence
+        with its `kept`-th output token: it finishes as stopped, its output counted to
+        there (the tokens the engine ran past the stop are not counted)."""
+        request = self.requests.get(request_id)
+        if request is None:  # it finished first (its length, an end-of-text token)
+            return None
+        del request.output_ids[kept:]
+        self.post.finish(request, FinishReason.STOP)
         return self.post.emit(request, [], [])
 
     def drop(self, request_id: str) -> None:

@@ -1,5 +1,6 @@
 """After a step: each request's sampled tokens accepted (speculative drafts, jump-forward
-over what a grammar forces), stop conditions checked, finished requests released, and
+over what a grammar forces), stop conditions checked (the token ones: stop strings are
+the front's, service/engine/text/), finished requests released, and
 every request's output handed out. The requests in flight are registered here."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from service.engine.exec.ranks import Clear
 from service.engine.exec.runner import Launched, ModelRunner
 from service.engine.exec.speculative import accepted_drafts
 from service.engine.kv.blocks import BlockManager
-from service.engine.output import RequestOutput, TextState, make_output
+from service.engine.output import RequestOutput, make_output
 from service.engine.request import FinishReason, Request, Status
 
 log = logging.getLogger("kvserve.engine")
@@ -39,7 +40,6 @@ class PostProcessor:
         self.eos_ids, self.max_model_len, self.jump_forward = eos_ids, max_model_len, jump_forward
         self.observe, self.clock = observe, clock
         self.requests: dict[str, Request] = {}
-        self.texts: dict[str, TextState] = {}
         # requests that need each step's tokens read before the next is scheduled
         self.read_each_step: set[str] = set()
 
@@ -162,8 +162,6 @@ class PostProcessor:
         p = request.params
         if token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos):
             return FinishReason.STOP
-        if self.texts[request.request_id].push(token):
-            return FinishReason.STOP
         if request.guide is not None and request.guide.done:  # the grammar is complete
             return FinishReason.STOP
         if len(request.output_ids) >= p.max_tokens or request.num_known >= self.max_model_len:
@@ -180,9 +178,7 @@ class PostProcessor:
         self.stats.finished[reason.value] += 1
 
     def emit(self, request: Request, tokens: list[int], logprobs: list) -> RequestOutput:
-        text_state = self.texts[request.request_id]
-        text = text_state.take(final=request.finished)
-        output = make_output(request, tokens, text, logprobs)
+        output = make_output(request, tokens, logprobs)
         if request.finished:
             self.forget(request.request_id)
             self.observe("on_finished", output)
@@ -190,7 +186,6 @@ class PostProcessor:
 
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
-        self.texts.pop(request_id, None)
         self.read_each_step.discard(request_id)
 
     def fail_batch(self, batch: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
@@ -199,13 +194,12 @@ class PostProcessor:
         return [self.fail(s.request, message) for s in batch.seqs if not s.request.finished]
 
     def fail(self, request: Request, message: str) -> RequestOutput:
-        """Finish the request as failed and hand out its last output (held-back text is
-        dropped: the text state may be what failed)."""
+        """Finish the request as failed and hand out its last output."""
         if request.finished:  # it failed while being handed out
             request.finish_reason, request.error = FinishReason.ERROR, message
         else:
             self.finish(request, FinishReason.ERROR, message)
-        output = make_output(request, [], "", [])
+        output = make_output(request, [], [])
         self.forget(request.request_id)
         self.observe("on_finished", output)
         return output

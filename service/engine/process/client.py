@@ -24,7 +24,7 @@ from typing import Any
 
 from model.loader import tokenizer_for
 from model.tokenizer import Tokenizer
-from service.engine.core.checks import check_request
+from service.engine.core.checks import Checked, check_request
 from service.engine.core.stats import EngineObserver, EngineSnapshot
 from service.engine.output import RequestOutput
 from service.engine.process import wire
@@ -41,6 +41,7 @@ from service.engine.process.streams import (
 from service.engine.process.transport import Link
 from service.engine.request import ParamError, SamplingParams
 from service.engine.sample.structured import Grammars
+from service.engine.text.processor import RequestText, Stop
 
 log = logging.getLogger("kvserve.engine")
 READY_POLL_S = 0.25  # how often a front waiting for the load looks at whether the core runs
@@ -150,9 +151,10 @@ class EngineClient:
     def max_model_len(self) -> int:
         return self.limits.max_model_len
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise ParamError / ContextLengthError now, before anything is sent."""
-        check_request(prompt_ids, params, self.limits, self.grammars)
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> Checked:
+        """The request checked, the one time it is (ParamError / ContextLengthError),
+        before anything is sent: the core queues what a front checked."""
+        return check_request(prompt_ids, params, self.limits, self.grammars)
 
     def snapshot(self) -> EngineSnapshot:
         """The engine's state as of its last step (gauges and counters; immutable)."""
@@ -174,25 +176,35 @@ class EngineClient:
 
     # ---- requests --------------------------------------------------------------------
 
-    def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[list[RequestOutput]]:
-        """Deltas for the request (and its n > 1 siblings) until all have finished.
-        Leaving the iterator early (client gone, cancelled) aborts the request."""
+    def generate(self, request_id: str, request: Checked) -> AsyncIterator[list[RequestOutput]]:
+        """Deltas for the request (and its n > 1 siblings), their text made here, until
+        all have finished. Leaving the iterator early (client gone, cancelled) aborts the
+        request."""
+        params = request.params
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), params.n)
         with self._lock:
             if not self.alive:  # closed, or the core is gone
                 raise EngineDeadError(f"engine is not running: {self.error!r}")
             self._streams[request_id] = stream
-        self.link.send(wire.Add(request_id, prompt_ids, params, self.front))
-        return deltas(stream.queue, params.n, lambda: self.abort(request_id))
+        self.link.send(wire.Add(request_id, request, self.front))
+        text = RequestText(self.tokenizer, params)
+        return deltas(stream.queue, text, _Ends(self, request_id))
 
     def abort(self, request_id: str) -> None:
+        if self._release(request_id):
+            self.link.send(wire.Abort(request_id))
+
+    def _stopped(self, stop: Stop) -> None:
+        with self._lock:
+            if self._closed:
+                return
+        self.link.send(wire.Stopped(stop.sequence_id, stop.kept))
+
+    def _release(self, request_id: str) -> bool:
+        """Deliver nothing more to the request's stream; False when the core is gone."""
         with self._lock:
             self._streams.pop(request_id, None)
-            if self._closed:  # the core is gone: nothing to abort
-                return
-        self.link.send(wire.Abort(request_id))
+            return not self._closed
 
     # ---- what the core sends (on the link's thread) ----------------------------------
 
@@ -267,6 +279,23 @@ class EngineClient:
             deliver(stream.loop, stream.queue, error)
         for loop, future in waiting:
             settle(loop, future, None, error)
+
+
+@dataclass(frozen=True, slots=True)
+class _Ends:
+    """How one request's stream ends (streams.Ends)."""
+
+    client: EngineClient
+    request_id: str
+
+    def stop(self, stop: Stop) -> None:
+        self.client._stopped(stop)
+
+    def abort(self) -> None:
+        self.client.abort(self.request_id)
+
+    def close(self) -> None:
+        self.client._release(self.request_id)
 
 
 def _error(rejected: wire.Rejected) -> Exception:

@@ -179,14 +179,17 @@ class Core:
     def _drain(self) -> bool:
         """Take every message waiting; True on Shutdown."""
         for message in self.side.take():
-            if isinstance(message, wire.Add) and message.params.constraint is not None:
+            if isinstance(message, wire.Add) and message.request.params.constraint is not None:
                 check = self.engine.grammars.check
-                future = SETUP_POOL.submit(check, message.params.constraint)
+                future = SETUP_POOL.submit(check, message.request.params.constraint)
                 self.preparing[message.request_id] = (future, message)
             elif isinstance(message, wire.Add):
                 self._add(message)
             elif isinstance(message, wire.Abort):
                 self._abort(message.request_id)
+            elif isinstance(message, wire.Stopped):
+                if (out := self.engine.stop(message.sequence_id, message.kept)) is not None:
+                    self.outputs.append(out)
             elif isinstance(message, wire.Floors):
                 self._floors(message.front)
             elif isinstance(message, wire.FrontGone):
@@ -199,9 +202,7 @@ class Core:
         engine = self.engine
         self.front_of[add.request_id] = add.front
         try:
-            self.seq_ids[add.request_id] = engine.add_request(
-                add.request_id, add.prompt_ids, add.params
-            )
+            self.seq_ids[add.request_id] = engine.add(add.request_id, add.request)
         except Exception as exc:  # this request fails alone; the loop goes on
             if not isinstance(exc, ValueError):
                 log.exception("request %s failed to start", add.request_id)

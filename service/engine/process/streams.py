@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 from service.engine.output import RequestOutput
+from service.engine.text.processor import RequestText, Stop
 
 # items for callers' queues, by the event loop each queue belongs to
 Batches = dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]]
@@ -25,14 +26,18 @@ class RequestFailed(RuntimeError):
 
 
 async def deltas(
-    queue: asyncio.Queue[list[RequestOutput] | BaseException], n: int, abort: Callable[[], None]
+    queue: asyncio.Queue[list[RequestOutput] | BaseException],
+    text: RequestText,
+    ends: Ends,
 ) -> AsyncIterator[list[RequestOutput]]:
-    """A request's deltas from its queue until its n sequences have finished (an error put
-    on the queue is raised); leaving early calls abort(). Steps that arrived while the
-    caller was busy come as one delta (coalesce): a caller that falls behind the engine
-    catches up with one SSE event per sequence, not one per step, and one that keeps up
-    gets every step as it comes, so no token waits for another."""
-    remaining = n
+    """A request's deltas from its queue, with their text (`text`: the front's output
+    processor), until its sequences have finished (an error put on the queue is raised);
+    a stop string's end is told to the core as it is found, and leaving early aborts.
+    Steps that arrived while the caller was busy come as one delta (coalesce): a caller
+    that falls behind the engine catches up with one SSE event per sequence, not one per
+    step, and one that keeps up gets every step as it comes, so no token waits for
+    another."""
+    remaining = text.params.n
     try:
         while remaining:
             item = await queue.get()
@@ -45,19 +50,37 @@ async def deltas(
                     error = more
                     break
                 waiting.append(more)
-            outs = coalesce([item, *waiting]) if waiting else item
+            outs, stops = text.process(coalesce([item, *waiting]) if waiting else item)
+            for stop in stops:
+                ends.stop(stop)
             remaining -= sum(1 for o in outs if o.finished)
-            yield outs
+            if outs:
+                yield outs
             if error is not None:
                 raise error
     finally:
         if remaining:
-            abort()
+            ends.abort()
+        else:
+            ends.close()
+
+
+class Ends(Protocol):
+    """How a request's stream ends at the client (client.py)."""
+
+    def stop(self, stop: Stop) -> None:
+        """A stop string ended one of its sequences: tell the core."""
+
+    def abort(self) -> None:
+        """The caller left before the end: the core drops the request."""
+
+    def close(self) -> None:
+        """Every sequence has ended: nothing more is delivered."""
 
 
 def coalesce(steps: list[list[RequestOutput]]) -> list[RequestOutput]:
-    """Several steps' deltas of one request as one: per sequence, the tokens, text and
-    logprobs joined in order, the counts, finish and times from the latest. A failed
+    """Several steps' deltas of one request as one: per sequence, the tokens and logprobs
+    joined in order, the counts, finish and times from the latest. A failed
     output stays apart, after the text that came before it."""
     joined: list[RequestOutput] = []
     at: dict[tuple[str, int], int] = {}
@@ -69,7 +92,6 @@ def coalesce(steps: list[list[RequestOutput]]) -> list[RequestOutput]:
                 joined[at[key]] = replace(
                     out,
                     token_ids=first.token_ids + out.token_ids,
-                    text=first.text + out.text,
                     logprobs=first.logprobs + out.logprobs,
                     prompt_logprobs=first.prompt_logprobs or out.prompt_logprobs,
                 )

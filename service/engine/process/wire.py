@@ -10,23 +10,30 @@ from typing import Any
 
 import msgspec
 
-from service.engine.core.checks import Limits
+from service.engine.core.checks import Checked, Limits
 from service.engine.core.stats import EngineSnapshot
 from service.engine.output import RequestOutput
-from service.engine.request import ParamError, SamplingParams
+from service.engine.request import ParamError
 
 # ---- front -> engine -------------------------------------------------------------------
 
 
 class Add(msgspec.Struct, tag=True, array_like=True):
     request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
+    request: Checked  # checked by the front
     front: int = 0  # the front process whose stream it is: its outputs go there
 
 
 class Abort(msgspec.Struct, tag=True, array_like=True):
     request_id: str
+
+
+class Stopped(msgspec.Struct, tag=True, array_like=True):
+    """A stop string, found by the front, ended this sequence with its `kept`-th output
+    token (service/engine/text/)."""
+
+    sequence_id: str
+    kept: int
 
 
 class Floors(msgspec.Struct, tag=True, array_like=True):
@@ -46,7 +53,7 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
     """Finish: the engine ends what is in flight with an error and exits."""
 
 
-ToEngine = Add | Abort | Floors | FrontGone | Shutdown
+ToEngine = Add | Abort | Stopped | Floors | FrontGone | Shutdown
 
 # ---- engine -> front -------------------------------------------------------------------
 

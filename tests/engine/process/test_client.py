@@ -28,7 +28,7 @@ async def collect(
     eng: EngineClient, rid: str, prompt: list[int], params: SamplingParams
 ) -> list[int]:
     tokens = []
-    async for outs in eng.generate(rid, prompt, params):
+    async for outs in eng.generate(rid, eng.validate(prompt, params)):
         for o in outs:
             tokens.extend(o.token_ids)
     return tokens
@@ -69,7 +69,7 @@ def test_concurrent_requests_stream_and_match_the_sync_engine(engine: EngineClie
 def test_leaving_early_aborts_and_frees_blocks(engine: EngineClient) -> None:
     async def main() -> None:
         seen = 0
-        async for _ in engine.generate("early", list(range(40)), greedy(200)):
+        async for _ in engine.generate("early", engine.validate(list(range(40)), greedy(200))):
             seen += 1
             if seen == 3:
                 break
@@ -78,20 +78,17 @@ def test_leaving_early_aborts_and_frees_blocks(engine: EngineClient) -> None:
     assert settled(engine)
 
 
-def test_a_request_the_core_refuses_fails_alone_with_its_parameter(engine: EngineClient) -> None:
-    """A request sent without the front's checks (the routes validate first) is refused
-    by the core with the parameter at fault; the others stream on."""
-
-    async def main() -> list[int]:
-        ok = asyncio.create_task(collect(engine, "ok", [1, 2, 3], greedy(10)))
-        with pytest.raises(ParamError, match="outside the vocabulary") as caught:
-            await collect(engine, "bad", [1, 10_000], greedy(3))
-        assert caught.value.param == "prompt"
-        return await ok
-
-    assert len(asyncio.run(main())) == 10
-    with pytest.raises(ParamError):
+def test_a_request_is_checked_once_in_the_front_and_a_bad_one_never_sent(
+    engine: EngineClient,
+) -> None:
+    """The front's check names the parameter at fault before anything is sent: the core
+    never hears of the bad request, and what it queues is what a front checked."""
+    before = engine.snapshot().prompt_tokens
+    with pytest.raises(ParamError, match="outside the vocabulary") as caught:
         engine.validate([1, 10_000], greedy(3))
+    assert caught.value.param == "prompt"
+    assert len(asyncio.run(collect(engine, "ok", [1, 2, 3], greedy(10)))) == 10
+    assert engine.snapshot().prompt_tokens == before + 3
 
 
 def test_n_sequences_stream_to_the_request_that_asked(engine: EngineClient) -> None:
@@ -101,7 +98,7 @@ def test_n_sequences_stream_to_the_request_that_asked(engine: EngineClient) -> N
     async def main() -> tuple[list[list], list[int]]:
         async def choices() -> list[list]:
             got: list[list] = [[], [], []]
-            async for outs in engine.generate("n3", [7, 8, 9], greedy(5, n=3)):
+            async for outs in engine.generate("n3", engine.validate([7, 8, 9], greedy(5, n=3))):
                 for o in outs:
                     got[o.index] += o.token_ids
             return got
@@ -112,6 +109,54 @@ def test_n_sequences_stream_to_the_request_that_asked(engine: EngineClient) -> N
     assert [len(c) for c in got] == [5, 5, 5] and len(lookalike) == 4
     assert got[0] == got[1] == got[2]  # greedy: the same tokens each time
     assert settled(engine)
+
+
+def test_a_stop_string_ends_the_request_in_the_front_and_the_core_counts_it(
+    engine: EngineClient,
+) -> None:
+    """The text is made in the front, which finds the stop string and tells the core: the
+    stream ends with the token that completed it, the core finishes the request as
+    stopped with its output counted to there (what the metrics hear), and frees its
+    blocks."""
+    heard = []
+
+    class Observer:
+        def on_step(self, *_: object) -> None: ...
+        def on_token_intervals(self, _: object) -> None: ...
+        def on_finished(self, output) -> None:  # type: ignore[no-untyped-def]
+            heard.append(output)
+
+    async def text_of(rid: str, params: SamplingParams) -> tuple[str, list[int], list]:
+        text, tokens, outs = "", [], []
+        async for step in engine.generate(rid, engine.validate([9, 8, 7], params)):
+            outs += step
+            text += "".join(o.text for o in step)
+            tokens += [t for o in step for t in o.token_ids]
+        return text, tokens, outs
+
+    free, free_tokens, _ = asyncio.run(text_of("free", greedy(40)))
+    tok = engine.tokenizer
+    k = len(tok.decode(free_tokens[:12]))
+    stop = free[k : k + 3]
+    k = free.find(stop)  # its first place
+    kept = next(m for m in range(1, 41) if stop in tok.decode(free_tokens[:m]))
+    before = dict(engine.snapshot().finished).get("stop", 0)
+    engine.observer = Observer()
+    try:
+        text, tokens, outs = asyncio.run(text_of("stopped", greedy(40, stop=(stop,))))
+        assert settled(engine)
+        deadline = time.monotonic() + 5
+        while not heard and time.monotonic() < deadline:  # told with the snapshot
+            time.sleep(0.01)
+    finally:
+        engine.observer = None
+    assert text == free[:k] and tokens == free_tokens[:kept] and kept < 40
+    last = outs[-1]
+    assert last.finished and last.finish_reason.value == "stop"
+    assert last.num_output_tokens == kept
+    assert dict(engine.snapshot().finished)["stop"] == before + 1
+    (told,) = heard  # the core's own finish, for the metrics
+    assert told.finish_reason.value == "stop" and told.num_output_tokens == kept
 
 
 def test_other_threads_read_the_snapshot_sent_after_each_step(engine: EngineClient) -> None:
@@ -233,15 +278,15 @@ def test_a_request_sent_as_the_core_dies_is_answered() -> None:
 def test_a_bug_while_adding_fails_that_request_only(monkeypatch) -> None:
     eng = client("thread")
     inner = eng.link.shared().engine
-    add = inner.add_request
+    add = inner.add
 
-    def failing(request_id, prompt_ids, params):  # type: ignore[no-untyped-def]
-        ids = add(request_id, prompt_ids, params)
+    def failing(request_id, request):  # type: ignore[no-untyped-def]
+        ids = add(request_id, request)
         if request_id == "bad":
             raise KeyError("a bug")
         return ids
 
-    monkeypatch.setattr(inner, "add_request", failing)
+    monkeypatch.setattr(inner, "add", failing)
 
     async def main() -> tuple[BaseException | list[int], list[int]]:
         bad, good = await asyncio.gather(

@@ -21,6 +21,7 @@ from service.config import Settings
 from service.engine.core.engine import LLMEngine
 from service.engine.request import Constraint, SamplingParams
 from service.engine.sample.structured import ConstraintError
+from service.engine.text.processor import Texts
 from tests.api.json_schemas import SCHEMAS
 from tests.engine.helpers import greedy, run_all, tokens_of
 from tests.factories import write_llama, write_tokenizer
@@ -199,10 +200,12 @@ def test_forced_text_takes_no_steps_of_its_own(demo: LLMEngine) -> None:
     }
     steps = {}
     for name, (engine, params) in cases.items():
+        texts = Texts(engine.tokenizer, engine.stop)
         engine.add_request(name, prompt, params)
+        texts.add(name, params)
         outs = []
         while engine.has_unfinished():
-            outs += engine.step()
+            outs += texts.process(engine.step())
         text, tokens = "".join(o.text for o in outs), tokens_of(outs)
         assert text == choice and outs[-1].finish_reason.value == "stop", (name, text)
         steps[name] = (len(outs), len(tokens))
