@@ -25,6 +25,7 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     prefix_queried: int = 0  # prompt tokens looked up in the prefix cache this step
     prefix_hits: int = 0  # ... and found there
+    loading: int = 0  # waiting requests whose cached blocks are being read from disk
 
     @property
     def num_tokens(self) -> int:

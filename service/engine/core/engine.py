@@ -21,6 +21,7 @@ from service.engine.output import RequestOutput
 from service.engine.request import FinishReason, ParamError, Request, SamplingParams, sequence_ids
 
 log = logging.getLogger("kvserve.engine")
+LOAD_WAIT_S = 0.005  # how long a step with nothing to run waits for a disk read to end
 
 
 class LLMEngine:
@@ -197,14 +198,9 @@ class LLMEngine:
         if self.ranks is not None:
             self.ranks.stop()
         self.blocks.events.close()
-        tier, blocks = self.blocks.tier, self.blocks
-        if tier is None or tier.disk is None:
-            return
-        for key, b in blocks.cached.items():
-            data = self.kv_cache.device_block(b)
-            tier.disk.write(key, blocks.parent_key[b], blocks.block_tokens[b], data)  # type: ignore[arg-type]
-        self.runner.apply(tier.everything())
-        tier.disk.close()
+        if self.blocks.tier is not None:
+            self.runner.apply(self.blocks.last_copies())
+            self.blocks.tier.close()
 
     def follow(self) -> None:
         """A rank other than 0: run rank 0's forwards until it stops (or fails)."""
@@ -226,6 +222,9 @@ class LLMEngine:
         if prev is not None and not chain:  # a request now needs the tokens first
             outputs, prev = self._collect(prev), None
         batch = self._schedule(t0)
+        tier = self.blocks.tier
+        if tier is not None and batch.loading and not batch.seqs and prev is None:
+            tier.wait_for_reads(LOAD_WAIT_S)  # nothing to run but reads from disk to wait for
         launched = self._launch(batch, prev, chain, outputs) if batch.seqs else None
         if prev is not None:
             outputs += self._collect(prev)

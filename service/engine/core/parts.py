@@ -162,7 +162,7 @@ def _kv(
             raise ValueError("kv_disk_path: the disk tier goes behind a host tier, on one rank")
         disk = DiskTier(
             settings.kv_disk_path, int(settings.kv_disk_gib * GiB),
-            f"{namespace}|{settings.block_size}", model.dtype,
+            f"{namespace}|{settings.block_size}", model.dtype, kv_cache.block_nbytes,
         )  # fmt: skip
     events = _kv_events(settings, model)  # opened last: nothing above fails after it
     tier = HostTier(slots, disk, events) if slots else None

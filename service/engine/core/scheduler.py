@@ -124,12 +124,17 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
-        while budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self._next_ready()
-            if request is None:
+        """Waiting requests in order while the budget lasts (n > 1 siblings once the
+        first's prompt is in; one whose cached blocks are being read from disk waits,
+        and those after it may go first)."""
+        for request in [r for r in self.waiting if r.ready]:
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             # prompt logprobs and mean pooling need every prompt token: no cache hits
             hits = Hits() if request.computes_prompt else self.blocks.lookup(request)
+            if hits.loading:
+                out.loading += 1
+                continue
             cached = len(hits) * self.blocks.block_size
             cost = self._cost(request)
             n = min(request.num_tokens - cached, budget // cost)
@@ -157,10 +162,6 @@ class Scheduler:
         one), so that admitting it does not preempt a running request on the next step,
         when a decode crosses into a new block (vLLM keeps the same watermark)."""
         return max(1, self.blocks.num_blocks // 100) if self.running else 0
-
-    def _next_ready(self) -> Request | None:
-        """First waiting request that may start (n>1 siblings wait for the first's prompt)."""
-        return next((r for r in self.waiting if r.ready), None)
 
     def remove(self, request: Request) -> None:
         """Take a finished or aborted request out of the queues and free its blocks."""

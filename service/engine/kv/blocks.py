@@ -9,19 +9,22 @@ the block the request matched one level up (entries carry a never-reused id, so 
 that was evicted and refilled does not match). When a request frees its blocks they keep
 their key and stay reusable until the pool needs them again: free blocks are evicted
 least recently freed first; with a host tier (service/engine/kv/host_tier.py) an evicted
-cached block is copied out there, and a hit on it copied back into a fresh block.
+cached block is copied out there, and a hit on it copied back into a fresh block. A
+cached block's record (prefix_keys.Cached) is all the pool keeps of it besides its
+reference count.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from itertools import count
 
-from service.engine.kv.host_tier import Cached, HostTier
+from service.engine.kv.disk_tier import Link
+from service.engine.kv.host_tier import Copies, HostTier
 from service.engine.kv.kv_events import QUIET, Quiet
-from service.engine.kv.prefix_keys import RESTORE, Hits, chain_hashes, root_digest
+from service.engine.kv.prefix_keys import Cached, Hit, Hits, chain_hashes, root_digest
 from service.engine.kv.window_blocks import WindowBlocks
 from service.engine.request import Request
 
@@ -56,13 +59,8 @@ class BlockManager:
             raise ValueError("a host tier needs the prefix cache and no window pool")
         self.tier = tier
         self.events = events
-        self.block_hash: list[bytes | None] = [None] * num_blocks
-        # what a cached block holds, checked on every hit: its tokens, the entry it was
-        # computed on top of (for a first block, its root key), its own entry id
-        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
-        self.block_parent: list[int | bytes | None] = [None] * num_blocks
-        self.parent_key: list[bytes] = [b""] * num_blocks  # its parent's key: for the tiers
-        self.entry: list[int | None] = [None] * num_blocks
+        # each cached block's record (None: the block holds no cached prefix)
+        self.records: list[Cached | None] = [None] * num_blocks
         self._entries = count()  # entry ids are never reused
         self.cached: dict[bytes, int] = {}  # key -> block id
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU first
@@ -86,42 +84,58 @@ class BlockManager:
     # ---- prefix cache -----------------------------------------------------------------
 
     def lookup(self, request: Request) -> Hits:
-        """Cached blocks that hold a prefix of the request's tokens. At least one token is
-        always left to compute, so the last hit is dropped when it would cover them all;
-        with a window pool, hits past the last whose window is cached there too."""
+        """Cached blocks that hold a prefix of the request's tokens: the device pool's,
+        else the tier's. At least one token is always left to compute, so the last hit is
+        dropped when it would cover them all; with a window pool, hits past the last whose
+        window is cached there too. Blocks past the hits that the disk holds are read
+        ahead, and the hits say `loading` while the first of them is."""
         if not self.prefix_caching:
             return Hits()
-        hashes = self._request_hashes(request)
-        hits: list[int] = []
-        restore: list[tuple[int, Cached]] = []  # hits the host tier holds
-        root = self._root(request)
+        hashes, root = self._request_hashes(request), self._root(request)
+        hits: list[Hit] = []
         parent: int | bytes | None = root
-        for i, h in enumerate(hashes):
-            tokens = self._tokens(request, i)
-            block = self._match(h, tokens, parent)
-            if block is not None:
-                hits.append(block)
-                parent = self.entry[block]
-                continue
-            above = hashes[i - 1] if i else root
-            cached = self.tier.match(h, tokens, parent, above) if self.tier is not None else None
-            if cached is None:
+        for i, key in enumerate(hashes):
+            hit = self._hit(key, self._tokens(request, i), parent, hashes[i - 1] if i else root)
+            if hit is None:
                 break
-            if cached.entry is None:  # read from disk: an entry of this run's
-                cached = replace(cached, entry=next(self._entries))
-            restore.append((len(hits), cached))
-            hits.append(RESTORE)
-            parent = cached.entry
+            hits.append(hit)
+            parent = self._record(hit).entry
+        tier, rest = self.tier, len(hits) < len(hashes)
+        if rest and tier is not None and tier.prefetch(self._chain(request, hashes, len(hits))):
+            return Hits(hits, loading=True)
         if hits and len(hits) * self.block_size >= request.num_tokens:
             hits.pop()
-            restore = [r for r in restore if r[0] < len(hits)]
         if self.windows is None or not hits:
-            return Hits(hits, restore=restore)
+            return Hits(hits)
         keys = hashes[: len(hits)]
-        tokens = [self.block_tokens[b] for b in hits]
-        anchors = [self.entry[b] for b in hits]
+        records = [self._record(b) for b in hits]
+        tokens, anchors = [r.tokens for r in records], [r.entry for r in records]
         m, window = self.windows.usable_hits(keys, tokens, anchors)  # type: ignore[arg-type]
         return Hits(hits[:m], window)
+
+    def _hit(
+        self, key: bytes, tokens: tuple[int, ...], parent: int | bytes | None, parent_key: bytes
+    ) -> Hit | None:
+        """The device block cached under `key` for these tokens on `parent`, else the
+        tier's entry (one read from disk given an entry id of this run's)."""
+        block = self._match(key, tokens, parent)
+        if block is not None or self.tier is None:
+            return block
+        cached = self.tier.match(key, tokens, parent, parent_key)
+        if cached is not None and cached.entry is None:
+            cached = replace(cached, entry=next(self._entries))
+        return cached
+
+    def _record(self, hit: Hit) -> Cached:
+        record = hit if isinstance(hit, Cached) else self.records[hit]
+        assert record is not None
+        return record
+
+    def _chain(self, request: Request, hashes: list[bytes], start: int) -> Iterator[Link]:
+        """The request's blocks from `start` on, as the disk tier reads them."""
+        root = self._root(request)
+        for i in range(start, len(hashes)):
+            yield hashes[i], hashes[i - 1] if i else root, self._tokens(request, i)
 
     def _root(self, request: Request) -> bytes:
         return root_digest(self.namespace, request.params.cache_salt)
@@ -135,7 +149,8 @@ class BlockManager:
         block = self.cached.get(key)
         if block is None or parent is None:
             return None
-        if self.block_tokens[block] != tokens or self.block_parent[block] != parent:
+        record = self.records[block]
+        if record is None or record.tokens != tokens or record.parent != parent:
             return None  # a collision, forged or not: not this request's KV
         return block
 
@@ -156,36 +171,38 @@ class BlockManager:
             return
         if start == 0:
             parent = self._root(request)
-        hashes = self._request_hashes(request)
+        hashes, root = self._request_hashes(request), self._root(request)
         for i in range(start, n_full):
             block, tokens = request.block_table[i], self._tokens(request, i)
-            if self.block_hash[block] is None and parent is not None:
+            if self.records[block] is None and parent is not None:
                 if hashes[i] not in self.cached:  # register it
-                    self.cached[hashes[i]] = block
-                    self.block_hash[block] = hashes[i]
-                    self.block_tokens[block] = tokens
-                    self.block_parent[block] = parent
-                    self.parent_key[block] = hashes[i - 1] if i else self._root(request)
-                    self.entry[block] = next(self._entries)
+                    above = hashes[i - 1] if i else root
+                    record = Cached(hashes[i], tokens, parent, next(self._entries), above)
+                    self.cached[hashes[i]], self.records[block] = block, record
                     self.events.stored(hashes[i], hashes[i - 1] if i else None, tokens)
                 else:  # the same KV is cached already: chain on that entry
                     same = self._match(hashes[i], tokens, parent)
-                    parent = self.entry[same] if same is not None else None
+                    parent = self._entry(same) if same is not None else None
                     continue
-            parent = self.entry[block] if self.block_hash[block] is not None else None
+            parent = self._entry(block)
         self._registered[request.request_id] = (n_full, parent)
         if self.windows is not None:
             # the entry id of the global block cached under a key, if any
-            anchor = lambda key: self.entry[self.cached[key]] if key in self.cached else None  # noqa: E731
+            anchor = lambda key: self._entry(self.cached[key]) if key in self.cached else None  # noqa: E731
             self.windows.cache_full_blocks(request, hashes, anchor)
+
+    def _entry(self, block: int) -> int | None:
+        """The entry id of what the block caches (None: it caches nothing)."""
+        record = self.records[block]
+        return record.entry if record is not None else None
 
     # ---- allocation -------------------------------------------------------------------
 
-    def can_allocate(self, hits: Sequence[int], num_tokens: int, reserve: int = 0) -> bool:
+    def can_allocate(self, hits: Sequence[Hit], num_tokens: int, reserve: int = 0) -> bool:
         """Can a waiting request reuse `hits` and get blocks for num_tokens in total,
         leaving `reserve` blocks free (and 1% of the window pool, where reserve is)?"""
-        # a hit freed since needs its block back; one the host tier holds, a fresh block
-        revived = sum(1 for b in hits if b == RESTORE or self.ref_count[b] == 0)
+        # a hit freed since needs its block back; one the tier holds, a fresh block
+        revived = sum(1 for b in hits if isinstance(b, Cached) or self.ref_count[b] == 0)
         if self.blocks_for(num_tokens) - len(hits) + revived + reserve > self.num_free:
             return False
         if self.windows is None:
@@ -195,26 +212,21 @@ class BlockManager:
         start = len(hits) * self.block_size
         return self.windows.can_allocate(window, start, num_tokens, spare)
 
-    def allocate(self, request: Request, hits: Sequence[int], num_tokens: int) -> None:
+    def allocate(self, request: Request, hits: Sequence[Hit], num_tokens: int) -> None:
         if request.block_table:
             raise RuntimeError(f"request {request.request_id} already holds blocks")
         if self.windows is not None:
             window = hits.window if isinstance(hits, Hits) else []
             self.windows.allocate(request, window, len(hits) * self.block_size, num_tokens)
-        for b in hits:
-            if b == RESTORE:
-                continue
+        held = [b for b in hits if not isinstance(b, Cached)]
+        for b in held:
             if self.ref_count[b] == 0:
                 del self.free[b]
             self.ref_count[b] += 1
-        request.block_table = list(hits)
-        if isinstance(hits, Hits) and hits.restore:
-            self._restore(request.block_table, hits.restore)
+        request.block_table = self._restore(hits) if len(held) < len(hits) else held  # type: ignore[assignment]
         # hits are registered already; the next block sits on the last hit's entry
-        self._registered[request.request_id] = (
-            len(hits),
-            self.entry[request.block_table[-1]] if hits else None,
-        )
+        last = self._entry(request.block_table[-1]) if hits else None
+        self._registered[request.request_id] = (len(hits), last)
         self._grow(request, num_tokens)
 
     def can_append(self, request: Request, num_new: int) -> bool:
@@ -235,39 +247,41 @@ class BlockManager:
         for _ in range(need):
             request.block_table.append(self._take())
 
-    def _restore(self, table: list[int], restore: list[tuple[int, Cached]]) -> None:
-        """Fresh blocks for the hits the host tier holds, registered as the blocks they
-        were (key, tokens, parent, entry id), their contents copied in before the step."""
-        assert self.tier is not None
-        claimed = [self.tier.claim(cached.key) for _, cached in restore]  # before any eviction
-        for (i, cached), source in zip(restore, claimed, strict=True):
-            block = table[i] = self._take()
-            self.tier.copy_in(source, block)
-            if cached.key not in self.cached:
-                self.cached[cached.key] = block
-                self.block_hash[block] = cached.key
-                self.block_tokens[block] = cached.tokens
-                self.block_parent[block] = cached.parent
-                self.entry[block], self.parent_key[block] = cached.entry, cached.parent_key
-                self.events.stored_entry(cached)
+    def _restore(self, hits: Sequence[Hit]) -> list[int]:
+        """The hits as device blocks: fresh ones for those the tier holds, registered as
+        the blocks they were (their records), their contents copied in before the step."""
+        tier = self.tier
+        assert tier is not None
+        restore = [h for h in hits if isinstance(h, Cached)]
+        claimed = {c.key: tier.claim(c.key) for c in restore}  # before any eviction
+        table = []
+        for hit in hits:
+            if not isinstance(hit, Cached):
+                table.append(hit)
+                continue
+            block = self._take()
+            table.append(block)
+            tier.copy_in(claimed[hit.key], block)
+            if hit.key not in self.cached:
+                self.cached[hit.key], self.records[block] = block, hit
+                self.events.stored_entry(hit)
+        return table
 
     def _take(self) -> int:
         block, _ = self.free.popitem(last=False)  # least recently freed
-        key = self.block_hash[block]
-        if self.tier is not None and key is not None and self.cached.get(key) == block:
-            self.tier.store(block, Cached(key, self.block_tokens[block], self.block_parent[block],
-                                          self.entry[block], self.parent_key[block]))  # type: ignore[arg-type]  # fmt: skip
+        record = self.records[block]
+        if self.tier is not None and record is not None and self.cached.get(record.key) == block:
+            self.tier.store(block, record)
         self._uncache(block)  # evict its cached contents
         self.ref_count[block] = 1
         return block
 
     def _uncache(self, block: int) -> None:
-        key = self.block_hash[block]
-        if key is not None and self.cached.get(key) == block:
-            del self.cached[key]
-            self.events.removed(key)
-        self.block_hash[block] = self.block_tokens[block] = self.block_parent[block] = None
-        self.entry[block] = None  # entries on top of it no longer match anything
+        record = self.records[block]
+        if record is not None and self.cached.get(record.key) == block:
+            del self.cached[record.key]
+            self.events.removed(record.key)
+        self.records[block] = None  # entries on top of it no longer match anything
 
     def free_request(self, request: Request) -> None:
         """Release every block of the request (finish, abort or preemption)."""
@@ -296,3 +310,11 @@ class BlockManager:
     def forget(self, request: Request) -> None:
         """Drop the per-request hash memo once the request is gone for good."""
         self._hashes.pop(request.request_id, None)
+
+    def last_copies(self) -> Copies:
+        """At shutdown, with a tier: what goes to disk for a restart to find, the tier's
+        entries and every block this pool caches (HostTier.everything)."""
+        if self.tier is None:
+            return Copies()
+        device = [(b, r) for b in self.cached.values() if (r := self.records[b]) is not None]
+        return self.tier.everything(device)

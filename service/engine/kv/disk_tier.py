@@ -14,11 +14,16 @@ bytes are used: a corrupt or truncated file is deleted and its block recomputed.
 
 Entry ids do not survive a restart, so a file's hit is checked by its key, its tokens
 and its parent's key (the pool's hits also by the entries they sit on). The oldest files
-go first past the size limit. One writer thread does the writing; the scheduler reads."""
+go first past the size limit. One writer thread does the writing and one reader thread
+the reading: the scheduler never touches a file. A prompt whose next blocks are on disk
+has them read ahead (`prefetch`) and waits, a step or more, until they are in memory
+(`ready`), as vLLM's requests wait for remote KV; what was read stays until a hit claims
+it, within a budget of host memory (READ_AHEAD_BYTES), oldest first out."""
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import mmap
@@ -27,6 +32,7 @@ import queue
 import stat
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +41,9 @@ from torch import Tensor
 
 log = logging.getLogger("kvserve.engine")
 MAGIC = b"KVSBLK1\0"
+READ_AHEAD_BYTES = 256 * 2**20  # blocks read ahead and not yet claimed, at most
+
+Link = tuple[bytes, bytes, tuple[int, ...]]  # a block of a chain: key, parent's key, tokens
 
 
 @dataclass(slots=True)
@@ -66,7 +75,10 @@ def private_folder(path: Path, flag: str) -> Path:
 
 
 class DiskTier:
-    def __init__(self, path: str, budget: int, namespace: str, dtype: torch.dtype) -> None:
+    def __init__(
+        self, path: str, budget: int, namespace: str, dtype: torch.dtype, block_bytes: int
+    ) -> None:
+        """block_bytes: a block's K and V in every layer (what a read holds in memory)."""
         tag = hashlib.sha256(f"kvserve-disk\0{namespace}".encode()).hexdigest()[:24]
         private_folder(Path(path), "--kv-disk-path")
         self.dir = private_folder(Path(path) / tag, "--kv-disk-path")
@@ -97,6 +109,16 @@ class DiskTier:
             target=self._write_loop, name="kvserve-kv-disk", daemon=True
         )
         self._writer.start()
+        self.read_ahead = max(16, READ_AHEAD_BYTES // max(1, block_bytes))
+        self._pending: set[bytes] = set()  # queued for the reader, or being read
+        # read: (parent's key, tokens, the bytes or None where the file failed its checks)
+        self._done: OrderedDict[bytes, tuple[bytes, tuple[int, ...], Tensor | None]] = OrderedDict()
+        self._reads: queue.Queue[Link | None] = queue.Queue()
+        self._read_one = threading.Event()
+        self._reader = threading.Thread(
+            target=self._read_loop, name="kvserve-kv-disk-read", daemon=True
+        )
+        self._reader.start()
 
     @property
     def num_blocks(self) -> int:
@@ -113,7 +135,7 @@ class DiskTier:
     def read(self, key: bytes, parent_key: bytes, tokens: tuple[int, ...]) -> Tensor | None:
         """The block under `key`, if its file holds exactly these tokens on top of
         exactly `parent_key` and passes its checks; None otherwise (a file that fails
-        them is deleted)."""
+        them is deleted). The reader thread's work (prefetch)."""
         with self._lock:
             if key not in self._index:
                 return None
@@ -130,13 +152,63 @@ class DiskTier:
             return None  # a collision: not this request's block
         return data
 
+    # ---- reading ahead ------------------------------------------------------------------
+
+    def prefetch(self, chain: Iterator[Link]) -> bool:
+        """Queue for the reader the blocks of `chain` (a prompt's next blocks, in order)
+        that the disk holds, up to the first it does not; True while the first of them
+        is still to be read (the prompt waits for it)."""
+        with self._lock:
+            first = next(chain, None)
+            if first is None or first[0] in self._done or first[0] not in self._index:
+                return False
+            for key, parent_key, tokens in itertools.chain([first], chain):
+                if key not in self._index or len(self._pending) >= self.read_ahead:
+                    break
+                if key not in self._pending and key not in self._done:
+                    self._pending.add(key)
+                    self._reads.put((key, parent_key, tokens))
+            return first[0] in self._pending
+
+    def ready(self, key: bytes, parent_key: bytes, tokens: tuple[int, ...]) -> bool:
+        """Whether the block's bytes were read, passed their checks and are these."""
+        with self._lock:
+            done = self._done.get(key)
+        return done is not None and done[2] is not None and done[:2] == (parent_key, tokens)
+
+    def claim(self, key: bytes) -> Tensor:
+        """A ready block's bytes, taken (a hit copies them into a device block)."""
+        with self._lock:
+            data = self._done.pop(key)[2]
+        assert data is not None
+        self.stats.read += 1
+        return data
+
+    def wait_for_reads(self, timeout: float) -> None:
+        """Until a read ends (or `timeout`): an engine with nothing else to run waits so."""
+        self._read_one.wait(timeout)
+        self._read_one.clear()
+
+    def _read_loop(self) -> None:
+        while (link := self._reads.get()) is not None:
+            key, parent_key, tokens = link
+            data = self.read(key, parent_key, tokens)
+            with self._lock:
+                self._pending.discard(key)
+                self._done[key] = (parent_key, tokens, data)
+                while len(self._done) > 2 * self.read_ahead:  # unclaimed: the oldest go
+                    self._done.popitem(last=False)
+            self._read_one.set()
+
     def flush(self) -> None:
         """Wait until every queued block is written."""
         self._queue.join()
 
     def close(self) -> None:
+        self._reads.put(None)
         self._queue.put(None)
         self._writer.join()
+        self._reader.join()
 
     # ---- the files ---------------------------------------------------------------------
 
@@ -194,6 +266,7 @@ class DiskTier:
             self._bytes += len(body) + 32 - self._index.get(key, 0)
             self._index[key] = len(body) + 32
             self._index.move_to_end(key)
+            self._done.pop(key, None)  # a read of what the file held before
         self.stats.written += 1
         self._trim()
 

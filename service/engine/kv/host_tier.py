@@ -9,7 +9,8 @@ restored block, and the blocks cached on top of it, chain exactly as before it l
 Entries leave least recently stored first.
 
 Behind it, optionally, the disk tier (service/engine/kv/disk_tier.py): an entry the host
-tier drops is written there, and a hit there is read into a fresh block.
+tier drops is written there, and a hit there, read ahead off the scheduler's thread, is
+copied into a fresh block. The block pool sees one tier: this one.
 
 A step's copies run before its forward, in this order: dropped entries' bytes to disk
 (from their host slot, or from the device block of one stored and dropped in the same
@@ -20,24 +21,15 @@ handed out again until the step's copies have run (`drain`)."""
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from torch import Tensor
 
 from model.kv_cache import PagedKVCache
-from service.engine.kv.disk_tier import DiskTier
+from service.engine.kv.disk_tier import DiskTier, Link
 from service.engine.kv.kv_events import QUIET, Quiet
-
-
-@dataclass(frozen=True, slots=True)
-class Cached:
-    """A cached block's identity, as the device pool's prefix cache checks it."""
-
-    key: bytes
-    tokens: tuple[int, ...]
-    parent: int | bytes  # the entry it sits on, or the root key for a first block
-    entry: int | None  # its own entry id (never reused); None: read from disk, none yet
-    parent_key: bytes  # the key of the block it sits on (the root key for a first)
+from service.engine.kv.prefix_keys import Cached
 
 
 @dataclass(slots=True)
@@ -69,7 +61,7 @@ class InSlot:
 
 @dataclass(frozen=True, slots=True)
 class ReadFromDisk:
-    """A claimed entry's bytes, read from its disk file this step: loaded into the block."""
+    """A claimed entry's bytes, read from its disk file ahead: loaded into the block."""
 
     data: Tensor
 
@@ -95,7 +87,6 @@ class HostTier:
         self.slots: OrderedDict[bytes, tuple[int, Cached]] = OrderedDict()  # oldest first
         self.held: list[int] = []  # slots restored from this step: free once it ran
         self.fresh: set[int] = set()  # slots copied out to this step: their bytes not there yet
-        self.staged: dict[bytes, Tensor] = {}  # blocks read from disk this step, by key
         self.copies = Copies()
         self.stats = TierStats()
         self.events = events
@@ -135,22 +126,25 @@ class HostTier:
     def match(self, key: bytes, tokens: tuple[int, ...], parent: int | bytes | None,
               parent_key: bytes) -> Cached | None:  # fmt: skip
         """The entry under `key` if it holds exactly these tokens on top of exactly
-        `parent`, as the device pool's _match checks; else a block the disk holds under
+        `parent`, as the device pool's _match checks; else a block read from disk under
         `key` with these tokens on `parent_key` (no entry id: the pool gives it one)."""
         found = self.slots.get(key)
         if found is not None:
             cached = found[1]
             ok = parent is not None and cached.tokens == tokens and cached.parent == parent
             return cached if ok else None
-        if self.disk is None or parent is None:
+        if self.disk is None or parent is None or not self.disk.ready(key, parent_key, tokens):
             return None
-        data = self.staged.get(key)
-        if data is None:
-            data = self.disk.read(key, parent_key, tokens)
-            if data is None:
-                return None
-            self.staged[key] = data
         return Cached(key, tokens, parent, None, parent_key)
+
+    def prefetch(self, chain: Iterator[Link]) -> bool:
+        """Read ahead the next blocks of a prompt that the disk holds (DiskTier.prefetch):
+        True while the first is still to be read."""
+        return self.disk is not None and self.disk.prefetch(chain)
+
+    def wait_for_reads(self, timeout: float) -> None:
+        if self.disk is not None:
+            self.disk.wait_for_reads(timeout)
 
     def claim(self, key: bytes) -> InSlot | ReadFromDisk:
         """Take the entry under `key` out of the tier, to be copied back (copy_in): from
@@ -161,8 +155,7 @@ class HostTier:
             self.events.removed(key, host=True)
             return InSlot(slot)
         assert self.disk is not None
-        self.disk.stats.read += 1
-        return ReadFromDisk(self.staged.pop(key))
+        return ReadFromDisk(self.disk.claim(key))
 
     def copy_in(self, claimed: InSlot | ReadFromDisk, block: int) -> None:
         claimed.copy_into(block, self.copies)
@@ -173,14 +166,20 @@ class HostTier:
         the slots they restored from are free again after them."""
         copies, self.copies = self.copies, Copies()
         self.free.extend(self.held)
-        self.held, self.staged = [], {}
+        self.held = []
         self.fresh.clear()
         return copies
 
-    def everything(self) -> Copies:
-        """At shutdown: every entry's bytes to disk, so a restart finds them there."""
-        copies = Copies(spill=[(slot, cached) for slot, cached in self.slots.values()])
-        return copies if self.disk is not None else Copies()
+    def everything(self, device: list[tuple[int, Cached]]) -> Copies:
+        """At shutdown: every entry's bytes to disk, this tier's and the device pool's
+        cached blocks (`device`: block, record), so a restart finds them there."""
+        if self.disk is None:
+            return Copies()
+        return Copies(spill=list(self.slots.values()), spill_device=device)
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
 
 
 def run_copies(copies: Copies, kv_cache: PagedKVCache, disk: DiskTier | None) -> None:

@@ -7,10 +7,21 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from service.engine.kv.host_tier import Cached
 
-RESTORE = -1  # a hit the host tier holds: a device block is taken for it at allocation
+@dataclass(frozen=True, slots=True)
+class Cached:
+    """A cached block's record, what every hit on it is checked against: its key, its
+    tokens, the entry it was computed on top of, its own entry id, and its parent's key.
+    The device pool keeps one per cached block (blocks.py), the host tier one per slot,
+    and a disk file holds the same fields (but the entry id, which is this run's)."""
+
+    key: bytes
+    tokens: tuple[int, ...]
+    parent: int | bytes  # the entry it sits on, or the root key for a first block
+    entry: int | None  # its own entry id (never reused); None: read from disk, none yet
+    parent_key: bytes  # the key of the block it sits on (the root key for a first)
 
 
 def block_digest(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -35,21 +46,21 @@ def chain_hashes(
     return hashes
 
 
-class Hits(list[int]):
-    """A prompt's prefix-cache hits: the blocks of its first tokens (RESTORE where the
-    host tier holds the block instead: `restore` says which entry, by its place), and
-    `window` the windowed layers' pool's blocks for the window of their end
-    (WindowBlocks)."""
+Hit = int | Cached  # a device block, or an entry a tier holds (a block is taken for it)
+
+
+class Hits(list[Hit]):
+    """A prompt's prefix-cache hits, in order: the device blocks of its first tokens, and
+    where a tier holds the block instead, that tier's entry; `window` the windowed
+    layers' pool's blocks for the window of their end (WindowBlocks); `loading`: blocks
+    past these are being read from disk (the request waits for them)."""
 
     window: list[int]
-    restore: list[tuple[int, Cached]]
+    loading: bool
 
     def __init__(
-        self,
-        blocks: Sequence[int] = (),
-        window: Sequence[int] = (),
-        restore: Sequence[tuple[int, Cached]] = (),
+        self, blocks: Sequence[Hit] = (), window: Sequence[int] = (), loading: bool = False
     ) -> None:
         super().__init__(blocks)
         self.window = list(window)
-        self.restore = list(restore)
+        self.loading = loading

@@ -30,9 +30,9 @@ def check_invariants(bm: BlockManager, live: list[Request]) -> None:
         assert bm.ref_count[b] == holders.get(b, 0), f"block {b}"
         assert (b in bm.free) == (bm.ref_count[b] == 0)
         if holders.get(b, 0) > 1:  # shared only when it is a full, hashed prefix block
-            assert bm.block_hash[b] is not None
+            assert bm.records[b] is not None
     for h, b in bm.cached.items():
-        assert bm.block_hash[b] == h
+        assert bm.records[b].key == h
 
 
 def run_operations(bm: BlockManager, operations: list, check, forward=None) -> None:

@@ -4,6 +4,7 @@ logprobs of blocks that never left the pool); a corrupt or truncated file is det
 deleted and its block recomputed; another tenant's salt or another model finds nothing."""
 
 import stat
+import threading
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 
 from service.engine.kv.disk_tier import DiskTier
 from service.engine.kv.prefix_keys import chain_hashes, root_digest
+from service.engine.text.processor import Texts
 from tests.engine.helpers import greedy, run_all, tokens_of
 from tests.factories import make_engine, small_model
 
@@ -79,6 +81,40 @@ def test_a_corrupt_or_truncated_file_is_recomputed(damage: str, tmp_path: Path) 
     assert tokens_of(got) == tokens_of(next_turn(plain))
 
 
+@torch.no_grad()
+def test_a_slow_disk_never_holds_up_a_step(tmp_path: Path, monkeypatch) -> None:
+    """Reads run on the disk tier's reader thread, never the engine's: while they are
+    held up, a request whose blocks are on disk waits and another runs to its end; once
+    they are done, the first is admitted with every block the disk held."""
+    first_run(tmp_path)
+    engine = disk_engine(tmp_path)
+    gate, readers = threading.Event(), set()
+    read = DiskTier.read
+
+    def slow(self, *args):  # type: ignore[no-untyped-def]
+        readers.add(threading.current_thread().name)
+        assert gate.wait(30)
+        return read(self, *args)
+
+    monkeypatch.setattr(DiskTier, "read", slow)
+    texts = Texts(engine.tokenizer, engine.stop)
+    for rid, prompt in (("next", [*TURN, 200, 201, 202]), ("other", [250 + i for i in range(9)])):
+        engine.add_request(rid, prompt, greedy(8))
+        texts.add(rid, greedy(8))
+    done: dict[str, object] = {}
+    while "other" not in done:  # the reads are held: the other request runs alone
+        for out in texts.process(engine.step()):
+            if out.finished:
+                done[out.request_id] = out
+    assert "next" not in done and engine.requests["next"].num_computed == 0  # it waits
+    gate.set()
+    while engine.has_unfinished():
+        for out in texts.process(engine.step()):
+            done[out.request_id] = out if out.finished else done.get(out.request_id)
+    assert done["next"].num_cached_tokens == 40 and engine.blocks.tier.disk.stats.read == 10
+    assert readers == {"kvserve-kv-disk-read"}
+
+
 def test_another_salt_or_model_reads_nothing(tmp_path: Path) -> None:
     first_run(tmp_path, salt="tenant-1")
     other = disk_engine(tmp_path)
@@ -100,7 +136,7 @@ def test_files_are_private_and_never_written_through_a_link(tmp_path: Path) -> N
     assert stat.S_IMODE(root.stat().st_mode) == 0o700 == stat.S_IMODE(folder.stat().st_mode)
     files = list(folder.iterdir())
     assert files and {stat.S_IMODE(f.stat().st_mode) for f in files} == {0o600}
-    tier = DiskTier(str(root), 1 << 30, "ns", torch.float32)
+    tier = DiskTier(str(root), 1 << 30, "ns", torch.float32, 4096)
     victim = tmp_path / "victim"
     victim.write_text("untouched")
     key = bytes(32)
@@ -114,7 +150,7 @@ def test_files_are_private_and_never_written_through_a_link(tmp_path: Path) -> N
 def test_a_failed_write_leaves_no_temporary_file(tmp_path: Path) -> None:
     """The rename fails (a folder sits where the file goes): the block is not kept, its
     temporary file is removed, and the next write works."""
-    tier = DiskTier(str(tmp_path / "kv"), 1 << 30, "ns", torch.float32)
+    tier = DiskTier(str(tmp_path / "kv"), 1 << 30, "ns", torch.float32, 4096)
     stuck, fine = bytes([1]) * 32, bytes([2]) * 32
     (tier._path(stuck) / "in-the-way").mkdir(parents=True)
     tier.write(stuck, bytes(32), (1,), torch.ones(4))
@@ -135,10 +171,10 @@ def test_an_unsafe_folder_is_refused_naming_the_flag(tmp_path: Path, case: str) 
     elif case == "a-file":
         path.write_text("")
     else:
-        tier = DiskTier(str(path), 1 << 30, "ns", torch.float32)  # to learn its folder
+        tier = DiskTier(str(path), 1 << 30, "ns", torch.float32, 4096)  # to learn its folder
         tier.close()
         tier.dir.rmdir()
         (tmp_path / "elsewhere").mkdir(mode=0o700)
         tier.dir.symlink_to(tmp_path / "elsewhere")
     with pytest.raises(ValueError, match="--kv-disk-path"):
-        DiskTier(str(path), 1 << 30, "ns", torch.float32)
+        DiskTier(str(path), 1 << 30, "ns", torch.float32, 4096)

@@ -13,7 +13,7 @@ from service.config import Settings
 from service.engine.kv import memory
 from service.engine.kv.blocks import BlockManager
 from service.engine.kv.host_tier import HostTier
-from service.engine.kv.prefix_keys import RESTORE
+from service.engine.kv.prefix_keys import Cached
 from service.engine.request import Request, SamplingParams
 from tests.engine.helpers import greedy, run_all, tokens_of
 from tests.engine.kv.test_blocks import check_invariants, ops, run_operations
@@ -71,7 +71,7 @@ def test_random_operations_restore_the_bytes_that_left(
     data = Bytes(bm)
 
     def forward(r: Request, start: int) -> None:
-        assert RESTORE not in r.block_table
+        assert all(isinstance(b, int) for b in r.block_table)
         data.step(r, start)
         data.check_hits(r, start // BS)
 
@@ -92,14 +92,15 @@ def test_evicted_blocks_come_back_from_the_tier_under_their_salt() -> None:
     bm.free_request(a)
     filler = req("filler", [50] * 16)
     computed(bm, data, filler)  # takes every block: a's two cached ones go to the tier
-    assert set(bm.cached) == {bm.block_hash[b] for b in filler.block_table}
+    assert set(bm.cached) == {bm.records[b].key for b in filler.block_table}
     assert bm.tier.num_used == 2 and bm.tier.stats.stored == 2
     bm.free_request(filler)
     assert bm.lookup(req("b", prompt, salt="tenant-2")) == []  # another tenant's
     assert bm.lookup(req("c", prompt)) == []
     again = req("d", prompt, salt="tenant-1")
     hits = bm.lookup(again)
-    assert list(hits) == [RESTORE, RESTORE]
+    assert [type(h) for h in hits] == [Cached, Cached]  # the tier's entries
+    assert [h.tokens for h in hits] == [(1, 2, 3, 4), (5, 6, 7, 8)]
     assert computed(bm, data, again) == 2  # restored, the bytes as they left
     # they left the tier; the three blocks they and the rest of d took, the filler's, went in
     assert bm.tier.stats.restored == 2 and bm.tier.num_used == 3

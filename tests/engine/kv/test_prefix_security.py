@@ -71,9 +71,9 @@ def test_a_refilled_parent_does_not_revive_its_old_children() -> None:
     bm = BlockManager(3, BS)
     a = computed(bm, req("a", [1, 2, 3, 4, 5, 6, 7, 8, 0]))
     table = list(a.block_table)
-    parent_entry = bm.entry[table[0]]
+    parent_entry = bm.records[table[0]].entry
     bm.free_request(a)
     bm._uncache(table[0])  # the parent block is evicted (and may be refilled)
-    assert bm.entry[table[0]] is None
-    assert bm.block_parent[table[1]] == parent_entry  # the child is still cached...
+    assert bm.records[table[0]] is None
+    assert bm.records[table[1]].parent == parent_entry  # the child is still cached...
     assert bm.lookup(req("b", [1, 2, 3, 4, 5, 6, 7, 8, 0])) == []  # ...but unreachable
