@@ -6,11 +6,11 @@ import asyncio
 import itertools
 import time
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
+from msgspec.structs import replace
 from starlette.background import BackgroundTask
 
 from service.api.prompt_logprobs import check_size, echo_logprobs, vllm_prompt_logprobs

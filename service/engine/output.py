@@ -3,30 +3,33 @@ front makes their text: service/engine/text/)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import msgspec
 
 from service.engine.request import FinishReason, Request
 
+# A step hands out one output per running sequence: as msgspec structs they are made,
+# encoded for a front process and decoded there in a fraction of a dataclass's time (as
+# arrays, without field names). A prompt's logprobs are many entries: the garbage
+# collector does not track them (gc=False: they hold numbers and tuples of numbers, so
+# they are in no cycle).
 
-@dataclass(slots=True)
-class TokenLogprobs:
+
+class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
     token_id: int
     logprob: float
     # the N most likely tokens, most likely first: tuples of numbers, which the garbage
-    # collector stops tracking (a prompt's entries are many, and a collection walks each
-    # tracked object)
+    # collector stops tracking (a collection walks each tracked object)
     top: tuple[tuple[int, float], ...]
     rank: int | None = None  # its place among the vocab's logprobs (1: the most likely)
 
 
-@dataclass(slots=True)
-class RequestOutput:
+class RequestOutput(msgspec.Struct, array_like=True):
     """What one step produced for one request: a delta, not the whole output so far."""
 
     request_id: str  # the sequence's (request.sequence_ids)
     index: int  # which of the request's n choices
     token_ids: list[int]
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = msgspec.field(default_factory=list)
     # the first output of a request that asked for prompt_logprobs: one per prompt token
     # after the first (SamplingParams.prompt_logprobs)
     prompt_logprobs: list[TokenLogprobs] | None = None

@@ -4,8 +4,8 @@ started), checks each request itself (checks.py, with the limits the core sent a
 grammar cache), sends it, and hands each step's outputs to the streams waiting for them.
 The routes hold this and nothing else of the engine.
 
-What the core sends arrives on one thread (the core's own in a thread, a reader thread
-across processes): outputs go to each stream's event loop (one wake-up per loop per
+What the core sends arrives on one thread of the link's (a reader thread, over either
+transport, never the core's own): outputs go to each stream's event loop (one wake-up per loop per
 step), the observer's events to the metrics, the snapshot to whoever reads it next. When
 the core stops (killed, crashed, its loop failed) every stream ends with EngineDeadError
 and `alive` turns false: the server answers 503 and exits non-zero, for its supervisor to

@@ -217,7 +217,8 @@ class Core:
             self._add(self.preparing.pop(rid)[1])
 
     def _abort(self, request_id: str) -> None:
-        self.preparing.pop(request_id, None)
+        if self.preparing.pop(request_id, None) is not None:  # never added: nothing to send
+            self.front_of.pop(request_id, None)
         for seq_id in self.seq_ids.pop(request_id, ()):
             if (out := self.engine.abort(seq_id)) is not None:
                 self.outputs.append(out)
@@ -243,18 +244,13 @@ class Core:
         """Each front its requests' outputs and the engine's snapshot; the observer's
         events, where a front replays them (one front, no observer here), to front 0."""
         engine = self.engine
-        for rid in [
-            r for r, ids in self.seq_ids.items() if not any(i in engine.requests for i in ids)
-        ]:
-            del self.seq_ids[rid]
         outputs: list[list[RequestOutput]] = [[] for _ in range(self.side.fronts)]
         failed: list[list[wire.Rejected]] = [[] for _ in range(self.side.fronts)]
         for out in self.outputs:
             outputs[self.front_of.get(out.asked_as, 0)].append(out)
         for rejected in self.failed:
-            failed[self.front_of.get(rejected.request_id, 0)].append(rejected)
-        for rid in [r for r in self.front_of if r not in self.seq_ids and r not in self.preparing]:
-            del self.front_of[rid]
+            failed[self.front_of.pop(rejected.request_id, 0)].append(rejected)
+        self._forget_finished()
         snapshot, busy = engine.snapshot(), engine.has_unfinished()
         self.sent = snapshot
         memory, events = self.built.device_memory(), self.recorder.take()
@@ -264,6 +260,15 @@ class Core:
             )
             self.side.send(front, step)
         self.outputs, self.failed = [], []
+
+    def _forget_finished(self) -> None:
+        """Forget the requests whose last sequence finished in this step's outputs."""
+        running = self.engine.requests
+        for out in self.outputs:
+            rid = out.asked_as
+            if out.finished and not any(i in running for i in self.seq_ids.get(rid, ())):
+                self.seq_ids.pop(rid, None)
+                self.front_of.pop(rid, None)
 
 
 def _why(exc: BaseException) -> str:

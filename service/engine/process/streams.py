@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from typing import Any, Protocol
+
+from msgspec.structs import replace
 
 from service.engine.output import RequestOutput
 from service.engine.text.processor import RequestText, Stop

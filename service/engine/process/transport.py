@@ -2,11 +2,14 @@
 transports, one pair of interfaces:
 
 - in a thread of the server's process (`InThread`, `--engine-process off`): requests go
-  on a queue the core's thread reads, and the core hands its messages to the client by a
-  call on its own thread; nothing is encoded.
+  on a queue the core's thread reads, and the core's messages on a queue a reader thread
+  hands to the client; nothing is encoded.
 - in a process of its own (`InProcess`, `--engine-process on`, and every front of
   `--api-server-count`): wire.py's messages over ZMQ sockets, one pair per front, and a
   reader thread in the front that decodes what the core sends.
+
+Either way the client's side of a step (the streams' hand-offs, the metrics' replay) runs
+on the reader thread, never on the core's.
 
 The core sees a `CoreSide` (wait, take, send to a front); the client a `Link` (start the
 core, send to it, watch it). Which transport serves is chosen once, in service/build.py."""
@@ -82,13 +85,13 @@ class Link(Protocol):
 
 
 class ThreadSide:
-    """The core's side in a thread: a queue in, a call out."""
+    """The core's side in a thread: a queue in, a queue out."""
 
     fronts = 1
 
-    def __init__(self, deliver: Deliver) -> None:
+    def __init__(self) -> None:
         self.inbox: queue.SimpleQueue[wire.ToEngine] = queue.SimpleQueue()
-        self.deliver = deliver
+        self.outbox: queue.SimpleQueue[wire.FromEngine | None] = queue.SimpleQueue()
         self._held: list[wire.ToEngine] = []
 
     def wait(self, timeout_ms: int) -> bool:
@@ -109,10 +112,10 @@ class ThreadSide:
                 return
 
     def send(self, front: int, message: wire.FromEngine) -> None:
-        self.deliver(message)
+        self.outbox.put(message)
 
     def send_all(self, message: wire.FromEngine) -> None:
-        self.deliver(message)
+        self.outbox.put(message)
 
     def reset(self, front: int) -> None:
         """One front, which lives as long as the process."""
@@ -134,17 +137,28 @@ class InThread:
         self._served: Any = None  # what the core built (core.Served), once it has
 
     def start(self, deliver: Deliver, gone: Callable[[], None]) -> None:
-        self.side = ThreadSide(deliver)
+        self.side = ThreadSide()
 
         def main() -> None:
             name_thread("engine core")
             try:
                 self._serve(self.side, self.keep)
             finally:
-                gone()
+                self.side.outbox.put(None)  # the reader delivers what came before, then ends
 
         self._thread = threading.Thread(target=main, name="kvserve-engine", daemon=True)
+        self._reader = threading.Thread(
+            target=self._read, args=(deliver, gone), name="kvserve-engine-reader", daemon=True
+        )
         self._thread.start()
+        self._reader.start()
+
+    def _read(self, deliver: Deliver, gone: Callable[[], None]) -> None:
+        try:
+            while (message := self.side.outbox.get()) is not None:
+                deliver(message)
+        finally:
+            gone()
 
     def keep(self, served: Any) -> None:
         """The core built its engine: the front shares its tokenizer and grammar tables."""
@@ -164,17 +178,18 @@ class InThread:
 
     def join(self, timeout: float | None) -> None:
         self._thread.join(timeout)
+        self._reader.join(timeout)
 
     def stop(self, timeout: float) -> None:
         self.send(wire.Shutdown())
-        self._thread.join(timeout)
+        self.join(timeout)
 
     def kill(self) -> None:
         """A thread cannot be killed: it stops at its next look at the queue."""
         self.send(wire.Shutdown())
 
     def close(self, timeout: float) -> None:
-        self._thread.join(timeout)
+        self.join(timeout)
 
 
 # ---- in a process ---------------------------------------------------------------------

@@ -4,9 +4,10 @@ the front, cut at a stop string, whose end the core is told."""
 
 import asyncio
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import pytest
+from msgspec.structs import replace
 
 from model.tokenizer import Tokenizer
 from service.engine.output import RequestOutput, TokenLogprobs
