@@ -216,7 +216,7 @@ def random_model(
 def engine_for(path: Path, device: torch.device, dtype: torch.dtype, **settings) -> LLMEngine:
     """An engine over the checkpoint at `path`, loaded the way `kvserve serve` loads it."""
     loaded = load(path, dtype, device)
-    return LLMEngine(loaded.model, loaded.tokenizer, Settings(**settings))
+    return LLMEngine.build(loaded.model, loaded.tokenizer, Settings(**settings).engine)
 
 
 def sync(device: torch.device) -> None:

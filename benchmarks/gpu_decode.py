@@ -54,7 +54,7 @@ WEIGHTS = {"bf16": "none", "fp8": "fp8"}  # the row's name -> --quantization
 def engine(shape: dict, quantization: str, device: torch.device, blocks: int) -> LLMEngine:
     model = random_model(shape, torch.bfloat16, device)
     settings = Settings(max_num_seqs=8, num_kv_blocks=blocks, quantization=quantization)
-    return LLMEngine(model, Tokenizer.default(), settings)
+    return LLMEngine.build(model, Tokenizer.default(), settings.engine)
 
 
 def bytes_read(model: torch.nn.Module) -> int:

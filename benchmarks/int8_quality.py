@@ -66,7 +66,7 @@ def engine(path: Path, quantization: str, backend: str) -> LLMEngine:
         to_fp8(loaded.model)
         quantization = "none"
     settings = Settings(attention_backend=backend, quantization=quantization, max_num_seqs=16)
-    return LLMEngine(loaded.model, loaded.tokenizer, settings)
+    return LLMEngine.build(loaded.model, loaded.tokenizer, settings.engine)
 
 
 def quantized_linears(model: torch.nn.Module) -> int:

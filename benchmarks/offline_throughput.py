@@ -88,7 +88,7 @@ def main() -> None:
             kv_cache_gib=2.0,
             mixed_prefill_tokens=0,
         )
-        engine = LLMEngine(model, Tokenizer.default(), settings)
+        engine = LLMEngine.build(model, Tokenizer.default(), settings.engine)
         run_single(engine, prompts[0][:16], 4)  # warm-up
         batch = run_batch(engine, prompts, args.output_len)
         batch["max_num_seqs"] = engine.max_num_seqs

@@ -89,9 +89,9 @@ def main() -> None:
             kv_cache_gib=args.kv_cache_gib,
             mixed_prefill_tokens=args.mixed_prefill_tokens,
         )
-        cap = settings.mixed_prefill_cap(device.type)
+        cap = settings.engine.scheduler.mixed_prefill_cap(device.type)
         print(f"prompt tokens in a step with decodes, both sides: {cap or 'no cap'}")
-        engine = LLMEngine(loaded.model, loaded.tokenizer, settings)
+        engine = LLMEngine.build(loaded.model, loaded.tokenizer, settings.engine)
         vocab = loaded.model.cfg.vocab_size
         gc.freeze()  # the model and engine stay out of the HTTP client's collections
 

@@ -131,8 +131,8 @@ def main() -> None:
     for name in drafts:
         configs[name] = dict(speculative_method="draft", speculative_model=name, **spec)
     engines = {
-        name: LLMEngine(
-            loaded.model, loaded.tokenizer, Settings(**base, **kw), draft=drafts.get(name)
+        name: LLMEngine.build(
+            loaded.model, loaded.tokenizer, Settings(**base, **kw).engine, draft=drafts.get(name)
         )
         for name, kw in configs.items()
     }

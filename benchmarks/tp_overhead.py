@@ -71,7 +71,7 @@ def _decode_ms(engine, args: argparse.Namespace) -> float:  # type: ignore[no-un
 def _collectives(tp, cfg, dtype: torch.dtype, n: int = 2000) -> dict[str, float]:  # type: ignore[no-untyped-def]
     """Median microseconds of one all-reduce of (1, d_model) and one logits all-gather."""
     x = torch.zeros(1, cfg.d_model, dtype=dtype)
-    logits = torch.zeros(1, tp.vocab_rows(cfg), dtype=dtype)
+    logits = torch.zeros(1, tp.shares(cfg).vocab_rows, dtype=dtype)
     out: dict[str, float] = {}
     for name, fn in (
         ("allreduce_us", lambda: tp.all_reduce(x)),

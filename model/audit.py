@@ -210,8 +210,8 @@ def rank_config(cfg: ModelConfig, world: int) -> ModelConfig:
     why = unsplittable(cfg, world)
     if why is not None:
         raise ValueError(f"tensor_parallel_size: {why}")
-    tp = TensorParallel(0, world)
-    return tp.local_config(cfg).replace(vocab_size=tp.vocab_rows(cfg), eos_token_ids=())
+    shares = TensorParallel(0, world).shares(cfg)
+    return shares.local.replace(vocab_size=shares.vocab_rows, eos_token_ids=())
 
 
 def collective_bytes(cfg: ModelConfig, dtype: str, world: int) -> dict[str, int]:

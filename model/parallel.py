@@ -60,6 +60,51 @@ def unsplittable(cfg: ModelConfig, world: int) -> str | None:
 
 
 @dataclass(frozen=True, slots=True)
+class Shares:
+    """One rank's share of a model (TensorParallel.shares): its query and K/V heads, its
+    FFN features, its vocab rows, and the shapes its blocks have (`local`, what its KV
+    cache is laid out by)."""
+
+    rank: int
+    heads: range
+    kv_heads: range
+    ffn: range
+    vocab_rows: int  # rows of the embedding and head every rank holds (the vocab padded)
+    vocab: range  # the vocab ids among them
+    local: ModelConfig
+    qk_widths: tuple[int, int, int]
+    qk_norm_all: bool  # q/k norms over every head together (OLMo 2)
+
+    def split(self, name: str) -> str:
+        """vocab, column, row, row_bias, heads (a norm's weight over every head's
+        features: the rank's heads' share) or replicated, for a parameter name with its
+        `layers.{i}.` prefix taken off."""
+        if self.qk_norm_all and name in ("attn.q_norm.weight", "attn.k_norm.weight"):
+            return "heads"
+        return SPLITS.get(name, "replicated")
+
+    def head_features(self, name: str) -> range:
+        """The features of a `heads` parameter this rank holds."""
+        heads = self.heads if name.startswith("attn.q_") else self.kv_heads
+        return _scaled(heads, self.local.head_dim)
+
+    def segments(self, name: str) -> list[range]:
+        """A column-parallel parameter's rows this rank holds, within each of its fused
+        segments (q | k | v, or gate | up): weights.FUSED_ROWS gives the segments."""
+        dh = self.local.head_dim
+        if name.startswith("attn.wqkv"):
+            q, kv = _scaled(self.heads, dh), _scaled(self.kv_heads, dh)
+            return [q, kv, kv]
+        return [self.ffn] * (2 if self.local.gated else 1)
+
+    def columns(self, name: str) -> range:
+        """A row-parallel weight's input columns this rank holds."""
+        if name.startswith("attn.wo"):
+            return _scaled(self.heads, self.local.head_dim)
+        return self.ffn
+
+
+@dataclass(frozen=True, slots=True)
 class TensorParallel:
     rank: int
     world: int
@@ -71,72 +116,39 @@ class TensorParallel:
 
     # ---- the shares ------------------------------------------------------------------
 
-    def heads(self, cfg: ModelConfig) -> range:
-        n = cfg.n_heads // self.world
-        return range(self.rank * n, (self.rank + 1) * n)
-
-    def kv_heads(self, cfg: ModelConfig) -> range:
-        kv = cfg.kv_heads
+    def shares(self, cfg: ModelConfig) -> Shares:
+        """This rank's share of every weight of `cfg`'s model, decided here once: the
+        model's layers and the weight loader read them from the record."""
+        per, kv = cfg.n_heads // self.world, cfg.kv_heads
+        heads = range(self.rank * per, (self.rank + 1) * per)
         if kv >= self.world:
             n = kv // self.world
-            return range(self.rank * n, (self.rank + 1) * n)
-        first = self.heads(cfg).start // (cfg.n_heads // kv)  # the K/V head it reads
-        return range(first, first + 1)
-
-    def ffn(self, cfg: ModelConfig) -> range:
-        n = cfg.d_ff // self.world
-        return range(self.rank * n, (self.rank + 1) * n)
-
-    def vocab_rows(self, cfg: ModelConfig) -> int:
-        """Rows of the embedding and head every rank holds (the vocab padded)."""
-        return -(-cfg.vocab_size // self.world)
-
-    def vocab(self, cfg: ModelConfig) -> range:
-        n = self.vocab_rows(cfg)
-        return range(self.rank * n, min((self.rank + 1) * n, cfg.vocab_size))
-
-    def local_config(self, cfg: ModelConfig) -> ModelConfig:
-        """The shapes one rank's blocks have (and its KV cache is laid out by)."""
-        return cfg.replace(
-            n_heads=len(self.heads(cfg)),
-            n_kv_heads=len(self.kv_heads(cfg)),
-            d_head=cfg.head_dim,
-            d_ff=len(self.ffn(cfg)),
+            kv_heads = range(self.rank * n, (self.rank + 1) * n)
+        else:  # a replica of the one K/V head its query heads read
+            first = heads.start // (cfg.n_heads // kv)
+            kv_heads = range(first, first + 1)
+        f = cfg.d_ff // self.world
+        rows = -(-cfg.vocab_size // self.world)  # the vocab padded to every rank's rows
+        local = cfg.replace(
+            n_heads=len(heads), n_kv_heads=len(kv_heads), d_head=cfg.head_dim, d_ff=f
         )
-
-    def split(self, name: str, cfg: ModelConfig) -> str:
-        """vocab, column, row, row_bias, heads (a norm's weight over every head's
-        features: the rank's heads' share) or replicated, for a parameter name with its
-        `layers.{i}.` prefix taken off."""
-        if cfg.qk_norm == "all" and name in ("attn.q_norm.weight", "attn.k_norm.weight"):
-            return "heads"
-        return SPLITS.get(name, "replicated")
-
-    def head_features(self, cfg: ModelConfig, name: str) -> range:
-        """The features of a `heads` parameter this rank holds."""
-        heads = self.heads(cfg) if name.startswith("attn.q_") else self.kv_heads(cfg)
-        return _scaled(heads, cfg.head_dim)
-
-    def qk_widths(self, cfg: ModelConfig) -> tuple[int, int, int]:
-        """For norms over every head together: the whole q's and k's widths, and how
-        many ranks hold each K/V head (1, or a replica each when fewer heads than ranks)."""
-        replicas = self.world // cfg.kv_heads if cfg.kv_heads < self.world else 1
-        return cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, replicas
-
-    def segments(self, cfg: ModelConfig, name: str) -> list[range]:
-        """A column-parallel parameter's rows this rank holds, within each of its fused
-        segments (q | k | v, or gate | up): weights.FUSED_ROWS gives the segments."""
-        dh = cfg.head_dim
-        if name.startswith("attn.wqkv"):
-            q, kv = _scaled(self.heads(cfg), dh), _scaled(self.kv_heads(cfg), dh)
-            return [q, kv, kv]
-        return [self.ffn(cfg)] * (2 if cfg.gated else 1)
-
-    def columns(self, cfg: ModelConfig, name: str) -> range:
-        """A row-parallel weight's input columns this rank holds."""
-        if name.startswith("attn.wo"):
-            return _scaled(self.heads(cfg), cfg.head_dim)
-        return self.ffn(cfg)
+        return Shares(
+            rank=self.rank,
+            heads=heads,
+            kv_heads=kv_heads,
+            ffn=range(self.rank * f, (self.rank + 1) * f),
+            vocab_rows=rows,
+            vocab=range(self.rank * rows, min((self.rank + 1) * rows, cfg.vocab_size)),
+            local=local,
+            # norms over every head together: the whole q's and k's widths, and how many
+            # ranks hold each K/V head (1, or a replica each when fewer heads than ranks)
+            qk_widths=(
+                cfg.n_heads * cfg.head_dim,
+                kv * cfg.head_dim,
+                self.world // kv if kv < self.world else 1,
+            ),
+            qk_norm_all=cfg.qk_norm == "all",
+        )
 
     # ---- the collectives -------------------------------------------------------------
 

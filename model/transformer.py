@@ -96,12 +96,14 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.cfg, self.tp = cfg, tp
-        self.local_cfg = tp.local_config(cfg) if tp is not None else cfg
-        vocab = tp.vocab_rows(cfg) if tp is not None else cfg.vocab_size
+        # this rank's share of every weight, decided once (None: the whole model)
+        self.shares = tp.shares(cfg) if tp is not None else None
+        self.local_cfg = self.shares.local if self.shares is not None else cfg
+        vocab = self.shares.vocab_rows if self.shares is not None else cfg.vocab_size
         self.embed = nn.Embedding(vocab, cfg.d_model)
         if cfg.position == "learned":
             self.pos_embed = nn.Embedding(cfg.max_position, cfg.d_model)
-        widths = tp.qk_widths(cfg) if tp is not None else None
+        widths = self.shares.qk_widths if self.shares is not None else None
         self.layers = nn.ModuleList(
             Block(self.local_cfg, tp, cfg.window(i), widths) for i in range(cfg.n_layers)
         )
@@ -134,7 +136,7 @@ class Transformer(nn.Module):
         elif cfg.position == "sinusoidal":
             self._sinusoidal = sinusoidal_table(cfg.max_position, cfg.d_model, device)
         elif cfg.position == "alibi":
-            heads = self.tp.heads(cfg) if self.tp is not None else range(cfg.n_heads)
+            heads = self.shares.heads if self.shares is not None else range(cfg.n_heads)
             self._alibi = alibi_slopes(cfg.n_heads)[heads.start : heads.stop].to(device)
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]

@@ -25,7 +25,7 @@ from torch import nn
 from model.config import ModelConfig
 from model.fp8 import SCALE_SUFFIXES, checkpoint_block, dequantize
 from model.layers import rotary_order
-from model.parallel import TensorParallel
+from model.parallel import Shares, TensorParallel
 from model.transformer import Transformer
 
 NATIVE_CONFIG = "kvserve_config.json"
@@ -352,17 +352,18 @@ class _Part:
 
 
 def _parts(
-    cfg: ModelConfig, key: str, sources: list[str], full: tuple[int, ...], tp: TensorParallel | None
+    cfg: ModelConfig, key: str, sources: list[str], full: tuple[int, ...], shares: Shares | None
 ) -> list[_Part]:
     """The pieces of parameter `key` (its `layers.{i}.` prefix off; full: its unsplit
     shape) that this process holds, in row order. Fused parameters concatenate their
     sources' rows; a rank takes its rows of every fused segment (q | k | v, gate | up),
     its columns of a row-parallel weight, its rows of the vocab."""
     rows = _part_rows(cfg, key, len(sources), full[0])
-    split = tp.split(key, cfg) if tp is not None else "replicated"
+    split = shares.split(key) if shares is not None else "replicated"
+    if shares is None or split in ("replicated", "row_bias"):  # the whole tensor
+        return [_Part(s, (n, *full[1:])) for s, n in zip(sources, rows, strict=True)]
     if split == "column":
         segments = FUSED_ROWS[key.rsplit(".", 1)[0]](cfg)
-        shares = tp.segments(cfg, key)  # type: ignore[union-attr]
         if len(sources) == 1:  # one tensor holds every segment (GPT-2's c_attn)
             offsets = [sum(segments[:i]) for i in range(len(segments))]
             src = [(sources[0], (full[0], *full[1:]))] * len(segments)
@@ -371,15 +372,13 @@ def _parts(
             src = [(s, (n, *full[1:])) for s, n in zip(sources, segments, strict=True)]
         return [
             _Part(s, shape, range(o + r.start, o + r.stop))
-            for (s, shape), o, r in zip(src, offsets, shares, strict=True)
+            for (s, shape), o, r in zip(src, offsets, shares.segments(key), strict=True)
         ]
     if split == "row":
-        return [_Part(sources[0], full, None, tp.columns(cfg, key))]  # type: ignore[union-attr]
+        return [_Part(sources[0], full, None, shares.columns(key))]
     if split == "vocab":
-        return [_Part(sources[0], full, tp.vocab(cfg))]  # type: ignore[union-attr]
-    if split == "heads":
-        return [_Part(sources[0], full, tp.head_features(cfg, key))]  # type: ignore[union-attr]
-    return [_Part(s, (n, *full[1:])) for s, n in zip(sources, rows, strict=True)]
+        return [_Part(sources[0], full, shares.vocab)]
+    return [_Part(sources[0], full, shares.head_features(key))]  # "heads"
 
 
 def _fill(
@@ -475,8 +474,9 @@ def _populate(
         hint = f"{config_name} ({_shape_fields(cfg, name)})"
         local = _LAYER.sub("", name)
         found = [s for s in sources if s is not None]
-        if tp is None or tp.split(local, cfg) != "row_bias" or tp.rank == 0:
-            _fill(target, _parts(cfg, local, found, shapes[name], tp), reader, transpose, hint)
+        shares = model.shares
+        if shares is None or shares.split(local) != "row_bias" or shares.rank == 0:
+            _fill(target, _parts(cfg, local, found, shapes[name], shares), reader, transpose, hint)
         if table is not None and key in table.plus_one:
             target += 1
         _set_param(model, name, target)

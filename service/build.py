@@ -72,8 +72,8 @@ def build(
     loaded = load(source.path if source else None, dtype, device, tp)
     model_id = settings.served_model_name or (source.model_id if source else loaded.model_id)
     draft = _load_draft(draft_source, dtype, device, loaded.tokenizer)
-    engine = LLMEngine(
-        loaded.model, loaded.tokenizer, settings, observer=observer(model_id), draft=draft
+    engine = LLMEngine.build(
+        loaded.model, loaded.tokenizer, settings.engine, draft, observer(model_id)
     )
     world = tp.world if tp is not None else 1
     report = _report(settings, engine, dtype, device, world)

@@ -423,36 +423,15 @@ class Settings:
             )
 
     @property
-    def kv_cache_bytes(self) -> int:
-        return int(self.kv_cache_gib * GiB)
-
-    def host_tier_bytes(self, device_type: str, available: int) -> int:
-        """The host tier's budget on one rank: kv_host_gib, or the device's default
-        (available: the machine's available RAM)."""
-        if self.kv_host_gib is not None:
-            return int(self.kv_host_gib * GiB)
-        if device_type != "cuda":  # the pool is in this RAM already: size it instead
-            return 0
-        return min(HOST_TIER_MAX_GIB * GiB, available // 4) // self.tensor_parallel_size
-
-    def seqs_per_step(self, device_type: str) -> int:
-        """max_num_seqs, or the device's default."""
-        if self.max_num_seqs is not None:
-            return self.max_num_seqs
-        return CUDA_MAX_NUM_SEQS if device_type == "cuda" else CPU_MAX_NUM_SEQS
-
-    def async_steps(self, device_type: str) -> bool:
-        """Whether the engine queues a step before reading the last one's tokens."""
-        if self.async_scheduling == "auto":
-            plain = self.speculative_method == "none" and self.tensor_parallel_size == 1
-            return plain and device_type == "cuda"
-        return self.async_scheduling == "on"
-
-    def mixed_prefill_cap(self, device_type: str) -> int | None:
-        """The engine's cap on prompt tokens in a step with decodes (None: no cap)."""
-        if self.mixed_prefill_tokens is None:
-            return CPU_MIXED_PREFILL_TOKENS if device_type == "cpu" else None
-        return self.mixed_prefill_tokens or None
+    def engine(self) -> EngineConfig:
+        """What the engine reads of these settings, by section."""
+        return EngineConfig(
+            _section(self, LoadConfig),
+            _section(self, CacheConfig),
+            _section(self, SchedulerConfig),
+            _section(self, ParallelConfig),
+            _section(self, SpeculativeConfig),
+        )
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
@@ -469,6 +448,135 @@ class Settings:
                 value = "1" if value else "0"
             env["KVSERVE_" + f.name.upper()] = None if value is None else str(value)
         return env
+
+
+# ---- the sections the engine reads ----------------------------------------------------
+# Each is a set of Settings' fields under their flags' names (tests/service/test_config.py
+# checks that every setting is in exactly one section, the server's included).
+
+
+@dataclass(frozen=True, slots=True)
+class LoadConfig:
+    """What is loaded and how it computes."""
+
+    model: str | None
+    revision: str | None
+    download_dir: str | None
+    served_model_name: str | None
+    device: str
+    dtype: str
+    quantization: str
+    attention_backend: str
+    enforce_eager: bool
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """The KV pool, the prefix cache and its tiers and events."""
+
+    block_size: int
+    num_kv_blocks: int | None
+    kv_cache_gib: float
+    gpu_memory_utilization: float
+    disable_prefix_caching: bool
+    kv_host_gib: float | None
+    kv_disk_path: str | None
+    kv_disk_gib: float
+    kv_events_endpoint: str | None
+    kv_events_replay_endpoint: str | None
+    kv_events_omit_token_ids: bool
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return int(self.kv_cache_gib * GiB)
+
+    def host_tier_bytes(self, device_type: str, available: int, ranks: int = 1) -> int:
+        """The host tier's budget on one of `ranks` ranks: kv_host_gib, or the device's
+        default (available: the machine's available RAM)."""
+        if self.kv_host_gib is not None:
+            return int(self.kv_host_gib * GiB)
+        if device_type != "cuda":  # the pool is in this RAM already: size it instead
+            return 0
+        return min(HOST_TIER_MAX_GIB * GiB, available // 4) // ranks
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """What a step holds and how steps follow each other."""
+
+    max_num_seqs: int | None
+    max_num_batched_tokens: int
+    mixed_prefill_tokens: int | None
+    max_model_len: int | None
+    async_scheduling: str
+    disable_jump_forward: bool
+
+    def seqs_per_step(self, device_type: str) -> int:
+        """max_num_seqs, or the device's default."""
+        if self.max_num_seqs is not None:
+            return self.max_num_seqs
+        return CUDA_MAX_NUM_SEQS if device_type == "cuda" else CPU_MAX_NUM_SEQS
+
+    def mixed_prefill_cap(self, device_type: str) -> int | None:
+        """The engine's cap on prompt tokens in a step with decodes (None: no cap)."""
+        if self.mixed_prefill_tokens is None:
+            return CPU_MIXED_PREFILL_TOKENS if device_type == "cpu" else None
+        return self.mixed_prefill_tokens or None
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    tensor_parallel_size: int
+    rank_timeout: float
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    speculative_method: str
+    speculative_model: str | None
+    num_speculative_tokens: int
+    speculative_max_batch: int
+    speculative_min_speedup: float
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """The sections the engine reads (the rest of Settings is the server's)."""
+
+    load: LoadConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    speculative: SpeculativeConfig
+
+    def async_steps(self, device_type: str) -> bool:
+        """Whether the engine queues a step before reading the last one's tokens."""
+        if self.scheduler.async_scheduling == "auto":
+            plain = (
+                self.speculative.speculative_method == "none"
+                and self.parallel.tensor_parallel_size == 1
+            )
+            return plain and device_type == "cuda"
+        return self.scheduler.async_scheduling == "on"
+
+    def host_tier_bytes(self, device_type: str, available: int) -> int:
+        return self.cache.host_tier_bytes(
+            device_type, available, self.parallel.tensor_parallel_size
+        )
+
+
+SECTIONS = (LoadConfig, CacheConfig, SchedulerConfig, ParallelConfig, SpeculativeConfig)
+# the server's own settings: the HTTP side, the fronts, the API's stores and formats
+SERVER_SETTINGS = (
+    "host", "port", "engine_process", "api_server_count", "responses_store_size",
+    "responses_store_mib", "responses_store_ttl", "pooling", "tool_call_format",
+    "max_queue", "max_body_bytes", "api_keys", "metrics_auth", "cors_origins", "log_level",
+    "shutdown_timeout", "stuck_after",
+)  # fmt: skip
+
+
+def _section(settings: Settings, section: type[Any]) -> Any:
+    return section(**{f.name: getattr(settings, f.name) for f in fields(section)})
 
 
 def _parse(f: dataclasses.Field, raw: str) -> Any:

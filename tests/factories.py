@@ -63,7 +63,8 @@ def make_engine(model=None, draft=None, **settings: object) -> LLMEngine:
         mixed_prefill_tokens=0,
     )
     defaults.update(settings)
-    return LLMEngine(model or small_model(), tokenizer(), Settings(**defaults), draft=draft)
+    config = Settings(**defaults).engine
+    return LLMEngine.build(model or small_model(), tokenizer(), config, draft)
 
 
 # ---- Hugging Face checkpoints -------------------------------------------------------

@@ -27,14 +27,17 @@ def cfg(**kw: object) -> ModelConfig:
 
 def test_heads_split_and_kv_heads_replicate_when_fewer_than_ranks() -> None:
     c = cfg()
-    assert [TensorParallel(r, 2).kv_heads(c) for r in range(2)] == [range(0, 1), range(1, 2)]
+    assert [TensorParallel(r, 2).shares(c).kv_heads for r in range(2)] == [
+        range(0, 1),
+        range(1, 2),
+    ]
     # 4 ranks, 2 K/V heads: ranks 0-1 read K/V head 0, ranks 2-3 head 1
-    assert [TensorParallel(r, 4).kv_heads(c).start for r in range(4)] == [0, 0, 1, 1]
-    local = TensorParallel(3, 4).local_config(c)
+    assert [TensorParallel(r, 4).shares(c).kv_heads.start for r in range(4)] == [0, 0, 1, 1]
+    last = TensorParallel(3, 4).shares(c)
+    local = last.local
     assert (local.n_heads, local.kv_heads, local.head_dim, local.d_ff) == (2, 1, 8, 24)
     # the vocab padded to a multiple of the ranks: 101 -> 4 x 26, the last rank 23 real rows
-    assert TensorParallel(3, 4).vocab(c) == range(78, 101)
-    assert TensorParallel(3, 4).vocab_rows(c) == 26
+    assert last.vocab == range(78, 101) and last.vocab_rows == 26
 
 
 @pytest.mark.parametrize(
@@ -66,7 +69,8 @@ def test_each_rank_loads_its_slices_of_the_checkpoint(
         assert share_of(whole, tp).state_dict().keys() == share.state_dict().keys()
         for name, p in share_of(whole, tp).named_parameters():  # the in-memory cut agrees
             assert torch.equal(p, dict(share.named_parameters())[name]), name
-        heads, kv, ff = tp.heads(c), tp.kv_heads(c), tp.ffn(c)
+        shares = tp.shares(c)
+        heads, kv, ff = shares.heads, shares.kv_heads, shares.ffn
         w, s = whole.layers[1], share.layers[1]
         q = w.attn.wqkv.weight[heads.start * dh : heads.stop * dh]
         k_at, v_at = c.n_heads * dh, (c.n_heads + c.kv_heads) * dh
@@ -79,7 +83,7 @@ def test_each_rank_loads_its_slices_of_the_checkpoint(
         assert torch.equal(s.ffn.w_out.weight, w.ffn.w_out.weight[:, ff.start : ff.stop])
         if w.attn.wo.bias is not None:  # rank 0 adds a row-parallel bias, once
             assert torch.equal(s.attn.wo.bias, w.attn.wo.bias if rank == 0 else 0 * w.attn.wo.bias)
-        rows = tp.vocab(c)
+        rows = shares.vocab
         assert torch.equal(
             share.embed.weight[: len(rows)], whole.embed.weight[rows.start : rows.stop]
         )

@@ -25,7 +25,7 @@ def test_flags_override_env_override_defaults() -> None:
     }
     s = load_settings(parser.parse_args(["--port", "9002"]), env)
     assert s.port == 9002 and s.max_queue == 7 and s.api_keys == ("a", "b")
-    assert s.kv_cache_bytes == 1 << 29
+    assert s.engine.cache.kv_cache_bytes == 1 << 29
     assert load_settings(parser.parse_args([]), {}) == Settings()
 
 
@@ -41,12 +41,19 @@ def test_invalid_settings_name_the_field() -> None:
 
 
 def test_mixed_prefill_cap_by_device_and_flag() -> None:
-    assert Settings().mixed_prefill_cap("cpu") == CPU_MIXED_PREFILL_TOKENS
-    assert Settings().mixed_prefill_cap("cuda") is None
+    assert Settings().engine.scheduler.mixed_prefill_cap("cpu") == CPU_MIXED_PREFILL_TOKENS
+    assert Settings().engine.scheduler.mixed_prefill_cap("cuda") is None
     none = settings_from_argv(["--mixed-prefill-tokens", "0"])
-    assert none.mixed_prefill_cap("cpu") is None and none.mixed_prefill_cap("cuda") is None
+    assert (
+        none.engine.scheduler.mixed_prefill_cap("cpu") is None
+        and none.engine.scheduler.mixed_prefill_cap("cuda") is None
+    )
     cap = settings_from_argv(["--mixed-prefill-tokens", "256"])
-    assert cap.mixed_prefill_cap("cpu") == cap.mixed_prefill_cap("cuda") == 256
+    assert (
+        cap.engine.scheduler.mixed_prefill_cap("cpu")
+        == cap.engine.scheduler.mixed_prefill_cap("cuda")
+        == 256
+    )
     with pytest.raises(dataclass_frozen_error()):
         Settings().port = 1  # type: ignore[misc]
 
@@ -69,8 +76,11 @@ def test_backend_graphs_and_seqs_per_step() -> None:
         settings_from_argv(["--attention-backend", "cuda"])
     with pytest.raises(ValueError, match="enforce_eager"):
         load_settings(None, {"KVSERVE_ENFORCE_EAGER": "maybe"})
-    assert Settings().seqs_per_step("cpu") == 64 and Settings().seqs_per_step("cuda") == 256
-    assert settings_from_argv(["--max-num-seqs", "8"]).seqs_per_step("cuda") == 8
+    assert (
+        Settings().engine.scheduler.seqs_per_step("cpu") == 64
+        and Settings().engine.scheduler.seqs_per_step("cuda") == 256
+    )
+    assert settings_from_argv(["--max-num-seqs", "8"]).engine.scheduler.seqs_per_step("cuda") == 8
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         settings_from_argv(["--gpu-memory-utilization", "1.5"])
 
@@ -201,3 +211,16 @@ def test_a_server_started_with_every_variable_empty_serves_the_defaults(tmp_path
     log = Path(srv.log_path).read_text()
     assert "cannot parse" not in log
     assert f"KV blocks of {Settings().block_size} tokens" in log and "async scheduling off" in log
+
+
+def test_every_setting_is_in_one_section() -> None:
+    """The flags map onto the engine's sections and the server's settings: each setting
+    in exactly one, under its own name, so the engine reads no setting it is not given."""
+    from dataclasses import fields
+
+    from service.config import SECTIONS, SERVER_SETTINGS
+
+    names = [f.name for section in SECTIONS for f in fields(section)] + list(SERVER_SETTINGS)
+    assert sorted(names) == sorted(f.name for f in fields(Settings))
+    config = settings_from_argv(["--block-size", "32", "--num-speculative-tokens", "3"]).engine
+    assert config.cache.block_size == 32 and config.speculative.num_speculative_tokens == 3

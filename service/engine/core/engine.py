@@ -9,7 +9,7 @@ import time
 
 from model.tokenizer import Tokenizer
 from model.transformer import Transformer
-from service.config import Settings
+from service.config import EngineConfig
 from service.engine.batch import SchedulerOutput
 from service.engine.core.checks import Checked, Limits, check_request
 from service.engine.core.parts import EngineParts, assemble
@@ -26,21 +26,12 @@ LOAD_WAIT_S = 0.005  # how long a step with nothing to run waits for a disk read
 
 class LLMEngine:
     def __init__(
-        self,
-        model: Transformer,
-        tokenizer: Tokenizer,
-        settings: Settings,
-        observer: EngineObserver | None = None,
-        draft: Transformer | None = None,
-        parts: EngineParts | None = None,
+        self, parts: EngineParts, config: EngineConfig, observer: EngineObserver | None = None
     ) -> None:
-        """settings: what the engine reads of them (the sizes, budgets, backend,
-        quantization and speculation); its parts are assembled from them once
-        (service/engine/core/parts.py) unless given (a test's own). draft: the speculative
-        draft model (--speculative-method draft)."""
-        self.model, self.tokenizer, self.settings = model, tokenizer, settings
+        """The engine over its parts, assembled once from the model and the config
+        (service/engine/core/parts.py: `build`), or a test's own."""
+        self.model, self.tokenizer, self.config = parts.model, parts.tokenizer, config
         self.observer = observer
-        parts = parts if parts is not None else assemble(model, tokenizer, settings, draft)
         self.max_num_seqs, self.max_model_len = parts.max_num_seqs, parts.max_model_len
         self.backend, self.ranks, self.kv_cache = parts.backend, parts.ranks, parts.kv_cache
         self.blocks, self.scheduler, self.runner = parts.blocks, parts.scheduler, parts.runner
@@ -60,11 +51,24 @@ class LLMEngine:
             self.stats,
             self.eos_ids,
             self.max_model_len,
-            not settings.disable_jump_forward,
+            not config.scheduler.disable_jump_forward,
             self._observe,
             self.clock,
         )
         self.requests = self.post.requests
+
+    @classmethod
+    def build(
+        cls,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        config: EngineConfig,
+        draft: Transformer | None = None,
+        observer: EngineObserver | None = None,
+    ) -> LLMEngine:
+        """The engine for `model`, its parts assembled from `config`; draft: the
+        speculative draft model (--speculative-method draft)."""
+        return cls(assemble(model, tokenizer, config, draft), config, observer)
 
     # ---- admission -------------------------------------------------------------------
 
@@ -199,7 +203,8 @@ class LLMEngine:
             self.ranks.stop()
         self.blocks.events.close()
         if self.blocks.tier is not None:
-            self.runner.apply(self.blocks.last_copies())
+            if copies := self.blocks.last_copies():  # with a disk tier (on one rank)
+                self.runner.apply(copies)
             self.blocks.tier.close()
 
     def follow(self) -> None:

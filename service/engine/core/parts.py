@@ -1,4 +1,4 @@
-"""The engine's parts, assembled once from the model and the settings: the execution
+"""The engine's parts, assembled once from the model and the engine's config: the execution
 backend, the KV pool sized to the memory budget (agreed between tensor-parallel ranks),
 the block manager with its prefix-cache namespace, the scheduler, and the model runner
 with its CUDA graphs, grammar masks and speculative draft model. The device's defaults
@@ -16,7 +16,7 @@ from model.config import ModelConfig
 from model.kv_cache import PagedKVCache
 from model.tokenizer import Tokenizer
 from model.transformer import Transformer
-from service.config import GiB, Settings
+from service.config import EngineConfig, GiB, LoadConfig
 from service.engine.core.scheduler import Scheduler
 from service.engine.exec.cuda_graphs import decode_graphs
 from service.engine.exec.draft import DraftModel, blocks_per_proposal
@@ -34,6 +34,8 @@ from service.engine.sample.structured import Grammars, Masks
 
 @dataclass(frozen=True, slots=True)
 class EngineParts:
+    model: Transformer
+    tokenizer: Tokenizer
     max_num_seqs: int  # sequences a step may hold (the device's default unless set)
     max_model_len: int  # the context a request may fill: --max-model-len, at most the model's
     backend: Backend
@@ -49,28 +51,28 @@ class EngineParts:
 
 
 def _backend(
-    settings: Settings, device: torch.device, dtype: torch.dtype, cfg: ModelConfig
+    load: LoadConfig, block_size: int, device: torch.device, dtype: torch.dtype, cfg: ModelConfig
 ) -> Backend:
-    """The attention backend the settings ask for. int8 weights run on the cpu backend's
+    """The attention backend asked for. int8 weights run on the cpu backend's
     kernels alone, so with them `auto` means cpu: where it cannot run, the reason is the
     error (not torch's refusal of the weights after it was picked instead)."""
-    name = settings.attention_backend
-    if settings.quantization != "int8" or name != "auto":
-        return select_backend(name, device, dtype, cfg, settings.block_size)
+    name = load.attention_backend
+    if load.quantization != "int8" or name != "auto":
+        return select_backend(name, device, dtype, cfg, block_size)
     try:
-        return select_backend("cpu", device, dtype, cfg, settings.block_size)
+        return select_backend("cpu", device, dtype, cfg, block_size)
     except ValueError as exc:
-        raise ValueError(f"quantization {settings.quantization}: {exc}") from None
+        raise ValueError(f"quantization {load.quantization}: {exc}") from None
 
 
 def _host_slots(
-    settings: Settings, kv_cache: PagedKVCache, prefix: bool, windows: bool, draft: bool
+    config: EngineConfig, kv_cache: PagedKVCache, prefix: bool, windows: bool, draft: bool
 ) -> int:
     """The blocks the prefix cache's host tier holds (service/engine/kv/host_tier.py),
     its host memory on this rank added to the pool; 0: no tier. Not without the prefix
     cache, beside a window pool, or with a draft model (whose own K/V of a block it would
     not restore): asked for there, a start-up error."""
-    budget = settings.host_tier_bytes(kv_cache.data.device.type, available_ram())
+    budget = config.host_tier_bytes(kv_cache.data.device.type, available_ram())
     if budget <= 0:
         return 0
     why = (
@@ -80,7 +82,7 @@ def _host_slots(
         else "it holds less than one block" if budget < kv_cache.block_nbytes else None
     )  # fmt: skip
     if why is not None:
-        if settings.kv_host_gib is not None:
+        if config.cache.kv_host_gib is not None:
             raise ValueError(f"kv_host_gib: no host tier can be kept: {why}")
         return 0
     slots = budget // kv_cache.block_nbytes
@@ -89,31 +91,40 @@ def _host_slots(
 
 
 def assemble(
-    model: Transformer, tokenizer: Tokenizer, settings: Settings, draft: Transformer | None
+    model: Transformer, tokenizer: Tokenizer, config: EngineConfig, draft: Transformer | None
 ) -> EngineParts:
     """draft: the speculative draft model (--speculative-method draft), else None."""
-    if (settings.speculative_method == "draft") != (draft is not None):
+    if (config.speculative.speculative_method == "draft") != (draft is not None):
         raise ValueError("speculative_model: a draft model goes with --speculative-method draft")
     device = model.device.type
-    max_num_seqs = settings.seqs_per_step(device)
-    max_model_len = min(settings.max_model_len or model.cfg.max_position, model.cfg.max_position)
-    backend = _backend(settings, model.device, model.dtype, model.local_cfg)
+    max_num_seqs = config.scheduler.seqs_per_step(device)
+    max_model_len = min(
+        config.scheduler.max_model_len or model.cfg.max_position, model.cfg.max_position
+    )
+    backend = _backend(
+        config.load, config.cache.block_size, model.device, model.dtype, model.local_cfg
+    )
     ranks = Ranks(model.tp, model.device) if model.tp is not None else None
-    kv_cache, blocks, disk = _kv(model, settings, max_num_seqs, draft, backend, ranks)
+    kv_cache, blocks, disk = _kv(model, config, max_num_seqs, draft, backend, ranks)
     scheduler = Scheduler(
-        blocks, max_num_seqs, settings.max_num_batched_tokens, settings.mixed_prefill_cap(device)
+        blocks,
+        max_num_seqs,
+        config.scheduler.max_num_batched_tokens,
+        config.scheduler.mixed_prefill_cap(device),
     )
     eos_ids = frozenset(tokenizer.eos_ids) | frozenset(model.cfg.eos_token_ids)
     drafter = (
-        _draft_model(draft, settings, blocks.num_blocks, model.cfg.vocab_size) if draft else None
+        _draft_model(draft, config, blocks.num_blocks, model.cfg.vocab_size) if draft else None
     )
     grammars = Grammars(tokenizer, model.cfg.vocab_size, sorted(eos_ids))
     runner = _runner(
-        model, settings, kv_cache, backend, ranks, grammars, drafter, max_num_seqs,
+        model, config, kv_cache, backend, ranks, grammars, drafter, max_num_seqs,
         max_model_len, disk,
     )  # fmt: skip
-    speculator = Speculator(settings, max_model_len, drafter)
+    speculator = Speculator(config.speculative, max_model_len, drafter)
     return EngineParts(
+        model,
+        tokenizer,
         max_num_seqs,
         max_model_len,
         backend,
@@ -125,13 +136,13 @@ def assemble(
         grammars,
         runner,
         speculator,
-        settings.async_steps(device) and ranks is None and speculator.method == "none",
+        config.async_steps(device) and ranks is None and speculator.method == "none",
     )
 
 
 def _kv(
     model: Transformer,
-    settings: Settings,
+    config: EngineConfig,
     max_num_seqs: int,
     draft: Transformer | None,
     backend: Backend,
@@ -141,38 +152,46 @@ def _kv(
     with the prefix cache, the window pool, the host and disk tiers and the events asked
     for, each built whole; and the disk tier, whose reads and writes the runner runs."""
     local = model.local_cfg  # the shapes this rank holds (the model's, on one rank)
-    num_blocks, window_blocks = kv_block_budget(model, settings, max_num_seqs, draft)
+    num_blocks, window_blocks = kv_block_budget(model, config, max_num_seqs, draft)
     if ranks is not None:
         num_blocks = ranks.agree_min(num_blocks)
         window_blocks = ranks.agree_min(window_blocks)
     kv_cache = PagedKVCache(
-        local, num_blocks, settings.block_size, model.dtype, model.device, backend, window_blocks
+        local,
+        num_blocks,
+        config.cache.block_size,
+        model.dtype,
+        model.device,
+        backend,
+        window_blocks,
     )
     # the model is part of every prefix-cache key (with each request's cache_salt)
-    namespace = f"{model.cfg!r}|{model.dtype}|{settings.quantization}"
-    prefix = not settings.disable_prefix_caching
+    namespace = f"{model.cfg!r}|{model.dtype}|{config.load.quantization}"
+    prefix = not config.cache.disable_prefix_caching
     windows = None
     if window_blocks:
         assert local.sliding_window is not None
-        windows = WindowBlocks(window_blocks, settings.block_size, local.sliding_window, prefix)
-    slots = _host_slots(settings, kv_cache, prefix, windows is not None, draft is not None)
+        windows = WindowBlocks(window_blocks, config.cache.block_size, local.sliding_window, prefix)
+    slots = _host_slots(config, kv_cache, prefix, windows is not None, draft is not None)
     disk = None
-    if settings.kv_disk_path is not None:
+    if config.cache.kv_disk_path is not None:
         if not slots or model.tp is not None:
             raise ValueError("kv_disk_path: the disk tier goes behind a host tier, on one rank")
         disk = DiskTier(
-            settings.kv_disk_path, int(settings.kv_disk_gib * GiB),
-            f"{namespace}|{settings.block_size}", model.dtype, kv_cache.block_nbytes,
+            config.cache.kv_disk_path, int(config.cache.kv_disk_gib * GiB),
+            f"{namespace}|{config.cache.block_size}", model.dtype, kv_cache.block_nbytes,
         )  # fmt: skip
-    events = _kv_events(settings, model)  # opened last: nothing above fails after it
+    events = _kv_events(config, model)  # opened last: nothing above fails after it
     tier = HostTier(slots, disk, events) if slots else None
-    blocks = BlockManager(num_blocks, settings.block_size, prefix, namespace, windows, tier, events)
+    blocks = BlockManager(
+        num_blocks, config.cache.block_size, prefix, namespace, windows, tier, events
+    )
     return kv_cache, blocks, disk
 
 
 def _runner(
     model: Transformer,
-    settings: Settings,
+    config: EngineConfig,
     kv_cache: PagedKVCache,
     backend: Backend,
     ranks: Ranks | None,
@@ -185,7 +204,7 @@ def _runner(
     device = model.device.type
     # not captured across ranks: a graph would replay its collectives unchecked
     graphs = (
-        not settings.enforce_eager
+        not config.load.enforce_eager
         and backend.name == "triton"
         and not model.tp
         and device == "cuda"
@@ -194,7 +213,7 @@ def _runner(
         model,
         kv_cache,
         decode_graphs(model, kv_cache, max_num_seqs, max_model_len) if graphs else None,
-        settings.quantization,
+        config.load.quantization,
         ranks,
         Masks(grammars),
         drafter.mirror if drafter else None,
@@ -202,23 +221,27 @@ def _runner(
     )
 
 
-def _kv_events(settings: Settings, model: Transformer) -> Quiet:
+def _kv_events(config: EngineConfig, model: Transformer) -> Quiet:
     """The prefix cache's events for routers, published by rank 0 where asked for."""
-    if settings.kv_events_endpoint is None or (model.tp is not None and model.tp.rank != 0):
+    if config.cache.kv_events_endpoint is None or (model.tp is not None and model.tp.rank != 0):
         return QUIET
     pool = "GPU" if model.device.type == "cuda" else None
-    return KVEvents(settings.kv_events_endpoint, settings.kv_events_replay_endpoint,
-                    settings.block_size, pool, not settings.kv_events_omit_token_ids)  # fmt: skip
+    return KVEvents(config.cache.kv_events_endpoint, config.cache.kv_events_replay_endpoint,
+                    config.cache.block_size, pool, not config.cache.kv_events_omit_token_ids)  # fmt: skip
 
 
-def _draft_model(draft: Transformer, s: Settings, num_blocks: int, target_vocab: int) -> DraftModel:
+def _draft_model(
+    draft: Transformer, config: EngineConfig, num_blocks: int, target_vocab: int
+) -> DraftModel:
     """The draft model's runner over its own cache: the target's blocks plus the scratch
     its proposals look ahead in."""
-    k, batch = s.num_speculative_tokens, s.speculative_max_batch
-    blocks = num_blocks + blocks_per_proposal(k, s.block_size) * batch
+    k, batch = config.speculative.num_speculative_tokens, config.speculative.speculative_max_batch
+    blocks = num_blocks + blocks_per_proposal(k, config.cache.block_size) * batch
     backend = select_backend(
-        s.attention_backend, draft.device, draft.dtype, draft.cfg, s.block_size
+        config.load.attention_backend, draft.device, draft.dtype, draft.cfg, config.cache.block_size
     )
-    cache = PagedKVCache(draft.cfg, blocks, s.block_size, draft.dtype, draft.device, backend)
-    runner = ModelRunner(draft, cache, None, s.quantization)
+    cache = PagedKVCache(
+        draft.cfg, blocks, config.cache.block_size, draft.dtype, draft.device, backend
+    )
+    runner = ModelRunner(draft, cache, None, config.load.quantization)
     return DraftModel(runner, num_blocks, k, batch, target_vocab)

@@ -34,7 +34,7 @@ import numpy as np
 from service.engine.request import Request
 
 if TYPE_CHECKING:
-    from service.config import Settings
+    from service.config import SpeculativeConfig
     from service.engine.exec.draft import DraftModel
 
 # n-gram lookup: the longest suffix of 4 down to 2 tokens that occurred before
@@ -86,11 +86,13 @@ class Speculator:
     while it pays, one step in PROBE_EVERY goes without drafts to keep the comparison
     current."""
 
-    def __init__(self, settings: Settings, max_model_len: int, draft: DraftModel | None) -> None:
-        self.method = settings.speculative_method
-        self.k = settings.num_speculative_tokens
-        self.max_batch = settings.speculative_max_batch
-        self.min_speedup = settings.speculative_min_speedup
+    def __init__(
+        self, config: SpeculativeConfig, max_model_len: int, draft: DraftModel | None
+    ) -> None:
+        self.method = config.speculative_method
+        self.k = config.num_speculative_tokens
+        self.max_batch = config.speculative_max_batch
+        self.min_speedup = config.speculative_min_speedup
         self.max_model_len = max_model_len
         self.draft = draft
         self.rates: dict[bool, float | None] = {True: None, False: None}  # with drafts or not

@@ -18,10 +18,10 @@ from model.backends.device import dtype_name
 from model.transformer import Transformer
 
 if TYPE_CHECKING:
-    from service.config import Settings
+    from service.config import EngineConfig
 
 
-def cuda_kv_budget(model: Transformer, settings: Settings, max_num_seqs: int) -> int:
+def cuda_kv_budget(model: Transformer, config: EngineConfig, max_num_seqs: int) -> int:
     """Bytes the KV pool may take on the model's GPU."""
     device = model.device
     torch.cuda.synchronize(device)
@@ -29,7 +29,7 @@ def cuda_kv_budget(model: Transformer, settings: Settings, max_num_seqs: int) ->
     free, total = torch.cuda.mem_get_info(device)
     others = total - free - torch.cuda.memory_reserved(device)
     torch.cuda.reset_peak_memory_stats(device)
-    n = min(settings.max_num_batched_tokens, model.cfg.max_position)
+    n = min(config.scheduler.max_num_batched_tokens, model.cfg.max_position)
     rows = torch.arange(min(n, max_num_seqs), device=device)
     with torch.inference_mode():  # the worst-case step, kept as the peak
         model(torch.zeros(n, dtype=torch.long, device=device), logits_indices=rows)
@@ -38,11 +38,11 @@ def cuda_kv_budget(model: Transformer, settings: Settings, max_num_seqs: int) ->
     # the sampler's fp32 copies of the logits (logits, probabilities, noise, a sort) and
     # the graphs' outputs: a reserve, since neither exists yet
     reserve = 5 * max_num_seqs * model.cfg.vocab_size * 4
-    return int(total * settings.gpu_memory_utilization) - peak - others - reserve
+    return int(total * config.cache.gpu_memory_utilization) - peak - others - reserve
 
 
 def kv_block_budget(
-    model: Transformer, settings: Settings, max_num_seqs: int, draft: Transformer | None = None
+    model: Transformer, config: EngineConfig, max_num_seqs: int, draft: Transformer | None = None
 ) -> tuple[int, int]:
     """Number of KV blocks of the pool, and of the windowed layers' own pool (0: none):
     num_kv_blocks, or from the memory budget of the model's device (max_num_seqs: the
@@ -55,16 +55,18 @@ def kv_block_budget(
     is windowed keeps all its K/V there (num_kv_blocks sizes that pool); its block
     tables then hold no K/V (PagedKVCache: no bytes), only ids that chain the prefix
     cache. Not with a draft model, which keeps its K/V of every token under those ids."""
-    cfg, dtype, block_size = model.local_cfg, dtype_name(model.dtype), settings.block_size
-    max_len = min(settings.max_model_len or model.cfg.max_position, model.cfg.max_position)
+    cfg, dtype, block_size = model.local_cfg, dtype_name(model.dtype), config.cache.block_size
+    max_len = min(config.scheduler.max_model_len or model.cfg.max_position, model.cfg.max_position)
     need = -(-max_len // block_size)
     if window_pool_only(model, draft):
         window_block = block_size * kv_bytes_per_token(cfg, dtype)
-        window_blocks = settings.num_kv_blocks
+        window_blocks = config.cache.num_kv_blocks
         if window_blocks is None:
-            budget = _budget(model, settings, max_num_seqs)
+            budget = _budget(model, config, max_num_seqs)
             window_blocks = max(0, budget) // window_block
-            one = min(need, window_span_blocks(cfg, block_size, settings.max_num_batched_tokens))
+            one = min(
+                need, window_span_blocks(cfg, block_size, config.scheduler.max_num_batched_tokens)
+            )
             _check_fits(model, budget, window_blocks, one, one * window_block, max_len, block_size)
         # ids for every token of the running sequences, and as many again as the window
         # pool has blocks for the prefix cache's chains (each id costs host memory)
@@ -78,10 +80,12 @@ def kv_block_budget(
     window_block = block_size * kv_bytes_per_token(cfg, dtype, windowed)
     most = 0
     if windowed:
-        most = window_pool_blocks(cfg, block_size, max_num_seqs, settings.max_num_batched_tokens)
-    if settings.num_kv_blocks is not None:
-        return settings.num_kv_blocks, min(most, settings.num_kv_blocks)
-    budget = _budget(model, settings, max_num_seqs)
+        most = window_pool_blocks(
+            cfg, block_size, max_num_seqs, config.scheduler.max_num_batched_tokens
+        )
+    if config.cache.num_kv_blocks is not None:
+        return config.cache.num_kv_blocks, min(most, config.cache.num_kv_blocks)
+    budget = _budget(model, config, max_num_seqs)
     # no more window blocks than global ones: a sequence never holds more of them
     window_blocks = min(most, max(0, budget) // (per_block + window_block))
     blocks = max(0, budget - window_blocks * window_block) // per_block
@@ -125,10 +129,10 @@ def window_pool_only(model: Transformer, draft: Transformer | None) -> bool:
     return draft is None and len(cfg.windowed_layers) == cfg.n_layers
 
 
-def _budget(model: Transformer, settings: Settings, max_num_seqs: int) -> int:
+def _budget(model: Transformer, config: EngineConfig, max_num_seqs: int) -> int:
     if model.device.type == "cuda":
-        return cuda_kv_budget(model, settings, max_num_seqs)
-    return settings.kv_cache_bytes
+        return cuda_kv_budget(model, config, max_num_seqs)
+    return config.cache.kv_cache_bytes
 
 
 def _check_fits(

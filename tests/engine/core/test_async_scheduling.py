@@ -189,10 +189,10 @@ def test_pending_tokens_read_as_placeholders() -> None:
 
 
 def test_async_scheduling_setting() -> None:
-    assert Settings().async_steps("cuda") and not Settings().async_steps("cpu")
-    assert Settings(async_scheduling="on").async_steps("cpu")
-    assert not Settings(async_scheduling="off").async_steps("cuda")
-    assert not Settings(speculative_method="ngram").async_steps("cuda")  # auto: off
+    assert Settings().engine.async_steps("cuda") and not Settings().engine.async_steps("cpu")
+    assert Settings(async_scheduling="on").engine.async_steps("cpu")
+    assert not Settings(async_scheduling="off").engine.async_steps("cuda")
+    assert not Settings(speculative_method="ngram").engine.async_steps("cuda")  # auto: off
     with pytest.raises(ValueError, match="async_scheduling"):
         Settings(async_scheduling="on", speculative_method="ngram")
     with pytest.raises(ValueError, match="async_scheduling must be one of"):

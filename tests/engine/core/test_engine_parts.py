@@ -44,10 +44,10 @@ class ScriptedRunner:
 
 
 def scripted_engine(script: list[int]) -> tuple[LLMEngine, ScriptedRunner]:
-    model, settings = small_model(), Settings(num_kv_blocks=64, block_size=4)
+    model, config = small_model(), Settings(num_kv_blocks=64, block_size=4).engine
     runner = ScriptedRunner(script)
-    parts = dataclasses.replace(assemble(model, tokenizer(), settings, None), runner=runner)
-    return LLMEngine(model, tokenizer(), settings, parts=parts), runner
+    parts = dataclasses.replace(assemble(model, tokenizer(), config, None), runner=runner)
+    return LLMEngine(parts, config), runner
 
 
 def test_an_engine_from_injected_parts_steps_on_a_scripted_runner() -> None:

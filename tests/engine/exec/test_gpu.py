@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[3]
 def cuda_engine(model, **settings) -> LLMEngine:
     defaults = dict(num_kv_blocks=256, block_size=16, max_num_seqs=16, max_num_batched_tokens=256)
     defaults.update(settings)
-    return LLMEngine(model, tokenizer(), Settings(**defaults))
+    return LLMEngine.build(model, tokenizer(), Settings(**defaults).engine)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -129,13 +129,13 @@ def test_speculation_on_cuda_gives_the_graphs_tokens(method: str) -> None:
     requests = copy_requests(4, 40)
     want = run_all(cuda_engine(model), requests)
     draft = dict(speculative_model="in-memory") if method == "draft" else {}
-    engine = LLMEngine(
+    engine = LLMEngine.build(
         model,
         tokenizer(),
         Settings(
             num_kv_blocks=256, block_size=16, max_num_seqs=16, max_num_batched_tokens=256,
             speculative_method=method, speculative_min_speedup=0, **draft,
-        ),
+        ).engine,
         draft=model if method == "draft" else None,
     )  # fmt: skip
     assert engine.runner.graphs is not None
@@ -158,7 +158,9 @@ def test_structured_outputs_on_cuda() -> None:
     from tests.api.json_schemas import SCHEMAS
 
     model = build_demo_model(torch.bfloat16, torch.device("cuda"))
-    engine = LLMEngine(model, Tokenizer.default(), Settings(num_kv_blocks=1024, max_num_seqs=16))
+    engine = LLMEngine.build(
+        model, Tokenizer.default(), Settings(num_kv_blocks=1024, max_num_seqs=16).engine
+    )
     prompt = engine.tokenizer.encode("Answer in JSON:")
     requests = {
         f"{name}/{t}": (prompt, SamplingParams(max_tokens=300, temperature=t, seed=1, constraint=Constraint("json", json.dumps(schema), "response_format")))

@@ -45,7 +45,7 @@ def test_int8_logits_stay_close_to_bf16(tmp_path: Path) -> None:
     for quantization in ("none", "int8"):
         loaded = load(tmp_path, torch.bfloat16, torch.device("cpu"))
         settings = Settings(num_kv_blocks=64, attention_backend="cpu", quantization=quantization)
-        engines[quantization] = LLMEngine(loaded.model, loaded.tokenizer, settings)
+        engines[quantization] = LLMEngine.build(loaded.model, loaded.tokenizer, settings.engine)
         models[quantization] = engines[quantization].model
     assert models["int8"].layers[0].attn.wo.int8
     qkv = models["int8"].layers[0].attn.wqkv  # 96 rows: padded to two 64-feature blocks

@@ -78,7 +78,7 @@ def test_two_ranks_give_one_ranks_logits_and_tokens(
         assert got["kv_blocks"] > 2 * ref["kv_blocks"]
     else:
         assert got["kv_blocks"] // (2 if split else 1) == ref["kv_blocks"]
-    budget = settings(str(ckpt), 2).kv_cache_bytes  # per rank
+    budget = settings(str(ckpt), 2).engine.cache.kv_cache_bytes  # per rank
     assert budget - got["kv_pool_bytes"] < 2 * got["kv_pool_bytes"] / pool
 
 

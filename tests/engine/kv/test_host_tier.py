@@ -199,9 +199,9 @@ def test_the_default_host_tier_fits_the_machine_and_its_container(monkeypatch) -
     monkeypatch.setattr(memory, "_read_int", lambda path, field=None: files.get(path, 0))
     assert memory.available_ram() == 4 * gib
     settings = Settings()
-    assert settings.host_tier_bytes("cuda", memory.available_ram()) == gib
-    assert settings.host_tier_bytes("cuda", 64 * gib) == 8 * gib
-    assert settings.host_tier_bytes("cpu", 64 * gib) == 0
-    assert Settings(kv_host_gib=0.5).host_tier_bytes("cpu", 0) == gib // 2
+    assert settings.engine.host_tier_bytes("cuda", memory.available_ram()) == gib
+    assert settings.engine.host_tier_bytes("cuda", 64 * gib) == 8 * gib
+    assert settings.engine.host_tier_bytes("cpu", 64 * gib) == 0
+    assert Settings(kv_host_gib=0.5).engine.host_tier_bytes("cpu", 0) == gib // 2
     del files["/sys/fs/cgroup/memory.max"]  # no limit: the machine's
     assert memory.available_ram() == 64 * gib

@@ -31,7 +31,7 @@ from tests.factories import write_llama, write_tokenizer
 def demo() -> LLMEngine:
     """The random demo model over cl100k (100k tokens)."""
     settings = Settings(num_kv_blocks=1024, max_num_seqs=16, max_num_batched_tokens=256)
-    return LLMEngine(build_demo_model(torch.float32), Tokenizer.default(), settings)
+    return LLMEngine.build(build_demo_model(torch.float32), Tokenizer.default(), settings.engine)
 
 
 def sample(c: Constraint, seed: int, max_tokens: int = 200, **kw: object) -> SamplingParams:
@@ -112,7 +112,7 @@ def test_preemption_and_n_keep_each_sequences_place_in_the_grammar() -> None:
     """A pool too small for the batch preempts (and recomputes) constrained sequences;
     n > 1 siblings each have their own matcher."""
     settings = Settings(num_kv_blocks=24, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
-    engine = LLMEngine(build_demo_model(torch.float32), Tokenizer.default(), settings)
+    engine = LLMEngine.build(build_demo_model(torch.float32), Tokenizer.default(), settings.engine)
     prompt = engine.tokenizer.encode("Answer in JSON: " * 3)
     requests = {
         f"r{i}": (prompt, sample(json_constraint("nested_object"), i, max_tokens=80, n=2))
@@ -147,7 +147,7 @@ def test_a_parity_checkpoint_with_its_own_tokenizer(tmp_path: Path) -> None:
     write_llama(tmp_path, tied=True)
     write_tokenizer(tmp_path)
     loaded = load(tmp_path, torch.float32, torch.device("cpu"))
-    engine = LLMEngine(loaded.model, loaded.tokenizer, Settings(num_kv_blocks=256))
+    engine = LLMEngine.build(loaded.model, loaded.tokenizer, Settings(num_kv_blocks=256).engine)
     prompt = [5, 6, 7, 8]
     requests = {
         f"{name}/{seed}": (prompt, sample(json_constraint(name), seed, max_tokens=250))
@@ -190,8 +190,10 @@ def test_forced_text_takes_no_steps_of_its_own(demo: LLMEngine) -> None:
     c = Constraint("choice", json.dumps([choice]), "guided_choice")
     prompt = demo.tokenizer.encode("Say it:")
     settings = Settings(num_kv_blocks=1024, max_num_seqs=16, max_num_batched_tokens=256)
-    sampled_every_token = LLMEngine(
-        demo.runner.model, demo.tokenizer, dataclasses.replace(settings, disable_jump_forward=True)
+    sampled_every_token = LLMEngine.build(
+        demo.runner.model,
+        demo.tokenizer,
+        dataclasses.replace(settings, disable_jump_forward=True).engine,
     )
     cases = {
         "jump": (demo, sample(c, 0, max_tokens=64)),
@@ -229,18 +231,15 @@ def test_forced_text_beside_a_draft_model(demo: LLMEngine) -> None:
     tok = demo.tokenizer
     prompt = tok.encode("Say it:")
     settings = Settings(num_kv_blocks=1024, max_num_seqs=16, max_num_batched_tokens=256)
-    drafting = LLMEngine(
+    drafting = LLMEngine.build(
         demo.runner.model,
         tok,
-        dataclasses.replace(
-            settings,
-            speculative_method="draft",
-            speculative_model="in-memory",
-            speculative_min_speedup=0,
-        ),
+        settings.replace(
+            speculative_method="draft", speculative_model="in-memory", speculative_min_speedup=0
+        ).engine,
         draft=demo.runner.model,
     )
-    plain = LLMEngine(demo.runner.model, tok, settings)
+    plain = LLMEngine.build(demo.runner.model, tok, settings.engine)
     beside = {f"u{i}": (tok.encode(f"Count to {i + 3}:"), greedy(24)) for i in range(2)}
     got = run_all(drafting, {"c": (prompt, sample(c, 0, max_tokens=40))} | beside)
     text = "".join(o.text for o in got["c"])
