@@ -9,12 +9,13 @@ import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
 from model.backends.cpu.isa import cpu_isa
 from service.bench_report import cpu_model
-from tests.factories import Server, start_server
+from tests.factories import ENGINE_MODES, Server, start_server
 
 ROWS: list[Row] = []
 
@@ -48,6 +49,10 @@ def row(request: pytest.FixtureRequest) -> Iterator[Row]:
     entry = Row(scenario=doc)
     start = time.monotonic()
     yield entry
+    callspec = getattr(request.node, "callspec", None)
+    modes = [v for v in (callspec.params.values() if callspec else ()) if v in ENGINE_MODES]
+    if modes and modes[0] not in entry.load:  # which transport the row is of
+        entry.load += f", {modes[0]}"
     entry.seconds = time.monotonic() - start
     entry.outcome = request.node.stash.get(_OUTCOME, "error")
     ROWS.append(entry)
@@ -73,11 +78,34 @@ ORDER = (
 )
 
 
-def harness(tmp_dir: object, *args: str, fault: str | None = None) -> Server:
+def harness(
+    tmp_dir: object, *args: str, fault: str | None = None, mode: str = "engine-thread"
+) -> Server:
     """A live `kvserve serve` through tests.reliability.harness (its /debug/state, and the
-    fault `fault` injected)."""
+    fault `fault` injected), its engine core in a thread or a process (mode: a key of
+    ENGINE_MODES)."""
     env = {"KVSERVE_TEST_FAULT": fault} if fault else None
+    args = ("--engine-process", ENGINE_MODES[mode], *args)
     return start_server(str(tmp_dir), *args, module="tests.reliability.harness", env=env)
+
+
+@pytest.fixture(params=list(ENGINE_MODES))
+def mode(request: pytest.FixtureRequest) -> str:
+    """A scenario run against both transports: the engine core in a thread, in a process."""
+    return request.param
+
+
+def engine_process(front: int) -> int:
+    """The pid of the engine core process a `kvserve serve --engine-process on` started."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == front and cmdline.startswith(b"kvserve: engine core"):
+            return int(stat.parent.name)
+    raise AssertionError(f"no engine process under {front}")
 
 
 def _git(*args: str) -> str:

@@ -1,15 +1,16 @@
 """`python -m tests.reliability.harness serve ...`: the real `kvserve serve`, plus what the
 reliability tests need to look inside and to break it on purpose.
 
-- GET /debug/state: process RSS, Python objects tracked by the garbage collector (total
-  and per kvserve class) and those frozen out of its sight after the load, and the
-  engine's and API's per-request tables.
+- GET /debug/state: process RSS, Python objects tracked by the garbage collector (total,
+  per kvserve class, and the 80 most numerous types: where a growth comes from) and those
+  frozen out of its sight after the load, and the engine's and API's per-request tables.
 - KVSERVE_TEST_FAULT=nan-token:ID  turns the embedding of token ID into NaN, so
   any request whose prompt holds ID gets non-finite logits.
 - KVSERVE_TEST_FAULT=die-on-token:ID  makes the engine loop raise as soon as a request
   whose prompt holds ID is running: the loop itself dies.
 - raise-in-add:ID / raise-in-update:ID  a bug hit by a request whose prompt holds ID, in
-  the engine's add_request (after it queued the request) or while it takes a new token.
+  the engine's add (after it queued the request) or while it takes a new token.
+Faults are installed in the engine's process too, where it has its own.
 - raise-in-observer:0  the metrics observer raises on every engine step.
 - collide-prefix:0  every prefix-cache key is the same (a forged collision at its worst).
 - encode-off-loop:0  the tokenizer raises if it is called on a thread running an event
@@ -65,6 +66,7 @@ def _debug_state(app: Any) -> dict[str, Any]:
         "gc_objects": len(objects),
         "gc_frozen": gc.get_freeze_count(),
         "tracked": {name.rpartition(".")[2]: by_type.get(name, 0) for name in TRACKED},
+        "most": dict(by_type.most_common(80)),
         "engine_requests": requests,
         "engine_streams": len(engine._streams),
         "inflight": state.inflight,
@@ -91,15 +93,15 @@ def _install_fault(spec: str) -> None:
     kind, _, arg = spec.partition(":")
     token = int(arg)
     if kind == "raise-in-add":
-        add = LLMEngine.add_request
+        add = LLMEngine.add
 
-        def failing_add(self: LLMEngine, request_id: str, prompt_ids: list, params: Any) -> Any:
-            ids = add(self, request_id, prompt_ids, params)
-            if token in prompt_ids:
+        def failing_add(self: LLMEngine, request_id: str, checked: Any) -> Any:
+            ids = add(self, request_id, checked)
+            if token in checked.prompt_ids:
                 raise RuntimeError(f"injected fault in add_request (token {token})")
             return ids
 
-        LLMEngine.add_request = failing_add  # type: ignore[method-assign]
+        LLMEngine.add = failing_add  # type: ignore[method-assign]
         return
     if kind == "raise-in-update":
         from service.engine.core.postprocess import PostProcessor
@@ -168,8 +170,11 @@ def _install_fault(spec: str) -> None:
         raise SystemExit(f"unknown KVSERVE_TEST_FAULT {spec!r}")
 
 
-if __name__ == "__main__":
+# in the server's process, and (spawn runs this module again as __mp_main__) in an engine
+# process it starts (--engine-process on): the faults are where the engine runs
+if __name__ in ("__main__", "__mp_main__"):
     for fault in filter(None, os.environ.get("KVSERVE_TEST_FAULT", "").split(",")):
         _install_fault(fault)
+if __name__ == "__main__":
     service.server.create_app = _with_debug_route(service.server.create_app)
     sys.exit(main(sys.argv[1:]))

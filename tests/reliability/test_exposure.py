@@ -56,12 +56,12 @@ ALLOWED = [
 ]  # fmt: skip
 
 
-def test_hostile_tool_schemas(tmp_path, row: Row) -> None:
+def test_hostile_tool_schemas(tmp_path, row: Row, mode: str) -> None:
     """Hostile tool schemas"""
     path = tmp_path / "qwen3"
     write_qwen3(path, max_position_embeddings=2048)
     write_qwen_tokenizer(path, TEMPLATE, '{"name": "add", "arguments": {"a": 1}}', thinks=False)
-    server = harness(tmp_path, "--model", str(path))
+    server = harness(tmp_path, "--model", str(path), mode=mode)
     refused, held = [], []
     try:
         with httpx.Client(base_url=server.url, timeout=300) as client:
@@ -103,11 +103,11 @@ def test_hostile_tool_schemas(tmp_path, row: Row) -> None:
     assert health["kv_cache"]["blocks_used"] == 0
 
 
-def test_kv_events_malformed_frames(tmp_path, row: Row) -> None:
+def test_kv_events_malformed_frames(tmp_path, row: Row, mode: str) -> None:
     """KV events replay socket fed malformed frames"""
     replay = f"tcp://127.0.0.1:{free_port()}"
     server = harness(tmp_path, "--kv-events-endpoint", f"tcp://127.0.0.1:{free_port()}",
-                     "--kv-events-replay-endpoint", replay)  # fmt: skip
+                     "--kv-events-replay-endpoint", replay, mode=mode)  # fmt: skip
     shapes = [[b"x"], [b"", b"1", b"2", b"3"], [b"no-delimiter", b"12345678"], [b"", b"short"],
               [b"", b"\xff" * 8 * 1000]]  # fmt: skip
     ctx = zmq.Context()
@@ -159,7 +159,7 @@ def _sample(text: str, name: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
-def test_disk_tier_permissions_and_failed_writes(tmp_path, row: Row) -> None:
+def test_disk_tier_permissions_and_failed_writes(tmp_path, row: Row, mode: str) -> None:
     """Disk tier permissions and failed writes"""
     disk = tmp_path / "kv"
     flags = ("--num-kv-blocks", "48", "--block-size", "16", "--kv-host-gib", "0.002")
@@ -167,7 +167,7 @@ def test_disk_tier_permissions_and_failed_writes(tmp_path, row: Row) -> None:
     def serve_turns(n: int) -> int:
         """A server on the disk tier: n conversations through it, then SIGTERM (which
         writes every cached block). Its exit status."""
-        server = harness(tmp_path, *flags, "--kv-disk-path", str(disk))
+        server = harness(tmp_path, *flags, "--kv-disk-path", str(disk), mode=mode)
         try:
             for i in range(n):
                 body = {"prompt": f"conversation {i} " * 60, "max_tokens": 2}

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.reliability.conftest import Row, harness
+from tests.reliability.conftest import Row, engine_process, harness
 
 pytestmark = pytest.mark.reliability  # make test-fast leaves these out
 
@@ -40,9 +40,9 @@ async def complete(
     return {"status": resp.status_code, "text": text, "error": error}
 
 
-def test_non_finite_logits_fail_only_that_request(tmp_path, row: Row) -> None:
+def test_non_finite_logits_fail_only_that_request(tmp_path, row: Row, mode: str) -> None:
     """Non-finite logits in one request"""
-    server = harness(tmp_path, fault=f"nan-token:{POISON}")
+    server = harness(tmp_path, fault=f"nan-token:{POISON}", mode=mode)
     try:
         prompts = [f"Healthy request {i} goes on" for i in range(8)]
 
@@ -92,9 +92,9 @@ async def health_turns(client: httpx.AsyncClient, t0: float) -> tuple[float | No
     return None, statuses
 
 
-def test_engine_death_fails_health_and_exits_non_zero(tmp_path, row: Row) -> None:
+def test_engine_death_fails_health_and_exits_non_zero(tmp_path, row: Row, mode: str) -> None:
     """Engine loop dies"""
-    server = harness(tmp_path, fault=f"die-on-token:{FATAL}")
+    server = harness(tmp_path, fault=f"die-on-token:{FATAL}", mode=mode)
     try:
 
         async def main() -> tuple[dict, float | None, list[int]]:
@@ -133,11 +133,14 @@ def test_engine_death_fails_health_and_exits_non_zero(tmp_path, row: Row) -> Non
 ADD_BUG, UPDATE_BUG = 77771, 77772
 
 
-def test_exceptions_inside_the_engine_fail_only_their_request(tmp_path, row: Row) -> None:
+def test_exceptions_inside_the_engine_fail_only_their_request(
+    tmp_path, row: Row, mode: str
+) -> None:
     """Engine exceptions in add, update and the metrics observer"""
     server = harness(
         tmp_path,
         fault=f"raise-in-add:{ADD_BUG},raise-in-update:{UPDATE_BUG},raise-in-observer:0",
+        mode=mode,
     )
     try:
         prompts = [f"Healthy request {i} goes on" for i in range(8)]
@@ -190,19 +193,6 @@ def test_exceptions_inside_the_engine_fail_only_their_request(tmp_path, row: Row
     assert "metrics observer failed" in log
 
 
-def engine_process(front: int) -> int:
-    """The pid of the engine core process a `kvserve serve --engine-process on` started."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            cmdline = (stat.parent / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if int(fields[1]) == front and cmdline.startswith(b"kvserve: engine core"):
-            return int(stat.parent.name)
-    raise AssertionError(f"no engine process under {front}")
-
-
 def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -213,7 +203,7 @@ def alive(pid: int) -> bool:
 
 def test_engine_process_killed_fails_health_and_exits_non_zero(tmp_path, row: Row) -> None:
     """Engine process killed (kill -9)"""
-    server = harness(tmp_path, "--engine-process", "on")
+    server = harness(tmp_path, mode="engine-process")
     try:
         engine = engine_process(server.proc.pid)
 
@@ -247,7 +237,7 @@ def test_engine_process_killed_fails_health_and_exits_non_zero(tmp_path, row: Ro
 
 def test_front_process_killed_takes_the_engine_process_with_it(tmp_path, row: Row) -> None:
     """Engine process outliving its front"""
-    server = harness(tmp_path, "--engine-process", "on")
+    server = harness(tmp_path, mode="engine-process")
     try:
         engine = engine_process(server.proc.pid)
         assert alive(engine)

@@ -69,7 +69,7 @@ def test_grammar_setup_beside_a_stream(tmp_path, row: Row, mode: str) -> None:
     """Grammar set-up beside a stream"""
     rng = random.Random(0)
     regexes = [big_regex(rng) for _ in range(HEAVY)]
-    server = harness(tmp_path, "--engine-process", ENGINE_MODES[mode])
+    server = harness(tmp_path, mode=mode)
 
     async def run() -> tuple[list, str, list[dict], float, float]:
         gaps: list[tuple[float, float]] = []

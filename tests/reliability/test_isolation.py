@@ -25,9 +25,9 @@ def complete(client: httpx.Client, prompt: list[int], salt: str | None = None) -
     return out["choices"][0]["text"], out["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-def test_forged_collisions_and_salts(tmp_path, row: Row) -> None:
+def test_forged_collisions_and_salts(tmp_path, row: Row, mode: str) -> None:
     """Forged prefix-cache collisions and cache_salt"""
-    server = harness(tmp_path, fault="collide-prefix:0")
+    server = harness(tmp_path, fault="collide-prefix:0", mode=mode)
     try:  # every key is the same: the cache holds one block, the victim's first
         with httpx.Client(base_url=server.url, timeout=60) as c:
             victim, _ = complete(c, VICTIM)
@@ -36,7 +36,7 @@ def test_forged_collisions_and_salts(tmp_path, row: Row) -> None:
             again, victim_hit = complete(c, VICTIM)
     finally:
         server.stop()
-    plain = harness(tmp_path)
+    plain = harness(tmp_path, mode=mode)
     try:
         with httpx.Client(base_url=plain.url, timeout=60) as c:
             complete(c, VICTIM, salt="tenant-1")

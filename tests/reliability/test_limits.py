@@ -55,9 +55,9 @@ def pct(gaps: list[float], q: float) -> float:
     return statistics.quantiles(gaps, n=100)[int(q) - 1]
 
 
-def test_heavy_and_oversized_requests_beside_a_stream(tmp_path, row: Row) -> None:
+def test_heavy_and_oversized_requests_beside_a_stream(tmp_path, row: Row, mode: str) -> None:
     """Oversized logit_bias / stop requests beside a stream"""
-    server = harness(tmp_path)
+    server = harness(tmp_path, mode=mode)
     try:
 
         async def main() -> tuple[list[float], list[float], tuple, list[int], list[dict]]:
@@ -101,10 +101,10 @@ def test_heavy_and_oversized_requests_beside_a_stream(tmp_path, row: Row) -> Non
     assert beside_tokens == 120 and health["kv_cache"]["blocks_used"] == 0
 
 
-def test_tokenizing_runs_off_the_event_loop(tmp_path) -> None:
+def test_tokenizing_runs_off_the_event_loop(tmp_path, mode: str) -> None:
     """With the tokenizer refusing to run on the event loop's thread, every route that
     tokenizes (a prompt, chat messages through the template, /tokenize) still answers."""
-    server = harness(tmp_path, fault="encode-off-loop:0")
+    server = harness(tmp_path, fault="encode-off-loop:0", mode=mode)
     try:
         with httpx.Client(base_url=server.url, timeout=60) as c:
             text = {"prompt": "tokenize me " * 2000, "max_tokens": 2}
@@ -136,9 +136,9 @@ with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
 """
 
 
-def test_prompt_logprobs_at_their_size_cap_beside_a_stream(tmp_path, row: Row) -> None:
+def test_prompt_logprobs_at_their_size_cap_beside_a_stream(tmp_path, row: Row, mode: str) -> None:
     """Prompt logprobs at their size cap beside a stream"""
-    server = harness(tmp_path)
+    server = harness(tmp_path, mode=mode)
     bodies = [["/v1/completions", SCORED | {"prompt": PROMPT_IDS[:6]}]] * 3 + [
         ["/v1/completions", SCORED | {"prompt": PROMPT_IDS}],
         ["/v1/chat/completions", CHAT_OVER],

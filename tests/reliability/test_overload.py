@@ -25,12 +25,11 @@ def server(
 ) -> Iterator[Server]:
     srv = harness(
         tmp_path_factory.mktemp("overload"),
-        "--engine-process",
-        ENGINE_MODES[request.param],
         "--max-num-seqs",
         str(MAX_SEQS),
         "--max-queue",
         str(MAX_QUEUE),
+        mode=request.param,
     )
     srv.mode = request.param
     yield srv

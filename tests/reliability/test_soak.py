@@ -12,24 +12,28 @@ import random
 import time
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.factories import Server
-from tests.reliability.conftest import Row, harness
+from tests.factories import ENGINE_MODES, Server
+from tests.reliability.conftest import Row, engine_process, harness
 
 pytestmark = pytest.mark.reliability  # make test-fast leaves these out
 
-SOAK_S = float(os.environ.get("KVSERVE_SOAK_SECONDS", "45"))
+SOAK_S = float(os.environ.get("KVSERVE_SOAK_SECONDS", "20"))  # per transport
 WARMUP_S = 10.0
 CONCURRENCY = 8
 PER_REQUEST = ("Request", "RequestOutput", "TextState", "_Stream", "Admission")
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = harness(tmp_path_factory.mktemp("soak"))
+@pytest.fixture(scope="module", params=list(ENGINE_MODES))
+def server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    srv = harness(tmp_path_factory.mktemp("soak"), mode=request.param)
+    srv.mode = request.param
     yield srv
     srv.stop()
 
@@ -119,6 +123,12 @@ def run_traffic(
     return asyncio.run(main())
 
 
+def rss_mib(pid: int) -> float:
+    """A process's resident memory, from /proc."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(ln for ln in status.splitlines() if ln.startswith("VmRSS:")).split()[1]) / 1024
+
+
 def settled_state(server: Server) -> dict:
     server.wait_idle(timeout=30)
     return httpx.get(server.url + "/debug/state", timeout=30).json()
@@ -128,10 +138,13 @@ def test_soak_returns_to_baseline(server: Server, row: Row) -> None:
     """Soak (steady mixed traffic)"""
     run_traffic(server, WARMUP_S, seed=1)  # allocator pools and caches reach steady state
     base = settled_state(server)
+    core = engine_process(server.proc.pid) if server.mode == "engine-process" else None
+    core_base = rss_mib(core) if core is not None else 0.0
     t0 = time.monotonic()
     seen = run_traffic(server, SOAK_S, seed=2, min_requests=MIN_REQUESTS)
     window = time.monotonic() - t0
     end = settled_state(server)
+    core_growth = rss_mib(core) - core_base if core is not None else 0.0
     health = server.health()
 
     total = sum(seen.values())
@@ -157,6 +170,8 @@ def test_soak_returns_to_baseline(server: Server, row: Row) -> None:
         + ", ".join(f"{k} {end['tracked'][k]}" for k in PER_REQUEST)
         + f"; KV blocks used {health['kv_cache']['blocks_used']}"
     )
+    if core is not None:
+        row.add(f"engine process RSS {core_base:.0f} → {core_base + core_growth:.0f} MiB")
     row.add(f"unexpected statuses: {sum(unexpected.values())}")
 
     assert unexpected == {}
@@ -168,4 +183,4 @@ def test_soak_returns_to_baseline(server: Server, row: Row) -> None:
     assert base["gc_objects"] < base["gc_frozen"] / 10
     # a leak of even one object per request would grow by `total`; idle noise is ~±200
     assert growth < total / 2
-    assert rss_growth < 64
+    assert rss_growth < 64 and core_growth < 64

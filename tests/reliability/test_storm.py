@@ -28,12 +28,11 @@ def server(
     # a small step budget spreads the longer prompts' prefill over several steps
     srv = harness(
         tmp_path_factory.mktemp("storm"),
-        "--engine-process",
-        ENGINE_MODES[request.param],
         "--max-num-seqs",
         "32",
         "--max-num-batched-tokens",
         "256",
+        mode=request.param,
     )
     srv.mode = request.param
     yield srv

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from dataclasses import replace
 from itertools import count
+
+from msgspec.structs import replace
 
 from service.engine.kv.disk_tier import Link
 from service.engine.kv.host_tier import Copies, HostTier

@@ -7,15 +7,18 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
+
+import msgspec
 
 
-@dataclass(frozen=True, slots=True)
-class Cached:
+class Cached(msgspec.Struct, frozen=True, gc=False):
     """A cached block's record, what every hit on it is checked against: its key, its
     tokens, the entry it was computed on top of, its own entry id, and its parent's key.
     The device pool keeps one per cached block (blocks.py), the host tier one per slot,
-    and a disk file holds the same fields (but the entry id, which is this run's)."""
+    and a disk file holds the same fields (but the entry id, which is this run's). As
+    many as the pool has blocks, they hold bytes and numbers alone: the garbage
+    collector does not track them (gc=False), and the pool's size adds nothing to a
+    collection."""
 
     key: bytes
     tokens: tuple[int, ...]

@@ -155,8 +155,12 @@ class InThread:
 
     def _read(self, deliver: Deliver, gone: Callable[[], None]) -> None:
         try:
-            while (message := self.side.outbox.get()) is not None:
+            while True:
+                message = self.side.outbox.get()
+                if message is None:
+                    return
                 deliver(message)
+                del message  # an idle core sends nothing more: hold no outputs meanwhile
         finally:
             gone()
 
