@@ -33,6 +33,9 @@ class Checked:
 
     prompt_ids: list[int]
     params: SamplingParams
+    # its constraint as the checked llguidance grammar: an engine in another process
+    # takes it (Grammars.adopt) instead of validating it again
+    grammar: str | None = None
 
 
 def check_request(
@@ -50,8 +53,10 @@ def check_request(
     total = len(prompt_ids) + (0 if pools else params.max_tokens)
     if total > limits.max_model_len:
         raise _too_long(len(prompt_ids), params.max_tokens, pools, limits.max_model_len)
+    grammar = None
     if params.constraint is not None:
         grammars.check(params.constraint)  # ConstraintError: a 400 naming the param
+        grammar = grammars.compiled(params.constraint)
     if limits.blocks_for(total) > limits.num_blocks:
         capacity = limits.num_blocks * limits.block_size
         raise ContextLengthError(
@@ -59,7 +64,7 @@ def check_request(
             f"{total} tokens ({'the input' if pools else 'prompt + max_tokens'}) exceed the KV "
             f"cache capacity of {capacity} tokens",
         )
-    return Checked(prompt_ids, params)
+    return Checked(prompt_ids, params, grammar)
 
 
 def _too_long(prompt: int, max_tokens: int, pools: bool, limit: int) -> ContextLengthError:

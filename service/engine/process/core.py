@@ -22,6 +22,7 @@ from service.engine.core.stats import EngineObserver, EngineSnapshot
 from service.engine.output import RequestOutput
 from service.engine.process import wire
 from service.engine.process.transport import CoreSide, ZmqSide
+from service.engine.request import Constraint
 from service.engine.sample.structured import SETUP_POOL
 from service.proctitle import name_process
 
@@ -180,9 +181,7 @@ class Core:
         """Take every message waiting; True on Shutdown."""
         for message in self.side.take():
             if isinstance(message, wire.Add) and message.request.params.constraint is not None:
-                check = self.engine.grammars.check
-                future = SETUP_POOL.submit(check, message.request.params.constraint)
-                self.preparing[message.request_id] = (future, message)
+                self._prepare(message, message.request.params.constraint)
             elif isinstance(message, wire.Add):
                 self._add(message)
             elif isinstance(message, wire.Abort):
@@ -197,6 +196,14 @@ class Core:
             else:
                 return True
         return False
+
+    def _prepare(self, add: wire.Add, constraint: Constraint) -> None:
+        """Build the grammar's start matcher off the step, from the grammar the front
+        compiled and validated (in a thread, the front's and the core's cache are one)."""
+        grammars = self.engine.grammars
+        if add.request.grammar is not None:
+            grammars.adopt(constraint, add.request.grammar)
+        self.preparing[add.request_id] = (SETUP_POOL.submit(grammars.check, constraint), add)
 
     def _add(self, add: wire.Add) -> None:
         engine = self.engine

@@ -18,6 +18,7 @@ import json
 import os
 import string
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -134,6 +135,9 @@ class Guide:
         return m.get_error() if m.is_error() else None  # type: ignore[attr-defined]
 
 
+GRAMMARS_CACHED = 256  # compiled grammars and start matchers kept, the newest
+
+
 class Grammars:
     """llguidance for one tokenizer: the token table is built once (about half a second
     for a 100k vocabulary, much of it holding the GIL), by prepare() or else on the first
@@ -143,6 +147,8 @@ class Grammars:
         self._tokenizer, self._vocab, self._eos = tokenizer, vocab_size, list(eos_ids)
         self._lock = threading.Lock()
         self._ll: object | None = None
+        self._cache_lock = threading.Lock()
+        self._grammars: OrderedDict[Constraint, str] = OrderedDict()  # compiled, newest last
 
     @property
     def vocab_size(self) -> int:
@@ -174,8 +180,27 @@ class Grammars:
         thread, and guide() on the engine thread then copies the cached matcher."""
         self._start(c)
 
-    @functools.lru_cache(maxsize=256)  # noqa: B019 - one Grammars per engine, for its life
-    def _compiled(self, c: Constraint) -> str:
+    def compiled(self, c: Constraint) -> str:
+        """The constraint as a checked llguidance grammar (ConstraintError if it is not
+        one): converted and validated once, then cached."""
+        with self._cache_lock:
+            found = self._grammars.get(c)
+        if found is None:
+            found = self._compile(c)
+            self.adopt(c, found)
+        return found
+
+    def adopt(self, c: Constraint, grammar: str) -> None:
+        """Take `grammar` as `c`'s, checked already (by the front that sent the request,
+        check_request): the engine's process builds its matcher without validating it
+        again."""
+        with self._cache_lock:
+            self._grammars[c] = grammar
+            self._grammars.move_to_end(c)
+            while len(self._grammars) > GRAMMARS_CACHED:
+                self._grammars.popitem(last=False)
+
+    def _compile(self, c: Constraint) -> str:
         import llguidance
 
         try:
@@ -189,13 +214,13 @@ class Grammars:
             raise ConstraintError(c.param, "; ".join(messages) or "not a valid grammar")
         return grammar
 
-    @functools.lru_cache(maxsize=256)  # noqa: B019 - as _compiled
+    @functools.lru_cache(maxsize=GRAMMARS_CACHED)  # noqa: B019 - one Grammars per engine
     def _start(self, c: Constraint) -> object:
         """A matcher at the grammar's start, never advanced: each guide is a copy of it
         (a copy takes about a microsecond, a new matcher about a millisecond)."""
         import llguidance
 
-        matcher = llguidance.LLMatcher(self._lltokenizer(), self._compiled(c))
+        matcher = llguidance.LLMatcher(self._lltokenizer(), self.compiled(c))
         if matcher.is_error():
             raise ConstraintError(c.param, matcher.get_error())
         return matcher

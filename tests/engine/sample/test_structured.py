@@ -20,7 +20,7 @@ from model.tokenizer import Tokenizer
 from service.config import Settings
 from service.engine.core.engine import LLMEngine
 from service.engine.request import Constraint, SamplingParams
-from service.engine.sample.structured import ConstraintError
+from service.engine.sample.structured import ConstraintError, Grammars
 from service.engine.text.processor import Texts
 from tests.api.json_schemas import SCHEMAS
 from tests.engine.helpers import greedy, run_all, tokens_of
@@ -289,3 +289,23 @@ def test_a_constraint_holds_from_the_end_of_the_thinking(
     assert takes("maybe", answer) and takes("maybe", "<think>" + THOUGHT + answer)
     assert not takes("maybe", "<think>" + THOUGHT + wrong) and not takes("maybe", wrong)
     assert takes("", answer) and not takes("", THOUGHT + answer)
+
+
+def test_a_grammar_the_front_checked_is_not_validated_again(monkeypatch) -> None:
+    """A checked request carries its compiled grammar; an engine in another process takes
+    it (adopt) and builds its matcher without validating it once more."""
+    import llguidance
+
+    tok = Tokenizer.default()
+    front = Grammars(tok, 100277, tok.eos_ids)
+    c = json_constraint("nested_object")
+    grammar = front.compiled(c)
+    core = Grammars(tok, 100277, tok.eos_ids)
+
+    def refuse(*_: object) -> None:
+        raise AssertionError("validated again")
+
+    monkeypatch.setattr(llguidance.LLMatcher, "validate_grammar_with_warnings", refuse)
+    core.adopt(c, grammar)
+    core.check(c)
+    assert core.compiled(c) == grammar and core.guide(c).allows(tok.encode("{")[0])
