@@ -125,24 +125,6 @@ def test_a_stop_string_cuts_the_output_and_the_core_is_told_where() -> None:
     assert got[0][0].num_output_tokens == 3 and ended.stops == [] and ended.how == "close"
 
 
-def test_one_sequence_stops_while_its_sibling_runs_on() -> None:
-    """n = 2: the first sequence's stop string ends it alone; the second runs to its end,
-    and the first's later outputs are dropped."""
-    stop = TOKENIZER.decode([WORDS[1]])
-    ended = Ended()
-    items = [[out(WORDS[0], 0, count=1), out(WORDS[0], 1, count=1)],
-             [out(WORDS[1], 0, count=2), out(WORDS[2], 1, count=2)],
-             [out(WORDS[2], 0, count=3), out(WORDS[3], 1, True, count=3)]]  # fmt: skip
-    got, _ = drain(items, n=2, stop=(stop,), ended=ended)
-    (outs,) = got
-    assert [(o.index, o.token_ids, o.finished, o.num_output_tokens) for o in outs] == [
-        (0, [WORDS[0], WORDS[1]], True, 2),
-        (1, [WORDS[0], WORDS[2], WORDS[3]], True, 3),
-    ]
-    assert outs[0].text == TOKENIZER.decode([WORDS[0]])
-    assert ended.stops == [Stop("r", 2)] and ended.how == "close"
-
-
 def test_a_stream_left_before_its_end_aborts() -> None:
     ended = Ended()
     _, error = drain([[out(1)], RuntimeError("gone")], ended=ended)
