@@ -56,12 +56,13 @@ ALLOWED = [
 ]  # fmt: skip
 
 
-def test_hostile_tool_schemas(tmp_path, row: Row, mode: str) -> None:
+def test_hostile_tool_schemas(tmp_path, row: Row) -> None:
     """Hostile tool schemas"""
     path = tmp_path / "qwen3"
     write_qwen3(path, max_position_embeddings=2048)
     write_qwen_tokenizer(path, TEMPLATE, '{"name": "add", "arguments": {"a": 1}}', thinks=False)
-    server = harness(tmp_path, "--model", str(path), mode=mode)
+    # the front compiles and refuses them, the same code in either transport
+    server = harness(tmp_path, "--model", str(path))
     refused, held = [], []
     try:
         with httpx.Client(base_url=server.url, timeout=300) as client:
@@ -159,7 +160,7 @@ def _sample(text: str, name: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
-def test_disk_tier_permissions_and_failed_writes(tmp_path, row: Row, mode: str) -> None:
+def test_disk_tier_permissions_and_failed_writes(tmp_path, row: Row) -> None:
     """Disk tier permissions and failed writes"""
     disk = tmp_path / "kv"
     flags = ("--num-kv-blocks", "48", "--block-size", "16", "--kv-host-gib", "0.002")
@@ -167,7 +168,8 @@ def test_disk_tier_permissions_and_failed_writes(tmp_path, row: Row, mode: str) 
     def serve_turns(n: int) -> int:
         """A server on the disk tier: n conversations through it, then SIGTERM (which
         writes every cached block). Its exit status."""
-        server = harness(tmp_path, *flags, "--kv-disk-path", str(disk), mode=mode)
+        # the engine writes them, the same code in its thread or its process
+        server = harness(tmp_path, *flags, "--kv-disk-path", str(disk))
         try:
             for i in range(n):
                 body = {"prompt": f"conversation {i} " * 60, "max_tokens": 2}

@@ -5,8 +5,9 @@ grammar cache), sends it, and hands each step's outputs to the streams waiting f
 The routes hold this and nothing else of the engine.
 
 What the core sends arrives on one thread of the link's (a reader thread, over either
-transport, never the core's own): outputs go to each stream's event loop (one wake-up per loop per
-step), the observer's events to the metrics, the snapshot to whoever reads it next. When
+transport, never the core's own): outputs go to each stream's event loop (one wake-up
+per loop per step), where their text is made (service/engine/text/), the observer's
+events to the metrics, the snapshot to whoever reads it next. When
 the core stops (killed, crashed, its loop failed) every stream ends with EngineDeadError
 and `alive` turns false: the server answers 503 and exits non-zero, for its supervisor to
 restart it."""
