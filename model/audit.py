@@ -34,10 +34,19 @@ class ParamCounts:
     per_block_ffn: int
     per_block_norms: int
     position_embedding: int
+    # a mixture of experts: the FFN parameters one token runs (its top-k experts, the
+    # shared expert and the router in each sparse layer; every dense layer's FFN)
+    ffn_active: int
 
     @property
     def total(self) -> int:
         return self.embedding + self.attention + self.ffn + self.norms + self.head
+
+    @property
+    def active(self) -> int:
+        """The parameters one token's forward runs: total, with only its experts' share
+        of each mixture (what a model card's "A3B" names; every one for a dense model)."""
+        return self.total - self.ffn + self.ffn_active
 
     @property
     def non_embedding(self) -> int:
@@ -53,6 +62,7 @@ class ParamCounts:
             "head": self.head,
             "total": self.total,
             "non_embedding": self.non_embedding,
+            "active": self.active,
         }
 
 
@@ -65,17 +75,41 @@ def layer_linear_shapes(cfg: ModelConfig) -> tuple[tuple[int, int], ...]:
             (cfg.d_ff, d))  # fmt: skip
 
 
+def expert_params(cfg: ModelConfig) -> tuple[int, int, int]:
+    """A sparse layer's (router, one routed expert, the shared expert and its gate)
+    parameters: each expert a SwiGLU of its d_ff features."""
+    e, d = cfg.experts, cfg.d_model
+    assert e is not None
+    shared = 3 * d * e.shared_d_ff + d if e.shared_d_ff else 0
+    return d * e.n_experts, 3 * d * e.d_ff, shared
+
+
+def _ffn_params(cfg: ModelConfig) -> tuple[int, int, int, int]:
+    """(a dense layer's FFN, a sparse layer's mixture, what one token runs of it, the
+    sparse layers)."""
+    _, _, ffn_in, down = layer_linear_shapes(cfg)
+    dense = ffn_in[0] * ffn_in[1] + down[0] * down[1]
+    if cfg.mlp_bias:
+        dense += ffn_in[1] + cfg.d_model
+    if cfg.experts is None:
+        return dense, 0, 0, 0
+    router, expert, shared = expert_params(cfg)
+    mixture = router + cfg.experts.n_experts * expert + shared
+    active = router + cfg.experts.top_k * expert + shared
+    return dense, mixture, active, len(cfg.sparse_layers)
+
+
 def count_params(cfg: ModelConfig) -> ParamCounts:
     d, h, kv, dh = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
-    qkv, out, ffn_in, down = layer_linear_shapes(cfg)
+    qkv, out, _, _ = layer_linear_shapes(cfg)
     attn = qkv[0] * qkv[1] + out[0] * out[1]
     if cfg.qkv_bias:
         attn += qkv[1]
     if cfg.attn_out_bias:
         attn += d
-    ffn = ffn_in[0] * ffn_in[1] + down[0] * down[1]
-    if cfg.mlp_bias:
-        ffn += ffn_in[1] + d
+    dense, mixture, active, sparse = _ffn_params(cfg)
+    dense_layers = cfg.n_layers - sparse
+    ffn = mixture if sparse else dense  # a block's: a sparse one's where there are any
     norm = d * (2 if cfg.norm == "layernorm" else 1)
     qk_norms = {"none": 0, "head": 2 * dh, "all": (h + kv) * dh}[cfg.qk_norm]
     sublayer_norms = 4 if cfg.norm_placement == "sandwich" else 2  # Gemma's before and after
@@ -85,7 +119,8 @@ def count_params(cfg: ModelConfig) -> ParamCounts:
     return ParamCounts(
         embedding=cfg.vocab_size * d + pos,
         attention=attn * cfg.n_layers,
-        ffn=ffn * cfg.n_layers,
+        ffn=dense * dense_layers + mixture * sparse,
+        ffn_active=dense * dense_layers + active * sparse,
         norms=block_norms * cfg.n_layers + (norm if cfg.norm_placement != "post" else 0),
         head=0 if cfg.tie_embeddings else cfg.vocab_size * d,
         per_block=per_block,
@@ -135,31 +170,75 @@ def window_sequence_bytes(cfg: ModelConfig, dtype: str, seq_len: int, block_size
 SCALE_BYTES = 4  # a quantized linear's float32 scale per output row
 
 
-def layer_linears(cfg: ModelConfig) -> tuple[int, int]:
+def layer_linears(cfg: ModelConfig, experts: bool = True) -> tuple[int, int]:
     """(weights, output rows) of every decoder layer's linear matrices together: what
-    --quantization int8 and fp8 hold in one byte a weight, with a scale a row."""
-    shapes = layer_linear_shapes(cfg)
-    weights = sum(i * o for i, o in shapes)
-    return weights * cfg.n_layers, sum(o for _, o in shapes) * cfg.n_layers
+    --quantization int8 and fp8 hold in one byte a weight, with a scale a row. A
+    mixture's router and shared expert are linears; its routed experts count where
+    `experts` (int8 packs them; fp8 keeps them in the model's dtype)."""
+    qkv, out, ffn_in, down = layer_linear_shapes(cfg)
+    shapes = [(qkv, cfg.n_layers), (out, cfg.n_layers)]
+    sparse = len(cfg.sparse_layers)
+    shapes += [(ffn_in, cfg.n_layers - sparse), (down, cfg.n_layers - sparse)]
+    if (e := cfg.experts) is not None:
+        d = cfg.d_model
+        shapes.append(((d, e.n_experts), sparse))  # the router
+        if e.shared_d_ff:
+            shapes += [((d, 2 * e.shared_d_ff), sparse), ((e.shared_d_ff, d), sparse)]
+            shapes.append(((d, 1), sparse))
+        if experts:
+            shapes += [((d, 2 * e.d_ff), sparse * e.n_experts), ((e.d_ff, d), sparse * e.n_experts)]
+    weights = sum(i * o * n for (i, o), n in shapes)
+    return weights, sum(o * n for (_, o), n in shapes)
 
 
 def weight_bytes(cfg: ModelConfig, dtype: str, quantization: str = "none") -> int:
     """The weights' bytes as the server holds them: every parameter in `dtype`, or with
     --quantization the decoder layers' linears in one byte a weight and a float32 scale
     a row (int8 on the cpu backend also its LM head: a tied one as a quantized copy of
-    the embedding table, which the lookup keeps in `dtype`)."""
+    the embedding table, which the lookup keeps in `dtype`; and a mixture's experts)."""
     total = count_params(cfg).total * dtype_bytes(dtype)
     if quantization == "none":
         return total
     if quantization not in ("int8", "fp8"):
         raise ValueError(f"quantization must be none, int8 or fp8, got {quantization!r}")
-    weights, rows = layer_linears(cfg)
+    weights, rows = layer_linears(cfg, experts=quantization == "int8")
     total -= weights * (dtype_bytes(dtype) - 1) - rows * SCALE_BYTES
     if quantization == "int8":
         head = cfg.vocab_size * cfg.d_model
         saved = head * (dtype_bytes(dtype) - 1) if not cfg.tie_embeddings else -head
         total -= saved - cfg.vocab_size * SCALE_BYTES
     return total
+
+
+def experts_touched(cfg: ModelConfig, rows: int) -> float:
+    """How many of a sparse layer's experts a step of `rows` tokens runs, expected: each
+    token picks top_k of n_experts, taken as uniform and independent (a balanced router,
+    what load-balancing training aims at), so an expert is missed by all rows with
+    probability (1 - top_k / n_experts) ** rows. One token: top_k; many: all of them."""
+    e = cfg.experts
+    assert e is not None
+    return e.n_experts * (1 - (1 - e.top_k / e.n_experts) ** rows)
+
+
+def read_bytes(cfg: ModelConfig, dtype: str, quantization: str = "none", rows: int = 1) -> float:
+    """The weight bytes a decode step of `rows` tokens reads: every weight once, but of
+    each mixture only the experts its rows run (experts_touched)."""
+    return weight_bytes(cfg, dtype, quantization) - idle_expert_bytes(
+        cfg, dtype, quantization, rows
+    )
+
+
+def idle_expert_bytes(cfg: ModelConfig, dtype: str, quantization: str, rows: int) -> float:
+    """The bytes of the experts a step of `rows` tokens leaves unread, expected, as held
+    (int8: a byte a weight and a scale a row); 0 for a dense model."""
+    if cfg.experts is None:
+        return 0.0
+    _, expert, _ = expert_params(cfg)
+    per_expert = expert * dtype_bytes(dtype)
+    if quantization == "int8":
+        per_expert = expert + (2 * cfg.experts.d_ff + cfg.d_model) * SCALE_BYTES
+    idle = cfg.experts.n_experts - experts_touched(cfg, rows)
+    return idle * per_expert * len(cfg.sparse_layers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,6 +344,8 @@ def plan(
         "seq_len": seq_len,
         "sequences_of_seq_len": tokens // seq_len,
         "fits": weights < memory_bytes and tokens >= seq_len,
+        # what one sequence's decode step reads of them (of a mixture: its experts)
+        "decode_read_bytes_per_device": read_bytes(local, dtype, quantization),
     }
     if local.windowed_layers:
         per_seq = window_sequence_bytes(local, dtype, seq_len, block_size)
@@ -285,16 +366,17 @@ def floors(
     matmul_flops: float | None,
     quantization: str = "none",
 ) -> dict[str, float]:
-    """The physical limits on a machine: decode reads every weight once per step, prefill
-    does 2 x parameters FLOPs per token."""
+    """The physical limits on a machine: one sequence's decode reads every weight once a
+    step (of a mixture: its token's experts, read_bytes), prefill does 2 x parameters
+    FLOPs per token (of a mixture: the active ones)."""
     out: dict[str, float] = {}
     if bandwidth:
         out["bandwidth_gb_s"] = bandwidth / 1e9
-        read = weight_bytes(cfg, dtype, quantization)
+        read = read_bytes(cfg, dtype, quantization)
         out["decode_floor_ms_per_token"] = 1000 * read / bandwidth
     if matmul_flops:
         out["matmul_tflops"] = matmul_flops / 1e12
-        out["prefill_ceiling_tokens_per_s"] = matmul_flops / (2 * count_params(cfg).total)
+        out["prefill_ceiling_tokens_per_s"] = matmul_flops / (2 * count_params(cfg).active)
     return out
 
 
@@ -312,21 +394,23 @@ def batch_floor(
     every prompt (its multiply-adds at the matmul rate, or its weight read if longer), then
     output_len - 1 decode steps of `batch` rows, each the longer of its multiply-adds and
     its reads (every weight once, the head as a vocab x d matrix, and each row's K/V so
-    far). What runs between the kernels (sampling, scheduling, HTTP) is not counted, so a
+    far; of a mixture, the experts its rows run: experts_touched). What runs between the kernels (sampling, scheduling, HTTP) is not counted, so a
     server's tokens/s can only fall short of ceiling_tok_s."""
     p, size = count_params(cfg), dtype_bytes(dtype)
     head = cfg.vocab_size * cfg.d_model
-    linear = 2 * (p.attention + p.ffn)  # FLOPs per token of the layers' matmuls
+    linear = 2 * (p.attention + p.ffn_active)  # FLOPs per token of the layers' matmuls
     per_key = 4 * cfg.n_heads * cfg.head_dim * cfg.n_layers  # q.k and p.v, per key
     weights = (p.attention + p.ffn + p.norms + head) * size
     kv = kv_bytes_per_token(cfg, dtype)
     prefill = batch * (prompt_len * linear + 2 * head + per_key * prompt_len * (prompt_len + 1) / 2)
-    seconds = max(prefill / matmul_flops, weights / bandwidth)
+    prefill_reads = weights - idle_expert_bytes(cfg, dtype, "none", batch * prompt_len)
+    seconds = max(prefill / matmul_flops, prefill_reads / bandwidth)
+    step_weights = weights - idle_expert_bytes(cfg, dtype, "none", batch)  # a mixture's experts
     steps = []
     for i in range(1, output_len):
         context = prompt_len + i  # keys a row sees at its step
         flops = batch * (linear + 2 * head + per_key * context)
-        reads = weights + batch * context * kv
+        reads = step_weights + batch * context * kv
         steps.append((flops, reads))
         seconds += max(flops / matmul_flops, reads / bandwidth)
     return {

@@ -6,7 +6,8 @@ RoPE), Granite (scaled embeddings, residuals, scores and logits), Phi-3 and Phi-
 (LongRoPE, partial rotary), OLMo 2 (norms on the sublayers' outputs, q/k norms over the
 whole projection), Gemma 3 (sandwich norms, GeGLU, sliding windows with a RoPE base of
 their own) and GPT-2 / 2017-style models (LayerNorm, learned or sinusoidal
-positions, GELU, biases, post-norm), plus ALiBi. `from_hf_config` reads transformers' config.json
+positions, GELU, biases, post-norm), plus ALiBi; and the mixtures of experts Qwen3-MoE,
+Qwen2-MoE (a shared expert), Mixtral and OLMoE (`Experts`). `from_hf_config` reads transformers' config.json
 in both its 4.x (`torch_dtype`, `rope_theta`, `rope_scaling`) and 5.x (`dtype`,
 `rope_parameters`) forms.
 """
@@ -95,6 +96,40 @@ class LongRope:
 
 
 @dataclass(frozen=True, slots=True)
+class Experts:
+    """A mixture of experts in place of the FFN (model/moe.py): a router scores
+    `n_experts` SwiGLU experts of `d_ff` features each for every token, the `top_k`
+    best run and their outputs are summed by the router's weights. The weights are the
+    softmax over all experts' logits at the chosen ones (renormalized to sum 1 where
+    `norm_top_k`). Qwen2-MoE adds a shared expert of `shared_d_ff` features that every
+    token runs, scaled by a sigmoid gate of its own. `dense_layers` keep the model's
+    dense FFN (Qwen's `mlp_only_layers`, and those `decoder_sparse_step` skips)."""
+
+    n_experts: int
+    top_k: int
+    d_ff: int
+    norm_top_k: bool = False
+    shared_d_ff: int = 0  # 0: no shared expert
+    dense_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("n_experts", "top_k", "d_ff"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"experts.{name} must be a positive integer, got {value!r}")
+        if self.top_k > self.n_experts:
+            raise ValueError(
+                f"experts.top_k ({self.top_k}) exceeds experts.n_experts ({self.n_experts})"
+            )
+        if self.shared_d_ff < 0:
+            raise ValueError(f"experts.shared_d_ff must be >= 0, got {self.shared_d_ff}")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Experts:
+        return cls(**{**data, "dense_layers": tuple(data.get("dense_layers") or ())})
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     vocab_size: int
     d_model: int
@@ -130,6 +165,7 @@ class ModelConfig:
     attn_logit_softcap: float | None = None  # the same on each attention score (Gemma 2)
     attn_out_bias: bool = False
     mlp_bias: bool = False
+    experts: Experts | None = None  # a mixture of experts in place of the FFN
     tie_embeddings: bool = True
     name: str = "kvserve-model"
     architecture: str = "native"
@@ -191,6 +227,17 @@ class ModelConfig:
         for tok in self.eos_token_ids:
             if not 0 <= tok < self.vocab_size:
                 raise ValueError(f"eos_token_ids: {tok} is outside the vocabulary")
+        if self.experts is not None:
+            self._check_experts(self.experts)
+
+    def _check_experts(self, experts: Experts) -> None:
+        if self.ffn != "swiglu":
+            raise ValueError(f"experts are SwiGLU FFNs; ffn is {self.ffn!r}")
+        for i in experts.dense_layers:
+            if not 0 <= i < self.n_layers:
+                raise ValueError(
+                    f"experts.dense_layers: layer {i} is outside the {self.n_layers} layers"
+                )
 
     @property
     def kv_heads(self) -> int:
@@ -209,6 +256,15 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.d_head if self.d_head is not None else self.d_model // self.n_heads
+
+    def sparse(self, layer: int) -> bool:
+        """Whether layer `layer`'s FFN is a mixture of experts."""
+        return self.experts is not None and layer not in self.experts.dense_layers
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        """The layers whose FFN is a mixture of experts."""
+        return tuple(i for i in range(self.n_layers) if self.sparse(i))
 
     def window(self, layer: int) -> int | None:
         """The sliding window of layer `layer`'s attention (None: it sees every key)."""
@@ -248,6 +304,12 @@ class ModelConfig:
             out.append(f"rope_scaling={kinds[type(self.rope_scaling)]}")
         if self.local_rope_theta is not None:
             out.append(f"local_rope_theta={self.local_rope_theta:g}")
+        if (e := self.experts) is not None:
+            out.append(f"experts={e.top_k}/{e.n_experts}x{e.d_ff}")
+            if e.shared_d_ff:
+                out.append(f"shared_expert={e.shared_d_ff}")
+            if e.dense_layers:
+                out.append("dense_layers=" + ",".join(map(str, e.dense_layers)))
         for name in ("final_logit_softcap", "attn_logit_softcap"):
             if (cap := getattr(self, name)) is not None:
                 out.append(f"{name}={cap:g}")
@@ -276,6 +338,8 @@ class ModelConfig:
         out["eos_token_ids"] = list(self.eos_token_ids)
         out["nope_layers"] = list(self.nope_layers)
         out["global_layers"] = list(self.global_layers)
+        if self.experts is not None:
+            out["experts"]["dense_layers"] = list(self.experts.dense_layers)
         return out
 
     @classmethod
@@ -298,6 +362,8 @@ class ModelConfig:
         data["eos_token_ids"] = tuple(data.get("eos_token_ids") or ())
         data["nope_layers"] = tuple(data.get("nope_layers") or ())
         data["global_layers"] = tuple(data.get("global_layers") or ())
+        if data.get("experts") is not None:
+            data["experts"] = Experts.from_dict(data["experts"])
         return cls(**data)
 
     @classmethod
@@ -592,6 +658,58 @@ def _read_gemma(hf: dict[str, Any], *, qk_norm: str, every: int, architecture: s
     )
 
 
+def _experts(hf: dict[str, Any], *, top_k_normalized: bool | None = None) -> Experts:
+    """The experts of a Qwen-style MoE config: `num_experts` (or Mixtral's
+    `num_local_experts`) of `moe_intermediate_size` features (else `intermediate_size`),
+    sparse in every `decoder_sparse_step`-th layer but `mlp_only_layers`.
+    top_k_normalized: whether the chosen weights sum to 1 whatever `norm_topk_prob`
+    says (Mixtral always renormalizes)."""
+    n = hf.get("num_experts") or _require(hf, "num_local_experts")
+    layers = int(_require(hf, "num_hidden_layers"))
+    step = int(hf.get("decoder_sparse_step") or 1)
+    only = {int(i) for i in hf.get("mlp_only_layers") or ()}
+    normalized = top_k_normalized
+    if normalized is None:
+        normalized = bool(hf.get("norm_topk_prob", False))
+    return Experts(
+        n_experts=int(n),
+        top_k=int(_require(hf, "num_experts_per_tok")),
+        d_ff=int(hf.get("moe_intermediate_size") or _require(hf, "intermediate_size")),
+        norm_top_k=normalized,
+        shared_d_ff=int(hf.get("shared_expert_intermediate_size") or 0),
+        dense_layers=tuple(i for i in range(layers) if i in only or (i + 1) % step),
+    )
+
+
+def _read_qwen3_moe(hf: dict[str, Any]) -> ModelConfig:
+    # Qwen3-MoE: Qwen3's attention, experts in every decoder_sparse_step-th layer
+    cfg = _read_qwen3(hf)
+    return cfg.replace(experts=_experts(hf), architecture="Qwen3MoeForCausalLM")
+
+
+def _read_qwen2_moe(hf: dict[str, Any]) -> ModelConfig:
+    # Qwen2-MoE (Qwen1.5-MoE): Qwen2's attention, routed experts beside a shared one
+    cfg = _read_qwen2(hf)
+    return cfg.replace(experts=_experts(hf), architecture="Qwen2MoeForCausalLM")
+
+
+def _read_mixtral(hf: dict[str, Any]) -> ModelConfig:
+    # Mixtral: Mistral's block with top-2 of 8 experts of intermediate_size features, the
+    # chosen ones' weights renormalized
+    cfg = _windowed(_read_llama_like(hf, qkv_bias_default=False), hf)
+    experts = _experts(hf, top_k_normalized=True)
+    return cfg.replace(experts=experts, architecture="MixtralForCausalLM")
+
+
+def _read_olmoe(hf: dict[str, Any]) -> ModelConfig:
+    # OLMoE: Llama's pre-norm block with q/k norms over the whole projections (as OLMo 2)
+    # and experts of intermediate_size features in every layer
+    if hf.get("clip_qkv") is not None:
+        raise ValueError(f"clip_qkv {hf['clip_qkv']} is not supported (null is)")
+    cfg = _read_llama_like(hf, qkv_bias_default=False)
+    return cfg.replace(qk_norm="all", experts=_experts(hf), architecture="OlmoeForCausalLM")
+
+
 def _read_gpt2(hf: dict[str, Any]) -> ModelConfig:
     act = hf.get("activation_function", "gelu_new")
     if act not in _HF_ACTIVATIONS:
@@ -632,6 +750,12 @@ _LLAMA_NAMES = {
     "norm_eps": "rms_norm_eps",
     "eos_token_ids": "eos_token_id",
 }
+_MOE_NAMES = _LLAMA_NAMES | {
+    "experts.n_experts": "num_experts",
+    "experts.top_k": "num_experts_per_tok",
+    "experts.d_ff": "moe_intermediate_size",
+    "experts.dense_layers": "mlp_only_layers",
+}
 _GPT2_NAMES = {
     "d_model": "n_embd",
     "n_layers": "n_layer",
@@ -654,6 +778,10 @@ _HF_NAMES = {
     _read_gemma3_multimodal: _LLAMA_NAMES,
     _read_gemma2: _LLAMA_NAMES,
     _read_gpt2: _GPT2_NAMES,
+    _read_qwen3_moe: _MOE_NAMES,
+    _read_qwen2_moe: _MOE_NAMES,
+    _read_mixtral: _MOE_NAMES,
+    _read_olmoe: _MOE_NAMES,
 }
 _NAMES_BY_ARCH = {
     "LlamaForCausalLM": _LLAMA_NAMES,
@@ -668,9 +796,15 @@ _NAMES_BY_ARCH = {
     "Gemma3ForConditionalGeneration": _LLAMA_NAMES,
     "Gemma2ForCausalLM": _LLAMA_NAMES,
     "GPT2LMHeadModel": _GPT2_NAMES,
+    "Qwen3MoeForCausalLM": _MOE_NAMES,
+    "Qwen2MoeForCausalLM": _MOE_NAMES,
+    "MixtralForCausalLM": _MOE_NAMES,
+    "OlmoeForCausalLM": _MOE_NAMES,
 }
 _FIELD = re.compile(
-    r"\b(" + "|".join(sorted(_LLAMA_NAMES | _GPT2_NAMES, key=len, reverse=True)) + r")\b"
+    r"\b("
+    + "|".join(map(re.escape, sorted(_MOE_NAMES | _GPT2_NAMES, key=len, reverse=True)))
+    + r")\b"
 )
 
 _HF_READERS = {
@@ -686,6 +820,10 @@ _HF_READERS = {
     "Gemma3ForConditionalGeneration": _read_gemma3_multimodal,
     "Gemma2ForCausalLM": _read_gemma2,
     "GPT2LMHeadModel": _read_gpt2,
+    "Qwen3MoeForCausalLM": _read_qwen3_moe,
+    "Qwen2MoeForCausalLM": _read_qwen2_moe,
+    "MixtralForCausalLM": _read_mixtral,
+    "OlmoeForCausalLM": _read_olmoe,
     "llama": _read_llama,
     "qwen2": _read_qwen2,
     "qwen3": _read_qwen3,
@@ -698,4 +836,8 @@ _HF_READERS = {
     "gemma3": _read_gemma3_multimodal,
     "gemma2": _read_gemma2,
     "gpt2": _read_gpt2,
+    "qwen3_moe": _read_qwen3_moe,
+    "qwen2_moe": _read_qwen2_moe,
+    "mixtral": _read_mixtral,
+    "olmoe": _read_olmoe,
 }

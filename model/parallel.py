@@ -10,12 +10,15 @@ the logits one all-gather). When there are fewer K/V heads than ranks, each rank
 replica of the one K/V head its query heads read. Norms and position tables are
 replicated, but for OLMo 2's q/k norms over every head together: a rank holds the weights
 of its heads, and the sum of squares is all-reduced before each rank scales its own. A
-row-parallel bias is held by rank 0 alone, so the all-reduce adds it once.
+row-parallel bias is held by rank 0 alone, so the all-reduce adds it once. A mixture of
+experts splits like the FFN it replaces: every rank holds each expert's share of its
+features (no expert parallelism), the router is replicated.
 NCCL on CUDA, gloo on the CPU: nothing else is needed to run on 2-8 devices or hosts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from dataclasses import dataclass
@@ -42,6 +45,11 @@ SPLITS: dict[str, str] = {
     "ffn.w_in.bias": "column",
     "ffn.w_out.weight": "row",
     "ffn.w_out.bias": "row_bias",
+    # a mixture of experts (model/moe.py): every expert's share of its features
+    "ffn.experts.w_in": "column",
+    "ffn.experts.w_out": "row",
+    "ffn.shared.w_in.weight": "column",
+    "ffn.shared.w_out.weight": "row",
 }
 
 
@@ -56,6 +64,10 @@ def unsplittable(cfg: ModelConfig, world: int) -> str | None:
         return f"{kv} K/V heads do not split over {world} ranks (nor {world} over them)"
     if cfg.d_ff % world:
         return f"d_ff {cfg.d_ff} does not split over {world} ranks"
+    if (e := cfg.experts) is not None:
+        for name, size in (("experts' d_ff", e.d_ff), ("the shared expert's d_ff", e.shared_d_ff)):
+            if size % world:
+                return f"{name} {size} does not split over {world} ranks"
     return None
 
 
@@ -95,13 +107,23 @@ class Shares:
         if name.startswith("attn.wqkv"):
             q, kv = _scaled(self.heads, dh), _scaled(self.kv_heads, dh)
             return [q, kv, kv]
-        return [self.ffn] * (2 if self.local.gated else 1)
+        features = self.features(name)
+        return [features] * (2 if self.local.gated else 1)
 
     def columns(self, name: str) -> range:
         """A row-parallel weight's input columns this rank holds."""
         if name.startswith("attn.wo"):
             return _scaled(self.heads, self.local.head_dim)
-        return self.ffn
+        return self.features(name)
+
+    def features(self, name: str) -> range:
+        """The FFN features this rank holds of an FFN parameter: of the dense FFN, of
+        each routed expert, or of the shared expert."""
+        experts = self.local.experts
+        if experts is None or not name.startswith(("ffn.experts.", "ffn.shared.")):
+            return self.ffn
+        size = experts.d_ff if name.startswith("ffn.experts.") else experts.shared_d_ff
+        return range(self.rank * size, (self.rank + 1) * size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,8 +151,19 @@ class TensorParallel:
             kv_heads = range(first, first + 1)
         f = cfg.d_ff // self.world
         rows = -(-cfg.vocab_size // self.world)  # the vocab padded to every rank's rows
+        experts = cfg.experts
+        if experts is not None:  # every expert's share of its features
+            experts = dataclasses.replace(
+                experts,
+                d_ff=experts.d_ff // self.world,
+                shared_d_ff=experts.shared_d_ff // self.world,
+            )
         local = cfg.replace(
-            n_heads=len(heads), n_kv_heads=len(kv_heads), d_head=cfg.head_dim, d_ff=f
+            n_heads=len(heads),
+            n_kv_heads=len(kv_heads),
+            d_head=cfg.head_dim,
+            d_ff=f,
+            experts=experts,
         )
         return Shares(
             rank=self.rank,

@@ -19,6 +19,7 @@ from model.layers import (
     sinusoidal_table,
 )
 from model.metadata import AttentionMetadata
+from model.moe import MoE
 from model.parallel import TensorParallel
 
 
@@ -33,11 +34,13 @@ class Block(nn.Module):
         tp: TensorParallel | None = None,
         window: int | None = None,
         qk_widths: tuple[int, int, int] | None = None,
+        sparse: bool = False,
     ) -> None:
         """cfg: this rank's shapes (TensorParallel.local_config) under tensor parallelism,
         where the attention and FFN outputs are partial sums until all-reduced; window:
         the layer's sliding window (None: full attention); qk_widths: the whole model's
-        (TensorParallel.qk_widths), for q/k norms over every head together."""
+        (TensorParallel.qk_widths), for q/k norms over every head together; sparse: a
+        mixture of experts in place of the FFN (model/moe.py)."""
         super().__init__()
         split = tp is not None and tp.world > 1
         self.reduce = tp.all_reduce if split else _unsplit
@@ -46,7 +49,7 @@ class Block(nn.Module):
         norms = (tp, qk_widths) if split and qk_widths is not None else None
         self.attn = Attention(cfg, window, norms)
         self.ffn_norm = make_norm(cfg)
-        self.ffn = make_ffn(cfg)
+        self.ffn = MoE(cfg) if sparse else make_ffn(cfg)
         if cfg.norm_placement == "sandwich":  # Gemma: a norm on each sublayer's output too
             self.post_attn_norm = make_norm(cfg)
             self.post_ffn_norm = make_norm(cfg)
@@ -105,7 +108,8 @@ class Transformer(nn.Module):
             self.pos_embed = nn.Embedding(cfg.max_position, cfg.d_model)
         widths = self.shares.qk_widths if self.shares is not None else None
         self.layers = nn.ModuleList(
-            Block(self.local_cfg, tp, cfg.window(i), widths) for i in range(cfg.n_layers)
+            Block(self.local_cfg, tp, cfg.window(i), widths, cfg.sparse(i))
+            for i in range(cfg.n_layers)
         )
         self.nope = frozenset(cfg.nope_layers)  # layers that take no rotation (SmolLM3)
         self.fused_layers: FusedLayers | None = None

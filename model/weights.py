@@ -9,6 +9,7 @@ of the target dtype and device, so no second full copy of the model is ever held
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Callable
@@ -136,6 +137,34 @@ GPT2 = NameTable(
     optional_prefixes=("transformer.",),
 )
 
+
+def _moe_names(
+    base: dict[str, tuple[str, ...]], block: str, gate: str, up: str, down: str, router: str
+) -> dict[str, tuple[str, ...]]:
+    """`base` with a mixture of experts in place of the FFN: each expert's gate, up and
+    down projections ({e}: the expert) stacked into our (E, ...) parameters, the router,
+    and Qwen2-MoE's shared expert and its gate where a checkpoint has them."""
+    moe = f"model.layers.{{i}}.{block}."
+    expert = moe + "experts.{e}."
+    shared = moe + "shared_expert."
+    return base | {
+        "layers.{i}.ffn.router.weight": (moe + router + ".weight",),
+        "layers.{i}.ffn.experts.w_in": (expert + gate + ".weight", expert + up + ".weight"),
+        "layers.{i}.ffn.experts.w_out": (expert + down + ".weight",),
+        "layers.{i}.ffn.shared.w_in.weight": (
+            shared + "gate_proj.weight",
+            shared + "up_proj.weight",
+        ),
+        "layers.{i}.ffn.shared.w_out.weight": (shared + "down_proj.weight",),
+        "layers.{i}.ffn.shared_gate.weight": (moe + "shared_expert_gate.weight",),
+    }
+
+
+QWEN_MOE = NameTable(
+    names=_moe_names(QWEN3.names, "mlp", "gate_proj", "up_proj", "down_proj", "gate")
+)
+MIXTRAL = NameTable(names=_moe_names(LLAMA.names, "block_sparse_moe", "w1", "w3", "w2", "gate"))
+
 NAME_TABLES: dict[str, NameTable] = {
     "LlamaForCausalLM": LLAMA,
     "Qwen2ForCausalLM": LLAMA,
@@ -149,10 +178,19 @@ NAME_TABLES: dict[str, NameTable] = {
     "Gemma3ForConditionalGeneration": GEMMA3_MULTIMODAL,
     "Gemma2ForCausalLM": GEMMA3,  # the same names; its layers have no q/k norms to read
     "GPT2LMHeadModel": GPT2,
+    "Qwen3MoeForCausalLM": QWEN_MOE,
+    "Qwen2MoeForCausalLM": QWEN_MOE,  # the same names; its layers have no q/k norms to read
+    "OlmoeForCausalLM": QWEN_MOE,
+    "MixtralForCausalLM": MIXTRAL,
 }
 
+# our parameters that stack every expert's weights (E, out, in): loaded one expert at a
+# time, each expert's slice like a dense FFN's weight
+EXPERT_STACKS = frozenset({"ffn.experts.w_in", "ffn.experts.w_out"})
 
-# Rows each checkpoint tensor contributes to one of our fused parameters.
+
+# Rows each checkpoint tensor contributes to one of our fused parameters (an expert
+# stack's: to each expert's slice of it).
 FUSED_ROWS: dict[str, Callable[[ModelConfig], list[int]]] = {
     "attn.wqkv": lambda c: [
         c.n_heads * c.head_dim,
@@ -160,13 +198,20 @@ FUSED_ROWS: dict[str, Callable[[ModelConfig], list[int]]] = {
         c.kv_heads * c.head_dim,
     ],
     "ffn.w_in": lambda c: [c.d_ff, c.d_ff] if c.gated else [c.d_ff],
+    "ffn.experts.w_in": lambda c: [c.experts.d_ff] * 2,
+    "ffn.shared.w_in": lambda c: [c.experts.shared_d_ff] * 2,
 }
 
 
+def _fused(name: str) -> str | None:
+    """The FUSED_ROWS key of parameter `name` (its `layers.{i}.` prefix off), if fused."""
+    return next((k for k in FUSED_ROWS if name == k or name.startswith(k + ".")), None)
+
+
 def _part_rows(cfg: ModelConfig, name: str, n_parts: int, total: int) -> list[int]:
-    for key, rows in FUSED_ROWS.items():
-        if f"{key}." in name and len(rows(cfg)) == n_parts:
-            return rows(cfg)
+    key = _fused(name)
+    if key is not None and len(FUSED_ROWS[key](cfg)) == n_parts:
+        return FUSED_ROWS[key](cfg)
     return [total] if n_parts == 1 else [total // n_parts] * n_parts
 
 
@@ -266,24 +311,29 @@ class _Reader:
     def shape(self, name: str) -> tuple[int, ...]:
         return self._guarded(name, lambda: tuple(self._handle(name).get_slice(name).get_shape()))
 
-    def read(self, name: str, rows: range | None = None, cols: range | None = None) -> torch.Tensor:
+    def read(
+        self,
+        name: str,
+        rows: range | None = None,
+        cols: range | None = None,
+        expert: int | None = None,
+    ) -> torch.Tensor:
         """The tensor, or only its rows / columns in those ranges (read from the file
-        alone: a tensor-parallel rank reads its share)."""
+        alone: a tensor-parallel rank reads its share); expert: of a tensor that stacks
+        every expert's (E, out, in), that expert's."""
 
         def get() -> torch.Tensor:
-            if rows is None and cols is None:
+            if rows is None and cols is None and expert is None:
                 return self._handle(name).get_tensor(name)
             part = self._handle(name).get_slice(name)
-            r = slice(rows.start, rows.stop) if rows is not None else slice(None)
-            return part[r] if cols is None else part[r, cols.start : cols.stop]
+            return part[_index(expert, rows, cols)]
 
         if self._guarded(name, lambda: self._handle(name).get_slice(name).get_dtype()) in (
             "F8_E4M3",
             "F8_E5M2",
         ):
             whole = self._fp8(name)
-            whole = whole[rows.start : rows.stop] if rows is not None else whole
-            return whole[:, cols.start : cols.stop] if cols is not None else whole
+            return whole[_index(expert, rows, cols)]
         return self._guarded(name, get)
 
     def _fp8(self, name: str) -> torch.Tensor:
@@ -318,16 +368,31 @@ class _Tensors(_Reader):
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.tensors[name].shape)
 
-    def read(self, name: str, rows: range | None = None, cols: range | None = None) -> torch.Tensor:
-        t = self.tensors[name]
-        t = t[rows.start : rows.stop] if rows is not None else t
-        return t[:, cols.start : cols.stop] if cols is not None else t
+    def read(
+        self,
+        name: str,
+        rows: range | None = None,
+        cols: range | None = None,
+        expert: int | None = None,
+    ) -> torch.Tensor:
+        return self.tensors[name][_index(expert, rows, cols)]
+
+
+def _index(expert: int | None, rows: range | None, cols: range | None) -> tuple[int | slice, ...]:
+    """The index of a tensor's part: its expert (of a stack), rows, columns (none given:
+    the whole tensor, and a 1-D one takes rows alone)."""
+    index: tuple[int | slice, ...] = () if expert is None else (expert,)
+    index += (slice(None) if rows is None else slice(rows.start, rows.stop),)
+    if cols is not None:
+        index += (slice(cols.start, cols.stop),)
+    return index
 
 
 # the config fields that set a parameter's shape, by a piece of its name
 _SHAPE_FIELDS = (
     ("wqkv", ("n_heads", "n_kv_heads", "d_head", "d_model")),
     ("wo", ("n_heads", "d_head", "d_model")),
+    ("experts", ("experts", "d_model")),
     ("ffn", ("d_ff", "d_model")),
     ("pos_embed", ("max_position", "d_model")),  # before "embed": a substring of it
     ("embed", ("vocab_size", "d_model")),
@@ -349,21 +414,37 @@ class _Part:
     full: tuple[int, ...]  # the source's shape as we expect it (ours, not transposed)
     rows: range | None = None
     cols: range | None = None
+    expert: int | None = None  # of a source stacking every expert's (E, out, in): this one
 
 
 def _parts(
-    cfg: ModelConfig, key: str, sources: list[str], full: tuple[int, ...], shares: Shares | None
+    cfg: ModelConfig,
+    key: str,
+    sources: list[str],
+    full: tuple[int, ...],
+    shares: Shares | None,
+    expert: int | None = None,
 ) -> list[_Part]:
     """The pieces of parameter `key` (its `layers.{i}.` prefix off; full: its unsplit
     shape) that this process holds, in row order. Fused parameters concatenate their
     sources' rows; a rank takes its rows of every fused segment (q | k | v, gate | up),
-    its columns of a row-parallel weight, its rows of the vocab."""
+    its columns of a row-parallel weight, its rows of the vocab. expert: the index of
+    the parameter's expert in sources that stack every expert's (_Part.expert)."""
+    return [
+        dataclasses.replace(p, expert=expert) if expert is not None else p
+        for p in _pieces(cfg, key, sources, full, shares)
+    ]
+
+
+def _pieces(
+    cfg: ModelConfig, key: str, sources: list[str], full: tuple[int, ...], shares: Shares | None
+) -> list[_Part]:
     rows = _part_rows(cfg, key, len(sources), full[0])
     split = shares.split(key) if shares is not None else "replicated"
     if shares is None or split in ("replicated", "row_bias"):  # the whole tensor
         return [_Part(s, (n, *full[1:])) for s, n in zip(sources, rows, strict=True)]
     if split == "column":
-        segments = FUSED_ROWS[key.rsplit(".", 1)[0]](cfg)
+        segments = FUSED_ROWS[_fused(key) or key](cfg)
         if len(sources) == 1:  # one tensor holds every segment (GPT-2's c_attn)
             offsets = [sum(segments[:i]) for i in range(len(segments))]
             src = [(sources[0], (full[0], *full[1:]))] * len(segments)
@@ -389,6 +470,7 @@ def _fill(
     start = 0
     for p in parts:
         stored = reader.shape(p.source)
+        stored = stored[1:] if p.expert is not None else stored
         if (stored[::-1] if transpose else stored) != p.full:
             want = p.full[::-1] if transpose else p.full
             raise CheckpointError(
@@ -396,7 +478,7 @@ def _fill(
                 f"{want} from {hint}"
             )
         rows, cols = (p.cols, p.rows) if transpose else (p.rows, p.cols)
-        part = reader.read(p.source, rows, cols)
+        part = reader.read(p.source, rows, cols, p.expert)
         if transpose:
             part = part.t()
         target[start : start + part.shape[0]].copy_(part)
@@ -463,20 +545,18 @@ def _populate(
         templates = table.names.get(key) if table else (name,)
         if templates is None:
             raise CheckpointError(f"{root}: no checkpoint name known for parameter {name}")
-        sources = [reader.resolve(t.replace("{i}", i)) for t in templates]
-        missing = [
-            t.replace("{i}", i) for t, s in zip(templates, sources, strict=True) if s is None
-        ]
-        if missing:
-            raise CheckpointError(f"{root}: checkpoint has no tensor {missing[0]!r} (for {name})")
         target = torch.zeros(param.shape, dtype=dtype, device=device)
         transpose = table is not None and key in table.transposed
         hint = f"{config_name} ({_shape_fields(cfg, name)})"
         local = _LAYER.sub("", name)
-        found = [s for s in sources if s is not None]
         shares = model.shares
         if shares is None or shares.split(local) != "row_bias" or shares.rank == 0:
-            _fill(target, _parts(cfg, local, found, shapes[name], shares), reader, transpose, hint)
+            # an expert stack one expert at a time; any other parameter whole
+            for e in range(param.shape[0]) if local in EXPERT_STACKS else (None,):
+                found, expert = _sources(reader, templates, i, e, root, name)
+                full = shapes[name][1:] if e is not None else shapes[name]
+                parts = _parts(cfg, local, found, full, shares, expert)
+                _fill(target[e] if e is not None else target, parts, reader, transpose, hint)
         if table is not None and key in table.plus_one:
             target += 1
         _set_param(model, name, target)
@@ -484,6 +564,26 @@ def _populate(
         _reorder_rotary(model)
     model.rebuild_tables(device)
     return model.eval()
+
+
+def _sources(
+    reader: _Reader,
+    templates: tuple[str, ...],
+    layer: str,
+    expert: int | None,
+    root: object,
+    name: str,
+) -> tuple[list[str], int | None]:
+    """The checkpoint tensors of parameter `name` in layer `layer` (of one expert of an
+    expert stack), and the index into them of that expert where one tensor stacks them
+    all (None: the tensors are the expert's own, or the parameter is not a stack)."""
+    names = [t.replace("{i}", layer).replace("{e}", str(expert)) for t in templates]
+    sources = [reader.resolve(n) for n in names]
+    missing = [n for n, s in zip(names, sources, strict=True) if s is None]
+    if missing:
+        raise CheckpointError(f"{root}: checkpoint has no tensor {missing[0]!r} (for {name})")
+    stacked = expert is not None and not any("{e}" in t for t in templates)
+    return [s for s in sources if s is not None], expert if stacked else None
 
 
 def _reorder_rotary(model: Transformer) -> None:

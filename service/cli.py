@@ -167,6 +167,7 @@ def _plan_lines(
         f"model {name}: {p['total']:,} parameters ({held}, {report['weight_bytes'] / gib:.2f} GiB of weights)",
         f"  embedding {p['embedding']:,}  attention {p['attention']:,}  ffn {p['ffn']:,}  norms {p['norms']:,}  head {p['head']:,}",
         f"weights{each}: {report['weight_bytes_per_device'] / gib:.2f} GiB",
+        *_expert_lines(report, each),
         f"KV cache: {report['kv_bytes_per_token']:,} bytes per token"
         + (f", {report['kv_bytes_per_token_per_device']:,}{each}" if world > 1 else ""),
         f"memory {memory / gib:.1f} GiB{each}: {report['kv_room_bytes'] / gib:.2f} GiB left for KV = {report['kv_tokens']:,} tokens"
@@ -188,10 +189,22 @@ def _plan_lines(
         device = report["device"].split(":")[0]
         lines += [
             f"this {device}: read bandwidth {report['bandwidth_gb_s']:.1f} GB/s, matmul {report['matmul_tflops']:.2f} TFLOP/s",
-            f"  decode floor {report['decode_floor_ms_per_token']:.2f} ms/token (weights / bandwidth)",
-            f"  prefill ceiling {report['prefill_ceiling_tokens_per_s']:,.0f} tokens/s (matmul / 2 x parameters)",
+            f"  decode floor {report['decode_floor_ms_per_token']:.2f} ms/token (weights read / bandwidth)",
+            f"  prefill ceiling {report['prefill_ceiling_tokens_per_s']:,.0f} tokens/s (matmul / 2 x active parameters)",
         ]
     return lines
+
+
+def _expert_lines(report: dict, each: str) -> list[str]:
+    """A mixture of experts' lines: what one token runs of it and reads."""
+    p = report["parameters"]
+    if p["active"] == p["total"]:
+        return []
+    return [
+        f"mixture of experts: {p['active']:,} of the {p['total']:,} parameters run per token; "
+        f"one sequence's decode step reads {report['decode_read_bytes_per_device'] / (1 << 30):.2f} GiB{each} "
+        "(a batch reads more: each row's experts, model/audit.py's experts_touched)"
+    ]
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

@@ -313,6 +313,72 @@ def write_gpt2(path: Path, seed: int = 0) -> object:
     return model
 
 
+def _moe_model(family: str, seed: int, **config: object) -> Any:
+    """transformers' `{family}ForCausalLM` with its routers drawn wide (transformers
+    starts them at zero, which ties every expert), so that routing matters."""
+    model = _hf_model(family, seed, **config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            moe = getattr(layer, "mlp", None) or layer.block_sparse_moe
+            router = getattr(moe, "gate", None)
+            if router is not None and hasattr(router, "top_k"):
+                router.weight.normal_(0, 1)
+    return model
+
+
+def write_qwen3_moe(path: Path, seed: int = 0, **config: object) -> object:
+    """Qwen3-MoE: 8 experts, top 2 renormalized, layer 1 of 3 dense (mlp_only_layers)."""
+    fields = dict(
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+        head_dim=16,
+        tie_word_embeddings=True,
+    )
+    model = _moe_model("Qwen3Moe", seed, **{**fields, **config})
+    model.save_pretrained(path)
+    return model
+
+
+def write_mixtral(path: Path, seed: int = 0, **config: object) -> object:
+    """Mixtral: top 2 of 4 experts of intermediate_size features."""
+    fields = dict(num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+    model = _moe_model("Mixtral", seed, **{**fields, **config})
+    model.save_pretrained(path)
+    return model
+
+
+def write_olmoe(path: Path, seed: int = 0, **config: object) -> object:
+    """OLMoE: top 3 of 8 experts, not renormalized, q/k norms over the projections."""
+    fields = dict(num_experts=8, num_experts_per_tok=3, pad_token_id=0, tie_word_embeddings=False)
+    model = _moe_model("Olmoe", seed, **{**fields, **config})
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.normal_(1, 0.3)
+    model.save_pretrained(path)
+    return model
+
+
+def write_qwen2_moe(path: Path, seed: int = 0, **config: object) -> object:
+    """Qwen2-MoE: top 2 of 8 experts beside a shared expert behind its sigmoid gate."""
+    fields = dict(
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        tie_word_embeddings=False,
+    )
+    model = _moe_model("Qwen2Moe", seed, **{**fields, **config})
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.shared_expert_gate.weight.normal_(0, 0.5)
+    model.save_pretrained(path)
+    return model
+
+
 def write_qwen_tokenizer(
     path: Path, template: str, corpus: str, thinks: bool = True, specials: tuple[str, ...] = ()
 ) -> None:

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from model.audit import audit, batch_floor, count_params, kv_bytes_per_token, plan
-from model.config import ModelConfig
+from model.config import Experts, ModelConfig
 from model.transformer import Transformer
 from tests.factories import tiny_model
 
@@ -235,3 +235,75 @@ def test_quantized_weight_bytes_are_the_models(overrides: dict) -> None:
     fp8 = sum(t.numel() * t.element_size() for t in held)
     assert weight_bytes(cfg, "bfloat16", "fp8") == fp8 < weight_bytes(cfg, "bfloat16")
     assert audit(cfg, "bfloat16", quantization="fp8").as_dict()["weight_bytes"] == fp8
+
+
+MOE = ModelConfig(
+    vocab_size=97,
+    d_model=64,
+    n_layers=3,
+    n_heads=4,
+    n_kv_heads=2,
+    d_ff=96,
+    experts=Experts(n_experts=8, top_k=2, d_ff=64, shared_d_ff=32, dense_layers=(1,)),
+    tie_embeddings=False,
+)
+
+
+def test_a_mixtures_counts_are_its_modules_and_a_token_runs_its_experts() -> None:
+    """Two sparse layers (router, 8 experts, a shared expert and its gate) and one dense:
+    the total is the built model's; one token runs 2 of the 8 experts of each."""
+    with torch.device("meta"):
+        model = Transformer(MOE)
+    p = count_params(MOE)
+    assert p.total == sum(t.numel() for t in model.parameters())
+    expert = 3 * 64 * 64
+    assert p.total - p.active == 2 * 6 * expert  # the 6 experts a token skips, 2 layers
+    assert (
+        count_params(MOE.replace(experts=None)).active
+        == count_params(MOE.replace(experts=None)).total
+    )
+
+
+def test_a_mixtures_reads_grow_with_the_experts_a_batch_touches() -> None:
+    """One token reads its 2 experts a layer; a batch is expected to touch more (each
+    expert missed by a row with probability 6/8), all 8 at many rows; the plan's floor is
+    one sequence's reads."""
+    from model.audit import experts_touched, read_bytes, weight_bytes
+
+    assert experts_touched(MOE, 1) == pytest.approx(2)
+    assert experts_touched(MOE, 4) == pytest.approx(8 * (1 - 0.75**4))
+    held = weight_bytes(MOE, "bfloat16")
+    assert read_bytes(MOE, "bfloat16") == pytest.approx(held - 2 * 6 * 2 * 3 * 64 * 64)
+    assert read_bytes(MOE, "bfloat16", rows=4) > read_bytes(MOE, "bfloat16")
+    assert read_bytes(MOE, "bfloat16", rows=1000) == pytest.approx(held)
+    r = plan(MOE, "bfloat16", 1 << 30, 64, bandwidth=1e9, matmul_flops=1e12)
+    assert r["decode_read_bytes_per_device"] == pytest.approx(read_bytes(MOE, "bfloat16"))
+    assert r["decode_floor_ms_per_token"] == pytest.approx(1000 * read_bytes(MOE, "bfloat16") / 1e9)
+    assert r["prefill_ceiling_tokens_per_s"] == pytest.approx(1e12 / (2 * count_params(MOE).active))
+
+
+def test_a_mixtures_int8_bytes_are_its_packed_modules() -> None:
+    """--quantization int8 packs the experts too (one byte a weight, a scale a row);
+    fp8 leaves them in the model's dtype."""
+    from torch import nn
+
+    from model.audit import weight_bytes
+    from model.moe import Experts as ExpertWeights
+
+    with torch.device("meta"):
+        model = Transformer(MOE)
+    linears = [m for layer in model.layers for m in layer.modules() if isinstance(m, nn.Linear)]
+    stacks = [m for m in model.modules() if isinstance(m, ExpertWeights)]
+    weights = sum(m.weight.numel() for m in linears) + sum(
+        s.w_in.numel() + s.w_out.numel() for s in stacks
+    )
+    rows = sum(m.out_features for m in linears) + sum(
+        s.w_in.shape[0] * (s.w_in.shape[1] + s.w_out.shape[1]) for s in stacks
+    )
+    params = sum(t.numel() for t in model.parameters())
+    head = MOE.vocab_size * MOE.d_model
+    int8 = 2 * (params - weights - head) + weights + 4 * rows + head + 4 * MOE.vocab_size
+    assert weight_bytes(MOE, "bfloat16", "int8") == int8
+    plain = sum(m.weight.numel() for m in linears)  # fp8: every nn.Linear, no expert
+    fp8 = 2 * params - plain + 4 * sum(m.out_features for m in linears)
+    assert weight_bytes(MOE, "bfloat16", "fp8") == fp8

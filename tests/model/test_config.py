@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from model.config import LinearRope, LongRope, ModelConfig, RopeScaling
+from model.config import Experts, LinearRope, LongRope, ModelConfig, RopeScaling
 
 BASE = dict(vocab_size=100, d_model=64, n_layers=2, n_heads=4, d_ff=128)
 
@@ -308,3 +308,94 @@ def test_granite_reads_its_four_multipliers() -> None:
     assert (cfg.attention_multiplier, cfg.logits_scaling, cfg.scaled) == (0.0078125, 8.0, True)
     plain = ModelConfig.from_hf_config(hf)
     assert (plain.attention_multiplier, plain.scaled) == (None, False)
+
+
+# Qwen3-30B-A3B's config.json (transformers 4.x form), its layer count cut to 6
+QWEN3_MOE_HF = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "max_position_embeddings": 40960,
+    "rope_theta": 1000000.0,
+}
+
+
+def test_qwen3_moe_reads_its_experts_and_dense_layers() -> None:
+    cfg = ModelConfig.from_hf_config(QWEN3_MOE_HF)
+    e = cfg.experts
+    assert (e.n_experts, e.top_k, e.d_ff, e.norm_top_k, e.shared_d_ff) == (128, 8, 768, True, 0)
+    assert cfg.sparse_layers == tuple(range(6)) and cfg.d_ff == 6144 and cfg.qk_norm == "head"
+    # mlp_only_layers and decoder_sparse_step leave dense layers (of intermediate_size)
+    mixed = ModelConfig.from_hf_config(
+        QWEN3_MOE_HF | {"mlp_only_layers": [0], "decoder_sparse_step": 2}
+    )
+    assert mixed.experts.dense_layers == (0, 2, 4) and mixed.sparse_layers == (1, 3, 5)
+    assert "experts=8/128x768" in cfg.features and "dense_layers=0,2,4" in mixed.features
+    # transformers 5.x writes the count as num_local_experts
+    v5 = {k: v for k, v in QWEN3_MOE_HF.items() if k != "num_experts"} | {"num_local_experts": 128}
+    assert ModelConfig.from_hf_config(v5) == cfg
+    assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+    assert ModelConfig.from_dict(mixed.to_dict()) == mixed
+
+
+def test_moe_families_read_their_routing() -> None:
+    """Mixtral renormalizes the chosen weights whatever the config says; OLMoE and
+    Qwen2-MoE as norm_topk_prob says (false in their releases); Qwen2-MoE's shared expert."""
+    mixtral = ModelConfig.from_hf_config(
+        HF_LLAMA_LIKE
+        | {
+            "architectures": ["MixtralForCausalLM"],
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+        }
+    )
+    assert (mixtral.experts.n_experts, mixtral.experts.d_ff, mixtral.experts.norm_top_k) == (
+        8,
+        3072,
+        True,
+    )
+    olmoe = ModelConfig.from_hf_config(
+        HF_LLAMA_LIKE
+        | {"architectures": ["OlmoeForCausalLM"], "num_experts": 64, "num_experts_per_tok": 8}
+    )
+    assert (olmoe.qk_norm, olmoe.experts.norm_top_k, olmoe.experts.d_ff) == ("all", False, 3072)
+    qwen2 = ModelConfig.from_hf_config(
+        HF_LLAMA_LIKE
+        | {
+            "architectures": ["Qwen2MoeForCausalLM"],
+            "num_experts": 60,
+            "num_experts_per_tok": 4,
+            "moe_intermediate_size": 1408,
+            "shared_expert_intermediate_size": 5632,
+        }
+    )
+    assert (qwen2.qkv_bias, qwen2.experts.d_ff, qwen2.experts.shared_d_ff) == (True, 1408, 5632)
+    assert "shared_expert=5632" in qwen2.features
+
+
+def test_moe_config_errors_speak_config_json() -> None:
+    with pytest.raises(ValueError, match=r"num_experts_per_tok \(9\) exceeds num_experts \(8\)"):
+        ModelConfig.from_hf_config(QWEN3_MOE_HF | {"num_experts": 8, "num_experts_per_tok": 9})
+    with pytest.raises(ValueError, match="missing field 'num_experts_per_tok'"):
+        ModelConfig.from_hf_config(
+            {k: v for k, v in QWEN3_MOE_HF.items() if k != "num_experts_per_tok"}
+        )
+    with pytest.raises(ValueError, match="clip_qkv 8.0 is not supported"):
+        ModelConfig.from_hf_config(
+            HF_LLAMA_LIKE
+            | {"architectures": ["OlmoeForCausalLM"], "num_experts": 8, "num_experts_per_tok": 2}
+            | {"clip_qkv": 8.0}
+        )
+    with pytest.raises(ValueError, match="experts are SwiGLU"):
+        ModelConfig(**BASE, ffn="gelu", experts=Experts(4, 2, 16))

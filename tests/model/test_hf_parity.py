@@ -16,10 +16,14 @@ from tests.factories import (
     write_granite,
     write_llama,
     write_mistral,
+    write_mixtral,
     write_olmo2,
+    write_olmoe,
     write_phi3,
     write_qwen2,
+    write_qwen2_moe,
     write_qwen3,
+    write_qwen3_moe,
     write_smollm3,
 )
 from tests.model.backends import BACKENDS, generate_auto, make_backend
@@ -41,6 +45,10 @@ WRITERS = {
     "gemma2_softcaps": write_gemma2,
     "gemma3_in_image_text_checkpoint": write_gemma3_multimodal,
     "gpt2": write_gpt2,
+    "qwen3_moe_dense_layer": write_qwen3_moe,
+    "mixtral": write_mixtral,
+    "olmoe": write_olmoe,
+    "qwen2_moe_shared_expert": write_qwen2_moe,
 }
 
 

@@ -1,5 +1,5 @@
 """The Python mirrors of model/backends/cpu/kernels/kvserve.h: the ctypes prototypes and the stack's
-argument structs, checked against the header (and the structs against the layout the C
+argument structs (and the experts'), checked against the header (and the structs against the layout the C
 compiler gives them), so a mismatch fails here instead of corrupting memory."""
 
 import ctypes
@@ -7,10 +7,12 @@ import re
 import subprocess
 
 from model.backends.cpu.kernels.build import HEADER, PROTOTYPES, c_compiler
+from model.backends.cpu.kernels.experts import ExpertsArgs
 from model.backends.cpu.stack import _Args, _Layer
 from tests.require import missing
 
 C_TYPES = {"float": ctypes.c_float, "int": ctypes.c_int, "void": None}
+STRUCTS = (("layer_args", _Layer), ("stack_args", _Args), ("experts_args", ExpertsArgs))
 
 
 def header_prototypes() -> dict[str, tuple[object, list[object]]]:
@@ -31,13 +33,14 @@ def test_ctypes_prototypes_match_the_header() -> None:
 
 
 def test_stack_structs_match_the_compilers_layout(tmp_path) -> None:
-    """sizeof and every field's offsetof, as the C compiler lays out layer_args and
-    stack_args, equal the ctypes mirrors in model/backends/cpu/stack.py."""
+    """sizeof and every field's offsetof, as the C compiler lays out layer_args,
+    stack_args and experts_args, equal the ctypes mirrors (model/backends/cpu/stack.py,
+    model/backends/cpu/kernels/experts.py)."""
     compiler = c_compiler()
     if compiler is None:
         missing("cc", "no C compiler")
     lines = []
-    for c_name, mirror in (("layer_args", _Layer), ("stack_args", _Args)):
+    for c_name, mirror in STRUCTS:
         lines.append(f'printf("{c_name} size %zu\\n", sizeof({c_name}));')
         for field, _ in mirror._fields_:
             lines.append(f'printf("{c_name} {field} %zu\\n", offsetof({c_name}, {field}));')
@@ -55,7 +58,7 @@ def test_stack_structs_match_the_compilers_layout(tmp_path) -> None:
     ).stdout.splitlines():
         struct, field, value = line.split()
         c_layout[(struct, field)] = int(value)
-    for c_name, mirror in (("layer_args", _Layer), ("stack_args", _Args)):
+    for c_name, mirror in STRUCTS:
         assert c_layout[(c_name, "size")] == ctypes.sizeof(mirror), c_name
         for field, _ in mirror._fields_:
             assert c_layout[(c_name, field)] == getattr(mirror, field).offset, (c_name, field)

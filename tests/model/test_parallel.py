@@ -10,13 +10,14 @@ import torch
 from model.config import ModelConfig
 from model.parallel import TensorParallel, unsplittable
 from model.weights import load_model, share_of
-from tests.factories import write_gpt2, write_llama, write_olmo2, write_qwen2
+from tests.factories import write_gpt2, write_llama, write_olmo2, write_qwen2, write_qwen2_moe
 
 WRITERS = {
     "llama": lambda p: write_llama(p, tied=False),  # 8 heads, 2 K/V heads
     "qwen2": write_qwen2,
     "gpt2": write_gpt2,  # Conv1D weights stored transposed, q|k|v in one tensor
     "olmo2": write_olmo2,  # q/k norms' weights over every head: each rank its heads'
+    "qwen2_moe": write_qwen2_moe,  # each expert's features and the shared expert's split
 }
 
 
@@ -80,7 +81,12 @@ def test_each_rank_loads_its_slices_of_the_checkpoint(
         assert torch.equal(
             s.attn.wo.weight, w.attn.wo.weight[:, heads.start * dh : heads.stop * dh]
         )
-        assert torch.equal(s.ffn.w_out.weight, w.ffn.w_out.weight[:, ff.start : ff.stop])
+        if c.experts is not None:
+            _assert_expert_shares(w.ffn, s.ffn, shares.features("ffn.experts.w_in"))
+            _assert_expert_shares(w.ffn.shared, s.ffn.shared, shares.features("ffn.shared.w_in"))
+            assert torch.equal(s.ffn.router.weight, w.ffn.router.weight)  # replicated
+        else:
+            assert torch.equal(s.ffn.w_out.weight, w.ffn.w_out.weight[:, ff.start : ff.stop])
         if w.attn.wo.bias is not None:  # rank 0 adds a row-parallel bias, once
             assert torch.equal(s.attn.wo.bias, w.attn.wo.bias if rank == 0 else 0 * w.attn.wo.bias)
         rows = shares.vocab
@@ -95,3 +101,21 @@ def test_each_rank_loads_its_slices_of_the_checkpoint(
             assert torch.equal(
                 s.attn.k_norm.weight, w.attn.k_norm.weight[kv.start * dh : kv.stop * dh]
             )
+
+
+def _assert_expert_shares(whole, share, features: range) -> None:  # type: ignore[no-untyped-def]
+    """A rank's (gate | up) rows and down columns of each expert (or the shared expert):
+    `features` of the gate's, the same of the up's."""
+    if hasattr(whole, "experts"):
+        pairs = [(whole.experts.w_in[e], whole.experts.w_out[e], share.experts.w_in[e],
+                  share.experts.w_out[e]) for e in range(whole.experts.n_experts)]  # fmt: skip
+    else:
+        pairs = [(whole.w_in.weight, whole.w_out.weight, share.w_in.weight, share.w_out.weight)]
+    for w_in, w_out, s_in, s_out in pairs:
+        f = w_in.shape[0] // 2
+        gate, up = (
+            w_in[features.start : features.stop],
+            w_in[f + features.start : f + features.stop],
+        )
+        assert torch.equal(s_in, torch.cat([gate, up]))
+        assert torch.equal(s_out, w_out[:, features.start : features.stop])

@@ -8,7 +8,7 @@ import torch
 
 from model.backends.cpu import prepare_model
 from model.backends.cpu.kernels.stack import stack_kernels
-from model.config import LongRope
+from model.config import Experts, LongRope
 from model.kv_cache import PagedKVCache
 from model.metadata import AttentionMetadata
 from tests.factories import tiny_model
@@ -136,6 +136,32 @@ def test_partial_rotary_and_long_rope_take_the_stack(isa: str) -> None:
     model = stack_model(rotary_dim=24, rope_scaling=scaling)
     assert model.fused_layers is not None
     assert_stack_is_the_modules(model, 16)
+
+
+# mixtures of experts: 8 experts of 64 features (their (gate | up) in whole 128-row
+# blocks), the router's 8 rows padded to a 64-row block, a dense layer among sparse ones
+QWEN3_MOE = {"qk_norm": "head", "experts": Experts(8, 2, 64, norm_top_k=True, dense_layers=(1,))}
+OLMOE = {"qk_norm": "all", "experts": Experts(8, 3, 64)}
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+@pytest.mark.parametrize("family", [QWEN3_MOE, OLMOE], ids=["qwen3_moe", "olmoe"])
+@torch.no_grad()
+def test_mixtures_of_experts_take_the_stack(isa: str, quantization: str, family: dict) -> None:
+    """Routed by experts.c as the module path routes (the same experts, the same
+    weights), each expert's rows through its kernels once a step: the modules' bits."""
+    model = stack_model(quantization, **family)
+    assert model.fused_layers is not None and len(model.fused_layers.mixtures) in (2, 3)
+    assert_stack_is_the_modules(model, 16)
+
+
+@torch.no_grad()
+def test_a_shared_expert_runs_as_modules(isa: str) -> None:
+    """Qwen2-MoE's shared expert behind its gate is not in stack.c: the layers run as
+    modules, their experts still one C call each."""
+    model = stack_model(experts=Experts(8, 2, 64, shared_d_ff=64))
+    assert model.fused_layers is None
+    assert all(b.ffn.experts.kernels is not None for b in model.layers)
 
 
 def assert_stack_is_the_modules(model, block_size: int, window_blocks: int = 0) -> None:

@@ -14,7 +14,8 @@ The layouts, by what the weight allows (bf16 on the CPU):
   else the nn.Linear stays.
 
 A SwiGLU whose (gate | up) projection takes kvserve's layout becomes a GatedSwiGLU: the
-kernel applies silu(gate) * up in the same pass. A GeGLU (Gemma) becomes a PackedGeGLU:
+kernel applies silu(gate) * up in the same pass; so does each expert of a mixture
+(PackedExperts). A GeGLU (Gemma) becomes a PackedGeGLU:
 gelu_tanh(gate) * up in a C pass of its own. Packing keeps only the packed copy, so it is
 the last thing done to a model.
 """
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.backends.cpu.isa import onednn_packs_bf16
+from model.backends.cpu.kernels.experts import ExpertKernels, experts_library, route
 from model.backends.cpu.kernels.fused import fused_library, geglu
 from model.backends.cpu.kernels.linear import (
     TILE_N,
@@ -38,6 +40,7 @@ from model.backends.cpu.kernels.linear import (
 )
 from model.backends.cpu.pages import HugeArena
 from model.layers import GeGLU, SwiGLU
+from model.moe import Experts, GroupedExperts, MoE
 
 
 class PackedLinear(nn.Module):
@@ -127,6 +130,81 @@ class PackedGeGLU(nn.Module):
         return self.w_out(geglu(self.w_in(x)))
 
 
+class SplitSwiGLU(nn.Module):
+    """A SwiGLU over packed linears whose (gate | up) kernel does not apply the gate
+    itself (its rows are not whole 128-feature blocks): torch's ops between them."""
+
+    def __init__(self, w_in: nn.Module, w_out: nn.Module) -> None:
+        super().__init__()
+        self.w_in, self.w_out = w_in, w_out
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w_in(x).chunk(2, dim=-1)
+        return self.w_out(F.silu(gate) * up)
+
+
+class PackedExperts(GroupedExperts):
+    """A mixture's experts, each a SwiGLU over packed linears (GatedSwiGLU where its
+    (gate | up) rows take the gated layout). Where every expert is gated and the C
+    experts kernel is built, forward() is that one call (kernels/experts.c: the same
+    grouping, kernels and roundings as the reference's loop); else the loop, each
+    chosen expert's kernels run once over its tokens."""
+
+    def __init__(self, experts: Experts, quantization: str = "none") -> None:
+        super().__init__()
+        self.n_experts = experts.n_experts
+        self.ffns = nn.ModuleList(
+            _expert_ffn(experts.w_in[e], experts.w_out[e], quantization)
+            for e in range(experts.n_experts)
+        )
+        self.kernels: ExpertKernels | None = None
+        linears = [m for f in self.ffns for m in (f.w_in, f.w_out)]
+        kinds = {m.kernel if isinstance(m, PackedLinear) else "torch" for m in linears}
+        gated = all(
+            isinstance(f, GatedSwiGLU) and not getattr(f.w_out, "pad", 1) for f in self.ffns
+        )
+        kind = kinds.pop() if len(kinds) == 1 else None
+        if gated and kind in ("bf16", "int8") and ExpertKernels.available(kind):
+            self.kind = kind
+
+    kind: str | None = None  # the packed kind the C call takes ('bf16', 'int8'), if it does
+
+    def bind(self) -> None:
+        """Point the C call at the weights where they now live (after _gather moved them)."""
+        if self.kind is not None:
+            first = self.ffns[0]
+            self.kernels = ExpertKernels(
+                [f.w_in._tiles for f in self.ffns],
+                [f.w_out._tiles for f in self.ffns],
+                first.w_out.out_features,
+                first.w_out.in_features,
+                self.kind,
+            )
+
+    def run(self, expert: int, x: Tensor) -> Tensor:
+        return self.ffns[expert](x)
+
+    def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
+        if self.kernels is not None and x.dtype == torch.bfloat16:
+            return self.kernels.forward(x, weights, ids)
+        return super().forward(x, weights, ids)
+
+
+def _expert_ffn(w_in: Tensor, w_out: Tensor, quantization: str) -> nn.Module:
+    gate_up = pack_linear(_linear(w_in), swiglu=True, quantization=quantization)
+    down = pack_linear(_linear(w_out), quantization=quantization)
+    if isinstance(gate_up, PackedLinear) and gate_up.gated:
+        return GatedSwiGLU(gate_up, down)
+    return SplitSwiGLU(gate_up, down)
+
+
+def _linear(weight: Tensor) -> nn.Linear:
+    """An nn.Linear over `weight` (out, in), for pack_linear."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = nn.Parameter(weight.detach().contiguous(), requires_grad=False)
+    return linear
+
+
 def can_pack(model: nn.Module) -> bool:
     return (
         model.device.type == "cpu"
@@ -156,10 +234,16 @@ def pack_model(model: nn.Module, quantization: str = "none") -> bool:
 
 def swap_linears(module: nn.Module, quantization: str = "none") -> None:
     """Each nn.Linear under `module` for pack_linear's form of it; a SwiGLU whose
-    (gate | up) packs gated for a GatedSwiGLU, a GeGLU becomes a PackedGeGLU. Packed
-    modules stay as they are."""
+    (gate | up) packs gated for a GatedSwiGLU, a GeGLU becomes a PackedGeGLU, a
+    mixture's experts PackedExperts. Packed modules stay as they are."""
     for name, child in module.named_children():
-        if isinstance(child, SwiGLU):
+        if isinstance(child, Experts):
+            setattr(module, name, PackedExperts(child, quantization))
+        elif isinstance(child, MoE):
+            if experts_library() is not None:  # routed in C, as the decoder stack routes
+                child.route_fn = route
+            swap_linears(child, quantization)
+        elif isinstance(child, SwiGLU):
             w_in = pack_linear(child.w_in, swiglu=True, quantization=quantization)
             w_out = pack_linear(child.w_out, quantization=quantization)
             if isinstance(w_in, PackedLinear) and w_in.gated:
@@ -184,6 +268,9 @@ def _gather(model: nn.Module) -> None:
     arena = HugeArena(HugeArena.size_of([m._tiles for m in linears]))
     for m in linears:
         m._tiles = arena.take(m._tiles)
+    for m in model.modules():
+        if isinstance(m, PackedExperts):
+            m.bind()
 
 
 def linear_kernels(model: nn.Module) -> list[str]:

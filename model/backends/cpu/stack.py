@@ -1,7 +1,8 @@
 """The decoder layers as one C call (kernels/stack.c), for the case the CPU path is built
 around: a pre-norm RoPE/RMSNorm/SwiGLU model in bf16 whose linears all took kvserve's
 kernel layout (bf16, or all int8), over a bf16 paged cache, at every instruction-set
-level. Same kernels, same order, same bits as the modules; it drops the per-layer Python
+level; its layers' FFNs may be mixtures of experts routed and run by kernels/experts.c
+(not Qwen2-MoE's shared expert). Same kernels, same order, same bits as the modules; it drops the per-layer Python
 between them and holds no GIL while the layers run. The model calls it through
 model.backends.base.FusedLayers.
 """
@@ -17,11 +18,13 @@ from torch import Tensor, nn
 
 from model.backends.cpu.kernels.attention import step_window
 from model.backends.cpu.kernels.build import data_ptr
+from model.backends.cpu.kernels.experts import route as c_route
 from model.backends.cpu.kernels.stack import stack_forward, stack_kernels
-from model.backends.cpu.packed import GatedSwiGLU, PackedGeGLU, PackedLinear
+from model.backends.cpu.packed import GatedSwiGLU, PackedExperts, PackedGeGLU, PackedLinear
 from model.config import ModelConfig
 from model.layers import RMSNorm
 from model.metadata import AttentionMetadata
+from model.moe import MoE
 
 if TYPE_CHECKING:  # the cache imports the backends' package, which imports this
     from model.kv_cache import PagedKVCache
@@ -54,6 +57,9 @@ class _Layer(ctypes.Structure):
         ],
         ("rotate", _I),
         ("windowed", _I),
+        ("router", _P),
+        ("expert_w_in", _P),
+        ("expert_w_out", _P),
     ]
 
 
@@ -71,11 +77,17 @@ _WINDOW = (
     "win_skip",
 )
 _BUFFERS = ("x", "h", "qkv", "attn", "o", "act", "gate", "delta", "gate_up")
+# a mixture of experts' buffers (experts.c): bf16, the choices' ids, the grouping's int32
+_MIXTURE = ("logits", "choice_weights", "xs", "e_act", "e_gate", "ys", "choice_ids")
+_GROUPING = ("order", "starts", "cursor")
+_EXPERT_DIMS = ("experts", "router_rows", "top_k", "expert_ff", "normalize")
 
 
 class _Args(ctypes.Structure):
     _fields_ = [
         *[(name, _P) for name in ("norm", "qk_norm", "linear", "rope", "attend", "geglu")],
+        *[(name, _P) for name in ("route", "run_experts")],
+        *[(name, _I) for name in _EXPERT_DIMS],
         *[(name, _I) for name in (*_DIMS, "nthreads")],
         ("eps", _F),
         ("scale", _F),
@@ -87,6 +99,7 @@ class _Args(ctypes.Structure):
         *[(name, _P) for name in (*_STEP, *_WINDOW)],
         ("win_max_blocks", _I),
         *[(name, _P) for name in _BUFFERS],
+        *[(name, _P) for name in (*_MIXTURE, *_GROUPING)],
     ]
 
 
@@ -117,11 +130,17 @@ class DecoderStack:
         ):
             return None
         for block in layers:
-            linears = (block.attn.wqkv, block.attn.wo, block.ffn.w_in, block.ffn.w_out)
+            if isinstance(block.ffn, MoE) and _stackable_mixture(cfg, block.ffn):
+                ffn_linears: tuple[nn.Module, ...] = ()
+                kinds = {block.ffn.experts.kind}
+            elif isinstance(block.ffn, GatedSwiGLU | PackedGeGLU):
+                ffn_linears, kinds = (block.ffn.w_in, block.ffn.w_out), set()
+            else:
+                return None
+            linears = (block.attn.wqkv, block.attn.wo, *ffn_linears)
             if not (
                 isinstance(block.attn_norm, RMSNorm)
                 and isinstance(block.ffn_norm, RMSNorm)
-                and isinstance(block.ffn, GatedSwiGLU | PackedGeGLU)
                 and all(
                     isinstance(getattr(block, n, None), RMSNorm)
                     for n in ("post_attn_norm", "post_ffn_norm")
@@ -132,9 +151,15 @@ class DecoderStack:
                     for m in linears
                 )
                 and len({m.int8 for m in linears}) == 1
+                and kinds <= {"int8" if linears[0].int8 else "bf16"}
             ):
                 return None
         return cls(cfg, layers, final_norm)
+
+    @property
+    def mixtures(self) -> list[MoE]:
+        """The layers' mixtures of experts (empty for a dense model)."""
+        return [b.ffn for b in self.layers if isinstance(b.ffn, MoE)]
 
     @property
     def kind(self) -> str:
@@ -156,6 +181,7 @@ class DecoderStack:
                 self.kind,
                 whole_qk_norm=cfg.qk_norm == "all",
                 geglu=cfg.ffn == "geglu",
+                experts=bool(self.mixtures),
             )
             self._weights = self._layer_args(kv_cache) if self._kernels else None
             self._cache, self._block_size = weakref.ref(kv_cache), kv_cache.block_size
@@ -174,10 +200,7 @@ class DecoderStack:
                 attn.wo._tiles.data_ptr(),
                 data_ptr(attn.wo._bias32),
                 block.ffn_norm.weight.data_ptr(),
-                ffn.w_in._tiles.data_ptr(),
-                data_ptr(ffn.w_in._bias32),
-                ffn.w_out._tiles.data_ptr(),
-                data_ptr(ffn.w_out._bias32),
+                *_dense_args(ffn),
                 k_cache.data_ptr(),
                 v_cache.data_ptr(),
                 data_ptr(attn.q_norm.weight if attn.q_norm is not None else None),
@@ -191,6 +214,7 @@ class DecoderStack:
                 ),
                 int(i not in self.cfg.nope_layers),
                 int(self.cfg.window(i) is not None),
+                *_mixture_args(ffn),
             )
         return out
 
@@ -269,9 +293,15 @@ class DecoderStack:
         if cfg.ffn == "geglu":
             widths["gate_up"] = 2 * cfg.d_ff
         buffers = {k: torch.empty((t, n), dtype=torch.bfloat16) for k, n in widths.items()}
+        mixture = self.mixtures[0] if self.mixtures else None
+        expert_dims = dict.fromkeys(_EXPERT_DIMS, 0)
+        if mixture is not None:
+            expert_dims = _expert_dims(mixture)
+            buffers |= _mixture_buffers(t, cfg.d_model, expert_dims)
         dims = (len(self.layers), t, cfg.d_model, h, kv, dh, cfg.d_ff, self._block_size)
         args = _Args(
             **self._kernels,
+            **expert_dims,
             **dict(zip(_DIMS, (*dims, 0), strict=True)),
             eps=cfg.norm_eps,
             scale=self.layers[0].attn.scale,  # Granite's attention_multiplier, or 1/sqrt(dh)
@@ -283,3 +313,73 @@ class DecoderStack:
             **{k: v.data_ptr() for k, v in buffers.items()},
         )  # a buffer not made (gate_up for SwiGLU) stays NULL
         return t, buffers, args
+
+
+def _stackable_mixture(cfg: ModelConfig, moe: MoE) -> bool:
+    """Whether stack.c runs this mixture: a pre-norm layer's, routed by experts.c (as the
+    module path routes it), every expert in the one C call, the router a packed linear
+    without bias, and no shared expert (Qwen2-MoE's runs as modules)."""
+    router = moe.router
+    return (
+        cfg.norm_placement == "pre"
+        and moe.shared is None
+        and moe.route_fn is c_route
+        and isinstance(moe.experts, PackedExperts)
+        and moe.experts.kernels is not None
+        and isinstance(router, PackedLinear)
+        and router._tiles is not None
+        and router.bias is None
+    )
+
+
+def _dense_args(ffn: nn.Module) -> tuple[int | None, ...]:
+    """A layer's w_in, b_in, w_out, b_out (NULL for a mixture of experts)."""
+    if isinstance(ffn, MoE):
+        return (None, None, None, None)
+    return (
+        ffn.w_in._tiles.data_ptr(),
+        data_ptr(ffn.w_in._bias32),
+        ffn.w_out._tiles.data_ptr(),
+        data_ptr(ffn.w_out._bias32),
+    )
+
+
+def _mixture_args(ffn: nn.Module) -> tuple[int | None, ...]:
+    """A layer's router and expert pointer tables (NULL for a dense FFN)."""
+    if not isinstance(ffn, MoE):
+        return (None, None, None)
+    kernels = ffn.experts.kernels
+    return (
+        ffn.router._tiles.data_ptr(),
+        ctypes.addressof(kernels._w_in),
+        ctypes.addressof(kernels._w_out),
+    )
+
+
+def _expert_dims(moe: MoE) -> dict[str, int]:
+    router = moe.router
+    return {
+        "experts": moe.experts.n_experts,
+        "router_rows": router.out_features + router.pad,  # whole 64-row blocks
+        "top_k": moe.top_k,
+        "expert_ff": moe.experts.kernels.ff,
+        "normalize": int(moe.normalize),
+    }
+
+
+def _mixture_buffers(t: int, d: int, dims: dict[str, int]) -> dict[str, Tensor]:
+    """experts.c's work buffers for a call of t rows."""
+    pairs, n = t * dims["top_k"], dims["experts"]
+    bf16, i32 = torch.bfloat16, torch.int32
+    return {
+        "logits": torch.empty((t, dims["router_rows"]), dtype=bf16),
+        "choice_weights": torch.empty((t, dims["top_k"]), dtype=bf16),
+        "choice_ids": torch.empty((t, dims["top_k"]), dtype=torch.int64),
+        "xs": torch.empty((pairs, d), dtype=bf16),
+        "ys": torch.empty((pairs, d), dtype=bf16),
+        "e_act": torch.empty((pairs, dims["expert_ff"]), dtype=bf16),
+        "e_gate": torch.empty((pairs, dims["expert_ff"]), dtype=bf16),
+        "order": torch.empty(pairs, dtype=i32),
+        "starts": torch.empty(n + 1, dtype=i32),
+        "cursor": torch.empty(n, dtype=i32),
+    }

@@ -16,7 +16,9 @@ from tests.factories import (
     write_olmo2,
     write_phi3,
     write_qwen2,
+    write_qwen2_moe,
     write_qwen3,
+    write_qwen3_moe,
 )
 
 # the checkpoints the tensor-parallel tests split: K/V heads split over 2 ranks, and
@@ -36,6 +38,10 @@ WRITERS = {
     # every layer windowed (8 keys): all the K/V in the window pool
     "mistral_window": lambda p: write_mistral(p, sliding_window=8),
     "gpt2": write_gpt2,
+    # mixtures of experts: each rank every expert's share of its features, the router
+    # replicated (a dense layer among the sparse ones; a shared expert behind its gate)
+    "qwen3_moe": write_qwen3_moe,
+    "qwen2_moe": write_qwen2_moe,
 }
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -6,4 +6,5 @@ the Python side of each:
     fused.py      add + RMSNorm, RoPE + KV write, greedy argmax (fused.c)
     linear.py     the linears, bf16 and int8, and their weight layouts (linear_*.c)
     stack.py      the decoder layers as one call (stack.c)
+    experts.py    a mixture's routed experts as one call (experts.c)
 """

@@ -63,6 +63,8 @@ PROTOTYPES: dict[str, tuple[type | None, list[type]]] = {
     "linear_int8": (None, [_P, _P, _P, _P, _P, _I, _I, _I, _I]),
     "linear_vec_init": (_I, []),
     "stack_forward": (None, [_P]),
+    "experts_forward": (None, [_P]),
+    "experts_route": (None, [_P, _I, _I, _I, _I, _I, _P, _P]),
 }
 
 

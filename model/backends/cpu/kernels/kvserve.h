@@ -86,6 +86,33 @@ typedef void (*attention_fn)(const uint16_t *q, const uint16_t *k, const uint16_
                              int q_stride, int KV, int max_blocks, float scale, float softcap,
                              const float *alibi, int nthreads);
 
+/* experts.c: a mixture of experts over one step's rows. experts_route: each row's top_k
+ * experts by its router logits (rows of `stride` values, the first `experts` read; ties to
+ * the lower id), their softmax weights over every expert (renormalized to sum 1 where
+ * `normalize`), rounded to bf16. experts_forward: the routed experts; every expert's
+ * (gate | up) is in swiglu_layout (the linear stores silu(g) * u), its down projection
+ * plain; the buffers are (rows * top_k, width) but for starts (experts + 1) and cursor
+ * (experts). */
+typedef struct {
+    linear_fn linear;
+    const uint16_t *const *w_in;  /* (experts): each expert's (gate | up) */
+    const uint16_t *const *w_out; /* (experts): each expert's down projection */
+    int experts, top_k, d, ff, rows, nthreads;
+    const uint16_t *x;       /* (rows, d) */
+    const int64_t *ids;      /* (rows, top_k): the chosen experts */
+    const uint16_t *weights; /* (rows, top_k): their router weights */
+    uint16_t *out;           /* (rows, d) */
+    uint16_t *xs, *act, *gate, *ys;
+    int32_t *order, *starts, *cursor;
+} experts_args;
+
+void experts_route(const uint16_t *logits, int rows, int stride, int experts, int top_k,
+                   int normalize, int64_t *ids, uint16_t *weights);
+void experts_forward(const experts_args *a);
+typedef void (*route_fn)(const uint16_t *logits, int rows, int stride, int experts, int top_k,
+                         int normalize, int64_t *ids, uint16_t *weights);
+typedef void (*experts_fn)(const experts_args *a);
+
 /* One layer's weights in the kernels' layouts; biases are float32 or NULL. */
 typedef struct {
     const uint16_t *attn_norm;
@@ -103,6 +130,12 @@ typedef struct {
     const uint16_t *post_attn_norm, *post_ffn_norm; /* Gemma's norms on each output, or NULL */
     int rotate;   /* 0: a layer without RoPE (SmolLM3): K stored as projected */
     int windowed; /* 1: a sliding-window layer (it reads the step's win_ arguments) */
+    /* a mixture of experts in place of the FFN (w_in, w_out unused), or router NULL: the
+     * router's rows padded to whole 64-row blocks, each expert's weights as experts.c
+     * reads them */
+    const uint16_t *router;
+    const uint16_t *const *expert_w_in;
+    const uint16_t *const *expert_w_out;
 } layer_args;
 
 typedef struct {
@@ -112,6 +145,9 @@ typedef struct {
     rope_fn rope;
     attention_fn attend;
     geglu_fn geglu; /* Gemma's GeGLU after a plain (gate | up) linear; NULL: SwiGLU, fused */
+    route_fn route; /* experts.c's, where a layer has a mixture of experts (else NULL) */
+    experts_fn run_experts;
+    int experts, router_rows, top_k, expert_ff, normalize;
     int layers, rows, d, heads, kv, head_dim, ff, block_size, max_blocks, nthreads;
     float eps, scale;
     float softcap; /* Gemma 2's soft-capped attention scores (0: none) */
@@ -134,6 +170,11 @@ typedef struct {
      * input of each sublayer and on return the final norm's output */
     uint16_t *x, *h, *qkv, *attn, *o, *act, *gate, *delta;
     uint16_t *gate_up; /* (rows, 2 * ff): GeGLU's linear output (NULL for SwiGLU) */
+    /* a mixture's: router logits (rows, router_rows), the choices (rows, top_k), and
+     * experts_args' buffers */
+    uint16_t *logits, *choice_weights, *xs, *e_act, *e_gate, *ys;
+    int64_t *choice_ids;
+    int32_t *order, *starts, *cursor;
 } stack_args;
 
 void stack_forward(const stack_args *a);

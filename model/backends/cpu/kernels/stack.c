@@ -3,9 +3,11 @@
  * scores, and Mistral's sliding windows), of OLMo 2's (norms on the sublayers' outputs,
  * q/k norms over the whole projections) or of Gemma 3's (a norm before and after each
  * sublayer, GeGLU, windowed layers with their own RoPE base and KV pool; Gemma 2's
- * soft-capped scores) in bf16 as one call, for CPUs where every part runs as kvserve's own
- * kernel: the AMX tile linears (linear_bf16.c), the fused norm, RoPE-and-store and GeGLU
- * (fused.c) and the AMX paged attention (paged_attention.c). It computes exactly what
+ * soft-capped scores); pre-norm layers may have a mixture of experts in place of the
+ * FFN (Qwen3-MoE, Mixtral, OLMoE: experts.c). In bf16 as one call, for CPUs where every
+ * part runs as kvserve's own kernel: the AMX tile linears (linear_bf16.c), the fused
+ * norm, RoPE-and-store and GeGLU (fused.c) and the AMX paged attention
+ * (paged_attention.c). It computes exactly what
  * Block.forward does with those kernels, in the same order on the same buffers, so the
  * bits are the same; what it saves is the interpreter between them: about seven Python
  * calls, their argument conversions and output allocations per layer.
@@ -44,6 +46,37 @@ static void add_bf16(uint16_t *x, const uint16_t *y, long n) {
         memcpy(&bits, &f, 4);
         x[i] = (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
     }
+}
+
+/* a layer's mixture of experts over the normed rows h: route each row, run the experts
+ * into delta (model/moe.py's MoE.forward with the CPU's kernels) */
+static void mixture(const stack_args *a, const layer_args *w, int T, int nt) {
+    a->linear(a->h, w->router, NULL, a->logits, NULL, T, a->router_rows, a->d, nt);
+    a->route(a->logits, T, a->router_rows, a->experts, a->top_k, a->normalize, a->choice_ids,
+             a->choice_weights);
+    const experts_args e = {
+        .linear = a->linear,
+        .w_in = w->expert_w_in,
+        .w_out = w->expert_w_out,
+        .experts = a->experts,
+        .top_k = a->top_k,
+        .d = a->d,
+        .ff = a->expert_ff,
+        .rows = T,
+        .nthreads = nt,
+        .x = a->h,
+        .ids = a->choice_ids,
+        .weights = a->choice_weights,
+        .out = a->delta,
+        .xs = a->xs,
+        .act = a->e_act,
+        .gate = a->e_gate,
+        .ys = a->ys,
+        .order = a->order,
+        .starts = a->starts,
+        .cursor = a->cursor,
+    };
+    a->run_experts(&e);
 }
 
 void stack_forward(const stack_args *a) {
@@ -90,13 +123,17 @@ void stack_forward(const stack_args *a) {
         if (a->residual != 1.0f) scale_bf16(a->o, n, a->residual);
         if (w->post_attn_norm) a->norm(a->o, NULL, w->post_attn_norm, a->o, T, d, a->eps, nt);
         a->norm(a->x, a->o, w->ffn_norm, a->h, T, d, a->eps, nt);
-        if (a->geglu) {
-            a->linear(a->h, w->w_in, w->b_in, a->gate_up, NULL, T, 2 * a->ff, d, nt);
-            a->geglu(a->gate_up, a->act, T, a->ff, nt);
+        if (w->router) {
+            mixture(a, w, T, nt);
         } else {
-            a->linear(a->h, w->w_in, w->b_in, a->act, a->gate, T, 2 * a->ff, d, nt);
+            if (a->geglu) {
+                a->linear(a->h, w->w_in, w->b_in, a->gate_up, NULL, T, 2 * a->ff, d, nt);
+                a->geglu(a->gate_up, a->act, T, a->ff, nt);
+            } else {
+                a->linear(a->h, w->w_in, w->b_in, a->act, a->gate, T, 2 * a->ff, d, nt);
+            }
+            a->linear(a->act, w->w_out, w->b_out, a->delta, NULL, T, d, a->ff, nt);
         }
-        a->linear(a->act, w->w_out, w->b_out, a->delta, NULL, T, d, a->ff, nt);
         if (w->post_ffn_norm) a->norm(a->delta, NULL, w->post_ffn_norm, a->delta, T, d, a->eps, nt);
         if (a->residual != 1.0f) scale_bf16(a->delta, n, a->residual);
     }

@@ -8,6 +8,7 @@ import functools
 
 from model.backends.cpu.kernels.attention import amx_attention, attention_library
 from model.backends.cpu.kernels.build import BASE_FLAGS, bind, build
+from model.backends.cpu.kernels.experts import experts_library
 from model.backends.cpu.kernels.fused import fused_library
 from model.backends.cpu.kernels.linear import linear_kernel
 
@@ -27,14 +28,18 @@ def stack_kernels(
     kind: str,
     whole_qk_norm: bool = False,
     geglu: bool = False,
+    experts: bool = False,
 ) -> dict[str, int | None] | None:
     """Addresses of the kernels model/backends/cpu/kernels/stack.c calls for a bf16 model whose
     attention has this shape and whose linears are all of `kind` ('bf16' or 'int8'), at
     this CPU's level (whole_qk_norm: OLMo 2's q/k norms over every head at once; geglu:
-    Gemma's GeGLU after the (gate | up) linear); None unless all of them are built here."""
+    Gemma's GeGLU after the (gate | up) linear; experts: a mixture of experts' routing and
+    experts, experts.c); None unless all of them are built here."""
     attention, fused = attention_library(d_head, block_size, group), fused_library()
-    linear = linear_kernel(kind)
+    linear, mixture = linear_kernel(kind), experts_library() if experts else None
     if attention is None or fused is None or linear is None or _stack() is None:
+        return None
+    if experts and mixture is None:
         return None
     amx = amx_attention(attention, d_head, block_size)
 
@@ -48,6 +53,8 @@ def stack_kernels(
         "rope": address(fused.rope_store_bf16),
         "attend": address(attention.paged_attention_amx if amx else attention.paged_attention_bf16),
         "geglu": address(fused.geglu_bf16) if geglu else None,
+        "route": address(mixture.experts_route) if mixture is not None else None,
+        "run_experts": address(mixture.experts_forward) if mixture is not None else None,
     }
 
 

@@ -1,0 +1,69 @@
+"""A mixture of experts (model/moe.py): the router's choice, and the CPU's experts as one
+C call (kernels/experts.c) giving the bits of the grouped loop over the same packed
+kernels, at every instruction-set level the CPU runs (the `isa` fixture), with bf16 and
+int8 weights."""
+
+import pytest
+import torch
+
+from model.backends.cpu.packed import GatedSwiGLU, PackedExperts, SplitSwiGLU
+from model.moe import Experts, GroupedExperts, route
+
+
+def experts(n: int, d: int, ff: int) -> Experts:
+    torch.manual_seed(0)
+    e = Experts(n, d, ff)
+    with torch.no_grad():
+        e.w_in.normal_(0, d**-0.5)
+        e.w_out.normal_(0, ff**-0.5)
+    return e.to(torch.bfloat16)
+
+
+def routed(rows: int, n: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 192).to(torch.bfloat16)
+    weights, ids = route(torch.randn(rows, n).to(torch.bfloat16), top_k, normalize=True)
+    return x, weights, ids
+
+
+def test_route_is_the_softmax_at_the_top_k() -> None:
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0], [3.0, 0.0, 0.0, 1.0]])
+    weights, ids = route(logits, 2, normalize=False)
+    probs = torch.softmax(logits, dim=-1)
+    assert ids.tolist() == [[1, 2], [0, 3]]
+    assert torch.allclose(weights, probs.gather(1, ids))
+    normalized, _ = route(logits, 2, normalize=True)
+    assert torch.allclose(normalized.sum(-1), torch.ones(2))
+    assert torch.allclose(normalized, weights / weights.sum(-1, keepdim=True))
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_one_call_gives_the_grouped_loops_bits(isa: str, quantization: str) -> None:
+    """Decode-sized and prefill-sized steps, experts hit by many rows and by none."""
+    ref = experts(8, 192, 128)
+    packed = PackedExperts(ref, quantization)
+    packed.bind()
+    assert packed.kernels is not None, "the experts kernel did not build"
+    assert packed.kind == ("int8" if quantization == "int8" else "bf16")
+    assert all(isinstance(f, GatedSwiGLU) for f in packed.ffns)
+    for rows in (1, 3, 40):
+        x, weights, ids = routed(rows, 8, 3)
+        got = packed(x, weights, ids)
+        loop = GroupedExperts.forward(packed, x, weights, ids)  # the same kernels, in Python
+        assert torch.equal(got, loop), rows
+        if quantization == "none":  # and the packed kernels are the reference's linears
+            want = ref(x, weights, ids).float()
+            assert (got.float() - want).abs().max().item() <= 0.03 * want.abs().max().item()
+
+
+def test_experts_whose_rows_do_not_take_the_gated_layout_run_the_loop() -> None:
+    """32 features an expert: (gate | up) is not whole 128-row blocks, so its kernel
+    cannot apply the gate; each expert is packed linears with torch's gate between."""
+    ref = experts(4, 192, 32)
+    packed = PackedExperts(ref)
+    packed.bind()
+    assert packed.kernels is None and all(isinstance(f, SplitSwiGLU) for f in packed.ffns)
+    x, weights, ids = routed(5, 4, 2)
+    want = ref(x, weights, ids).float()
+    got = packed(x, weights, ids).float()
+    assert (got - want).abs().max().item() <= 0.03 * want.abs().max().item()
