@@ -1,7 +1,8 @@
 """kvserve against llama.cpp's server on the same CPU, checkpoint and workload, in one run.
 
-Both serve the 180M Llama-3-style checkpoint that ../shared/peers/build.sh writes (kvserve
-the HF directory, llama.cpp its GGUFs): kvserve in bf16 and with --quantization int8,
+Both serve the 180M Llama-3-style checkpoint that ../shared/peers/build.sh writes (or
+with --model its Qwen3-MoE-shaped one, qwen3moe-cl100k-a100m; kvserve the HF directory,
+llama.cpp its GGUFs): kvserve in bf16 and with --quantization int8,
 llama-server in bf16 and Q8_0 (and fp32 on both with --fp32). Each server is started on
 127.0.0.1, warmed up with one request, and measured with the same streaming client
 (service/bench.py): prompts of random token ids sent as id arrays, greedy, `ignore_eos`.
@@ -39,7 +40,7 @@ from typing import Any
 
 import torch
 
-from model.audit import batch_floor
+from model.audit import batch_floor, count_params, idle_expert_bytes
 from model.backends.cpu.isa import cpu_flags, cpu_isa, native_isa
 from model.backends.machine import bf16_kernel_rate, matmul_throughput, memory_bandwidth
 from model.weights import load_config
@@ -69,45 +70,51 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def llama_files(peers: Path, variant: str) -> tuple[Path, Path]:
+def llama_files(peers: Path, model: str, variant: str) -> tuple[Path, Path]:
     """build.sh's llama-server and the checkpoint's GGUF of `variant` (bf16, q8_0, f32)."""
     return (
         peers / "llama.cpp" / "build" / "bin" / "llama-server",
-        peers / "models" / f"{MODEL}-{variant}.gguf",
+        peers / "models" / f"{model}-{variant}.gguf",
     )
 
 
-def missing(systems: list[str], peers: Path) -> list[str]:
+def missing(systems: list[str], peers: Path, model: str) -> list[str]:
     """What the systems need from build.sh's PEERS_DIR that is not there, each with how
     to make it (build.sh writes the HF checkpoint and the f32/bf16 GGUFs, not Q8_0)."""
     lacking = []
-    if not (peers / "models" / MODEL).is_dir():
-        lacking.append(f"{peers / 'models' / MODEL} (run ../shared/peers/build.sh {peers})")
+    if not (peers / "models" / model).is_dir():
+        lacking.append(f"{peers / 'models' / model} (run ../shared/peers/build.sh {peers})")
     for system in systems:
         kind, variant = system.split("-", 1)
         if kind != "llama":
             continue
-        server, gguf = llama_files(peers, variant)
+        server, gguf = llama_files(peers, model, variant)
         if not server.exists():
             lacking.append(f"{server} (run ../shared/peers/build.sh {peers})")
         if not gguf.exists():
             lacking.append(
                 f"{gguf} (make it with llama.cpp's convert_hf_to_gguf.py "
-                f"{peers / 'models' / MODEL} --outtype {variant} --outfile {gguf}, "
+                f"{peers / 'models' / model} --outtype {variant} --outfile {gguf}, "
                 "in build.sh's venv)"
             )
     return sorted(set(lacking))
 
 
 def command(
-    system: str, peers: Path, port: int, slots: int, threads: int, llama_args: list[str]
+    system: str,
+    peers: Path,
+    model: str,
+    port: int,
+    slots: int,
+    threads: int,
+    llama_args: list[str],
 ) -> list[str]:
     """The server command line for `system` ('kvserve-<bf16|int8|fp32>' or
     'llama-<bf16|q8_0|f32>'); `llama_args` go to every llama-server."""
     kind, variant = system.split("-", 1)
     if kind == "llama":
         ctx = 2048 if slots == 1 else 4096
-        server, gguf = llama_files(peers, variant)
+        server, gguf = llama_files(peers, model, variant)
         return [
             str(server), "-m", str(gguf), "-t", str(threads), "-np", str(slots), "-c", str(ctx),
             "--host", "127.0.0.1", "--port", str(port), *llama_args,
@@ -115,7 +122,7 @@ def command(
     dtype = {"bf16": "bfloat16", "int8": "bfloat16", "fp32": "float32"}[variant]
     quant = ["--quantization", "int8"] if variant == "int8" else []
     return [
-        sys.executable, "-m", "service.cli", "serve", "--model", str(peers / "models" / MODEL),
+        sys.executable, "-m", "service.cli", "serve", "--model", str(peers / "models" / model),
         "--dtype", dtype, *quant, "--port", str(port), "--max-num-seqs", str(max(slots, 16)),
     ]  # fmt: skip
 
@@ -135,9 +142,10 @@ def bf16_matmul_rate() -> float:
     return bf16_kernel_rate() or matmul_throughput(torch.bfloat16)
 
 
-def weight_bytes(model_dir: Path) -> dict[str, int]:
+def weight_bytes(model_dir: Path) -> dict[str, float]:
     """Bytes a decode step reads per token: every weight once (a tied head reads the
-    embedding matrix), in bf16, and with int8 linears (1 byte + 8 bytes per output row)."""
+    embedding matrix), in bf16, and with int8 linears (1 byte + 8 bytes per output row);
+    of a mixture of experts, only the experts one token runs (model/audit.py)."""
     from safetensors import safe_open
 
     params, rows = 0, 0
@@ -150,7 +158,13 @@ def weight_bytes(model_dir: Path) -> dict[str, int]:
             params += numel
             if len(shape) == 2:
                 rows += shape[0]
-    return {"params": params, "bf16": 2 * params, "int8": params + 8 * rows}
+    cfg = load_config(model_dir)
+    return {
+        "params": params,
+        "active_params": count_params(cfg).active,
+        "bf16": 2 * params - idle_expert_bytes(cfg, "bfloat16", "none", 1),
+        "int8": params + 8 * rows - idle_expert_bytes(cfg, "bfloat16", "int8", 1),
+    }
 
 
 def measure(systems: list[str], args: argparse.Namespace, slots: int) -> dict[str, Any]:
@@ -166,7 +180,15 @@ def measure(systems: list[str], args: argparse.Namespace, slots: int) -> dict[st
             log = Path(args.out).with_suffix(f".{system}.{slots}.log")
             servers[system] = (
                 start(
-                    command(system, args.peers, port, slots, threads, shlex.split(args.llama_args)),
+                    command(
+                        system,
+                        args.peers,
+                        args.model,
+                        port,
+                        slots,
+                        threads,
+                        shlex.split(args.llama_args),
+                    ),
                     url,
                     log,
                 ),
@@ -220,6 +242,12 @@ def main() -> None:
     ap.add_argument(
         "--peers", type=Path, default=ROOT.parent / "peers", help="build.sh's PEERS_DIR"
     )
+    ap.add_argument(
+        "--model",
+        default=MODEL,
+        help="a checkpoint build.sh writes under PEERS_DIR/models (qwen3moe-cl100k-a100m: "
+        "the mixture of experts)",
+    )
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=16)
@@ -241,12 +269,13 @@ def main() -> None:
         systems += ["kvserve-fp32", "llama-f32"]
     if args.systems:
         systems = args.systems.split(",")
-    if lacking := missing(systems, args.peers):
+    if lacking := missing(systems, args.peers, args.model):
         sys.exit("cpu_peers: missing\n  " + "\n  ".join(lacking))
     flags = sorted(f for f in FLAGS if f in cpu_flags())
     header = {
         "cpu": cpu_model(),
         "cores": os.cpu_count(),
+        "model": args.model,
         "flags": flags,
         "kvserve_isa": cpu_isa(),
         "llama_args": args.llama_args,
@@ -261,7 +290,7 @@ def main() -> None:
     single_runs = measure(systems, args, 1)
     concurrent_runs = measure(systems, args, args.concurrency)
     rows = {s: {"single": single_runs[s], "concurrent": concurrent_runs[s]} for s in systems}
-    sizes = weight_bytes(args.peers / "models" / MODEL)
+    sizes = weight_bytes(args.peers / "models" / args.model)
     bandwidth = max(BANDWIDTH)
     floors = {v: sizes[v] / bandwidth * 1000 for v in ("bf16", "int8")}
     floors["fp32"] = floors["bf16"] * 2
@@ -287,7 +316,7 @@ def main() -> None:
             f"| {c['output_tok_s']:.1f} | {c['ttft_p50_s']:.2f} s |"
         )
     wave = batch_floor(
-        load_config(args.peers / "models" / MODEL), "bfloat16", args.concurrency,
+        load_config(args.peers / "models" / args.model), "bfloat16", args.concurrency,
         args.prompt_len, args.output_len, bandwidth, max(COMPUTE),
     )  # fmt: skip
     print(
