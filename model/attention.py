@@ -47,6 +47,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(q_dim, cfg.norm_eps) if cfg.qk_norm != "none" else None
         self.k_norm = RMSNorm(k_dim, cfg.norm_eps) if cfg.qk_norm != "none" else None
         self.split_norms = split_norms if cfg.qk_norm == "all" else None
+        # gpt-oss: a learned logit per head beside the scores in its softmax, whose
+        # share attends to nothing
+        self.sinks = nn.Parameter(torch.empty(self.n_heads)) if cfg.attn_sinks else None
 
     def forward(
         self,
@@ -68,7 +71,7 @@ class Attention(nn.Module):
             qkv = backend.norm_heads(qkv, self.q_norm, self.k_norm, self.n_heads, self.n_kv, whole)
         q, k, v = backend.rope_store(qkv, rope, self.n_heads, self.n_kv, self.d_head, cache, meta)
         out = backend.attend(
-            q, k, v, cache, meta, self.scale, alibi_slopes, self.window, self.softcap
+            q, k, v, cache, meta, self.scale, alibi_slopes, self.window, self.softcap, self.sinks
         )
         return self.wo(out)  # out: (T, H * dh)
 

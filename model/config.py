@@ -7,7 +7,8 @@ RoPE), Granite (scaled embeddings, residuals, scores and logits), Phi-3 and Phi-
 whole projection), Gemma 3 (sandwich norms, GeGLU, sliding windows with a RoPE base of
 their own) and GPT-2 / 2017-style models (LayerNorm, learned or sinusoidal
 positions, GELU, biases, post-norm), plus ALiBi; and the mixtures of experts Qwen3-MoE,
-Qwen2-MoE (a shared expert), Mixtral and OLMoE (`Experts`). `from_hf_config` reads transformers' config.json
+Qwen2-MoE (a shared expert), Mixtral, OLMoE and gpt-oss (`Experts`; gpt-oss also
+attention sinks and YaRN). `from_hf_config` reads transformers' config.json
 in both its 4.x (`torch_dtype`, `rope_theta`, `rope_scaling`) and 5.x (`dtype`,
 `rope_parameters`) forms.
 """
@@ -96,6 +97,27 @@ class LongRope:
 
 
 @dataclass(frozen=True, slots=True)
+class Yarn:
+    """YaRN (gpt-oss): each rotated pair's frequency blended between itself (fast pairs,
+    more than `beta_fast` turns over the pretraining length) and itself over `factor`
+    (slow pairs, fewer than `beta_slow` turns), linearly between; cos and sin scaled by
+    `attention_factor`."""
+
+    factor: float
+    original_max_position: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True  # the blend's bounds rounded out to whole pairs
+    attention_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.factor <= 0:
+            raise ValueError(f"rope_scaling.factor must be > 0, got {self.factor}")
+        if self.original_max_position <= 0:
+            raise ValueError("rope_scaling.original_max_position must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
 class Experts:
     """A mixture of experts in place of the FFN (model/moe.py): a router scores
     `n_experts` SwiGLU experts of `d_ff` features each for every token, the `top_k`
@@ -111,6 +133,11 @@ class Experts:
     norm_top_k: bool = False
     shared_d_ff: int = 0  # 0: no shared expert
     dense_layers: tuple[int, ...] = ()
+    bias: bool = False  # biases on every expert's projections (gpt-oss)
+    router_bias: bool = False
+    # gpt-oss's clamped SwiGLU, (alpha, limit): gate clamped below limit, up to +-limit,
+    # (up + 1) * gate * sigmoid(alpha * gate); None: silu(gate) * up
+    clamped: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         for name in ("n_experts", "top_k", "d_ff"):
@@ -126,7 +153,14 @@ class Experts:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Experts:
-        return cls(**{**data, "dense_layers": tuple(data.get("dense_layers") or ())})
+        clamped = data.get("clamped")
+        return cls(
+            **{
+                **data,
+                "dense_layers": tuple(data.get("dense_layers") or ()),
+                "clamped": tuple(clamped) if clamped is not None else None,
+            }
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +179,7 @@ class ModelConfig:
     ffn: str = "swiglu"
     position: str = "rope"
     rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | LongRope | LinearRope | None = None
+    rope_scaling: RopeScaling | LongRope | LinearRope | Yarn | None = None
     local_rope_theta: float | None = None  # Gemma 3: the windowed layers' own RoPE base
     rotary_dim: int | None = None  # None: the whole head; less: Phi-4-mini's partial rotary
     qkv_bias: bool = False
@@ -163,6 +197,7 @@ class ModelConfig:
     logits_scaling: float = 1.0
     final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
     attn_logit_softcap: float | None = None  # the same on each attention score (Gemma 2)
+    attn_sinks: bool = False  # a learned logit per head in each softmax, attending nothing
     attn_out_bias: bool = False
     mlp_bias: bool = False
     experts: Experts | None = None  # a mixture of experts in place of the FFN
@@ -300,7 +335,12 @@ class ModelConfig:
         if self.rotary_dim is not None:
             out.append(f"rotary_dim={self.rotary_dim}/{self.head_dim}")
         if self.rope_scaling is not None:
-            kinds = {LongRope: "longrope", LinearRope: "linear", RopeScaling: "llama3"}
+            kinds = {
+                LongRope: "longrope",
+                LinearRope: "linear",
+                RopeScaling: "llama3",
+                Yarn: "yarn",
+            }
             out.append(f"rope_scaling={kinds[type(self.rope_scaling)]}")
         if self.local_rope_theta is not None:
             out.append(f"local_rope_theta={self.local_rope_theta:g}")
@@ -310,6 +350,8 @@ class ModelConfig:
                 out.append(f"shared_expert={e.shared_d_ff}")
             if e.dense_layers:
                 out.append("dense_layers=" + ",".join(map(str, e.dense_layers)))
+        if self.attn_sinks:
+            out.append("attn_sinks")
         for name in ("final_logit_softcap", "attn_logit_softcap"):
             if (cap := getattr(self, name)) is not None:
                 out.append(f"{name}={cap:g}")
@@ -355,6 +397,8 @@ class ModelConfig:
             data["rope_scaling"] = LongRope(**{**scaling, **factors})
         elif scaling is not None and set(scaling) == {"factor"}:
             data["rope_scaling"] = LinearRope(**scaling)
+        elif scaling is not None and "beta_fast" in scaling:
+            data["rope_scaling"] = Yarn(**scaling)
         elif scaling is not None:
             data["rope_scaling"] = RopeScaling(**scaling)
         if isinstance(data.get("qk_norm"), bool):  # written when it was a flag
@@ -422,7 +466,9 @@ def _hf_dtype(hf: dict[str, Any]) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _hf_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | LongRope | LinearRope | None]:
+def _hf_rope(
+    hf: dict[str, Any],
+) -> tuple[float, RopeScaling | LongRope | LinearRope | Yarn | None]:
     """RoPE theta and scaling from `rope_parameters` (5.x) or `rope_theta`/`rope_scaling` (4.x)."""
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or params
@@ -434,15 +480,41 @@ def _hf_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | LongRope | Linear
         return theta, _long_rope(hf, scaling)
     if kind == "linear":
         return theta, LinearRope(float(_require(scaling, "factor")))
+    if kind == "yarn":
+        return theta, _yarn(hf, scaling)
     if kind != "llama3":
         raise ValueError(
-            f"rope_scaling: type {kind!r} is not supported (llama3, longrope, linear are)"
+            f"rope_scaling: type {kind!r} is not supported (llama3, longrope, linear, yarn are)"
         )
     return theta, RopeScaling(
         factor=float(scaling["factor"]),
         low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
         high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
         original_max_position=int(scaling.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _yarn(hf: dict[str, Any], scaling: dict[str, Any]) -> Yarn:
+    """YaRN as transformers reads it: the attention factor, unless given, 0.1 ln(factor)
+    + 1 (or the ratio of two such with DeepSeek's mscale and mscale_all_dim)."""
+    original = int(_require(scaling, "original_max_position_embeddings"))
+    factor = scaling.get("factor") or int(_require(hf, "max_position_embeddings")) / original
+    factor = float(factor)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return Yarn(
+        factor=factor,
+        original_max_position=original,
+        beta_fast=float(scaling.get("beta_fast") or 32.0),
+        beta_slow=float(scaling.get("beta_slow") or 1.0),
+        truncate=bool(scaling.get("truncate", True)),
+        attention_factor=float(attention),
     )
 
 
@@ -710,6 +782,39 @@ def _read_olmoe(hf: dict[str, Any]) -> ModelConfig:
     return cfg.replace(qk_norm="all", experts=_experts(hf), architecture="OlmoeForCausalLM")
 
 
+def _read_gpt_oss(hf: dict[str, Any]) -> ModelConfig:
+    # gpt-oss: Llama's projections with biases, a sink logit per head, sliding-window
+    # layers (128) alternating with global ones, YaRN, and in every layer top-k experts
+    # chosen by a biased router, their weights the softmax over the chosen logits, each
+    # a clamped SwiGLU with biases
+    cfg = _read_llama_like({**hf, "hidden_act": "silu"}, qkv_bias_default=True)
+    types = hf.get("layer_types") or [
+        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(cfg.n_layers)
+    ]
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown or len(types) != cfg.n_layers:
+        raise ValueError(
+            f"layer_types: {unknown or len(types)} (full_attention, sliding_attention)"
+        )
+    experts = Experts(
+        n_experts=int(_require(hf, "num_local_experts")),
+        top_k=int(_require(hf, "num_experts_per_tok")),
+        d_ff=int(_require(hf, "intermediate_size")),
+        norm_top_k=True,
+        bias=True,
+        router_bias=True,
+        clamped=(float(hf.get("swiglu_alpha", 1.702)), float(hf.get("swiglu_limit", 7.0))),
+    )
+    window = hf.get("sliding_window")
+    return cfg.replace(
+        attn_sinks=True,
+        experts=experts,
+        sliding_window=int(window) if window else None,
+        global_layers=tuple(i for i, t in enumerate(types) if t == "full_attention"),
+        architecture="GptOssForCausalLM",
+    )
+
+
 def _read_gpt2(hf: dict[str, Any]) -> ModelConfig:
     act = hf.get("activation_function", "gelu_new")
     if act not in _HF_ACTIVATIONS:
@@ -756,6 +861,10 @@ _MOE_NAMES = _LLAMA_NAMES | {
     "experts.d_ff": "moe_intermediate_size",
     "experts.dense_layers": "mlp_only_layers",
 }
+_GPT_OSS_NAMES = _MOE_NAMES | {
+    "experts.n_experts": "num_local_experts",
+    "experts.d_ff": "intermediate_size",
+}
 _GPT2_NAMES = {
     "d_model": "n_embd",
     "n_layers": "n_layer",
@@ -782,6 +891,8 @@ _HF_NAMES = {
     _read_qwen2_moe: _MOE_NAMES,
     _read_mixtral: _MOE_NAMES,
     _read_olmoe: _MOE_NAMES,
+    _read_gpt_oss: _MOE_NAMES
+    | {"experts.n_experts": "num_local_experts", "experts.d_ff": "intermediate_size"},
 }
 _NAMES_BY_ARCH = {
     "LlamaForCausalLM": _LLAMA_NAMES,
@@ -800,6 +911,7 @@ _NAMES_BY_ARCH = {
     "Qwen2MoeForCausalLM": _MOE_NAMES,
     "MixtralForCausalLM": _MOE_NAMES,
     "OlmoeForCausalLM": _MOE_NAMES,
+    "GptOssForCausalLM": _GPT_OSS_NAMES,
 }
 _FIELD = re.compile(
     r"\b("
@@ -824,6 +936,7 @@ _HF_READERS = {
     "Qwen2MoeForCausalLM": _read_qwen2_moe,
     "MixtralForCausalLM": _read_mixtral,
     "OlmoeForCausalLM": _read_olmoe,
+    "GptOssForCausalLM": _read_gpt_oss,
     "llama": _read_llama,
     "qwen2": _read_qwen2,
     "qwen3": _read_qwen3,
@@ -840,4 +953,5 @@ _HF_READERS = {
     "qwen2_moe": _read_qwen2_moe,
     "mixtral": _read_mixtral,
     "olmoe": _read_olmoe,
+    "gpt_oss": _read_gpt_oss,
 }

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from model.mxfp4 import METHOD as MXFP4
+
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448
 # quantization_config.quant_method values whose weights are FP8 with scales beside them
@@ -60,11 +62,13 @@ def checkpoint_block(hf_config: dict[str, Any]) -> tuple[int, int] | None:
     if not q:
         return None
     method = q.get("quant_method")
+    if method == MXFP4:  # gpt-oss's experts: their scales are model/mxfp4.py's own
+        return None
     float_format = method != "compressed-tensors" or q.get("format") == "float-quantized"
     if method not in FP8_METHODS or not float_format:
         raise ValueError(
             f"quantization_config.quant_method {method!r} is not supported "
-            f"(FP8 checkpoints are: {', '.join(FP8_METHODS)})"
+            f"(FP8 checkpoints are: {', '.join(FP8_METHODS)}; and gpt-oss's {MXFP4})"
         )
     block = q.get("weight_block_size")
     if block is None:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model.config import LinearRope, LongRope, ModelConfig, RopeScaling
+from model.config import LinearRope, LongRope, ModelConfig, RopeScaling, Yarn
 
 
 class RMSNorm(nn.Module):
@@ -148,6 +148,9 @@ def rope_tables(cfg: ModelConfig, device: torch.device) -> tuple[Tensor, Tensor]
     scaling, half = cfg.rope_scaling, cfg.head_dim // 2
     if isinstance(scaling, LongRope):
         freqs, scale = _long_rope_freqs(cfg, scaling, t), scaling.attention_factor
+    elif isinstance(scaling, Yarn):
+        inv_freq = yarn_inv_freq(cfg.rotary, cfg.rope_theta, scaling).to(device)
+        freqs, scale = torch.outer(t, inv_freq), scaling.attention_factor
     else:
         inv_freq = rope_inv_freq(cfg.rotary, cfg.rope_theta, scaling).to(device)
         freqs, scale = torch.outer(t, inv_freq), 1.0  # (P, rotary/2)
@@ -155,6 +158,28 @@ def rope_tables(cfg: ModelConfig, device: torch.device) -> tuple[Tensor, Tensor]
     cos, sin = torch.ones(rows, half, device=device), torch.zeros(rows, half, device=device)
     cos[:, : freqs.shape[1]], sin[:, : freqs.shape[1]] = freqs.cos() * scale, freqs.sin() * scale
     return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)  # (rows, d_head)
+
+
+def yarn_inv_freq(d_head: int, theta: float, yarn: Yarn) -> Tensor:
+    """YaRN's frequencies, in float32 as transformers computes them: each pair's own
+    (extrapolated) or over `factor` (interpolated), blended by a linear ramp between
+    the pairs that turn beta_fast and beta_slow times over the pretraining length."""
+
+    def pair_of(turns: float) -> float:  # the pair that turns `turns` times
+        return (d_head * math.log(yarn.original_max_position / (turns * 2 * math.pi))) / (
+            2 * math.log(theta)
+        )
+
+    low, high = pair_of(yarn.beta_fast), pair_of(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d_head - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    powers = theta ** (torch.arange(0, d_head, 2, dtype=torch.float32) / d_head)
+    ramp = ((torch.arange(d_head // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    own = 1 - ramp  # the share of each pair's own frequency
+    return (1.0 / (yarn.factor * powers)) * (1 - own) + (1.0 / powers) * own
 
 
 def _long_rope_freqs(cfg: ModelConfig, scaling: LongRope, t: Tensor) -> Tensor:

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from model.config import Experts as ExpertSpec
 from model.config import ModelConfig
 from model.layers import SwiGLU
 
@@ -65,17 +66,34 @@ class GroupedExperts(nn.Module):
 
 class Experts(GroupedExperts):
     """Every expert's weights stacked: w_in (E, 2 * d_ff, d) of (gate | up) rows, w_out
-    (E, d, d_ff)."""
+    (E, d, d_ff), and with `spec.bias` their biases b_in (E, 2 * d_ff), b_out (E, d)."""
 
-    def __init__(self, n_experts: int, d_model: int, d_ff: int) -> None:
+    def __init__(self, spec: ExpertSpec, d_model: int) -> None:
         super().__init__()
-        self.n_experts, self.d_ff = n_experts, d_ff
-        self.w_in = nn.Parameter(torch.empty(n_experts, 2 * d_ff, d_model))
-        self.w_out = nn.Parameter(torch.empty(n_experts, d_model, d_ff))
+        self.n_experts, self.d_ff, self.clamped = spec.n_experts, spec.d_ff, spec.clamped
+        self.w_in = nn.Parameter(torch.empty(spec.n_experts, 2 * spec.d_ff, d_model))
+        self.w_out = nn.Parameter(torch.empty(spec.n_experts, d_model, spec.d_ff))
+        self.b_in = self.b_out = None
+        if spec.bias:
+            self.b_in = nn.Parameter(torch.zeros(spec.n_experts, 2 * spec.d_ff))
+            self.b_out = nn.Parameter(torch.zeros(spec.n_experts, d_model))
 
     def run(self, expert: int, x: Tensor) -> Tensor:
-        gate, up = F.linear(x, self.w_in[expert]).split(self.d_ff, dim=-1)
-        return F.linear(F.silu(gate) * up, self.w_out[expert])
+        b_in = self.b_in[expert] if self.b_in is not None else None
+        b_out = self.b_out[expert] if self.b_out is not None else None
+        gate, up = F.linear(x, self.w_in[expert], b_in).split(self.d_ff, dim=-1)
+        return F.linear(gated(gate, up, self.clamped), self.w_out[expert], b_out)
+
+
+def gated(gate: Tensor, up: Tensor, clamped: tuple[float, float] | None) -> Tensor:
+    """An expert's activation: silu(gate) * up, or gpt-oss's clamped SwiGLU (clamped:
+    (alpha, limit)), gate clamped below limit and up to +-limit, then (up + 1) * gate *
+    sigmoid(alpha * gate)."""
+    if clamped is None:
+        return F.silu(gate) * up
+    alpha, limit = clamped
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 class MoE(nn.Module):
@@ -87,8 +105,8 @@ class MoE(nn.Module):
         spec = cfg.experts
         assert spec is not None
         self.top_k, self.normalize = spec.top_k, spec.norm_top_k
-        self.router = nn.Linear(cfg.d_model, spec.n_experts, bias=False)
-        self.experts: GroupedExperts = Experts(spec.n_experts, cfg.d_model, spec.d_ff)
+        self.router = nn.Linear(cfg.d_model, spec.n_experts, bias=spec.router_bias)
+        self.experts: GroupedExperts = Experts(spec, cfg.d_model)
         self.shared: nn.Module | None = None
         if spec.shared_d_ff:
             self.shared = SwiGLU(cfg.replace(d_ff=spec.shared_d_ff, mlp_bias=False))

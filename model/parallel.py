@@ -48,6 +48,9 @@ SPLITS: dict[str, str] = {
     # a mixture of experts (model/moe.py): every expert's share of its features
     "ffn.experts.w_in": "column",
     "ffn.experts.w_out": "row",
+    "ffn.experts.b_in": "column",
+    "ffn.experts.b_out": "row_bias",
+    "attn.sinks": "sinks",  # one per head
     "ffn.shared.w_in.weight": "column",
     "ffn.shared.w_out.weight": "row",
 }
@@ -89,8 +92,8 @@ class Shares:
 
     def split(self, name: str) -> str:
         """vocab, column, row, row_bias, heads (a norm's weight over every head's
-        features: the rank's heads' share) or replicated, for a parameter name with its
-        `layers.{i}.` prefix taken off."""
+        features: the rank's heads' share), sinks (one value per head: the rank's heads')
+        or replicated, for a parameter name with its `layers.{i}.` prefix taken off."""
         if self.qk_norm_all and name in ("attn.q_norm.weight", "attn.k_norm.weight"):
             return "heads"
         return SPLITS.get(name, "replicated")

@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from model import mxfp4
 from model.config import ModelConfig
 from model.fp8 import SCALE_SUFFIXES, checkpoint_block, dequantize
 from model.layers import rotary_order
@@ -39,6 +40,8 @@ class NameTable:
     transposed: frozenset[str] = frozenset()  # our names whose sources are stored (in, out)
     optional_prefixes: tuple[str, ...] = ()  # also accept checkpoint names without these
     plus_one: frozenset[str] = frozenset()  # our names stored as w of a (1 + w) norm (Gemma)
+    # our (gate | up) names whose one source alternates gate and up outputs (gpt-oss)
+    interleaved: frozenset[str] = frozenset()
 
 
 def _llama_names() -> dict[str, tuple[str, ...]]:
@@ -165,6 +168,29 @@ QWEN_MOE = NameTable(
 )
 MIXTRAL = NameTable(names=_moe_names(LLAMA.names, "block_sparse_moe", "w1", "w3", "w2", "gate"))
 
+
+def _gpt_oss_names() -> dict[str, tuple[str, ...]]:
+    """gpt-oss: Llama's names with biases, a sink per head, the router and every
+    expert's weights and biases stacked in one tensor each (MXFP4 in the release's
+    files: `_blocks` and `_scales` beside each name, model/mxfp4.py)."""
+    attn, mlp = "model.layers.{i}.self_attn.", "model.layers.{i}.mlp."
+    return _llama_names() | {
+        "layers.{i}.attn.sinks": (attn + "sinks",),
+        "layers.{i}.ffn.router.weight": (mlp + "router.weight",),
+        "layers.{i}.ffn.router.bias": (mlp + "router.bias",),
+        "layers.{i}.ffn.experts.w_in": (mlp + "experts.gate_up_proj",),
+        "layers.{i}.ffn.experts.b_in": (mlp + "experts.gate_up_proj_bias",),
+        "layers.{i}.ffn.experts.w_out": (mlp + "experts.down_proj",),
+        "layers.{i}.ffn.experts.b_out": (mlp + "experts.down_proj_bias",),
+    }
+
+
+GPT_OSS = NameTable(  # each expert's weights stored (in, out), its gate and up interleaved
+    names=_gpt_oss_names(),
+    transposed=frozenset({"layers.{i}.ffn.experts.w_in", "layers.{i}.ffn.experts.w_out"}),
+    interleaved=frozenset({"layers.{i}.ffn.experts.w_in", "layers.{i}.ffn.experts.b_in"}),
+)
+
 NAME_TABLES: dict[str, NameTable] = {
     "LlamaForCausalLM": LLAMA,
     "Qwen2ForCausalLM": LLAMA,
@@ -182,11 +208,14 @@ NAME_TABLES: dict[str, NameTable] = {
     "Qwen2MoeForCausalLM": QWEN_MOE,  # the same names; its layers have no q/k norms to read
     "OlmoeForCausalLM": QWEN_MOE,
     "MixtralForCausalLM": MIXTRAL,
+    "GptOssForCausalLM": GPT_OSS,
 }
 
 # our parameters that stack every expert's weights (E, out, in): loaded one expert at a
 # time, each expert's slice like a dense FFN's weight
-EXPERT_STACKS = frozenset({"ffn.experts.w_in", "ffn.experts.w_out"})
+EXPERT_STACKS = frozenset(
+    {"ffn.experts.w_in", "ffn.experts.w_out", "ffn.experts.b_in", "ffn.experts.b_out"}
+)
 
 
 # Rows each checkpoint tensor contributes to one of our fused parameters (an expert
@@ -199,6 +228,7 @@ FUSED_ROWS: dict[str, Callable[[ModelConfig], list[int]]] = {
     ],
     "ffn.w_in": lambda c: [c.d_ff, c.d_ff] if c.gated else [c.d_ff],
     "ffn.experts.w_in": lambda c: [c.experts.d_ff] * 2,
+    "ffn.experts.b_in": lambda c: [c.experts.d_ff] * 2,
     "ffn.shared.w_in": lambda c: [c.experts.shared_d_ff] * 2,
 }
 
@@ -295,7 +325,7 @@ class _Reader:
         self.handles: dict[Path, Any] = {}
 
     def resolve(self, name: str) -> str | None:
-        if name in self.files:
+        if name in self.files or name + mxfp4.BLOCKS in self.files:
             return name
         for prefix in self.table.optional_prefixes:
             if name.startswith(prefix) and name.removeprefix(prefix) in self.files:
@@ -303,12 +333,15 @@ class _Reader:
         return None
 
     def _handle(self, name: str) -> Any:
-        path = self.files[name]
+        path = self.files[name if name in self.files else name + mxfp4.BLOCKS]
         if path not in self.handles:
             self.handles[path] = self.stack.enter_context(_open(path))
         return self.handles[path]
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self.files:  # MXFP4: (..., out, G, 16) blocks of (..., in, out)
+            *lead, out, groups, _ = self.shape(name + mxfp4.BLOCKS)
+            return (*lead, groups * 32, out)
         return self._guarded(name, lambda: tuple(self._handle(name).get_slice(name).get_shape()))
 
     def read(
@@ -320,7 +353,10 @@ class _Reader:
     ) -> torch.Tensor:
         """The tensor, or only its rows / columns in those ranges (read from the file
         alone: a tensor-parallel rank reads its share); expert: of a tensor that stacks
-        every expert's (E, out, in), that expert's."""
+        every expert's (E, out, in), that expert's. An MXFP4 tensor (its `_blocks` and
+        `_scales` stored) reads as the bf16 form transformers saves: (..., in, out)."""
+        if name not in self.files:
+            return self._mxfp4(name, expert)[_index(None, rows, cols)]
 
         def get() -> torch.Tensor:
             if rows is None and cols is None and expert is None:
@@ -335,6 +371,16 @@ class _Reader:
             whole = self._fp8(name)
             return whole[_index(expert, rows, cols)]
         return self._guarded(name, get)
+
+    def _mxfp4(self, name: str, expert: int | None) -> torch.Tensor:
+        """An MXFP4 tensor's real values (float32), of one expert where given, (in, out)."""
+        blocks, scales = name + mxfp4.BLOCKS, name + mxfp4.SCALES
+        if scales not in self.files:
+            raise CheckpointError(f"{self.files[blocks]}: MXFP4 tensor {blocks!r} has no scales")
+        at = (expert,) if expert is not None else ()
+        b = self._guarded(blocks, lambda: self._handle(blocks).get_slice(blocks)[at])
+        s = self._guarded(scales, lambda: self._handle(scales).get_slice(scales)[at])
+        return self._guarded(blocks, lambda: mxfp4.dequantize(b, s)).transpose(-1, -2)
 
     def _fp8(self, name: str) -> torch.Tensor:
         """An FP8 tensor's real values (float32), by the scales stored beside it."""
@@ -415,6 +461,7 @@ class _Part:
     rows: range | None = None
     cols: range | None = None
     expert: int | None = None  # of a source stacking every expert's (E, out, in): this one
+    interleaved: bool = False  # the source alternates gate and up outputs (gpt-oss)
 
 
 def _parts(
@@ -424,14 +471,16 @@ def _parts(
     full: tuple[int, ...],
     shares: Shares | None,
     expert: int | None = None,
+    interleaved: bool = False,
 ) -> list[_Part]:
     """The pieces of parameter `key` (its `layers.{i}.` prefix off; full: its unsplit
     shape) that this process holds, in row order. Fused parameters concatenate their
     sources' rows; a rank takes its rows of every fused segment (q | k | v, gate | up),
     its columns of a row-parallel weight, its rows of the vocab. expert: the index of
-    the parameter's expert in sources that stack every expert's (_Part.expert)."""
+    the parameter's expert in sources that stack every expert's (_Part.expert);
+    interleaved: the source alternates gate and up outputs (_Part.interleaved)."""
     return [
-        dataclasses.replace(p, expert=expert) if expert is not None else p
+        dataclasses.replace(p, expert=expert, interleaved=interleaved)
         for p in _pieces(cfg, key, sources, full, shares)
     ]
 
@@ -459,6 +508,8 @@ def _pieces(
         return [_Part(sources[0], full, None, shares.columns(key))]
     if split == "vocab":
         return [_Part(sources[0], full, shares.vocab)]
+    if split == "sinks":  # one per head: the rank's heads'
+        return [_Part(sources[0], full, shares.heads)]
     return [_Part(sources[0], full, shares.head_features(key))]  # "heads"
 
 
@@ -478,7 +529,12 @@ def _fill(
                 f"{want} from {hint}"
             )
         rows, cols = (p.cols, p.rows) if transpose else (p.rows, p.cols)
-        part = reader.read(p.source, rows, cols, p.expert)
+        if p.interleaved:  # the whole source, gate then up along its outputs, then the part
+            whole = reader.read(p.source, None, None, p.expert)
+            whole = torch.cat([whole[..., 0::2], whole[..., 1::2]], dim=-1)
+            part = whole[_index(None, rows, cols)]
+        else:
+            part = reader.read(p.source, rows, cols, p.expert)
         if transpose:
             part = part.t()
         target[start : start + part.shape[0]].copy_(part)
@@ -555,7 +611,8 @@ def _populate(
             for e in range(param.shape[0]) if local in EXPERT_STACKS else (None,):
                 found, expert = _sources(reader, templates, i, e, root, name)
                 full = shapes[name][1:] if e is not None else shapes[name]
-                parts = _parts(cfg, local, found, full, shares, expert)
+                mixed = table is not None and key in table.interleaved
+                parts = _parts(cfg, local, found, full, shares, expert, mixed)
                 _fill(target[e] if e is not None else target, parts, reader, transpose, hint)
         if table is not None and key in table.plus_one:
             target += 1

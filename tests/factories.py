@@ -379,6 +379,53 @@ def write_qwen2_moe(path: Path, seed: int = 0, **config: object) -> object:
     return model
 
 
+GPT_OSS_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 150000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+}
+
+
+def gpt_oss_model(seed: int = 0, **config: object) -> Any:
+    """gpt-oss: 8 experts, top 2, windowed layers (8 keys) alternating with global ones,
+    YaRN past a pretraining length of 64; the router, its bias, the sinks and every
+    bias drawn so that each matters."""
+    fields = dict(
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=32,
+        sliding_window=8,
+        rope_parameters=GPT_OSS_ROPE,
+        tie_word_embeddings=False,
+    )
+    model = _hf_model("GptOss", seed, **{**fields, **config})
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0, 1)
+            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                getattr(layer.self_attn, proj).bias.normal_(0, 0.2)
+            mlp = layer.mlp
+            mlp.router.weight.normal_(0, 1)
+            mlp.router.bias.normal_(0, 0.5)
+            for name in ("gate_up_proj", "down_proj"):
+                getattr(mlp.experts, name).normal_(0, 0.1)
+                getattr(mlp.experts, name + "_bias").normal_(0, 0.1)
+    return model
+
+
+def write_gpt_oss(path: Path, seed: int = 0, **config: object) -> object:
+    model = gpt_oss_model(seed, **config)
+    model.save_pretrained(path)
+    return model
+
+
 def write_qwen_tokenizer(
     path: Path, template: str, corpus: str, thinks: bool = True, specials: tuple[str, ...] = ()
 ) -> None:

@@ -142,4 +142,5 @@ class Backend(Protocol):
         alibi: Tensor | None,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor: ...

@@ -179,11 +179,14 @@ class TorchBackend:
         alibi: Tensor | None,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         """-> (T, H * dh). `window`: each query sees only the keys of the `window`
         positions ending at its own (sliding-window attention); None: every earlier one.
-        `softcap`: each score becomes softcap * tanh(score / softcap) (Gemma 2)."""
-        how = (scale, alibi, window, softcap)
+        `softcap`: each score becomes softcap * tanh(score / softcap) (Gemma 2). `sinks`
+        (H,): a logit per head in each softmax beside the scores, attending nothing
+        (gpt-oss)."""
+        how = (scale, alibi, window, softcap, sinks)
         if cache is None:
             keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
             return _sdpa(q, keys, values, meta, *how)
@@ -221,6 +224,7 @@ def _sdpa(
     alibi: Tensor | None,
     window: int | None,
     softcap: float | None,
+    sinks: Tensor | None,
 ) -> Tensor:
     """q (T, H, dh) of meta's sequences, padded to its longest query, against keys and
     values (B, KV, max_seq_len, dh) -> (T, H * dh)."""
@@ -249,18 +253,40 @@ def _sdpa(
     else:  # (B, H, max_q, S) -> (B, KV, G*max_q, S)
         bias = meta.alibi(alibi).to(q.dtype).masked_fill(~seen[:, None], float("-inf"))
         mask = bias.reshape(b, n_kv, group * max_q, meta.max_seq_len)
-    if softcap is None:  # (B, KV, G*max_q, dh)
+    if softcap is None and sinks is None:  # (B, KV, G*max_q, dh)
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
-    else:  # SDPA has no soft-cap: the scores by hand, as transformers' eager Gemma 2
-        scores = torch.tanh((qg @ keys.transpose(-1, -2)) * scale / softcap) * softcap
-        if mask.dtype == torch.bool:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        else:
-            scores = scores + mask
-        out = torch.softmax(scores.float(), dim=-1).to(q.dtype) @ values
+    else:  # SDPA has neither: the scores by hand, as transformers' eager attention
+        out = _scored(qg, keys, values, mask, scale, softcap, sinks, max_q)
     out = out.view(b, n_kv, group, max_q, dh).permute(0, 3, 1, 2, 4)
     out = out.reshape(b * max_q, h * dh)
     return out if meta.q_index is None else out.index_select(0, meta.q_index)
+
+
+def _scored(
+    qg: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    mask: Tensor,
+    scale: float,
+    softcap: float | None,
+    sinks: Tensor | None,
+    max_q: int,
+) -> Tensor:
+    """_sdpa's attention with the scores by hand: soft-capped (Gemma 2), and with a sink
+    column per head (gpt-oss: the softmax over the scores and the sink, the sink's share
+    dropped). qg (B, KV, G*max_q, dh) -> (B, KV, G*max_q, dh)."""
+    scores = (qg @ keys.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    boolean = mask.dtype == torch.bool
+    scores = scores.masked_fill(~mask, float("-inf")) if boolean else scores + mask
+    if sinks is None:
+        return torch.softmax(scores.float(), dim=-1).to(qg.dtype) @ values
+    b, n_kv, rows, _ = scores.shape  # each head's sink on each of its query rows
+    sink = sinks.to(scores.dtype).view(n_kv, -1, 1, 1).expand(-1, -1, max_q, 1)
+    both = torch.cat([scores, sink.reshape(1, n_kv, rows, 1).expand(b, -1, -1, -1)], dim=-1)
+    probs = torch.softmax(both.float(), dim=-1)[..., :-1]
+    return probs.to(qg.dtype) @ values
 
 
 REFERENCE = TorchBackend()  # a forward with no cache (one sequence, plain causal) uses it

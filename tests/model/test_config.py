@@ -97,8 +97,10 @@ def test_hf_config_errors_name_the_problem() -> None:
     broken = {k: v for k, v in LLAMA_HF.items() if k != "hidden_size"}
     with pytest.raises(ValueError, match="hidden_size"):
         ModelConfig.from_hf_config(broken)
-    with pytest.raises(ValueError, match="yarn"):
-        ModelConfig.from_hf_config({**LLAMA_HF, "rope_scaling": {"rope_type": "yarn", "factor": 4}})
+    with pytest.raises(ValueError, match="type 'dynamic' is not supported"):
+        ModelConfig.from_hf_config(
+            {**LLAMA_HF, "rope_scaling": {"rope_type": "dynamic", "factor": 4}}
+        )
 
 
 def test_dict_roundtrip() -> None:
@@ -206,8 +208,8 @@ def test_phi3_reads_partial_rotary_and_long_rope_in_both_config_forms() -> None:
     assert isinstance(ModelConfig.from_hf_config(su).rope_scaling, LongRope)
     with pytest.raises(ValueError, match="rope_scaling: 48 factors for a rotary dimension of 128"):
         ModelConfig.from_hf_config(old | {"partial_rotary_factor": 1.0})
-    with pytest.raises(ValueError, match="type 'yarn' is not supported"):
-        ModelConfig.from_hf_config(old | {"rope_scaling": {"type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="type 'dynamic' is not supported"):
+        ModelConfig.from_hf_config(old | {"rope_scaling": {"type": "dynamic", "factor": 4.0}})
 
 
 def test_phi3_mini_4k_reads_its_window() -> None:
@@ -399,3 +401,46 @@ def test_moe_config_errors_speak_config_json() -> None:
         )
     with pytest.raises(ValueError, match="experts are SwiGLU"):
         ModelConfig(**BASE, ffn="gelu", experts=Experts(4, 2, 16))
+
+
+def test_gpt_oss_reads_sinks_windows_yarn_and_its_experts() -> None:
+    """gpt-oss-20b's config.json, its layers cut to 4."""
+    hf = {
+        "architectures": ["GptOssForCausalLM"],
+        "vocab_size": 201088,
+        "hidden_size": 2880,
+        "intermediate_size": 2880,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "num_local_experts": 32,
+        "num_experts_per_tok": 4,
+        "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "attention_bias": True,
+        "swiglu_limit": 7.0,
+        "max_position_embeddings": 131072,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        "rope_theta": 150000,
+        "quantization_config": {"quant_method": "mxfp4"},
+    }
+    cfg = ModelConfig.from_hf_config(hf)
+    assert cfg.attn_sinks and cfg.qkv_bias and cfg.attn_out_bias
+    assert (cfg.sliding_window, cfg.global_layers) == (128, (1, 3))
+    e = cfg.experts
+    assert (e.n_experts, e.top_k, e.d_ff, e.norm_top_k, e.bias, e.router_bias) == (
+        32, 4, 2880, True, True, True,
+    )  # fmt: skip
+    assert e.clamped == (1.702, 7.0)
+    yarn = cfg.rope_scaling
+    assert (yarn.factor, yarn.original_max_position, yarn.truncate) == (32.0, 4096, False)
+    assert yarn.attention_factor == pytest.approx(0.1 * math.log(32) + 1)
+    assert ModelConfig.from_dict(cfg.to_dict()) == cfg

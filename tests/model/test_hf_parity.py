@@ -6,13 +6,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from model.backends import select_backend
 from model.kv_cache import PagedKVCache
-from model.weights import load_model
+from model.weights import load_config, load_model
 from tests.factories import (
     write_gemma2,
     write_gemma3,
     write_gemma3_multimodal,
     write_gpt2,
+    write_gpt_oss,
     write_granite,
     write_llama,
     write_mistral,
@@ -49,6 +51,7 @@ WRITERS = {
     "mixtral": write_mixtral,
     "olmoe": write_olmoe,
     "qwen2_moe_shared_expert": write_qwen2_moe,
+    "gpt_oss": write_gpt_oss,
 }
 
 
@@ -82,7 +85,10 @@ def test_logits_and_greedy_match_transformers(family: str, tmp_path: Path) -> No
 # Mistral without a window and Gemma 3 inside an image-and-text checkpoint differ from
 # those in model-level code alone, which the compiled backends' cases run
 MODEL_LEVEL = ("llama_gqa_tied", "qwen2_qkv_bias", "mistral", "gemma3_in_image_text_checkpoint")
-PAGED = [(f, b) for f in WRITERS for b in BACKENDS if b != "triton" or f not in MODEL_LEVEL]
+# gpt-oss's attention sinks are not in the Triton kernels: that backend refuses the model
+# (test_triton_refuses_attention_sinks_naming_them)
+NO_TRITON = (*MODEL_LEVEL, "gpt_oss")
+PAGED = [(f, b) for f in WRITERS for b in BACKENDS if b != "triton" or f not in NO_TRITON]
 
 
 @pytest.mark.parametrize(("family", "name"), PAGED)
@@ -179,3 +185,38 @@ def test_generation_config_eos_and_bf16_load(tmp_path: Path) -> None:
     assert all(p.dtype == torch.bfloat16 for p in ours.parameters())
     logits = ours(torch.arange(10))
     assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()
+
+
+def test_triton_refuses_attention_sinks_naming_them(tmp_path: Path) -> None:
+    write_gpt_oss(tmp_path)
+    with pytest.raises(ValueError, match="no attention sinks"):
+        select_backend("triton", torch.device("cpu"), torch.float32, load_config(tmp_path), 16)
+
+
+@torch.no_grad()
+def test_gpt_oss_mxfp4_experts_load_as_transformers_dequantizes_them(tmp_path: Path) -> None:
+    """The release's form: every expert's weights in MXFP4 (`_blocks` + `_scales`,
+    quant_method mxfp4) read as transformers' own dequantization gives them."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    hf = write_gpt_oss(tmp_path / "bf16")
+    tensors = load_file(str(tmp_path / "bf16" / "model.safetensors"))
+    gen = torch.Generator().manual_seed(1)
+    for name in [n for n in tensors if n.endswith(("gate_up_proj", "down_proj"))]:
+        e, inner, out = tensors.pop(name).shape  # stored (E, in, out); MXFP4 (E, out, in)
+        blocks = torch.randint(0, 256, (e, out, inner // 32, 16), generator=gen, dtype=torch.uint8)
+        scales = torch.randint(122, 130, (e, out, inner // 32), generator=gen, dtype=torch.uint8)
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+        layer = int(name.split(".")[2])
+        weight = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        getattr(hf.model.layers[layer].mlp.experts, name.rsplit(".", 1)[1]).copy_(weight)
+    root = tmp_path / "mxfp4"
+    root.mkdir()
+    save_file(tensors, str(root / "model.safetensors"))
+    config = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (root / "config.json").write_text(json.dumps(config))
+    ours = load_model(root)
+    tokens = torch.randint(3, hf.config.vocab_size, (48,))
+    assert (hf(tokens[None]).logits[0] - ours(tokens)).abs().max().item() <= 1e-4

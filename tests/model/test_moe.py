@@ -7,12 +7,13 @@ import pytest
 import torch
 
 from model.backends.cpu.packed import GatedSwiGLU, PackedExperts, SplitSwiGLU
+from model.config import Experts as ExpertSpec
 from model.moe import Experts, GroupedExperts, route
 
 
 def experts(n: int, d: int, ff: int) -> Experts:
     torch.manual_seed(0)
-    e = Experts(n, d, ff)
+    e = Experts(ExpertSpec(n, 1, ff), d)
     with torch.no_grad():
         e.w_in.normal_(0, d**-0.5)
         e.w_out.normal_(0, ff**-0.5)
@@ -67,3 +68,26 @@ def test_experts_whose_rows_do_not_take_the_gated_layout_run_the_loop() -> None:
     want = ref(x, weights, ids).float()
     got = packed(x, weights, ids).float()
     assert (got - want).abs().max().item() <= 0.03 * want.abs().max().item()
+
+
+def test_gpt_oss_experts_with_biases_and_the_clamped_gate_run_the_loop() -> None:
+    """gpt-oss's experts (biases, the clamped SwiGLU) packed: each expert's linears
+    carry their biases, torch's clamped gate between them, close to the reference."""
+    torch.manual_seed(0)
+    spec = ExpertSpec(4, 2, 128, bias=True, clamped=(1.702, 7.0))
+    ref = Experts(spec, 192)
+    with torch.no_grad():
+        for p in (ref.w_in, ref.w_out):
+            p.normal_(0, 0.1)  # wide enough that the clamp bites
+        ref.b_in.normal_(0, 0.5)
+        ref.b_out.normal_(0, 0.5)
+    ref = ref.to(torch.bfloat16)
+    packed = PackedExperts(ref)
+    packed.bind()
+    assert packed.kernels is None and all(isinstance(f, SplitSwiGLU) for f in packed.ffns)
+    x, weights, ids = routed(6, 4, 2)
+    want = ref(x * 4, weights, ids).float()
+    got = packed(x * 4, weights, ids).float()
+    assert (got - want).abs().max().item() <= 0.03 * want.abs().max().item()
+    h = torch.nn.functional.linear(x * 4, ref.w_in[0], ref.b_in[0]).float()
+    assert h.max() > 7.0  # the clamp bites

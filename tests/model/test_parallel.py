@@ -10,7 +10,14 @@ import torch
 from model.config import ModelConfig
 from model.parallel import TensorParallel, unsplittable
 from model.weights import load_model, share_of
-from tests.factories import write_gpt2, write_llama, write_olmo2, write_qwen2, write_qwen2_moe
+from tests.factories import (
+    write_gpt2,
+    write_gpt_oss,
+    write_llama,
+    write_olmo2,
+    write_qwen2,
+    write_qwen2_moe,
+)
 
 WRITERS = {
     "llama": lambda p: write_llama(p, tied=False),  # 8 heads, 2 K/V heads
@@ -18,6 +25,8 @@ WRITERS = {
     "gpt2": write_gpt2,  # Conv1D weights stored transposed, q|k|v in one tensor
     "olmo2": write_olmo2,  # q/k norms' weights over every head: each rank its heads'
     "qwen2_moe": write_qwen2_moe,  # each expert's features and the shared expert's split
+    # experts stored (in, out) with gate and up interleaved, biases, a sink per head
+    "gpt_oss": write_gpt_oss,
 }
 
 
@@ -82,11 +91,23 @@ def test_each_rank_loads_its_slices_of_the_checkpoint(
             s.attn.wo.weight, w.attn.wo.weight[:, heads.start * dh : heads.stop * dh]
         )
         if c.experts is not None:
-            _assert_expert_shares(w.ffn, s.ffn, shares.features("ffn.experts.w_in"))
-            _assert_expert_shares(w.ffn.shared, s.ffn.shared, shares.features("ffn.shared.w_in"))
+            features = shares.features("ffn.experts.w_in")
+            _assert_expert_shares(w.ffn, s.ffn, features)
+            if w.ffn.shared is not None:
+                shared = shares.features("ffn.shared.w_in")
+                _assert_expert_shares(w.ffn.shared, s.ffn.shared, shared)
             assert torch.equal(s.ffn.router.weight, w.ffn.router.weight)  # replicated
+            if c.experts.bias:  # (gate | up) biases split as their rows; down's on rank 0
+                b_in, f = w.ffn.experts.b_in, c.experts.d_ff
+                gate = b_in[:, features.start : features.stop]
+                up = b_in[:, f + features.start : f + features.stop]
+                assert torch.equal(s.ffn.experts.b_in, torch.cat([gate, up], dim=1))
+                b_out = w.ffn.experts.b_out
+                assert torch.equal(s.ffn.experts.b_out, b_out if rank == 0 else 0 * b_out)
         else:
             assert torch.equal(s.ffn.w_out.weight, w.ffn.w_out.weight[:, ff.start : ff.stop])
+        if c.attn_sinks:  # one per head: the rank's heads'
+            assert torch.equal(s.attn.sinks, w.attn.sinks[heads.start : heads.stop])
         if w.attn.wo.bias is not None:  # rank 0 adds a row-parallel bias, once
             assert torch.equal(s.attn.wo.bias, w.attn.wo.bias if rank == 0 else 0 * w.attn.wo.bias)
         rows = shares.vocab

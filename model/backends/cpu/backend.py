@@ -218,9 +218,10 @@ class CpuBackend(TorchBackend):
         alibi: Tensor | None,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
-        if cache is None:
-            return super().attend(q, k, v, cache, meta, scale, alibi, window, softcap)
+        if cache is None or sinks is not None:  # no sinks in the C kernels: torch's
+            return super().attend(q, k, v, cache, meta, scale, alibi, window, softcap, sinks)
         view = step_window(meta, window, cache[0].shape[-2])
         out = paged_attention(
             q, *cache, meta.block_tables, meta.row_lens, scale, alibi, meta.row_seq, view, softcap

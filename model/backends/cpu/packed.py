@@ -40,7 +40,7 @@ from model.backends.cpu.kernels.linear import (
 )
 from model.backends.cpu.pages import HugeArena
 from model.layers import GeGLU, SwiGLU
-from model.moe import Experts, GroupedExperts, MoE
+from model.moe import Experts, GroupedExperts, MoE, gated
 
 
 class PackedLinear(nn.Module):
@@ -131,43 +131,52 @@ class PackedGeGLU(nn.Module):
 
 
 class SplitSwiGLU(nn.Module):
-    """A SwiGLU over packed linears whose (gate | up) kernel does not apply the gate
-    itself (its rows are not whole 128-feature blocks): torch's ops between them."""
+    """An expert's SwiGLU over packed linears whose (gate | up) kernel does not apply the
+    gate itself (its rows are not whole 128-feature blocks, or gpt-oss's clamped
+    activation, model.moe.gated): torch's ops between them."""
 
-    def __init__(self, w_in: nn.Module, w_out: nn.Module) -> None:
+    def __init__(
+        self, w_in: nn.Module, w_out: nn.Module, clamped: tuple[float, float] | None = None
+    ) -> None:
         super().__init__()
-        self.w_in, self.w_out = w_in, w_out
+        self.w_in, self.w_out, self.clamped = w_in, w_out, clamped
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.w_in(x).chunk(2, dim=-1)
-        return self.w_out(F.silu(gate) * up)
+        return self.w_out(gated(gate, up, self.clamped))
 
 
 class PackedExperts(GroupedExperts):
     """A mixture's experts, each a SwiGLU over packed linears (GatedSwiGLU where its
-    (gate | up) rows take the gated layout). Where every expert is gated and the C
-    experts kernel is built, forward() is that one call (kernels/experts.c: the same
-    grouping, kernels and roundings as the reference's loop); else the loop, each
-    chosen expert's kernels run once over its tokens."""
+    (gate | up) rows take the gated layout). Where every expert is gated, without
+    biases, and the C experts kernel is built, forward() is that one call
+    (kernels/experts.c: the same grouping, kernels and roundings as the reference's
+    loop); else the loop, each chosen expert's kernels run once over its tokens."""
+
+    kind: str | None = None  # the packed kind the C call takes ('bf16', 'int8'), if it does
 
     def __init__(self, experts: Experts, quantization: str = "none") -> None:
         super().__init__()
         self.n_experts = experts.n_experts
+        biases = experts.b_in is not None
         self.ffns = nn.ModuleList(
-            _expert_ffn(experts.w_in[e], experts.w_out[e], quantization)
+            _expert_ffn(
+                _linear(experts.w_in[e], experts.b_in[e] if biases else None),
+                _linear(experts.w_out[e], experts.b_out[e] if biases else None),
+                experts.clamped,
+                quantization,
+            )
             for e in range(experts.n_experts)
         )
         self.kernels: ExpertKernels | None = None
         linears = [m for f in self.ffns for m in (f.w_in, f.w_out)]
         kinds = {m.kernel if isinstance(m, PackedLinear) else "torch" for m in linears}
-        gated = all(
+        gated_ffns = all(
             isinstance(f, GatedSwiGLU) and not getattr(f.w_out, "pad", 1) for f in self.ffns
         )
         kind = kinds.pop() if len(kinds) == 1 else None
-        if gated and kind in ("bf16", "int8") and ExpertKernels.available(kind):
+        if gated_ffns and not biases and kind in ("bf16", "int8") and ExpertKernels.available(kind):
             self.kind = kind
-
-    kind: str | None = None  # the packed kind the C call takes ('bf16', 'int8'), if it does
 
     def bind(self) -> None:
         """Point the C call at the weights where they now live (after _gather moved them)."""
@@ -190,18 +199,22 @@ class PackedExperts(GroupedExperts):
         return super().forward(x, weights, ids)
 
 
-def _expert_ffn(w_in: Tensor, w_out: Tensor, quantization: str) -> nn.Module:
-    gate_up = pack_linear(_linear(w_in), swiglu=True, quantization=quantization)
-    down = pack_linear(_linear(w_out), quantization=quantization)
+def _expert_ffn(
+    w_in: nn.Linear, w_out: nn.Linear, clamped: tuple[float, float] | None, quantization: str
+) -> nn.Module:
+    gate_up = pack_linear(w_in, swiglu=clamped is None, quantization=quantization)
+    down = pack_linear(w_out, quantization=quantization)
     if isinstance(gate_up, PackedLinear) and gate_up.gated:
         return GatedSwiGLU(gate_up, down)
-    return SplitSwiGLU(gate_up, down)
+    return SplitSwiGLU(gate_up, down, clamped)
 
 
-def _linear(weight: Tensor) -> nn.Linear:
-    """An nn.Linear over `weight` (out, in), for pack_linear."""
-    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+def _linear(weight: Tensor, bias: Tensor | None = None) -> nn.Linear:
+    """An nn.Linear over `weight` (out, in) and `bias`, for pack_linear."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
     linear.weight = nn.Parameter(weight.detach().contiguous(), requires_grad=False)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias.detach().contiguous(), requires_grad=False)
     return linear
 
 

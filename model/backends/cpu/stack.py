@@ -126,6 +126,7 @@ class DecoderStack:
         if (
             cfg.norm_placement not in ("pre", "output", "sandwich")
             or cfg.position != "rope"
+            or cfg.attn_sinks  # attention with sinks runs as torch ops
             or not isinstance(final_norm, RMSNorm)
         ):
             return None

@@ -37,6 +37,8 @@ def unsupported(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> str | 
         return f"the Triton kernels need a power-of-two block_size >= 16, got {block_size}"
     if cfg.head_dim % 2:
         return f"the Triton kernels need an even head_dim, got {cfg.head_dim}"
+    if cfg.attn_sinks:
+        return "the Triton attention kernels have no attention sinks (gpt-oss)"
     return None
 
 
@@ -224,9 +226,10 @@ class TritonBackend(TorchBackend):
         alibi: Tensor | None,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         if cache is None:
-            return super().attend(q, k, v, cache, meta, scale, alibi, window, softcap)
+            return super().attend(q, k, v, cache, meta, scale, alibi, window, softcap, sinks)
         if meta.query_start is None:  # metadata built by AttentionMetadata.paged()
             self._fill(meta)
         out = self.kernels.paged_attention(

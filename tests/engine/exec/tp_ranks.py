@@ -10,6 +10,7 @@ from service.launch import rendezvous
 from tests.factories import (
     write_gemma3,
     write_gpt2,
+    write_gpt_oss,
     write_granite,
     write_llama,
     write_mistral,
@@ -42,6 +43,8 @@ WRITERS = {
     # replicated (a dense layer among the sparse ones; a shared expert behind its gate)
     "qwen3_moe": write_qwen3_moe,
     "qwen2_moe": write_qwen2_moe,
+    # sinks split by head, expert biases (down's added once), windows beside global layers
+    "gpt_oss": write_gpt_oss,
 }
 
 ROOT = Path(__file__).resolve().parents[3]
