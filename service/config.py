@@ -27,7 +27,13 @@ QUANTIZATIONS = ("none", "int8", "fp8")
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
 ASYNC_SCHEDULING = ("auto", "on", "off")
 ENGINE_PROCESS = ("auto", "on", "off")
-TOOL_CALL_FORMATS = ("auto", "hermes", "llama3_json", "mistral")  # service/api/tool_formats.py
+TOOL_CALL_FORMATS = (
+    "auto",
+    "hermes",
+    "llama3_json",
+    "mistral",
+    "harmony",
+)  # service/api/tool_formats.py
 POOLING = ("last", "mean")  # an embedding: the last token's final hidden state, or the mean
 
 

@@ -454,6 +454,36 @@ def write_qwen_tokenizer(
     (path / "tokenizer_config.json").write_text(json.dumps(config))
 
 
+HARMONY_SPECIALS = (
+    "<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>",
+    "<|return|>", "<|call|>",
+)  # fmt: skip
+
+
+def write_harmony_tokenizer(path: Path, template: str, corpus: str) -> None:
+    """A byte-level BPE trained on `corpus` with harmony's markers as special tokens
+    (gpt-oss's), behind `template`; generation stops at <|return|> and <|call|>."""
+    import json
+
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=340,
+        special_tokens=list(HARMONY_SPECIALS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    hf.train_from_iterator([corpus] * 50, trainer)
+    hf.save(str(path / "tokenizer.json"))
+    config = {"bos_token": None, "eos_token": "<|return|>", "chat_template": template}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    ends = [hf.token_to_id("<|return|>"), hf.token_to_id("<|call|>")]
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": ends}))
+
+
 def write_tokenizer(path: Path, vocab_size: int = 300) -> None:
     """A byte-level BPE of vocab_size tokens (the 256 bytes, merges, two specials) trained
     by `tokenizers` on a little text, so a small checkpoint can be served."""

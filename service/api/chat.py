@@ -12,8 +12,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from service.api.chat_output import ChoiceReader
+from service.api.chat_output import ChoiceReader, MessageReader
 from service.api.chat_template import TEMPLATE_VARIABLES
+from service.api.harmony import HarmonyReader
 from service.api.prompt_logprobs import check_size, vllm_prompt_logprobs
 from service.api.protocol import APIError, ChatCompletionRequest
 from service.api.reasoning import grammar_start, opens_thinking
@@ -69,8 +70,11 @@ class ChatRun:
     thinking: bool  # the prompt left the think block open
     tools: Tools | None
     include_reasoning: bool
+    harmony: bool = False  # the model writes harmony's channels (service/api/harmony.py)
 
-    def reader(self) -> ChoiceReader:
+    def reader(self) -> MessageReader:
+        if self.harmony:
+            return HarmonyReader(self.tools, self.include_reasoning)
         thinking = self.thinking if self.markers is not None else None
         return ChoiceReader(thinking, self.tools, self.include_reasoning)
 
@@ -98,12 +102,14 @@ async def prepare(state: ServingState, req: ChatCompletionRequest) -> ChatRun:
     if budget is not None:
         params = replace(params, thinking_budget=budget, think_ids=markers, thinking_open=thinking)
     params = _with_tools(params, tools)
+    if state.harmony:  # its markers are special tokens the reader reads
+        params = replace(params, skip_special_tokens=False)
     if params.constraint is not None and (start := grammar_start(prompt, markers)):
         params = replace(params, constraint=replace(params.constraint, think=start))
     checked = await validate_prompt(state, prompt, params)
     if req.prompt_logprobs is not None:
         check_size(len(prompt), req.n, [req.prompt_logprobs], "prompt_logprobs")
-    return ChatRun(checked, markers, thinking, tools, req.include_reasoning)
+    return ChatRun(checked, markers, thinking, tools, req.include_reasoning, state.harmony)
 
 
 def _with_tools(params: SamplingParams, tools: Tools | None) -> SamplingParams:
@@ -158,7 +164,7 @@ def _body(
     req: ChatCompletionRequest,
     prompt: list[int],
     choices: list[Choice],
-    readers: list[ChoiceReader],
+    readers: list[MessageReader],
     rid: str,
     created: int,
 ) -> dict[str, Any]:
@@ -191,7 +197,7 @@ def _stream(
     head: dict[str, Any],
     include_usage: bool,
     release: Any,
-    readers: list[ChoiceReader],
+    readers: list[MessageReader],
 ) -> AsyncIterator[bytes]:
     """readers: each choice's (its thinking, content and tool calls apart)."""
 
@@ -225,6 +231,8 @@ def _stream(
 
 
 def _template_kwargs(req: ChatCompletionRequest) -> dict[str, Any] | None:
+    """chat_template_kwargs, and reasoning_effort as the templates that take it read it
+    (gpt-oss's)."""
     kwargs = req.chat_template_kwargs
     taken = sorted(set(kwargs or ()) & set(TEMPLATE_VARIABLES))
     if taken:
@@ -233,6 +241,8 @@ def _template_kwargs(req: ChatCompletionRequest) -> dict[str, Any] | None:
             f"chat_template_kwargs cannot set {taken[0]!r} (the server sets it)",
             param="chat_template_kwargs",
         )
+    if req.reasoning_effort is not None:
+        kwargs = {"reasoning_effort": req.reasoning_effort, **(kwargs or {})}
     return kwargs
 
 

@@ -147,6 +147,8 @@ class ChatCompletionRequest(SamplingFields):
     # reasoning models (service/api/reasoning.py): the thinking in reasoning_content (off:
     # dropped), and a budget of thinking tokens (vLLM's name, and another in use)
     include_reasoning: bool = True
+    # OpenAI's effort, to the templates that read it (gpt-oss's)
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
     thinking_token_budget: int | None = Field(default=None, ge=1)
     max_thinking_tokens: int | None = Field(default=None, ge=1)
     tools: list[Any] | None = Field(default=None, max_length=MAX_TOOLS)

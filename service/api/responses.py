@@ -52,6 +52,13 @@ class TextConfig(BaseModel):
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
+class ReasoningConfig(BaseModel):
+    """`reasoning`: its effort reaches the templates that read one (gpt-oss's)."""
+
+    model_config = ConfigDict(extra="ignore")
+    effort: Literal["minimal", "low", "medium", "high"] | None = None
+
+
 class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
@@ -68,6 +75,7 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     store: bool = True
     metadata: dict[MetadataKey, MetadataValue] | None = Field(default=None, max_length=16)
+    reasoning: ReasoningConfig | None = None
 
 
 def _new(prefix: str) -> str:
@@ -214,6 +222,7 @@ def _chat_request(state: ServingState, req: ResponsesRequest, owner: str) -> tup
         "parallel_tool_calls": req.parallel_tool_calls, "response_format": _format(req),
         "max_tokens": req.max_output_tokens, "temperature": req.temperature,
         "top_p": req.top_p,
+        "reasoning_effort": req.reasoning.effort if req.reasoning else None,
     }  # fmt: skip
     try:
         return ChatCompletionRequest(**body), messages

@@ -77,6 +77,12 @@ class ServingState:
         return format_for(setting, self.template.source, self.tokenizer.special_ids)
 
     @property
+    def harmony(self) -> bool:
+        """Whether the model writes OpenAI's harmony (gpt-oss: channels for its thinking,
+        answer and calls, service/api/harmony.py): its tool-call format says so."""
+        return self.tool_format.name == "harmony"
+
+    @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 

@@ -11,6 +11,9 @@ JSON Schemas) and how an output's text is read back into calls.
 - mistral (Mistral 7B v0.3, Nemo, Small): the `[TOOL_CALLS]` control token, then a JSON
   array of `{"name": ..., "arguments": {...}}`; text may come before it, nothing after.
   Its call ids are 9 letters and digits, what Mistral's templates accept back.
+- harmony (gpt-oss): a message on the commentary channel addressed to the function,
+  `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`,
+  its body the arguments (service/api/harmony.py reads the output's channels).
 
 Chosen from the template's text (its markers), or by `--tool-call-format`."""
 
@@ -23,6 +26,10 @@ import uuid
 from dataclasses import dataclass
 
 MISTRAL_OPENING = "[TOOL_CALLS]"
+# harmony's markers (service/api/harmony.py reads them)
+START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
+CONSTRAIN, CALL, RETURN = "<|constrain|>", "<|call|>", "<|return|>"
+HARMONY_MARKERS = (START, END, MESSAGE, CHANNEL, CONSTRAIN, CALL, RETURN)
 _ID_CHARS = string.ascii_letters + string.digits
 _ANY_TEXT = "TEXT: /(.|\\n)*/\n"
 
@@ -34,6 +41,7 @@ class ToolFormat:
 
     name: str
     opening_id: int | None = None
+    markers: tuple[tuple[str, int], ...] = ()  # harmony's special tokens and their ids
 
     @property
     def arguments_key(self) -> str:
@@ -67,18 +75,43 @@ class ToolFormat:
         text = _ANY_TEXT if auto else ""
         return f"%llguidance {{}}\nstart: {start}\n{array}{calls}call: {call}\n{text}"
 
+    def harmony_grammar(self, arguments: dict[str, str]) -> str:
+        """The Lark grammar of a harmony output that calls one of the tools (tool_choice
+        required or a name: the call at once, no thinking first), `arguments` each
+        tool's arguments grammar by its name."""
+        ids = dict(self.markers)
+        calls = " | ".join(f"call{i}" for i in range(len(arguments)))
+        rules = "".join(
+            f'call{i}: "{name}" " " <[{ids[CONSTRAIN]}]> "json" <[{ids[MESSAGE]}]> '
+            f"args{i}\nargs{i}: {grammar}\n"
+            for i, (name, grammar) in enumerate(arguments.items())
+        )
+        head = f'<[{ids[CHANNEL]}]> "commentary to=functions."'
+        return f"%llguidance {{}}\nstart: {head} ({calls}) <[{ids[CALL]}]>\n{rules}"
+
     def call_id(self) -> str:
         if self.name == "mistral":
             return "".join(secrets.choice(_ID_CHARS) for _ in range(9))
         return f"call_{uuid.uuid4().hex[:24]}"
 
 
+def harmony_tokens(special_ids: dict[str, int]) -> dict[str, int] | None:
+    """The harmony markers' ids where the tokenizer has each as a special token (a
+    gpt-oss tokenizer), else None."""
+    if not all(m in special_ids for m in HARMONY_MARKERS):
+        return None
+    return {m: special_ids[m] for m in HARMONY_MARKERS}
+
+
 def format_for(setting: str, template: str, special_ids: dict[str, int]) -> ToolFormat:
     """The tool-call format: the setting's, or ("auto") the one the template's text
     writes (its markers; Hermes-style where it names none)."""
     name = setting
+    harmony = harmony_tokens(special_ids)
     if name == "auto":
-        if MISTRAL_OPENING in template:
+        if harmony is not None and CHANNEL in template:
+            name = "harmony"
+        elif MISTRAL_OPENING in template:
             name = "mistral"
         elif "<tool_call>" in template:
             name = "hermes"
@@ -92,6 +125,10 @@ def format_for(setting: str, template: str, special_ids: dict[str, int]) -> Tool
                 f"tool-call format mistral needs the tokenizer's {MISTRAL_OPENING} token"
             )
         return ToolFormat(name, special_ids[MISTRAL_OPENING])
+    if name == "harmony":
+        if harmony is None:
+            raise ValueError("tool-call format harmony needs the tokenizer's harmony tokens")
+        return ToolFormat(name, markers=tuple(harmony.items()))
     return ToolFormat(name)
 
 

@@ -33,7 +33,7 @@ def splitter(tools: Tools) -> ToolSplitter | TailSplitter:
     return ToolSplitter(tools) if tools.format.name == "hermes" else TailSplitter(tools)
 
 
-def _header(index: int, call_id: str, name: str, arguments: str = "") -> dict[str, Any]:
+def call_header(index: int, call_id: str, name: str, arguments: str = "") -> dict[str, Any]:
     return {
         "index": index,
         "id": call_id,
@@ -42,7 +42,7 @@ def _header(index: int, call_id: str, name: str, arguments: str = "") -> dict[st
     }
 
 
-def _fragment(index: int, arguments: str) -> dict[str, Any]:
+def call_fragment(index: int, arguments: str) -> dict[str, Any]:
     return {"index": index, "function": {"arguments": arguments}}
 
 
@@ -137,13 +137,13 @@ class ToolSplitter:
             if m is None or m.group(1) not in self.names:
                 return []
             self.open = (self._next_index(), m.end(), 0, ValueScan())
-            out.append(_header(self.open[0], self.format.call_id(), m.group(1)))
+            out.append(call_header(self.open[0], self.format.call_id(), m.group(1)))
         index, at, sent, scan = self.open
         args = self.held[at:]
         end = scan.scan(args)
         args = args[:end] if end is not None else args
         if len(args) > sent:
-            out.append(_fragment(index, args[sent:]))
+            out.append(call_fragment(index, args[sent:]))
             self.open = (index, at, len(args), scan)
         return out
 
@@ -156,10 +156,10 @@ class ToolSplitter:
         streamed, self.open = self.open, None
         if streamed is not None:
             index, _, sent, _ = streamed
-            return [_fragment(index, args[sent:])] if len(args) > sent else []
+            return [call_fragment(index, args[sent:])] if len(args) > sent else []
         if m is None or not self._is_call(block[len(OPEN) : -len(CLOSE)], m.group(1)):
             return None
-        return [_header(self._next_index(), self.format.call_id(), m.group(1), args)]
+        return [call_header(self._next_index(), self.format.call_id(), m.group(1), args)]
 
     def _is_call(self, body: str, name: str) -> bool:
         try:
@@ -217,7 +217,7 @@ class TailSplitter:
         read = read_calls(self.format, body, self.names)
         if read is None:
             return held, []  # not calls of given tools: text
-        return "", [_header(i, self.format.call_id(), n, a) for i, (n, a) in enumerate(read)]
+        return "", [call_header(i, self.format.call_id(), n, a) for i, (n, a) in enumerate(read)]
 
 
 def merge(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:

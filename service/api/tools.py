@@ -42,15 +42,31 @@ class Tools:
         """The tools as chat templates read them (OpenAI's shape)."""
         return [{"type": "function", "function": f} for f in self.functions.values()]
 
-    def constraint(self) -> Constraint:
-        """The grammar the output holds to (ToolFormat.grammar)."""
+    def constraint(self) -> Constraint | None:
+        """The grammar the output holds to (ToolFormat.grammar); None where it is free
+        (harmony's auto: the model's own channels)."""
         names = list(self.functions) if self.choice in ("auto", "required") else [self.choice]
+        if self.format.name == "harmony":
+            if self.choice == "auto":
+                return None
+            return self._checked(self.format.harmony_grammar(self._arguments(names)))
         key = self.format.arguments_key
         calls = [_call_schema(n, key) for n in names]
         defs = {_DEF + n: _rebased(_parameters(self.functions[n]), _DEF + n) for n in names}
         one = calls[0] if len(calls) == 1 else {"anyOf": calls}
         schema = {**one, "$defs": defs, "x-guidance": LAYOUT}
         spec = self.format.grammar(f"%json {json.dumps(schema)}", self.choice, self.parallel)
+        return self._checked(spec)
+
+    def _arguments(self, names: list[str]) -> dict[str, str]:
+        """Each named tool's arguments as a grammar (`%json {...}` of its parameters)."""
+        out = {}
+        for n in names:
+            schema = {**_parameters(self.functions[n]), "x-guidance": LAYOUT}  # its own root
+            out[n] = f"%json {json.dumps(schema)}"
+        return out
+
+    def _checked(self, spec: str) -> Constraint:
         if len(spec) > MAX_CONSTRAINT_CHARS:
             raise APIError(400, f"the tools' schemas exceed {MAX_CONSTRAINT_CHARS} characters",
                            param="tools")  # fmt: skip

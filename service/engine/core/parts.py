@@ -202,11 +202,14 @@ def _runner(
     disk: DiskTier | None,
 ) -> ModelRunner:
     device = model.device.type
-    # not captured across ranks: a graph would replay its collectives unchecked
+    # not captured across ranks: a graph would replay its collectives unchecked; nor a
+    # mixture of experts, whose grouping reads each expert's token count on the host
+    # (model/moe.py)
     graphs = (
         not config.load.enforce_eager
         and backend.name == "triton"
         and not model.tp
+        and model.cfg.experts is None
         and device == "cuda"
     )
     return ModelRunner(
