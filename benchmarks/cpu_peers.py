@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.results import record
 from model.audit import batch_floor, count_params, idle_expert_bytes
 from model.backends.cpu.isa import cpu_flags, cpu_isa, native_isa
 from model.backends.machine import bf16_kernel_rate, matmul_throughput, memory_bandwidth
@@ -358,6 +359,25 @@ def main() -> None:
         json.dumps(header | extra | {"results": rows, "ratios": ratios}, indent=2)
     )
     print(f"\nwrote {args.out}")
+    record(f"cpu_peers ({args.model})", headline(rows, ratios, args))
+
+
+def headline(
+    rows: dict[str, dict[str, Any]], ratios: dict[str, dict[str, float]], args: argparse.Namespace
+) -> dict[str, str]:
+    """docs/results.md's rows: each system's single-stream decode (and its ratio to the
+    floor) and concurrent tok/s, then kvserve's ratios to its peers."""
+    shape = f"{args.prompt_len} in, {args.output_len} out"
+    out = {}
+    for system, r in rows.items():
+        s, c = r["single"], r["concurrent"]
+        out[f"{system}: 1 stream decode ({shape})"] = (
+            f"{s['decode_tok_s']:.1f} tok/s ({s['ratio_to_floor']:.2f}x the floor)"
+        )
+        out[f"{system}: {args.concurrency} streams"] = f"{c['output_tok_s']:.1f} tok/s"
+    for name, r in ratios.items():
+        out[name] = f"{r['single']:.2f}x at 1 stream, {r['concurrent']:.2f}x at {args.concurrency}"
+    return out
 
 
 if __name__ == "__main__":
