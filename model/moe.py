@@ -115,11 +115,30 @@ class MoE(nn.Module):
     # the routing, where a backend's prepare gives its own (the CPU's in C for a bf16
     # model, which its decoder stack routes by too); None: route() above
     route_fn: Callable[[Tensor, int, bool], tuple[Tensor, Tensor]] | None = None
+    # the tokens routed to each expert so far (E,) int64, where they are counted
+    # (count_experts; the CPU's decoder stack adds into it too); None: not counted
+    load: Tensor | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         choose = self.route_fn or route
         weights, ids = choose(self.router(x), self.top_k, self.normalize)
+        if self.load is not None:
+            self.load += torch.bincount(ids.flatten(), minlength=self.load.shape[0])
         out = self.experts(x, weights, ids)
         if self.shared is not None:
             out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
         return out
+
+
+def count_experts(model: nn.Module, device: torch.device) -> list[Tensor]:
+    """Count the tokens each mixture of `model` (on `device`) routes to each of its
+    experts from now on: one (E,) int64 counter a mixture, in layer order (empty for a
+    dense model); counting again starts the same counters from zero."""
+    counters = []
+    for module in model.modules():
+        if isinstance(module, MoE):
+            if module.load is None:
+                experts = module.router.out_features
+                module.load = torch.zeros(experts, dtype=torch.int64, device=device)
+            counters.append(module.load.zero_())
+    return counters

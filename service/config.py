@@ -257,6 +257,13 @@ class Settings:
     enforce_eager: bool = field(
         default=False, metadata={"help": "no CUDA graphs: run every step eagerly"}
     )
+    expert_metrics: bool = field(
+        default=False,
+        metadata={
+            "help": "a mixture of experts: count the tokens routed to each expert of each "
+            "layer (kvserve_moe_expert_tokens_total, read once a second)"
+        },
+    )
     async_scheduling: str = field(
         default="auto",
         metadata={
@@ -474,6 +481,7 @@ class LoadConfig:
     quantization: str
     attention_backend: str
     enforce_eager: bool
+    expert_metrics: bool
 
 
 @dataclass(frozen=True, slots=True)

@@ -266,6 +266,7 @@ class _EngineCollector(Collector):
         yield from _gauges(m, snap)
         yield from _host_tier(m, snap)  # zeros without one, as the speculation's
         yield from _kv_events(m, snap)
+        yield from _experts(m, snap)
         memory = self.device_memory()
         if memory is not None:
             yield from _per_model(GaugeMetricFamily, m, (
@@ -408,6 +409,22 @@ def _host_tier(m: list[str], snap: EngineSnapshot) -> Iterator[Metric]:
         ("kvserve_kv_disk_corrupt_blocks", "Disk tier files that failed their checks "
          "(deleted, their blocks recomputed).", snap.kv_disk_corrupt_blocks),
     ))  # fmt: skip
+
+
+def _experts(m: list[str], snap: EngineSnapshot) -> Iterator[Metric]:
+    """A mixture of experts' load balance, where --expert-metrics counts it: the tokens
+    each layer routed to each expert (read once a second: service/engine/core/stats.py)."""
+    if not snap.expert_tokens:
+        return
+    tokens = CounterMetricFamily(
+        "kvserve_moe_expert_tokens",
+        "Tokens routed to each expert of each mixture-of-experts layer.",
+        labels=["model", "layer", "expert"],
+    )
+    for layer, counts in snap.expert_tokens:
+        for expert, n in enumerate(counts):
+            tokens.add_metric([m[0], str(layer), str(expert)], n)
+    yield tokens
 
 
 def _kv_events(m: list[str], snap: EngineSnapshot) -> Iterator[Metric]:

@@ -1,9 +1,13 @@
 """A mixture of experts served: a Qwen3-MoE checkpoint written by transformers, served in
 bf16 on the CPU backend (routed and run by kernels/experts.c inside the one-call decoder
 stack), answers the official client with the same greedy tokens whether its requests run
-alone or together (each row of a mixed batch routed to its own experts), and its model
-card counts the experts and the parameters a token runs."""
+alone or together (each row of a mixed batch routed to its own experts), its model
+card counts the experts and the parameters a token runs, and with --expert-metrics
+/metrics has the tokens each layer routed to each expert."""
 
+import re
+import time
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -31,7 +35,9 @@ def test_a_mixture_of_experts_serves_the_same_tokens_alone_and_together(tmp_path
         intermediate_size=128,
     )
     write_tokenizer(root)
-    server = start_server(str(tmp_path), "--model", str(root), "--dtype", "bfloat16")
+    server = start_server(
+        str(tmp_path), "--model", str(root), "--dtype", "bfloat16", "--expert-metrics"
+    )
     try:
         card = httpx.get(f"{server.url}/v1/models/qwen3-moe", timeout=30).json()
         assert "experts=2/8x64" in card["features"]
@@ -57,5 +63,26 @@ def test_a_mixture_of_experts_serves_the_same_tokens_alone_and_together(tmp_path
             together = list(pool.map(complete, PROMPTS))
         assert together == alone  # the same tokens, and their logprobs to the bit
         assert all(len(lps) == 12 for _, lps in alone) and len({t for t, _ in alone}) > 1
+        assert_experts_counted(server.url)
     finally:
         server.stop()
+
+
+def assert_experts_counted(url: str) -> None:
+    """Each sparse layer (0 and 2; layer 1 is dense) routed every token computed to 2 of
+    its 8 experts: the same total in both, read once a second by the engine."""
+    line = re.compile(r"kvserve_moe_expert_tokens_total\{(.*)\} (\S+)")
+    deadline = time.monotonic() + 10
+    while True:
+        sums: dict[int, float] = defaultdict(float)
+        experts: dict[int, set[int]] = defaultdict(set)
+        for m in line.finditer(httpx.get(f"{url}/metrics", timeout=30).text):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m[1]))
+            sums[int(labels["layer"])] += float(m[2])
+            experts[int(labels["layer"])].add(int(labels["expert"]))
+        settled = sums and sums[0] == sums[2] and sums[0] > 0
+        if settled or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert set(sums) == {0, 2} and experts[0] == experts[2] == set(range(8))
+    assert sums[0] == sums[2] > 0 and sums[0] % 2 == 0

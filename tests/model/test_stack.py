@@ -11,6 +11,7 @@ from model.backends.cpu.kernels.stack import stack_kernels
 from model.config import Experts, LongRope
 from model.kv_cache import PagedKVCache
 from model.metadata import AttentionMetadata
+from model.moe import count_experts
 from tests.factories import tiny_model
 from tests.model.backends import auto_backend
 
@@ -153,6 +154,27 @@ def test_mixtures_of_experts_take_the_stack(isa: str, quantization: str, family:
     model = stack_model(quantization, **family)
     assert model.fused_layers is not None and len(model.fused_layers.mixtures) in (2, 3)
     assert_stack_is_the_modules(model, 16)
+
+
+@torch.no_grad()
+def test_the_stack_counts_each_experts_tokens_as_the_modules_do(isa: str) -> None:
+    """--expert-metrics' counters (model/moe.py's count_experts): stack.c adds each
+    routed token to its expert's count, as the module path does; a dense layer counts
+    nothing."""
+    model = stack_model(**QWEN3_MOE)
+    counts = []
+    for fused in (model.fused_layers, None):
+        counters = count_experts(model, torch.device("cpu"))
+        assert len(counters) == 2  # layers 0 and 2; layer 1 is dense
+        stack, model.fused_layers = model.fused_layers, fused
+        backend = auto_backend(model.cfg, torch.bfloat16, 16)
+        cache = PagedKVCache(model.cfg, 12, 16, torch.bfloat16, "cpu", backend)
+        gen = torch.Generator().manual_seed(0)
+        run_steps(model, cache, [torch.randint(0, 256, (41,), generator=gen) for _ in range(2)])
+        model.fused_layers = stack
+        counts.append(torch.stack(counters))
+    # the steps run 21 + 9, 1 + 30, then two of 1 + 1 tokens: 65, to their top 2 each
+    assert torch.equal(counts[0], counts[1]) and counts[0].sum(dim=1).tolist() == [130, 130]
 
 
 @torch.no_grad()

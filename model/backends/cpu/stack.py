@@ -60,6 +60,7 @@ class _Layer(ctypes.Structure):
         ("router", _P),
         ("expert_w_in", _P),
         ("expert_w_out", _P),
+        ("expert_load", _P),
     ]
 
 
@@ -118,6 +119,7 @@ class DecoderStack:
         self._weights: ctypes.Array[_Layer] | None = None
         self._kernels: dict[str, int] | None = None
         self._rows: tuple[int, dict[str, Tensor], _Args] | None = None  # see _buffers()
+        self._mixtures = [(i, b.ffn) for i, b in enumerate(layers) if isinstance(b.ffn, MoE)]
 
     @classmethod
     def build(
@@ -160,7 +162,7 @@ class DecoderStack:
     @property
     def mixtures(self) -> list[MoE]:
         """The layers' mixtures of experts (empty for a dense model)."""
-        return [b.ffn for b in self.layers if isinstance(b.ffn, MoE)]
+        return [moe for _, moe in self._mixtures]
 
     @property
     def kind(self) -> str:
@@ -248,6 +250,8 @@ class DecoderStack:
             setattr(args, name, data_ptr(value))
         args.x, args.max_blocks = x.data_ptr(), step["tables"].shape[1]
         args.nthreads = torch.get_num_threads()
+        for i, moe in self._mixtures:  # counters may be set (count_experts) at any time
+            self._weights[i].expert_load = data_ptr(moe.load)
         stack_forward(args)
         return buffers["h"]
 
@@ -346,14 +350,16 @@ def _dense_args(ffn: nn.Module) -> tuple[int | None, ...]:
 
 
 def _mixture_args(ffn: nn.Module) -> tuple[int | None, ...]:
-    """A layer's router and expert pointer tables (NULL for a dense FFN)."""
+    """A layer's router and expert pointer tables (NULL for a dense FFN), and a NULL
+    counter, set per call."""
     if not isinstance(ffn, MoE):
-        return (None, None, None)
+        return (None, None, None, None)
     kernels = ffn.experts.kernels
     return (
         ffn.router._tiles.data_ptr(),
         ctypes.addressof(kernels._w_in),
         ctypes.addressof(kernels._w_out),
+        None,  # the counter: set before each call (DecoderStack.forward)
     )
 
 

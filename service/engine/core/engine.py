@@ -14,7 +14,7 @@ from service.engine.batch import SchedulerOutput
 from service.engine.core.checks import Checked, Limits, check_request
 from service.engine.core.parts import EngineParts, assemble
 from service.engine.core.postprocess import PostProcessor
-from service.engine.core.stats import EngineObserver, EngineSnapshot, EngineStats
+from service.engine.core.stats import EngineObserver, EngineSnapshot, EngineStats, ExpertLoad
 from service.engine.exec.ranks import RankError
 from service.engine.exec.runner import Launched
 from service.engine.output import RequestOutput
@@ -44,6 +44,7 @@ class LLMEngine:
         self.in_flight: Launched | None = None
         self.stats = EngineStats()
         self.clock = time.monotonic
+        self.expert_load = ExpertLoad(parts.expert_load, self.clock)
         self.post = PostProcessor(
             self.scheduler,
             self.blocks,
@@ -161,7 +162,10 @@ class LLMEngine:
         )
         events = blocks.events
         snap = dataclasses.replace(
-            snap, kv_events_replay_up=events.replay_up, kv_events_malformed=events.malformed
+            snap,
+            kv_events_replay_up=events.replay_up,
+            kv_events_malformed=events.malformed,
+            expert_tokens=self.expert_load.sample(),
         )
         tier = blocks.tier
         if tier is None:

@@ -10,10 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from model.backends import Backend, select_backend
 from model.config import ModelConfig
 from model.kv_cache import PagedKVCache
+from model.moe import count_experts
 from model.tokenizer import Tokenizer
 from model.transformer import Transformer
 from service.config import EngineConfig, GiB, LoadConfig
@@ -48,6 +50,9 @@ class EngineParts:
     runner: ModelRunner
     speculator: Speculator
     async_scheduling: bool  # queue a step before reading the last one's tokens (engine.py)
+    # a mixture's tokens routed to each expert, (layer, counter) in layer order, where
+    # --expert-metrics counts them (model/moe.py's count_experts)
+    expert_load: tuple[tuple[int, Tensor], ...] = ()
 
 
 def _backend(
@@ -122,6 +127,9 @@ def assemble(
         max_model_len, disk,
     )  # fmt: skip
     speculator = Speculator(config.speculative, max_model_len, drafter)
+    # counted from before the first step (the CPU's decoder stack takes the counters'
+    # addresses when it first meets the KV cache)
+    load = count_experts(model, model.device) if config.load.expert_metrics else []
     return EngineParts(
         model,
         tokenizer,
@@ -137,6 +145,7 @@ def assemble(
         runner,
         speculator,
         config.async_steps(device) and ranks is None and speculator.method == "none",
+        tuple(zip(model.cfg.sparse_layers, load, strict=True)),
     )
 
 

@@ -3,9 +3,14 @@ the observer it tells about each step (service.api.metrics implements it)."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:  # the fronts read snapshots without torch's import
+    from torch import Tensor
 
 from service.engine.output import RequestOutput
 
@@ -59,6 +64,26 @@ class EngineStats:
         )
 
 
+EXPERT_READ_S = 1.0  # how often the experts' counters are read (a device read on CUDA)
+
+
+class ExpertLoad:
+    """The tokens a mixture's layers routed to each expert (model/moe.py's counters, on
+    the model's device), read at most once every EXPERT_READ_S: what each step's
+    snapshot carries, without a device read each step."""
+
+    def __init__(self, counters: Sequence[tuple[int, Tensor]], clock: Callable[[], float]):
+        self.counters, self.clock = counters, clock
+        self.read_at = -math.inf
+        self.value: tuple[tuple[int, tuple[int, ...]], ...] = ()
+
+    def sample(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        if self.counters and self.clock() - self.read_at >= EXPERT_READ_S:
+            self.value = tuple((layer, tuple(c.tolist())) for layer, c in self.counters)
+            self.read_at = self.clock()
+        return self.value
+
+
 @dataclass(frozen=True, slots=True)
 class EngineSnapshot:
     """The engine's gauges and counters at one moment, built on the engine thread: what
@@ -95,6 +120,9 @@ class EngineSnapshot:
     # KV events' replay socket (service/engine/kv/kv_events.py): None without one
     kv_events_replay_up: bool | None = None
     kv_events_malformed: int = 0  # replay requests dropped as malformed
+    # a mixture of experts' (layer, tokens routed to each expert), where --expert-metrics
+    # counts them (ExpertLoad's latest reading)
+    expert_tokens: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     @property
     def kv_usage(self) -> float:

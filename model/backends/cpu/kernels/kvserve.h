@@ -136,6 +136,7 @@ typedef struct {
     const uint16_t *router;
     const uint16_t *const *expert_w_in;
     const uint16_t *const *expert_w_out;
+    int64_t *expert_load; /* the tokens routed to each expert, added to (NULL: not counted) */
 } layer_args;
 
 typedef struct {

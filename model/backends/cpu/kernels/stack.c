@@ -54,6 +54,8 @@ static void mixture(const stack_args *a, const layer_args *w, int T, int nt) {
     a->linear(a->h, w->router, NULL, a->logits, NULL, T, a->router_rows, a->d, nt);
     a->route(a->logits, T, a->router_rows, a->experts, a->top_k, a->normalize, a->choice_ids,
              a->choice_weights);
+    if (w->expert_load)
+        for (long p = 0; p < (long)T * a->top_k; ++p) w->expert_load[a->choice_ids[p]]++;
     const experts_args e = {
         .linear = a->linear,
         .w_in = w->expert_w_in,
