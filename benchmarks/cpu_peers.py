@@ -1,9 +1,12 @@
-"""kvserve against llama.cpp's server on the same CPU, checkpoint and workload, in one run.
+"""kvserve against llama.cpp's server (and vLLM's CPU build) on the same CPU, checkpoint and
+workload, in one run.
 
 Both serve the 180M Llama-3-style checkpoint that ../shared/peers/build.sh writes (or
 with --model its Qwen3-MoE-shaped one, qwen3moe-cl100k-a100m; kvserve the HF directory,
-llama.cpp its GGUFs): kvserve in bf16 and with --quantization int8,
-llama-server in bf16 and Q8_0 (and fp32 on both with --fp32). Each server is started on
+llama.cpp its GGUFs): kvserve in bf16 and with --quantization int8, llama-server in bf16
+and Q8_0 (and fp32 on both with --fp32); with --systems, vLLM's CPU build on the HF
+directory (../shared/peers/vllm_cpu.sh), its default binding (vllm-bf16: the engine
+computes on one core) and both cores (vllm-bf16-tuned). Each server is started on
 127.0.0.1, warmed up with one request, and measured with the same streaming client
 (service/bench.py): prompts of random token ids sent as id arrays, greedy, `ignore_eos`.
 
@@ -55,9 +58,14 @@ MODEL = "llama-cl100k-135m"
 FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
 
 
-def start(cmd: list[str], url: str, log: Path) -> subprocess.Popen:
+def start(
+    cmd: list[str], url: str, log: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen:
+    """env: variables added to this process's for the server."""
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=os.environ | (env or {})
+        )
     wait_healthy(proc, url, 600, f"{shlex.join(cmd)} (log: {log})")
     return proc
 
@@ -87,6 +95,8 @@ def missing(systems: list[str], peers: Path, model: str) -> list[str]:
         lacking.append(f"{peers / 'models' / model} (run ../shared/peers/build.sh {peers})")
     for system in systems:
         kind, variant = system.split("-", 1)
+        if kind == "vllm" and not (peers / "vllm-venv" / "bin" / "python").exists():
+            lacking.append(f"{peers / 'vllm-venv'} (run ../shared/peers/vllm_cpu.sh {peers})")
         if kind != "llama":
             continue
         server, gguf = llama_files(peers, model, variant)
@@ -110,9 +120,17 @@ def command(
     threads: int,
     llama_args: list[str],
 ) -> list[str]:
-    """The server command line for `system` ('kvserve-<bf16|int8|fp32>' or
-    'llama-<bf16|q8_0|f32>'); `llama_args` go to every llama-server."""
+    """The server command line for `system` ('kvserve-<bf16|int8|fp32>',
+    'llama-<bf16|q8_0|f32>' or 'vllm-bf16[-tuned]'); `llama_args` go to every
+    llama-server."""
     kind, variant = system.split("-", 1)
+    if kind == "vllm":
+        return [
+            str(peers / "vllm-venv" / "bin" / "python"), "-m",
+            "vllm.entrypoints.openai.api_server", "--model", str(peers / "models" / model),
+            "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(port),
+            "--max-num-seqs", str(max(slots, 16)), "--max-model-len", "2048",
+        ]  # fmt: skip
     if kind == "llama":
         ctx = 2048 if slots == 1 else 4096
         server, gguf = llama_files(peers, model, variant)
@@ -126,6 +144,24 @@ def command(
         sys.executable, "-m", "service.cli", "serve", "--model", str(peers / "models" / model),
         "--dtype", dtype, *quant, "--port", str(port), "--max-num-seqs", str(max(slots, 16)),
     ]  # fmt: skip
+
+
+def server_env(system: str, peers: Path) -> dict[str, str]:
+    """vllm-bf16-tuned: vLLM's CPU engine on both cores, as its CPU install guide advises
+    for a benchmark (by default it computes on one and keeps the other for its server)."""
+    if system != "vllm-bf16-tuned":
+        return {}
+    return {
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "LD_PRELOAD": str(peers / "vllm-venv" / "lib" / "libiomp5.so"),
+    }
+
+
+def floor_kind(system: str) -> str:
+    """Which weight-bandwidth floor a system's weights have: bf16, int8 or fp32."""
+    variant = system.split("-")[1]
+    return {"f32": "fp32", "q8_0": "int8"}.get(variant, variant)
 
 
 BANDWIDTH: list[float] = []  # bytes/s, one probe per single-stream round
@@ -192,6 +228,7 @@ def measure(systems: list[str], args: argparse.Namespace, slots: int) -> dict[st
                     ),
                     url,
                     log,
+                    server_env(system, args.peers),
                 ),
                 url,
             )
@@ -255,7 +292,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="turns of every system (medians)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fp32", action="store_true", help="also kvserve fp32 and llama.cpp f32")
-    ap.add_argument("--systems", default=None, help="comma-separated subset")
+    ap.add_argument(
+        "--systems",
+        default=None,
+        help="comma-separated subset, or systems to add: vllm-bf16 (vLLM's CPU build, its "
+        "default binding) and vllm-bf16-tuned (both cores), from ../shared/peers/vllm_cpu.sh",
+    )
     ap.add_argument(
         "--llama-args",
         default="",
@@ -308,9 +350,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for system, r in rows.items():
         s, c = r["single"], r["concurrent"]
-        floor = floors[
-            {"f32": "fp32", "q8_0": "int8"}.get(system.split("-", 1)[1], system.split("-", 1)[1])
-        ]
+        floor = floors[floor_kind(system)]
         s["ratio_to_floor"] = s["ms_per_token"] / floor
         print(
             f"| {system} | {s['decode_tok_s']:.1f} | {s['ms_per_token']:.1f} | {s['ratio_to_floor']:.2f}x | {s['ttft_s'] * 1000:.0f} ms "
@@ -328,14 +368,15 @@ def main() -> None:
         f"from the first) at {max(COMPUTE) / 1e9:.0f} GFLOP/s (best of {len(COMPUTE)} probes, "
         f"median {statistics.median(COMPUTE) / 1e9:.0f}) and {bandwidth / 1e9:.1f} GB/s"
     )
-    for system in ("kvserve-bf16", "llama-bf16"):
+    for system in [s for s in rows if floor_kind(s) == "bf16"]:
         if system in rows:
             c = rows[system]["concurrent"]
             c["share_of_ceiling"] = c["output_tok_s"] / wave["ceiling_tok_s"]
             print(f"  {system}: {c['output_tok_s']:.1f} tok/s, {c['share_of_ceiling']:.0%} of it")
     ratios = {}
     for ours, theirs in (("kvserve-bf16", "llama-bf16"), ("kvserve-int8", "llama-q8_0"),
-                         ("kvserve-int8", "kvserve-bf16"), ("kvserve-fp32", "llama-f32")):  # fmt: skip
+                         ("kvserve-int8", "kvserve-bf16"), ("kvserve-fp32", "llama-f32"),
+                         ("kvserve-bf16", "vllm-bf16"), ("kvserve-bf16", "vllm-bf16-tuned")):  # fmt: skip
         if ours in rows and theirs in rows:
             ratios[f"{ours} / {theirs}"] = {
                 "single": rows[ours]["single"]["decode_tok_s"]

@@ -6,9 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.backends import select_backend
 from model.kv_cache import PagedKVCache
-from model.weights import load_config, load_model
+from model.weights import load_model
 from tests.factories import (
     write_gemma2,
     write_gemma3,
@@ -85,10 +84,7 @@ def test_logits_and_greedy_match_transformers(family: str, tmp_path: Path) -> No
 # Mistral without a window and Gemma 3 inside an image-and-text checkpoint differ from
 # those in model-level code alone, which the compiled backends' cases run
 MODEL_LEVEL = ("llama_gqa_tied", "qwen2_qkv_bias", "mistral", "gemma3_in_image_text_checkpoint")
-# gpt-oss's attention sinks are not in the Triton kernels: that backend refuses the model
-# (test_triton_refuses_attention_sinks_naming_them)
-NO_TRITON = (*MODEL_LEVEL, "gpt_oss")
-PAGED = [(f, b) for f in WRITERS for b in BACKENDS if b != "triton" or f not in NO_TRITON]
+PAGED = [(f, b) for f in WRITERS for b in BACKENDS if b != "triton" or f not in MODEL_LEVEL]
 
 
 @pytest.mark.parametrize(("family", "name"), PAGED)
@@ -185,12 +181,6 @@ def test_generation_config_eos_and_bf16_load(tmp_path: Path) -> None:
     assert all(p.dtype == torch.bfloat16 for p in ours.parameters())
     logits = ours(torch.arange(10))
     assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()
-
-
-def test_triton_refuses_attention_sinks_naming_them(tmp_path: Path) -> None:
-    write_gpt_oss(tmp_path)
-    with pytest.raises(ValueError, match="no attention sinks"):
-        select_backend("triton", torch.device("cpu"), torch.float32, load_config(tmp_path), 16)
 
 
 @torch.no_grad()

@@ -148,6 +148,37 @@ def test_soft_capped_scores_match_reference(dtype, batch, window) -> None:
         torch.testing.assert_close(split.float(), ref.float(), atol=atol, rtol=0)
 
 
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("batch", ["decodes", "mixed"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_attention_sinks_match_reference(dtype, batch, window) -> None:
+    """gpt-oss's sink logit per head beside the scores, large enough to take a share;
+    one pass and flash-decoding's shares."""
+    torch.manual_seed(6)
+    shape = SHAPES[1]
+    cfg, cache, triton, tables, cached, new, used, q = setup(shape, BATCHES[batch], dtype)
+    sinks = 2 + torch.randn(q.shape[1])
+    scale, bs = cfg.head_dim**-0.5, cache.block_size
+    ref_meta = AttentionMetadata.paged(tables, cached, new, bs)
+    how = (None, window, None, sinks)
+    ref = TorchBackend().attend(q, q, q, cache.layer(0), ref_meta, scale, *how)
+    plain = TorchBackend().attend(q, q, q, cache.layer(0), ref_meta, scale, None, window)
+    assert (ref.float() - plain.float()).abs().max() > 0.05  # the sinks matter here
+    poison(cache, used)
+    meta = triton.metadata(tables, cached, new, bs, "cpu", cache.null_block)
+    out = triton.attend(q, q, q, cache.layer(0), meta, scale, *how).float()
+    atol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, ref.float(), atol=atol, rtol=0)
+    if max(new) == 1:
+        from model.backends.triton import kernels as triton_kernels
+
+        split = triton_kernels.paged_attention(
+            q, *cache.layer(0), meta.block_tables, meta.seq_lens_t, meta.query_start, 1,
+            scale, None, splits=4, window=window, sinks=sinks,
+        ).flatten(1)  # fmt: skip
+        torch.testing.assert_close(split.float(), ref.float(), atol=atol, rtol=0)
+
+
 def test_padding_rows_give_zeros_and_leave_real_rows_alone() -> None:
     """A CUDA graph pads a decode batch with rows of no context (seq_len 0, slot -1): they
     read nothing and give zeros, and the real rows are what they are without them."""

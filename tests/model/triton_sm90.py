@@ -49,15 +49,16 @@ def _attention_consts(dt: str, group: int, d: int, alibi: bool, window: bool, ca
 
 
 def _paged(
-    dt: str, group: int, d: int, alibi: bool, block_q: int, window=False, cap=False
+    dt: str, group: int, d: int, alibi: bool, block_q: int, window=False, cap=False, sinks=False
 ) -> tuple:
     ptr = f"*{dt}"
     types = dict(q_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, out_ptr=ptr,
                  block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_ptr="*i32",
-                 alibi_ptr="*fp32" if alibi else ptr, scale="fp32", window="i32",
-                 softcap="fp32", stride_qt="i32", stride_qh="i32", stride_bt="i32")  # fmt: skip
+                 alibi_ptr="*fp32" if alibi else ptr, sinks_ptr="*fp32" if sinks else ptr,
+                 scale="fp32", window="i32", softcap="fp32", stride_qt="i32",
+                 stride_qh="i32", stride_bt="i32")  # fmt: skip
     consts = _attention_consts(dt, group, d, alibi, window, cap) | dict(BLOCK_Q=block_q)
-    return K._paged_attention_kernel, types, consts, 4
+    return K._paged_attention_kernel, types, consts | dict(SINKS=sinks), 4
 
 
 def _split(dt: str, group: int, d: int, alibi: bool, splits: int, window=False, cap=False) -> tuple:
@@ -71,10 +72,10 @@ def _split(dt: str, group: int, d: int, alibi: bool, splits: int, window=False, 
     return K._decode_split_kernel, types, consts, 4
 
 
-def _combine(dt: str, d: int, splits: int) -> tuple:
-    types = dict(part_ptr="*fp32", lse_ptr="*fp32", out_ptr=f"*{dt}")
+def _combine(dt: str, d: int, splits: int, sinks=False) -> tuple:
+    types = dict(part_ptr="*fp32", lse_ptr="*fp32", out_ptr=f"*{dt}", sinks_ptr="*fp32")
     consts = dict(H=6, D=d, D_PAD=max(16, triton.next_power_of_2(d)), SPLITS=splits,
-                  SPLITS_PAD=triton.next_power_of_2(splits))  # fmt: skip
+                  SPLITS_PAD=triton.next_power_of_2(splits), SINKS=sinks)  # fmt: skip
     return K._combine_splits_kernel, types, consts, 4
 
 
@@ -121,11 +122,13 @@ VARIANTS = {
     "paged_attention fp32 g1 d80 alibi": _paged("fp32", 1, 80, True, 16),
     "paged_attention bf16 g2 d256 window": _paged("bf16", 2, 256, False, 16, window=True),
     "paged_attention bf16 g2 d256 softcap": _paged("bf16", 2, 256, False, 16, True, True),
+    "paged_attention bf16 g8 d64 window sinks": _paged("bf16", 8, 64, False, 16, True, sinks=True),
     "decode_split bf16 g4 d128": _split("bf16", 4, 128, False, 16),
     "decode_split bf16 g4 d128 window": _split("bf16", 4, 128, False, 16, window=True),
     "decode_split bf16 g2 d256 softcap": _split("bf16", 2, 256, False, 8, True, True),
     "decode_split fp32 g3 d80 alibi": _split("fp32", 3, 80, True, 4),
     "combine_splits bf16 d64": _combine("bf16", 64, 16),
+    "combine_splits bf16 d64 sinks": _combine("bf16", 64, 16, sinks=True),
     "add_rms_norm bf16 d576": _norm("bf16", 576, True),
     "add_rms_norm fp32 d2048 no-add": _norm("fp32", 2048, False),
     "add_rms_norm bf16 d4096": _norm("bf16", 4096, True),

@@ -37,8 +37,6 @@ def unsupported(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> str | 
         return f"the Triton kernels need a power-of-two block_size >= 16, got {block_size}"
     if cfg.head_dim % 2:
         return f"the Triton kernels need an even head_dim, got {cfg.head_dim}"
-    if cfg.attn_sinks:
-        return "the Triton attention kernels have no attention sinks (gpt-oss)"
     return None
 
 
@@ -243,6 +241,7 @@ class TritonBackend(TorchBackend):
             alibi,
             window=window if beyond_window(meta, window) else None,
             softcap=softcap,
+            sinks=sinks,
         )  # (T, H, dh)
         return out.view(q.shape[0], q.shape[1] * q.shape[2])
 

@@ -269,6 +269,7 @@ def _paged_attention_kernel(
     seq_lens_ptr,  # (B,) int32: keys of each sequence after this step (cached + new)
     query_start_ptr,  # (B + 1,) int32: first row of each sequence
     alibi_ptr,  # (H,) fp32
+    sinks_ptr,  # (H,) fp32: gpt-oss's logit per head beside the scores, read when SINKS
     scale,
     window,  # a sliding window's keys, read when WINDOWED
     softcap,  # Gemma 2's score cap, read when SOFTCAP
@@ -286,6 +287,7 @@ def _paged_attention_kernel(
     HAS_ALIBI: tl.constexpr,
     WINDOWED: tl.constexpr,  # each query sees the last `window` keys up to its own
     SOFTCAP: tl.constexpr,  # soft-capped scores (Gemma 2)
+    SINKS: tl.constexpr,  # a sink logit per head in each softmax (gpt-oss)
     UPCAST: tl.constexpr,  # dot products in fp32 (the interpreter's bf16 dot is wrong)
     PRECISION: tl.constexpr,  # "ieee" for fp32 operands (no TF32), else the default
 ):
@@ -330,6 +332,12 @@ def _paged_attention_kernel(
                 kv, scale, window, k_lo, softcap, d, d_ok, KV, D, BS, TILE, HAS_ALIBI, WINDOWED,
                 SOFTCAP, UPCAST, PRECISION,
             )  # fmt: skip
+        if SINKS:  # the sink joins the softmax's sum, attending nothing
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0)
+            m_sink = tl.maximum(m_i, sink)
+            kept = tl.exp(m_i - m_sink)
+            acc = acc * kept[:, None]
+            l_i = l_i * kept + tl.exp(sink - m_sink)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_rows = (q_start + tok).to(tl.int64) * (KV * G * D) + head * D
         tl.store(
@@ -421,11 +429,13 @@ def _combine_splits_kernel(
     part_ptr,  # (B, SPLITS, H, D) fp32
     lse_ptr,  # (B, SPLITS, H) fp32
     out_ptr,  # (B, H, D)
+    sinks_ptr,  # (H,) fp32, read when SINKS: a share of the softmax with no values
     H: tl.constexpr,
     D: tl.constexpr,
     D_PAD: tl.constexpr,
     SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -433,10 +443,13 @@ def _combine_splits_kernel(
     sp_ok = sp < SPLITS
     rows = (b.to(tl.int64) * SPLITS + sp) * H + h
     lse = tl.load(lse_ptr + rows, mask=sp_ok, other=float("-inf"))
-    top = tl.max(lse, 0)
+    sink = tl.full([], float("-inf"), tl.float32)  # none: its share is exp(-inf) = 0
+    if SINKS:
+        sink = tl.load(sinks_ptr + h)
+    top = tl.maximum(tl.max(lse, 0), sink)
     top = tl.where(top > float("-inf"), top, 0.0)  # no share had keys: every weight is 0
     w = tl.exp(lse - top)
-    total = tl.sum(w, 0)
+    total = tl.sum(w, 0) + tl.exp(sink - top)
     d = tl.arange(0, D_PAD)
     d_ok = d < D
     part = tl.load(
@@ -466,8 +479,9 @@ def decode_splits(num_seqs: int, n_kv: int) -> int:
 
 
 def _split_decode(
-    q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, alibi, splits, consts
-):
+    q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, alibi, splits, consts,
+    sinks,
+):  # fmt: skip
     b, h, d = q.shape
     kv = k_cache.shape[2]
     part = torch.empty((b, splits, h, d), dtype=torch.float32, device=q.device)
@@ -490,11 +504,11 @@ def _split_decode(
         block_tables.stride(0),
         BLOCK_G=max(16, consts["BLOCK_G"]),
         SPLITS=splits,
-        **{k: v for k, v in consts.items() if k != "BLOCK_G"},
+        **{k: v for k, v in consts.items() if k not in ("BLOCK_G", "SINKS")},
     )
     _combine_splits_kernel[(b, h)](
-        part, lse, out, H=h, D=d, D_PAD=consts["D_PAD"], SPLITS=splits,
-        SPLITS_PAD=triton.next_power_of_2(splits),
+        part, lse, out, sinks if sinks is not None else lse, H=h, D=d, D_PAD=consts["D_PAD"],
+        SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), SINKS=sinks is not None,
     )  # fmt: skip
     return out
 
@@ -505,6 +519,7 @@ def _constants(
     alibi: torch.Tensor | None,
     window: int | None,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> dict[str, object]:
     """The attention kernels' compile-time constants for these shapes and options."""
     h, d = q.shape[1], q.shape[2]
@@ -521,6 +536,7 @@ def _constants(
         HAS_ALIBI=alibi is not None,
         WINDOWED=window is not None,
         SOFTCAP=softcap is not None,
+        SINKS=sinks is not None,
         UPCAST=upcast,
         PRECISION="ieee" if upcast else "tf32",
     )
@@ -539,6 +555,7 @@ def paged_attention(
     splits: int | None = None,  # decode-only batches: None = decode_splits()
     window: int | None = None,  # a sliding window: each query sees that many keys at most
     softcap: float | None = None,  # Gemma 2: scores become softcap * tanh(score / softcap)
+    sinks: torch.Tensor | None = None,  # (H,): gpt-oss's logit per head beside the scores
 ) -> torch.Tensor:
     """Attention of a flattened batch of decodes and prefill chunks over the paged cache
     (the new tokens' K/V already stored) -> (T, H, D) in q's dtype. Under a sliding window
@@ -548,14 +565,16 @@ def paged_attention(
     padding row) gives zeros."""
     t, h, d = q.shape
     kv = k_cache.shape[2]
-    consts = _constants(q, k_cache, alibi, window, softcap)
+    if sinks is not None:
+        sinks = sinks.float().contiguous()
+    consts = _constants(q, k_cache, alibi, window, softcap, sinks)
     block_g = consts["BLOCK_G"]
     if max_query_len == 1 and t > 0:
         splits = decode_splits(t, kv) if splits is None else splits
         if splits > 1:
             return _split_decode(
                 q, k_cache, v_cache, block_tables, seq_lens, scale, window or 0, softcap or 1.0,
-                alibi, splits, consts,
+                alibi, splits, consts, sinks,
             )  # fmt: skip
     # rows per program: at least 16 (tl.dot's smallest tile), up to 64 for a prompt chunk
     block_q = max(1, (16 if max_query_len == 1 else 64) // block_g)
@@ -574,6 +593,7 @@ def paged_attention(
         seq_lens,
         query_start,
         alibi if alibi is not None else q,
+        sinks if sinks is not None else q,
         scale,
         window or 0,
         softcap or 1.0,
