@@ -130,6 +130,7 @@ def assemble(
     # counted from before the first step (the CPU's decoder stack takes the counters'
     # addresses when it first meets the KV cache)
     load = count_experts(model, model.device) if config.load.expert_metrics else []
+    counted = tuple(zip(model.cfg.sparse_layers, load, strict=True)) if load else ()
     return EngineParts(
         model,
         tokenizer,
@@ -145,7 +146,7 @@ def assemble(
         runner,
         speculator,
         config.async_steps(device) and ranks is None and speculator.method == "none",
-        tuple(zip(model.cfg.sparse_layers, load, strict=True)),
+        counted,
     )
 
 
