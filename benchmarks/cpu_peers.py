@@ -130,6 +130,9 @@ def command(
             "vllm.entrypoints.openai.api_server", "--model", str(peers / "models" / model),
             "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(port),
             "--max-num-seqs", str(max(slots, 16)), "--max-model-len", "2048",
+            # on the CPU this is the share of the machine's memory vLLM takes for itself
+            # (weights and KV); its default (0.92) does not start beside the other servers
+            "--gpu-memory-utilization", "0.25",
         ]  # fmt: skip
     if kind == "llama":
         ctx = 2048 if slots == 1 else 4096
