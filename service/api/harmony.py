@@ -10,7 +10,8 @@ it is: `analysis` the thinking (reasoning_content), `final` the answer (content)
 `commentary` addressed to a function (`to=functions.NAME`, in the header after the
 channel or after the role) a tool call whose body is its arguments; commentary to no
 one is said to the user (content). The markers are special tokens, so the output's text
-keeps special tokens for this reader, which drops them.
+keeps special tokens for this reader, which drops them. Text a model writes with no
+marker at all (outside the format) is content.
 
 Read from the text alone, delta by delta, as ChoiceReader reads the other formats: a
 marker split across deltas is held back until it is whole or cannot be one."""
@@ -26,7 +27,6 @@ from service.api.tool_formats import CALL, CHANNEL, END, HARMONY_MARKERS, MESSAG
 from service.api.tool_split import call_fragment, call_header, merge
 from service.api.tools import Tools
 
-MARKERS = HARMONY_MARKERS
 ENDS = (END, CALL, RETURN)  # a message's body ends at one of these
 _RECIPIENT = re.compile(r"\bto=functions\.([^\s<]+)")
 _CHANNEL = re.compile(re.escape(CHANNEL) + r"\s*(\w+)")
@@ -56,6 +56,9 @@ class HarmonyReader(MessageReader):
         parts: dict[str, Any] = {"reasoning": "", "content": "", "calls": []}
         while self._step(parts, final):
             pass
+        if final and not self.in_body and "<|" not in self.current.header:
+            parts["content"] += self.current.header  # text written outside the format
+            self.current.header = ""
         delta: dict[str, Any] = {}
         if parts["reasoning"] and self.include:
             delta["reasoning_content"] = delta["reasoning"] = parts["reasoning"]
@@ -76,9 +79,9 @@ class HarmonyReader(MessageReader):
             return False
         self._text(self.held[:at], parts)
         self.held = self.held[at:]
-        marker = next((m for m in MARKERS if self.held.startswith(m)), None)
+        marker = next((m for m in HARMONY_MARKERS if self.held.startswith(m)), None)
         if marker is None:
-            if not final and any(m.startswith(self.held) for m in MARKERS):
+            if not final and any(m.startswith(self.held) for m in HARMONY_MARKERS):
                 return False  # too little text to tell
             self._text(self.held[:2], parts)  # a "<|" that opens no marker
             self.held = self.held[2:]

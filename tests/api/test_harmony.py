@@ -43,6 +43,9 @@ def test_without_tools_or_reasoning() -> None:
     assert "reasoning_content" not in m and m["content"] == "Hello! a <| b"
     commentary = "<|channel|>commentary<|message|>Looking it up.<|end|>"
     assert HarmonyReader(None, True).message(commentary)["content"] == "Looking it up."
+    # text outside the format is content; a header cut before its message is dropped
+    assert HarmonyReader(None, True).message("plain words")["content"] == "plain words"
+    assert HarmonyReader(None, True).message("<|channel|>analy")["content"] == ""
 
 
 @pytest.mark.parametrize("text", [THOUGHT_AND_ANSWER, CALL, ROLE_ADDRESSED])
