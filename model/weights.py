@@ -4,7 +4,10 @@ Each supported family is a NameTable: for every parameter of ours, the checkpoin
 it is made of (concatenated along dim 0: q|k|v into one fused projection, gate|up into
 one) and whether they are stored transposed (GPT-2's Conv1D). Weights are read one tensor
 at a time from the memory-mapped safetensors files and copied straight into a parameter
-of the target dtype and device, so no second full copy of the model is ever held.
+of the target dtype and device, so no second full copy of the model is ever held. A
+mixture's experts are stacked parameters (E, out, in), filled one expert at a time from
+each expert's own tensors or from one tensor that stacks them all (gpt-oss's, whose
+release stores them in MXFP4: model/mxfp4.py).
 """
 
 from __future__ import annotations
