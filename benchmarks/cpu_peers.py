@@ -21,7 +21,9 @@ computes on one core) and both cores (vllm-bf16-tuned). Each server is started o
 
 All servers of a phase run side by side; each of --rounds rounds gives every system one
 turn, one after another (a drift in the machine's speed falls on all), and the table has
-the medians over the rounds.
+the medians over the rounds. With a vLLM server among the systems, each server runs alone
+instead, its rounds one after another: vLLM's idle engine keeps the cores busy (beside
+it, kvserve and llama.cpp measured a quarter of their speed).
 
 Prints the CPU (model name, the flags that pick kernels), kvserve's kernel levels, a
 table with the ratios, and writes JSON (--out).
@@ -208,9 +210,28 @@ def weight_bytes(model_dir: Path) -> dict[str, float]:
 
 
 def measure(systems: list[str], args: argparse.Namespace, slots: int) -> dict[str, Any]:
+    """Each system's runs (medians over --rounds, and the rounds): side by side, or one
+    server at a time where a vLLM server is among them (its idle engine keeps the cores
+    busy, which would slow whichever server is measured beside it)."""
+    alone = any(system.startswith("vllm") for system in systems)
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for group in [[system] for system in systems] if alone else [systems]:
+        runs |= side_by_side(group, args, slots)
+    out = {}
+    for system, rs in runs.items():
+        med = {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "chunks"}
+        if slots == 1:
+            med["ms_per_token"] = 1000 / med["decode_tok_s"]
+        out[system] = med | {"rounds": rs, "alone": alone}
+    return out
+
+
+def side_by_side(
+    systems: list[str], args: argparse.Namespace, slots: int
+) -> dict[str, list[dict[str, Any]]]:
     """Start every system's server (each with `slots` slots), warm each up, then take
     --rounds turns: in each round every system runs the workload once, one after another,
-    so that a drift in the machine's speed falls on all of them; medians over rounds."""
+    so that a drift in the machine's speed falls on all of them."""
     threads = int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1))
     servers: dict[str, tuple[subprocess.Popen, str]] = {}
     try:
@@ -267,13 +288,7 @@ def measure(systems: list[str], args: argparse.Namespace, slots: int) -> dict[st
     finally:
         for proc, _ in servers.values():
             stop(proc)
-    out = {}
-    for system, rs in runs.items():
-        med = {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "chunks"}
-        if slots == 1:
-            med["ms_per_token"] = 1000 / med["decode_tok_s"]
-        out[system] = med | {"rounds": rs}
-    return out
+    return runs
 
 
 def main() -> None:
