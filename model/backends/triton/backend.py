@@ -241,7 +241,7 @@ class TritonBackend(TorchBackend):
             alibi,
             window=window if beyond_window(meta, window) else None,
             softcap=softcap,
-            sinks=sinks,
+            sinks=sinks.float() if sinks is not None else None,
         )  # (T, H, dh)
         return out.view(q.shape[0], q.shape[1] * q.shape[2])
 

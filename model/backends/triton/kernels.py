@@ -555,7 +555,7 @@ def paged_attention(
     splits: int | None = None,  # decode-only batches: None = decode_splits()
     window: int | None = None,  # a sliding window: each query sees that many keys at most
     softcap: float | None = None,  # Gemma 2: scores become softcap * tanh(score / softcap)
-    sinks: torch.Tensor | None = None,  # (H,): gpt-oss's logit per head beside the scores
+    sinks: torch.Tensor | None = None,  # (H,) fp32: gpt-oss's logit per head by the scores
 ) -> torch.Tensor:
     """Attention of a flattened batch of decodes and prefill chunks over the paged cache
     (the new tokens' K/V already stored) -> (T, H, D) in q's dtype. Under a sliding window
@@ -565,8 +565,6 @@ def paged_attention(
     padding row) gives zeros."""
     t, h, d = q.shape
     kv = k_cache.shape[2]
-    if sinks is not None:
-        sinks = sinks.float().contiguous()
     consts = _constants(q, k_cache, alibi, window, softcap, sinks)
     block_g = consts["BLOCK_G"]
     if max_query_len == 1 and t > 0:
