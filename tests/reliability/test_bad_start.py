@@ -225,7 +225,10 @@ def test_bad_checkpoints_and_settings_stop_startup(
             proc.kill()
             _, err = proc.communicate()
             err += "\n(still running after 120 s: it started)"
-        last = err.strip().splitlines()[-1] if err.strip() else ""
+        # the last error line a kvserve process printed: with ranks or an engine process,
+        # another process's log line may land after it on the shared stderr
+        lines = err.strip().splitlines()
+        last = next((ln for ln in reversed(lines) if ln.startswith("kvserve")), "")
         ok = proc.returncode != 0 and last.startswith("kvserve") and all(n in last for n in needles)
         shown = last.replace(f"{tmp_path}/", "").removeprefix("kvserve: error: ")
         row.add(f"{name}: exit {proc.returncode}, `{shown[:200]}`")
