@@ -22,8 +22,8 @@ computes on one core) and both cores (vllm-bf16-tuned). Each server is started o
 All servers of a phase run side by side; each of --rounds rounds gives every system one
 turn, one after another (a drift in the machine's speed falls on all), and the table has
 the medians over the rounds. With a vLLM server among the systems, each server runs alone
-instead, its rounds one after another: vLLM's idle engine keeps the cores busy (beside
-it, kvserve and llama.cpp measured a quarter of their speed).
+instead, its turns one after another: vLLM's idle engine keeps the cores busy
+(docs/decisions.md).
 
 Prints the CPU (model name, the flags that pick kernels), kvserve's kernel levels, a
 table with the ratios, and writes JSON (--out).
