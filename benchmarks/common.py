@@ -56,6 +56,33 @@ LLAMA_32_1B = dict(
 SMOKE = dict(SMOLLM2_135M, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, vocab_size=2048)  # fmt: skip
 SHAPES = {"llama-3.2-1b": LLAMA_32_1B, "smollm2-135m": SMOLLM2_135M}
+# Qwen3-30B-A3B's layers (128 experts of 768 features, top 8, 32 query heads over 4 KV
+# heads of 128) and vocabulary, 6 of its 48 layers: a checkpoint a benchmark can write and
+# read in a minute, whose active bytes are the real model's shares
+QWEN3_30B_A3B_6L = dict(
+    architecture="Qwen3Moe",
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    num_hidden_layers=6,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    max_position_embeddings=4096,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    bos_token_id=0,
+    eos_token_id=0,
+)
+SMOKE_MOE = dict(QWEN3_30B_A3B_6L, hidden_size=64, moe_intermediate_size=32, num_experts=8,
+                 num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=2048)  # fmt: skip
+MOE_SHAPES = {"qwen3-30b-a3b-6l": QWEN3_30B_A3B_6L}
 # Llama-3.1-8B's shape (its context cut to what the benchmarks use): gpu_decode.py builds
 # it in device memory (random_model), since its 16 GB would take minutes to write and read
 LLAMA_31_8B = dict(
@@ -68,15 +95,18 @@ LLAMA_31_8B = dict(
 
 
 def checkpoint(path: Path, shape: dict = SMOLLM2_135M, dtype: torch.dtype | None = None) -> Path:
-    """Write (once) a random-weight Llama checkpoint of `shape` with transformers' own
-    save_pretrained (in `dtype`, or float32), and a byte-level BPE tokenizer.json trained
-    here on Python's sources to the model's vocabulary size, so that `kvserve serve` can
-    serve the directory."""
+    """Write (once) a random-weight checkpoint of `shape` (Llama, or the family its
+    "architecture" names) with transformers' own save_pretrained (in `dtype`, or float32),
+    and a byte-level BPE tokenizer.json trained here on Python's sources to the model's
+    vocabulary size, so that `kvserve serve` can serve the directory."""
     if not (path / "config.json").exists():
         import transformers as tf
 
         torch.manual_seed(0)
-        model = tf.LlamaForCausalLM(tf.LlamaConfig(**shape))
+        fields = {k: v for k, v in shape.items() if k != "architecture"}
+        family = shape.get("architecture", "Llama")
+        config = getattr(tf, f"{family}Config")(**fields)
+        model = getattr(tf, f"{family}ForCausalLM")(config)
         (model.to(dtype) if dtype is not None else model).save_pretrained(path)
     if not (path / "tokenizer.json").exists():
         write_tokenizer(path, shape["vocab_size"])

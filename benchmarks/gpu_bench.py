@@ -1,11 +1,12 @@
 """The GPU path measured in one command (fits one 10-minute device call on an H100).
 
-Random-weight checkpoints of the Llama-3.2-1B shape and the SmolLM2-135M shape, bf16,
-written by transformers; for each, in the same run:
+Random-weight checkpoints of the Llama-3.2-1B shape and the SmolLM2-135M shape (and,
+named in --shapes, a mixture of experts: 6 of Qwen3-30B-A3B's layers), bf16, written by
+transformers; for each, in the same run:
 
 - single-stream decode (128 prompt tokens, 256 out), ms/token with CUDA graphs (async
   scheduling on, and off on the same engine) and eagerly, against the weight-bandwidth
-  floor (weight bytes / device copy bandwidth measured here);
+  floor (the bytes a token reads / device copy bandwidth measured here);
 - offline throughput of 256 requests x (512 in, 256 out), async scheduling on and off
   alternated, two runs each (the better one reported), fresh prompts every run after a
   warm-up run of the same shapes, against transformers `generate` at its best batch size;
@@ -32,9 +33,11 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import (
+    MOE_SHAPES,
     OUT,
     SHAPES,
     SMOKE,
+    SMOKE_MOE,
     checkpoint,
     engine_for,
     run_batch,
@@ -42,7 +45,7 @@ from benchmarks.common import (
     sync,
     write_json,
 )
-from model.audit import count_params, weight_bytes
+from model.audit import count_params, read_bytes
 from model.backends.machine import matmul_throughput
 from service import bench
 from service.bench_cli import spawn
@@ -154,10 +157,13 @@ def measure(name: str, shape: dict, args, device: torch.device) -> dict:
     eng = engine_for(path, device, dtype, max_num_seqs=args.concurrency, num_kv_blocks=blocks)
     cfg, vocab = eng.model.cfg, eng.model.cfg.vocab_size
     prefill_len = min(args.prefill_len, eng.max_model_len - 1)  # and one token out
-    floor_ms = 1000 * weight_bytes(cfg, "bfloat16") / copy_bandwidth(device)
+    # a mixture's floor: the bytes one token reads (its experts, not all of them)
+    floor_ms = 1000 * read_bytes(cfg, "bfloat16") / copy_bandwidth(device)
     flops = matmul_throughput(dtype, device, n=1024 if args.smoke else 8192)
     # prefill computes the head for one row a sequence: the layers' weights are the work
-    roofline = flops / (2 * count_params(cfg).non_embedding)
+    # (of a mixture, the experts a token runs)
+    p = count_params(cfg)
+    roofline = flops / (2 * (p.non_embedding - p.ffn + p.ffn_active))
     prompt = torch.randint(0, vocab, (args.prompt_len,)).tolist()
     run_single(eng, prompt, 8)  # warm-up
     graphs = run_single(eng, prompt, args.output_len)
@@ -224,12 +230,14 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--json", type=Path, default=OUT / "gpu_bench.json")
     ap.add_argument(
-        "--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES),
-        help="which shapes, in this order (the JSON is rewritten after each one)",
+        "--shapes", nargs="+", choices=[*SHAPES, *MOE_SHAPES], default=list(SHAPES),
+        help="which shapes, in this order (the JSON is rewritten after each one; the "
+        "mixture of experts when named)",
     )  # fmt: skip
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    shapes = {"smoke": SMOKE} if args.smoke else {name: SHAPES[name] for name in args.shapes}
+    known = SHAPES | MOE_SHAPES
+    shapes = {"smoke": SMOKE, "smoke-moe": SMOKE_MOE} if args.smoke else {name: known[name] for name in args.shapes}  # fmt: skip
     sizes = (16, 16, 8, 4, 4, 16, [2, 4], 4) if args.smoke else (128, 256, 256, 512, 256, 2048, [32, 64, 128], 64)  # fmt: skip
     (args.prompt_len, args.output_len, args.requests, args.offline_in, args.offline_out,
      args.prefill_len, args.hf_batches, args.concurrency) = sizes  # fmt: skip

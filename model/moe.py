@@ -5,7 +5,8 @@ their outputs by the router's weights. Execution reads each expert's weights onc
 the step's (token, choice) pairs are sorted by expert, each chosen expert runs once over
 all of its tokens, and the outputs are scattered back scaled by their weights. This torch
 form is the reference every backend's experts are checked against; a backend's prepare
-may swap `MoE.experts` for its own GroupedExperts (the CPU's packed kernels).
+may swap `MoE.experts` for its own GroupedExperts (the CPU's packed kernels, the GPU's
+Triton kernels, which read nothing on the host and so run inside CUDA graphs).
 
 Under tensor parallelism each rank holds every expert's share of the intermediate
 features (and of the shared expert's): its output is a partial sum, all-reduced by the
@@ -122,8 +123,9 @@ class MoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         choose = self.route_fn or route
         weights, ids = choose(self.router(x), self.top_k, self.normalize)
-        if self.load is not None:
-            self.load += torch.bincount(ids.flatten(), minlength=self.load.shape[0])
+        if self.load is not None:  # no host sync (bincount's size would be one on CUDA)
+            flat = ids.flatten()
+            self.load.scatter_add_(0, flat, torch.ones_like(flat))
         out = self.experts(x, weights, ids)
         if self.shared is not None:
             out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)

@@ -1,5 +1,5 @@
 """Compile every Triton kernel of model/backends/triton/ (kernels.py, pointwise.py,
-fp8_gemv.py) for an H100 (sm_90) with Triton's own compiler and ptxas, no GPU needed:
+fp8_gemv.py, moe.py) for an H100 (sm_90) with Triton's own compiler and ptxas, no GPU needed:
 the interpreter that the CPU tests run the kernels in accepts code the GPU compiler
 rejects, and this catches it. Each variant is a launch the backend makes (dtype, GQA
 group, head size, the constexpr branches), written the way the launchers call the
@@ -26,6 +26,7 @@ from triton.compiler import ASTSource
 
 from model.backends.triton import fp8_gemv as G
 from model.backends.triton import kernels as K
+from model.backends.triton import moe as M
 from model.backends.triton import pointwise as P
 
 H100 = GPUTarget("cuda", 90, 32)
@@ -113,6 +114,23 @@ def _gemv_row(bias: bool) -> tuple:
     return G._fp8_gemv_row_kernel, types, dict(BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=bias), warps
 
 
+def _experts_in(bm: int, gpt_oss: bool) -> tuple:
+    types = dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", pairs_ptr="*i32",
+                 tile_experts_ptr="*i32", h_ptr="*bf16", P="i32", d="i32", F="i32")  # fmt: skip
+    consts = dict(TOP_K=4 if gpt_oss else 8, BLOCK_M=bm, BLOCK_N=M.BLOCK_N, BLOCK_K=M.BLOCK_K,
+                  HAS_BIAS=gpt_oss, CLAMPED=gpt_oss, ALPHA=1.702 if gpt_oss else 0.0,
+                  LIMIT=7.0 if gpt_oss else 0.0, UPCAST=False)  # fmt: skip
+    return M._experts_in_kernel, types, consts, M.warps(bm)
+
+
+def _experts_out(bm: int, bias: bool) -> tuple:
+    types = dict(h_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", scale_ptr="*bf16",
+                 pairs_ptr="*i32", tile_experts_ptr="*i32", out_ptr="*bf16", P="i32",
+                 d="i32", F="i32")  # fmt: skip
+    consts = dict(BLOCK_M=bm, BLOCK_N=M.BLOCK_N, BLOCK_K=M.BLOCK_K, HAS_BIAS=bias, UPCAST=False)
+    return M._experts_out_kernel, types, consts, M.warps(bm)
+
+
 VARIANTS = {
     "rope_store bf16 d64": _rope("bf16", 64, True, True),
     "rope_store fp32 d80 no-rope": _rope("fp32", 80, False, True),
@@ -141,6 +159,11 @@ VARIANTS = {
     "fp8_gemv bf16 bias": _gemv(True),
     "fp8_gemv_row bf16": _gemv_row(False),
     "fp8_gemv_row bf16 bias": _gemv_row(True),
+    "experts_in bf16 decode": _experts_in(16, False),
+    "experts_in bf16 prefill": _experts_in(64, False),
+    "experts_in bf16 gpt-oss": _experts_in(16, True),
+    "experts_out bf16 decode": _experts_out(16, False),
+    "experts_out bf16 prefill bias": _experts_out(64, True),
 }
 
 

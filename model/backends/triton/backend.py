@@ -29,6 +29,7 @@ from model.backends.reference import (
 from model.config import ModelConfig
 from model.layers import SwiGLU
 from model.metadata import AttentionMetadata
+from model.moe import Experts, MoE
 
 
 def unsupported(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> str | None:
@@ -96,25 +97,28 @@ class TritonBackend(TorchBackend):
     def __init__(self, device: torch.device, reason: str = "") -> None:
         super().__init__(device, reason)
         # imported here: TRITON_INTERPRET must be set (select_backend does) beforehand
-        from model.backends.triton import fp8_gemv, pointwise
+        from model.backends.triton import fp8_gemv, moe, pointwise
         from model.backends.triton import kernels as triton_kernels
 
         self.kernels = triton_kernels
         self.pointwise = pointwise
         self.fp8_gemv = fp8_gemv
+        self.moe = moe
         self.buffers = StepBuffers(self.device)
 
     def describe(self) -> dict[str, Any]:
         return super().describe() | {"interpreter": self.kernels.INTERPRET}
 
     def prepare(self, model: nn.Module, quantization: str = "none") -> bool:
-        """The reference's weights (FP8 where asked), and this backend's pointwise kernels
-        given to the modules that take one: SwiGLU's silu(gate) * up, and on CUDA the FP8
-        linears' activation quantizer (model/backends/triton/pointwise.py) and their
-        kernel for decode batches (fp8_gemv.py)."""
+        """The reference's weights (FP8 where asked), and this backend's kernels given to
+        the modules that take one: SwiGLU's silu(gate) * up, a mixture's routed experts
+        (model/backends/triton/moe.py), and on CUDA the FP8 linears' activation quantizer
+        (pointwise.py) and their kernel for decode batches (fp8_gemv.py)."""
         repacked = super().prepare(model, quantization)
         for module in model.modules():
-            if isinstance(module, SwiGLU):
+            if isinstance(module, MoE) and isinstance(module.experts, Experts):
+                module.experts = self.moe.TritonExperts(module.experts)
+            elif isinstance(module, SwiGLU):
                 module.gate_mul = self.pointwise.silu_mul
             elif isinstance(module, Fp8Linear) and self.device.type == "cuda":
                 module.quantize_act = self.pointwise.quantize_rows_fp8

@@ -213,13 +213,13 @@ def _runner(
 ) -> ModelRunner:
     device = model.device.type
     # not captured across ranks: a graph would replay its collectives unchecked; nor a
-    # mixture of experts, whose grouping reads each expert's token count on the host
-    # (model/moe.py)
+    # mixture of experts whose tokens are counted (--expert-metrics): the rows padding a
+    # graph's batch would be counted with them
     graphs = (
         not config.load.enforce_eager
         and backend.name == "triton"
         and not model.tp
-        and model.cfg.experts is None
+        and not (model.cfg.experts is not None and config.load.expert_metrics)
         and device == "cuda"
     )
     return ModelRunner(

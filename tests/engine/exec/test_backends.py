@@ -8,7 +8,14 @@ from model.weights import load_model
 from service.engine.exec.cuda_graphs import DecodeGraphs, bucket_sizes
 from tests.engine.core.test_engine import mixed_requests
 from tests.engine.helpers import greedy, run_all, tokens_of
-from tests.factories import make_engine, small_model, write_gemma2, write_mistral
+from tests.factories import (
+    make_engine,
+    small_model,
+    write_gemma2,
+    write_gpt_oss,
+    write_mistral,
+    write_qwen3_moe,
+)
 from tests.model.backends import BACKENDS, make_backend
 
 MODEL = small_model()
@@ -100,20 +107,25 @@ def test_engine_replays_decode_graphs_and_runs_other_steps_eagerly(async_schedul
     assert sizes and max(sizes) == 4 and sum(sizes) < sum(6 + i for i in range(4))
 
 
-WINDOWED = {
+GRAPHED = {
     # windowed layers (their own pool) beside global ones, soft-capped scores and logits
     "gemma2": lambda path: write_gemma2(path),
     "mistral": lambda path: write_mistral(path, sliding_window=8),  # every layer windowed
+    # mixtures of experts in Triton's kernels, a dense layer between; gpt-oss's sinks,
+    # windows and biased experts
+    "qwen3_moe": lambda path: write_qwen3_moe(path),
+    "gpt_oss": lambda path: write_gpt_oss(path),
 }
 
 
-@pytest.mark.parametrize("family", list(WINDOWED))
-def test_decode_graphs_keep_windows_and_soft_caps(family: str, tmp_path) -> None:
-    """Windowed and soft-capped models on the graphs' static buffers (replayed eagerly
-    here): the windows, the window pool's tables and the caps apply as in a run without
-    graphs, with prompts and decodes past the window of 8 (a graph that ran windowed
-    layers as global ones, or read another pool's table, gives other tokens)."""
-    WINDOWED[family](tmp_path)
+@pytest.mark.parametrize("family", list(GRAPHED))
+def test_decode_graphs_keep_windows_soft_caps_and_experts(family: str, tmp_path) -> None:
+    """Windowed, soft-capped and mixture-of-experts models on the graphs' static buffers
+    (replayed eagerly here): the windows, the window pool's tables, the caps and the
+    experts (whose tiles are sized by the bucket, padding rows routed too) apply as in a
+    run without graphs, with prompts and decodes past the window of 8 (a graph that ran
+    windowed layers as global ones, or read another pool's table, gives other tokens)."""
+    GRAPHED[family](tmp_path)
     model = load_model(tmp_path, torch.float32)
     kw = dict(block_size=16, num_kv_blocks=32, max_num_seqs=4, attention_backend="triton")
     requests = {f"r{i}": ([(5 * i + j) % 300 + 1 for j in range(11 + 6 * i)], greedy(8))

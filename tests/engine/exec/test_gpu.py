@@ -21,7 +21,15 @@ from service.config import Settings
 from service.engine.core.engine import LLMEngine
 from tests.engine.core.test_engine import mixed_requests
 from tests.engine.helpers import greedy, run_all, tokens_of
-from tests.factories import small_model, tokenizer, write_gemma2, write_gemma3, write_mistral
+from tests.factories import (
+    small_model,
+    tokenizer,
+    write_gemma2,
+    write_gemma3,
+    write_gpt_oss,
+    write_mistral,
+    write_qwen3_moe,
+)
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[3]
@@ -98,15 +106,17 @@ def test_cuda_default_is_triton_with_graphs_and_matches_eager() -> None:
     assert outs[0] == outs[1]
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gemma3", "mistral"])
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "mistral", "qwen3_moe", "gpt_oss"])
 def test_windowed_and_soft_capped_models_replay_graphs_with_eagers_tokens(
     family: str, tmp_path
 ) -> None:
-    """Gemma 2 (soft-caps, windows beside global layers), Gemma 3 (its window pool) and a
-    Mistral windowed in every layer, captured as CUDA graphs: the greedy tokens of the
+    """Gemma 2 (soft-caps, windows beside global layers), Gemma 3 (its window pool), a
+    Mistral windowed in every layer, and the mixtures of experts Qwen3-MoE and gpt-oss
+    (Triton's expert kernels, sinks), captured as CUDA graphs: the greedy tokens of the
     eager engine, float32, with prompts and decodes past the window of 8."""
     writers = {"gemma2": write_gemma2, "gemma3": lambda p: write_gemma3(p, sliding_window=8),
-               "mistral": lambda p: write_mistral(p, sliding_window=8)}  # fmt: skip
+               "mistral": lambda p: write_mistral(p, sliding_window=8),
+               "qwen3_moe": write_qwen3_moe, "gpt_oss": write_gpt_oss}  # fmt: skip
     writers[family](tmp_path)
     model = load_model(tmp_path, torch.float32, device="cuda")
     requests = {f"r{i}": ([(5 * i + j) % 300 + 1 for j in range(11 + 9 * i)], greedy(40))
@@ -195,6 +205,19 @@ def test_async_scheduling_on_cuda_gives_the_read_each_step_outputs(pool: int) ->
     assert same_outputs(outputs["auto"], outputs["off"])
 
 
+def syncs_in_a_step(engine: LLMEngine) -> list[str]:
+    """The host syncs torch's sync debug mode warns of in the engine's next step."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+
+
 @pytest.mark.parametrize(
     "graphs,mode,extras",
     [(True, "auto", False), (False, "auto", False), (True, "off", False), (True, "auto", True)],
@@ -213,17 +236,25 @@ def test_one_host_sync_per_decode_step(graphs: bool, mode: str, extras: bool) ->
         engine.add_request(f"r{i}", [5 + i] * (10 + i), greedy(12, **more))
     for _ in range(3):  # prefill and the first decodes, outside the count
         engine.step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            engine.step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
-    assert len(syncs) == (mode == "off"), [str(w.message) for w in syncs]
+    syncs = syncs_in_a_step(engine)
+    assert len(syncs) == (mode == "off"), syncs
     assert (engine.in_flight is not None) == (mode == "auto")
+
+
+@pytest.mark.parametrize("writer", [write_qwen3_moe, write_gpt_oss])
+def test_a_mixtures_eager_decode_step_reads_nothing_on_the_host(writer, tmp_path) -> None:
+    """Triton's experts (their aligned layout built on the device) keep an eager decode
+    step of a mixture free of host syncs under async scheduling, as a dense one is: what
+    lets the graphs capture it."""
+    writer(tmp_path)
+    model = load_model(tmp_path, torch.bfloat16, device="cuda")
+    engine = cuda_engine(model, enforce_eager=True)
+    for i in range(4):
+        engine.add_request(f"r{i}", [5 + i] * (10 + i), greedy(12))
+    for _ in range(3):
+        engine.step()
+    syncs = syncs_in_a_step(engine)
+    assert not syncs, syncs
 
 
 def test_decode_step_is_one_graph_launch() -> None:
