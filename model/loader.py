@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from model.demo import DEMO_MODEL_ID, build_demo_model
+from model.gguf import is_gguf
 from model.parallel import TensorParallel
 from model.tokenizer import Tokenizer, TokenizerError
 from model.transformer import Transformer
@@ -46,7 +47,7 @@ def load(
         )
     if not tokenizer.eos_ids and model.cfg.eos_token_ids:
         tokenizer.eos_ids = model.cfg.eos_token_ids
-    return LoadedModel(model, tokenizer, root.name)
+    return LoadedModel(model, tokenizer, root.stem if is_gguf(root) else root.name)
 
 
 def tokenizer_for(root: Path | None) -> Tokenizer:

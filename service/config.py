@@ -112,7 +112,7 @@ class Settings:
     model: str | None = field(
         default=None,
         metadata={
-            "help": "a model directory or a Hugging Face repo id (default: the random demo model)"
+            "help": "a model directory, a GGUF file or a Hugging Face repo id (default: the random demo model)"
         },
     )
     revision: str | None = field(

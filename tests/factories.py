@@ -120,7 +120,7 @@ def _hf_model(family: str, seed: int, **config: object) -> Any:
 def write_qwen3(path: Path, seed: int = 0, **config: object) -> object:
     """Qwen3: q/k norms (made to matter: not ones) and a head_dim of its own (16, not
     hidden / heads = 8)."""
-    model = _hf_model("Qwen3", seed, head_dim=16, tie_word_embeddings=True, **config)
+    model = _hf_model("Qwen3", seed, **{"head_dim": 16, "tie_word_embeddings": True, **config})
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.q_norm.weight.normal_(1, 0.3)

@@ -11,6 +11,8 @@ from typing import Any
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from model.gguf import is_gguf, open_gguf
+
 DEFAULT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
@@ -41,13 +43,17 @@ class ChatTemplate:
 
     @classmethod
     def for_model(cls, model_dir: str | Path | None) -> ChatTemplate:
-        """The template in the directory's tokenizer_config.json, else the ChatML default."""
+        """The template in the directory's tokenizer_config.json (a GGUF file's
+        tokenizer.chat_template), else the ChatML default."""
         if model_dir is None:
             return cls(DEFAULT_TEMPLATE)
         path = Path(model_dir) / "tokenizer_config.json"
-        if not path.exists():
+        if is_gguf(model_dir):
+            config = open_gguf(model_dir).tokenizer_config()
+        elif path.exists():
+            config = json.loads(path.read_text(encoding="utf-8"))
+        else:
             return cls(DEFAULT_TEMPLATE)
-        config = json.loads(path.read_text(encoding="utf-8"))
         source = config.get("chat_template")
         if isinstance(source, list):  # named templates: take "default"
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}

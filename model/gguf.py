@@ -1,0 +1,249 @@
+"""GGUF files (llama.cpp's format; what Ollama and llama.cpp users download), read with
+the `gguf` package, llama.cpp's own reader.
+
+One file holds the hyper-parameters (`{arch}.*` metadata), the tokenizer
+(`tokenizer.ggml.*`: tokens, merges, token types, the pre-tokenizer's name, bos/eos and
+the chat template) and the tensors under llama.cpp's names (`blk.N.attn_q.weight`, ...),
+each in its own type (F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, ...). This module
+presents it as a Hugging Face checkpoint: `hf_config()` is the config.json the file was
+converted from, `resolve`/`shape`/`read` serve tensors by their Hugging Face names
+(model/weights.py loads through them as through safetensors), and `field` reads the
+tokenizer's metadata (model/tokenizer.py turns it into a tokenizer.json).
+
+A tensor is read as the `gguf` package's dequantization gives it, float32, in which every
+GGUF type's values are exact; the serving dtype rounds them once. llama.cpp's converter
+permutes a Llama-architecture checkpoint's q and k rows for its rotary layout; reading
+undoes it.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+# GGUF's architecture names -> the Hugging Face architecture each was converted from
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+}
+# one expert's projection in a Hugging Face checkpoint; llama.cpp stacks the experts'
+_EXPERT = re.compile(
+    r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight$"
+)
+# GGUF tensors dequantized at once: a layer's expert stacks are read expert by expert,
+# gate, up and down in turn
+_KEPT = 3
+
+
+def is_gguf(path: str | Path) -> bool:
+    """Whether `path` names a GGUF file (the one place that decides)."""
+    p = Path(path)
+    return p.suffix.lower() == ".gguf" and p.is_file()
+
+
+@functools.cache
+def _gguf() -> Any:
+    """The gguf package, imported on first use (a GGUF file is the only reader of it)."""
+    import gguf
+
+    return gguf
+
+
+def open_gguf(path: str | Path) -> GgufFile:
+    """The file's GgufFile, one a process per file as it is on disk: its metadata takes
+    seconds to parse (a 128k-token vocabulary is a million small fields), and the config,
+    the weights, the tokenizer and the chat template all read it."""
+    p = Path(path).resolve()
+    return _opened(p, p.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _opened(path: Path, mtime_ns: int) -> GgufFile:
+    return GgufFile(path)
+
+
+class GgufFile:
+    """One GGUF file's metadata and tensors; ValueError naming the file for anything it
+    cannot read or serve."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        g = _gguf()
+        try:
+            self.reader = g.GGUFReader(str(self.path))
+        except Exception as exc:  # the reader raises bare ValueError/struct errors on junk
+            raise ValueError(f"{self.path}: not a readable GGUF file ({exc})") from None
+        self.arch = str(self.field("general.architecture", ""))
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        blocks = int(self.field(f"{self.arch}.block_count", 0))
+        try:
+            arch = g.MODEL_ARCH[self.arch.upper()]
+        except KeyError:
+            raise ValueError(self._unsupported()) from None
+        self._names = g.get_tensor_name_map(arch, blocks)
+        self._kept: dict[str, torch.Tensor] = {}
+
+    def release(self) -> None:
+        """Drop the dequantized tensors kept for the next reads (the load is done)."""
+        self._kept.clear()
+
+    def field(self, key: str, default: Any = None) -> Any:
+        f = self.reader.fields.get(key)
+        return f.contents() if f is not None else default
+
+    def _unsupported(self) -> str:
+        known = ", ".join(sorted(ARCHITECTURES))
+        return f"{self.path}: GGUF architecture {self.arch!r} is not served (known: {known})"
+
+    # ---- the config ---------------------------------------------------------------
+
+    def hf_config(self) -> dict[str, Any]:
+        """The Hugging Face config.json this file's metadata describes."""
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(self._unsupported())
+        if "rope_freqs.weight" in self.tensors:
+            raise ValueError(
+                f"{self.path}: rope_freqs (Llama 3.1's scaled rotary frequencies, stored "
+                f"as a tensor) is not read from GGUF yet"
+            )
+        a = f"{self.arch}."
+        heads = int(self.field(a + "attention.head_count"))
+        d = int(self.field(a + "embedding_length"))
+        config: dict[str, Any] = {
+            "architectures": [ARCHITECTURES[self.arch]],
+            "vocab_size": int(self.field(a + "vocab_size", 0)) or len(self.field("tokenizer.ggml.tokens", [])),
+            "hidden_size": d,
+            "intermediate_size": int(self.field(a + "feed_forward_length", 0)),
+            "num_hidden_layers": int(self.field(a + "block_count")),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(self.field(a + "attention.head_count_kv", heads)),
+            "head_dim": int(self.field(a + "attention.key_length", d // heads)),
+            "rms_norm_eps": float(self.field(a + "attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": float(self.field(a + "rope.freq_base", 10000.0)),
+            "max_position_embeddings": int(self.field(a + "context_length", 2048)),
+            "tie_word_embeddings": "output.weight" not in self.tensors,
+        }  # fmt: skip
+        if (window := self.field(a + "attention.sliding_window")) is not None:
+            config["sliding_window"] = int(window)
+        return config | self._experts_config(a)
+
+    def _experts_config(self, a: str) -> dict[str, Any]:
+        experts = int(self.field(a + "expert_count", 0))
+        if not experts:
+            return {}
+        fields = {
+            "num_experts_per_tok": int(self.field(a + "expert_used_count")),
+            "moe_intermediate_size": int(self.field(a + "expert_feed_forward_length", 0)),
+            # llama.cpp renormalizes Qwen3-MoE's top k (its config's norm_topk_prob)
+            "norm_topk_prob": self.arch == "qwen3moe",
+        }
+        if self.arch == "llama":  # Mixtral: a Llama with experts
+            return fields | {
+                "architectures": ["MixtralForCausalLM"],
+                "num_local_experts": experts,
+                "intermediate_size": fields.pop("moe_intermediate_size")
+                or int(self.field(a + "feed_forward_length")),
+            }
+        return fields | {"num_experts": experts}
+
+    def eos_ids(self) -> tuple[int, ...]:
+        eos = self.field("tokenizer.ggml.eos_token_id")
+        return (int(eos),) if eos is not None else ()
+
+    # ---- the tensors, by Hugging Face names ---------------------------------------
+
+    def resolve(self, name: str) -> str | None:
+        """The checkpoint name `name` if this file holds its tensor (an expert's: the
+        tensor that stacks every expert's), else None."""
+        return name if self.source(name) is not None else None
+
+    def source(self, name: str) -> tuple[str, int | None] | None:
+        """(GGUF tensor name, expert index in it or None) of a Hugging Face name."""
+        expert = None
+        if m := _EXPERT.match(name):
+            expert = int(m.group(2))
+            name = f"{m.group(1)}.{m.group(3)}.weight"
+        found = self._names.get_name(name, try_suffixes=(".weight", ".bias"))
+        return (found, expert) if found in self.tensors else None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        source, expert = self.source(name) or (None, None)
+        assert source is not None, name
+        dims = tuple(int(n) for n in reversed(self.tensors[source].shape.tolist()))
+        return dims[1:] if expert is not None else dims
+
+    def read(
+        self,
+        name: str,
+        rows: range | None = None,
+        cols: range | None = None,
+        expert: int | None = None,
+    ) -> torch.Tensor:
+        """The tensor in float32 (of rows / cols in those ranges, of one expert where the
+        name or `expert` says)."""
+        source, own = self.source(name) or (None, None)
+        assert source is not None, name
+        whole = self._dequantized(source)
+        at = own if own is not None else expert
+        part = whole[at] if at is not None else whole
+        if rows is not None:
+            part = part[rows.start : rows.stop]
+        if cols is not None:
+            part = part[:, cols.start : cols.stop]
+        return part
+
+    def _dequantized(self, source: str) -> torch.Tensor:
+        """One GGUF tensor's float32 values in Hugging Face's layout, the last _KEPT kept
+        (an expert stack is read once per expert)."""
+        if source in self._kept:
+            return self._kept[source]
+        t = self.tensors[source]
+        try:
+            values = _gguf().quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError:
+            raise ValueError(
+                f"{self.path}: tensor {source} is in {t.tensor_type.name}, which the gguf "
+                f"package cannot dequantize"
+            ) from None
+        dims = tuple(int(n) for n in reversed(t.shape.tolist()))
+        values = np.array(values, dtype=np.float32).reshape(dims)  # a copy torch may own
+        tensor = self._unpermuted(source, torch.from_numpy(values))
+        if len(self._kept) == _KEPT:
+            del self._kept[next(iter(self._kept))]
+        self._kept[source] = tensor
+        return tensor
+
+    def _unpermuted(self, source: str, w: torch.Tensor) -> torch.Tensor:
+        """Undo llama.cpp's converter's permutation of a Llama q or k projection: per
+        head it interleaves the two rotary halves (llama.cpp rotates adjacent pairs)."""
+        if self.arch != "llama" or not source.endswith(("attn_q.weight", "attn_k.weight")):
+            return w
+        a = f"{self.arch}."
+        heads = int(self.field(a + "attention.head_count"))
+        if source.endswith("attn_k.weight"):
+            heads = int(self.field(a + "attention.head_count_kv", heads))
+        half = w.shape[0] // heads // 2
+        return w.reshape(heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+    # ---- the tokenizer ------------------------------------------------------------
+
+    def tokenizer_config(self) -> dict[str, Any]:
+        """The tokenizer_config.json fields the file has: bos/eos tokens (as text),
+        whether a bos is added, and the chat template."""
+        tokens = self.field("tokenizer.ggml.tokens", [])
+        config: dict[str, Any] = {}
+        for field in ("bos", "eos"):
+            tid = self.field(f"tokenizer.ggml.{field}_token_id")
+            if tid is not None and int(tid) < len(tokens):
+                config[f"{field}_token"] = str(tokens[int(tid)])
+        config["add_bos_token"] = bool(self.field("tokenizer.ggml.add_bos_token", False))
+        if (template := self.field("tokenizer.chat_template")) is not None:
+            config["chat_template"] = str(template)
+        return config

@@ -1,0 +1,138 @@
+"""GGUF files written from a Hugging Face checkpoint the way llama.cpp's converter
+(convert_hf_to_gguf.py) writes them, with the `gguf` package's writer, name table and
+quantizers: the `{arch}.*` hyper-parameters, the tokenizer.json as tokenizer.ggml.* (the
+vocabulary padded to the model's with [PADn] tokens), q and k rows of a Llama permuted
+for llama.cpp's rotation, each layer's experts stacked into one tensor, and each tensor
+in the type `types` picks (norms and other vectors stay F32)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+# Hugging Face architectures -> GGUF's
+ARCHS = {
+    "LlamaForCausalLM": "llama",
+    "MixtralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3moe",
+}
+
+
+def default_types(name: str) -> str:
+    """A mix of the block types llama-quantize writes: Q8_0 embeddings, Q4_0 attention,
+    Q4_1/Q5_0 FFN, F16 head."""
+    if name.startswith("token_embd"):
+        return "Q8_0"
+    if name.startswith("output."):
+        return "F16"
+    if ".attn_" in name:
+        return "Q4_0"
+    return "Q5_0" if "down" in name else "Q4_1"
+
+
+def write_gguf(
+    hf_dir: Path, out: Path, types: Callable[[str], str] = default_types, template: str = ""
+) -> Path:
+    import gguf
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    arch = ARCHS[config["architectures"][0]]
+    w = gguf.GGUFWriter(str(out), arch)
+    _hyper_parameters(w, config)
+    _tokenizer(w, hf_dir, config["vocab_size"], template)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config["num_hidden_layers"])
+    for name, value in _tensors(hf_dir, config, arch).items():
+        gg = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gg is not None, name
+        data = value.float().numpy()
+        kind = gguf.GGMLQuantizationType[types(gg) if data.ndim > 1 else "F32"]
+        if kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            w.add_tensor(gg, data.astype(np.float16 if kind.name == "F16" else np.float32))
+        else:
+            w.add_tensor(gg, gguf.quants.quantize(data, kind), raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def _hyper_parameters(w, config: dict) -> None:
+    heads = config["num_attention_heads"]
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(config["num_key_value_heads"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    theta = config.get("rope_theta") or config.get("rope_parameters", {}).get("rope_theta")
+    w.add_rope_freq_base(float(theta))
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    w.add_vocab_size(config["vocab_size"])
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(config["num_experts_per_tok"])
+        if "moe_intermediate_size" in config:
+            w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+
+
+def _tokenizer(w, hf_dir: Path, vocab_size: int, template: str) -> None:
+    data = json.loads((hf_dir / "tokenizer.json").read_text())
+    added = {t["id"]: t["content"] for t in data.get("added_tokens", [])}
+    by_id = {i: t for t, i in data["model"]["vocab"].items()} | added
+    tokens = [by_id.get(i, f"[PAD{i}]") for i in range(vocab_size)]
+    types = [3 if i in added else 1 if i in by_id else 5 for i in range(vocab_size)]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    ids = {t: i for i, t in added.items()}
+    w.add_bos_token_id(ids["<|bos|>"])
+    w.add_eos_token_id(ids["<|eos|>"])
+    w.add_add_bos_token(False)
+    if template:
+        w.add_chat_template(template)
+
+
+def _tensors(hf_dir: Path, config: dict, arch: str) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors under the names llama.cpp's table maps: q/k permuted for
+    a Llama, each layer's experts stacked (E, out, in) under `...experts.<proj>.weight`."""
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    out: dict[str, torch.Tensor] = {}
+    stacks: dict[str, dict[int, torch.Tensor]] = {}
+    for name, value in tensors.items():
+        parts = name.split(".")
+        if "experts" in parts and parts[parts.index("experts") + 1].isdigit():
+            at = parts.index("experts")
+            stack = ".".join(parts[: at + 1] + parts[at + 2 :])
+            stacks.setdefault(stack, {})[int(parts[at + 1])] = value
+            continue
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config["num_attention_heads"]
+            if name.endswith("k_proj.weight"):
+                heads = config["num_key_value_heads"]
+            value = _permute(value, heads)
+        out[name] = value
+    for stack, experts in stacks.items():
+        out[stack] = torch.stack([experts[e] for e in sorted(experts)])
+    return out
+
+
+def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """convert_hf_to_gguf.py's LlamaModel.permute: each head's rotary halves interleaved."""
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )

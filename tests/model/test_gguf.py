@@ -1,0 +1,174 @@
+"""GGUF files (model/gguf.py) written from transformers' checkpoints as llama.cpp's
+converter writes them (tests/gguf_files.py), in a mix of block types: the model's logits
+are transformers' on the weights the `gguf` package's dequantization gives, its greedy
+tokens the same on every backend, and the tokenizer the checkpoint's tokenizer.json."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from model.gguf import open_gguf
+from model.tokenizer import Tokenizer, TokenizerError
+from model.weights import CheckpointError, load_config, load_model
+from tests.factories import (
+    write_llama,
+    write_mixtral,
+    write_qwen2,
+    write_qwen3,
+    write_qwen3_moe,
+    write_tokenizer,
+)
+from tests.gguf_files import default_types, write_gguf
+from tests.model.backends import BACKENDS, make_backend
+
+FAMILIES = {
+    "llama": lambda p: write_llama(p, tied=False),  # q/k rows permuted in the file
+    "qwen2": write_qwen2,  # q/k/v biases, a tied head
+    "qwen3": write_qwen3,  # q/k norms, head_dim 16 of hidden 64 / 8 heads
+    "qwen3_moe": lambda p: write_qwen3_moe(p, mlp_only_layers=[]),  # stacked experts
+    "mixtral": write_mixtral,  # a Llama with experts
+}
+
+
+def checkpoint(family: str, tmp_path: Path) -> tuple[object, Path]:
+    """transformers' model and the GGUF file written from its checkpoint."""
+    hf = FAMILIES[family](tmp_path / "hf")
+    write_tokenizer(tmp_path / "hf")
+    (tmp_path / "gguf").mkdir()
+    return hf, write_gguf(tmp_path / "hf", tmp_path / "gguf" / "model.gguf")
+
+
+def as_the_file_holds(hf, path: Path) -> None:
+    """hf's weights replaced by what the file holds, dequantized by the gguf package: each
+    tensor quantized to its type in the file and back (per row, so in the checkpoint's
+    layout: the file's permuted and stacked rows are the same rows)."""
+    import gguf
+
+    f = open_gguf(path)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            source = f.source(name) or _expert_source(f, name)
+            if source is None:  # a tied head
+                continue
+            kind = f.tensors[source[0]].tensor_type
+            w = p.detach().float().numpy()
+            p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w, kind), kind)))
+
+
+def _expert_source(f, name: str) -> tuple[str, int | None] | None:
+    """The file's tensor of a parameter transformers keeps fused over the experts
+    (`experts.gate_up_proj` (E, 2F, d), `experts.down_proj` (E, d, F): rows along the
+    input, as the file's), by its first expert's checkpoint name."""
+    prefix, _, proj = name.rpartition(".")
+    moe = prefix.removesuffix(".experts")
+    names = {"gate_up_proj": ("gate_proj", "w1"), "down_proj": ("down_proj", "w2")}.get(proj, ())
+    for block in (moe, moe.replace(".mlp", ".block_sparse_moe")):
+        for n in names:
+            if found := f.source(f"{block}.experts.0.{n}.weight"):
+                return found
+    return None
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@torch.no_grad()
+def test_logits_are_transformers_on_the_gguf_packages_dequantization(
+    family: str, tmp_path: Path
+) -> None:
+    hf, path = checkpoint(family, tmp_path)
+    ours = load_model(path)
+    assert (
+        ours.cfg.architecture
+        == json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"][0]
+    )
+    as_the_file_holds(hf, path)
+    tokens = torch.randint(3, hf.config.vocab_size, (48,))
+    ref = hf(tokens[None]).logits[0]
+    assert (ref - ours(tokens)).abs().max().item() <= 1e-4
+    quantized = hf(tokens[None]).logits[0]
+    assert quantized.sub(ref).abs().max() == 0  # the reference is the quantized model
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@torch.no_grad()
+def test_transformers_own_gguf_reader_gives_the_same_logits(family: str, tmp_path: Path) -> None:
+    """An independent reader of the same file (transformers' GGUF loader, which undoes
+    the Llama permutation its own way) gives our logits."""
+    import transformers as tf
+
+    _, path = checkpoint(family, tmp_path)
+    ours = load_model(path)
+    theirs = tf.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    tokens = torch.randint(3, ours.cfg.vocab_size, (40,))
+    assert (theirs(tokens[None]).logits[0] - ours(tokens)).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_greedy_tokens_are_the_same_on_every_backend(name: str, tmp_path: Path) -> None:
+    from model.generate import generate
+
+    hf, path = checkpoint("qwen3_moe", tmp_path)
+    ours = load_model(path)
+    as_the_file_holds(hf, path)
+    prompt = torch.randint(3, hf.config.vocab_size, (12,))
+    hf.generation_config.eos_token_id = None
+    want = hf.generate(prompt[None], max_new_tokens=16, do_sample=False,
+                       attention_mask=torch.ones(1, 12, dtype=torch.long), pad_token_id=0)  # fmt: skip
+    backend = make_backend(name, ours.cfg)
+    got = list(generate(ours, prompt.tolist(), 16, backend=backend))
+    assert got == want[0, 12:].tolist()
+
+
+def test_the_tokenizer_is_the_checkpoints(tmp_path: Path) -> None:
+    _, path = checkpoint("llama", tmp_path)
+    ours, ref = Tokenizer.from_dir(path), Tokenizer.from_dir(tmp_path / "hf")
+    for text in ("the quick brown fox", "  jumps\nover 12345 lazy dogs!", "<|bos|>the<|eos|>"):
+        assert ours.encode(text) == ref.encode(text)
+    assert ours.decode(ours.encode("the lazy dog")) == "the lazy dog"
+    assert ours.special_ids == {"<|bos|>": 0, "<|eos|>": 1}
+    assert (ours.bos_id, ours.eos_ids) == (0, (1,))
+    assert load_config(path).eos_token_ids == (1,)
+    assert load_config(path).name == "model"
+
+
+def test_each_tensor_is_read_in_the_type_it_is_stored(tmp_path: Path) -> None:
+    """Every type the writer used is in the file, and a loaded weight is the gguf
+    package's dequantization of its tensor, exactly (float32 holds every block's
+    values)."""
+    import gguf
+
+    _, path = checkpoint("qwen2", tmp_path)
+    f = open_gguf(path)
+    assert {t.tensor_type.name for t in f.tensors.values()} == {
+        "F32",
+        "Q8_0",
+        "Q4_0",
+        "Q4_1",
+        "Q5_0",
+    }
+    ours = load_model(path)
+    embed = f.tensors["token_embd.weight"]
+    want = gguf.quants.dequantize(embed.data, embed.tensor_type)
+    assert torch.equal(ours.embed.weight, torch.from_numpy(np.asarray(want, dtype=np.float32)))
+    assert default_types("blk.0.ffn_down.weight") == "Q5_0"
+
+
+def test_a_file_kvserve_cannot_serve_is_refused_naming_it(tmp_path: Path) -> None:
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"GGUF" + b"\0" * 64)
+    with pytest.raises(CheckpointError, match="junk.gguf"):
+        load_config(junk)
+    _, path = checkpoint("llama", tmp_path)
+    data = path.read_bytes()
+    other = tmp_path / "other.gguf"
+    other.write_bytes(data.replace(b"llama", b"xllam", 1))
+    with pytest.raises(CheckpointError, match="architecture 'xllam' is not served"):
+        load_model(other)
+    bad_pre = tmp_path / "pre.gguf"
+    bad_pre.write_bytes(data.replace(b"gpt-2", b"gpt-9", 1))
+    with pytest.raises(TokenizerError, match="pre-tokenizer 'gpt-9'"):
+        Tokenizer.from_dir(bad_pre)
