@@ -69,6 +69,15 @@ def _opened(path: Path, mtime_ns: int) -> GgufFile:
     return GgufFile(path)
 
 
+def _llama3_divisors(
+    wavelen: np.ndarray, factor: float, low: float, high: float, old: float
+) -> np.ndarray:
+    """What llama.cpp's converter stores as rope_freqs for Llama 3.1's scaling."""
+    smooth = (old / wavelen - low) / (high - low)
+    blended = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < old / high, 1.0, np.where(wavelen > old / low, factor, blended))
+
+
 class GgufFile:
     """One GGUF file's metadata and tensors; ValueError naming the file for anything it
     cannot read or serve."""
@@ -108,11 +117,6 @@ class GgufFile:
         """The Hugging Face config.json this file's metadata describes."""
         if self.arch not in ARCHITECTURES:
             raise ValueError(self._unsupported())
-        if "rope_freqs.weight" in self.tensors:
-            raise ValueError(
-                f"{self.path}: rope_freqs (Llama 3.1's scaled rotary frequencies, stored "
-                f"as a tensor) is not read from GGUF yet"
-            )
         a = f"{self.arch}."
         heads = int(self.field(a + "attention.head_count"))
         d = int(self.field(a + "embedding_length"))
@@ -132,7 +136,39 @@ class GgufFile:
         }  # fmt: skip
         if (window := self.field(a + "attention.sliding_window")) is not None:
             config["sliding_window"] = int(window)
+        if "rope_freqs.weight" in self.tensors:
+            config["rope_scaling"] = self._llama3_rope(config)
         return config | self._experts_config(a)
+
+    def _llama3_rope(self, config: dict[str, Any]) -> dict[str, Any] | None:
+        """Llama 3.1's rope_scaling from the rope_freqs tensor llama.cpp's converter
+        computes with it (each frequency's divisor: 1 for the high ones, `factor` for the
+        low ones, a blend between). The divisors fix the parameters only up to scaling
+        original_max_position, low and high together, so low_freq_factor is taken as 1;
+        the parameters found must give the file's divisors back."""
+        t = self.tensors["rope_freqs.weight"]
+        got = np.asarray(_gguf().quants.dequantize(t.data, t.tensor_type), np.float64).ravel()
+        dim, theta = config["head_dim"], config["rope_theta"]
+        wavelen = 2 * np.pi * theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+        factor = float(got.max())
+        if factor <= 1 + 1e-6:
+            return None
+        between = (got > 1 + 1e-6) & (got < factor * (1 - 1e-6))
+        smooth = (1 / got - 1 / factor) / (1 - 1 / factor)  # 0 at 1, 1 at factor
+        ones, fulls = wavelen[got <= 1 + 1e-6], wavelen[got >= factor * (1 - 1e-6)]
+        if between.sum() >= 2:  # smooth = old / (high - 1) / wavelen - 1 / (high - 1)
+            slope, icept = np.polyfit(1 / wavelen[between], smooth[between], 1)
+            high = 1 - 1 / icept
+            old = round(slope * (high - 1))  # an integer in the config; the fit is far closer
+        else:  # one blended frequency or none: old between the groups, high to match
+            w = wavelen[between].max(initial=ones.max(initial=1.0))
+            old = round(np.sqrt(w * fulls.min(initial=4 * w)))
+            high = 1 + (old / w - 1) / smooth[between][0] if between.any() else (old / w + 1) / 2
+        params = {"factor": factor, "low": 1.0, "high": float(high), "old": float(old)}
+        if not np.allclose(_llama3_divisors(wavelen, **params), got, rtol=1e-5):
+            raise ValueError(f"{self.path}: rope_freqs is not a Llama 3.1 rope scaling")
+        return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+                "high_freq_factor": float(high), "original_max_position_embeddings": int(old)}  # fmt: skip
 
     def _experts_config(self, a: str) -> dict[str, Any]:
         experts = int(self.field(a + "expert_count", 0))

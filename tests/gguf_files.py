@@ -48,6 +48,8 @@ def write_gguf(
     _hyper_parameters(w, config)
     _tokenizer(w, hf_dir, config["vocab_size"], template)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config["num_hidden_layers"])
+    if (freqs := _rope_freqs(config)) is not None:
+        w.add_tensor("rope_freqs.weight", freqs)
     for name, value in _tensors(hf_dir, config, arch).items():
         gg = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gg is not None, name
@@ -85,6 +87,32 @@ def _hyper_parameters(w, config: dict) -> None:
         w.add_expert_used_count(config["num_experts_per_tok"])
         if "moe_intermediate_size" in config:
             w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+
+
+def _rope_freqs(config: dict) -> np.ndarray | None:
+    """Llama 3.1's scaling as the converter stores it: each frequency's divisor, in
+    float32 as it computes them (LlamaModel.generate_extra_tensors)."""
+    import math
+
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if rope.get("rope_type") != "llama3":
+        return None
+    base = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, dtype=np.float32)
 
 
 def _tokenizer(w, hf_dir: Path, vocab_size: int, template: str) -> None:

@@ -91,6 +91,38 @@ def test_logits_are_transformers_on_the_gguf_packages_dequantization(
     assert quantized.sub(ref).abs().max() == 0  # the reference is the quantized model
 
 
+ROPES = {
+    # 4 frequencies, one of them blended: 200 tokens run past the pretraining length
+    "tiny": dict(factor=8.0, original=64, theta=5000.0, heads=8),
+    # Llama 3.2's scaling over a 64-wide head: several blended frequencies, fitted
+    "llama-3.2": dict(factor=32.0, original=8192, theta=500000.0, heads=1),
+}
+
+
+@pytest.mark.parametrize("rope", list(ROPES))
+@torch.no_grad()
+def test_llama31_rope_scaling_is_read_from_rope_freqs(rope: str, tmp_path: Path) -> None:
+    """Llama 3.1's scaling reaches a GGUF file only as the rope_freqs divisors; the
+    scaling read back from them turns 200 tokens as transformers does with the
+    checkpoint's rope_scaling."""
+    r = ROPES[rope]
+    scaling = {"rope_type": "llama3", "factor": r["factor"], "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": r["original"],
+               "rope_theta": r["theta"]}  # fmt: skip
+    hf = write_llama(tmp_path / "hf", tied=True, rope_scaling=scaling, rope_theta=r["theta"],
+                     max_position_embeddings=512, num_attention_heads=r["heads"],
+                     num_key_value_heads=1)  # fmt: skip
+    write_tokenizer(tmp_path / "hf")
+    (tmp_path / "gguf").mkdir()
+    path = write_gguf(tmp_path / "hf", tmp_path / "gguf" / "model.gguf")
+    assert "rope_freqs.weight" in open_gguf(path).tensors
+    ours = load_model(path)
+    assert ours.cfg.rope_scaling is not None and ours.cfg.rope_scaling.factor == r["factor"]
+    as_the_file_holds(hf, path)
+    tokens = torch.randint(3, hf.config.vocab_size, (200,))
+    assert (hf(tokens[None]).logits[0] - ours(tokens)).abs().max().item() <= 1e-4
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @torch.no_grad()
 def test_transformers_own_gguf_reader_gives_the_same_logits(family: str, tmp_path: Path) -> None:
