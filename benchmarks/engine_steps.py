@@ -110,7 +110,7 @@ def main() -> None:
     )
     ap.add_argument("--model", type=Path, default=MODEL, help="a Hugging Face checkpoint")
     ap.add_argument("--dtype", nargs="+", default=["bfloat16"], choices=list(DTYPES))
-    ap.add_argument("--quantization", default="none", choices=["none", "int8"])
+    ap.add_argument("--quantization", default="none", choices=["none", "int8", "int4"])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--long", type=int, default=2040, help="long prompt's tokens (0: none)")

@@ -1,16 +1,18 @@
-"""What --quantization int8 (or fp8) costs in quality, against the same checkpoint in bf16.
+"""What --quantization int8 (or int4, or fp8) costs in quality, against the same checkpoint
+in bf16.
 
 For each checkpoint (the test suite's transformers-written parity checkpoints: Llama with
 GQA, tied and untied, Qwen2 with q/k/v biases, GPT-2; and the 180M Llama-3-style
-checkpoint of ../shared/peers when --peers has it), loaded twice in bf16: int8 on the
-CPU backend (kvserve's bf16 kernels, and int8 weights); fp8 on the torch backend (bf16
+checkpoint of ../shared/peers when --peers has it), loaded twice in bf16: int8 and int4 on
+the CPU backend (kvserve's bf16 kernels, and int8 or int4 weights); fp8 on the torch backend (bf16
 weights, and FP8 linears in the dequantizing path the CPU runs: the same values a GPU's
 FP8 matmuls read, the activations unquantized):
 
   logits       random prompts through the model without a cache: max and mean |quantized -
                bf16| over every position's logits, the mean relative to the bf16 logits'
-               standard deviation, and teacher-forced top-1 agreement (same context,
-               same argmax)
+               standard deviation, teacher-forced top-1 agreement (same context,
+               same argmax), and the mean KL divergence of the quantized next-token
+               distribution from bf16's (nats, over every position)
   greedy       the engine generating --output-len tokens greedily from each prompt:
                share of positions where the two runs chose the same token, and the mean
                length of the identical prefix
@@ -18,6 +20,7 @@ FP8 matmuls read, the activations unquantized):
 Prints a table and writes JSON (--out).
 
     PYTHONPATH=. .venv/bin/python benchmarks/int8_quality.py --peers ../peers
+    PYTHONPATH=. .venv/bin/python benchmarks/int8_quality.py --quantization int4 --peers ../peers
     PYTHONPATH=. .venv/bin/python benchmarks/int8_quality.py --quantization fp8
 """
 
@@ -70,7 +73,11 @@ def engine(path: Path, quantization: str, backend: str) -> LLMEngine:
 
 
 def quantized_linears(model: torch.nn.Module) -> int:
-    return sum(1 for m in model.modules() if getattr(m, "int8", False) or isinstance(m, Fp8Linear))
+    return sum(
+        1
+        for m in model.modules()
+        if getattr(m, "quant", "bf16") != "bf16" or isinstance(m, Fp8Linear)
+    )
 
 
 def greedy(eng: LLMEngine, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -86,7 +93,7 @@ def greedy(eng: LLMEngine, prompts: list[list[int]], n: int) -> list[list[int]]:
 
 @torch.no_grad()
 def compare(path: Path, args: argparse.Namespace) -> dict[str, Any]:
-    backend = "cpu" if args.quantization == "int8" else "torch"
+    backend = "torch" if args.quantization == "fp8" else "cpu"
     bf16, quant = engine(path, "none", backend), engine(path, args.quantization, backend)
     cfg = bf16.model.cfg
     gen = torch.Generator().manual_seed(args.seed)
@@ -95,13 +102,15 @@ def compare(path: Path, args: argparse.Namespace) -> dict[str, Any]:
         torch.randint(0, min(cfg.vocab_size, 100256), (length,), generator=gen).tolist()
         for _ in range(args.prompts)
     ]
-    diffs, agree, scale = [], [], []
+    diffs, agree, scale, kl = [], [], [], []
     for p in prompts:
         ids = torch.tensor(p)
         a, b = bf16.model(ids).float(), quant.model(ids).float()
         diffs.append((a - b).abs())
         agree.append((a.argmax(-1) == b.argmax(-1)).float().mean().item())
         scale.append(a.std().item())
+        logp, logq = torch.log_softmax(a, -1), torch.log_softmax(b, -1)
+        kl.append((logp.exp() * (logp - logq)).sum(-1).mean().item())
     d = torch.cat([x.flatten() for x in diffs])
     ref, got = greedy(bf16, prompts, args.output_len), greedy(quant, prompts, args.output_len)
     same = [
@@ -118,6 +127,7 @@ def compare(path: Path, args: argparse.Namespace) -> dict[str, Any]:
         "logit_mean_abs_err": d.mean().item(),
         "mean_err_over_logit_std": d.mean().item() / statistics.fmean(scale),
         "top1_agreement": statistics.fmean(agree),
+        "kl_mean": statistics.fmean(kl),
         "greedy_same_token_share": statistics.fmean(same),
         "greedy_identical_prefix_mean": statistics.fmean(prefix),
     }
@@ -132,7 +142,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quantization", choices=["int8", "fp8"], default="int8")
+    ap.add_argument("--quantization", choices=["int8", "int4", "fp8"], default="int8")
     ap.add_argument(
         "--out", default=None, help="default: benchmarks/out/<quantization>_quality.json"
     )
@@ -146,13 +156,13 @@ def main() -> None:
             print(name, json.dumps({k: round(v, 4) for k, v in results[name].items()}), flush=True)
     print()
     print(
-        f"| checkpoint | {args.quantization} linears | logit max err | logit mean err | mean err / logit std | top-1 agreement (teacher-forced) | greedy same token | greedy identical prefix |"
+        f"| checkpoint | {args.quantization} linears | logit max err | logit mean err | mean err / logit std | top-1 agreement (teacher-forced) | mean KL (nats) | greedy same token | greedy identical prefix |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         print(
             f"| {name} | {r['quantized_linears']} | {r['logit_max_abs_err']:.4f} | {r['logit_mean_abs_err']:.4f} "
-            f"| {r['mean_err_over_logit_std']:.3f} | {r['top1_agreement']:.1%} "
+            f"| {r['mean_err_over_logit_std']:.3f} | {r['top1_agreement']:.1%} | {r['kl_mean']:.4f} "
             f"| {r['greedy_same_token_share']:.1%} | {r['greedy_identical_prefix_mean']:.1f} / {args.output_len} |"
         )
     Path(args.out).write_text(

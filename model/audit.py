@@ -168,6 +168,7 @@ def window_sequence_bytes(cfg: ModelConfig, dtype: str, seq_len: int, block_size
 
 
 SCALE_BYTES = 4  # a quantized linear's float32 scale per output row
+INT4_GROUP = 32  # in features a 4-bit group's scale and minimum cover
 
 
 def layer_linears(cfg: ModelConfig, experts: bool = True) -> tuple[int, int]:
@@ -191,22 +192,32 @@ def layer_linears(cfg: ModelConfig, experts: bool = True) -> tuple[int, int]:
     return weights, sum(o * n for (_, o), n in shapes)
 
 
+def quantized_bytes(weights: int, rows: int, quantization: str) -> int:
+    """The bytes `weights` linear weights of `rows` output rows take as --quantization
+    holds them: int8 and fp8 a byte a weight and a float32 scale a row; int4 half a byte
+    a weight and a bf16 scale and minimum each group of INT4_GROUP (5/8 of a byte)."""
+    if quantization == "int4":
+        return weights // 2 + weights // INT4_GROUP * 4
+    return weights + rows * SCALE_BYTES
+
+
 def weight_bytes(cfg: ModelConfig, dtype: str, quantization: str = "none") -> int:
     """The weights' bytes as the server holds them: every parameter in `dtype`, or with
-    --quantization the decoder layers' linears in one byte a weight and a float32 scale
-    a row (int8 on the cpu backend also its LM head: a tied one as a quantized copy of
-    the embedding table, which the lookup keeps in `dtype`; and a mixture's experts)."""
+    --quantization the decoder layers' linears as quantized_bytes holds them (int8 and
+    int4 on the cpu backend also its LM head: a tied one as a quantized copy of the
+    embedding table, which the lookup keeps in `dtype`; and a mixture's experts)."""
     total = count_params(cfg).total * dtype_bytes(dtype)
     if quantization == "none":
         return total
-    if quantization not in ("int8", "fp8"):
-        raise ValueError(f"quantization must be none, int8 or fp8, got {quantization!r}")
-    weights, rows = layer_linears(cfg, experts=quantization == "int8")
-    total -= weights * (dtype_bytes(dtype) - 1) - rows * SCALE_BYTES
-    if quantization == "int8":
+    if quantization not in ("int8", "int4", "fp8"):
+        raise ValueError(f"quantization must be none, int8, int4 or fp8, got {quantization!r}")
+    cpu = quantization != "fp8"
+    weights, rows = layer_linears(cfg, experts=cpu)
+    total -= weights * dtype_bytes(dtype) - quantized_bytes(weights, rows, quantization)
+    if cpu:
         head = cfg.vocab_size * cfg.d_model
-        saved = head * (dtype_bytes(dtype) - 1) if not cfg.tie_embeddings else -head
-        total -= saved - cfg.vocab_size * SCALE_BYTES
+        kept = head * dtype_bytes(dtype) if not cfg.tie_embeddings else 0
+        total += quantized_bytes(head, cfg.vocab_size, quantization) - kept
     return total
 
 
@@ -230,13 +241,13 @@ def read_bytes(cfg: ModelConfig, dtype: str, quantization: str = "none", rows: i
 
 def idle_expert_bytes(cfg: ModelConfig, dtype: str, quantization: str, rows: int) -> float:
     """The bytes of the experts a step of `rows` tokens leaves unread, expected, as held
-    (int8: a byte a weight and a scale a row); 0 for a dense model."""
+    (quantized_bytes with --quantization int8 or int4); 0 for a dense model."""
     if cfg.experts is None:
         return 0.0
     _, expert, _ = expert_params(cfg)
     per_expert = expert * dtype_bytes(dtype)
-    if quantization == "int8":
-        per_expert = expert + (2 * cfg.experts.d_ff + cfg.d_model) * SCALE_BYTES
+    if quantization in ("int8", "int4"):
+        per_expert = quantized_bytes(expert, 2 * cfg.experts.d_ff + cfg.d_model, quantization)
     idle = cfg.experts.n_experts - experts_touched(cfg, rows)
     return idle * per_expert * len(cfg.sparse_layers)
 

@@ -257,8 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--dtype", default="auto")
     pl.add_argument("--memory-gib", type=float, default=None, help="default: this device's memory")
     pl.add_argument(
-        "--quantization", default="none", choices=["none", "int8", "fp8"],
-        help="the linears' weights as --quantization holds them (one byte and a scale a row)",
+        "--quantization", default="none", choices=["none", "int8", "int4", "fp8"],
+        help="the linears' weights as --quantization holds them (int4: 5/8 byte a weight)",
     )  # fmt: skip
     pl.add_argument("--seq-len", type=int, default=None, help="default: the model's context length")
     pl.add_argument(

@@ -23,7 +23,7 @@ CPU_MAX_NUM_SEQS, CUDA_MAX_NUM_SEQS = 64, 256
 # a quarter of the RAM a machine has free (on the CPU the KV pool is that RAM already)
 HOST_TIER_MAX_GIB = 8
 ATTENTION_BACKENDS = ("auto", "cpu", "triton", "torch")
-QUANTIZATIONS = ("none", "int8", "fp8")
+QUANTIZATIONS = ("none", "int8", "int4", "fp8")
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
 ASYNC_SCHEDULING = ("auto", "on", "off")
 ENGINE_PROCESS = ("auto", "on", "off")
@@ -39,7 +39,7 @@ POOLING = ("last", "mean")  # an embedding: the last token's final hidden state,
 
 def quantization_conflict(quantization: str, backend: str, dtype: str, device: str) -> str | None:
     """Why `quantization` cannot run with this attention backend, dtype and device (None:
-    it can). int8 weights run on the cpu backend's C kernels, with bfloat16 activations and
+    it can). int8 and int4 weights run on the cpu backend's C kernels, with bfloat16 activations and
     KV cache; fp8 weights on a CUDA GPU's FP8 matmuls (model/backends/fp8.py), with
     bfloat16 activations. Checked on the settings, then on the device `auto` resolved to,
     before any weight is read."""
@@ -132,13 +132,15 @@ class Settings:
         default="auto",
         metadata={
             "help": "auto (bf16 on CUDA, on CPUs with AVX2 or newer and with "
-            "--quantization int8; else fp32), float32, bfloat16, float16"
+            "--quantization int8, int4 or fp8; else fp32), float32, bfloat16, float16"
         },
     )
     quantization: str = field(
         default="none",
         metadata={
             "help": "none; int8: linear weights in int8 with a scale per output feature, "
+            "computed at load (the cpu backend; bf16 activations and KV cache); int4: "
+            "linear weights in 4 bits, a bf16 scale and minimum each 32 in features, "
             "computed at load (the cpu backend; bf16 activations and KV cache); fp8: the "
             "decoder layers' linears in FP8 e4m3, a scale per output feature, activations "
             "quantized per token (CUDA, compute capability 8.9 and up)"

@@ -88,7 +88,7 @@ class CpuBackend(TorchBackend):
         for kvserve's kernels (model.backends.cpu.kernels.linear.linear_isa), 'onednn', 'torch'."""
         levels: Counter[str] = Counter()
         for kernel, n in self.linears.items():
-            levels[linear_isa(kernel) if kernel in ("bf16", "int8") else kernel] += n
+            levels[linear_isa(kernel) if kernel in ("bf16", "int8", "int4") else kernel] += n
         return ", ".join(level for level, _ in levels.most_common()) or "torch"
 
     def describe(self) -> dict[str, Any]:
@@ -146,14 +146,15 @@ class CpuBackend(TorchBackend):
         ]
 
     def prepare(self, model: nn.Module, quantization: str = "none") -> bool:
-        if quantization == "int8" and model.dtype != torch.bfloat16:
+        if quantization in ("int8", "int4") and model.dtype != torch.bfloat16:
             raise ValueError(
-                f"quantization int8 computes with bfloat16 activations and KV cache; the "
-                f"model is {model.dtype} (use --dtype bfloat16 or auto)"
+                f"quantization {quantization} computes with bfloat16 activations and KV "
+                f"cache; the model is {model.dtype} (use --dtype bfloat16 or auto)"
             )
-        if quantization not in ("none", "int8"):
+        if quantization not in ("none", "int8", "int4"):
             raise ValueError(
-                f"quantization {quantization} does not run on the cpu backend (none or int8 do)"
+                f"quantization {quantization} does not run on the cpu backend (none, int8 "
+                f"or int4 do)"
             )
         packed = prepare_model(model, quantization)
         self.linears = Counter(linear_kernels(model))

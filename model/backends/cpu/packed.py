@@ -9,7 +9,9 @@ The layouts, by what the weight allows (bf16 on the CPU):
   are not whole 64-feature blocks (a GPT-2 head's 50,257) get zero rows up to the next
   block, and the output is cut back.
 - quantization='int8': int8 weights with a float32 scale per output feature
-  (linear_vec.c), where the in features are a multiple of 4.
+  (linear_vec.c), where the in features are a multiple of 4; quantization='int4': 4-bit
+  weights in groups of 32 in features, each group with a bf16 scale and minimum
+  (linear_vec.c), where the in features are a multiple of 32.
 - oneDNN's prepacked layout where the CPU lets oneDNN pack bf16 (isa.onednn_packs_bf16);
   else the nn.Linear stays.
 
@@ -31,6 +33,8 @@ from model.backends.cpu.kernels.experts import ExpertKernels, experts_library, r
 from model.backends.cpu.kernels.fused import fused_library, geglu
 from model.backends.cpu.kernels.linear import (
     TILE_N,
+    int4_pack,
+    int4_supported,
     int8_pack,
     int8_supported,
     swiglu_layout,
@@ -48,9 +52,9 @@ class PackedLinear(nn.Module):
     that still reports the (out, in) shape; `bias` stays as loaded."""
 
     _packed: Tensor | None = None  # oneDNN's layout
-    _tiles: Tensor | None = None  # tile_layout(), or int8_pack()'s blob when int8
+    _tiles: Tensor | None = None  # tile_layout(), or int8_pack()'s / int4_pack()'s blob
     _bias32: Tensor | None = None
-    int8 = False  # _tiles holds int8 weights
+    quant = "bf16"  # what _tiles holds: 'bf16', 'int8' or 'int4' weights
     gated = False  # a SwiGLU's (gate | up) in swiglu_layout: forward gives silu(g) * u
     pad = 0  # zero output rows in _tiles past the weight's
 
@@ -63,16 +67,14 @@ class PackedLinear(nn.Module):
 
     @property
     def kernel(self) -> str:
-        """What forward() runs: kvserve's 'int8' or 'bf16' kernel, or 'onednn'."""
-        if self._tiles is not None:
-            return "int8" if self.int8 else "bf16"
-        return "onednn"
+        """What forward() runs: kvserve's 'bf16', 'int8' or 'int4' kernel, or 'onednn'."""
+        return self.quant if self._tiles is not None else "onednn"
 
     def forward(self, x: Tensor) -> Tensor:
         if self._tiles is not None:
             n, k = self.out_features, self.in_features
-            shape = (n + self.pad, k) if self.int8 else None
-            out = tile_linear(x, self._tiles, self._bias32, self.gated, shape)
+            shape = (n + self.pad, k) if self.quant != "bf16" else None
+            out = tile_linear(x, self._tiles, self._bias32, self.gated, shape, self.quant)
             return out[..., :n].contiguous() if self.pad else out
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
@@ -88,8 +90,8 @@ def pack_linear(
     w = linear.weight.detach()
     pad = -w.shape[0] % TILE_N
     padded = F.pad(w, (0, 0, 0, pad)) if pad else w
-    int8 = quantization == "int8" and int8_supported(padded)
-    if int8 or tile_linear_supported(padded):
+    quant = _quant(quantization, padded)
+    if quant != "bf16" or tile_linear_supported(padded):
         out = PackedLinear(linear)
         b = linear.bias.detach().float() if linear.bias is not None else None
         if pad and b is not None:
@@ -97,14 +99,26 @@ def pack_linear(
         out.gated = swiglu and not pad and w.shape[0] % 128 == 0
         if out.gated:
             padded, b = swiglu_layout(padded), swiglu_layout(b) if b is not None else None
-        out._tiles = (int8_pack if int8 else tile_layout)(padded)
-        out._bias32, out.int8, out.pad = b, int8, pad
+        out._tiles = PACKS[quant](padded)
+        out._bias32, out.quant, out.pad = b, quant, pad
         return out
     if onednn_packs_bf16():
         out = PackedLinear(linear)
         out._packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
         return out
     return linear
+
+
+# each kernel kind's packing, and whether a weight takes it
+PACKS = {"bf16": tile_layout, "int8": int8_pack, "int4": int4_pack}
+SUPPORTED = {"int8": int8_supported, "int4": int4_supported}
+
+
+def _quant(quantization: str, weight: Tensor) -> str:
+    """The kernel kind a weight packs for under `quantization`: its own where the weight
+    takes it, else bf16's."""
+    takes = SUPPORTED.get(quantization)
+    return quantization if takes is not None and takes(weight) else "bf16"
 
 
 class GatedSwiGLU(nn.Module):
@@ -153,7 +167,7 @@ class PackedExperts(GroupedExperts):
     (kernels/experts.c: the same grouping, kernels and roundings as the reference's
     loop); else the loop, each chosen expert's kernels run once over its tokens."""
 
-    kind: str | None = None  # the packed kind the C call takes ('bf16', 'int8'), if it does
+    kind: str | None = None  # the packed kind the C call takes ('bf16', 'int8', 'int4')
 
     def __init__(self, experts: Experts, quantization: str = "none") -> None:
         super().__init__()
@@ -175,7 +189,7 @@ class PackedExperts(GroupedExperts):
             isinstance(f, GatedSwiGLU) and not getattr(f.w_out, "pad", 1) for f in self.ffns
         )
         kind = kinds.pop() if len(kinds) == 1 else None
-        if gated_ffns and not biases and kind in ("bf16", "int8") and ExpertKernels.available(kind):
+        if gated_ffns and not biases and kind in PACKS and ExpertKernels.available(kind):
             self.kind = kind
 
     def bind(self) -> None:

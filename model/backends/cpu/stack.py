@@ -153,8 +153,8 @@ class DecoderStack:
                     isinstance(m, PackedLinear) and m._tiles is not None and not m.pad
                     for m in linears
                 )
-                and len({m.int8 for m in linears}) == 1
-                and kinds <= {"int8" if linears[0].int8 else "bf16"}
+                and len({m.quant for m in linears}) == 1
+                and kinds <= {linears[0].quant}
             ):
                 return None
         return cls(cfg, layers, final_norm)
@@ -167,7 +167,7 @@ class DecoderStack:
     @property
     def kind(self) -> str:
         """Which linear kernel the layers' weights are packed for."""
-        return "int8" if self.layers[0].attn.wqkv.int8 else "bf16"
+        return self.layers[0].attn.wqkv.quant
 
     def takes(self, kv_cache: PagedKVCache | None, meta: AttentionMetadata) -> bool:
         if kv_cache is None or kv_cache.backend.name != "cpu" or meta.slot_blocks is None:

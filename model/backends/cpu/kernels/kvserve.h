@@ -66,6 +66,10 @@ void linear_bf16_vec(const uint16_t *x, const uint16_t *w, const float *bias, ui
                      uint16_t *scratch, int m, int n, int k, int nthreads);
 void linear_int8(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
                  uint16_t *scratch, int m, int n, int k, int nthreads);
+/* linear_int4: w is int4_pack's blob (4-bit weights in groups of 32 k, each with a bf16
+ * scale and minimum: model/backends/cpu/kernels/linear.py). */
+void linear_int4(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
+                 uint16_t *scratch, int m, int n, int k, int nthreads);
 
 /* stack.c: the decoder layers as one call, over the kernels above as function pointers */
 typedef void (*norm_fn)(uint16_t *x, const uint16_t *delta, const uint16_t *weight,

@@ -1,6 +1,6 @@
 """The linear layers' kernels: bf16 on the AMX tile unit (model/backends/cpu/kernels/linear_bf16.c),
-bf16 and int8 in vector code (linear_vec.c, whose amx build also takes int8 to the tile
-unit), and the weight layouts they read."""
+bf16, int8 and int4 in vector code (linear_vec.c, whose amx build also takes int8 to the
+tile unit), and the weight layouts they read."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def _vector(isa: str) -> ctypes.CDLL | None:
     lib = build("linear_vec.c", (*VECTOR_FLAGS, *isa_flags(isa)), isa)
     if lib is None:
         return None
-    bind(lib, "linear_bf16_vec", "linear_int8", "linear_vec_init")
+    bind(lib, "linear_bf16_vec", "linear_int8", "linear_int4", "linear_vec_init")
     if not lib.linear_vec_init():  # the amx build, where the OS refuses the tile state
         log.info("no AMX tiles here: int8 linears run in vector code")
         return None
@@ -49,17 +49,17 @@ def _vector(isa: str) -> ctypes.CDLL | None:
 
 
 def linear_kernel(kind: str) -> ctypes._CFuncPtr | None:
-    """The C function for 'bf16' (tile_layout weights) or 'int8' (int8_pack blobs)
-    linears at this CPU's level (linear_isa): bf16 at amx in linear_bf16.c (the tiles,
-    and for one or two rows vector code with the tiles' sums), everything else in
-    linear_vec.c's build for the level; None where it is not built."""
+    """The C function for 'bf16' (tile_layout weights), 'int8' (int8_pack blobs) or 'int4'
+    (int4_pack blobs) linears at this CPU's level (linear_isa): bf16 at amx in
+    linear_bf16.c (the tiles, and for one or two rows vector code with the tiles' sums),
+    everything else in linear_vec.c's build for the level; None where it is not built."""
     isa = linear_isa(kind)
     if kind == "bf16" and isa == "amx":
         return _tiles().linear_bf16
     lib = _vector(isa)
     if lib is None:
         return None
-    return lib.linear_int8 if kind == "int8" else lib.linear_bf16_vec
+    return {"int8": lib.linear_int8, "int4": lib.linear_int4}.get(kind, lib.linear_bf16_vec)
 
 
 def linear_isa(kind: str) -> str:
@@ -68,7 +68,7 @@ def linear_isa(kind: str) -> str:
     from 8 rows, VNNI below), the vector level otherwise."""
     if cpu_isa() != "amx":
         return vector_level()
-    tiles = _vector("amx") if kind == "int8" else _tiles()
+    tiles = _vector("amx") if kind in ("int8", "int4") else _tiles()
     return "amx" if tiles is not None else vector_level()
 
 
@@ -91,6 +91,77 @@ def int8_supported(weight: torch.Tensor) -> bool:
         and k % 4 == 0
         and linear_kernel("int8") is not None
     )
+
+
+INT4_GROUP = 32  # k a 4-bit group's scale and minimum cover (linear_vec.c's INT4_GROUP)
+
+
+def int4_supported(weight: torch.Tensor) -> bool:
+    n, k = weight.shape
+    return (
+        weight.device.type == "cpu"
+        and n % TILE_N == 0
+        and k % INT4_GROUP == 0
+        and linear_kernel("int4") is not None
+    )
+
+
+# each group's range cut by these shares at its low and high ends, the cut with the least
+# squared error taken (the plain min..max range is the first)
+INT4_CUTS = ((0.0, 0.0), (0.0, 0.05), (0.05, 0.0), (0.05, 0.05), (0.0, 0.1), (0.1, 0.0),
+             (0.1, 0.1), (0.05, 0.1), (0.1, 0.05))  # fmt: skip
+
+
+def int4_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(N, K) -> q (N, K) uint8 in 0..15, d and m (N, K/32) bf16, each group of 32 k
+    w ~ d * q + m: for each of INT4_CUTS the group's range [min, max] cut at its ends,
+    m its low end and d its width / 15 (both rounded to bf16 first, q rounded to
+    nearest against the rounded ones), the cut whose weights are nearest (least squared
+    error) kept."""
+    w = weight.detach().float()
+    n, k = w.shape
+    groups = w.reshape(n, k // INT4_GROUP, INT4_GROUP)
+    lo, hi = groups.amin(dim=2), groups.amax(dim=2)
+    best = None
+    for low_cut, high_cut in INT4_CUTS:
+        width = hi - lo
+        m = (lo + low_cut * width).to(torch.bfloat16)
+        d = ((hi - high_cut * width - m.float()) / 15).to(torch.bfloat16)
+        step = torch.where(d.float() > 0, d.float(), 1.0)
+        q = torch.round((groups - m.float()[..., None]) / step[..., None]).clamp(0, 15)
+        err = (q * d.float()[..., None] + m.float()[..., None] - groups).square().sum(dim=2)
+        if best is None:
+            best = [err, q, d, m]
+            continue
+        better = err < best[0]
+        best[0] = torch.where(better, err, best[0])
+        best[1] = torch.where(better[..., None], q, best[1])
+        best[2] = torch.where(better, d, best[2])
+        best[3] = torch.where(better, m, best[3])
+    _, q, d, m = best
+    return q.reshape(n, k).to(torch.uint8), d, m
+
+
+def int4_dequantize(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """int4_quantize's weights, float32 (N, K)."""
+    n, k = q.shape
+    groups = q.reshape(n, k // INT4_GROUP, INT4_GROUP).float()
+    return (groups * d.float()[..., None] + m.float()[..., None]).reshape(n, k)
+
+
+def int4_pack(weight: torch.Tensor) -> torch.Tensor:
+    """(N, K) -> the uint8 blob linear_int4 reads, block after block of 64 features:
+    (K/8, 64, 4) bytes (byte i of a feature's octet o: k = 8o + i in the low nibble,
+    8o + 4 + i in the high one), then (K/32, 2, 64) bf16, each group's d then m."""
+    q, d, m = int4_quantize(weight)
+    n, k = q.shape
+    nb = n // TILE_N
+    octets = q.reshape(nb, TILE_N, k // 8, 2, 4).permute(0, 2, 1, 4, 3)  # (nb, o, f, i, half)
+    nibbles = (octets[..., 0] | (octets[..., 1] << 4)).contiguous()  # (nb, o, 64, 4)
+    scales = torch.stack([d, m], dim=2).reshape(nb, TILE_N, k // INT4_GROUP, 2)
+    scales = scales.permute(0, 2, 3, 1).contiguous()  # (nb, groups, 2, 64)
+    per_block = [nibbles.reshape(nb, -1), scales.view(torch.uint8).reshape(nb, -1)]
+    return torch.cat(per_block, dim=1).flatten()
 
 
 def tile_layout(weight: torch.Tensor) -> torch.Tensor:
@@ -134,11 +205,12 @@ def tile_linear(
     bias: torch.Tensor | None,
     swiglu: bool = False,
     shape: tuple[int, int] | None = None,
+    kind: str = "int8",
 ) -> torch.Tensor:
     """x (..., K) bf16 @ W^T + bias -> (..., N) bf16; bias fp32 or None. W: in tile_layout
-    (bf16), or an int8_pack blob of the given (N, K) `shape`. swiglu: W and bias are a
-    SwiGLU's (gate | up) in swiglu_layout, and the result is silu(x @ Wg^T + bg) *
-    (x @ Wu^T + bu), (..., N/2), in the same pass."""
+    (bf16), or with the (N, K) `shape` a blob of `kind` (int8_pack's or int4_pack's).
+    swiglu: W and bias are a SwiGLU's (gate | up) in swiglu_layout, and the result is
+    silu(x @ Wg^T + bg) * (x @ Wu^T + bu), (..., N/2), in the same pass."""
     if shape is None:
         blocks, half_k, _, _ = weight.shape
         n, k = blocks * TILE_N, half_k * 2
@@ -149,7 +221,7 @@ def tile_linear(
     out = torch.empty((flat.shape[0], width), dtype=torch.bfloat16)
     if flat.shape[0]:
         scratch = torch.empty_like(out) if swiglu else None  # the rounded gate
-        linear_kernel("bf16" if shape is None else "int8")(
+        linear_kernel("bf16" if shape is None else kind)(
             flat.data_ptr(),
             weight.data_ptr(),
             data_ptr(bias),

@@ -519,9 +519,9 @@ static inline __attribute__((always_inline)) void int8_row_turns(const int NT,
 }
 #endif
 
-/* Row r of x -> int8 (stored + X_OFFSET) with scale sx[r]: q = rint(x * 127 / max|x|). */
+/* Row r of x -> int8 (stored + offset) with scale sx[r]: q = rint(x * 127 / max|x|). */
 static void quantize_rows(const uint16_t *x, int m, int k, uint8_t *xq, float *sx,
-                          int nthreads) {
+                          int offset, int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(nthreads) if ((long)m * k > 65536)
     for (int r = 0; r < m; ++r) {
         const uint16_t *xr = x + (long)r * k;
@@ -548,7 +548,7 @@ static void quantize_rows(const uint16_t *x, int m, int k, uint8_t *xq, float *s
         for (int i = 0; i < k; ++i) {
             float v = rintf(bf16_to_f32(xr[i]) * inv);
             v = v > 127.f ? 127.f : (v < -127.f ? -127.f : v);
-            q[i] = (uint8_t)((int)v + X_OFFSET);
+            q[i] = (uint8_t)((int)v + offset);
         }
     }
 }
@@ -836,7 +836,7 @@ void linear_int8(const uint16_t *x, const uint16_t *w, const float *bias, uint16
     static __thread size_t xq_cap, sx_cap;
     uint8_t *const xq = kept_buffer(&xq_buf, &xq_cap, (size_t)m * k + 64);
     float *const sx = kept_buffer(&sx_buf, &sx_cap, sizeof(float) * ((size_t)m + 1));
-    quantize_rows(x, m, k, xq, sx, nthreads);
+    quantize_rows(x, m, k, xq, sx, X_OFFSET, nthreads);
     if (AMX_INT8(m, k)) {
         linear_int8_amx(xq, sx, q, sw, comp, bias, out, scratch, m, n, k, nthreads);
         return;
@@ -856,4 +856,154 @@ void linear_int8(const uint16_t *x, const uint16_t *w, const float *bias, uint16
                                t.gate ? t.gate + (long)(r + i) * t.stride : 0);
         }
     });
+}
+
+/* ---- int4 ---------------------------------------------------------------------------- */
+
+/* int4 weights (--quantization int4): per output feature, groups of INT4_GROUP k, each
+ * weight d * q + m with q in 0..15 and the group's d and m in bf16 (int4_pack in
+ * model/backends/cpu/kernels/linear.py). A block of NB features is (K/8, NB, 4) bytes:
+ * a feature's 4 bytes at octet o hold k = 8o + i in byte i's low nibble and k = 8o + 4 + i
+ * in its high one, so one vector of bytes unpacks to two k quads; then
+ * (K/INT4_GROUP, 2, NB) bf16, each group's d then m. A call quantizes x's rows to int8
+ * (symmetric per row, no offset) and sums each group's quantized x; per group the exact
+ * int32 sum of q * xq becomes d * sum + m * xsum in float32 (a multiply, a multiply, an
+ * add, no fused multiply-add), added group after group, times the row's scale at the
+ * end: the same operations in the same order at every level and row count, the same
+ * bits. The tile unit does not take int4 yet: the amx build runs the VNNI code. */
+#define INT4_GROUP 32
+#if VL == 16
+#define INT4_MR 4 /* rows a pass: each unpacked weight vector serves them all */
+#define INT4_SV 2 /* vectors of a block a pass of several rows holds */
+#define INT4_ROW_SV 4 /* ... and of one row */
+#define vi_and(a, b) _mm512_and_si512(a, b)
+#define vi_srl16(a, n) _mm512_srli_epi16(a, n)
+#define vi_set1_8(c) _mm512_set1_epi8(c)
+#define vf_from_int(a) _mm512_cvtepi32_ps(a)
+#define vf_mul(a, b) _mm512_mul_ps(a, b)
+#define vf_add(a, b) _mm512_add_ps(a, b)
+#define vf_load_bf16(p) \
+    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#else
+#define INT4_MR 2
+#define INT4_SV 2
+#define INT4_ROW_SV 2
+#define vi_and(a, b) _mm256_and_si256(a, b)
+#define vi_srl16(a, n) _mm256_srli_epi16(a, n)
+#define vi_set1_8(c) _mm256_set1_epi8(c)
+#define vf_from_int(a) _mm256_cvtepi32_ps(a)
+#define vf_mul(a, b) _mm256_mul_ps(a, b)
+#define vf_add(a, b) _mm256_add_ps(a, b)
+#define vf_load_bf16(p) \
+    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#endif
+
+/* acc + the 4 products of each lane's 4 unsigned weights (0..15) and x's 4 int8 */
+static inline vi dot_u4(vi acc, vi w, vi x) {
+#if VL == 16 && defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(acc, w, x);
+#elif VL == 16
+    return vi_add(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
+#else
+    return vi_add(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+#endif
+}
+
+/* MR rows of xq against one block's vectors j0 .. j0 + NSV: acc (MR, NB) float32,
+ * before the rows' scales. xsum: (MR, K/INT4_GROUP) each group's sum of xq. */
+static inline __attribute__((always_inline)) void int4_slice(
+    const int MR, const int NSV, const int8_t *xq, const int32_t *xsum, int k,
+    const uint8_t *wq, const uint16_t *dm, int j0, float *acc) {
+    const vi low = vi_set1_8(0x0F);
+    const int groups = k / INT4_GROUP;
+    vf c[INT4_MR][NV];
+    for (int r = 0; r < MR; ++r)
+        for (int j = 0; j < NSV; ++j) c[r][j] = vf_zero();
+    for (int g = 0; g < groups; ++g) {
+        vi s[INT4_MR][NV];
+        for (int r = 0; r < MR; ++r)
+            for (int j = 0; j < NSV; ++j) s[r][j] = vi_zero();
+        for (int o = g * INT4_GROUP / 8; o < (g + 1) * INT4_GROUP / 8; ++o) {
+            vi lo[NV], hi[NV];
+            for (int j = 0; j < NSV; ++j) {
+                const vi v = vi_load(wq + ((long)o * NB + (j0 + j) * VL) * 4);
+                lo[j] = vi_and(v, low);
+                hi[j] = vi_and(vi_srl16(v, 4), low);
+            }
+            for (int r = 0; r < MR; ++r) {
+                int32_t q0, q1;
+                memcpy(&q0, xq + (long)r * k + 8 * o, 4);
+                memcpy(&q1, xq + (long)r * k + 8 * o + 4, 4);
+                const vi x0 = vi_set1(q0), x1 = vi_set1(q1);
+                for (int j = 0; j < NSV; ++j) s[r][j] = dot_u4(dot_u4(s[r][j], lo[j], x0), hi[j], x1);
+            }
+        }
+        for (int j = 0; j < NSV; ++j) {
+            const vf d = vf_load_bf16(dm + (long)g * 2 * NB + (j0 + j) * VL);
+            const vf mn = vf_load_bf16(dm + (long)g * 2 * NB + NB + (j0 + j) * VL);
+            for (int r = 0; r < MR; ++r) {
+                const vf xs = vf_set1((float)xsum[r * groups + g]);
+                c[r][j] = vf_add(c[r][j], vf_add(vf_mul(d, vf_from_int(s[r][j])), vf_mul(mn, xs)));
+            }
+        }
+    }
+    for (int r = 0; r < MR; ++r)
+        for (int j = 0; j < NSV; ++j) vf_store(acc + r * NB + (j0 + j) * VL, c[r][j]);
+}
+
+static inline __attribute__((always_inline)) void int4_tile(
+    const int MR, const int8_t *xq, const int32_t *xsum, int k, const uint8_t *block,
+    float *acc) {
+    const uint16_t *dm = (const uint16_t *)(block + (long)k * NB / 2);
+    if (MR == 1) {
+        for (int j0 = 0; j0 < NV; j0 += INT4_ROW_SV) int4_slice(1, INT4_ROW_SV, xq, xsum, k, block, dm, j0, acc);
+        return;
+    }
+    for (int j0 = 0; j0 < NV; j0 += INT4_SV) int4_slice(MR, INT4_SV, xq, xsum, k, block, dm, j0, acc);
+}
+
+void linear_int4(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
+                 uint16_t *scratch, int m, int n, int k, int nthreads) {
+    const int groups = k / INT4_GROUP;
+    const long block_bytes = (long)k * NB / 2 + (long)groups * 2 * NB * 2;
+    static __thread void *xq_buf, *sx_buf, *xsum_buf;
+    static __thread size_t xq_cap, sx_cap, xsum_cap;
+    int8_t *const xq = kept_buffer(&xq_buf, &xq_cap, (size_t)m * k + 64);
+    float *const sx = kept_buffer(&sx_buf, &sx_cap, sizeof(float) * ((size_t)m + 1));
+    int32_t *const xsum = kept_buffer(&xsum_buf, &xsum_cap, sizeof(int32_t) * ((size_t)m * groups + 1));
+    quantize_rows(x, m, k, (uint8_t *)xq, sx, 0, nthreads);
+    for (long i = 0; i < (long)m * groups; ++i) {
+        int32_t t = 0;
+        for (int j = 0; j < INT4_GROUP; ++j) t += xq[i * INT4_GROUP + j];
+        xsum[i] = t;
+    }
+    /* a unit is a block, or a SwiGLU's gate and up blocks (the gate stored first) */
+    const int unit = scratch ? 2 : 1, units = n / NB / unit;
+    const int nt = nthreads < units ? nthreads : units;
+#pragma omp parallel for schedule(static) num_threads(nt > 0 ? nt : 1)
+    for (int u = 0; u < units; ++u)
+        for (int b = u * unit; b < (u + 1) * unit; ++b) {
+            const uint8_t *block = (const uint8_t *)w + b * block_bytes;
+            const target t = block_target(out, scratch, n, b);
+            for (int r = 0; r < m; r += INT4_MR) {
+                const int rows = m - r < INT4_MR ? m - r : INT4_MR;
+                float acc[INT4_MR * NB] __attribute__((aligned(64)));
+                const int8_t *xr = xq + (long)r * k;
+                const int32_t *xs = xsum + (long)r * groups;
+                switch (rows) {
+#if INT4_MR == 4
+                    case 4: int4_tile(4, xr, xs, k, block, acc); break;
+                    case 3: int4_tile(3, xr, xs, k, block, acc); break;
+#endif
+                    case 2: int4_tile(2, xr, xs, k, block, acc); break;
+                    default: int4_tile(1, xr, xs, k, block, acc); break;
+                }
+                for (int i = 0; i < rows; ++i) {
+                    float y[NB] __attribute__((aligned(64)));
+                    for (int j = 0; j < NB; ++j) y[j] = acc[i * NB + j] * sx[r + i];
+                    store_cols(NB, y, bias ? bias + b * NB : 0, t.dst + (long)(r + i) * t.stride,
+                               t.gate ? t.gate + (long)(r + i) * t.stride : 0);
+                }
+            }
+        }
 }
