@@ -82,11 +82,14 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def llama_files(peers: Path, model: str, variant: str) -> tuple[Path, Path]:
-    """build.sh's llama-server and the checkpoint's GGUF of `variant` (bf16, q8_0, f32)."""
-    return (
-        peers / "llama.cpp" / "build" / "bin" / "llama-server",
-        peers / "models" / f"{model}-{variant}.gguf",
+    """build.sh's llama-server and the checkpoint's GGUF of `variant` (bf16, q8_0, f32,
+    q4_k_m; llama-quantize's files are named in capitals, Q8_0 and Q4_K_M)."""
+    models = peers / "models"
+    gguf = next(
+        (p for v in (variant, variant.upper()) if (p := models / f"{model}-{v}.gguf").exists()),
+        models / f"{model}-{variant}.gguf",
     )
+    return peers / "llama.cpp" / "build" / "bin" / "llama-server", gguf
 
 
 def missing(systems: list[str], peers: Path, model: str) -> list[str]:
@@ -99,7 +102,7 @@ def missing(systems: list[str], peers: Path, model: str) -> list[str]:
         kind, variant = system.split("-", 1)
         if kind == "vllm" and not (peers / "vllm-venv" / "bin" / "python").exists():
             lacking.append(f"{peers / 'vllm-venv'} (run ../shared/peers/vllm_cpu.sh {peers})")
-        if kind != "llama":
+        if kind != "llama" and variant != "q4_k_m":
             continue
         server, gguf = llama_files(peers, model, variant)
         if not server.exists():
@@ -122,9 +125,9 @@ def command(
     threads: int,
     llama_args: list[str],
 ) -> list[str]:
-    """The server command line for `system` ('kvserve-<bf16|int8|fp32>',
-    'llama-<bf16|q8_0|f32>' or 'vllm-bf16[-tuned]'); `llama_args` go to every
-    llama-server."""
+    """The server command line for `system` ('kvserve-<bf16|int8|int4|fp32|q4_k_m>',
+    'llama-<bf16|q8_0|f32|q4_k_m>' or 'vllm-bf16[-tuned]'; kvserve-q4_k_m serves the
+    llama.cpp Q4_K_M file itself); `llama_args` go to every llama-server."""
     kind, variant = system.split("-", 1)
     if kind == "vllm":
         return [
@@ -143,10 +146,13 @@ def command(
             str(server), "-m", str(gguf), "-t", str(threads), "-np", str(slots), "-c", str(ctx),
             "--host", "127.0.0.1", "--port", str(port), *llama_args,
         ]  # fmt: skip
-    dtype = {"bf16": "bfloat16", "int8": "bfloat16", "fp32": "float32"}[variant]
-    quant = ["--quantization", "int8"] if variant == "int8" else []
+    dtype = "float32" if variant == "fp32" else "bfloat16"
+    quant = ["--quantization", variant] if variant in ("int8", "int4") else []
+    path = peers / "models" / model
+    if variant == "q4_k_m":
+        path = llama_files(peers, model, variant)[1]
     return [
-        sys.executable, "-m", "service.cli", "serve", "--model", str(peers / "models" / model),
+        sys.executable, "-m", "service.cli", "serve", "--model", str(path),
         "--dtype", dtype, *quant, "--port", str(port), "--max-num-seqs", str(max(slots, 16)),
     ]  # fmt: skip
 
@@ -164,9 +170,12 @@ def server_env(system: str, peers: Path) -> dict[str, str]:
 
 
 def floor_kind(system: str) -> str:
-    """Which weight-bandwidth floor a system's weights have: bf16, int8 or fp32."""
-    variant = system.split("-")[1]
-    return {"f32": "fp32", "q8_0": "int8"}.get(variant, variant)
+    """Which weight-bandwidth floor a system's weights have: bf16, int8, int4 or fp32
+    (a Q4_K_M file served by kvserve is dequantized: bf16's)."""
+    kind, variant = system.split("-")[:2]
+    if kind == "kvserve" and variant == "q4_k_m":
+        return "bf16"
+    return {"f32": "fp32", "q8_0": "int8", "q4_k_m": "int4"}.get(variant, variant)
 
 
 BANDWIDTH: list[float] = []  # bytes/s, one probe per single-stream round
@@ -206,6 +215,7 @@ def weight_bytes(model_dir: Path) -> dict[str, float]:
         "active_params": count_params(cfg).active,
         "bf16": 2 * params - idle_expert_bytes(cfg, "bfloat16", "none", 1),
         "int8": params + 8 * rows - idle_expert_bytes(cfg, "bfloat16", "int8", 1),
+        "int4": params * 5 / 8 - idle_expert_bytes(cfg, "bfloat16", "int4", 1),
     }
 
 
@@ -353,7 +363,7 @@ def main() -> None:
     rows = {s: {"single": single_runs[s], "concurrent": concurrent_runs[s]} for s in systems}
     sizes = weight_bytes(args.peers / "models" / args.model)
     bandwidth = max(BANDWIDTH)
-    floors = {v: sizes[v] / bandwidth * 1000 for v in ("bf16", "int8")}
+    floors = {v: sizes[v] / bandwidth * 1000 for v in ("bf16", "int8", "int4")}
     floors["fp32"] = floors["bf16"] * 2
     print(
         f"\nread bandwidth {bandwidth / 1e9:.1f} GB/s (best of {len(BANDWIDTH)} probes, median "
@@ -394,6 +404,8 @@ def main() -> None:
     ratios = {}
     for ours, theirs in (("kvserve-bf16", "llama-bf16"), ("kvserve-int8", "llama-q8_0"),
                          ("kvserve-int8", "kvserve-bf16"), ("kvserve-fp32", "llama-f32"),
+                         ("kvserve-int4", "llama-q4_k_m"), ("kvserve-int4", "kvserve-bf16"),
+                         ("kvserve-q4_k_m", "llama-q4_k_m"),
                          ("kvserve-bf16", "vllm-bf16"), ("kvserve-bf16", "vllm-bf16-tuned")):  # fmt: skip
         if ours in rows and theirs in rows:
             ratios[f"{ours} / {theirs}"] = {
@@ -418,7 +430,9 @@ def main() -> None:
         json.dumps(header | extra | {"results": rows, "ratios": ratios}, indent=2)
     )
     print(f"\nwrote {args.out}")
-    record(f"cpu_peers ({args.model})", headline(rows, ratios, args))
+    # the 4-bit systems' runs are a table of their own beside the bf16/int8 one
+    four_bit = any(floor_kind(system) == "int4" or "q4" in system for system in systems)
+    record(f"cpu_peers ({args.model}{', 4-bit' if four_bit else ''})", headline(rows, ratios, args))
 
 
 def headline(
