@@ -55,6 +55,14 @@ def test_a_subscriber_sees_blocks_stored_evicted_and_replayed(tmp_path) -> None:
     engine = make_engine(MODEL, num_kv_blocks=16, kv_host_gib=32 * PER_BLOCK / 2**30,
                          kv_events_endpoint=pub, kv_events_replay_endpoint=replay)  # fmt: skip
     ctx = zmq.Context()
+    try:  # closed whatever happens: a replay thread left running would hang the suite
+        stored_evicted_replayed(engine, ctx, pub, replay)
+    finally:
+        engine.close()
+        ctx.destroy(linger=0)
+
+
+def stored_evicted_replayed(engine, ctx: zmq.Context, pub: str, replay: str) -> None:
     sub = ctx.socket(zmq.SUB)
     sub.connect(pub)
     sub.setsockopt(zmq.SUBSCRIBE, b"kv-events")
@@ -93,8 +101,6 @@ def test_a_subscriber_sees_blocks_stored_evicted_and_replayed(tmp_path) -> None:
             break
         again.append(int.from_bytes(seq, "big"))
     assert again == seqs[1:]
-    engine.close()
-    ctx.destroy(linger=0)
 
 
 def replayed(asker: Any, start: int) -> list[int]:
@@ -116,8 +122,16 @@ def test_malformed_replay_requests_are_dropped_and_the_socket_answers_on(tmp_pat
     pub, replay = f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/replay"
     engine = make_engine(MODEL, num_kv_blocks=16, kv_events_endpoint=pub,
                          kv_events_replay_endpoint=replay)  # fmt: skip
-    run_all(engine, {"a": (list(range(1, 22)), greedy(2))})
     ctx = zmq.Context()
+    try:  # closed whatever happens: a replay thread left running would hang the suite
+        run_all(engine, {"a": (list(range(1, 22)), greedy(2))})
+        malformed_then_failed(engine, ctx, replay)
+    finally:
+        engine.close()
+        ctx.destroy(linger=0)
+
+
+def malformed_then_failed(engine, ctx: zmq.Context, replay: str) -> None:
     bad = [(b"x",), (b"", b"1", b"2", b"3"), (b"nodelim", b"12345678"), (b"", b"123")]
     for frames in bad:
         asker = ctx.socket(zmq.DEALER)
@@ -126,6 +140,10 @@ def test_malformed_replay_requests_are_dropped_and_the_socket_answers_on(tmp_pat
     good = ctx.socket(zmq.DEALER)
     good.connect(replay)
     assert replayed(good, 0) == list(range(engine.blocks.events.seq))
+    # the bad requests came on sockets of their own: they may still be on their way
+    deadline = time.monotonic() + 10
+    while engine.snapshot().kv_events_malformed < len(bad) and time.monotonic() < deadline:
+        time.sleep(0.05)
     snap = engine.snapshot()
     assert snap.kv_events_replay_up is True and snap.kv_events_malformed == len(bad)
     events = engine.blocks.events
@@ -137,8 +155,6 @@ def test_malformed_replay_requests_are_dropped_and_the_socket_answers_on(tmp_pat
     good.send_multipart((b"", (0).to_bytes(8, "big")))
     events._thread.join(5)
     assert engine.snapshot().kv_events_replay_up is False
-    engine.close()
-    ctx.destroy(linger=0)
 
 
 def test_token_ids_can_be_left_out(tmp_path) -> None:
