@@ -140,7 +140,8 @@ def _rank_exited(app: Any, rank: int, status: int) -> None:
     if serving is not None:
         serving.engine.fail(error)  # /health 503; the app's watcher stops the server
         return
-    app.state.load_error = error
+    if getattr(app.state, "load_error", None) is None:  # the load's own reason first
+        app.state.load_error = error
     stop = getattr(app.state, "stop_server", None)
     if stop is not None:
         stop()
