@@ -1,6 +1,6 @@
 """The decoder layers as one C call (kernels/stack.c), for the case the CPU path is built
 around: a pre-norm RoPE/RMSNorm/SwiGLU model in bf16 whose linears all took kvserve's
-kernel layout (bf16, or all int8), over a bf16 paged cache, at every instruction-set
+kernel layout (bf16, or all int8, or all int4), over a bf16 paged cache, at every instruction-set
 level; its layers' FFNs may be mixtures of experts routed and run by kernels/experts.c
 (not Qwen2-MoE's shared expert). Same kernels, same order, same bits as the modules; it drops the per-layer Python
 between them and holds no GIL while the layers run. The model calls it through

@@ -70,7 +70,7 @@ def route(logits: Tensor, top_k: int, normalize: bool) -> tuple[Tensor, Tensor]:
 
 class ExpertKernels:
     """Every expert's packed weights (gate | up in swiglu_layout, down plain; all of
-    one `kind`, 'bf16' or 'int8'), as the pointer tables experts.c reads. The tensors
+    one `kind`, 'bf16', 'int8' or 'int4'), as the pointer tables experts.c reads. The tensors
     must outlive this (PackedExperts holds them)."""
 
     def __init__(self, w_in: list[Tensor], w_out: list[Tensor], d: int, ff: int, kind: str):

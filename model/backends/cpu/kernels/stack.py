@@ -31,7 +31,7 @@ def stack_kernels(
     experts: bool = False,
 ) -> dict[str, int | None] | None:
     """Addresses of the kernels model/backends/cpu/kernels/stack.c calls for a bf16 model whose
-    attention has this shape and whose linears are all of `kind` ('bf16' or 'int8'), at
+    attention has this shape and whose linears are all of `kind` ('bf16', 'int8' or 'int4'), at
     this CPU's level (whole_qk_norm: OLMo 2's q/k norms over every head at once; geglu:
     Gemma's GeGLU after the (gate | up) linear; experts: a mixture of experts' routing and
     experts, experts.c); None unless all of them are built here."""
