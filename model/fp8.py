@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from model.int_weights import METHODS as INT_METHODS
 from model.mxfp4 import METHOD as MXFP4
 
 E4M3 = torch.float8_e4m3fn
@@ -57,18 +58,24 @@ def dequantize(values: Tensor, scale: Tensor, block: tuple[int, int] | None = No
 
 def checkpoint_block(hf_config: dict[str, Any]) -> tuple[int, int] | None:
     """The block of a checkpoint's FP8 scales (None: per tensor or per row), from its
-    quantization_config; a quantization kvserve cannot read is a ValueError naming it."""
+    quantization_config; a quantization kvserve cannot read is a ValueError naming it
+    (integer ones are model/int_weights.py's, asked first)."""
     q = hf_config.get("quantization_config")
     if not q:
         return None
     method = q.get("quant_method")
     if method == MXFP4:  # gpt-oss's experts: their scales are model/mxfp4.py's own
         return None
-    float_format = method != "compressed-tensors" or q.get("format") == "float-quantized"
-    if method not in FP8_METHODS or not float_format:
+    if method == "compressed-tensors" and q.get("format") != "float-quantized":
         raise ValueError(
-            f"quantization_config.quant_method {method!r} is not supported "
-            f"(FP8 checkpoints are: {', '.join(FP8_METHODS)}; and gpt-oss's {MXFP4})"
+            f"compressed-tensors format {q.get('format')!r} is not supported "
+            "(compressed-tensors checkpoints are: float-quantized, pack-quantized)"
+        )
+    if method not in FP8_METHODS:
+        raise ValueError(
+            f"quantization_config.quant_method {method!r} is not supported (FP8 "
+            f"checkpoints are: {', '.join(FP8_METHODS)}; integer ones: {', '.join(INT_METHODS)}; "
+            f"and gpt-oss's {MXFP4})"
         )
     block = q.get("weight_block_size")
     if block is None:

@@ -7,7 +7,8 @@ at a time from the memory-mapped safetensors files and copied straight into a pa
 of the target dtype and device, so no second full copy of the model is ever held. A
 mixture's experts are stacked parameters (E, out, in), filled one expert at a time from
 each expert's own tensors or from one tensor that stacks them all (gpt-oss's, whose
-release stores them in MXFP4: model/mxfp4.py). A GGUF file (model/gguf.py) is read by
+release stores them in MXFP4: model/mxfp4.py). AWQ, GPTQ and compressed-tensors'
+integer weights are unpacked to their real values (model/int_weights.py). A GGUF file (model/gguf.py) is read by
 the Hugging Face names of the family it was converted from.
 """
 
@@ -31,6 +32,7 @@ from model import mxfp4
 from model.config import ModelConfig
 from model.fp8 import SCALE_SUFFIXES, checkpoint_block, dequantize
 from model.gguf import GgufFile, is_gguf, open_gguf
+from model.int_weights import Packing, packing_of
 from model.layers import rotary_order
 from model.parallel import Shares, TensorParallel
 from model.transformer import Transformer
@@ -342,31 +344,47 @@ class _Reader:
         files: dict[str, Path],
         stack: ExitStack,
         fp8_block: tuple[int, int] | None = None,
+        packing: Packing | None = None,
     ) -> None:
-        """fp8_block: the block of an FP8 checkpoint's scales (model/fp8.py)."""
+        """fp8_block: the block of an FP8 checkpoint's scales (model/fp8.py); packing:
+        how an integer checkpoint stores its weights (model/int_weights.py)."""
         self.table, self.files, self.stack = table, files, stack
-        self.fp8_block = fp8_block
+        self.fp8_block, self.packing = fp8_block, packing
         self.handles: dict[Path, Any] = {}
 
+    def _stored(self, name: str) -> str | None:
+        """The stored tensor that holds tensor `name`: itself, its MXFP4 blocks or its
+        packed integers (None: not in the checkpoint)."""
+        packed = self.packing.marker(name) if self.packing else None
+        return next((n for n in (name, name + mxfp4.BLOCKS, packed) if n in self.files), None)
+
     def resolve(self, name: str) -> str | None:
-        if name in self.files or name + mxfp4.BLOCKS in self.files:
+        if self._stored(name) is not None:
             return name
         for prefix in self.table.optional_prefixes:
-            if name.startswith(prefix) and name.removeprefix(prefix) in self.files:
+            if name.startswith(prefix) and self._stored(name.removeprefix(prefix)) is not None:
                 return name.removeprefix(prefix)
         return None
 
     def _handle(self, name: str) -> Any:
-        path = self.files[name if name in self.files else name + mxfp4.BLOCKS]
+        path = self.files[self._stored(name) or name]
         if path not in self.handles:
             self.handles[path] = self.stack.enter_context(_open(path))
         return self.handles[path]
 
     def shape(self, name: str) -> tuple[int, ...]:
-        if name not in self.files:  # MXFP4: (..., out, G, 16) blocks of (..., in, out)
+        if name + mxfp4.BLOCKS in self.files:  # (..., out, G, 16) blocks of (..., in, out)
             *lead, out, groups, _ = self.shape(name + mxfp4.BLOCKS)
             return (*lead, groups * 32, out)
+        if name not in self.files and self.packing is not None:
+            packing = self.packing
+            return self._guarded(
+                self._stored(name) or name, lambda: packing.shape(name, self.shape, self._whole)
+            )
         return self._guarded(name, lambda: tuple(self._handle(name).get_slice(name).get_shape()))
+
+    def _whole(self, name: str) -> torch.Tensor:
+        return self._guarded(name, lambda: self._handle(name).get_tensor(name))
 
     def read(
         self,
@@ -378,9 +396,12 @@ class _Reader:
         """The tensor, or only its rows / columns in those ranges (read from the file
         alone: a tensor-parallel rank reads its share); expert: of a tensor that stacks
         every expert's (E, out, in), that expert's. An MXFP4 tensor (its `_blocks` and
-        `_scales` stored) reads as the bf16 form transformers saves: (..., in, out)."""
-        if name not in self.files:
+        `_scales` stored) reads as the bf16 form transformers saves: (..., in, out); an
+        integer checkpoint's packed weight as its real values (float32)."""
+        if name + mxfp4.BLOCKS in self.files:
             return self._mxfp4(name, expert)[_index(None, rows, cols)]
+        if name not in self.files:
+            return self._unpacked(name)[_index(expert, rows, cols)]
 
         def get() -> torch.Tensor:
             if rows is None and cols is None and expert is None:
@@ -405,6 +426,16 @@ class _Reader:
         b = self._guarded(blocks, lambda: self._handle(blocks).get_slice(blocks)[at])
         s = self._guarded(scales, lambda: self._handle(scales).get_slice(scales)[at])
         return self._guarded(blocks, lambda: mxfp4.dequantize(b, s)).transpose(-1, -2)
+
+    def _unpacked(self, name: str) -> torch.Tensor:
+        """An integer checkpoint's weight, its real values (float32)."""
+        assert self.packing is not None
+        packing = self.packing
+        stored = self._stored(name) or name
+        return self._guarded(
+            stored,
+            lambda: packing.dequantize(name, lambda n: self._whole(n) if n in self.files else None),
+        )
 
     def _fp8(self, name: str) -> torch.Tensor:
         """An FP8 tensor's real values (float32), by the scales stored beside it."""
@@ -588,14 +619,22 @@ def load_model(
     if not native and table is None:
         raise CheckpointError(f"{root / 'config.json'}: unknown architecture {cfg.architecture!r}")
     files = _weight_files(root)
-    try:
-        block = None if native else checkpoint_block(read_json(root / "config.json"))
-    except ValueError as exc:
-        raise CheckpointError(f"{root / 'config.json'}: {exc}") from None
+    block, packing = (None, None) if native else _quantization(root / "config.json")
     with ExitStack() as stack:
-        reader = _Reader(table or NameTable(names={}), files, stack, block)
+        reader = _Reader(table or NameTable(names={}), files, stack, block, packing)
         label = NATIVE_CONFIG if native else "config.json"
         return _populate(cfg, reader, table, tp, dtype, torch.device(device), root, label)
+
+
+def _quantization(config: Path) -> tuple[tuple[int, int] | None, Packing | None]:
+    """A Hugging Face checkpoint's FP8 scale block and integer packing (both None: not
+    quantized); a quantization kvserve cannot read stops the load naming it."""
+    hf = read_json(config)
+    try:
+        packing = packing_of(hf)
+        return (None if packing else checkpoint_block(hf)), packing
+    except ValueError as exc:
+        raise CheckpointError(f"{config}: {exc}") from None
 
 
 def _load_gguf(

@@ -114,9 +114,9 @@ def test_unreadable_quantizations_stop_the_load_naming_them(tmp_path: Path) -> N
     _as_fp8_checkpoint(tmp_path / "bf16", tmp_path / "fp8", (16, 16))
     config = json.loads((tmp_path / "fp8" / "config.json").read_text())
     (tmp_path / "fp8" / "config.json").write_text(
-        json.dumps({**config, "quantization_config": {"quant_method": "gptq", "bits": 4}})
+        json.dumps({**config, "quantization_config": {"quant_method": "bitsandbytes", "bits": 4}})
     )
-    with pytest.raises(CheckpointError, match="quant_method 'gptq' is not supported"):
+    with pytest.raises(CheckpointError, match="quant_method 'bitsandbytes' is not supported"):
         load_model(tmp_path / "fp8")
     tensors = load_file(str(tmp_path / "fp8" / "model.safetensors"))
     name = "model.layers.0.self_attn.q_proj.weight"

@@ -14,13 +14,16 @@ from tests.factories import (
     write_granite,
     write_llama,
     write_mistral,
+    write_mixtral,
     write_olmo2,
+    write_olmoe,
     write_phi3,
     write_qwen2,
     write_qwen2_moe,
     write_qwen3,
     write_qwen3_moe,
 )
+from tests.int_checkpoints import packed_from
 
 # the checkpoints the tensor-parallel tests split: K/V heads split over 2 ranks, and
 # fewer K/V heads than ranks (each holds a replica), q/k/v biases, GPT-2's fused Conv1D
@@ -43,6 +46,10 @@ WRITERS = {
     # replicated (a dense layer among the sparse ones; a shared expert behind its gate)
     "qwen3_moe": write_qwen3_moe,
     "qwen2_moe": write_qwen2_moe,
+    "mixtral": write_mixtral,  # top 2 of 4, renormalized
+    "olmoe": write_olmoe,  # q/k norms over the whole projections, split by head
+    # GPTQ experts (activation order): each rank unpacks, then takes its share
+    "qwen3_moe_gptq": lambda p: packed_from(write_qwen3_moe, p, "gptq", group=32, desc_act=True),
     # sinks split by head, expert biases (down's added once), windows beside global layers
     "gpt_oss": write_gpt_oss,
 }
