@@ -17,10 +17,16 @@ FP8 matmuls read, the activations unquantized):
                share of positions where the two runs chose the same token, and the mean
                length of the identical prefix
 
+With --files NAME=PATH (a GGUF file or an AWQ/GPTQ folder of the 180M checkpoint), each
+file is loaded as it is (its weights dequantized to bf16) and with --quantization, both
+against the 180M checkpoint's bf16: what the file's own 4 bits cost, and what kvserve's
+--quantization adds on top of them.
+
 Prints a table and writes JSON (--out).
 
     PYTHONPATH=. .venv/bin/python benchmarks/int8_quality.py --peers ../peers
-    PYTHONPATH=. .venv/bin/python benchmarks/int8_quality.py --quantization int4 --peers ../peers
+    PYTHONPATH=. .venv/bin/python benchmarks/int8_quality.py --quantization int4 --peers ../peers \
+        --files q4_0=../peers/models/llama-cl100k-135m-Q4_0.gguf
     PYTHONPATH=. .venv/bin/python benchmarks/int8_quality.py --quantization fp8
 """
 
@@ -92,9 +98,10 @@ def greedy(eng: LLMEngine, prompts: list[list[int]], n: int) -> list[list[int]]:
 
 
 @torch.no_grad()
-def compare(path: Path, args: argparse.Namespace) -> dict[str, Any]:
+def compare(ref: Path, path: Path, quantization: str, args: argparse.Namespace) -> dict[str, Any]:
+    """ref's bf16 against path's with `quantization`."""
     backend = "torch" if args.quantization == "fp8" else "cpu"
-    bf16, quant = engine(path, "none", backend), engine(path, args.quantization, backend)
+    bf16, quant = engine(ref, "none", backend), engine(path, quantization, backend)
     cfg = bf16.model.cfg
     gen = torch.Generator().manual_seed(args.seed)
     length = min(args.prompt_len, cfg.max_position - args.output_len)
@@ -143,6 +150,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quantization", choices=["int8", "int4", "fp8"], default="int8")
+    ap.add_argument("--files", nargs="*", default=[], metavar="NAME=PATH")
     ap.add_argument(
         "--out", default=None, help="default: benchmarks/out/<quantization>_quality.json"
     )
@@ -151,12 +159,17 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, path in checkpoints(Path(tmp), args.peers).items():
-            results[name] = compare(path, args)
+        paths = checkpoints(Path(tmp), args.peers)
+        runs = [(name, path, path, args.quantization) for name, path in paths.items()]
+        for name, file in (f.split("=", 1) for f in args.files):
+            for q in ("none", args.quantization):
+                runs.append((f"{name} ({q})", paths["llama3-180m"], Path(file), q))
+        for name, ref, path, q in runs:
+            results[name] = compare(ref, path, q, args)
             print(name, json.dumps({k: round(v, 4) for k, v in results[name].items()}), flush=True)
     print()
     print(
-        f"| checkpoint | {args.quantization} linears | logit max err | logit mean err | mean err / logit std | top-1 agreement (teacher-forced) | mean KL (nats) | greedy same token | greedy identical prefix |"
+        "| checkpoint | quantized linears | logit max err | logit mean err | mean err / logit std | top-1 agreement (teacher-forced) | mean KL (nats) | greedy same token | greedy identical prefix |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():

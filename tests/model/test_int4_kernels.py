@@ -66,6 +66,21 @@ def test_quantize_keeps_each_groups_nearest_cut() -> None:
     assert int4_pack(w).numel() == 128 * 96 // 2 + 128 * 96 // INT4_GROUP * 4  # 5/8 a weight
 
 
+def test_a_4bit_checkpoints_grid_is_kept() -> None:
+    """Weights that lie on a grid of 16 levels per 128 (a GPTQ/AWQ file's, rounded to the
+    bf16 they are served in: a group of 32 spans fewer levels) come back on their own
+    levels, within a tenth of a step; the plain range would misplace them by up to half
+    a step and more."""
+    g = torch.Generator().manual_seed(0)
+    scale = (torch.rand(64, 2, generator=g) * 0.02 + 0.001).repeat_interleave(128, dim=1)
+    u = torch.round(torch.randn(64, 256, generator=g) * 2.5 + 8).clamp(0, 15)
+    w = ((u - 8) * scale).to(torch.bfloat16).float()
+    q, d, m = int4_quantize(w)
+    assert ((int4_dequantize(q, d, m) - w).abs() <= 0.1 * scale).all()
+    lo, hi = w.reshape(64, -1, INT4_GROUP).amin(dim=2), w.reshape(64, -1, INT4_GROUP).amax(dim=2)
+    assert ((hi - lo) / scale[:, ::INT4_GROUP] < 14.5).any()  # groups of under 16 levels
+
+
 @pytest.mark.parametrize("rows", [1, 2, 5, 16])
 def test_int4_gives_the_references_bits_at_every_level(isa: str, rows: int) -> None:
     w, bias = weights(192, 128)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+from collections.abc import Iterator
 
 import torch
 
@@ -110,35 +111,61 @@ def int4_supported(weight: torch.Tensor) -> bool:
 # squared error taken (the plain min..max range is the first)
 INT4_CUTS = ((0.0, 0.0), (0.0, 0.05), (0.05, 0.0), (0.05, 0.05), (0.0, 0.1), (0.1, 0.0),
              (0.1, 0.1), (0.05, 0.1), (0.1, 0.05))  # fmt: skip
+# and, for a group of 16 distinct values or fewer, its uncut range in these fewer steps: a
+# 4-bit checkpoint's group (AWQ, GPTQ, GGUF) is then held on its own levels
+INT4_STEPS = tuple(range(1, 15))
+
+
+def _int4_cuts(lo: torch.Tensor, hi: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Each (m, d) of INT4_CUTS for groups ranging lo..hi, rounded to bf16."""
+    width = hi - lo
+    for low_cut, high_cut in INT4_CUTS:
+        m = (lo + low_cut * width).to(torch.bfloat16)
+        yield m, ((hi - high_cut * width - m.float()) / 15).to(torch.bfloat16)
+
+
+def _int4_steps(lo: torch.Tensor, hi: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Each (m, d) of INT4_STEPS for groups ranging lo..hi, rounded to bf16."""
+    m = lo.to(torch.bfloat16)
+    for steps in INT4_STEPS:
+        yield m, ((hi - m.float()) / steps).to(torch.bfloat16)
+
+
+def _nearest(
+    groups: torch.Tensor, grids: Iterator[tuple[torch.Tensor, torch.Tensor]]
+) -> list[torch.Tensor]:
+    """[squared error, q, d, m] of groups (..., 32) rounded to nearest on the grid (m, d)
+    of `grids` that puts them nearest."""
+    best: list[torch.Tensor] = []
+    for m, d in grids:
+        step = torch.where(d.float() > 0, d.float(), 1.0)
+        q = torch.round((groups - m.float()[..., None]) / step[..., None]).clamp(0, 15)
+        err = (q * d.float()[..., None] + m.float()[..., None] - groups).square().sum(dim=-1)
+        if not best:
+            best = [err, q, d, m]
+            continue
+        better = err < best[0]
+        best = [torch.where(better, err, best[0]), torch.where(better[..., None], q, best[1]),
+                torch.where(better, d, best[2]), torch.where(better, m, best[3])]  # fmt: skip
+    return best
 
 
 def int4_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(N, K) -> q (N, K) uint8 in 0..15, d and m (N, K/32) bf16, each group of 32 k
-    w ~ d * q + m: for each of INT4_CUTS the group's range [min, max] cut at its ends,
-    m its low end and d its width / 15 (both rounded to bf16 first, q rounded to
-    nearest against the rounded ones), the cut whose weights are nearest (least squared
-    error) kept."""
+    w ~ d * q + m, rounded to nearest on the nearest of its candidate grids (INT4_CUTS;
+    INT4_STEPS too for a group of 16 distinct values or fewer)."""
     w = weight.detach().float()
     n, k = w.shape
     groups = w.reshape(n, k // INT4_GROUP, INT4_GROUP)
     lo, hi = groups.amin(dim=2), groups.amax(dim=2)
-    best = None
-    for low_cut, high_cut in INT4_CUTS:
-        width = hi - lo
-        m = (lo + low_cut * width).to(torch.bfloat16)
-        d = ((hi - high_cut * width - m.float()) / 15).to(torch.bfloat16)
-        step = torch.where(d.float() > 0, d.float(), 1.0)
-        q = torch.round((groups - m.float()[..., None]) / step[..., None]).clamp(0, 15)
-        err = (q * d.float()[..., None] + m.float()[..., None] - groups).square().sum(dim=2)
-        if best is None:
-            best = [err, q, d, m]
-            continue
-        better = err < best[0]
-        best[0] = torch.where(better, err, best[0])
-        best[1] = torch.where(better[..., None], q, best[1])
-        best[2] = torch.where(better, d, best[2])
-        best[3] = torch.where(better, m, best[3])
-    _, q, d, m = best
+    err, q, d, m = _nearest(groups, _int4_cuts(lo, hi))
+    few = (groups.sort(dim=2).values.diff(dim=2) > 0).sum(dim=2) < 16
+    if few.any():
+        e, q2, d2, m2 = _nearest(groups[few], _int4_steps(lo[few], hi[few]))
+        better = e < err[few]
+        q[few] = torch.where(better[:, None], q2, q[few])
+        d[few] = torch.where(better, d2, d[few])
+        m[few] = torch.where(better, m2, m[few])
     return q.reshape(n, k).to(torch.uint8), d, m
 
 
