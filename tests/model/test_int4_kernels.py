@@ -12,6 +12,7 @@ from model.backends.cpu.kernels.linear import (
     int4_dequantize,
     int4_pack,
     int4_quantize,
+    int4_quantize_reference,
     int4_supported,
     swiglu_layout,
     tile_linear,
@@ -64,6 +65,20 @@ def test_quantize_keeps_each_groups_nearest_cut() -> None:
     assert ((plain - groups).abs() <= d0[..., None] / 2 + groups.abs() / 128 + 1e-7).all()
     assert (err <= (plain - groups).square().sum(dim=2) + 1e-9).all()
     assert int4_pack(w).numel() == 128 * 96 // 2 + 128 * 96 // INT4_GROUP * 4  # 5/8 a weight
+
+
+def test_the_c_rounding_is_the_references_at_every_level(isa: str) -> None:
+    """linear_vec.c's int4_quantize gives the torch reference's q, d and m bit for bit:
+    weights of several scales (ties and zero groups among them) and a 4-bit grid."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(192, 256, generator=g) * torch.logspace(-4, 1, 192)[:, None]
+    w[5, :64] = 0  # zero groups: d 0
+    w[7] = torch.round(w[7] * 4) / 4  # groups of few levels
+    grid = ((torch.randint(0, 16, (64, 256), generator=g) - 8) * 0.013).to(torch.bfloat16)
+    for weight in (w, w.to(torch.bfloat16), grid):
+        got, want = int4_quantize(weight), int4_quantize_reference(weight)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 def test_a_4bit_checkpoints_grid_is_kept() -> None:

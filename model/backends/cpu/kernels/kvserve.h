@@ -70,6 +70,12 @@ void linear_int8(const uint16_t *x, const uint16_t *w, const float *bias, uint16
  * scale and minimum: model/backends/cpu/kernels/linear.py). */
 void linear_int4(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
                  uint16_t *scratch, int m, int n, int k, int nthreads);
+/* int4_quantize: float32 weights, `groups` groups of 32 k one after another, rounded to
+ * 4 bits as linear.py's int4_quantize describes (cuts: ncuts (low, high) pairs; the
+ * uncut range in 1..nsteps steps for a group of 16 distinct values or fewer): q a byte
+ * a weight (0..15), d and m a bf16 each a group. */
+void int4_quantize(const float *w, uint8_t *q, uint16_t *d, uint16_t *m, const float *cuts,
+                   int ncuts, int nsteps, int groups, int nthreads);
 
 /* stack.c: the decoder layers as one call, over the kernels above as function pointers */
 typedef void (*norm_fn)(uint16_t *x, const uint16_t *delta, const uint16_t *weight,

@@ -42,7 +42,7 @@ def _vector(isa: str) -> ctypes.CDLL | None:
     lib = build("linear_vec.c", (*VECTOR_FLAGS, *isa_flags(isa)), isa)
     if lib is None:
         return None
-    bind(lib, "linear_bf16_vec", "linear_int8", "linear_int4", "linear_vec_init")
+    bind(lib, "linear_bf16_vec", "linear_int8", "linear_int4", "int4_quantize", "linear_vec_init")
     if not lib.linear_vec_init():  # the amx build, where the OS refuses the tile state
         log.info("no AMX tiles here: int8 linears run in vector code")
         return None
@@ -140,7 +140,7 @@ def _nearest(
     for m, d in grids:
         step = torch.where(d.float() > 0, d.float(), 1.0)
         q = torch.round((groups - m.float()[..., None]) / step[..., None]).clamp(0, 15)
-        err = (q * d.float()[..., None] + m.float()[..., None] - groups).square().sum(dim=-1)
+        err = _sum_in_order((q * d.float()[..., None] + m.float()[..., None] - groups).square())
         if not best:
             best = [err, q, d, m]
             continue
@@ -150,14 +150,43 @@ def _nearest(
     return best
 
 
+def _sum_in_order(x: torch.Tensor) -> torch.Tensor:
+    """x summed over its last dimension one element after another (as C's loop adds)."""
+    total = x[..., 0].clone()
+    for i in range(1, x.shape[-1]):
+        total += x[..., i]
+    return total
+
+
 def int4_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(N, K) -> q (N, K) uint8 in 0..15, d and m (N, K/32) bf16, each group of 32 k
     w ~ d * q + m, rounded to nearest on the nearest of its candidate grids (INT4_CUTS;
-    INT4_STEPS too for a group of 16 distinct values or fewer)."""
+    INT4_STEPS too for a group of 16 distinct values or fewer), the first of the least
+    squared error: linear_vec.c's int4_quantize where it is built (threads over the
+    groups), else int4_quantize_reference, the same arithmetic in torch."""
+    lib = _vector(linear_isa("int4"))
+    if lib is None:
+        return int4_quantize_reference(weight)
+    w = weight.detach().float().contiguous()
+    n, k = w.shape
+    q = torch.empty((n, k), dtype=torch.uint8)
+    d = torch.empty((n, k // INT4_GROUP), dtype=torch.bfloat16)
+    m = torch.empty_like(d)
+    cuts = torch.tensor(INT4_CUTS, dtype=torch.float32)
+    lib.int4_quantize(w.data_ptr(), q.data_ptr(), d.data_ptr(), m.data_ptr(), cuts.data_ptr(),
+                      len(INT4_CUTS), len(INT4_STEPS), n * k // INT4_GROUP,
+                      torch.get_num_threads())  # fmt: skip
+    return q, d, m
+
+
+def int4_quantize_reference(
+    weight: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int4_quantize in torch: the readable form the C is checked against."""
     w = weight.detach().float()
     n, k = w.shape
     groups = w.reshape(n, k // INT4_GROUP, INT4_GROUP)
-    lo, hi = groups.amin(dim=2), groups.amax(dim=2)
+    lo, hi = groups.amin(dim=2) + 0.0, groups.amax(dim=2) + 0.0  # -0 to +0
     err, q, d, m = _nearest(groups, _int4_cuts(lo, hi))
     few = (groups.sort(dim=2).values.diff(dim=2) > 0).sum(dim=2) < 16
     if few.any():

@@ -1007,3 +1007,77 @@ void linear_int4(const uint16_t *x, const uint16_t *w, const float *bias, uint16
             }
         }
 }
+
+/* ---- int4 weights' rounding at load (linear.py's int4_quantize: the same arithmetic) ---- */
+
+/* A group's weights g rounded on the grid (mf, df): q, and the squared error summed in
+ * k order (no contraction: the torch reference's sums). */
+static float int4_try(const float *g, float mf, float df, uint8_t *q) {
+    const float step = df > 0.f ? df : 1.f;
+    float sq[INT4_GROUP];
+    for (int i = 0; i < INT4_GROUP; ++i) {  /* vectorized */
+        float v = nearbyintf((g[i] - mf) / step);
+        v = v < 0.f ? 0.f : (v > 15.f ? 15.f : v);
+        q[i] = (uint8_t)v;
+        const float e = (v * df + mf) - g[i];
+        sq[i] = e * e;
+    }
+    float err = 0.f;
+    for (int i = 0; i < INT4_GROUP; ++i) err += sq[i];
+    return err;
+}
+
+/* Whether a group of INT4_GROUP holds 16 distinct values or fewer (stops at the 17th). */
+static int int4_few_levels(const float *g) {
+    float seen[16];
+    int n = 0;
+    for (int i = 0; i < INT4_GROUP; ++i) {
+        int j = 0;
+        while (j < n && seen[j] != g[i]) ++j;
+        if (j < n) continue;
+        if (n == 16) return 0;
+        seen[n++] = g[i];
+    }
+    return 1;
+}
+
+/* One group: every candidate grid tried in order, the first with the least error kept. */
+static void int4_group(const float *g, const float *cuts, int ncuts, int nsteps, uint8_t *q,
+                       uint16_t *d, uint16_t *m) {
+    float lo = g[0], hi = g[0];
+    for (int i = 1; i < INT4_GROUP; ++i) {
+        lo = g[i] < lo ? g[i] : lo;
+        hi = g[i] > hi ? g[i] : hi;
+    }
+    lo += 0.f;  /* -0 to +0: which zero a min or max keeps is the implementation's */
+    hi += 0.f;
+    const float width = hi - lo;
+    const int candidates = ncuts + (int4_few_levels(g) ? nsteps : 0);
+    float best = 0.f;
+    uint8_t trial[INT4_GROUP];
+    for (int c = 0; c < candidates; ++c) {
+        uint16_t mc, dc;
+        if (c < ncuts) {
+            mc = f32_to_bf16(lo + cuts[2 * c] * width);
+            dc = f32_to_bf16((hi - cuts[2 * c + 1] * width - bf16_to_f32(mc)) / 15.f);
+        } else {
+            mc = f32_to_bf16(lo);
+            dc = f32_to_bf16((hi - bf16_to_f32(mc)) / (float)(c - ncuts + 1));
+        }
+        const float err = int4_try(g, bf16_to_f32(mc), bf16_to_f32(dc), trial);
+        if (c == 0 || err < best) {
+            best = err;
+            memcpy(q, trial, INT4_GROUP);
+            *d = dc;
+            *m = mc;
+        }
+    }
+}
+
+void int4_quantize(const float *w, uint8_t *q, uint16_t *d, uint16_t *m, const float *cuts,
+                   int ncuts, int nsteps, int groups, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1)
+    for (int g = 0; g < groups; ++g)
+        int4_group(w + (long)g * INT4_GROUP, cuts, ncuts, nsteps, q + (long)g * INT4_GROUP,
+                   d + g, m + g);
+}
