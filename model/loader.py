@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from model.demo import DEMO_MODEL_ID, build_demo_model
 from model.gguf import is_gguf
@@ -27,14 +29,16 @@ def load(
     dtype: torch.dtype,
     device: torch.device,
     tp: TensorParallel | None = None,
+    on_layer: Callable[[nn.Module], None] | None = None,
 ) -> LoadedModel:
-    """tp: load this tensor-parallel rank's share (model/parallel.py)."""
+    """tp: load this tensor-parallel rank's share (model/parallel.py); on_layer(block):
+    each decoder layer of a checkpoint as soon as it is read (a backend's prepare_layer)."""
     if model_path is None:
         demo = build_demo_model(dtype, device)
         demo = share_of(demo, tp) if tp is not None else demo
         return LoadedModel(demo, Tokenizer.default(), DEMO_MODEL_ID)
     root = Path(model_path)
-    model = load_model(root, dtype=dtype, device=device, tp=tp)
+    model = load_model(root, dtype=dtype, device=device, tp=tp, on_layer=on_layer)
     source = Tokenizer.file_in(root)
     tokenizer = tokenizer_for(root)
     vocab = model.cfg.vocab_size

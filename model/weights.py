@@ -607,12 +607,14 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     tp: TensorParallel | None = None,
+    on_layer: Callable[[nn.Module], None] | None = None,
 ) -> Transformer:
-    """Load a native or Hugging Face (Llama, Qwen2, GPT-2) model directory; with `tp`,
-    this rank's share of it, reading only that share of each tensor."""
+    """Load a native or Hugging Face model directory or a GGUF file; with `tp`, this
+    rank's share of it, reading only that share of each tensor; on_layer(block): each
+    decoder layer as soon as it is read (a backend's prepare_layer)."""
     root = Path(model_dir)
     if is_gguf(root):
-        return _load_gguf(_open_gguf(root), tp, dtype, torch.device(device))
+        return _load_gguf(_open_gguf(root), tp, dtype, torch.device(device), on_layer)
     cfg = load_config(root)
     native = (root / NATIVE_CONFIG).exists()
     table = None if native else NAME_TABLES.get(cfg.architecture)
@@ -623,7 +625,8 @@ def load_model(
     with ExitStack() as stack:
         reader = _Reader(table or NameTable(names={}), files, stack, block, packing)
         label = NATIVE_CONFIG if native else "config.json"
-        return _populate(cfg, reader, table, tp, dtype, torch.device(device), root, label)
+        return _populate(cfg, reader, table, tp, dtype, torch.device(device), root, label,
+                         on_layer)  # fmt: skip
 
 
 def _quantization(config: Path) -> tuple[tuple[int, int] | None, Packing | None]:
@@ -638,13 +641,17 @@ def _quantization(config: Path) -> tuple[tuple[int, int] | None, Packing | None]
 
 
 def _load_gguf(
-    f: GgufFile, tp: TensorParallel | None, dtype: torch.dtype, device: torch.device
+    f: GgufFile,
+    tp: TensorParallel | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    on_layer: Callable[[nn.Module], None] | None,
 ) -> Transformer:
     """A GGUF file's model, its tensors read by their Hugging Face names (model/gguf.py)."""
     cfg = _gguf_config(f)
     try:
         return _populate(cfg, f, NAME_TABLES[cfg.architecture], tp, dtype, device, f.path,
-                         "GGUF metadata")  # fmt: skip
+                         "GGUF metadata", on_layer)  # fmt: skip
     except ValueError as exc:
         if isinstance(exc, CheckpointError):
             raise
@@ -670,38 +677,81 @@ def _populate(
     device: torch.device,
     root: object,
     config_name: str,
+    on_layer: Callable[[nn.Module], None] | None = None,
 ) -> Transformer:
+    """The model read through `reader`; on_layer(block): each decoder layer, once all of
+    its parameters are read (a backend's prepare_layer)."""
     with torch.device("meta"):
         model = Transformer(cfg, tp)
         whole = Transformer(cfg) if tp is not None else model  # the unsplit shapes
     shapes = {n: tuple(p.shape) for n, p in whole.named_parameters()}
+    filling: int | None = None  # the layer whose parameters are being read
     for name, param in list(model.named_parameters()):
         match = _LAYER.match(name)
-        key = _LAYER.sub("layers.{i}.", name) if match else name
-        i = match.group(1) if match else ""
-        templates = table.names.get(key) if table else (name,)
-        if templates is None:
-            raise CheckpointError(f"{root}: no checkpoint name known for parameter {name}")
-        target = torch.zeros(param.shape, dtype=dtype, device=device)
-        transpose = table is not None and key in table.transposed
-        hint = f"{config_name} ({_shape_fields(cfg, name)})"
-        local = _LAYER.sub("", name)
-        shares = model.shares
-        if shares is None or shares.split(local) != "row_bias" or shares.rank == 0:
-            # an expert stack one expert at a time; any other parameter whole
-            for e in range(param.shape[0]) if local in EXPERT_STACKS else (None,):
-                found, expert = _sources(reader, templates, i, e, root, name)
-                full = shapes[name][1:] if e is not None else shapes[name]
-                mixed = table is not None and key in table.interleaved
-                parts = _parts(cfg, local, found, full, shares, expert, mixed)
-                _fill(target[e] if e is not None else target, parts, reader, transpose, hint)
-        if table is not None and key in table.plus_one:
-            target += 1
-        _set_param(model, name, target)
-    if table is not None and cfg.rotary < cfg.head_dim:
-        _reorder_rotary(model)
+        layer = int(match.group(1)) if match else None
+        if filling is not None and layer != filling:
+            _finish_layer(model, filling, table, on_layer)
+        filling = layer
+        value = _read_param(model, name, param.shape, shapes[name], reader, table, dtype, device,
+                            (root, config_name))  # fmt: skip
+        _set_param(model, name, value)
+    if filling is not None:
+        _finish_layer(model, filling, table, on_layer)
     model.rebuild_tables(device)
     return model.eval()
+
+
+def _read_param(
+    model: Transformer,
+    name: str,
+    shape: torch.Size,
+    full_shape: tuple[int, ...],
+    reader: _Reader | GgufFile,
+    table: NameTable | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    where: tuple[object, str],
+) -> torch.Tensor:
+    """Parameter `name` (this rank's `shape` of the model's `full_shape`) read from its
+    checkpoint tensors; where: the checkpoint and its config's name, for errors."""
+    root, config_name = where
+    cfg, match = model.cfg, _LAYER.match(name)
+    key = _LAYER.sub("layers.{i}.", name) if match else name
+    i = match.group(1) if match else ""
+    templates = table.names.get(key) if table else (name,)
+    if templates is None:
+        raise CheckpointError(f"{root}: no checkpoint name known for parameter {name}")
+    target = torch.zeros(shape, dtype=dtype, device=device)
+    transpose = table is not None and key in table.transposed
+    hint = f"{config_name} ({_shape_fields(cfg, name)})"
+    local = _LAYER.sub("", name)
+    shares = model.shares
+    if shares is None or shares.split(local) != "row_bias" or shares.rank == 0:
+        # an expert stack one expert at a time; any other parameter whole
+        for e in range(shape[0]) if local in EXPERT_STACKS else (None,):
+            found, expert = _sources(reader, templates, i, e, root, name)
+            full = full_shape[1:] if e is not None else full_shape
+            mixed = table is not None and key in table.interleaved
+            parts = _parts(cfg, local, found, full, shares, expert, mixed)
+            _fill(target[e] if e is not None else target, parts, reader, transpose, hint)
+    if table is not None and key in table.plus_one:
+        target += 1
+    return target
+
+
+def _finish_layer(
+    model: Transformer,
+    i: int,
+    table: NameTable | None,
+    on_layer: Callable[[nn.Module], None] | None,
+) -> None:
+    """Layer i read whole: a partially rotated checkpoint's q/k rows put in kvserve's
+    order, then on_layer(layer)."""
+    block = model.layers[i]
+    if table is not None and model.cfg.rotary < model.cfg.head_dim:
+        _reorder_rotary(block, model.local_cfg)
+    if on_layer is not None:
+        on_layer(block)
 
 
 def _sources(
@@ -724,17 +774,15 @@ def _sources(
     return [s for s in sources if s is not None], expert if stacked else None
 
 
-def _reorder_rotary(model: Transformer) -> None:
-    """A partially rotated checkpoint's q and k rows, each head put in kvserve's order
-    (layers.rotary_order): this model's heads (a rank's share) in every layer."""
-    cfg = model.local_cfg
+def _reorder_rotary(block: nn.Module, cfg: ModelConfig) -> None:
+    """A partially rotated checkpoint's q and k rows of one layer, each head put in
+    kvserve's order (layers.rotary_order); cfg: the layer's (a rank's share) config."""
     dh, heads = cfg.head_dim, cfg.n_heads + cfg.kv_heads  # q's heads, then k's
     order = rotary_order(dh, cfg.rotary)
     rows = (torch.arange(heads)[:, None] * dh + order.to(torch.long)).flatten()
-    for block in model.layers:
-        for param in (block.attn.wqkv.weight, block.attn.wqkv.bias):
-            if param is not None:
-                param.data[: heads * dh] = param.data[rows]
+    for param in (block.attn.wqkv.weight, block.attn.wqkv.bias):
+        if param is not None:
+            param.data[: heads * dh] = param.data[rows]
 
 
 def save_native(model: Transformer, model_dir: str | Path) -> None:

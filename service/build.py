@@ -18,16 +18,18 @@ from typing import Any
 import torch
 
 from model.audit import audit, floors
+from model.backends import Backend
 from model.backends.device import dtype_name, pick_device, pick_dtype
 from model.backends.machine import matmul_throughput, memory_bandwidth
 from model.hub import ModelNotFound, ModelSource, resolve
-from model.loader import load
+from model.loader import LoadedModel, load
 from model.parallel import TensorParallel, join, unsplittable
 from model.tokenizer import Tokenizer
 from model.transformer import Transformer
 from model.weights import load_config
 from service.config import Settings, quantization_conflict
 from service.engine.core.engine import LLMEngine
+from service.engine.core.parts import engine_backend
 from service.engine.core.stats import EngineObserver
 from service.engine.kv.blocks import BlockManager
 from service.engine.process import core
@@ -69,11 +71,11 @@ def build(
     tp = _join_ranks(settings, device, source.path if source else None)
     if tp is not None and device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", tp.rank)))
-    loaded = load(source.path if source else None, dtype, device, tp)
+    loaded, backend = _load_prepared(settings, source, device, dtype, tp)
     model_id = settings.served_model_name or (source.model_id if source else loaded.model_id)
     draft = _load_draft(draft_source, dtype, device, loaded.tokenizer)
     engine = LLMEngine.build(
-        loaded.model, loaded.tokenizer, settings.engine, draft, observer(model_id)
+        loaded.model, loaded.tokenizer, settings.engine, draft, observer(model_id), backend
     )
     world = tp.world if tp is not None else 1
     report = _report(settings, engine, dtype, device, world)
@@ -108,6 +110,25 @@ def build(
         floors=measure_floors,
         device_memory=device_memory,
     )
+
+
+def _load_prepared(
+    settings: Settings,
+    source: ModelSource | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    tp: TensorParallel | None,
+) -> tuple[LoadedModel, Backend | None]:
+    """The model, and the engine's backend chosen from the checkpoint's config before
+    its weights are read, so that it prepares each layer as the load reads it (the CPU
+    packs a layer's linears: the load then holds one layer unpacked, not the model);
+    the demo model without one."""
+    if source is None:
+        return load(None, dtype, device, tp), None
+    cfg = load_config(source.path)
+    backend = engine_backend(settings.engine, device, dtype, tp.shares(cfg).local if tp else cfg)
+    prepare = functools.partial(backend.prepare_layer, quantization=settings.quantization)
+    return load(source.path, dtype, device, tp, prepare), backend
 
 
 def _report(

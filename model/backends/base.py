@@ -81,6 +81,12 @@ class Backend(Protocol):
         """Put the weights in the layouts this backend's linears read; whether it did."""
         ...
 
+    def prepare_layer(self, block: nn.Module, quantization: str = "none") -> None:
+        """The part of prepare() one decoder layer takes, done as the load fills that
+        layer (the load then holds one layer in the serving dtype beside the prepared
+        ones, not the whole model); prepare() does the rest."""
+        ...
+
     def metadata(
         self,
         block_tables: Sequence[Sequence[int]],

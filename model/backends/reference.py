@@ -83,6 +83,9 @@ class TorchBackend:
             )
         return False
 
+    def prepare_layer(self, block: nn.Module, quantization: str = "none") -> None:
+        """Nothing: the reference's layouts are the checkpoint's (FP8 is converted whole)."""
+
     # ---- per step --------------------------------------------------------------------
 
     def metadata(

@@ -34,8 +34,8 @@ from model.backends.cpu.kernels.fused import (
     softcap_,
 )
 from model.backends.cpu.kernels.linear import linear_isa
-from model.backends.cpu.packed import linear_kernels, pack_model
-from model.backends.cpu.pages import HugeArena
+from model.backends.cpu.packed import can_pack, linear_kernels, pack_model, swap_linears
+from model.backends.cpu.pages import HugeArena, release_free_heap
 from model.backends.cpu.stack import DecoderStack
 from model.backends.reference import (
     TorchBackend,
@@ -158,7 +158,15 @@ class CpuBackend(TorchBackend):
             )
         packed = prepare_model(model, quantization)
         self.linears = Counter(linear_kernels(model))
+        release_free_heap()
         return packed
+
+    def prepare_layer(self, block: nn.Module, quantization: str = "none") -> None:
+        """The layer's linears packed (packed.swap_linears) where prepare() will pack the
+        model: prepare() keeps them and packs the rest."""
+        if quantization in ("none", "int8", "int4") and can_pack(block):
+            swap_linears(block, quantization)
+            release_free_heap()
 
     def greedy(self, logits: Tensor) -> list[int]:
         if logits.is_contiguous() and logits.dtype in (torch.float32, torch.bfloat16):

@@ -232,10 +232,13 @@ def _linear(weight: Tensor, bias: Tensor | None = None) -> nn.Linear:
     return linear
 
 
-def can_pack(model: nn.Module) -> bool:
+def can_pack(module: nn.Module) -> bool:
+    """Whether a model's (or one of its layers') linears pack: bf16 weights on the CPU."""
+    weight = next(module.parameters(), None)
     return (
-        model.device.type == "cpu"
-        and model.dtype == torch.bfloat16
+        weight is not None
+        and weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
         and torch.backends.mkldnn.is_available()
     )
 

@@ -91,3 +91,20 @@ class HugeArena:
         """A copy of CPU tensor t in the arena (same dtype and shape); once the caller
         drops t, its memory is free again."""
         return self.empty(tuple(t.shape), t.dtype).copy_(t)
+
+
+@functools.cache
+def _malloc_trim() -> ctypes._CFuncPtr | None:
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc's; musl has none
+    if trim is not None:
+        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+def release_free_heap() -> None:
+    """Hand the heap's free pages back to the OS. Packing frees the load's weights as it
+    goes, thousands of small blocks between long-lived ones, which the C heap keeps
+    resident until asked."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)

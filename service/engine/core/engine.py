@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import time
 
+from model.backends import Backend
 from model.tokenizer import Tokenizer
 from model.transformer import Transformer
 from service.config import EngineConfig
@@ -66,10 +67,12 @@ class LLMEngine:
         config: EngineConfig,
         draft: Transformer | None = None,
         observer: EngineObserver | None = None,
+        backend: Backend | None = None,
     ) -> LLMEngine:
         """The engine for `model`, its parts assembled from `config`; draft: the
-        speculative draft model (--speculative-method draft)."""
-        return cls(assemble(model, tokenizer, config, draft), config, observer)
+        speculative draft model (--speculative-method draft); backend: the one the load
+        prepared the layers for (parts.engine_backend)."""
+        return cls(assemble(model, tokenizer, config, draft, backend), config, observer)
 
     # ---- admission -------------------------------------------------------------------
 

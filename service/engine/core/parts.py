@@ -55,6 +55,15 @@ class EngineParts:
     expert_load: tuple[tuple[int, Tensor], ...] = ()
 
 
+def engine_backend(
+    config: EngineConfig, device: torch.device, dtype: torch.dtype, cfg: ModelConfig
+) -> Backend:
+    """The backend an engine of `config` runs a model of `cfg` (a rank's share: its
+    local_cfg) on, chosen before the load so that it prepares each layer as it is read
+    (Backend.prepare_layer); assemble() chooses the same where it is not given one."""
+    return _backend(config.load, config.cache.block_size, device, dtype, cfg)
+
+
 def _backend(
     load: LoadConfig, block_size: int, device: torch.device, dtype: torch.dtype, cfg: ModelConfig
 ) -> Backend:
@@ -96,9 +105,14 @@ def _host_slots(
 
 
 def assemble(
-    model: Transformer, tokenizer: Tokenizer, config: EngineConfig, draft: Transformer | None
+    model: Transformer,
+    tokenizer: Tokenizer,
+    config: EngineConfig,
+    draft: Transformer | None,
+    backend: Backend | None = None,
 ) -> EngineParts:
-    """draft: the speculative draft model (--speculative-method draft), else None."""
+    """draft: the speculative draft model (--speculative-method draft), else None;
+    backend: engine_backend's, where the load prepared the layers for it."""
     if (config.speculative.speculative_method == "draft") != (draft is not None):
         raise ValueError("speculative_model: a draft model goes with --speculative-method draft")
     device = model.device.type
@@ -106,7 +120,7 @@ def assemble(
     max_model_len = min(
         config.scheduler.max_model_len or model.cfg.max_position, model.cfg.max_position
     )
-    backend = _backend(
+    backend = backend or _backend(
         config.load, config.cache.block_size, model.device, model.dtype, model.local_cfg
     )
     ranks = Ranks(model.tp, model.device) if model.tp is not None else None
