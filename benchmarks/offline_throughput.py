@@ -1,12 +1,16 @@
-"""Offline throughput of the engine on a random-weight SmolLM2-135M-shaped checkpoint.
+"""Offline throughput of the engine on a random-weight SmolLM2-135M-shaped checkpoint (or
+--model: a Hugging Face folder, such as ../peers' Qwen3-MoE peer).
 
 64 requests of 128 random prompt tokens and 128 output tokens (ignore_eos), submitted at
 once (`--max-num-seqs` below `--requests` runs them that many at a time, as a closed-loop
 client at that concurrency would); then one request alone (time to first token, decode ms/token next to the
-weight-bandwidth floor); then, when transformers is installed, HF `generate` at batch 8
-in the same dtype, in the same run. Prints a table and writes JSON.
+weight-bandwidth floor: the bytes one token reads, a mixture's chosen experts alone);
+then, when transformers is installed, HF `generate` at batch 8 in the same dtype, in the
+same run. Prints a table and writes JSON.
 
     PYTHONPATH=. .venv/bin/python benchmarks/offline_throughput.py --dtype float32 bfloat16
+    PYTHONPATH=. .venv/bin/python benchmarks/offline_throughput.py --dtype bfloat16 \
+        --model ../peers/models/qwen3moe-cl100k-a100m --requests 16
 """
 
 from __future__ import annotations
@@ -20,11 +24,11 @@ import torch
 
 from benchmarks.common import OUT, checkpoint, run_batch, run_single, write_json
 from benchmarks.results import record
-from model.audit import weight_bytes
+from model.audit import read_bytes
 from model.backends.device import DTYPES, dtype_name
 from model.backends.machine import memory_bandwidth
 from model.tokenizer import Tokenizer
-from model.weights import load_model
+from model.weights import load_config, load_model
 from service.config import Settings
 from service.engine.core.engine import LLMEngine
 
@@ -34,7 +38,7 @@ def run_hf(
 ) -> dict[str, float]:
     import transformers as tf
 
-    model = tf.LlamaForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     ids = torch.tensor(prompts)
     kwargs = dict(max_new_tokens=out_len, min_new_tokens=out_len, do_sample=False, pad_token_id=0)
     with torch.inference_mode():
@@ -63,6 +67,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--hf-batch", type=int, default=8)
+    ap.add_argument("--model", type=Path, default=None, help="a Hugging Face model folder")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--json", type=Path, default=OUT / "offline_throughput.json")
@@ -72,10 +77,12 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    path = checkpoint(OUT / "smollm2-135m-random")
+    path = args.model or checkpoint(OUT / "smollm2-135m-random")
+    vocab = load_config(path).vocab_size
     rng = random.Random(0)
     prompts = [
-        [rng.randrange(1, 49152) for _ in range(args.prompt_len)] for _ in range(args.requests)
+        [rng.randrange(1, min(vocab, 49152)) for _ in range(args.prompt_len)]
+        for _ in range(args.requests)
     ]
     bandwidth = memory_bandwidth(mib=1024)
     results = {"threads": args.threads, "memory_bandwidth_gb_s": bandwidth / 1e9, "runs": []}
@@ -93,7 +100,7 @@ def main() -> None:
         batch = run_batch(engine, prompts, args.output_len)
         batch["max_num_seqs"] = engine.max_num_seqs
         single = run_single(engine, prompts[1], args.output_len)
-        floor_ms = 1000 * weight_bytes(model.cfg, dtype_name(dtype)) / bandwidth
+        floor_ms = 1000 * read_bytes(model.cfg, dtype_name(dtype)) / bandwidth
         run = {"dtype": name, "batch": batch, "single": single, "bandwidth_floor_ms": floor_ms}
         run["single"]["x_floor"] = single["decode_ms_per_token"] / floor_ms
         if not args.no_hf:
@@ -109,13 +116,15 @@ def main() -> None:
     print_table(results)
     write_json(args.json, results)
     if args.record:
-        record("offline_throughput", headline(results, args))
+        name = f" ({args.model.name})" if args.model else ""
+        record(f"offline_throughput{name}", headline(results, args))
 
 
 def headline(results: dict, args: argparse.Namespace) -> dict[str, str]:
     """The run's numbers for the results table."""
     rows = {}
-    shape = f"SmolLM2-135M shape, {args.requests} x ({args.prompt_len} in, {args.output_len} out)"
+    model = args.model.name if args.model else "SmolLM2-135M shape"
+    shape = f"{model}, {args.requests} x ({args.prompt_len} in, {args.output_len} out)"
     for run in results["runs"]:
         rows[f"{shape}, {run['dtype']}"] = f"{run['batch']['output_tok_s']:.1f} tok/s" + (
             f", {run['x_hf']:.2f}x transformers generate" if "x_hf" in run else ""
