@@ -1,6 +1,6 @@
 """AWQ, GPTQ and compressed-tensors integer checkpoints (model/int_weights.py), written as
-their own tools write them (tests/int_checkpoints.py): the loaded weights are the
-formats' real values exactly, the logits transformers' on those values within 1e-4,
+their own tools write them (tests/int_checkpoints.py; and AutoAWQ's own packer and
+unpacking): the loaded weights are the formats' real values exactly, the logits transformers' on those values within 1e-4,
 greedy tokens the same on every backend, and a variant kvserve cannot read is refused
 naming it."""
 
@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from model.weights import CheckpointError, load_model
 from tests.factories import write_llama, write_qwen3_moe
-from tests.int_checkpoints import packed_from, write_compressed, write_packed
+from tests.int_checkpoints import packed_from, quantized, write_compressed, write_packed
 from tests.model.backends import BACKENDS, make_backend
 
 # hidden 128 and intermediate 256: groups of 32, 64 and 128 features divide every linear
@@ -134,3 +134,41 @@ def test_a_packed_weight_missing_a_part_is_refused_naming_it(tmp_path: Path) -> 
     save_file(tensors, str(tmp_path / "packed" / "model.safetensors"))
     with pytest.raises(CheckpointError, match="up_proj.qweight.*no 'qzeros' tensor"):
         load_model(tmp_path / "packed")
+
+
+@torch.no_grad()
+def test_autoawqs_own_packer_and_unpacking_agree(tmp_path: Path) -> None:
+    """Every linear packed by AutoAWQ itself (`WQLinear_GEMM.from_linear`): the loaded
+    weights are AutoAWQ's own `dequantize_gemm` of the file (its scales taken in float32:
+    the real values, exact), and the logits transformers' on them within 1e-4."""
+    from awq.modules.linear.gemm import WQLinear_GEMM
+    from awq.utils.packing_utils import dequantize_gemm
+
+    write_llama(tmp_path / "hf", tied=False, **WIDE)
+    tensors, real, group = load_file(str(tmp_path / "hf" / "model.safetensors")), {}, 64
+    for name in [n for n in tensors if quantized(n)]:
+        w = tensors.pop(name).float()
+        groups = w.reshape(w.shape[0], -1, group)
+        lo, hi = groups.amin(-1).clamp(max=0), groups.amax(-1).clamp(min=0)
+        scales = ((hi - lo) / 15).half().float()
+        zeros = torch.round(-lo / scales).clamp(0, 15)
+        linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+        linear.weight.copy_(w)
+        packed = WQLinear_GEMM.from_linear(linear, 4, group, scales=scales.T.contiguous(),
+                                           zeros=zeros.T.contiguous())  # fmt: skip
+        base = name.removesuffix(".weight")
+        for part in ("qweight", "qzeros", "scales"):
+            tensors[f"{base}.{part}"] = getattr(packed, part).contiguous()
+        real[name] = dequantize_gemm(packed.qweight, packed.qzeros, packed.scales.float(), 4,
+                                     group).float().T.contiguous()  # fmt: skip
+    (tmp_path / "awq").mkdir()
+    save_file(tensors, str(tmp_path / "awq" / "model.safetensors"))
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    awq = {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm"}
+    (tmp_path / "awq" / "config.json").write_text(json.dumps(config | {"quantization_config": awq}))
+    ours = load_model(tmp_path / "awq")
+    down = real["model.layers.2.mlp.down_proj.weight"]
+    assert torch.equal(ours.layers[2].ffn.w_out.weight, down)
+    ref = dense_reference(tmp_path / "awq", real, tmp_path / "dense")
+    tokens = torch.randint(3, ref.config.vocab_size, (40,))
+    assert (ref(tokens[None]).logits[0] - ours(tokens)).abs().max().item() <= 1e-4
