@@ -231,9 +231,21 @@ def experts_touched(cfg: ModelConfig, rows: int) -> float:
     return e.n_experts * (1 - (1 - e.top_k / e.n_experts) ** rows)
 
 
-def read_bytes(cfg: ModelConfig, dtype: str, quantization: str = "none", rows: int = 1) -> float:
+def read_bytes(
+    cfg: ModelConfig,
+    dtype: str,
+    quantization: str = "none",
+    rows: int = 1,
+    held_bytes: int | None = None,
+) -> float:
     """The weight bytes a decode step of `rows` tokens reads: every weight once, but of
-    each mixture only the experts its rows run (experts_touched)."""
+    each mixture only the experts its rows run (experts_touched). held_bytes: what the
+    loaded model holds, where the config cannot say (--quantization auto keeps each
+    tensor of a checkpoint in its own kind); its experts are taken at its mean bytes per
+    weight."""
+    if held_bytes is not None:
+        ratio = held_bytes / weight_bytes(cfg, dtype)
+        return held_bytes - ratio * idle_expert_bytes(cfg, dtype, "none", rows)
     return weight_bytes(cfg, dtype, quantization) - idle_expert_bytes(
         cfg, dtype, quantization, rows
     )
@@ -260,6 +272,7 @@ class MemoryAudit:
     kv_bytes_per_token: int
     kv_pool_bytes: int | None = None  # what the serving KV pool holds, when known
     quantization: str = "none"  # --quantization: the linears' bytes in weight_bytes
+    # auto: each of a checkpoint's linears in its own kind (weight_bytes as loaded)
 
     @property
     def kv_pool_tokens(self) -> int | None:
@@ -280,12 +293,20 @@ class MemoryAudit:
 
 
 def audit(
-    cfg: ModelConfig, dtype: str, kv_pool_bytes: int | None = None, quantization: str = "none"
+    cfg: ModelConfig,
+    dtype: str,
+    kv_pool_bytes: int | None = None,
+    quantization: str = "none",
+    held_bytes: int | None = None,
 ) -> MemoryAudit:
+    """held_bytes: the weights' bytes as the loaded model holds them (read_bytes), in
+    place of what the config and `quantization` give."""
     return MemoryAudit(
         params=count_params(cfg),
         dtype=dtype,
-        weight_bytes=weight_bytes(cfg, dtype, quantization),
+        weight_bytes=held_bytes
+        if held_bytes is not None
+        else weight_bytes(cfg, dtype, quantization),
         kv_bytes_per_token=kv_bytes_per_token(cfg, dtype),
         kv_pool_bytes=kv_pool_bytes,
         quantization=quantization,
@@ -376,6 +397,7 @@ def floors(
     bandwidth: float | None,
     matmul_flops: float | None,
     quantization: str = "none",
+    held_bytes: int | None = None,
 ) -> dict[str, float]:
     """The physical limits on a machine: one sequence's decode reads every weight once a
     step (of a mixture: its token's experts, read_bytes), prefill does 2 x parameters
@@ -383,7 +405,7 @@ def floors(
     out: dict[str, float] = {}
     if bandwidth:
         out["bandwidth_gb_s"] = bandwidth / 1e9
-        read = read_bytes(cfg, dtype, quantization)
+        read = read_bytes(cfg, dtype, quantization, held_bytes=held_bytes)
         out["decode_floor_ms_per_token"] = 1000 * read / bandwidth
     if matmul_flops:
         out["matmul_tflops"] = matmul_flops / 1e12

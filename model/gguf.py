@@ -37,9 +37,20 @@ ARCHITECTURES = {
 _EXPERT = re.compile(
     r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight$"
 )
+# GGUF's float types; every other type is integer blocks, and of those these are 4-bit
+# groups of 32 with a scale (and a minimum) that kvserve's int4 holds exactly
+_FLOATS = frozenset({"F32", "F16", "BF16", "F64"})
+_INT4_EXACT = frozenset({"Q4_0", "Q4_1", "Q4_K"})
 # GGUF tensors dequantized at once: a layer's expert stacks are read expert by expert,
 # gate, up and down in turn
 _KEPT = 3
+
+
+def kept_as(tensor_type: str) -> str | None:
+    """The integer kind that keeps a tensor of GGUF type `tensor_type` (GgufFile.stored_kind)."""
+    if tensor_type in _FLOATS:
+        return None
+    return "int4" if tensor_type in _INT4_EXACT else "int8"
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -214,6 +225,13 @@ class GgufFile:
         assert source is not None, name
         dims = tuple(int(n) for n in reversed(self.tensors[source].shape.tolist()))
         return dims[1:] if expert is not None else dims
+
+    def stored_kind(self, name: str) -> str | None:
+        """The integer kind that keeps tensor `name`'s values (model.int_weights.stored_kind):
+        int4 for Q4_0, Q4_1 and Q4_K, int8 for the other integer types, None for floats."""
+        source, _ = self.source(name) or (None, None)
+        assert source is not None, name
+        return kept_as(self.tensors[source].tensor_type.name)
 
     def read(
         self,

@@ -55,6 +55,11 @@ class Packing:
         base = name.removesuffix(".weight")
         return {role: f"{base}.{role}" for role in ("qweight", "qzeros", "scales", "g_idx")}
 
+    @property
+    def kind(self) -> str:
+        """What the cpu backend keeps this packing's weights as (stored_kind)."""
+        return "int4" if self.bits == 4 else "int8"
+
     def marker(self, name: str) -> str | None:
         """The stored tensor whose presence says `name` is packed."""
         stored = self.stored(name)
@@ -219,3 +224,30 @@ def _group(group: Any, what: str) -> int:
     if type(group) is not int or not (group == -1 or group > 0):
         raise ValueError(f"{what} group_size {group!r} is not a positive size or -1")
     return max(group, 0)
+
+
+# ---- what the cpu backend keeps a stored weight as ---------------------------------
+# A weight a checkpoint stores as integers carries the integer kind that keeps its values
+# (the load marks the parameter; the cpu backend's --quantization auto packs it so):
+# 'int4' where 4-bit groups of 32 with a scale and a minimum hold them (AWQ, GPTQ,
+# compressed-tensors 4-bit; GGUF Q4_0, Q4_1, Q4_K), 'int8' for every other integer type.
+# A float weight carries none. A parameter fused from several tensors takes the finest
+# kind among them (a float part: none).
+STORED_KIND = "stored_kind"
+
+
+def stored_kind(weight: Tensor) -> str | None:
+    """The integer kind the load marked `weight` with, or None."""
+    return getattr(weight, STORED_KIND, None)
+
+
+def mark_stored_kind(param: Tensor, kind: str | None) -> None:
+    if kind is not None:
+        setattr(param, STORED_KIND, kind)
+
+
+def finest_kind(kinds: list[str | None]) -> str | None:
+    """The kind a parameter fused from tensors of `kinds` keeps."""
+    if not kinds or None in kinds:
+        return None
+    return "int8" if "int8" in kinds else "int4"

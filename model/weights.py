@@ -32,7 +32,7 @@ from model import mxfp4
 from model.config import ModelConfig
 from model.fp8 import SCALE_SUFFIXES, checkpoint_block, dequantize
 from model.gguf import GgufFile, is_gguf, open_gguf
-from model.int_weights import Packing, packing_of
+from model.int_weights import Packing, finest_kind, mark_stored_kind, packing_of
 from model.layers import rotary_order
 from model.parallel import Shares, TensorParallel
 from model.transformer import Transformer
@@ -366,6 +366,12 @@ class _Reader:
                 return name.removeprefix(prefix)
         return None
 
+    def stored_kind(self, name: str) -> str | None:
+        """The integer kind that keeps checkpoint tensor `name` (model.int_weights.stored_kind):
+        its packing's for a packed weight, None for a float one."""
+        packed = self.packing is not None and self.packing.marker(name) in self.files
+        return self.packing.kind if packed else None
+
     def _handle(self, name: str) -> Any:
         path = self.files[self._stored(name) or name]
         if path not in self.handles:
@@ -596,10 +602,12 @@ def _fill(
         start += part.shape[0]
 
 
-def _set_param(model: nn.Module, name: str, value: torch.Tensor) -> None:
+def _set_param(model: nn.Module, name: str, value: torch.Tensor) -> nn.Parameter:
     module_name, _, leaf = name.rpartition(".")
     module = model.get_submodule(module_name) if module_name else model
-    setattr(module, leaf, nn.Parameter(value, requires_grad=False))
+    param = nn.Parameter(value, requires_grad=False)
+    setattr(module, leaf, param)
+    return param
 
 
 def load_model(
@@ -692,9 +700,9 @@ def _populate(
         if filling is not None and layer != filling:
             _finish_layer(model, filling, table, on_layer)
         filling = layer
-        value = _read_param(model, name, param.shape, shapes[name], reader, table, dtype, device,
-                            (root, config_name))  # fmt: skip
-        _set_param(model, name, value)
+        value, kind = _read_param(model, name, param.shape, shapes[name], reader, table, dtype,
+                                  device, (root, config_name))  # fmt: skip
+        mark_stored_kind(_set_param(model, name, value), kind)
     if filling is not None:
         _finish_layer(model, filling, table, on_layer)
     model.rebuild_tables(device)
@@ -711,9 +719,10 @@ def _read_param(
     dtype: torch.dtype,
     device: torch.device,
     where: tuple[object, str],
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, str | None]:
     """Parameter `name` (this rank's `shape` of the model's `full_shape`) read from its
-    checkpoint tensors; where: the checkpoint and its config's name, for errors."""
+    checkpoint tensors, and the integer kind that keeps them (model.int_weights.finest_kind;
+    None: a float parameter); where: the checkpoint and its config's name, for errors."""
     root, config_name = where
     cfg, match = model.cfg, _LAYER.match(name)
     key = _LAYER.sub("layers.{i}.", name) if match else name
@@ -725,7 +734,7 @@ def _read_param(
     transpose = table is not None and key in table.transposed
     hint = f"{config_name} ({_shape_fields(cfg, name)})"
     local = _LAYER.sub("", name)
-    shares = model.shares
+    shares, kinds = model.shares, []
     if shares is None or shares.split(local) != "row_bias" or shares.rank == 0:
         # an expert stack one expert at a time; any other parameter whole
         for e in range(shape[0]) if local in EXPERT_STACKS else (None,):
@@ -734,9 +743,10 @@ def _read_param(
             mixed = table is not None and key in table.interleaved
             parts = _parts(cfg, local, found, full, shares, expert, mixed)
             _fill(target[e] if e is not None else target, parts, reader, transpose, hint)
+            kinds += [reader.stored_kind(s) for s in found]
     if table is not None and key in table.plus_one:
         target += 1
-    return target
+    return target, finest_kind(kinds)
 
 
 def _finish_layer(

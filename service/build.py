@@ -78,14 +78,16 @@ def build(
         loaded.model, loaded.tokenizer, settings.engine, draft, observer(model_id), backend
     )
     world = tp.world if tp is not None else 1
-    report = _report(settings, engine, dtype, device, world)
+    held = _held_as(settings.quantization, engine)
+    report = _report(settings, engine, dtype, device, world, held)
     _log_ready(settings, engine, report, tp)
     cfg, name = loaded.model.cfg, dtype_name(dtype)
+    quantization, held_bytes = held
 
     def measure_floors() -> dict[str, Any]:  # small buffers: ~0.5 s
         bandwidth = memory_bandwidth(device, mib=256)
         flops = matmul_throughput(dtype, device, n=1024)
-        return floors(cfg, name, bandwidth, flops, settings.quantization)
+        return floors(cfg, name, bandwidth, flops, quantization, held_bytes)
 
     def device_memory() -> tuple[int, int] | None:
         if device.type != "cuda":
@@ -100,7 +102,7 @@ def build(
         audit=report,
         info={
             "dtype": name,
-            "quantization": settings.quantization,
+            "quantization": quantization,
             "device": device.type,
             "attention_backend": report["attention_backend"]["name"],
             "block_size": str(settings.block_size),
@@ -131,15 +133,34 @@ def _load_prepared(
     return load(source.path, dtype, device, tp, prepare), backend
 
 
+def _held_as(quantization: str, engine: LLMEngine) -> tuple[str, int | None]:
+    """--quantization as the engine holds the weights, and their bytes where the config
+    cannot give them: auto stays auto where a linear kept a checkpoint's integer kind
+    (their bytes as loaded), else is none (a float checkpoint, or a backend or dtype
+    that computes the checkpoint's values as loaded)."""
+    if quantization != "auto":
+        return quantization, None
+    kinds = engine.backend.describe().get("linears", {})
+    if not any(kind in ("int8", "int4") for kind in kinds):
+        return "none", None
+    return "auto", engine.backend.held_bytes(engine.model)
+
+
 def _report(
-    settings: Settings, engine: LLMEngine, dtype: torch.dtype, device: torch.device, world: int
+    settings: Settings,
+    engine: LLMEngine,
+    dtype: torch.dtype,
+    device: torch.device,
+    world: int,
+    held: tuple[str, int | None],
 ) -> dict[str, Any]:
     """model/audit.py's report of the model and how this engine was built (/v1/models,
-    the start-up line, the admission's KV figures)."""
+    the start-up line, the admission's KV figures); held: _held_as's."""
     cfg = engine.model.cfg
+    quantization, held_bytes = held
     report = audit(
         cfg, dtype_name(dtype), kv_pool_bytes=engine.kv_cache.nbytes,
-        quantization=settings.quantization,
+        quantization=quantization, held_bytes=held_bytes,
     ).as_dict()  # fmt: skip
     return report | {
         "architecture": cfg.architecture,
@@ -152,7 +173,7 @@ def _report(
         "kv_pool_tokens": engine.blocks.num_blocks * settings.block_size,
         "device": str(device),
         "attention_backend": engine.backend.describe(),
-        "quantization": settings.quantization,
+        "quantization": quantization,
         "cuda_graphs": engine.runner.graphs is not None,
         "async_scheduling": engine.async_scheduling,
         "block_size": settings.block_size,
@@ -177,7 +198,7 @@ def _log_ready(
         f" (rank {tp.rank} of {tp.world})" if tp is not None else "",
         report["device"],
         name,
-        settings.quantization if settings.quantization != "none" else name,
+        report["quantization"] if report["quantization"] != "none" else name,
         backend["name"],
         f" (ISA {backend['isa']}, linears {backend['linear_isa']})" if "isa" in backend else "",
         "on" if engine.runner.graphs is not None else "off",

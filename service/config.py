@@ -23,7 +23,7 @@ CPU_MAX_NUM_SEQS, CUDA_MAX_NUM_SEQS = 64, 256
 # a quarter of the RAM a machine has free (on the CPU the KV pool is that RAM already)
 HOST_TIER_MAX_GIB = 8
 ATTENTION_BACKENDS = ("auto", "cpu", "triton", "torch")
-QUANTIZATIONS = ("none", "int8", "int4", "fp8")
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
 ASYNC_SCHEDULING = ("auto", "on", "off")
 ENGINE_PROCESS = ("auto", "on", "off")
@@ -43,7 +43,7 @@ def quantization_conflict(quantization: str, backend: str, dtype: str, device: s
     KV cache; fp8 weights on a CUDA GPU's FP8 matmuls (model/backends/fp8.py), with
     bfloat16 activations. Checked on the settings, then on the device `auto` resolved to,
     before any weight is read."""
-    if quantization == "none":
+    if quantization in ("none", "auto"):  # auto falls back to none where its kinds cannot run
         return None
     if quantization == "fp8":
         if device not in ("auto", "cuda") or backend == "cpu":
@@ -136,9 +136,13 @@ class Settings:
         },
     )
     quantization: str = field(
-        default="none",
+        default="auto",
         metadata={
-            "help": "none; int8: linear weights in int8 with a scale per output feature, "
+            "help": "auto: a checkpoint's integer weights (GGUF, AWQ, GPTQ, "
+            "compressed-tensors) kept as integers on the cpu backend in bf16, 4-bit types "
+            "as int4 and the others as int8, float weights in the serving dtype; elsewhere, "
+            "and for float checkpoints, none; none: every weight in the serving dtype; "
+            "int8: linear weights in int8 with a scale per output feature, "
             "computed at load (the cpu backend; bf16 activations and KV cache); int4: "
             "linear weights in 4 bits, a bf16 scale and minimum each 32 in features, "
             "computed at load (the cpu backend; bf16 activations and KV cache); fp8: the "

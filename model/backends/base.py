@@ -87,6 +87,10 @@ class Backend(Protocol):
         ones, not the whole model); prepare() does the rest."""
         ...
 
+    def held_bytes(self, model: nn.Module) -> int:
+        """The bytes the prepared model's weights take, in the layouts prepare() chose."""
+        ...
+
     def metadata(
         self,
         block_tables: Sequence[Sequence[int]],

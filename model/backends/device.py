@@ -27,7 +27,7 @@ def pick_dtype(name: str, device: torch.device, quantization: str = "none") -> t
     if name == "auto":
         bf16 = (
             device.type == "cuda"
-            or quantization != "none"
+            or quantization not in ("none", "auto")
             or (device.type == "cpu" and cpu_isa() in ISA_LEVELS)
         )
         return torch.bfloat16 if bf16 else torch.float32

@@ -72,11 +72,11 @@ class TorchBackend:
 
     def prepare(self, model: nn.Module, quantization: str = "none") -> bool:
         """Put the weights in the layouts this backend's linears read (none here but FP8's:
-        model/backends/fp8.py), in `quantization` ('none', 'int8' or 'fp8'); whether it
-        repacked them."""
+        model/backends/fp8.py), in `quantization` ('none'; 'auto', which is 'none' here:
+        the checkpoint's values as loaded; or 'fp8'); whether it repacked them."""
         if quantization == "fp8":
             return to_fp8(model) > 0
-        if quantization != "none":
+        if quantization not in ("none", "auto"):  # auto: the checkpoint's values, as loaded
             raise ValueError(
                 f"quantization {quantization} runs on the cpu backend's C kernels, "
                 f"not on the {self.name} backend"
@@ -85,6 +85,9 @@ class TorchBackend:
 
     def prepare_layer(self, block: nn.Module, quantization: str = "none") -> None:
         """Nothing: the reference's layouts are the checkpoint's (FP8 is converted whole)."""
+
+    def held_bytes(self, model: nn.Module) -> int:
+        return sum(p.nbytes for p in model.parameters() if not p.is_meta)
 
     # ---- per step --------------------------------------------------------------------
 

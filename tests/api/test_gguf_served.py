@@ -1,12 +1,15 @@
 """A GGUF file served (`kvserve serve model.gguf`): its name without .gguf is the model id,
 the tokenizer and the chat template come from its metadata, and the official client's
-completion is the greedy text of the file's model loaded in-process."""
+completion is the greedy text of the file's model loaded in-process; by default each of
+its tensors is held in the kind that keeps its values."""
 
 from pathlib import Path
 
+import httpx
 import openai
 import torch
 
+from model.audit import audit
 from model.generate import generate
 from model.tokenizer import Tokenizer
 from model.weights import load_model
@@ -45,5 +48,40 @@ def test_a_gguf_file_serves_its_own_tokenizer_template_and_weights(tmp_path: Pat
         )  # fmt: skip
         rendered = "<|bos|>user\nthe lazy dog<|eos|>\n<|bos|>assistant\n"
         assert chat.usage.prompt_tokens == len(tokenizer.encode(rendered))
+    finally:
+        server.stop()
+
+
+def test_a_4bit_gguf_serves_in_its_own_kinds_by_default(tmp_path: Path) -> None:
+    """Default flags on the CPU: bf16, and --quantization auto keeps the file's Q4_0 and
+    Q4_1 tensors int4, Q5_0 and Q8_0 int8, the F16 head bf16; the card, the start-up line
+    and kvserve_model_info say so, the memory audit counts the bytes as held (less than
+    the weights in bf16), and the completion is the greedy text of the file's model
+    packed so in-process."""
+    write_llama(tmp_path / "hf", tied=False)
+    write_tokenizer(tmp_path / "hf")
+    path = write_gguf(tmp_path / "hf", tmp_path / "tiny-Q4_0.gguf")
+    ours = load_model(path, torch.bfloat16)
+    backend = auto_backend(ours.cfg, torch.bfloat16)
+    backend.prepare(ours, "auto")
+    held = backend.held_bytes(ours)
+    server = start_server(str(tmp_path), "--model", str(path))
+    try:
+        with httpx.Client(base_url=server.url, timeout=300) as c:
+            card = c.get("/v1/models/tiny-Q4_0").json()
+            memory = card["memory"]
+            linears = memory["attention_backend"]["linears"]
+            assert (memory["quantization"], memory["dtype"]) == ("auto", "bfloat16")
+            assert linears == backend.describe()["linears"]
+            assert set(linears) == {"int4", "int8", "bf16"}
+            assert memory["weight_bytes"] == held < audit(ours.cfg, "bfloat16").weight_bytes
+            body = {"prompt": "the quick brown fox", "max_tokens": 8, "temperature": 0,
+                    "ignore_eos": True}  # fmt: skip
+            r = c.post("/v1/completions", json=body)
+            assert 'quantization="auto"' in c.get("/metrics").text
+        tokenizer = Tokenizer.from_dir(path)
+        want = list(generate(ours, tokenizer.encode(body["prompt"]), 8, backend=backend))
+        assert r.json()["choices"][0]["text"] == tokenizer.decode(want)
+        assert "weights auto" in Path(server.log_path).read_text()
     finally:
         server.stop()

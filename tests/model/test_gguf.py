@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from model.backends.cpu import prepare_model
 from model.gguf import open_gguf
 from model.tokenizer import Tokenizer, TokenizerError
 from model.weights import CheckpointError, load_config, load_model
@@ -153,6 +154,31 @@ def test_greedy_tokens_are_the_same_on_every_backend(name: str, tmp_path: Path) 
     backend = make_backend(name, ours.cfg)
     got = list(generate(ours, prompt.tolist(), 16, backend=backend))
     assert got == want[0, 12:].tolist()
+
+
+@torch.no_grad()
+def test_auto_keeps_each_tensor_in_the_kind_that_holds_it(tmp_path: Path) -> None:
+    """--quantization auto (the server's default) on a GGUF in bf16 on the cpu backend:
+    Q4_0 and Q4_1 tensors packed int4 (their groups of 32 are int4's), Q5_0 int8, the
+    tied head as its Q8_0 embedding table, int8 (tests/model/test_stack.py runs such mixed layers as the one decoder
+    call); its logits nearer the file's values in bf16 (none) than re-rounding every
+    linear to int4 gives."""
+    _, path = checkpoint("qwen3_moe", tmp_path)
+    models = {}
+    for quantization in ("none", "auto", "int4"):
+        models[quantization] = model = load_model(path, torch.bfloat16)
+        prepare_model(model, quantization)
+    auto = models["auto"]
+    for block in auto.layers:
+        assert (block.attn.wqkv.quant, block.attn.wo.quant) == ("int4", "int4")  # Q4_0
+        assert block.ffn.router.quant == "int4"  # Q4_1
+        experts = {(f.w_in.quant, f.w_out.quant) for f in block.ffn.experts.ffns}
+        assert experts == {("int4", "int8")}  # Q4_1 (gate | up), Q5_0 down
+    assert auto.cfg.tie_embeddings and auto.lm_head.quant == "int8"  # a copy of Q8_0's table
+    tokens = torch.randint(3, auto.cfg.vocab_size, (48,))
+    logits = {q: m(tokens).float() for q, m in models.items()}
+    error = {q: (logits[q] - logits["none"]).abs().max().item() for q in ("auto", "int4")}
+    assert 0 < error["auto"] < error["int4"] / 2, error
 
 
 def test_the_tokenizer_is_the_checkpoints(tmp_path: Path) -> None:

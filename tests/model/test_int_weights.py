@@ -1,8 +1,8 @@
 """AWQ, GPTQ and compressed-tensors integer checkpoints (model/int_weights.py), written as
 their own tools write them (tests/int_checkpoints.py; and AutoAWQ's own packer and
 unpacking): the loaded weights are the formats' real values exactly, the logits transformers' on those values within 1e-4,
-greedy tokens the same on every backend, and a variant kvserve cannot read is refused
-naming it."""
+greedy tokens the same on every backend, packed by default in the kind of their bits,
+and a variant kvserve cannot read is refused naming it."""
 
 import json
 from pathlib import Path
@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from model.backends.cpu import prepare_model
 from model.weights import CheckpointError, load_model
 from tests.factories import write_llama, write_qwen3_moe
 from tests.int_checkpoints import packed_from, quantized, write_compressed, write_packed
@@ -73,6 +74,23 @@ def test_logits_are_transformers_on_the_formats_real_values(case: str, tmp_path:
     assert torch.equal(ours.layers[1].ffn.w_out.weight, down)  # exact: no rounding at load
     tokens = torch.randint(3, ref.config.vocab_size, (40,))
     assert (ref(tokens[None]).logits[0] - ours(tokens)).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize(
+    ("case", "kind"), [("awq-g128", "int4"), ("gptq-8bit-per-row", "int8"), ("ct-g64", "int4")]
+)
+def test_auto_keeps_the_packed_linears_in_their_own_width(
+    case: str, kind: str, tmp_path: Path
+) -> None:
+    """--quantization auto (the server's default) in bf16 on the cpu backend: every
+    packed linear in the kind of its bits, the unquantized head in bf16."""
+    path, _ = packed_checkpoint(case, tmp_path)
+    model = load_model(path, torch.bfloat16)
+    prepare_model(model, "auto")
+    for block in model.layers:
+        linears = (block.attn.wqkv, block.attn.wo, block.ffn.w_in, block.ffn.w_out)
+        assert {m.quant for m in linears} == {kind}
+    assert model.lm_head.quant == "bf16"
 
 
 @pytest.mark.parametrize("name", BACKENDS)

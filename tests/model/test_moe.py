@@ -8,6 +8,7 @@ import torch
 
 from model.backends.cpu.packed import GatedSwiGLU, PackedExperts, SplitSwiGLU
 from model.config import Experts as ExpertSpec
+from model.int_weights import mark_stored_kind
 from model.moe import Experts, GroupedExperts, route
 
 
@@ -45,7 +46,8 @@ def test_one_call_gives_the_grouped_loops_bits(isa: str, quantization: str) -> N
     packed = PackedExperts(ref, quantization)
     packed.bind()
     assert packed.kernels is not None, "the experts kernel did not build"
-    assert packed.kind == ("int8" if quantization == "int8" else "bf16")
+    kind = "int8" if quantization == "int8" else "bf16"
+    assert packed.kinds == (kind, kind)
     assert all(isinstance(f, GatedSwiGLU) for f in packed.ffns)
     for rows in (1, 3, 40):
         x, weights, ids = routed(rows, 8, 3)
@@ -55,6 +57,22 @@ def test_one_call_gives_the_grouped_loops_bits(isa: str, quantization: str) -> N
         if quantization == "none":  # and the packed kernels are the reference's linears
             want = ref(x, weights, ids).float()
             assert (got.float() - want).abs().max().item() <= 0.03 * want.abs().max().item()
+
+
+@pytest.mark.parametrize("kinds", [("int4", "int8"), ("int8", "int4")])
+def test_experts_of_two_kinds_give_the_grouped_loops_bits(isa: str, kinds: tuple) -> None:
+    """A GGUF Q4_K_M's experts: (gate | up) in one stored kind, down in another
+    (model.int_weights.stored_kind); --quantization auto packs each so, one C call."""
+    ref = experts(8, 192, 128)
+    for param, kind in zip((ref.w_in, ref.w_out), kinds, strict=True):
+        mark_stored_kind(param, kind)
+    packed = PackedExperts(ref, "auto")
+    packed.bind()
+    assert packed.kinds == kinds and packed.kernels is not None
+    for rows in (1, 40):
+        x, weights, ids = routed(rows, 8, 3)
+        loop = GroupedExperts.forward(packed, x, weights, ids)
+        assert torch.equal(packed(x, weights, ids), loop), rows
 
 
 def test_experts_whose_rows_do_not_take_the_gated_layout_run_the_loop() -> None:

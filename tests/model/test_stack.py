@@ -1,5 +1,6 @@
 """The decoder stack as one C call (model/backends/cpu/stack.py) gives the module path's bits, at every
-instruction-set level the CPU runs (the `isa` fixture), with bf16 and with int8 weights."""
+instruction-set level the CPU runs (the `isa` fixture), with bf16 and with int8 weights, and
+with a checkpoint's mix of kinds (--quantization auto)."""
 
 import weakref
 
@@ -9,6 +10,7 @@ import torch
 from model.backends.cpu import prepare_model
 from model.backends.cpu.kernels.stack import stack_kernels
 from model.config import Experts, LongRope
+from model.int_weights import mark_stored_kind
 from model.kv_cache import PagedKVCache
 from model.metadata import AttentionMetadata
 from model.moe import count_experts
@@ -27,7 +29,7 @@ def stack_model(quantization: str = "none", **overrides: object):
 
 @pytest.fixture(autouse=True)
 def _built(isa: str) -> None:
-    assert stack_kernels(32, 16, 3, "bf16") is not None, "no C compiler"
+    assert stack_kernels(32, 16, 3) is not None, "no C compiler"
 
 
 def run_steps(model, cache: PagedKVCache, tokens: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -89,8 +91,34 @@ def test_one_call_gives_the_bits_of_the_modules(
 ) -> None:
     model = stack_model(quantization, qkv_bias=bias, attn_out_bias=bias, mlp_bias=bias)
     assert model.fused_layers is not None
-    assert model.fused_layers.kind == ("int8" if quantization == "int8" else "bf16")
+    assert model.fused_layers.kinds == {"int8" if quantization == "int8" else "bf16"}
     assert_stack_is_the_modules(model, block_size)
+
+
+# the kinds a checkpoint's tensors keep (model.int_weights.stored_kind), layer by layer:
+# qkv, o, (gate | up), down; None: a float tensor (bf16)
+MIXED = [("int4",) * 4, ("int8", "int4", "int4", "int8"), (None, "int8", None, "int4")]
+
+
+@torch.no_grad()
+def test_a_checkpoints_mixed_kinds_take_the_stack(isa: str) -> None:
+    """--quantization auto packs each linear in the kind its checkpoint tensor keeps
+    (a GGUF Q4_K_M mixes 4-bit, 5/6-bit and float tensors in one layer): every linear
+    its own kernel, in the one call, the modules' bits."""
+    model = tiny_model(seed=3, n_layers=3, **SHAPE).to(torch.bfloat16)
+    for block, kinds in zip(model.layers, MIXED, strict=True):
+        linears = (block.attn.wqkv, block.attn.wo, block.ffn.w_in, block.ffn.w_out)
+        for linear, kind in zip(linears, kinds, strict=True):
+            mark_stored_kind(linear.weight, kind)
+    prepare_model(model, "auto")
+    got = [
+        tuple(m.quant for m in (b.attn.wqkv, b.attn.wo, b.ffn.w_in, b.ffn.w_out))
+        for b in model.layers
+    ]
+    assert got == [tuple(k or "bf16" for k in kinds) for kinds in MIXED]
+    assert model.fused_layers is not None
+    assert model.fused_layers.kinds == {"bf16", "int8", "int4"}
+    assert_stack_is_the_modules(model, 16)
 
 
 @pytest.mark.parametrize(
@@ -153,6 +181,28 @@ def test_mixtures_of_experts_take_the_stack(isa: str, quantization: str, family:
     weights), each expert's rows through its kernels once a step: the modules' bits."""
     model = stack_model(quantization, **family)
     assert model.fused_layers is not None and len(model.fused_layers.mixtures) in (2, 3)
+    assert_stack_is_the_modules(model, 16)
+
+
+@torch.no_grad()
+def test_a_mixture_of_mixed_kinds_takes_the_stack(isa: str) -> None:
+    """A Qwen3-MoE GGUF's kinds under --quantization auto: q/k/v int8 (one of them
+    6-bit), o int4, experts' (gate | up) int4 and down int8, the router float: each
+    kernel its own in the one call, the modules' bits."""
+    model = tiny_model(seed=3, n_layers=3, **{**SHAPE, **QWEN3_MOE}).to(torch.bfloat16)
+    for block in model.layers:
+        mark_stored_kind(block.attn.wqkv.weight, "int8")
+        mark_stored_kind(block.attn.wo.weight, "int4")
+        ffn = block.ffn
+        experts = getattr(ffn, "experts", None)
+        pairs = (experts.w_in, experts.w_out) if experts is not None else (ffn.w_in.weight,)
+        for param, kind in zip(pairs, ("int4", "int8")):
+            mark_stored_kind(param, kind)
+    prepare_model(model, "auto")
+    stack = model.fused_layers
+    assert stack is not None and len(stack.mixtures) == 2
+    assert [moe.experts.kinds for moe in stack.mixtures] == [("int4", "int8")] * 2
+    assert {moe.router.quant for moe in stack.mixtures} == {"bf16"}
     assert_stack_is_the_modules(model, 16)
 
 

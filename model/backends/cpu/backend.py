@@ -34,7 +34,14 @@ from model.backends.cpu.kernels.fused import (
     softcap_,
 )
 from model.backends.cpu.kernels.linear import linear_isa
-from model.backends.cpu.packed import can_pack, linear_kernels, pack_model, swap_linears
+from model.backends.cpu.packed import (
+    PACK_QUANTIZATIONS,
+    can_pack,
+    held_bytes,
+    linear_kernels,
+    pack_model,
+    swap_linears,
+)
 from model.backends.cpu.pages import HugeArena, release_free_heap
 from model.backends.cpu.stack import DecoderStack
 from model.backends.reference import (
@@ -151,10 +158,10 @@ class CpuBackend(TorchBackend):
                 f"quantization {quantization} computes with bfloat16 activations and KV "
                 f"cache; the model is {model.dtype} (use --dtype bfloat16 or auto)"
             )
-        if quantization not in ("none", "int8", "int4"):
+        if quantization not in PACK_QUANTIZATIONS:
             raise ValueError(
-                f"quantization {quantization} does not run on the cpu backend (none, int8 "
-                f"or int4 do)"
+                f"quantization {quantization} does not run on the cpu backend (none, auto, "
+                f"int8 or int4 do)"
             )
         packed = prepare_model(model, quantization)
         self.linears = Counter(linear_kernels(model))
@@ -164,9 +171,12 @@ class CpuBackend(TorchBackend):
     def prepare_layer(self, block: nn.Module, quantization: str = "none") -> None:
         """The layer's linears packed (packed.swap_linears) where prepare() will pack the
         model: prepare() keeps them and packs the rest."""
-        if quantization in ("none", "int8", "int4") and can_pack(block):
+        if quantization in PACK_QUANTIZATIONS and can_pack(block):
             swap_linears(block, quantization)
             release_free_heap()
+
+    def held_bytes(self, model: nn.Module) -> int:
+        return held_bytes(model)
 
     def greedy(self, logits: Tensor) -> list[int]:
         if logits.is_contiguous() and logits.dtype in (torch.float32, torch.bfloat16):

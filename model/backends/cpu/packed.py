@@ -11,7 +11,10 @@ The layouts, by what the weight allows (bf16 on the CPU):
 - quantization='int8': int8 weights with a float32 scale per output feature
   (linear_vec.c), where the in features are a multiple of 4; quantization='int4': 4-bit
   weights in groups of 32 in features, each group with a bf16 scale and minimum
-  (linear_vec.c), where the in features are a multiple of 32.
+  (linear_vec.c), where the in features are a multiple of 32; quantization='auto': each
+  weight a checkpoint stores as integers in the kind that keeps its values
+  (model.int_weights.stored_kind: int4, or int8 where int4 does not take the shape), the
+  float ones in bf16, so a layer may hold several kinds.
 - oneDNN's prepacked layout where the CPU lets oneDNN pack bf16 (isa.onednn_packs_bf16);
   else the nn.Linear stays.
 
@@ -43,6 +46,7 @@ from model.backends.cpu.kernels.linear import (
     tile_linear_supported,
 )
 from model.backends.cpu.pages import HugeArena
+from model.int_weights import mark_stored_kind, stored_kind
 from model.layers import GeGLU, SwiGLU
 from model.moe import Experts, GroupedExperts, MoE, gated
 
@@ -90,7 +94,7 @@ def pack_linear(
     w = linear.weight.detach()
     pad = -w.shape[0] % TILE_N
     padded = F.pad(w, (0, 0, 0, pad)) if pad else w
-    quant = _quant(quantization, padded)
+    quant = _quant(quantization, padded, stored_kind(linear.weight))
     if quant != "bf16" or tile_linear_supported(padded):
         out = PackedLinear(linear)
         b = linear.bias.detach().float() if linear.bias is not None else None
@@ -109,16 +113,21 @@ def pack_linear(
     return linear
 
 
+# what pack_model's `quantization` takes (the module's docstring)
+PACK_QUANTIZATIONS = ("none", "auto", "int8", "int4")
 # each kernel kind's packing, and whether a weight takes it
 PACKS = {"bf16": tile_layout, "int8": int8_pack, "int4": int4_pack}
 SUPPORTED = {"int8": int8_supported, "int4": int4_supported}
 
 
-def _quant(quantization: str, weight: Tensor) -> str:
+def _quant(quantization: str, weight: Tensor, stored: str | None = None) -> str:
     """The kernel kind a weight packs for under `quantization`: its own where the weight
-    takes it, else bf16's."""
-    takes = SUPPORTED.get(quantization)
-    return quantization if takes is not None and takes(weight) else "bf16"
+    takes it, else bf16's. 'auto': the kind that keeps a checkpoint's integer weight
+    (`stored`, model.int_weights.stored_kind), int8 where int4 does not take its shape;
+    bf16 for a float weight."""
+    wanted = {"int4": ("int4", "int8"), "int8": ("int8",)}.get(stored, ())
+    kinds = wanted if quantization == "auto" else (quantization,)
+    return next((k for k in kinds if k in SUPPORTED and SUPPORTED[k](weight)), "bf16")
 
 
 class GatedSwiGLU(nn.Module):
@@ -167,41 +176,44 @@ class PackedExperts(GroupedExperts):
     (kernels/experts.c: the same grouping, kernels and roundings as the reference's
     loop); else the loop, each chosen expert's kernels run once over its tokens."""
 
-    kind: str | None = None  # the packed kind the C call takes ('bf16', 'int8', 'int4')
+    kinds: tuple[str, str] | None = None  # the kinds the C call takes: (gate | up), down
 
     def __init__(self, experts: Experts, quantization: str = "none") -> None:
         super().__init__()
         self.n_experts = experts.n_experts
         biases = experts.b_in is not None
+        kept = stored_kind(experts.w_in), stored_kind(experts.w_out)
         self.ffns = nn.ModuleList(
             _expert_ffn(
-                _linear(experts.w_in[e], experts.b_in[e] if biases else None),
-                _linear(experts.w_out[e], experts.b_out[e] if biases else None),
+                _linear(experts.w_in[e], experts.b_in[e] if biases else None, kept[0]),
+                _linear(experts.w_out[e], experts.b_out[e] if biases else None, kept[1]),
                 experts.clamped,
                 quantization,
             )
             for e in range(experts.n_experts)
         )
         self.kernels: ExpertKernels | None = None
-        linears = [m for f in self.ffns for m in (f.w_in, f.w_out)]
-        kinds = {m.kernel if isinstance(m, PackedLinear) else "torch" for m in linears}
         gated_ffns = all(
             isinstance(f, GatedSwiGLU) and not getattr(f.w_out, "pad", 1) for f in self.ffns
         )
-        kind = kinds.pop() if len(kinds) == 1 else None
-        if gated_ffns and not biases and kind in PACKS and ExpertKernels.available(kind):
-            self.kind = kind
+        if gated_ffns and not biases:
+            kinds_in = {f.w_in.kernel for f in self.ffns}
+            kinds_out = {f.w_out.kernel for f in self.ffns}
+            if len(kinds_in) == len(kinds_out) == 1:
+                kinds = (kinds_in.pop(), kinds_out.pop())
+                if all(k in PACKS for k in kinds) and ExpertKernels.available(kinds):
+                    self.kinds = kinds
 
     def bind(self) -> None:
         """Point the C call at the weights where they now live (after _gather moved them)."""
-        if self.kind is not None:
+        if self.kinds is not None:
             first = self.ffns[0]
             self.kernels = ExpertKernels(
                 [f.w_in._tiles for f in self.ffns],
                 [f.w_out._tiles for f in self.ffns],
                 first.w_out.out_features,
                 first.w_out.in_features,
-                self.kind,
+                self.kinds,
             )
 
     def run(self, expert: int, x: Tensor) -> Tensor:
@@ -223,10 +235,12 @@ def _expert_ffn(
     return SplitSwiGLU(gate_up, down, clamped)
 
 
-def _linear(weight: Tensor, bias: Tensor | None = None) -> nn.Linear:
-    """An nn.Linear over `weight` (out, in) and `bias`, for pack_linear."""
+def _linear(weight: Tensor, bias: Tensor | None = None, kind: str | None = None) -> nn.Linear:
+    """An nn.Linear over `weight` (out, in) and `bias`, for pack_linear; kind: the stored
+    kind of the checkpoint tensor `weight` came from (model.int_weights.stored_kind)."""
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
     linear.weight = nn.Parameter(weight.detach().contiguous(), requires_grad=False)
+    mark_stored_kind(linear.weight, kind)
     if bias is not None:
         linear.bias = nn.Parameter(bias.detach().contiguous(), requires_grad=False)
     return linear
@@ -253,8 +267,7 @@ def pack_model(model: nn.Module, quantization: str = "none") -> bool:
     if model.cfg.tie_embeddings and model.lm_head is None:
         # The lookup keeps the plain table; the head gets a packed copy (vocab x d more
         # bytes, less in int8) in the linears' layout.
-        head = nn.Linear(*model.embed.weight.shape[::-1], bias=False, device="meta")
-        head.weight = nn.Parameter(model.embed.weight.detach(), requires_grad=False)
+        head = _linear(model.embed.weight, kind=stored_kind(model.embed.weight))
         if isinstance(packed := pack_linear(head, quantization=quantization), PackedLinear):
             model.lm_head = packed
     swap_linears(model, quantization)
@@ -301,6 +314,16 @@ def _gather(model: nn.Module) -> None:
     for m in model.modules():
         if isinstance(m, PackedExperts):
             m.bind()
+
+
+def held_bytes(model: nn.Module) -> int:
+    """The bytes a packed model's weights take: each packed linear's layout (with its
+    scales and minimums) and float32 bias, every other parameter as it is."""
+    total = sum(p.nbytes for p in model.parameters() if not p.is_meta)
+    for m in model.modules():
+        if isinstance(m, PackedLinear):
+            total += sum(t.nbytes for t in (m._tiles, m._packed, m._bias32) if t is not None)
+    return total
 
 
 def linear_kernels(model: nn.Module) -> list[str]:

@@ -1,6 +1,6 @@
 """The decoder layers as one C call (kernels/stack.c), for the case the CPU path is built
 around: a pre-norm RoPE/RMSNorm/SwiGLU model in bf16 whose linears all took kvserve's
-kernel layout (bf16, or all int8, or all int4), over a bf16 paged cache, at every instruction-set
+kernel layouts (bf16, int8 or int4, each linear its own), over a bf16 paged cache, at every instruction-set
 level; its layers' FFNs may be mixtures of experts routed and run by kernels/experts.c
 (not Qwen2-MoE's shared expert). Same kernels, same order, same bits as the modules; it drops the per-layer Python
 between them and holds no GIL while the layers run. The model calls it through
@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from model.backends.cpu.kernels.attention import step_window
 from model.backends.cpu.kernels.build import data_ptr
 from model.backends.cpu.kernels.experts import route as c_route
+from model.backends.cpu.kernels.linear import linear_address
 from model.backends.cpu.kernels.stack import stack_forward, stack_kernels
 from model.backends.cpu.packed import GatedSwiGLU, PackedExperts, PackedGeGLU, PackedLinear
 from model.config import ModelConfig
@@ -61,6 +62,19 @@ class _Layer(ctypes.Structure):
         ("expert_w_in", _P),
         ("expert_w_out", _P),
         ("expert_load", _P),
+        # each linear's kernel (kernels/linear.py's linear_address of its kind)
+        *[
+            (name, _P)
+            for name in (
+                "qkv_linear",
+                "o_linear",
+                "in_linear",
+                "out_linear",
+                "router_linear",
+                "expert_in_linear",
+                "expert_out_linear",
+            )
+        ],
     ]
 
 
@@ -86,7 +100,7 @@ _EXPERT_DIMS = ("experts", "router_rows", "top_k", "expert_ff", "normalize")
 
 class _Args(ctypes.Structure):
     _fields_ = [
-        *[(name, _P) for name in ("norm", "qk_norm", "linear", "rope", "attend", "geglu")],
+        *[(name, _P) for name in ("norm", "qk_norm", "rope", "attend", "geglu")],
         *[(name, _P) for name in ("route", "run_experts")],
         *[(name, _I) for name in _EXPERT_DIMS],
         *[(name, _I) for name in (*_DIMS, "nthreads")],
@@ -134,10 +148,9 @@ class DecoderStack:
             return None
         for block in layers:
             if isinstance(block.ffn, MoE) and _stackable_mixture(cfg, block.ffn):
-                ffn_linears: tuple[nn.Module, ...] = ()
-                kinds = {block.ffn.experts.kind}
+                ffn_linears: tuple[nn.Module, ...] = ()  # the router: _stackable_mixture
             elif isinstance(block.ffn, GatedSwiGLU | PackedGeGLU):
-                ffn_linears, kinds = (block.ffn.w_in, block.ffn.w_out), set()
+                ffn_linears = (block.ffn.w_in, block.ffn.w_out)
             else:
                 return None
             linears = (block.attn.wqkv, block.attn.wo, *ffn_linears)
@@ -153,8 +166,6 @@ class DecoderStack:
                     isinstance(m, PackedLinear) and m._tiles is not None and not m.pad
                     for m in linears
                 )
-                and len({m.quant for m in linears}) == 1
-                and kinds <= {linears[0].quant}
             ):
                 return None
         return cls(cfg, layers, final_norm)
@@ -165,9 +176,17 @@ class DecoderStack:
         return [moe for _, moe in self._mixtures]
 
     @property
-    def kind(self) -> str:
-        """Which linear kernel the layers' weights are packed for."""
-        return self.layers[0].attn.wqkv.quant
+    def kinds(self) -> frozenset[str]:
+        """Which linear kernels the layers' weights are packed for."""
+        kinds = set()
+        for block in self.layers:
+            ffn = block.ffn
+            kinds |= {block.attn.wqkv.quant, block.attn.wo.quant}
+            if isinstance(ffn, MoE):
+                kinds |= {ffn.router.quant, *ffn.experts.kinds}
+            else:
+                kinds |= {ffn.w_in.quant, ffn.w_out.quant}
+        return frozenset(kinds)
 
     def takes(self, kv_cache: PagedKVCache | None, meta: AttentionMetadata) -> bool:
         if kv_cache is None or kv_cache.backend.name != "cpu" or meta.slot_blocks is None:
@@ -181,7 +200,7 @@ class DecoderStack:
                 cfg.head_dim,
                 kv_cache.block_size,
                 group,
-                self.kind,
+                self.kinds,
                 whole_qk_norm=cfg.qk_norm == "all",
                 geglu=cfg.ffn == "geglu",
                 experts=bool(self.mixtures),
@@ -218,6 +237,7 @@ class DecoderStack:
                 int(i not in self.cfg.nope_layers),
                 int(self.cfg.window(i) is not None),
                 *_mixture_args(ffn),
+                *_kernels(block),
             )
         return out
 
@@ -360,6 +380,20 @@ def _mixture_args(ffn: nn.Module) -> tuple[int | None, ...]:
         ctypes.addressof(kernels._w_in),
         ctypes.addressof(kernels._w_out),
         None,  # the counter: set before each call (DecoderStack.forward)
+    )
+
+
+def _kernels(block: nn.Module) -> tuple[int | None, ...]:
+    """A layer's linears' kernels: qkv, o, the FFN's in and out (NULL for a mixture), and
+    the router's and experts' in and out (NULL for a dense FFN)."""
+    attn, ffn = block.attn, block.ffn
+    if isinstance(ffn, MoE):
+        kinds = (None, None, ffn.router.quant, *ffn.experts.kinds)
+    else:
+        kinds = (ffn.w_in.quant, ffn.w_out.quant, None, None, None)
+    return tuple(
+        linear_address(k) if k is not None else None
+        for k in (attn.wqkv.quant, attn.wo.quant, *kinds)
     )
 
 

@@ -30,7 +30,7 @@ def test_quantized_requests_batched_give_the_tokens_each_gets_alone(quantization
     engine = make_engine(model, block_size=16, attention_backend="cpu", quantization=quantization)
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
     assert all(m.quant == quantization for m in packed)
-    assert model.fused_layers is not None and model.fused_layers.kind == quantization
+    assert model.fused_layers is not None and model.fused_layers.kinds == {quantization}
     # /v1/models/{id} names what the quantized linears run, not the bf16 kernels' level
     card = engine.backend.describe()
     assert card["linear_isa"] == linear_isa(quantization)

@@ -8,8 +8,8 @@
  * times the token's router weight, is added into the token's row in expert order. That is
  * model/moe.py's GroupedExperts with the same kernels, the same roundings (bf16 product,
  * then a bf16 add per expert, as torch's index_add_) in the same order: the same bits.
- * The linear comes in as a function pointer (linear_bf16.c's or linear_vec.c's, bf16 or
- * int8), which keeps its own OpenMP regions. Built and loaded by
+ * The linears come in as function pointers (linear_bf16.c's or linear_vec.c's, bf16, int8
+ * or int4; the (gate | up) and down kernels may differ), each keeping its own OpenMP regions. Built and loaded by
  * model/backends/cpu/kernels/experts.py. */
 #include <math.h>
 #include <stdint.h>
@@ -75,9 +75,9 @@ void experts_forward(const experts_args *a) {
         const int n = start[e + 1] - start[e];
         if (!n) continue;
         const long r = start[e];
-        a->linear(a->xs + r * d, a->w_in[e], NULL, a->act + r * ff, a->gate + r * ff, n,
+        a->linear_in(a->xs + r * d, a->w_in[e], NULL, a->act + r * ff, a->gate + r * ff, n,
                   2 * ff, d, a->nthreads);
-        a->linear(a->act + r * ff, a->w_out[e], NULL, a->ys + r * d, NULL, n, d, ff,
+        a->linear_out(a->act + r * ff, a->w_out[e], NULL, a->ys + r * d, NULL, n, d, ff,
                   a->nthreads);
     }
     /* out[t] = sum over its pairs in expert order of bf16(y * w), each add rounded */

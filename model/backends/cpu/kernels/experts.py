@@ -11,14 +11,15 @@ import torch
 from torch import Tensor
 
 from model.backends.cpu.kernels.build import BASE_FLAGS, bind, build
-from model.backends.cpu.kernels.linear import linear_kernel
+from model.backends.cpu.kernels.linear import linear_address, linear_kernel
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
 
 
 class ExpertsArgs(ctypes.Structure):
     _fields_ = [
-        ("linear", _P),
+        ("linear_in", _P),
+        ("linear_out", _P),
         ("w_in", _P),
         ("w_out", _P),
         *[(name, _I) for name in ("experts", "top_k", "d", "ff", "rows", "nthreads")],
@@ -69,20 +70,23 @@ def route(logits: Tensor, top_k: int, normalize: bool) -> tuple[Tensor, Tensor]:
 
 
 class ExpertKernels:
-    """Every expert's packed weights (gate | up in swiglu_layout, down plain; all of
-    one `kind`, 'bf16', 'int8' or 'int4'), as the pointer tables experts.c reads. The tensors
-    must outlive this (PackedExperts holds them)."""
+    """Every expert's packed weights (gate | up in swiglu_layout, down plain; every
+    expert's (gate | up) of one kind and its down of one, each 'bf16', 'int8' or 'int4'),
+    as the pointer tables experts.c reads. The tensors must outlive this (PackedExperts
+    holds them)."""
 
-    def __init__(self, w_in: list[Tensor], w_out: list[Tensor], d: int, ff: int, kind: str):
+    def __init__(
+        self, w_in: list[Tensor], w_out: list[Tensor], d: int, ff: int, kinds: tuple[str, str]
+    ) -> None:
         n = len(w_in)
         self.d, self.ff, self.n = d, ff, n
-        self.linear = ctypes.cast(linear_kernel(kind), ctypes.c_void_p).value
+        self.linear_in, self.linear_out = (linear_address(kind) for kind in kinds)
         self._w_in = (ctypes.c_void_p * n)(*(w.data_ptr() for w in w_in))
         self._w_out = (ctypes.c_void_p * n)(*(w.data_ptr() for w in w_out))
 
     @staticmethod
-    def available(kind: str) -> bool:
-        return _experts() is not None and linear_kernel(kind) is not None
+    def available(kinds: tuple[str, str]) -> bool:
+        return _experts() is not None and all(linear_kernel(k) is not None for k in kinds)
 
     def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
         """x (T, d) bf16, weights (T, k) bf16 and ids (T, k) int64 -> (T, d) bf16."""
@@ -97,7 +101,8 @@ class ExpertKernels:
         cursor = torch.empty(self.n, dtype=torch.int32)
         ids, weights = ids.contiguous(), weights.to(torch.bfloat16).contiguous()
         args = ExpertsArgs(
-            self.linear,
+            self.linear_in,
+            self.linear_out,
             ctypes.addressof(self._w_in),
             ctypes.addressof(self._w_out),
             self.n,

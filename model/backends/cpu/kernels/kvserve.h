@@ -104,7 +104,7 @@ typedef void (*attention_fn)(const uint16_t *q, const uint16_t *k, const uint16_
  * plain; the buffers are (rows * top_k, width) but for starts (experts + 1) and cursor
  * (experts). */
 typedef struct {
-    linear_fn linear;
+    linear_fn linear_in, linear_out; /* the kernels of the experts' (gate | up) and down */
     const uint16_t *const *w_in;  /* (experts): each expert's (gate | up) */
     const uint16_t *const *w_out; /* (experts): each expert's down projection */
     int experts, top_k, d, ff, rows, nthreads;
@@ -123,7 +123,9 @@ typedef void (*route_fn)(const uint16_t *logits, int rows, int stride, int exper
                          int normalize, int64_t *ids, uint16_t *weights);
 typedef void (*experts_fn)(const experts_args *a);
 
-/* One layer's weights in the kernels' layouts; biases are float32 or NULL. */
+/* One layer's weights in the kernels' layouts; biases are float32 or NULL. Each linear
+ * comes with the kernel of its own layout (bf16, int8 or int4: a checkpoint's 4-bit and
+ * 8-bit tensors may share a layer). */
 typedef struct {
     const uint16_t *attn_norm;
     const uint16_t *wqkv;
@@ -147,12 +149,13 @@ typedef struct {
     const uint16_t *const *expert_w_in;
     const uint16_t *const *expert_w_out;
     int64_t *expert_load; /* the tokens routed to each expert, added to (NULL: not counted) */
+    linear_fn qkv_linear, o_linear, in_linear, out_linear, router_linear;
+    linear_fn expert_in_linear, expert_out_linear;
 } layer_args;
 
 typedef struct {
     norm_fn norm;
     qk_norm_fn qk_norm;
-    linear_fn linear;
     rope_fn rope;
     attention_fn attend;
     geglu_fn geglu; /* Gemma's GeGLU after a plain (gate | up) linear; NULL: SwiGLU, fused */

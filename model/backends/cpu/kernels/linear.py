@@ -63,6 +63,14 @@ def linear_kernel(kind: str) -> ctypes._CFuncPtr | None:
     return {"int8": lib.linear_int8, "int4": lib.linear_int4}.get(kind, lib.linear_bf16_vec)
 
 
+def linear_address(kind: str) -> int:
+    """The address of linear_kernel(kind), for the C code that calls it through a pointer
+    (stack.c, experts.c); the kernel must be built here."""
+    fn = linear_kernel(kind)
+    assert fn is not None, f"no {kind} linear kernel on this machine"
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
 def linear_isa(kind: str) -> str:
     """Which code linear_kernel(kind) runs: 'amx' where the level is amx and its build
     loads (bf16: linear_bf16.c's tiles; int8: linear_vec.c's amx build, on the tile unit

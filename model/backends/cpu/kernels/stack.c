@@ -51,13 +51,14 @@ static void add_bf16(uint16_t *x, const uint16_t *y, long n) {
 /* a layer's mixture of experts over the normed rows h: route each row, run the experts
  * into delta (model/moe.py's MoE.forward with the CPU's kernels) */
 static void mixture(const stack_args *a, const layer_args *w, int T, int nt) {
-    a->linear(a->h, w->router, NULL, a->logits, NULL, T, a->router_rows, a->d, nt);
+    w->router_linear(a->h, w->router, NULL, a->logits, NULL, T, a->router_rows, a->d, nt);
     a->route(a->logits, T, a->router_rows, a->experts, a->top_k, a->normalize, a->choice_ids,
              a->choice_weights);
     if (w->expert_load)
         for (long p = 0; p < (long)T * a->top_k; ++p) w->expert_load[a->choice_ids[p]]++;
     const experts_args e = {
-        .linear = a->linear,
+        .linear_in = w->expert_in_linear,
+        .linear_out = w->expert_out_linear,
         .w_in = w->expert_w_in,
         .w_out = w->expert_w_out,
         .experts = a->experts,
@@ -95,7 +96,7 @@ void stack_forward(const stack_args *a) {
             a->norm(a->x, l ? a->delta : NULL, w->attn_norm, a->h, T, d, a->eps, nt);
             in = a->h;
         }
-        a->linear(in, w->wqkv, w->bqkv, a->qkv, NULL, T, nqkv, d, nt);
+        w->qkv_linear(in, w->wqkv, w->bqkv, a->qkv, NULL, T, nqkv, d, nt);
         if (w->q_norm) a->qk_norm(a->qkv, w->q_norm, w->k_norm, T, H, KV, D, a->eps, nt);
         /* a windowed layer: its own RoPE base, pool and attention rows, where it has them */
         const int own = w->windowed;
@@ -112,12 +113,12 @@ void stack_forward(const stack_args *a) {
         else
             a->attend(a->qkv, w->k_cache, w->v_cache, a->tables, a->row_seq, a->lens, NULL,
                       a->attn, T, nqkv, KV, a->max_blocks, a->scale, a->softcap, NULL, nt);
-        a->linear(a->attn, w->wo, w->bo, a->o, NULL, T, d, H * D, nt);
+        w->o_linear(a->attn, w->wo, w->bo, a->o, NULL, T, d, H * D, nt);
         if (a->output_norms) {
             a->norm(a->o, NULL, w->attn_norm, a->h, T, d, a->eps, nt);
             add_bf16(a->x, a->h, n);
-            a->linear(a->x, w->w_in, w->b_in, a->act, a->gate, T, 2 * a->ff, d, nt);
-            a->linear(a->act, w->w_out, w->b_out, a->delta, NULL, T, d, a->ff, nt);
+            w->in_linear(a->x, w->w_in, w->b_in, a->act, a->gate, T, 2 * a->ff, d, nt);
+            w->out_linear(a->act, w->w_out, w->b_out, a->delta, NULL, T, d, a->ff, nt);
             a->norm(a->delta, NULL, w->ffn_norm, a->h, T, d, a->eps, nt);
             add_bf16(a->x, a->h, n);
             continue;
@@ -129,12 +130,12 @@ void stack_forward(const stack_args *a) {
             mixture(a, w, T, nt);
         } else {
             if (a->geglu) {
-                a->linear(a->h, w->w_in, w->b_in, a->gate_up, NULL, T, 2 * a->ff, d, nt);
+                w->in_linear(a->h, w->w_in, w->b_in, a->gate_up, NULL, T, 2 * a->ff, d, nt);
                 a->geglu(a->gate_up, a->act, T, a->ff, nt);
             } else {
-                a->linear(a->h, w->w_in, w->b_in, a->act, a->gate, T, 2 * a->ff, d, nt);
+                w->in_linear(a->h, w->w_in, w->b_in, a->act, a->gate, T, 2 * a->ff, d, nt);
             }
-            a->linear(a->act, w->w_out, w->b_out, a->delta, NULL, T, d, a->ff, nt);
+            w->out_linear(a->act, w->w_out, w->b_out, a->delta, NULL, T, d, a->ff, nt);
         }
         if (w->post_ffn_norm) a->norm(a->delta, NULL, w->post_ffn_norm, a->delta, T, d, a->eps, nt);
         if (a->residual != 1.0f) scale_bf16(a->delta, n, a->residual);

@@ -25,19 +25,22 @@ def stack_kernels(
     d_head: int,
     block_size: int,
     group: int,
-    kind: str,
+    kinds: frozenset[str] = frozenset({"bf16"}),
     whole_qk_norm: bool = False,
     geglu: bool = False,
     experts: bool = False,
 ) -> dict[str, int | None] | None:
     """Addresses of the kernels model/backends/cpu/kernels/stack.c calls for a bf16 model whose
-    attention has this shape and whose linears are all of `kind` ('bf16', 'int8' or 'int4'), at
-    this CPU's level (whole_qk_norm: OLMo 2's q/k norms over every head at once; geglu:
-    Gemma's GeGLU after the (gate | up) linear; experts: a mixture of experts' routing and
-    experts, experts.c); None unless all of them are built here."""
+    attention has this shape, at this CPU's level (whole_qk_norm: OLMo 2's q/k norms over
+    every head at once; geglu: Gemma's GeGLU after the (gate | up) linear; experts: a
+    mixture of experts' routing and experts, experts.c); None unless all of them, and the
+    linear kernel of each of `kinds` ('bf16', 'int8', 'int4': the layers' linears hold
+    them), are built here. The linears' kernels go in each layer's arguments
+    (linear.linear_address)."""
     attention, fused = attention_library(d_head, block_size, group), fused_library()
-    linear, mixture = linear_kernel(kind), experts_library() if experts else None
-    if attention is None or fused is None or linear is None or _stack() is None:
+    mixture = experts_library() if experts else None
+    built = all(linear_kernel(kind) is not None for kind in kinds)
+    if attention is None or fused is None or not built or _stack() is None:
         return None
     if experts and mixture is None:
         return None
@@ -49,7 +52,6 @@ def stack_kernels(
     return {
         "norm": address(fused.add_rms_norm_bf16),
         "qk_norm": address(fused.qk_norm_all_bf16 if whole_qk_norm else fused.qk_norm_bf16),
-        "linear": address(linear),
         "rope": address(fused.rope_store_bf16),
         "attend": address(attention.paged_attention_amx if amx else attention.paged_attention_bf16),
         "geglu": address(fused.geglu_bf16) if geglu else None,
