@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from model.config import ModelConfig
@@ -167,7 +168,8 @@ def window_sequence_bytes(cfg: ModelConfig, dtype: str, seq_len: int, block_size
     return global_bytes + seen * kv_bytes_per_token(cfg, dtype, windowed)
 
 
-SCALE_BYTES = 4  # a quantized linear's float32 scale per output row
+SCALE_BYTES = 4  # an fp8 linear's float32 scale per output row
+INT8_ROW_BYTES = 8  # an int8 linear's per output row: its float32 scale, the int32 VNNI offset
 INT4_GROUP = 32  # in features a 4-bit group's scale and minimum cover
 
 
@@ -194,11 +196,12 @@ def layer_linears(cfg: ModelConfig, experts: bool = True) -> tuple[int, int]:
 
 def quantized_bytes(weights: int, rows: int, quantization: str) -> int:
     """The bytes `weights` linear weights of `rows` output rows take as --quantization
-    holds them: int8 and fp8 a byte a weight and a float32 scale a row; int4 half a byte
-    a weight and a bf16 scale and minimum each group of INT4_GROUP (5/8 of a byte)."""
+    holds them: int8 and fp8 a byte a weight, with INT8_ROW_BYTES or SCALE_BYTES a row;
+    int4 half a byte a weight and a bf16 scale and minimum each group of INT4_GROUP (5/8
+    of a byte)."""
     if quantization == "int4":
         return weights // 2 + weights // INT4_GROUP * 4
-    return weights + rows * SCALE_BYTES
+    return weights + rows * (INT8_ROW_BYTES if quantization == "int8" else SCALE_BYTES)
 
 
 def weight_bytes(cfg: ModelConfig, dtype: str, quantization: str = "none") -> int:
@@ -218,6 +221,25 @@ def weight_bytes(cfg: ModelConfig, dtype: str, quantization: str = "none") -> in
         head = cfg.vocab_size * cfg.d_model
         kept = head * dtype_bytes(dtype) if not cfg.tie_embeddings else 0
         total += quantized_bytes(head, cfg.vocab_size, quantization) - kept
+    return total
+
+
+def stored_weight_bytes(
+    cfg: ModelConfig, dtype: str, stored: dict[str, tuple[tuple[int, ...], str]]
+) -> int:
+    """The weights' bytes under --quantization auto on the cpu backend: each parameter a
+    checkpoint stores as integers (`stored`: model.weights.stored_kinds) as
+    quantized_bytes holds its kind, a tied head as a copy of the embedding table in the
+    table's kind (the lookup keeps the table in `dtype`), every other parameter in
+    `dtype`."""
+    total = weight_bytes(cfg, dtype)
+    for name, (shape, kind) in stored.items():
+        numel = math.prod(shape)
+        held = quantized_bytes(numel, numel // shape[-1], kind)
+        if name == "embed.weight":
+            total += held if cfg.tie_embeddings else 0
+        else:
+            total += held - numel * dtype_bytes(dtype)
     return total
 
 
@@ -353,16 +375,22 @@ def plan(
     tensor_parallel_size: int = 1,
     block_size: int = 16,
     quantization: str = "none",
+    held_bytes: int | None = None,
 ) -> dict[str, object]:
     """What fits in `memory_bytes` (of each device, with the model split over
     `tensor_parallel_size` of them) next to the weights, and the physical floors. A
     model with windowed layers counts each sequence's KV as the server holds it (the
     windowed layers' blocks of the window alone), and also as global KV would
-    (`sequences_of_seq_len_global_kv`)."""
+    (`sequences_of_seq_len_global_kv`). held_bytes: the whole model's weight bytes where
+    the config cannot give them (--quantization auto: stored_weight_bytes), a rank's
+    share taken at its mean bytes a weight."""
     world = tensor_parallel_size
     local = rank_config(cfg, world) if world > 1 else cfg
-    report = audit(cfg, dtype, quantization=quantization).as_dict()
-    weights = weight_bytes(local, dtype, quantization)
+    report = audit(cfg, dtype, quantization=quantization, held_bytes=held_bytes).as_dict()
+    share = None
+    if held_bytes is not None:
+        share = held_bytes * weight_bytes(local, dtype) // weight_bytes(cfg, dtype)
+    weights = share if share is not None else weight_bytes(local, dtype, quantization)
     per_token = kv_bytes_per_token(local, dtype)
     kv_room = max(0, memory_bytes - weights)
     tokens = kv_room // per_token
@@ -377,7 +405,7 @@ def plan(
         "sequences_of_seq_len": tokens // seq_len,
         "fits": weights < memory_bytes and tokens >= seq_len,
         # what one sequence's decode step reads of them (of a mixture: its experts)
-        "decode_read_bytes_per_device": read_bytes(local, dtype, quantization),
+        "decode_read_bytes_per_device": read_bytes(local, dtype, quantization, held_bytes=share),
     }
     if local.windowed_layers:
         per_seq = window_sequence_bytes(local, dtype, seq_len, block_size)
@@ -388,7 +416,7 @@ def plan(
             "fits": weights < memory_bytes and kv_room >= per_seq,
         }
     report |= collective_bytes(cfg, dtype, world)
-    return report | floors(local, dtype, bandwidth, matmul_flops, quantization)
+    return report | floors(local, dtype, bandwidth, matmul_flops, quantization, share)
 
 
 def floors(

@@ -724,12 +724,8 @@ def _read_param(
     checkpoint tensors, and the integer kind that keeps them (model.int_weights.finest_kind;
     None: a float parameter); where: the checkpoint and its config's name, for errors."""
     root, config_name = where
-    cfg, match = model.cfg, _LAYER.match(name)
-    key = _LAYER.sub("layers.{i}.", name) if match else name
-    i = match.group(1) if match else ""
-    templates = table.names.get(key) if table else (name,)
-    if templates is None:
-        raise CheckpointError(f"{root}: no checkpoint name known for parameter {name}")
+    cfg = model.cfg
+    key, i, templates = _templates(name, table, root)
     target = torch.zeros(shape, dtype=dtype, device=device)
     transpose = table is not None and key in table.transposed
     hint = f"{config_name} ({_shape_fields(cfg, name)})"
@@ -747,6 +743,57 @@ def _read_param(
     if table is not None and key in table.plus_one:
         target += 1
     return target, finest_kind(kinds)
+
+
+def _templates(
+    name: str, table: NameTable | None, root: object
+) -> tuple[str, str, tuple[str, ...]]:
+    """Parameter `name`'s key (its layer index as `{i}`), layer index ('' outside the
+    layers) and checkpoint name templates."""
+    match = _LAYER.match(name)
+    key = _LAYER.sub("layers.{i}.", name) if match else name
+    templates = table.names.get(key) if table else (name,)
+    if templates is None:
+        raise CheckpointError(f"{root}: no checkpoint name known for parameter {name}")
+    return key, match.group(1) if match else "", templates
+
+
+def stored_kinds(model_dir: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The parameters a checkpoint stores as integers, each with its shape and the kind
+    that keeps it (model.int_weights.stored_kind: what --quantization auto packs), from
+    the files' headers and config alone: no tensor is read."""
+    root = Path(model_dir)
+    if is_gguf(root):
+        reader: _Reader | GgufFile = _open_gguf(root)
+        cfg = _gguf_config(reader)
+        return _kinds_of(cfg, reader, NAME_TABLES[cfg.architecture], root)
+    cfg = load_config(root)
+    table = NAME_TABLES.get(cfg.architecture)
+    if (root / NATIVE_CONFIG).exists() or table is None:
+        return {}
+    _, packing = _quantization(root / "config.json")
+    with ExitStack() as stack:
+        reader = _Reader(table, _weight_files(root), stack, None, packing)
+        return _kinds_of(cfg, reader, table, root)
+
+
+def _kinds_of(
+    cfg: ModelConfig, reader: _Reader | GgufFile, table: NameTable, root: object
+) -> dict[str, tuple[tuple[int, ...], str]]:
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    out = {}
+    for name, param in model.named_parameters():
+        _, i, templates = _templates(name, table, root)
+        stack = _LAYER.sub("", name) in EXPERT_STACKS
+        kinds = [
+            reader.stored_kind(source)
+            for e in (range(param.shape[0]) if stack else (None,))
+            for source in _sources(reader, templates, i, e, root, name)[0]
+        ]
+        if (kind := finest_kind(kinds)) is not None:
+            out[name] = (tuple(param.shape), kind)
+    return out
 
 
 def _finish_layer(

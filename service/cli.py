@@ -135,6 +135,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     machine = None if args.no_measure else Machine.measure(dtype, device)
     world = args.tensor_parallel_size
+    quantization, held_bytes = _plan_held(args, cfg, device, dtype)
     report = plan(
         cfg,
         dtype_name(dtype),
@@ -143,17 +144,37 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         machine.bandwidth if machine else None,
         machine.matmul_flops if machine else None,
         world,
-        quantization=args.quantization,
+        quantization=quantization,
+        held_bytes=held_bytes,
     )
     report = {"model": cfg.name, "device": str(device), **report}
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    held = dtype_name(dtype) + (
-        f", linears {args.quantization}" if args.quantization != "none" else ""
-    )
+    held = dtype_name(dtype) + (f", linears {quantization}" if quantization != "none" else "")
     print("\n".join(_plan_lines(report, cfg.name, held, memory, world, machine is not None)))
     return 0
+
+
+def _plan_held(args: argparse.Namespace, cfg, device, dtype) -> tuple[str, int | None]:  # type: ignore[no-untyped-def]
+    """--quantization as `kvserve serve` would hold the weights, and their bytes where the
+    config cannot give them: auto keeps a checkpoint's integer tensors in their own kinds
+    on the cpu backend in bf16 (read from the files' headers), and is none elsewhere or
+    for a float checkpoint (service/build.py's _held_as, before the load)."""
+    import torch
+
+    from model.audit import stored_weight_bytes
+    from model.backends.device import dtype_name
+    from model.weights import stored_kinds
+
+    if args.quantization != "auto":
+        return args.quantization, None
+    if not args.model or device.type != "cpu" or dtype != torch.bfloat16:
+        return "none", None
+    stored = stored_kinds(args.model)
+    if not stored:
+        return "none", None
+    return "auto", stored_weight_bytes(cfg, dtype_name(dtype), stored)
 
 
 def _plan_lines(
@@ -257,8 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--dtype", default="auto")
     pl.add_argument("--memory-gib", type=float, default=None, help="default: this device's memory")
     pl.add_argument(
-        "--quantization", default="none", choices=["none", "int8", "int4", "fp8"],
-        help="the linears' weights as --quantization holds them (int4: 5/8 byte a weight)",
+        "--quantization", default="auto", choices=["auto", "none", "int8", "int4", "fp8"],
+        help="the linears' weights as --quantization holds them (int4: 5/8 byte a weight; "
+        "auto: a GGUF's or AWQ/GPTQ/compressed-tensors file's integer tensors in their own "
+        "kinds on the CPU in bf16, read from the files' headers)",
     )  # fmt: skip
     pl.add_argument("--seq-len", type=int, default=None, help="default: the model's context length")
     pl.add_argument(

@@ -213,7 +213,8 @@ def test_quantized_weight_bytes_are_the_models(overrides: dict) -> None:
     """--quantization's weight bytes: fp8's are the bytes the torch backend's prepared
     model holds (e4m3 linears, a float32 scale a row, the rest in bf16); int8's are the
     layers' linears and the LM head (for a tied head, a copy) at one byte a weight and
-    four a row, counted from the model's own modules."""
+    eight a row (the scale and the VNNI offset int8_pack stores), counted from the
+    model's own modules."""
     from torch import nn
 
     from model.audit import weight_bytes
@@ -227,7 +228,7 @@ def test_quantized_weight_bytes_are_the_models(overrides: dict) -> None:
     params = sum(p.numel() for p in model.parameters())
     head = cfg.vocab_size * cfg.d_model
     rest = params - weights - (0 if cfg.tie_embeddings else head)
-    int8 = 2 * rest + weights + 4 * rows + head + 4 * cfg.vocab_size
+    int8 = 2 * rest + weights + 8 * rows + head + 8 * cfg.vocab_size
     assert weight_bytes(cfg, "bfloat16", "int8") == int8
 
     assert TorchBackend().prepare(model, "fp8")
@@ -302,7 +303,7 @@ def test_a_mixtures_int8_bytes_are_its_packed_modules() -> None:
     )
     params = sum(t.numel() for t in model.parameters())
     head = MOE.vocab_size * MOE.d_model
-    int8 = 2 * (params - weights - head) + weights + 4 * rows + head + 4 * MOE.vocab_size
+    int8 = 2 * (params - weights - head) + weights + 8 * rows + head + 8 * MOE.vocab_size
     assert weight_bytes(MOE, "bfloat16", "int8") == int8
     plain = sum(m.weight.numel() for m in linears)  # fp8: every nn.Linear, no expert
     fp8 = 2 * params - plain + 4 * sum(m.out_features for m in linears)
