@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from benchmarks.results import record
-from model.audit import batch_floor, count_params, idle_expert_bytes
+from model.audit import batch_floor, count_params, idle_expert_bytes, quantized_bytes, read_bytes
 from model.backends.cpu.isa import cpu_flags, cpu_isa, native_isa
 from model.backends.machine import bf16_kernel_rate, matmul_throughput, memory_bandwidth
 from model.weights import load_config
@@ -170,11 +170,12 @@ def server_env(system: str, peers: Path) -> dict[str, str]:
 
 
 def floor_kind(system: str) -> str:
-    """Which weight-bandwidth floor a system's weights have: bf16, int8, int4 or fp32
-    (a Q4_K_M file served by kvserve is dequantized: bf16's)."""
+    """Which weight-bandwidth floor a system's weights have: bf16, int8, int4, fp32, or
+    'file' (a Q4_K_M file served by kvserve: each tensor in the kind that keeps it,
+    --quantization auto)."""
     kind, variant = system.split("-")[:2]
     if kind == "kvserve" and variant == "q4_k_m":
-        return "bf16"
+        return "file"
     return {"f32": "fp32", "q8_0": "int8", "q4_k_m": "int4"}.get(variant, variant)
 
 
@@ -217,6 +218,27 @@ def weight_bytes(model_dir: Path) -> dict[str, float]:
         "int8": params + 8 * rows - idle_expert_bytes(cfg, "bfloat16", "int8", 1),
         "int4": params * 5 / 8 - idle_expert_bytes(cfg, "bfloat16", "int4", 1),
     }
+
+
+def file_read_bytes(gguf_path: Path, model_dir: Path) -> float:
+    """What a decode step reads of a GGUF file served with --quantization auto: each
+    linear in the kind that keeps its type (model.gguf.kept_as; int4 and int8 as
+    model/audit.py's quantized_bytes counts them, floats in bf16), the embedding table only
+    as the tied head's copy, of a mixture the experts one token runs (at the file's mean
+    bytes a weight)."""
+    from model.gguf import kept_as, open_gguf
+
+    f = open_gguf(gguf_path)
+    tied, total = "output.weight" not in f.tensors, 0
+    for name, t in f.tensors.items():
+        numel, kind = int(t.n_elements), kept_as(t.tensor_type.name)
+        if name == "token_embd.weight" and not tied:
+            continue  # the lookup reads a row a token
+        if len(t.shape) < 2 or kind is None:
+            total += 2 * numel  # norms and float tensors in bf16
+        else:
+            total += quantized_bytes(numel, int(t.shape[-1]), kind)
+    return read_bytes(load_config(model_dir), "bfloat16", held_bytes=total)
 
 
 def measure(systems: list[str], args: argparse.Namespace, slots: int) -> dict[str, Any]:
@@ -363,7 +385,12 @@ def main() -> None:
     rows = {s: {"single": single_runs[s], "concurrent": concurrent_runs[s]} for s in systems}
     sizes = weight_bytes(args.peers / "models" / args.model)
     bandwidth = max(BANDWIDTH)
-    floors = {v: sizes[v] / bandwidth * 1000 for v in ("bf16", "int8", "int4")}
+    if any(floor_kind(s) == "file" for s in systems):
+        gguf = llama_files(args.peers, args.model, "q4_k_m")[1]
+        sizes["file"] = file_read_bytes(gguf, args.peers / "models" / args.model)
+    floors = {
+        v: sizes[v] / bandwidth * 1000 for v in ("bf16", "int8", "int4", "file") if v in sizes
+    }
     floors["fp32"] = floors["bf16"] * 2
     print(
         f"\nread bandwidth {bandwidth / 1e9:.1f} GB/s (best of {len(BANDWIDTH)} probes, median "

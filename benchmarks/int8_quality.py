@@ -17,16 +17,28 @@ FP8 matmuls read, the activations unquantized):
                share of positions where the two runs chose the same token, and the mean
                length of the identical prefix
 
+With --llama BIN (llama.cpp's build/bin) and --text FILE, llama.cpp's own measure is taken
+too: its llama-perplexity saves the bf16 GGUF's next-token distributions over --chunks
+chunks of --ctx tokens of the text, then gives the mean KL and same-top share of each
+--files GGUF against them (--kl-divergence); the 180M checkpoint's runs here read those
+chunks' tokens and score the positions llama-perplexity scores (the second half of each
+chunk), so both engines' numbers are over the same next-token distributions. Those rows
+go to docs/results.md.
+
 With --files NAME=PATH (a GGUF file or an AWQ/GPTQ folder of the 180M checkpoint), each
-file is loaded as it is (its weights dequantized to bf16) and with --quantization, both
-against the 180M checkpoint's bf16: what the file's own 4 bits cost, and what kvserve's
---quantization adds on top of them.
+file is loaded as it is (none: its weights dequantized to bf16), as the server holds it by
+default (auto: each integer tensor in the kind that keeps its values, int4 or int8) and
+with --quantization, each against the 180M checkpoint's bf16: what the file's own bits
+cost, and what kvserve's kernels add on top of them.
 
 Prints a table and writes JSON (--out).
 
     PYTHONPATH=. .venv/bin/python benchmarks/int8_quality.py --peers ../peers
     PYTHONPATH=. .venv/bin/python benchmarks/int8_quality.py --quantization int4 --peers ../peers \
         --files q4_0=../peers/models/llama-cl100k-135m-Q4_0.gguf
+    PYTHONPATH=. .venv/bin/python benchmarks/int8_quality.py --quantization int4 --peers ../peers \
+        --llama ../peers/llama.cpp/build/bin --text llama.cpp-docs.txt --llama-args=--no-repack \
+        --files q4_k_m=../peers/models/llama-cl100k-135m-Q4_K_M.gguf
     PYTHONPATH=. .venv/bin/python benchmarks/int8_quality.py --quantization fp8
 """
 
@@ -34,13 +46,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import shlex
 import statistics
+import struct
+import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmarks.results import record
 from model.backends.fp8 import Fp8Linear, to_fp8
 from model.loader import load
 from service.config import Settings
@@ -67,6 +85,61 @@ def checkpoints(tmp: Path, peers: Path | None) -> dict[str, Path]:
     if big is not None and (big / "model.safetensors").exists():
         out["llama3-180m"] = big
     return out
+
+
+def llama_chunks(base: Path, bos: int | None) -> tuple[list[list[int]], int]:
+    """The token chunks in a llama-perplexity --kl-divergence-base file ('_logits_', n_ctx,
+    n_vocab, n_chunk, then n_ctx * n_chunk int32 tokens before the log-probs), each
+    chunk's first token made `bos` as llama-perplexity makes it where the vocab adds
+    one; and the first position it scores (n_ctx / 2: the next-token distributions from
+    there to the chunk's second-to-last token)."""
+    data = base.read_bytes()
+    assert data[:8] == b"_logits_", f"{base} is not a llama-perplexity logits file"
+    n_ctx, _, n_chunk = struct.unpack_from("<Iii", data, 8)
+    tokens = struct.unpack_from(f"<{n_ctx * n_chunk}i", data, 20)
+    chunks = [list(tokens[i * n_ctx : (i + 1) * n_ctx]) for i in range(n_chunk)]
+    for chunk in chunks:
+        chunk[0] = bos if bos is not None else chunk[0]
+    return chunks, n_ctx // 2
+
+
+LLAMA_BASE = "llama-cl100k-135m"  # the peer checkpoint whose GGUFs --files names
+
+
+def llama_kl(
+    args: argparse.Namespace, tmp: Path
+) -> tuple[dict[str, dict[str, float]], tuple[list[list[int]], int]]:
+    """llama.cpp's own measure on each --files GGUF: llama-perplexity saves the bf16
+    GGUF's log-probs over --chunks chunks of --ctx tokens of --text
+    (--kl-divergence-base), then scores each file against them (--kl-divergence); and
+    those chunks (llama_chunks), each starting with BOS where the vocab adds one, as
+    llama-perplexity starts them."""
+    from model.gguf import open_gguf
+
+    bf16 = args.peers / "models" / f"{LLAMA_BASE}-bf16.gguf"
+    base, tool = tmp / "base.kld", str(args.llama / "llama-perplexity")
+    common = ["-c", str(args.ctx), "-t", str(os.cpu_count()), "-b", str(args.ctx)]
+    common += shlex.split(args.llama_args)
+    run = [tool, "-m", str(bf16), "-f", str(args.text), "--chunks", str(args.chunks)]
+    subprocess.run([*run, *common, "--kl-divergence-base", str(base)], check=True,
+                   capture_output=True)  # fmt: skip
+    out = {}
+    for name, file in (f.split("=", 1) for f in args.files):
+        if not file.endswith(".gguf"):
+            continue
+        scored = [tool, "-m", file, *common, "--kl-divergence-base", str(base), "--kl-divergence"]
+        log = subprocess.run(scored, check=True, capture_output=True, text=True)
+        text = log.stdout + log.stderr
+        kl = re.search(r"Mean\s+KLD:\s+([0-9.]+)", text)
+        top = re.search(r"Same top p:\s+([0-9.]+)", text)
+        assert kl and top, f"llama-perplexity printed no KLD for {file}"
+        out[name] = {"kl_mean": float(kl.group(1)), "top1_agreement": float(top.group(1)) / 100}
+        print(f"llama.cpp {name}", json.dumps(out[name]), flush=True)
+    f = open_gguf(bf16)
+    bos = (
+        f.field("tokenizer.ggml.bos_token_id") if f.field("tokenizer.ggml.add_bos_token") else None
+    )
+    return out, llama_chunks(base, bos)
 
 
 def engine(path: Path, quantization: str, backend: str) -> LLMEngine:
@@ -98,8 +171,15 @@ def greedy(eng: LLMEngine, prompts: list[list[int]], n: int) -> list[list[int]]:
 
 
 @torch.no_grad()
-def compare(ref: Path, path: Path, quantization: str, args: argparse.Namespace) -> dict[str, Any]:
-    """ref's bf16 against path's with `quantization`."""
+def compare(
+    ref: Path,
+    path: Path,
+    quantization: str,
+    args: argparse.Namespace,
+    chunks: tuple[list[list[int]], int] | None = None,
+) -> dict[str, Any]:
+    """ref's bf16 against path's with `quantization`, on random prompts or on `chunks`
+    (llama_chunks': the logits from its first scored position on)."""
     backend = "torch" if args.quantization == "fp8" else "cpu"
     bf16, quant = engine(ref, "none", backend), engine(path, quantization, backend)
     cfg = bf16.model.cfg
@@ -109,10 +189,13 @@ def compare(ref: Path, path: Path, quantization: str, args: argparse.Namespace) 
         torch.randint(0, min(cfg.vocab_size, 100256), (length,), generator=gen).tolist()
         for _ in range(args.prompts)
     ]
+    scored = slice(None)  # every position's next-token distribution
+    if chunks is not None:  # llama-perplexity's tokens and positions
+        prompts, scored = chunks[0], slice(chunks[1], -1)
     diffs, agree, scale, kl = [], [], [], []
     for p in prompts:
         ids = torch.tensor(p)
-        a, b = bf16.model(ids).float(), quant.model(ids).float()
+        a, b = bf16.model(ids).float()[scored], quant.model(ids).float()[scored]
         diffs.append((a - b).abs())
         agree.append((a.argmax(-1) == b.argmax(-1)).float().mean().item())
         scale.append(a.std().item())
@@ -141,6 +224,35 @@ def compare(ref: Path, path: Path, quantization: str, args: argparse.Namespace) 
 
 
 def main() -> None:
+    args = parse_args()
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = checkpoints(Path(tmp), args.peers)
+        runs = [(name, path, path, args.quantization) for name, path in paths.items()]
+        for name, file in (f.split("=", 1) for f in args.files):
+            for q in ("none", "auto", args.quantization):
+                runs.append((f"{name} ({q})", paths["llama3-180m"], Path(file), q))
+        llama, chunks = {}, None
+        if args.llama is not None:
+            llama, chunks = llama_kl(args, Path(tmp))
+        for name, ref, path, q in runs:
+            big = ref == paths.get("llama3-180m")  # llama-perplexity's tokens are its vocab's
+            results[name] = compare(ref, path, q, args, chunks if big else None)
+            print(name, json.dumps({k: round(v, 4) for k, v in results[name].items()}), flush=True)
+    print_table(results, llama, args)
+    Path(args.out).write_text(
+        json.dumps(
+            {"args": vars(args) | {"peers": str(args.peers)}, "results": results, "llama": llama},
+            indent=2,
+            default=str,
+        )
+    )
+    print(f"\nwrote {args.out}")
+    if args.llama is not None:
+        record(f"int4_quality ({LLAMA_BASE})", headline(results, llama))
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -152,21 +264,26 @@ def main() -> None:
     ap.add_argument("--quantization", choices=["int8", "int4", "fp8"], default="int8")
     ap.add_argument("--files", nargs="*", default=[], metavar="NAME=PATH")
     ap.add_argument(
+        "--llama", type=Path, default=None, metavar="BIN",
+        help="llama.cpp's build/bin (llama-perplexity): its own KL of each --files GGUF, and "
+        "the 180M runs on its tokens and positions",
+    )  # fmt: skip
+    ap.add_argument("--text", type=Path, default=None, help="with --llama: the text it reads")
+    ap.add_argument("--ctx", type=int, default=512, help="with --llama: tokens a chunk")
+    ap.add_argument("--chunks", type=int, default=8, help="with --llama: chunks read")
+    ap.add_argument("--llama-args", default="", help="with --llama: more llama-perplexity flags")
+    ap.add_argument(
         "--out", default=None, help="default: benchmarks/out/<quantization>_quality.json"
     )
     args = ap.parse_args()
     args.out = args.out or str(ROOT / "benchmarks" / "out" / f"{args.quantization}_quality.json")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    results = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        paths = checkpoints(Path(tmp), args.peers)
-        runs = [(name, path, path, args.quantization) for name, path in paths.items()]
-        for name, file in (f.split("=", 1) for f in args.files):
-            for q in ("none", args.quantization):
-                runs.append((f"{name} ({q})", paths["llama3-180m"], Path(file), q))
-        for name, ref, path, q in runs:
-            results[name] = compare(ref, path, q, args)
-            print(name, json.dumps({k: round(v, 4) for k, v in results[name].items()}), flush=True)
+    if args.llama is not None and args.text is None:
+        ap.error("--llama reads --text")
+    return args
+
+
+def print_table(results: dict, llama: dict, args: argparse.Namespace) -> None:
     print()
     print(
         "| checkpoint | quantized linears | logit max err | logit mean err | mean err / logit std | top-1 agreement (teacher-forced) | mean KL (nats) | greedy same token | greedy identical prefix |"
@@ -178,10 +295,25 @@ def main() -> None:
             f"| {r['mean_err_over_logit_std']:.3f} | {r['top1_agreement']:.1%} | {r['kl_mean']:.4f} "
             f"| {r['greedy_same_token_share']:.1%} | {r['greedy_identical_prefix_mean']:.1f} / {args.output_len} |"
         )
-    Path(args.out).write_text(
-        json.dumps({"args": vars(args) | {"peers": str(args.peers)}, "results": results}, indent=2)
-    )
-    print(f"\nwrote {args.out}")
+    for name, r in llama.items():
+        print(f"| llama.cpp {name} | | | | | {r['top1_agreement']:.1%} | {r['kl_mean']:.4f} | | |")
+
+
+def headline(results: dict, llama: dict) -> dict[str, str]:
+    """The 180M runs and llama.cpp's, on the same positions, for the results table."""
+    rows = {}
+    for name, r in results.items():
+        if name == "llama3-180m" or " (" in name:
+            file, _, held = name.rstrip(")").partition(" (")
+            label = "int4 of the bf16 checkpoint" if not held else f"{file} file as {held}"
+            rows[f"kvserve {label}: mean KL, top-1"] = (
+                f"{r['kl_mean']:.5f}, {r['top1_agreement']:.1%}"
+            )
+    for name, r in llama.items():
+        rows[f"llama.cpp {name} file: mean KL, top-1"] = (
+            f"{r['kl_mean']:.5f}, {r['top1_agreement']:.1%}"
+        )
+    return rows
 
 
 if __name__ == "__main__":
