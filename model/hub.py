@@ -4,6 +4,9 @@ as huggingface_hub defines them). Only the files kvserve reads are downloaded.""
 
 from __future__ import annotations
 
+import contextlib
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,8 +41,8 @@ def resolve(
     model: str | None, revision: str | None = None, download_dir: str | None = None
 ) -> ModelSource | None:
     """A local directory or GGUF file as it is (served as the file's name without
-    .gguf); anything else as a Hub repo id, from the cache, or downloaded into it when the
-    Hub can be reached. None (the demo model) stays None."""
+    .gguf); anything else from the Hub (download()), from the cache, or downloaded into
+    it when the Hub can be reached. None (the demo model) stays None."""
     if model is None:
         return None
     local = Path(model).expanduser()
@@ -47,20 +50,68 @@ def resolve(
         return ModelSource(local, local.name)
     if is_gguf(local):
         return ModelSource(local, local.stem)
-    if model.startswith((".", "/", "~")) or model.count("/") > 1:
+    if model.startswith((".", "/", "~")):
         raise ModelNotFound(f"model directory not found: {model}")
-    return ModelSource(download(model, revision, download_dir), model)
+    path = download(model, revision, download_dir)
+    return ModelSource(path, path.stem if path.is_file() else model)
 
 
-def download(repo_id: str, revision: str | None = None, cache_dir: str | None = None) -> Path:
-    """The repo's snapshot directory (kvserve's files only), downloading what is missing."""
+def download(model: str, revision: str | None = None, cache_dir: str | None = None) -> Path:
+    """From the Hub, downloading what is missing: a repo id's snapshot directory
+    (kvserve's files only); one GGUF file of a repo, named as `org/repo/file.gguf` or as
+    llama.cpp and Ollama name it, `org/repo:QUANT` (the one file whose name ends in
+    QUANT.gguf, any case), its path."""
+    repo, _, quant = model.partition(":")
+    parts = repo.split("/", 2)
+    repo_id, file = "/".join(parts[:2]), parts[2] if len(parts) > 2 else None
+    if file is not None and not file.endswith(".gguf"):
+        raise ModelNotFound(f"model directory not found: {model}")
+    if file is not None:
+        import huggingface_hub as hub
+
+        with _hub_errors(repo_id, revision, cache_dir):
+            path = hub.hf_hub_download(repo_id, file, revision=revision, cache_dir=cache_dir)
+        return Path(path)
+    if quant:
+        return _gguf_of(repo_id, quant, revision, cache_dir)
+    return _snapshot(repo_id, revision, cache_dir, ALLOW)
+
+
+def _gguf_of(repo_id: str, quant: str, revision: str | None, cache_dir: str | None) -> Path:
+    """The GGUF file of `repo_id` whose name ends in `quant`.gguf."""
+    variants = {quant, quant.upper(), quant.lower()}
+    snapshot = _snapshot(repo_id, revision, cache_dir, [f"*{v}.gguf" for v in variants])
+    ends = re.compile(rf"(^|[-_.]){re.escape(quant)}\.gguf$", re.IGNORECASE)
+    files = sorted(p for p in snapshot.rglob("*.gguf") if ends.search(p.name))
+    if len(files) != 1:
+        names = ", ".join(p.name for p in files)
+        raise ModelNotFound(
+            f"model {repo_id!r} has {'several' if files else 'no'} GGUF files ending in "
+            f"{quant}.gguf{': ' + names if files else ''} (name one as {repo_id}/FILE.gguf)"
+        )
+    return files[0]
+
+
+def _snapshot(
+    repo_id: str, revision: str | None, cache_dir: str | None, patterns: list[str]
+) -> Path:
+    """The repo's snapshot directory with the files matching `patterns`."""
     import huggingface_hub as hub
+
+    with _hub_errors(repo_id, revision, cache_dir):
+        path = hub.snapshot_download(
+            repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=patterns
+        )
+    return Path(path)
+
+
+@contextlib.contextmanager
+def _hub_errors(repo_id: str, revision: str | None, cache_dir: str | None) -> Iterator[None]:
+    """huggingface_hub's failures as one-line ModelNotFound reasons."""
     from huggingface_hub import constants, errors
 
     try:
-        path = hub.snapshot_download(
-            repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=ALLOW
-        )
+        yield
     except errors.HFValidationError:
         raise ModelNotFound(
             f"model directory not found, and not a Hugging Face repo id: {repo_id}"
@@ -84,6 +135,7 @@ def download(repo_id: str, revision: str | None = None, cache_dir: str | None = 
             "cannot be reached (HF_HUB_OFFLINE or no network): run `kvserve download "
             f"{repo_id}` where there is a network, or pass a local directory"
         ) from None
+    except errors.EntryNotFoundError:
+        raise ModelNotFound(f"model {repo_id!r} has no such file") from None
     except (errors.HfHubHTTPError, OSError) as exc:
         raise ModelNotFound(f"model {repo_id!r}: the Hub answered {exc}") from None
-    return Path(path)

@@ -279,9 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--memory-gib", type=float, default=None, help="default: this device's memory")
     pl.add_argument(
         "--quantization", default="auto", choices=["auto", "none", "int8", "int4", "fp8"],
-        help="the linears' weights as --quantization holds them (int4: 5/8 byte a weight; "
-        "auto: a GGUF's or AWQ/GPTQ/compressed-tensors file's integer tensors in their own "
-        "kinds on the CPU in bf16, read from the files' headers)",
+        help="the weights as serve's --quantization holds them (auto: from the files' headers)",
     )  # fmt: skip
     pl.add_argument("--seq-len", type=int, default=None, help="default: the model's context length")
     pl.add_argument(

@@ -112,7 +112,8 @@ class Settings:
     model: str | None = field(
         default=None,
         metadata={
-            "help": "a model directory, a GGUF file or a Hugging Face repo id (default: the random demo model)"
+            "help": "a model directory, a GGUF file, a Hugging Face repo id, or one GGUF file of a "
+            "repo (org/repo:QUANT or org/repo/file.gguf) (default: the random demo model)"
         },
     )
     revision: str | None = field(

@@ -1,5 +1,6 @@
-"""Models by Hugging Face repo id: served from a Hub cache laid out as huggingface_hub
-lays it out (refs/main -> snapshots/<commit>/...) with the network off, and one-line
+"""Models by Hugging Face repo id (and one GGUF file of a repo): served from a Hub cache
+laid out as huggingface_hub lays it out (refs/main -> snapshots/<commit>/...) with the
+network off, and one-line
 errors for a model not in the cache, an unknown repo and a gated one (the last two from
 a stand-in Hub on 127.0.0.1 that answers the way the Hub does)."""
 
@@ -14,6 +15,7 @@ import httpx
 import pytest
 
 from tests.factories import free_port, start_server, write_hub_cache
+from tests.gguf_files import write_gguf
 
 pytestmark = pytest.mark.slow
 
@@ -41,6 +43,33 @@ def test_serve_a_repo_id_from_the_cache_offline(tmp_path: Path) -> None:
         srv.stop()
     got = kvserve("download", "org/tiny-llama", "--download-dir", str(cache), env=env)
     assert got.returncode == 0 and got.stdout.strip() == str(snapshot)
+
+
+def test_a_gguf_file_of_a_repo_serves_from_the_cache_offline(tmp_path: Path) -> None:
+    """One GGUF file of a repo, named as llama.cpp and Ollama name it (`org/repo:QUANT`,
+    any case) or by its path (`org/repo/file.gguf`): from the cache with the network
+    off, served under the file's name; a QUANT the repo lacks fails in one line."""
+    cache = tmp_path / "hf"
+    snapshot = write_hub_cache(cache, "org/tiny-GGUF")
+    for name in ("tiny-Q4_0.gguf", "tiny-Q8_0.gguf"):
+        write_gguf(snapshot, snapshot / name)
+    env = {"HF_HUB_OFFLINE": "1"}
+    srv = start_server(
+        str(tmp_path), "--model", "org/tiny-GGUF:q4_0", "--download-dir", str(cache), env=env
+    )
+    try:
+        models = httpx.get(srv.url + "/v1/models", timeout=10).json()
+        assert [m["id"] for m in models["data"]] == ["tiny-Q4_0"]
+        body = {"model": "tiny-Q4_0", "prompt": [5, 6, 7], "max_tokens": 4}
+        assert httpx.post(srv.url + "/v1/completions", json=body, timeout=60).status_code == 200
+    finally:
+        srv.stop()
+    got = kvserve("download", "org/tiny-GGUF/tiny-Q8_0.gguf", "--download-dir", str(cache),
+                  env=env)  # fmt: skip
+    assert got.returncode == 0 and got.stdout.strip() == str(snapshot / "tiny-Q8_0.gguf")
+    out = kvserve("download", "org/tiny-GGUF:Q5_K_M", "--download-dir", str(cache), env=env)
+    line = next(x for x in out.stderr.splitlines() if x.startswith("kvserve: error:"))
+    assert out.returncode != 0 and "no GGUF files ending in Q5_K_M.gguf" in line
 
 
 def test_a_model_not_in_the_cache_fails_in_one_line(tmp_path: Path) -> None:
