@@ -27,20 +27,27 @@ def kvserve(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
+def assert_serves_offline(tmp_path: Path, model: str, cache: Path, served_as: str) -> None:
+    """`--model model` from the cache with the network off: listed as served_as, and a
+    completion answered."""
+    srv = start_server(
+        str(tmp_path), "--model", model, "--download-dir", str(cache),
+        env={"HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    try:
+        models = httpx.get(srv.url + "/v1/models", timeout=10).json()
+        assert [m["id"] for m in models["data"]] == [served_as]
+        body = {"model": served_as, "prompt": [5, 6, 7], "max_tokens": 4}
+        assert httpx.post(srv.url + "/v1/completions", json=body, timeout=60).status_code == 200
+    finally:
+        srv.stop()
+
+
 def test_serve_a_repo_id_from_the_cache_offline(tmp_path: Path) -> None:
     cache = tmp_path / "hf"
     snapshot = write_hub_cache(cache, "org/tiny-llama")
     env = {"HF_HUB_OFFLINE": "1"}
-    srv = start_server(
-        str(tmp_path), "--model", "org/tiny-llama", "--download-dir", str(cache), env=env
-    )
-    try:
-        models = httpx.get(srv.url + "/v1/models", timeout=10).json()
-        assert [m["id"] for m in models["data"]] == ["org/tiny-llama"]
-        body = {"model": "org/tiny-llama", "prompt": [5, 6, 7], "max_tokens": 4}
-        assert httpx.post(srv.url + "/v1/completions", json=body, timeout=60).status_code == 200
-    finally:
-        srv.stop()
+    assert_serves_offline(tmp_path, "org/tiny-llama", cache, "org/tiny-llama")
     got = kvserve("download", "org/tiny-llama", "--download-dir", str(cache), env=env)
     assert got.returncode == 0 and got.stdout.strip() == str(snapshot)
 
@@ -54,16 +61,7 @@ def test_a_gguf_file_of_a_repo_serves_from_the_cache_offline(tmp_path: Path) -> 
     for name in ("tiny-Q4_0.gguf", "tiny-Q8_0.gguf"):
         write_gguf(snapshot, snapshot / name)
     env = {"HF_HUB_OFFLINE": "1"}
-    srv = start_server(
-        str(tmp_path), "--model", "org/tiny-GGUF:q4_0", "--download-dir", str(cache), env=env
-    )
-    try:
-        models = httpx.get(srv.url + "/v1/models", timeout=10).json()
-        assert [m["id"] for m in models["data"]] == ["tiny-Q4_0"]
-        body = {"model": "tiny-Q4_0", "prompt": [5, 6, 7], "max_tokens": 4}
-        assert httpx.post(srv.url + "/v1/completions", json=body, timeout=60).status_code == 200
-    finally:
-        srv.stop()
+    assert_serves_offline(tmp_path, "org/tiny-GGUF:q4_0", cache, "tiny-Q4_0")
     got = kvserve("download", "org/tiny-GGUF/tiny-Q8_0.gguf", "--download-dir", str(cache),
                   env=env)  # fmt: skip
     assert got.returncode == 0 and got.stdout.strip() == str(snapshot / "tiny-Q8_0.gguf")
