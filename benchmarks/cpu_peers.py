@@ -6,7 +6,10 @@ with --model its Qwen3-MoE-shaped one, qwen3moe-cl100k-a100m; kvserve the HF dir
 llama.cpp its GGUFs): kvserve in bf16 and with --quantization int8, llama-server in bf16
 and Q8_0 (and fp32 on both with --fp32); with --systems, vLLM's CPU build on the HF
 directory (../shared/peers/vllm_cpu.sh), its default binding (vllm-bf16: the engine
-computes on one core) and both cores (vllm-bf16-tuned). Each server is started on
+computes on one core) and both cores (vllm-bf16-tuned); and the 4-bit files: kvserve
+(--quantization auto) and llama.cpp on the Q4_K_M GGUF (kvserve-q4_k_m, llama-q4_k_m),
+kvserve and vLLM on an AWQ folder of the checkpoint (kvserve-awq, vllm-awq[-tuned]).
+Each server is started on
 127.0.0.1, warmed up with one request, and measured with the same streaming client
 (service/bench.py): prompts of random token ids sent as id arrays, greedy, `ignore_eos`.
 
@@ -46,7 +49,7 @@ from typing import Any
 import torch
 
 from benchmarks.results import record
-from model.audit import batch_floor, count_params, idle_expert_bytes, quantized_bytes, read_bytes
+from model.audit import batch_floor, count_params, idle_expert_bytes, read_bytes
 from model.backends.cpu.isa import cpu_flags, cpu_isa, native_isa
 from model.backends.machine import bf16_kernel_rate, matmul_throughput, memory_bandwidth
 from model.weights import load_config
@@ -102,6 +105,11 @@ def missing(systems: list[str], peers: Path, model: str) -> list[str]:
         kind, variant = system.split("-", 1)
         if kind == "vllm" and not (peers / "vllm-venv" / "bin" / "python").exists():
             lacking.append(f"{peers / 'vllm-venv'} (run ../shared/peers/vllm_cpu.sh {peers})")
+        if variant.startswith("awq") and not checkpoint_of(peers, model, "awq").is_dir():
+            lacking.append(
+                f"{checkpoint_of(peers, model, 'awq')} (tests/int_checkpoints.py's "
+                f"write_packed({peers / 'models' / model}, ..., 'awq', group=64))"
+            )
         if kind != "llama" and variant != "q4_k_m":
             continue
         server, gguf = llama_files(peers, model, variant)
@@ -125,14 +133,16 @@ def command(
     threads: int,
     llama_args: list[str],
 ) -> list[str]:
-    """The server command line for `system` ('kvserve-<bf16|int8|int4|fp32|q4_k_m>',
-    'llama-<bf16|q8_0|f32|q4_k_m>' or 'vllm-bf16[-tuned]'; kvserve-q4_k_m serves the
-    llama.cpp Q4_K_M file itself); `llama_args` go to every llama-server."""
+    """The server command line for `system` ('kvserve-<bf16|int8|int4|fp32|q4_k_m|awq>',
+    'llama-<bf16|q8_0|f32|q4_k_m>' or 'vllm-<bf16|awq>[-tuned]'; kvserve-q4_k_m serves the
+    llama.cpp Q4_K_M file itself, the awq systems the AWQ folder: checkpoint_of);
+    `llama_args` go to every llama-server."""
     kind, variant = system.split("-", 1)
     if kind == "vllm":
         return [
             str(peers / "vllm-venv" / "bin" / "python"), "-m",
-            "vllm.entrypoints.openai.api_server", "--model", str(peers / "models" / model),
+            "vllm.entrypoints.openai.api_server",
+            "--model", str(checkpoint_of(peers, model, variant.removesuffix("-tuned"))),
             "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(port),
             "--max-num-seqs", str(max(slots, 16)), "--max-model-len", "2048",
             # on the CPU this is the share of the machine's memory vLLM takes for itself
@@ -148,19 +158,26 @@ def command(
         ]  # fmt: skip
     dtype = "float32" if variant == "fp32" else "bfloat16"
     quant = ["--quantization", variant] if variant in ("int8", "int4") else []
-    path = peers / "models" / model
-    if variant == "q4_k_m":
-        path = llama_files(peers, model, variant)[1]
+    path = checkpoint_of(peers, model, variant)
     return [
         sys.executable, "-m", "service.cli", "serve", "--model", str(path),
         "--dtype", dtype, *quant, "--port", str(port), "--max-num-seqs", str(max(slots, 16)),
     ]  # fmt: skip
 
 
+def checkpoint_of(peers: Path, model: str, variant: str) -> Path:
+    """What a kvserve or vLLM system of `variant` serves: the Q4_K_M GGUF for q4_k_m, the
+    AWQ folder (`<model>-awq`: AWQ's GEMM packing of the checkpoint, group 64, as
+    tests/int_checkpoints.py packs it) for awq, else the HF folder."""
+    if variant == "q4_k_m":
+        return llama_files(peers, model, variant)[1]
+    return peers / "models" / (f"{model}-awq" if variant == "awq" else model)
+
+
 def server_env(system: str, peers: Path) -> dict[str, str]:
-    """vllm-bf16-tuned: vLLM's CPU engine on both cores, as its CPU install guide advises
+    """vllm-*-tuned: vLLM's CPU engine on both cores, as its CPU install guide advises
     for a benchmark (by default it computes on one and keeps the other for its server)."""
-    if system != "vllm-bf16-tuned":
+    if not (system.startswith("vllm") and system.endswith("-tuned")):
         return {}
     return {
         "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",
@@ -170,12 +187,12 @@ def server_env(system: str, peers: Path) -> dict[str, str]:
 
 
 def floor_kind(system: str) -> str:
-    """Which weight-bandwidth floor a system's weights have: bf16, int8, int4, fp32, or
-    'file' (a Q4_K_M file served by kvserve: each tensor in the kind that keeps it,
-    --quantization auto)."""
+    """Which weight-bandwidth floor a system's weights have: bf16, int8, int4, fp32, or a
+    4-bit file's own ('q4_k_m file', 'awq file': each tensor in the kind that keeps it,
+    as kvserve's --quantization auto holds them; vLLM's AWQ too)."""
     kind, variant = system.split("-")[:2]
-    if kind == "kvserve" and variant == "q4_k_m":
-        return "file"
+    if kind in ("kvserve", "vllm") and variant in ("q4_k_m", "awq"):
+        return f"{variant} file"
     return {"f32": "fp32", "q8_0": "int8", "q4_k_m": "int4"}.get(variant, variant)
 
 
@@ -220,25 +237,16 @@ def weight_bytes(model_dir: Path) -> dict[str, float]:
     }
 
 
-def file_read_bytes(gguf_path: Path, model_dir: Path) -> float:
-    """What a decode step reads of a GGUF file served with --quantization auto: each
-    linear in the kind that keeps its type (model.gguf.kept_as; int4 and int8 as
-    model/audit.py's quantized_bytes counts them, floats in bf16), the embedding table only
-    as the tied head's copy, of a mixture the experts one token runs (at the file's mean
-    bytes a weight)."""
-    from model.gguf import kept_as, open_gguf
+def file_read_bytes(checkpoint: Path) -> float:
+    """What a decode step reads of a 4-bit file (a GGUF, an AWQ folder) as kvserve's
+    --quantization auto holds it: its integer tensors in their kinds, the rest in bf16
+    (model.weights.stored_kinds, model/audit.py's stored_weight_bytes and read_bytes)."""
+    from model.audit import stored_weight_bytes
+    from model.weights import stored_kinds
 
-    f = open_gguf(gguf_path)
-    tied, total = "output.weight" not in f.tensors, 0
-    for name, t in f.tensors.items():
-        numel, kind = int(t.n_elements), kept_as(t.tensor_type.name)
-        if name == "token_embd.weight" and not tied:
-            continue  # the lookup reads a row a token
-        if len(t.shape) < 2 or kind is None:
-            total += 2 * numel  # norms and float tensors in bf16
-        else:
-            total += quantized_bytes(numel, int(t.shape[-1]), kind)
-    return read_bytes(load_config(model_dir), "bfloat16", held_bytes=total)
+    cfg = load_config(checkpoint)
+    held = stored_weight_bytes(cfg, "bfloat16", stored_kinds(checkpoint))
+    return read_bytes(cfg, "bfloat16", held_bytes=held)
 
 
 def measure(systems: list[str], args: argparse.Namespace, slots: int) -> dict[str, Any]:
@@ -346,7 +354,8 @@ def main() -> None:
         "--systems",
         default=None,
         help="comma-separated subset, or systems to add: vllm-bf16 (vLLM's CPU build, its "
-        "default binding) and vllm-bf16-tuned (both cores), from ../shared/peers/vllm_cpu.sh",
+        "default binding) and vllm-bf16-tuned (both cores), from ../shared/peers/vllm_cpu.sh; "
+        "kvserve-q4_k_m, llama-q4_k_m, kvserve-awq, vllm-awq[-tuned]",
     )
     ap.add_argument(
         "--llama-args",
@@ -385,12 +394,10 @@ def main() -> None:
     rows = {s: {"single": single_runs[s], "concurrent": concurrent_runs[s]} for s in systems}
     sizes = weight_bytes(args.peers / "models" / args.model)
     bandwidth = max(BANDWIDTH)
-    if any(floor_kind(s) == "file" for s in systems):
-        gguf = llama_files(args.peers, args.model, "q4_k_m")[1]
-        sizes["file"] = file_read_bytes(gguf, args.peers / "models" / args.model)
-    floors = {
-        v: sizes[v] / bandwidth * 1000 for v in ("bf16", "int8", "int4", "file") if v in sizes
-    }
+    for kind in {floor_kind(s) for s in systems if floor_kind(s).endswith(" file")}:
+        variant = kind.removesuffix(" file")
+        sizes[kind] = file_read_bytes(checkpoint_of(args.peers, args.model, variant))
+    floors = {v: n / bandwidth * 1000 for v, n in sizes.items() if "params" not in v}
     floors["fp32"] = floors["bf16"] * 2
     print(
         f"\nread bandwidth {bandwidth / 1e9:.1f} GB/s (best of {len(BANDWIDTH)} probes, median "
@@ -432,7 +439,8 @@ def main() -> None:
     for ours, theirs in (("kvserve-bf16", "llama-bf16"), ("kvserve-int8", "llama-q8_0"),
                          ("kvserve-int8", "kvserve-bf16"), ("kvserve-fp32", "llama-f32"),
                          ("kvserve-int4", "llama-q4_k_m"), ("kvserve-int4", "kvserve-bf16"),
-                         ("kvserve-q4_k_m", "llama-q4_k_m"),
+                         ("kvserve-q4_k_m", "llama-q4_k_m"), ("kvserve-awq", "vllm-awq"),
+                         ("kvserve-awq", "vllm-awq-tuned"),
                          ("kvserve-bf16", "vllm-bf16"), ("kvserve-bf16", "vllm-bf16-tuned")):  # fmt: skip
         if ours in rows and theirs in rows:
             ratios[f"{ours} / {theirs}"] = {
@@ -457,9 +465,15 @@ def main() -> None:
         json.dumps(header | extra | {"results": rows, "ratios": ratios}, indent=2)
     )
     print(f"\nwrote {args.out}")
-    # the 4-bit systems' runs are a table of their own beside the bf16/int8 one
-    four_bit = any(floor_kind(system) == "int4" or "q4" in system for system in systems)
-    record(f"cpu_peers ({args.model}{', 4-bit' if four_bit else ''})", headline(rows, ratios, args))
+    record(f"cpu_peers ({args.model}{table_of(systems)})", headline(rows, ratios, args))
+
+
+def table_of(systems: list[str]) -> str:
+    """The 4-bit systems' runs are tables of their own beside the bf16/int8 one: the GGUF
+    and int4 one against llama.cpp, the AWQ one against vLLM."""
+    if any(floor_kind(system) == "int4" or "q4" in system for system in systems):
+        return ", 4-bit"
+    return ", AWQ" if any("awq" in system for system in systems) else ""
 
 
 def headline(
