@@ -17,8 +17,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Callable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -621,8 +621,31 @@ def load_model(
     rank's share of it, reading only that share of each tensor; on_layer(block): each
     decoder layer as soon as it is read (a backend's prepare_layer)."""
     root = Path(model_dir)
+    with _checkpoint(root) as (cfg, reader, table, label):
+        return _populate(cfg, reader, table, tp, dtype, torch.device(device), root, label,
+                         on_layer)  # fmt: skip
+
+
+@contextmanager
+def _checkpoint(
+    root: Path,
+) -> Iterator[tuple[ModelConfig, _Reader | GgufFile, NameTable | None, str]]:
+    """A checkpoint opened for reading: its config, the reader of its tensors, its name
+    table (None: kvserve's native names) and where its shapes come from (for errors). A
+    GGUF file's: read by their Hugging Face names (model/gguf.py), its errors
+    CheckpointErrors, its dequantized tensors dropped after."""
     if is_gguf(root):
-        return _load_gguf(_open_gguf(root), tp, dtype, torch.device(device), on_layer)
+        f = _open_gguf(root)
+        cfg = _gguf_config(f)
+        try:
+            yield cfg, f, NAME_TABLES[cfg.architecture], "GGUF metadata"
+        except ValueError as exc:
+            if isinstance(exc, CheckpointError):
+                raise
+            raise CheckpointError(str(exc)) from None
+        finally:
+            f.release()
+        return
     cfg = load_config(root)
     native = (root / NATIVE_CONFIG).exists()
     table = None if native else NAME_TABLES.get(cfg.architecture)
@@ -632,9 +655,7 @@ def load_model(
     block, packing = (None, None) if native else _quantization(root / "config.json")
     with ExitStack() as stack:
         reader = _Reader(table or NameTable(names={}), files, stack, block, packing)
-        label = NATIVE_CONFIG if native else "config.json"
-        return _populate(cfg, reader, table, tp, dtype, torch.device(device), root, label,
-                         on_layer)  # fmt: skip
+        yield cfg, reader, table, NATIVE_CONFIG if native else "config.json"
 
 
 def _quantization(config: Path) -> tuple[tuple[int, int] | None, Packing | None]:
@@ -646,26 +667,6 @@ def _quantization(config: Path) -> tuple[tuple[int, int] | None, Packing | None]
         return (None if packing else checkpoint_block(hf)), packing
     except ValueError as exc:
         raise CheckpointError(f"{config}: {exc}") from None
-
-
-def _load_gguf(
-    f: GgufFile,
-    tp: TensorParallel | None,
-    dtype: torch.dtype,
-    device: torch.device,
-    on_layer: Callable[[nn.Module], None] | None,
-) -> Transformer:
-    """A GGUF file's model, its tensors read by their Hugging Face names (model/gguf.py)."""
-    cfg = _gguf_config(f)
-    try:
-        return _populate(cfg, f, NAME_TABLES[cfg.architecture], tp, dtype, device, f.path,
-                         "GGUF metadata", on_layer)  # fmt: skip
-    except ValueError as exc:
-        if isinstance(exc, CheckpointError):
-            raise
-        raise CheckpointError(str(exc)) from None
-    finally:
-        f.release()
 
 
 def share_of(model: Transformer, tp: TensorParallel) -> Transformer:
@@ -763,18 +764,8 @@ def stored_kinds(model_dir: str | Path) -> dict[str, tuple[tuple[int, ...], str]
     that keeps it (model.int_weights.stored_kind: what --quantization auto packs), from
     the files' headers and config alone: no tensor is read."""
     root = Path(model_dir)
-    if is_gguf(root):
-        reader: _Reader | GgufFile = _open_gguf(root)
-        cfg = _gguf_config(reader)
-        return _kinds_of(cfg, reader, NAME_TABLES[cfg.architecture], root)
-    cfg = load_config(root)
-    table = NAME_TABLES.get(cfg.architecture)
-    if (root / NATIVE_CONFIG).exists() or table is None:
-        return {}
-    _, packing = _quantization(root / "config.json")
-    with ExitStack() as stack:
-        reader = _Reader(table, _weight_files(root), stack, None, packing)
-        return _kinds_of(cfg, reader, table, root)
+    with _checkpoint(root) as (cfg, reader, table, _):
+        return _kinds_of(cfg, reader, table, root) if table is not None else {}
 
 
 def _kinds_of(

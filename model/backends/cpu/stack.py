@@ -178,15 +178,7 @@ class DecoderStack:
     @property
     def kinds(self) -> frozenset[str]:
         """Which linear kernels the layers' weights are packed for."""
-        kinds = set()
-        for block in self.layers:
-            ffn = block.ffn
-            kinds |= {block.attn.wqkv.quant, block.attn.wo.quant}
-            if isinstance(ffn, MoE):
-                kinds |= {ffn.router.quant, *ffn.experts.kinds}
-            else:
-                kinds |= {ffn.w_in.quant, ffn.w_out.quant}
-        return frozenset(kinds)
+        return frozenset(k for block in self.layers for k in _kinds(block) if k is not None)
 
     def takes(self, kv_cache: PagedKVCache | None, meta: AttentionMetadata) -> bool:
         if kv_cache is None or kv_cache.backend.name != "cpu" or meta.slot_blocks is None:
@@ -383,18 +375,20 @@ def _mixture_args(ffn: nn.Module) -> tuple[int | None, ...]:
     )
 
 
-def _kernels(block: nn.Module) -> tuple[int | None, ...]:
-    """A layer's linears' kernels: qkv, o, the FFN's in and out (NULL for a mixture), and
-    the router's and experts' in and out (NULL for a dense FFN)."""
+def _kinds(block: nn.Module) -> tuple[str | None, ...]:
+    """The kinds of a layer's linears in _Layer's order: qkv, o, the FFN's in and out
+    (None for a mixture), the router's and the experts' in and out (None for a dense FFN)."""
     attn, ffn = block.attn, block.ffn
     if isinstance(ffn, MoE):
         kinds = (None, None, ffn.router.quant, *ffn.experts.kinds)
     else:
         kinds = (ffn.w_in.quant, ffn.w_out.quant, None, None, None)
-    return tuple(
-        linear_address(k) if k is not None else None
-        for k in (attn.wqkv.quant, attn.wo.quant, *kinds)
-    )
+    return (attn.wqkv.quant, attn.wo.quant, *kinds)
+
+
+def _kernels(block: nn.Module) -> tuple[int | None, ...]:
+    """A layer's linears' kernels, _kinds' order (NULL where _kinds has None)."""
+    return tuple(linear_address(k) if k is not None else None for k in _kinds(block))
 
 
 def _expert_dims(moe: MoE) -> dict[str, int]:
