@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from model.config import ModelConfig
+from model.int_weights import KEEPS
 
 DTYPE_BYTES = {
     "float32": 4,
@@ -170,7 +171,7 @@ def window_sequence_bytes(cfg: ModelConfig, dtype: str, seq_len: int, block_size
 
 SCALE_BYTES = 4  # an fp8 linear's float32 scale per output row
 INT8_ROW_BYTES = 8  # an int8 linear's per output row: its float32 scale, the int32 VNNI offset
-INT4_GROUP = 32  # in features a 4-bit group's scale and minimum cover
+GROUP = 32  # in features an int4 or int8g group's scales cover
 
 
 def layer_linears(cfg: ModelConfig, experts: bool = True) -> tuple[int, int]:
@@ -197,10 +198,13 @@ def layer_linears(cfg: ModelConfig, experts: bool = True) -> tuple[int, int]:
 def quantized_bytes(weights: int, rows: int, quantization: str) -> int:
     """The bytes `weights` linear weights of `rows` output rows take as --quantization
     holds them: int8 and fp8 a byte a weight, with INT8_ROW_BYTES or SCALE_BYTES a row;
-    int4 half a byte a weight and a bf16 scale and minimum each group of INT4_GROUP (5/8
-    of a byte)."""
+    int4 half a byte a weight and a bf16 scale and minimum each group of GROUP (5/8
+    of a byte); int8g (--quantization auto's) a byte a weight and a float16 scale a
+    group (17/16 of a byte)."""
     if quantization == "int4":
-        return weights // 2 + weights // INT4_GROUP * 4
+        return weights // 2 + weights // GROUP * 4
+    if quantization == "int8g":
+        return weights + weights // GROUP * 2
     return weights + rows * (INT8_ROW_BYTES if quantization == "int8" else SCALE_BYTES)
 
 
@@ -235,12 +239,19 @@ def stored_weight_bytes(
     total = weight_bytes(cfg, dtype)
     for name, (shape, kind) in stored.items():
         numel = math.prod(shape)
-        held = quantized_bytes(numel, numel // shape[-1], kind)
+        held = quantized_bytes(numel, numel // shape[-1], held_kind(kind, shape[-1]))
         if name == "embed.weight":
             total += held if cfg.tie_embeddings else 0
         else:
             total += held - numel * dtype_bytes(dtype)
     return total
+
+
+def held_kind(stored: str, in_features: int) -> str:
+    """The kernel kind --quantization auto packs a weight of stored kind `stored` as
+    (model.int_weights.KEEPS): the first whose groups of GROUP divide its in features,
+    else int8."""
+    return next((k for k in KEEPS[stored] if in_features % GROUP == 0), "int8")
 
 
 def experts_touched(cfg: ModelConfig, rows: int) -> float:

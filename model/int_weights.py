@@ -234,6 +234,10 @@ def _group(group: Any, what: str) -> int:
 # A float weight carries none. A parameter fused from several tensors takes the finest
 # kind among them (a float part: none).
 STORED_KIND = "stored_kind"
+# the cpu backend's kernel kinds that keep a stored kind's values, the closest first (the
+# first a weight's shape takes is packed): int4, int8g (int8 with a float16 scale each 32
+# in features: GGUF Q8_0's and Q5_0's blocks as they are), int8 (a scale a row)
+KEEPS = {"int4": ("int4", "int8g", "int8"), "int8": ("int8g", "int8")}
 
 
 def stored_kind(weight: Tensor) -> str | None:

@@ -141,7 +141,7 @@ def _held_as(quantization: str, engine: LLMEngine) -> tuple[str, int | None]:
     if quantization != "auto":
         return quantization, None
     kinds = engine.backend.describe().get("linears", {})
-    if not any(kind in ("int8", "int4") for kind in kinds):
+    if not any(kind in ("int8", "int8g", "int4") for kind in kinds):
         return "none", None
     return "auto", engine.backend.held_bytes(engine.model)
 

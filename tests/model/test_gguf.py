@@ -161,10 +161,11 @@ def test_greedy_tokens_are_the_same_on_every_backend(name: str, tmp_path: Path) 
 @torch.no_grad()
 def test_auto_keeps_each_tensor_in_the_kind_that_holds_it(tmp_path: Path) -> None:
     """--quantization auto (the server's default) on a GGUF in bf16 on the cpu backend:
-    Q4_0 and Q4_1 tensors packed int4 (their groups of 32 are int4's), Q5_0 int8, the
-    tied head as its Q8_0 embedding table, int8 (tests/model/test_stack.py runs such mixed layers as the one decoder
-    call); its logits nearer the file's values in bf16 (none) than re-rounding every
-    linear to int4 gives."""
+    Q4_0 and Q4_1 tensors packed int4 (their groups of 32 are int4's), Q5_0 int8g (its
+    blocks of 32 are int8g's groups), the tied head as its Q8_0 embedding table, int8g
+    (tests/model/test_stack.py runs such mixed layers as the one decoder call); its
+    logits nearer the file's values in bf16 (none) than re-rounding every linear to
+    int4 gives."""
     _, path = checkpoint("qwen3_moe", tmp_path)
     models = {}
     for quantization in ("none", "auto", "int4"):
@@ -175,8 +176,8 @@ def test_auto_keeps_each_tensor_in_the_kind_that_holds_it(tmp_path: Path) -> Non
         assert (block.attn.wqkv.quant, block.attn.wo.quant) == ("int4", "int4")  # Q4_0
         assert block.ffn.router.quant == "int4"  # Q4_1
         experts = {(f.w_in.quant, f.w_out.quant) for f in block.ffn.experts.ffns}
-        assert experts == {("int4", "int8")}  # Q4_1 (gate | up), Q5_0 down
-    assert auto.cfg.tie_embeddings and auto.lm_head.quant == "int8"  # a copy of Q8_0's table
+        assert experts == {("int4", "int8g")}  # Q4_1 (gate | up), Q5_0 down
+    assert auto.cfg.tie_embeddings and auto.lm_head.quant == "int8g"  # a copy of Q8_0's table
     tokens = torch.randint(3, auto.cfg.vocab_size, (48,))
     logits = {q: m(tokens).float() for q, m in models.items()}
     error = {q: (logits[q] - logits["none"]).abs().max().item() for q in ("auto", "int4")}
@@ -190,7 +191,7 @@ def test_the_plan_counts_what_auto_holds(
     """`kvserve plan` on a GGUF (--quantization auto, from the file's headers: no tensor
     read) names the parameters auto packs as integers and counts their bytes within 3%
     of what the loaded, packed model holds (the plan leaves out the packed layouts'
-    padding to whole 64-row blocks and int8's per-row sums: a few percent of this tiny
+    padding to whole 64-row blocks: a few percent of this tiny
     shape, noise on a real one; bf16 in place of a 4-bit kind would be 2x)."""
     from service.cli import main
 

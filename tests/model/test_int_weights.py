@@ -77,7 +77,7 @@ def test_logits_are_transformers_on_the_formats_real_values(case: str, tmp_path:
 
 
 @pytest.mark.parametrize(
-    ("case", "kind"), [("awq-g128", "int4"), ("gptq-8bit-per-row", "int8"), ("ct-g64", "int4")]
+    ("case", "kind"), [("awq-g128", "int4"), ("gptq-8bit-per-row", "int8g"), ("ct-g64", "int4")]
 )
 def test_auto_keeps_the_packed_linears_in_their_own_width(
     case: str, kind: str, tmp_path: Path

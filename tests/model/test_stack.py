@@ -98,6 +98,8 @@ def test_one_call_gives_the_bits_of_the_modules(
 # the kinds a checkpoint's tensors keep (model.int_weights.stored_kind), layer by layer:
 # qkv, o, (gate | up), down; None: a float tensor (bf16)
 MIXED = [("int4",) * 4, ("int8", "int4", "int4", "int8"), (None, "int8", None, "int4")]
+# and the kernel kinds auto packs them as (model.int_weights.KEEPS): int8 as int8g
+PACKED = [("int4",) * 4, ("int8g", "int4", "int4", "int8g"), ("bf16", "int8g", "bf16", "int4")]
 
 
 @torch.no_grad()
@@ -115,9 +117,9 @@ def test_a_checkpoints_mixed_kinds_take_the_stack(isa: str) -> None:
         tuple(m.quant for m in (b.attn.wqkv, b.attn.wo, b.ffn.w_in, b.ffn.w_out))
         for b in model.layers
     ]
-    assert got == [tuple(k or "bf16" for k in kinds) for kinds in MIXED]
+    assert got == PACKED
     assert model.fused_layers is not None
-    assert model.fused_layers.kinds == {"bf16", "int8", "int4"}
+    assert model.fused_layers.kinds == {"bf16", "int8g", "int4"}
     assert_stack_is_the_modules(model, 16)
 
 
@@ -186,8 +188,8 @@ def test_mixtures_of_experts_take_the_stack(isa: str, quantization: str, family:
 
 @torch.no_grad()
 def test_a_mixture_of_mixed_kinds_takes_the_stack(isa: str) -> None:
-    """A Qwen3-MoE GGUF's kinds under --quantization auto: q/k/v int8 (one of them
-    6-bit), o int4, experts' (gate | up) int4 and down int8, the router float: each
+    """A Qwen3-MoE GGUF's kinds under --quantization auto: q/k/v int8g (one of them
+    6-bit), o int4, experts' (gate | up) int4 and down int8g, the router float: each
     kernel its own in the one call, the modules' bits."""
     model = tiny_model(seed=3, n_layers=3, **{**SHAPE, **QWEN3_MOE}).to(torch.bfloat16)
     for block in model.layers:
@@ -201,7 +203,7 @@ def test_a_mixture_of_mixed_kinds_takes_the_stack(isa: str) -> None:
     prepare_model(model, "auto")
     stack = model.fused_layers
     assert stack is not None and len(stack.mixtures) == 2
-    assert [moe.experts.kinds for moe in stack.mixtures] == [("int4", "int8")] * 2
+    assert [moe.experts.kinds for moe in stack.mixtures] == [("int4", "int8g")] * 2
     assert {moe.router.quant for moe in stack.mixtures} == {"bf16"}
     assert_stack_is_the_modules(model, 16)
 

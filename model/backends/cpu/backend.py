@@ -36,6 +36,7 @@ from model.backends.cpu.kernels.fused import (
 from model.backends.cpu.kernels.linear import linear_isa
 from model.backends.cpu.packed import (
     PACK_QUANTIZATIONS,
+    PACKS,
     can_pack,
     held_bytes,
     linear_kernels,
@@ -95,7 +96,7 @@ class CpuBackend(TorchBackend):
         for kvserve's kernels (model.backends.cpu.kernels.linear.linear_isa), 'onednn', 'torch'."""
         levels: Counter[str] = Counter()
         for kernel, n in self.linears.items():
-            levels[linear_isa(kernel) if kernel in ("bf16", "int8", "int4") else kernel] += n
+            levels[linear_isa(kernel) if kernel in PACKS else kernel] += n
         return ", ".join(level for level, _ in levels.most_common()) or "torch"
 
     def describe(self) -> dict[str, Any]:

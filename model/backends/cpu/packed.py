@@ -13,8 +13,10 @@ The layouts, by what the weight allows (bf16 on the CPU):
   weights in groups of 32 in features, each group with a bf16 scale and minimum
   (linear_vec.c), where the in features are a multiple of 32; quantization='auto': each
   weight a checkpoint stores as integers in the kind that keeps its values
-  (model.int_weights.stored_kind: int4, or int8 where int4 does not take the shape), the
-  float ones in bf16, so a layer may hold several kinds.
+  (model.int_weights.stored_kind): its 4-bit groups in int4, its 5 to 8-bit types in
+  int8g (int8 with a float16 scale each 32 in features: GGUF Q8_0's and Q5_0's blocks
+  as they are), int8 where neither takes the shape; the float ones in bf16, so a layer
+  may hold several kinds.
 - oneDNN's prepacked layout where the CPU lets oneDNN pack bf16 (isa.onednn_packs_bf16);
   else the nn.Linear stays.
 
@@ -36,17 +38,18 @@ from model.backends.cpu.kernels.experts import ExpertKernels, experts_library, r
 from model.backends.cpu.kernels.fused import fused_library, geglu
 from model.backends.cpu.kernels.linear import (
     TILE_N,
+    grouped_supported,
     int4_pack,
-    int4_supported,
     int8_pack,
     int8_supported,
+    int8g_pack,
     swiglu_layout,
     tile_layout,
     tile_linear,
     tile_linear_supported,
 )
 from model.backends.cpu.pages import HugeArena
-from model.int_weights import mark_stored_kind, stored_kind
+from model.int_weights import KEEPS, mark_stored_kind, stored_kind
 from model.layers import GeGLU, SwiGLU
 from model.moe import Experts, GroupedExperts, MoE, gated
 
@@ -56,9 +59,9 @@ class PackedLinear(nn.Module):
     that still reports the (out, in) shape; `bias` stays as loaded."""
 
     _packed: Tensor | None = None  # oneDNN's layout
-    _tiles: Tensor | None = None  # tile_layout(), or int8_pack()'s / int4_pack()'s blob
+    _tiles: Tensor | None = None  # tile_layout(), or int8_pack()'s (int8g, int4) blob
     _bias32: Tensor | None = None
-    quant = "bf16"  # what _tiles holds: 'bf16', 'int8' or 'int4' weights
+    quant = "bf16"  # what _tiles holds: a PACKS kind
     gated = False  # a SwiGLU's (gate | up) in swiglu_layout: forward gives silu(g) * u
     pad = 0  # zero output rows in _tiles past the weight's
 
@@ -71,7 +74,7 @@ class PackedLinear(nn.Module):
 
     @property
     def kernel(self) -> str:
-        """What forward() runs: kvserve's 'bf16', 'int8' or 'int4' kernel, or 'onednn'."""
+        """What forward() runs: kvserve's kernel of a PACKS kind, or 'onednn'."""
         return self.quant if self._tiles is not None else "onednn"
 
     def forward(self, x: Tensor) -> Tensor:
@@ -116,16 +119,20 @@ def pack_linear(
 # what pack_model's `quantization` takes (the module's docstring)
 PACK_QUANTIZATIONS = ("none", "auto", "int8", "int4")
 # each kernel kind's packing, and whether a weight takes it
-PACKS = {"bf16": tile_layout, "int8": int8_pack, "int4": int4_pack}
-SUPPORTED = {"int8": int8_supported, "int4": int4_supported}
+PACKS = {"bf16": tile_layout, "int8": int8_pack, "int8g": int8g_pack, "int4": int4_pack}
+SUPPORTED = {
+    "int8": int8_supported,
+    "int8g": lambda w: grouped_supported(w, "int8g"),
+    "int4": lambda w: grouped_supported(w, "int4"),
+}
 
 
 def _quant(quantization: str, weight: Tensor, stored: str | None = None) -> str:
     """The kernel kind a weight packs for under `quantization`: its own where the weight
     takes it, else bf16's. 'auto': the kind that keeps a checkpoint's integer weight
-    (`stored`, model.int_weights.stored_kind), int8 where int4 does not take its shape;
+    (`stored`, model.int_weights.stored_kind), the first of KEEPS[stored] its shape takes;
     bf16 for a float weight."""
-    wanted = {"int4": ("int4", "int8"), "int8": ("int8",)}.get(stored, ())
+    wanted = KEEPS.get(stored, ())
     kinds = wanted if quantization == "auto" else (quantization,)
     return next((k for k in kinds if k in SUPPORTED and SUPPORTED[k](weight)), "bf16")
 

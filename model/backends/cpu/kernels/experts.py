@@ -71,7 +71,7 @@ def route(logits: Tensor, top_k: int, normalize: bool) -> tuple[Tensor, Tensor]:
 
 class ExpertKernels:
     """Every expert's packed weights (gate | up in swiglu_layout, down plain; every
-    expert's (gate | up) of one kind and its down of one, each 'bf16', 'int8' or 'int4'),
+    expert's (gate | up) of one kind and its down of one, each a linear_kernel kind),
     as the pointer tables experts.c reads. The tensors must outlive this (PackedExperts
     holds them)."""
 

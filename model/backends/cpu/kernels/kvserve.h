@@ -76,6 +76,15 @@ void linear_int4(const uint16_t *x, const uint16_t *w, const float *bias, uint16
  * a weight (0..15), d and m a bf16 each a group. */
 void int4_quantize(const float *w, uint8_t *q, uint16_t *d, uint16_t *m, const float *cuts,
                    int ncuts, int nsteps, int groups, int nthreads);
+/* linear_int8g: w is int8g_pack's blob (int8 weights with a float16 scale each 32 k). */
+void linear_int8g(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
+                  uint16_t *scratch, int m, int n, int k, int nthreads);
+/* int8g_quantize: float32 weights, `groups` groups of 32 k one after another, rounded to
+ * int8 as linear.py's int8g_quantize describes (steps: max|w| / 127 and the smallest
+ * nonzero |w| over 1..divisors, then the least-squares one): q an int8 a weight, d a
+ * float16 each a group. */
+void int8g_quantize(const float *w, int8_t *q, uint16_t *d, int divisors, int groups,
+                    int nthreads);
 
 /* stack.c: the decoder layers as one call, over the kernels above as function pointers */
 typedef void (*norm_fn)(uint16_t *x, const uint16_t *delta, const uint16_t *weight,
@@ -124,8 +133,8 @@ typedef void (*route_fn)(const uint16_t *logits, int rows, int stride, int exper
 typedef void (*experts_fn)(const experts_args *a);
 
 /* One layer's weights in the kernels' layouts; biases are float32 or NULL. Each linear
- * comes with the kernel of its own layout (bf16, int8 or int4: a checkpoint's 4-bit and
- * 8-bit tensors may share a layer). */
+ * comes with the kernel of its own layout (bf16, int8, int8g or int4: a checkpoint's 4-bit
+ * and 8-bit tensors may share a layer). */
 typedef struct {
     const uint16_t *attn_norm;
     const uint16_t *wqkv;

@@ -1,6 +1,6 @@
 """The linear layers' kernels: bf16 on the AMX tile unit (model/backends/cpu/kernels/linear_bf16.c),
-bf16, int8 and int4 in vector code (linear_vec.c, whose amx build also takes int8 to the
-tile unit), and the weight layouts they read."""
+bf16, int8, int8g and int4 in vector code (linear_vec.c, whose amx build also takes int8 to
+the tile unit), and the weight layouts they read."""
 
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ def _vector(isa: str) -> ctypes.CDLL | None:
     lib = build("linear_vec.c", (*VECTOR_FLAGS, *isa_flags(isa)), isa)
     if lib is None:
         return None
-    bind(lib, "linear_bf16_vec", "linear_int8", "linear_int4", "int4_quantize", "linear_vec_init")
+    kernels = ("linear_bf16_vec", "linear_int8", "linear_int8g", "linear_int4")
+    bind(lib, *kernels, "int4_quantize", "int8g_quantize", "linear_vec_init")
     if not lib.linear_vec_init():  # the amx build, where the OS refuses the tile state
         log.info("no AMX tiles here: int8 linears run in vector code")
         return None
@@ -50,8 +51,8 @@ def _vector(isa: str) -> ctypes.CDLL | None:
 
 
 def linear_kernel(kind: str) -> ctypes._CFuncPtr | None:
-    """The C function for 'bf16' (tile_layout weights), 'int8' (int8_pack blobs) or 'int4'
-    (int4_pack blobs) linears at this CPU's level (linear_isa): bf16 at amx in
+    """The C function for 'bf16' (tile_layout weights), 'int8' (int8_pack blobs), 'int8g'
+    (int8g_pack's) or 'int4' (int4_pack's) linears at this CPU's level (linear_isa): bf16 at amx in
     linear_bf16.c (the tiles, and for one or two rows vector code with the tiles' sums),
     everything else in linear_vec.c's build for the level; None where it is not built."""
     isa = linear_isa(kind)
@@ -60,7 +61,8 @@ def linear_kernel(kind: str) -> ctypes._CFuncPtr | None:
     lib = _vector(isa)
     if lib is None:
         return None
-    return {"int8": lib.linear_int8, "int4": lib.linear_int4}.get(kind, lib.linear_bf16_vec)
+    grouped = {"int8": lib.linear_int8, "int8g": lib.linear_int8g, "int4": lib.linear_int4}
+    return grouped.get(kind, lib.linear_bf16_vec)
 
 
 def linear_address(kind: str) -> int:
@@ -74,10 +76,11 @@ def linear_address(kind: str) -> int:
 def linear_isa(kind: str) -> str:
     """Which code linear_kernel(kind) runs: 'amx' where the level is amx and its build
     loads (bf16: linear_bf16.c's tiles; int8: linear_vec.c's amx build, on the tile unit
-    from 8 rows, VNNI below), the vector level otherwise."""
+    from 8 rows, VNNI below; int8g and int4: that build's VNNI code), the vector level
+    otherwise."""
     if cpu_isa() != "amx":
         return vector_level()
-    tiles = _vector("amx") if kind in ("int8", "int4") else _tiles()
+    tiles = _vector("amx") if kind in ("int8", "int8g", "int4") else _tiles()
     return "amx" if tiles is not None else vector_level()
 
 
@@ -102,16 +105,17 @@ def int8_supported(weight: torch.Tensor) -> bool:
     )
 
 
-INT4_GROUP = 32  # k a 4-bit group's scale and minimum cover (linear_vec.c's INT4_GROUP)
+GROUP = 32  # k an int4 or int8g group's scale covers (linear_vec.c's GROUP)
 
 
-def int4_supported(weight: torch.Tensor) -> bool:
+def grouped_supported(weight: torch.Tensor, kind: str) -> bool:
+    """Whether `weight` packs for the grouped kernel `kind` ('int4', 'int8g') here."""
     n, k = weight.shape
     return (
         weight.device.type == "cpu"
         and n % TILE_N == 0
-        and k % INT4_GROUP == 0
-        and linear_kernel("int4") is not None
+        and k % GROUP == 0
+        and linear_kernel(kind) is not None
     )
 
 
@@ -178,11 +182,11 @@ def int4_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     w = weight.detach().float().contiguous()
     n, k = w.shape
     q = torch.empty((n, k), dtype=torch.uint8)
-    d = torch.empty((n, k // INT4_GROUP), dtype=torch.bfloat16)
+    d = torch.empty((n, k // GROUP), dtype=torch.bfloat16)
     m = torch.empty_like(d)
     cuts = torch.tensor(INT4_CUTS, dtype=torch.float32)
     lib.int4_quantize(w.data_ptr(), q.data_ptr(), d.data_ptr(), m.data_ptr(), cuts.data_ptr(),
-                      len(INT4_CUTS), len(INT4_STEPS), n * k // INT4_GROUP,
+                      len(INT4_CUTS), len(INT4_STEPS), n * k // GROUP,
                       torch.get_num_threads())  # fmt: skip
     return q, d, m
 
@@ -193,7 +197,7 @@ def int4_quantize_reference(
     """int4_quantize in torch: the readable form the C is checked against."""
     w = weight.detach().float()
     n, k = w.shape
-    groups = w.reshape(n, k // INT4_GROUP, INT4_GROUP)
+    groups = w.reshape(n, k // GROUP, GROUP)
     lo, hi = groups.amin(dim=2) + 0.0, groups.amax(dim=2) + 0.0  # -0 to +0
     err, q, d, m = _nearest(groups, _int4_cuts(lo, hi))
     few = (groups.sort(dim=2).values.diff(dim=2) > 0).sum(dim=2) < 16
@@ -209,7 +213,7 @@ def int4_quantize_reference(
 def int4_dequantize(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """int4_quantize's weights, float32 (N, K)."""
     n, k = q.shape
-    groups = q.reshape(n, k // INT4_GROUP, INT4_GROUP).float()
+    groups = q.reshape(n, k // GROUP, GROUP).float()
     return (groups * d.float()[..., None] + m.float()[..., None]).reshape(n, k)
 
 
@@ -222,9 +226,83 @@ def int4_pack(weight: torch.Tensor) -> torch.Tensor:
     nb = n // TILE_N
     octets = q.reshape(nb, TILE_N, k // 8, 2, 4).permute(0, 2, 1, 4, 3)  # (nb, o, f, i, half)
     nibbles = (octets[..., 0] | (octets[..., 1] << 4)).contiguous()  # (nb, o, 64, 4)
-    scales = torch.stack([d, m], dim=2).reshape(nb, TILE_N, k // INT4_GROUP, 2)
+    scales = torch.stack([d, m], dim=2).reshape(nb, TILE_N, k // GROUP, 2)
     scales = scales.permute(0, 2, 3, 1).contiguous()  # (nb, groups, 2, 64)
     per_block = [nibbles.reshape(nb, -1), scales.view(torch.uint8).reshape(nb, -1)]
+    return torch.cat(per_block, dim=1).flatten()
+
+
+# int8g's candidate steps: max|w| / 127, and a group's smallest nonzero |w| over 1 .. this
+INT8G_DIVISORS = 8
+
+
+def int8g_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) -> q (N, K) int8 in -127..127 and d (N, K/32) float16, each group of 32 k
+    w ~ d * q, on the nearest (least squared error, the first of ties) of the steps
+    max|w| / 127 and the smallest nonzero |w| over 1 .. INT8G_DIVISORS (a GGUF Q8_0 or
+    Q5_0 block, any grid of 127 steps or fewer whose codes reach one of those, is kept on
+    its own step), then on the kept codes' least-squares step where that does better:
+    linear_vec.c's int8g_quantize where it is built, else int8g_quantize_reference."""
+    lib = _vector(linear_isa("int8g"))
+    if lib is None:
+        return int8g_quantize_reference(weight)
+    w = weight.detach().float().contiguous()
+    n, k = w.shape
+    q = torch.empty((n, k), dtype=torch.int8)
+    d = torch.empty((n, k // GROUP), dtype=torch.float16)
+    lib.int8g_quantize(w.data_ptr(), q.data_ptr(), d.data_ptr(), INT8G_DIVISORS,
+                       n * k // GROUP, torch.get_num_threads())  # fmt: skip
+    return q, d
+
+
+def _int8g_try(groups: torch.Tensor, step: torch.Tensor) -> list[torch.Tensor]:
+    """[squared error, q, d] of groups (G, 32) rounded on the grid `step` (G,) as
+    float16."""
+    d = step.to(torch.float16)
+    unit = torch.where(d.float() > 0, d.float(), 1.0)
+    q = torch.round(groups / unit[:, None]).clamp(-127, 127)
+    return [_sum_in_order((q * d.float()[:, None] - groups).square()), q, d]
+
+
+def _keep_better(best: list[torch.Tensor], trial: list[torch.Tensor]) -> list[torch.Tensor]:
+    better = trial[0] < best[0]
+    return [torch.where(better if b.dim() == 1 else better[:, None], t, b)
+            for b, t in zip(best, trial, strict=True)]  # fmt: skip
+
+
+def int8g_quantize_reference(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8g_quantize in torch: the readable form the C is checked against."""
+    w = weight.detach().float()
+    n, k = w.shape
+    groups = w.reshape(-1, GROUP)
+    mags = groups.abs()
+    amax = mags.amax(dim=1)
+    least = torch.where(mags > 0, mags, torch.inf).amin(dim=1)
+    least = torch.where(least.isinf(), 0.0, least)
+    best = _int8g_try(groups, amax / 127)
+    for divisor in range(1, INT8G_DIVISORS + 1):
+        best = _keep_better(best, _int8g_try(groups, least / divisor))
+    cs, qq = _sum_in_order(groups * best[1]), _sum_in_order(best[1] * best[1])
+    fitted = _int8g_try(groups, torch.where(qq > 0, cs / torch.where(qq > 0, qq, 1), 0))
+    best = _keep_better(best, [torch.where(qq > 0, fitted[0], torch.inf), *fitted[1:]])
+    return best[1].reshape(n, k).to(torch.int8), best[2].reshape(n, k // GROUP)
+
+
+def int8g_dequantize(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """int8g_quantize's weights, float32 (N, K)."""
+    n, k = q.shape
+    return (q.reshape(n, k // GROUP, GROUP).float() * d.float()[..., None]).reshape(n, k)
+
+
+def int8g_pack(weight: torch.Tensor) -> torch.Tensor:
+    """(N, K) -> the uint8 blob linear_int8g reads, block after block of 64 features: q in
+    (K/4, 64, 4), then (K/32, 64) float16 d."""
+    q, d = int8g_quantize(weight)
+    n, k = q.shape
+    nb = n // TILE_N
+    quads = q.reshape(nb, TILE_N, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+    scales = d.reshape(nb, TILE_N, k // GROUP).permute(0, 2, 1).contiguous()
+    per_block = [quads.view(torch.uint8).reshape(nb, -1), scales.view(torch.uint8).reshape(nb, -1)]
     return torch.cat(per_block, dim=1).flatten()
 
 

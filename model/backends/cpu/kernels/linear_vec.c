@@ -519,38 +519,41 @@ static inline __attribute__((always_inline)) void int8_row_turns(const int NT,
 }
 #endif
 
-/* Row r of x -> int8 (stored + offset) with scale sx[r]: q = rint(x * 127 / max|x|). */
+/* n bf16 values -> int8 q (stored + offset), returning their scale: q = rint(x * 127 /
+ * max|x|), the scale max|x| / 127. */
+static inline float quantize_span(const uint16_t *x, int n, uint8_t *q, int offset) {
+    /* max |x| on the bf16 bits: without the sign they order as the values do. GCC
+     * vectorizes this integer max; the float one stayed a chain of scalar vmaxss
+     * (docs/decisions.md). A NaN (above 0x7f80) is skipped, as the float comparison
+     * below skips it. */
+    unsigned top = 0;
+    for (int i = 0; i < n; ++i) {
+        const unsigned a = x[i] & 0x7fffu;
+        top = a > top ? a : top;
+    }
+    float amax = bf16_to_f32((uint16_t)top);
+    if (top > 0x7f80u) {
+        amax = 0.f;
+        for (int i = 0; i < n; ++i) {
+            const float a = fabsf(bf16_to_f32(x[i]));
+            amax = a > amax ? a : amax;
+        }
+    }
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    for (int i = 0; i < n; ++i) {
+        float v = rintf(bf16_to_f32(x[i]) * inv);
+        v = v > 127.f ? 127.f : (v < -127.f ? -127.f : v);
+        q[i] = (uint8_t)((int)v + offset);
+    }
+    return amax / 127.f;
+}
+
+/* Row r of x -> int8 (stored + offset) with scale sx[r] (quantize_span). */
 static void quantize_rows(const uint16_t *x, int m, int k, uint8_t *xq, float *sx,
                           int offset, int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(nthreads) if ((long)m * k > 65536)
-    for (int r = 0; r < m; ++r) {
-        const uint16_t *xr = x + (long)r * k;
-        /* max |x| on the bf16 bits: without the sign they order as the values do. GCC
-         * vectorizes this integer max; the float one stayed a chain of scalar vmaxss
-         * (docs/decisions.md). A NaN (above
-         * 0x7f80) is skipped, as the float comparison below skips it. */
-        unsigned top = 0;
-        for (int i = 0; i < k; ++i) {
-            const unsigned a = xr[i] & 0x7fffu;
-            top = a > top ? a : top;
-        }
-        float amax = bf16_to_f32((uint16_t)top);
-        if (top > 0x7f80u) {
-            amax = 0.f;
-            for (int i = 0; i < k; ++i) {
-                const float a = fabsf(bf16_to_f32(xr[i]));
-                amax = a > amax ? a : amax;
-            }
-        }
-        const float inv = amax > 0.f ? 127.f / amax : 0.f;
-        sx[r] = amax / 127.f;
-        uint8_t *q = xq + (long)r * k;
-        for (int i = 0; i < k; ++i) {
-            float v = rintf(bf16_to_f32(xr[i]) * inv);
-            v = v > 127.f ? 127.f : (v < -127.f ? -127.f : v);
-            q[i] = (uint8_t)((int)v + offset);
-        }
-    }
+    for (int r = 0; r < m; ++r)
+        sx[r] = quantize_span(x + (long)r * k, k, xq + (long)r * k, offset);
 }
 
 /* ---- the drivers --------------------------------------------------------------------- */
@@ -858,25 +861,31 @@ void linear_int8(const uint16_t *x, const uint16_t *w, const float *bias, uint16
     });
 }
 
-/* ---- int4 ---------------------------------------------------------------------------- */
+/* ---- grouped weights: int4 and int8g --------------------------------------------------- */
 
-/* int4 weights (--quantization int4): per output feature, groups of INT4_GROUP k, each
- * weight d * q + m with q in 0..15 and the group's d and m in bf16 (int4_pack in
- * model/backends/cpu/kernels/linear.py). A block of NB features is (K/8, NB, 4) bytes:
- * a feature's 4 bytes at octet o hold k = 8o + i in byte i's low nibble and k = 8o + 4 + i
- * in its high one, so one vector of bytes unpacks to two k quads; then
- * (K/INT4_GROUP, 2, NB) bf16, each group's d then m. A call quantizes x's rows to int8
- * (symmetric per row, no offset) and sums each group's quantized x; per group the exact
- * int32 sum of q * xq becomes d * sum + m * xsum in float32 (a multiply, a multiply, an
- * add, no fused multiply-add), added group after group, times the row's scale at the
- * end: the same operations in the same order at every level and row count, the same
- * bits. The tile unit does not take int4 yet: the amx build runs the VNNI code. */
-#define INT4_GROUP 32
+/* Weights with a scale each GROUP k of an output feature, for checkpoints stored that way
+ * and --quantization int4 (model/backends/cpu/kernels/linear.py's int4_pack, int8g_pack):
+ *   int4   w = d * q + m, q in 0..15, the group's d and m in bf16. A block of NB features
+ *          is (K/8, NB, 4) bytes: a feature's 4 bytes at octet o hold k = 8o + i in byte
+ *          i's low nibble and k = 8o + 4 + i in its high one, so one vector of bytes
+ *          unpacks to two k quads; then (K/GROUP, 2, NB) bf16, each group's d then m.
+ *   int8g  w = d * q, q int8, the group's d in float16 (GGUF's Q8_0 and Q5_0 blocks held
+ *          as they are). A block is (K/4, NB, 4) int8, then (K/GROUP, NB) float16.
+ * A call quantizes each group of GROUP values of x's rows to int8 (symmetric, its own
+ * scale sx, no offset) and sums each group's quantized x (xs); per group the exact int32
+ * sum s of q * xq becomes sx * (d * s + m * xs) (int4) or sx * (d * s) (int8g) in
+ * float32 (multiplies and adds, no fused multiply-add), added group after group: the
+ * same operations in the same order at every level and row count, the same bits. The
+ * tile unit does not take these: the amx build runs the VNNI code (a group's sums through
+ * the tiles, each stored for its scales, measured no faster: docs/kernels.md). */
+#define GROUP 32
 #if VL == 16
-#define INT4_MR 4 /* rows a pass: each unpacked weight vector serves them all */
-#define INT4_SV 2 /* vectors of a block a pass of several rows holds */
-#define INT4_ROW_SV 4 /* ... and of one row */
+#define GROUPED_MR 4 /* rows a pass: each weight vector serves them all */
+#define GROUPED_SV 2 /* vectors of a block a pass of several rows holds */
+#define GROUPED_ROW_SV 4 /* ... and of one row */
 #define vi_and(a, b) _mm512_and_si512(a, b)
+#define vi_xor(a, b) _mm512_xor_si512(a, b)
+#define vi_sub(a, b) _mm512_sub_epi32(a, b)
 #define vi_srl16(a, n) _mm512_srli_epi16(a, n)
 #define vi_set1_8(c) _mm512_set1_epi8(c)
 #define vf_from_int(a) _mm512_cvtepi32_ps(a)
@@ -884,11 +893,14 @@ void linear_int8(const uint16_t *x, const uint16_t *w, const float *bias, uint16
 #define vf_add(a, b) _mm512_add_ps(a, b)
 #define vf_load_bf16(p) \
     _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#define vf_load_f16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
 #else
-#define INT4_MR 2
-#define INT4_SV 2
-#define INT4_ROW_SV 2
+#define GROUPED_MR 2
+#define GROUPED_SV 2
+#define GROUPED_ROW_SV 2
 #define vi_and(a, b) _mm256_and_si256(a, b)
+#define vi_xor(a, b) _mm256_xor_si256(a, b)
+#define vi_sub(a, b) _mm256_sub_epi32(a, b)
 #define vi_srl16(a, n) _mm256_srli_epi16(a, n)
 #define vi_set1_8(c) _mm256_set1_epi8(c)
 #define vf_from_int(a) _mm256_cvtepi32_ps(a)
@@ -896,6 +908,7 @@ void linear_int8(const uint16_t *x, const uint16_t *w, const float *bias, uint16
 #define vf_add(a, b) _mm256_add_ps(a, b)
 #define vf_load_bf16(p) \
     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define vf_load_f16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #endif
 
 /* acc + the 4 products of each lane's 4 unsigned weights (0..15) and x's 4 int8 */
@@ -909,41 +922,76 @@ static inline vi dot_u4(vi acc, vi w, vi x) {
 #endif
 }
 
-/* MR rows of xq against one block's vectors j0 .. j0 + NSV: acc (MR, NB) float32,
- * before the rows' scales. xsum: (MR, K/INT4_GROUP) each group's sum of xq. */
-static inline __attribute__((always_inline)) void int4_slice(
-    const int MR, const int NSV, const int8_t *xq, const int32_t *xsum, int k,
-    const uint8_t *wq, const uint16_t *dm, int j0, float *acc) {
+/* int8g's weight vector as dot_s8 takes it, and acc + the 4 products of each lane's 4
+ * int8 weights and x's 4 int8: with VNNI, w + 128 (unsigned) times x, which adds 128 *
+ * the group's sum of x (S8_LIFT: taken off per group); elsewhere dot4's exact sum */
+#if VL == 16 && defined(__AVX512VNNI__)
+#define S8_LIFT 128
+#define s8_operand(w) vi_xor(w, vi_set1_8((char)0x80))
+static inline vi dot_s8(vi acc, vi w, vi x) { return _mm512_dpbusd_epi32(acc, w, x); }
+#else
+#define S8_LIFT 0
+#define s8_operand(w) (w)
+static inline vi dot_s8(vi acc, vi w, vi x) { return dot4(acc, x, w); }
+#endif
+
+/* MR rows of xq against one block's vectors j0 .. j0 + NSV, int4 (BITS 4) or int8g
+ * (BITS 8): acc (MR, NB) float32. xs and sx: (MR, K/GROUP) each group's sum of xq and
+ * scale. */
+static inline __attribute__((always_inline)) void grouped_slice(
+    const int BITS, const int MR, const int NSV, const int8_t *xq, const int32_t *xs,
+    const float *sx, int k, const uint8_t *wq, const uint16_t *scales, int j0, float *acc) {
     const vi low = vi_set1_8(0x0F);
-    const int groups = k / INT4_GROUP;
-    vf c[INT4_MR][NV];
+    const int groups = k / GROUP;
+    vf c[GROUPED_MR][NV];
     for (int r = 0; r < MR; ++r)
         for (int j = 0; j < NSV; ++j) c[r][j] = vf_zero();
     for (int g = 0; g < groups; ++g) {
-        vi s[INT4_MR][NV];
+        vi s[GROUPED_MR][NV];
         for (int r = 0; r < MR; ++r)
             for (int j = 0; j < NSV; ++j) s[r][j] = vi_zero();
-        for (int o = g * INT4_GROUP / 8; o < (g + 1) * INT4_GROUP / 8; ++o) {
+        for (int o = g * GROUP / 8; o < (g + 1) * GROUP / 8; ++o) {  /* 8 k a step */
+            if (j0 == 0) {  /* the block's bytes PREFETCH ahead (an octet: BITS * NB) */
+                prefetch_step(wq + (long)o * NB * BITS);
+                if (BITS == 8) prefetch_step(wq + (long)o * NB * BITS + 4 * NB);
+            }
             vi lo[NV], hi[NV];
             for (int j = 0; j < NSV; ++j) {
-                const vi v = vi_load(wq + ((long)o * NB + (j0 + j) * VL) * 4);
-                lo[j] = vi_and(v, low);
-                hi[j] = vi_and(vi_srl16(v, 4), low);
+                if (BITS == 4) {
+                    const vi v = vi_load(wq + ((long)o * NB + (j0 + j) * VL) * 4);
+                    lo[j] = vi_and(v, low);
+                    hi[j] = vi_and(vi_srl16(v, 4), low);
+                } else {
+                    lo[j] = s8_operand(vi_load(wq + ((long)2 * o * NB + (j0 + j) * VL) * 4));
+                    hi[j] = s8_operand(vi_load(wq + ((long)(2 * o + 1) * NB + (j0 + j) * VL) * 4));
+                }
             }
             for (int r = 0; r < MR; ++r) {
                 int32_t q0, q1;
                 memcpy(&q0, xq + (long)r * k + 8 * o, 4);
                 memcpy(&q1, xq + (long)r * k + 8 * o + 4, 4);
                 const vi x0 = vi_set1(q0), x1 = vi_set1(q1);
-                for (int j = 0; j < NSV; ++j) s[r][j] = dot_u4(dot_u4(s[r][j], lo[j], x0), hi[j], x1);
+                for (int j = 0; j < NSV; ++j)
+                    s[r][j] = BITS == 4 ? dot_u4(dot_u4(s[r][j], lo[j], x0), hi[j], x1)
+                                        : dot_s8(dot_s8(s[r][j], lo[j], x0), hi[j], x1);
             }
         }
         for (int j = 0; j < NSV; ++j) {
-            const vf d = vf_load_bf16(dm + (long)g * 2 * NB + (j0 + j) * VL);
-            const vf mn = vf_load_bf16(dm + (long)g * 2 * NB + NB + (j0 + j) * VL);
+            const long at = (j0 + j) * VL;
+            const vf d = BITS == 4 ? vf_load_bf16(scales + (long)g * 2 * NB + at)
+                                   : vf_load_f16(scales + (long)g * NB + at);
+            const vf mn = BITS == 4 ? vf_load_bf16(scales + (long)g * 2 * NB + NB + at) : d;
             for (int r = 0; r < MR; ++r) {
-                const vf xs = vf_set1((float)xsum[r * groups + g]);
-                c[r][j] = vf_add(c[r][j], vf_add(vf_mul(d, vf_from_int(s[r][j])), vf_mul(mn, xs)));
+                const vf sg = vf_set1(sx[r * groups + g]);
+                vf t;
+                if (BITS == 4) {
+                    const vf xsum = vf_set1((float)xs[r * groups + g]);
+                    t = vf_add(vf_mul(d, vf_from_int(s[r][j])), vf_mul(mn, xsum));
+                } else {
+                    const vi exact = vi_sub(s[r][j], vi_set1(S8_LIFT * xs[r * groups + g]));
+                    t = vf_mul(d, vf_from_int(exact));
+                }
+                c[r][j] = vf_add(c[r][j], vf_mul(sg, t));
             }
         }
     }
@@ -951,61 +999,86 @@ static inline __attribute__((always_inline)) void int4_slice(
         for (int j = 0; j < NSV; ++j) vf_store(acc + r * NB + (j0 + j) * VL, c[r][j]);
 }
 
-static inline __attribute__((always_inline)) void int4_tile(
-    const int MR, const int8_t *xq, const int32_t *xsum, int k, const uint8_t *block,
-    float *acc) {
-    const uint16_t *dm = (const uint16_t *)(block + (long)k * NB / 2);
-    if (MR == 1) {
-        for (int j0 = 0; j0 < NV; j0 += INT4_ROW_SV) int4_slice(1, INT4_ROW_SV, xq, xsum, k, block, dm, j0, acc);
-        return;
-    }
-    for (int j0 = 0; j0 < NV; j0 += INT4_SV) int4_slice(MR, INT4_SV, xq, xsum, k, block, dm, j0, acc);
+/* The bytes of a block's weights (its scales follow them). */
+static inline long grouped_weight_bytes(const int BITS, int k) { return (long)k * NB * BITS / 8; }
+
+static inline __attribute__((always_inline)) void grouped_tile(
+    const int BITS, const int MR, const int8_t *xq, const int32_t *xs, const float *sx, int k,
+    const uint8_t *block, float *acc) {
+    const uint16_t *scales = (const uint16_t *)(block + grouped_weight_bytes(BITS, k));
+    const int sv = MR == 1 ? GROUPED_ROW_SV : GROUPED_SV;
+    for (int j0 = 0; j0 < NV; j0 += sv)
+        grouped_slice(BITS, MR, sv, xq, xs, sx, k, block, scales, j0, acc);
 }
 
-void linear_int4(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
-                 uint16_t *scratch, int m, int n, int k, int nthreads) {
-    const int groups = k / INT4_GROUP;
-    const long block_bytes = (long)k * NB / 2 + (long)groups * 2 * NB * 2;
-    static __thread void *xq_buf, *sx_buf, *xsum_buf;
-    static __thread size_t xq_cap, sx_cap, xsum_cap;
-    int8_t *const xq = kept_buffer(&xq_buf, &xq_cap, (size_t)m * k + 64);
-    float *const sx = kept_buffer(&sx_buf, &sx_cap, sizeof(float) * ((size_t)m + 1));
-    int32_t *const xsum = kept_buffer(&xsum_buf, &xsum_cap, sizeof(int32_t) * ((size_t)m * groups + 1));
-    quantize_rows(x, m, k, (uint8_t *)xq, sx, 0, nthreads);
-    for (long i = 0; i < (long)m * groups; ++i) {
-        int32_t t = 0;
-        for (int j = 0; j < INT4_GROUP; ++j) t += xq[i * INT4_GROUP + j];
-        xsum[i] = t;
+/* Rows r .. r + rows of x against one block, into acc (rows, NB). */
+static inline __attribute__((always_inline)) void grouped_rows(
+    const int BITS, int rows, const int8_t *xq, const int32_t *xs, const float *sx, int k,
+    const uint8_t *block, float *acc) {
+    switch (rows) {
+#if GROUPED_MR == 4
+        case 4: grouped_tile(BITS, 4, xq, xs, sx, k, block, acc); break;
+        case 3: grouped_tile(BITS, 3, xq, xs, sx, k, block, acc); break;
+#endif
+        case 2: grouped_tile(BITS, 2, xq, xs, sx, k, block, acc); break;
+        default: grouped_tile(BITS, 1, xq, xs, sx, k, block, acc); break;
     }
+}
+
+/* Each group of GROUP of x's m rows -> int8 with its scale sx and its sum xs. */
+static void quantize_groups(const uint16_t *x, int m, int k, int8_t *xq, float *sx,
+                            int32_t *xs, int nthreads) {
+    const long groups = (long)m * k / GROUP;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if ((long)m * k > 65536)
+    for (long i = 0; i < groups; ++i) {
+        int8_t *q = xq + i * GROUP;
+        sx[i] = quantize_span(x + i * GROUP, GROUP, (uint8_t *)q, 0);
+        int32_t t = 0;
+        for (int j = 0; j < GROUP; ++j) t += q[j];
+        xs[i] = t;
+    }
+}
+
+static inline __attribute__((always_inline)) void linear_grouped(
+    const int BITS, const uint16_t *x, const uint8_t *w, const float *bias, uint16_t *out,
+    uint16_t *scratch, int m, int n, int k, int nthreads) {
+    const int groups = k / GROUP;
+    const long block_bytes = grouped_weight_bytes(BITS, k) + (long)groups * NB * 2 * (BITS == 4 ? 2 : 1);
+    static __thread void *xq_buf, *sx_buf, *xs_buf;
+    static __thread size_t xq_cap, sx_cap, xs_cap;
+    int8_t *const xq = kept_buffer(&xq_buf, &xq_cap, (size_t)m * k + 64);
+    float *const sx = kept_buffer(&sx_buf, &sx_cap, sizeof(float) * ((size_t)m * groups + 1));
+    int32_t *const xs = kept_buffer(&xs_buf, &xs_cap, sizeof(int32_t) * ((size_t)m * groups + 1));
+    quantize_groups(x, m, k, xq, sx, xs, nthreads);
     /* a unit is a block, or a SwiGLU's gate and up blocks (the gate stored first) */
     const int unit = scratch ? 2 : 1, units = n / NB / unit;
     const int nt = nthreads < units ? nthreads : units;
 #pragma omp parallel for schedule(static) num_threads(nt > 0 ? nt : 1)
     for (int u = 0; u < units; ++u)
         for (int b = u * unit; b < (u + 1) * unit; ++b) {
-            const uint8_t *block = (const uint8_t *)w + b * block_bytes;
+            const uint8_t *block = w + b * block_bytes;
             const target t = block_target(out, scratch, n, b);
-            for (int r = 0; r < m; r += INT4_MR) {
-                const int rows = m - r < INT4_MR ? m - r : INT4_MR;
-                float acc[INT4_MR * NB] __attribute__((aligned(64)));
-                const int8_t *xr = xq + (long)r * k;
-                const int32_t *xs = xsum + (long)r * groups;
-                switch (rows) {
-#if INT4_MR == 4
-                    case 4: int4_tile(4, xr, xs, k, block, acc); break;
-                    case 3: int4_tile(3, xr, xs, k, block, acc); break;
-#endif
-                    case 2: int4_tile(2, xr, xs, k, block, acc); break;
-                    default: int4_tile(1, xr, xs, k, block, acc); break;
-                }
-                for (int i = 0; i < rows; ++i) {
-                    float y[NB] __attribute__((aligned(64)));
-                    for (int j = 0; j < NB; ++j) y[j] = acc[i * NB + j] * sx[r + i];
-                    store_cols(NB, y, bias ? bias + b * NB : 0, t.dst + (long)(r + i) * t.stride,
+            for (int r = 0; r < m; r += GROUPED_MR) {
+                const int rows = m - r < GROUPED_MR ? m - r : GROUPED_MR;
+                float acc[GROUPED_MR * NB] __attribute__((aligned(64)));
+                grouped_rows(BITS, rows, xq + (long)r * k, xs + (long)r * groups,
+                             sx + (long)r * groups, k, block, acc);
+                for (int i = 0; i < rows; ++i)
+                    store_cols(NB, acc + i * NB, bias ? bias + b * NB : 0,
+                               t.dst + (long)(r + i) * t.stride,
                                t.gate ? t.gate + (long)(r + i) * t.stride : 0);
-                }
             }
         }
+}
+
+void linear_int4(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
+                 uint16_t *scratch, int m, int n, int k, int nthreads) {
+    linear_grouped(4, x, (const uint8_t *)w, bias, out, scratch, m, n, k, nthreads);
+}
+
+void linear_int8g(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
+                  uint16_t *scratch, int m, int n, int k, int nthreads) {
+    linear_grouped(8, x, (const uint8_t *)w, bias, out, scratch, m, n, k, nthreads);
 }
 
 /* ---- int4 weights' rounding at load (linear.py's int4_quantize: the same arithmetic) ---- */
@@ -1014,8 +1087,8 @@ void linear_int4(const uint16_t *x, const uint16_t *w, const float *bias, uint16
  * k order (no contraction: the torch reference's sums). */
 static float int4_try(const float *g, float mf, float df, uint8_t *q) {
     const float step = df > 0.f ? df : 1.f;
-    float sq[INT4_GROUP];
-    for (int i = 0; i < INT4_GROUP; ++i) {  /* vectorized */
+    float sq[GROUP];
+    for (int i = 0; i < GROUP; ++i) {  /* vectorized */
         float v = nearbyintf((g[i] - mf) / step);
         v = v < 0.f ? 0.f : (v > 15.f ? 15.f : v);
         q[i] = (uint8_t)v;
@@ -1023,15 +1096,15 @@ static float int4_try(const float *g, float mf, float df, uint8_t *q) {
         sq[i] = e * e;
     }
     float err = 0.f;
-    for (int i = 0; i < INT4_GROUP; ++i) err += sq[i];
+    for (int i = 0; i < GROUP; ++i) err += sq[i];
     return err;
 }
 
-/* Whether a group of INT4_GROUP holds 16 distinct values or fewer (stops at the 17th). */
+/* Whether a group of GROUP holds 16 distinct values or fewer (stops at the 17th). */
 static int int4_few_levels(const float *g) {
     float seen[16];
     int n = 0;
-    for (int i = 0; i < INT4_GROUP; ++i) {
+    for (int i = 0; i < GROUP; ++i) {
         int j = 0;
         while (j < n && seen[j] != g[i]) ++j;
         if (j < n) continue;
@@ -1045,7 +1118,7 @@ static int int4_few_levels(const float *g) {
 static void int4_group(const float *g, const float *cuts, int ncuts, int nsteps, uint8_t *q,
                        uint16_t *d, uint16_t *m) {
     float lo = g[0], hi = g[0];
-    for (int i = 1; i < INT4_GROUP; ++i) {
+    for (int i = 1; i < GROUP; ++i) {
         lo = g[i] < lo ? g[i] : lo;
         hi = g[i] > hi ? g[i] : hi;
     }
@@ -1054,7 +1127,7 @@ static void int4_group(const float *g, const float *cuts, int ncuts, int nsteps,
     const float width = hi - lo;
     const int candidates = ncuts + (int4_few_levels(g) ? nsteps : 0);
     float best = 0.f;
-    uint8_t trial[INT4_GROUP];
+    uint8_t trial[GROUP];
     for (int c = 0; c < candidates; ++c) {
         uint16_t mc, dc;
         if (c < ncuts) {
@@ -1067,7 +1140,7 @@ static void int4_group(const float *g, const float *cuts, int ncuts, int nsteps,
         const float err = int4_try(g, bf16_to_f32(mc), bf16_to_f32(dc), trial);
         if (c == 0 || err < best) {
             best = err;
-            memcpy(q, trial, INT4_GROUP);
+            memcpy(q, trial, GROUP);
             *d = dc;
             *m = mc;
         }
@@ -1078,6 +1151,71 @@ void int4_quantize(const float *w, uint8_t *q, uint16_t *d, uint16_t *m, const f
                    int ncuts, int nsteps, int groups, int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1)
     for (int g = 0; g < groups; ++g)
-        int4_group(w + (long)g * INT4_GROUP, cuts, ncuts, nsteps, q + (long)g * INT4_GROUP,
+        int4_group(w + (long)g * GROUP, cuts, ncuts, nsteps, q + (long)g * GROUP,
                    d + g, m + g);
+}
+
+/* ---- int8g weights' rounding at load (linear.py's int8g_quantize: the same arithmetic) ---- */
+
+static inline uint16_t f32_to_f16(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
+static inline float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
+
+/* A group's weights g rounded on the symmetric grid of step dh (float16): q, and the
+ * squared error summed in k order. */
+static float int8g_try(const float *g, uint16_t dh, int8_t *q) {
+    const float d = f16_to_f32(dh), step = d > 0.f ? d : 1.f;
+    float sq[GROUP];
+    for (int i = 0; i < GROUP; ++i) {
+        float v = nearbyintf(g[i] / step);
+        v = v < -127.f ? -127.f : (v > 127.f ? 127.f : v);
+        q[i] = (int8_t)v;
+        const float e = v * d - g[i];
+        sq[i] = e * e;
+    }
+    float err = 0.f;
+    for (int i = 0; i < GROUP; ++i) err += sq[i];
+    return err;
+}
+
+/* One group: the steps max|g| / 127, then the smallest nonzero |g| over 1 .. divisors (a
+ * checkpoint's own step where its codes reach one of those), the first with the least
+ * error kept; then the least-squares step of the kept codes, where it does better. */
+static void int8g_group(const float *g, int divisors, int8_t *q, uint16_t *d) {
+    float amax = 0.f, least = INFINITY;
+    for (int i = 0; i < GROUP; ++i) {
+        const float a = fabsf(g[i]);
+        amax = a > amax ? a : amax;
+        least = a > 0.f && a < least ? a : least;
+    }
+    least = least == INFINITY ? 0.f : least;
+    int8_t trial[GROUP];
+    float best = 0.f;
+    for (int c = 0; c <= divisors + 1; ++c) {
+        float step;
+        if (c == 0) {
+            step = amax / 127.f;
+        } else if (c <= divisors) {
+            step = least / (float)c;
+        } else {  /* the kept codes' least-squares step */
+            float cs = 0.f, qq = 0.f;
+            for (int i = 0; i < GROUP; ++i) cs += g[i] * (float)q[i];
+            for (int i = 0; i < GROUP; ++i) qq += (float)q[i] * (float)q[i];
+            if (!(qq > 0.f)) return;
+            step = cs / qq;
+        }
+        const uint16_t dc = f32_to_f16(step);
+        const float err = int8g_try(g, dc, trial);
+        if (c == 0 || err < best) {
+            best = err;
+            memcpy(q, trial, GROUP);
+            *d = dc;
+        }
+    }
+}
+
+void int8g_quantize(const float *w, int8_t *q, uint16_t *d, int divisors, int groups,
+                    int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1)
+    for (int g = 0; g < groups; ++g)
+        int8g_group(w + (long)g * GROUP, divisors, q + (long)g * GROUP, d + g);
 }

@@ -1,0 +1,184 @@
+"""Grouped weights at every instruction-set level the CPU runs (the `isa` fixture): int4
+(linear_vec.c's linear_int4, --quantization int4) and int8g (linear_int8g: a GGUF file's
+5 to 8-bit tensors under --quantization auto): the roundings' C against their torch
+references, a checkpoint's grid kept, the kernels bit for bit against a torch reference
+of their arithmetic at every row count (so every level gives the same bits), and the
+fused SwiGLU against the unfused ops."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model.backends.cpu.kernels.linear import (
+    GROUP,
+    grouped_supported,
+    int4_dequantize,
+    int4_pack,
+    int4_quantize,
+    int4_quantize_reference,
+    int8g_dequantize,
+    int8g_pack,
+    int8g_quantize,
+    int8g_quantize_reference,
+    swiglu_layout,
+    tile_linear,
+)
+
+PACKS = {"int4": int4_pack, "int8g": int8g_pack}
+
+
+def weights(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, k, generator=g) / k**0.5, torch.randn(n, generator=g)
+
+
+def grouped_reference(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, kind: str
+) -> torch.Tensor:
+    """The kernels' arithmetic: each group of 32 of x's rows to int8 (q = rint(x * 127 /
+    max|x|), scale max|x| / 127), each group's exact sum of q * xq, then per group in
+    order acc += sx * (d * sum + m * sum(xq)) (int4) or sx * (d * sum) (int8g) in float32,
+    + bias, one bf16 rounding."""
+    if kind == "int4":
+        q, d, m = int4_quantize(w)
+    else:
+        q, d = int8g_quantize(w)
+    groups = w.shape[1] // GROUP
+    xf = x.float().reshape(x.shape[0], groups, GROUP)
+    amax = xf.abs().amax(dim=2)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127) / amax, 0)
+    xq = torch.round(xf * inv[..., None]).clamp(-127, 127)
+    sx = amax / 127
+    acc = torch.zeros(x.shape[0], w.shape[0])
+    for g in range(groups):
+        cols = slice(g * GROUP, (g + 1) * GROUP)
+        sums = (xq[:, g].double() @ q[:, cols].double().T).float()  # exact
+        t = d[:, g].float()[None, :] * sums
+        if kind == "int4":
+            t = t + m[:, g].float()[None, :] * xq[:, g].sum(dim=1, keepdim=True)
+        acc = acc + sx[:, g : g + 1] * t
+    return (acc + bias if bias is not None else acc).to(torch.bfloat16)
+
+
+def run(x, w, bias, kind: str = "int4", swiglu: bool = False) -> torch.Tensor:
+    return tile_linear(x, PACKS[kind](w), bias, swiglu, shape=tuple(w.shape), kind=kind)
+
+
+def test_quantize_keeps_each_groups_nearest_cut() -> None:
+    """Each group's weights come back no farther (summed squares) than the plain
+    min..max range rounded to nearest puts them, and that range within half a step."""
+    w, _ = weights(128, 96)
+    q, d, m = int4_quantize(w)
+    assert q.max() <= 15 and d.dtype == torch.bfloat16 and m.dtype == torch.bfloat16
+    groups = w.reshape(128, -1, GROUP)
+    err = (int4_dequantize(q, d, m) - w).reshape(groups.shape).square().sum(dim=2)
+    lo, hi = groups.amin(dim=2), groups.amax(dim=2)
+    m0 = lo.to(torch.bfloat16).float()
+    d0 = ((hi - m0) / 15).to(torch.bfloat16).float()
+    q0 = torch.round((groups - m0[..., None]) / d0[..., None]).clamp(0, 15)
+    plain = q0 * d0[..., None] + m0[..., None]
+    # the minimum is rounded to bf16 first: within half a step, plus that rounding
+    assert ((plain - groups).abs() <= d0[..., None] / 2 + groups.abs() / 128 + 1e-7).all()
+    assert (err <= (plain - groups).square().sum(dim=2) + 1e-9).all()
+    assert int4_pack(w).numel() == 128 * 96 // 2 + 128 * 96 // GROUP * 4  # 5/8 a weight
+
+
+def test_the_c_rounding_is_the_references_at_every_level(isa: str) -> None:
+    """linear_vec.c's int4_quantize gives the torch reference's q, d and m bit for bit:
+    weights of several scales (ties and zero groups among them) and a 4-bit grid."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(192, 256, generator=g) * torch.logspace(-4, 1, 192)[:, None]
+    w[5, :64] = 0  # zero groups: d 0
+    w[7] = torch.round(w[7] * 4) / 4  # groups of few levels
+    grid = ((torch.randint(0, 16, (64, 256), generator=g) - 8) * 0.013).to(torch.bfloat16)
+    for weight in (w, w.to(torch.bfloat16), grid):
+        got, want = int4_quantize(weight), int4_quantize_reference(weight)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_a_4bit_checkpoints_grid_is_kept() -> None:
+    """Weights that lie on a grid of 16 levels per 128 (a GPTQ/AWQ file's, rounded to the
+    bf16 they are served in: a group of 32 spans fewer levels) come back on their own
+    levels, within a tenth of a step; the plain range would misplace them by up to half
+    a step and more."""
+    g = torch.Generator().manual_seed(0)
+    scale = (torch.rand(64, 2, generator=g) * 0.02 + 0.001).repeat_interleave(128, dim=1)
+    u = torch.round(torch.randn(64, 256, generator=g) * 2.5 + 8).clamp(0, 15)
+    w = ((u - 8) * scale).to(torch.bfloat16).float()
+    q, d, m = int4_quantize(w)
+    assert ((int4_dequantize(q, d, m) - w).abs() <= 0.1 * scale).all()
+    lo, hi = w.reshape(64, -1, GROUP).amin(dim=2), w.reshape(64, -1, GROUP).amax(dim=2)
+    assert ((hi - lo) / scale[:, ::GROUP] < 14.5).any()  # groups of under 16 levels
+
+
+def test_int8g_keeps_each_groups_nearest_step() -> None:
+    """Each group's weights come back no farther (summed squares) than the plain step
+    max|w| / 127 puts them, that within half a step; 17/16 bytes a weight."""
+    w, _ = weights(128, 96)
+    q, d = int8g_quantize(w)
+    assert q.abs().max() <= 127 and d.dtype == torch.float16
+    groups = w.reshape(128, -1, GROUP)
+    err = (int8g_dequantize(q, d) - w).reshape(groups.shape).square().sum(dim=2)
+    d0 = (groups.abs().amax(dim=2) / 127).half().float()
+    plain = torch.round(groups / d0[..., None]).clamp(-127, 127) * d0[..., None]
+    assert ((plain - groups).abs() <= d0[..., None] / 2 + groups.abs() / 1024).all()
+    assert (err <= (plain - groups).square().sum(dim=2)).all()
+    assert int8g_pack(w).numel() == 128 * 96 + 128 * 96 // GROUP * 2
+
+
+def test_the_int8g_rounding_is_the_references_at_every_level(isa: str) -> None:
+    """linear_vec.c's int8g_quantize gives the torch reference's q and d bit for bit:
+    weights of several scales (zero groups among them), in float32 and bf16, and grids."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(192, 256, generator=g) * torch.logspace(-4, 1, 192)[:, None]
+    w[5, :64] = 0
+    w[7] = torch.round(w[7] * 4) / 4
+    step = (torch.rand(64, 8, generator=g) * 0.01).half().float().repeat_interleave(GROUP, dim=1)
+    grid = torch.randint(-16, 16, (64, 256), generator=g) * step
+    for weight in (w, w.to(torch.bfloat16), grid, grid.to(torch.bfloat16)):
+        got, want = int8g_quantize(weight), int8g_quantize_reference(weight)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_a_gguf_blocks_grid_is_kept_exactly() -> None:
+    """Q8_0 blocks (a float16 step of max|w| / 127: codes in -127..127, one at an end)
+    and Q5_0 blocks (max|w| / 16: codes in -16..15, one -16), as the gguf package
+    dequantizes them to float32, come back exact."""
+    g = torch.Generator().manual_seed(2)
+    step = (torch.rand(64, 8, generator=g) * 0.02 + 1e-4).half().float()
+    step = step.repeat_interleave(GROUP, dim=1)
+    for low, high in ((-127, 128), (-16, 16)):
+        codes = torch.randint(low, high, (64, 256), generator=g)
+        codes[:, ::GROUP] = low
+        w = codes * step
+        q, d = int8g_quantize(w)
+        assert torch.equal(int8g_dequantize(q, d), w)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8g"])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+def test_grouped_kernels_give_the_references_bits_at_every_level(
+    isa: str, rows: int, kind: str
+) -> None:
+    w, bias = weights(192, 128)
+    assert grouped_supported(w, kind)
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    x[0, 40:64] = 0  # a group of zeros: scale 0
+    assert torch.equal(run(x, w, bias, kind), grouped_reference(x, w, bias, kind))
+    assert torch.equal(run(x, w, None, kind), grouped_reference(x, w, None, kind))
+    # and each row is the row alone
+    assert torch.equal(run(x[-1:], w, bias, kind), run(x, w, bias, kind)[-1:])
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8g"])
+def test_grouped_swiglu_is_the_unfused_ops(isa: str, kind: str) -> None:
+    """The (gate | up) weight in swiglu_layout: silu(gate) * up from one call, as the
+    separate projections give them (the epilogue is the int8 kernel's)."""
+    w, _ = weights(256, 96, seed=3)
+    x = torch.randn(7, 96, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    fused = run(x, swiglu_layout(w), None, kind, swiglu=True).float()
+    gate, up = run(x, w[:128], None, kind).float(), run(x, w[128:], None, kind).float()
+    want = (F.silu(gate).to(torch.bfloat16).float() * up).to(torch.bfloat16).float()
+    assert (fused - want).abs().max().item() <= 0.02 * want.abs().max().item()
