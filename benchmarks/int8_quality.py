@@ -2,8 +2,9 @@
 in bf16.
 
 For each checkpoint (the test suite's transformers-written parity checkpoints: Llama with
-GQA, tied and untied, Qwen2 with q/k/v biases, GPT-2; and the 180M Llama-3-style
-checkpoint of ../shared/peers when --peers has it), loaded twice in bf16: int8 and int4 on
+GQA, tied and untied, Qwen2 with q/k/v biases, GPT-2; and the peer checkpoint --base of
+../shared/peers when --peers has it: the 180M Llama-3-style one, or the Qwen3-MoE-shaped
+one), loaded twice in bf16: int8 and int4 on
 the CPU backend (kvserve's bf16 kernels, and int8 or int4 weights); fp8 on the torch backend (bf16
 weights, and FP8 linears in the dequantizing path the CPU runs: the same values a GPU's
 FP8 matmuls read, the activations unquantized):
@@ -20,15 +21,15 @@ FP8 matmuls read, the activations unquantized):
 With --llama BIN (llama.cpp's build/bin) and --text FILE, llama.cpp's own measure is taken
 too: its llama-perplexity saves the bf16 GGUF's next-token distributions over --chunks
 chunks of --ctx tokens of the text, then gives the mean KL and same-top share of each
---files GGUF against them (--kl-divergence); the 180M checkpoint's runs here read those
+--files GGUF against them (--kl-divergence); the peer checkpoint's runs here read those
 chunks' tokens and score the positions llama-perplexity scores (the second half of each
 chunk), so both engines' numbers are over the same next-token distributions. Those rows
 go to docs/results.md.
 
-With --files NAME=PATH (a GGUF file or an AWQ/GPTQ folder of the 180M checkpoint), each
+With --files NAME=PATH (a GGUF file or an AWQ/GPTQ folder of the peer checkpoint), each
 file is loaded as it is (none: its weights dequantized to bf16), as the server holds it by
 default (auto: each integer tensor in the kind that keeps its values, int4 or int8) and
-with --quantization, each against the 180M checkpoint's bf16: what the file's own bits
+with --quantization, each against the peer checkpoint's bf16: what the file's own bits
 cost, and what kvserve's kernels add on top of them.
 
 Prints a table and writes JSON (--out).
@@ -69,7 +70,10 @@ from tests import factories as hf
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def checkpoints(tmp: Path, peers: Path | None) -> dict[str, Path]:
+PEER = "peer"  # the name of the --base run
+
+
+def checkpoints(tmp: Path, peers: Path | None, base: str) -> dict[str, Path]:
     out = {}
     for name, write in (
         ("llama-gqa-tied", lambda p: hf.write_llama(p, tied=True)),
@@ -81,9 +85,9 @@ def checkpoints(tmp: Path, peers: Path | None) -> dict[str, Path]:
         write(path)
         hf.write_tokenizer(path)
         out[name] = path
-    big = peers / "models" / "llama-cl100k-135m" if peers else None
-    if big is not None and (big / "model.safetensors").exists():
-        out["llama3-180m"] = big
+    big = peers / "models" / base if peers else None
+    if big is not None and (big / "config.json").exists():
+        out[PEER] = big
     return out
 
 
@@ -103,9 +107,6 @@ def llama_chunks(base: Path, bos: int | None) -> tuple[list[list[int]], int]:
     return chunks, n_ctx // 2
 
 
-LLAMA_BASE = "llama-cl100k-135m"  # the peer checkpoint whose GGUFs --files names
-
-
 def llama_kl(
     args: argparse.Namespace, tmp: Path
 ) -> tuple[dict[str, dict[str, float]], tuple[list[list[int]], int]]:
@@ -116,7 +117,7 @@ def llama_kl(
     llama-perplexity starts them."""
     from model.gguf import open_gguf
 
-    bf16 = args.peers / "models" / f"{LLAMA_BASE}-bf16.gguf"
+    bf16 = args.peers / "models" / f"{args.base}-bf16.gguf"
     base, tool = tmp / "base.kld", str(args.llama / "llama-perplexity")
     common = ["-c", str(args.ctx), "-t", str(os.cpu_count()), "-b", str(args.ctx)]
     common += shlex.split(args.llama_args)
@@ -227,16 +228,16 @@ def main() -> None:
     args = parse_args()
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        paths = checkpoints(Path(tmp), args.peers)
+        paths = checkpoints(Path(tmp), args.peers, args.base)
         runs = [(name, path, path, args.quantization) for name, path in paths.items()]
         for name, file in (f.split("=", 1) for f in args.files):
             for q in ("none", "auto", args.quantization):
-                runs.append((f"{name} ({q})", paths["llama3-180m"], Path(file), q))
+                runs.append((f"{name} ({q})", paths[PEER], Path(file), q))
         llama, chunks = {}, None
         if args.llama is not None:
             llama, chunks = llama_kl(args, Path(tmp))
         for name, ref, path, q in runs:
-            big = ref == paths.get("llama3-180m")  # llama-perplexity's tokens are its vocab's
+            big = ref == paths.get(PEER)  # llama-perplexity's tokens are its vocab's
             results[name] = compare(ref, path, q, args, chunks if big else None)
             print(name, json.dumps({k: round(v, 4) for k, v in results[name].items()}), flush=True)
     print_table(results, llama, args)
@@ -249,7 +250,7 @@ def main() -> None:
     )
     print(f"\nwrote {args.out}")
     if args.llama is not None:
-        record(f"int4_quality ({LLAMA_BASE})", headline(results, llama))
+        record(f"int4_quality ({args.base})", headline(results, llama))
 
 
 def parse_args() -> argparse.Namespace:
@@ -264,9 +265,13 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--quantization", choices=["int8", "int4", "fp8"], default="int8")
     ap.add_argument("--files", nargs="*", default=[], metavar="NAME=PATH")
     ap.add_argument(
+        "--base", default="llama-cl100k-135m",
+        help="the peer checkpoint (a folder of --peers' models, and its -bf16.gguf)",
+    )  # fmt: skip
+    ap.add_argument(
         "--llama", type=Path, default=None, metavar="BIN",
         help="llama.cpp's build/bin (llama-perplexity): its own KL of each --files GGUF, and "
-        "the 180M runs on its tokens and positions",
+        "the peer checkpoint's runs on its tokens and positions",
     )  # fmt: skip
     ap.add_argument("--text", type=Path, default=None, help="with --llama: the text it reads")
     ap.add_argument("--ctx", type=int, default=512, help="with --llama: tokens a chunk")
@@ -300,10 +305,11 @@ def print_table(results: dict, llama: dict, args: argparse.Namespace) -> None:
 
 
 def headline(results: dict, llama: dict) -> dict[str, str]:
-    """The 180M runs and llama.cpp's, on the same positions, for the results table."""
+    """The peer checkpoint's runs and llama.cpp's, on the same positions, for the results
+    table."""
     rows = {}
     for name, r in results.items():
-        if name == "llama3-180m" or " (" in name:
+        if name == PEER or " (" in name:
             file, _, held = name.rstrip(")").partition(" (")
             label = "int4 of the bf16 checkpoint" if not held else f"{file} file as {held}"
             rows[f"kvserve {label}: mean KL, top-1"] = (
