@@ -40,6 +40,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_held_quantization(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--quantization", default="auto", choices=["auto", "none", "int8", "int4", "fp8"],
+        help="the weights as serve's --quantization holds them (auto: from the files' headers)",
+    )  # fmt: skip
+
+
 @_with_torch
 def _cmd_generate(args: argparse.Namespace) -> int:
     from model.backends import select_backend
@@ -94,10 +101,12 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     from model.loader import load
 
     device = pick_device(args.device)
-    dtype = pick_dtype(args.dtype, device)
+    dtype = pick_dtype(args.dtype, device, args.quantization)
     loaded = load(args.model, dtype, device)
-    report = audit(loaded.model.cfg, dtype_name(dtype)).as_dict()
-    print(json.dumps({"model": loaded.model_id, **report}, indent=2))
+    cfg = loaded.model.cfg
+    quantization, held = _plan_held(args, cfg, device, dtype)
+    report = audit(cfg, dtype_name(dtype), quantization=quantization, held_bytes=held)
+    print(json.dumps({"model": loaded.model_id, **report.as_dict()}, indent=2))
     return 0
 
 
@@ -266,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.set_defaults(func=_cmd_generate)
     aud = sub.add_parser("audit", help="memory audit: parameters by component, weight and KV bytes")
     _add_model_args(aud)
+    _add_held_quantization(aud)
     aud.set_defaults(func=_cmd_audit)
     pl = sub.add_parser(
         "plan", help="capacity plan: what fits in memory, and this machine's floors"
@@ -277,10 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--device", default="auto")
     pl.add_argument("--dtype", default="auto")
     pl.add_argument("--memory-gib", type=float, default=None, help="default: this device's memory")
-    pl.add_argument(
-        "--quantization", default="auto", choices=["auto", "none", "int8", "int4", "fp8"],
-        help="the weights as serve's --quantization holds them (auto: from the files' headers)",
-    )  # fmt: skip
+    _add_held_quantization(pl)
     pl.add_argument("--seq-len", type=int, default=None, help="default: the model's context length")
     pl.add_argument(
         "--tensor-parallel-size",

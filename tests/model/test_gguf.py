@@ -189,9 +189,9 @@ def test_the_plan_counts_what_auto_holds(
     family: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`kvserve plan` on a GGUF (--quantization auto, from the file's headers: no tensor
-    read) names the parameters auto packs as integers and counts their bytes within 3%
-    of what the loaded, packed model holds (the plan leaves out the packed layouts'
-    padding to whole 64-row blocks: a few percent of this tiny
+    read), and `kvserve audit`, name the parameters auto packs as integers and count
+    their bytes within 3% of what the loaded, packed model holds (the plan leaves out
+    the packed layouts' padding to whole 64-row blocks: a few percent of this tiny
     shape, noise on a real one; bf16 in place of a 4-bit kind would be 2x)."""
     from service.cli import main
 
@@ -209,6 +209,10 @@ def test_the_plan_counts_what_auto_holds(
     assert report["weight_bytes"] < audit(model.cfg, "bfloat16").weight_bytes
     assert main([*args, "--dtype", "float32", "--memory-gib", "1"]) == 0
     assert json.loads(capsys.readouterr().out)["quantization"] == "none"
+    # `kvserve audit` loads the file and counts the same bytes
+    assert main(["audit", "--model", str(path), "--device", "cpu", "--dtype", "bfloat16"]) == 0
+    audited = json.loads(capsys.readouterr().out)
+    assert (audited["quantization"], audited["weight_bytes"]) == ("auto", report["weight_bytes"])
 
 
 def test_the_tokenizer_is_the_checkpoints(tmp_path: Path) -> None:
