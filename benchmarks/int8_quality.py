@@ -28,9 +28,9 @@ go to docs/results.md.
 
 With --files NAME=PATH (a GGUF file or an AWQ/GPTQ folder of the peer checkpoint), each
 file is loaded as it is (none: its weights dequantized to bf16), as the server holds it by
-default (auto: each integer tensor in the kind that keeps its values, int4 or int8) and
-with --quantization, each against the peer checkpoint's bf16: what the file's own bits
-cost, and what kvserve's kernels add on top of them.
+default (auto: each integer tensor in the kind that keeps its values, int4, int8g or
+int8) and with --quantization, each against the peer checkpoint's bf16: what the file's
+own bits cost, and what kvserve's kernels add on top of them.
 
 Prints a table and writes JSON (--out).
 

@@ -249,9 +249,9 @@ def stored_weight_bytes(
 
 def held_kind(stored: str, in_features: int) -> str:
     """The kernel kind --quantization auto packs a weight of stored kind `stored` as
-    (model.int_weights.KEEPS): the first whose groups of GROUP divide its in features,
-    else int8."""
-    return next((k for k in KEEPS[stored] if in_features % GROUP == 0), "int8")
+    (model.int_weights.KEEPS): its first, a grouped kind (int4, int8g), where groups of
+    GROUP divide the in features, else int8."""
+    return KEEPS[stored][0] if in_features % GROUP == 0 else "int8"
 
 
 def experts_touched(cfg: ModelConfig, rows: int) -> float:

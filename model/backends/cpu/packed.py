@@ -59,7 +59,7 @@ class PackedLinear(nn.Module):
     that still reports the (out, in) shape; `bias` stays as loaded."""
 
     _packed: Tensor | None = None  # oneDNN's layout
-    _tiles: Tensor | None = None  # tile_layout(), or int8_pack()'s (int8g, int4) blob
+    _tiles: Tensor | None = None  # tile_layout(), or the blob of a PACKS packing
     _bias32: Tensor | None = None
     quant = "bf16"  # what _tiles holds: a PACKS kind
     gated = False  # a SwiGLU's (gate | up) in swiglu_layout: forward gives silu(g) * u
