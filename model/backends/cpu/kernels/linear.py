@@ -52,17 +52,18 @@ def _vector(isa: str) -> ctypes.CDLL | None:
 
 def linear_kernel(kind: str) -> ctypes._CFuncPtr | None:
     """The C function for 'bf16' (tile_layout weights), 'int8' (int8_pack blobs), 'int8g'
-    (int8g_pack's) or 'int4' (int4_pack's) linears at this CPU's level (linear_isa): bf16 at amx in
-    linear_bf16.c (the tiles, and for one or two rows vector code with the tiles' sums),
-    everything else in linear_vec.c's build for the level; None where it is not built."""
+    (int8g_pack's) or 'int4' (int4_pack's) linears at this CPU's level (linear_isa): bf16
+    at amx in linear_bf16.c (the tiles, and for one or two rows vector code with the
+    tiles' sums), everything else in linear_vec.c's build for the level; None where it
+    is not built."""
     isa = linear_isa(kind)
     if kind == "bf16" and isa == "amx":
         return _tiles().linear_bf16
     lib = _vector(isa)
     if lib is None:
         return None
-    grouped = {"int8": lib.linear_int8, "int8g": lib.linear_int8g, "int4": lib.linear_int4}
-    return grouped.get(kind, lib.linear_bf16_vec)
+    integer = {"int8": lib.linear_int8, "int8g": lib.linear_int8g, "int4": lib.linear_int4}
+    return integer.get(kind, lib.linear_bf16_vec)
 
 
 def linear_address(kind: str) -> int:
