@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from service.config import Settings, add_arguments, load_settings
+from service.config import QUANTIZATIONS, Settings, add_arguments, load_settings
 
 
 def _with_torch(command: Callable[..., int]) -> Callable[..., int]:
@@ -42,7 +42,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def _add_held_quantization(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--quantization", default="auto", choices=["auto", "none", "int8", "int4", "fp8"],
+        "--quantization", default="auto", choices=QUANTIZATIONS,
         help="the weights as serve's --quantization holds them (auto: from the files' headers)",
     )  # fmt: skip
 

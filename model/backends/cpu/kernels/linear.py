@@ -154,13 +154,16 @@ def _nearest(
         step = torch.where(d.float() > 0, d.float(), 1.0)
         q = torch.round((groups - m.float()[..., None]) / step[..., None]).clamp(0, 15)
         err = _sum_in_order((q * d.float()[..., None] + m.float()[..., None] - groups).square())
-        if not best:
-            best = [err, q, d, m]
-            continue
-        better = err < best[0]
-        best = [torch.where(better, err, best[0]), torch.where(better[..., None], q, best[1]),
-                torch.where(better, d, best[2]), torch.where(better, m, best[3])]  # fmt: skip
+        best = _keep_better(best, [err, q, d, m]) if best else [err, q, d, m]
     return best
+
+
+def _keep_better(best: list[torch.Tensor], trial: list[torch.Tensor]) -> list[torch.Tensor]:
+    """[error, q, scales...] of each group from `trial` where its error (first) is less
+    than in `best`, else from `best`; q has the groups' 32 weights as its last dimension."""
+    better = trial[0] < best[0]
+    return [torch.where(better if b.dim() == better.dim() else better[..., None], t, b)
+            for b, t in zip(best, trial, strict=True)]  # fmt: skip
 
 
 def _sum_in_order(x: torch.Tensor) -> torch.Tensor:
@@ -263,12 +266,6 @@ def _int8g_try(groups: torch.Tensor, step: torch.Tensor) -> list[torch.Tensor]:
     unit = torch.where(d.float() > 0, d.float(), 1.0)
     q = torch.round(groups / unit[:, None]).clamp(-127, 127)
     return [_sum_in_order((q * d.float()[:, None] - groups).square()), q, d]
-
-
-def _keep_better(best: list[torch.Tensor], trial: list[torch.Tensor]) -> list[torch.Tensor]:
-    better = trial[0] < best[0]
-    return [torch.where(better if b.dim() == 1 else better[:, None], t, b)
-            for b, t in zip(best, trial, strict=True)]  # fmt: skip
 
 
 def int8g_quantize_reference(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
