@@ -1,10 +1,13 @@
-"""Decode against the weight-bandwidth floor, bf16 beside FP8 weights, with the decode
-step's kernels counted and timed by class (one command, a few minutes on an H100/H200).
+"""Decode against the weight-bandwidth floor, bf16 beside FP8 and int4 weights, with the
+decode step's kernels counted and timed by class (one command, a few minutes on an
+H100/H200).
 
 For each shape (Llama-3.2-1B's and Llama-3.1-8B's, random weights made in device memory:
 benchmarks/common.py random_model) and each weight format (bf16; fp8, `--quantization
-fp8`: e4m3 linears with per-channel scales, per-token activation scales), one engine
-with CUDA graphs and async scheduling, as `kvserve serve` runs:
+fp8`: e4m3 linears with per-channel scales, per-token activation scales; int4,
+`--quantization int4`: 4-bit codes with a bf16 step and minimum each 32 in features, bf16
+activations, the W4A16 kernel), one engine with CUDA graphs and async scheduling, as
+`kvserve serve` runs:
 
 - single-stream decode, ms/token (128 prompt tokens, 256 out), against the floor: the
   bytes a decode step reads (every weight once; an untied embedding only its row) over
@@ -48,7 +51,7 @@ from service.engine.core.engine import LLMEngine
 from service.engine.request import SamplingParams
 
 SHAPES = {"llama-3.2-1b": LLAMA_32_1B, "llama-3.1-8b": LLAMA_31_8B}
-WEIGHTS = {"bf16": "none", "fp8": "fp8"}  # the row's name -> --quantization
+WEIGHTS = {"bf16": "none", "fp8": "fp8", "int4": "int4"}  # the row's name -> --quantization
 
 
 def engine(shape: dict, quantization: str, device: torch.device, blocks: int) -> LLMEngine:
@@ -59,8 +62,9 @@ def engine(shape: dict, quantization: str, device: torch.device, blocks: int) ->
 
 def bytes_read(model: torch.nn.Module) -> int:
     """What one decode step reads: every weight and scale once (after the backend's
-    prepare: FP8's are e4m3), a tied embedding once as the head, an untied one not at all
-    (its row alone)."""
+    prepare: FP8's are e4m3, int4's codes, steps and minimums), a tied embedding once as
+    the head (under int4 its int4 copy, the head), an untied one not at all (its row
+    alone)."""
     seen, total = set(), 0
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         if t.data_ptr() in seen or name.startswith("_"):
@@ -170,9 +174,10 @@ def main() -> None:
             print(f"{name}: a layer's launches: {parts}")
             print(f"{name}: a step's other kernels: {r['step']['other_kernels']}")
     for name in shapes:
-        if f"{name} fp8" in results and f"{name} bf16" in results:
-            ratio = results[f"{name} fp8"]["decode_ms_per_token"] / results[f"{name} bf16"]["decode_ms_per_token"]  # fmt: skip
-            print(f"{name}: fp8 decode / bf16 decode = {ratio:.2f}")
+        for w in ("fp8", "int4"):
+            if f"{name} {w}" in results and f"{name} bf16" in results:
+                ratio = results[f"{name} {w}"]["decode_ms_per_token"] / results[f"{name} bf16"]["decode_ms_per_token"]  # fmt: skip
+                print(f"{name}: {w} decode / bf16 decode = {ratio:.2f}")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ CLASSES = (
     ("rope_store", ("rope_store",)),
     ("silu_mul", ("silu_mul",)),
     ("fp8_quant", ("quantize_rows",)),
-    ("gemm", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "splitk", "cublas", "f8f8")),
+    ("gemm", ("gemm", "gemv", "int4_", "cutlass", "xmma", "nvjet", "splitk", "cublas", "f8f8")),
     ("copy", ("memcpy", "memset")),
 )
 

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from model.config import ModelConfig
+from model.grouped import GROUP
 from model.int_weights import KEEPS
 
 DTYPE_BYTES = {
@@ -171,7 +172,6 @@ def window_sequence_bytes(cfg: ModelConfig, dtype: str, seq_len: int, block_size
 
 SCALE_BYTES = 4  # an fp8 linear's float32 scale per output row
 INT8_ROW_BYTES = 8  # an int8 linear's per output row: its float32 scale, the int32 VNNI offset
-GROUP = 32  # in features an int4 or int8g group's scales cover
 
 
 def layer_linears(cfg: ModelConfig, experts: bool = True) -> tuple[int, int]:

@@ -39,10 +39,11 @@ POOLING = ("last", "mean")  # an embedding: the last token's final hidden state,
 
 def quantization_conflict(quantization: str, backend: str, dtype: str, device: str) -> str | None:
     """Why `quantization` cannot run with this attention backend, dtype and device (None:
-    it can). int8 and int4 weights run on the cpu backend's C kernels, with bfloat16 activations and
-    KV cache; fp8 weights on a CUDA GPU's FP8 matmuls (model/backends/fp8.py), with
-    bfloat16 activations. Checked on the settings, then on the device `auto` resolved to,
-    before any weight is read."""
+    it can). int8 weights run on the cpu backend's C kernels, with bfloat16 activations and
+    KV cache; int4 there too, and on the torch and Triton backends (model/backends/int4.py:
+    a CUDA GPU's W4A16 kernel) in any dtype; fp8 weights on a CUDA GPU's FP8 matmuls
+    (model/backends/fp8.py), with bfloat16 activations. Checked on the settings, then on
+    the device `auto` resolved to, before any weight is read."""
     if quantization in ("none", "auto"):  # auto falls back to none where its kinds cannot run
         return None
     if quantization == "fp8":
@@ -57,6 +58,8 @@ def quantization_conflict(quantization: str, backend: str, dtype: str, device: s
                 f"quantization fp8 computes in bfloat16, not {dtype} (use --dtype bfloat16 or auto)"
             )
         return None
+    if quantization == "int4" and (backend in ("torch", "triton") or device != "cpu"):
+        return None  # the torch and Triton backends' int4; device auto: checked once resolved
     if backend in ("torch", "triton"):
         return (
             f"quantization {quantization} runs on the cpu backend's C kernels, not on the "
@@ -141,12 +144,14 @@ class Settings:
         metadata={
             "help": "auto: a checkpoint's integer weights (GGUF, AWQ, GPTQ, "
             "compressed-tensors) kept as integers on the cpu backend in bf16, 4-bit types "
-            "as int4 and the others as int8, float weights in the serving dtype; elsewhere, "
-            "and for float checkpoints, none; none: every weight in the serving dtype; "
+            "as int4 and the others as int8g, float weights in the serving dtype; on the "
+            "triton and torch backends its 4-bit types as int4; elsewhere, and for float "
+            "checkpoints, none; none: every weight in the serving dtype; "
             "int8: linear weights in int8 with a scale per output feature, "
             "computed at load (the cpu backend; bf16 activations and KV cache); int4: "
             "linear weights in 4 bits, a bf16 scale and minimum each 32 in features, "
-            "computed at load (the cpu backend; bf16 activations and KV cache); fp8: the "
+            "computed at load (the cpu backend, bf16 activations and KV cache; a GPU's "
+            "Triton W4A16 kernel, activations in the serving dtype); fp8: the "
             "decoder layers' linears in FP8 e4m3, a scale per output feature, activations "
             "quantized per token (CUDA, compute capability 8.9 and up)"
         },

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.backends.base import flag_non_finite
-from model.backends.fp8 import to_fp8
+from model.backends.fp8 import Fp8Linear, to_fp8
+from model.backends.int4 import Int4Linear, to_int4
 from model.config import ModelConfig
 from model.layers import RMSNorm, apply_rope
 from model.metadata import AttentionMetadata
@@ -41,16 +42,28 @@ def split_heads(qkv: Tensor, n_heads: int, n_kv: int, d_head: int) -> tuple[Tens
     return qkv[:, :n_heads], qkv[:, n_heads : n_heads + n_kv], qkv[:, n_heads + n_kv :]
 
 
+HELD_LINEARS = (nn.Linear, Fp8Linear, Int4Linear)
+
+
+def _kind_of(linear: nn.Module) -> str:
+    """What a linear holds: 'fp8', 'int4', or 'torch' (its weight as loaded)."""
+    return {Fp8Linear: "fp8", Int4Linear: "int4"}.get(type(linear), "torch")
+
+
 class TorchBackend:
     name = "torch"
 
     def __init__(self, device: torch.device | str = "cpu", reason: str = "") -> None:
         self.device = torch.device(device)
         self.reason = reason  # why it was chosen, for the start-up log
+        self.linears: dict[str, int] = {}  # prepare() counts what each linear holds
 
     def describe(self) -> dict[str, Any]:
         """What /v1/models/{id} and the start-up log line report."""
-        return {"name": self.name, "kv_layout": "blocks, block_size, kv_heads, head_dim"}
+        layout = "blocks, block_size, kv_heads, head_dim"
+        return {"name": self.name, "kv_layout": layout} | (
+            {"linears": self.linears} if self.linears else {}
+        )
 
     # ---- set-up ----------------------------------------------------------------------
 
@@ -71,23 +84,35 @@ class TorchBackend:
         return [(data[0, i].view(shape), data[1, i].view(shape)) for i in range(data.shape[1])]
 
     def prepare(self, model: nn.Module, quantization: str = "none") -> bool:
-        """Put the weights in the layouts this backend's linears read (none here but FP8's:
-        model/backends/fp8.py), in `quantization` ('none'; 'auto', which is 'none' here:
-        the checkpoint's values as loaded; or 'fp8'); whether it repacked them."""
+        """Put the weights in the layouts this backend's linears read (none here but FP8's
+        and int4's: model/backends/fp8.py, int4.py), in `quantization` ('none'; 'fp8';
+        'int4'; 'auto': a checkpoint's 4-bit groups in int4, every other weight as
+        loaded); whether it repacked them."""
         if quantization == "fp8":
-            return to_fp8(model) > 0
-        if quantization not in ("none", "auto"):  # auto: the checkpoint's values, as loaded
+            repacked = to_fp8(model) > 0
+        elif quantization in ("int4", "auto"):
+            repacked = to_int4(model, quantization) > 0
+        elif quantization == "none":
+            repacked = False
+        else:
             raise ValueError(
                 f"quantization {quantization} runs on the cpu backend's C kernels, "
                 f"not on the {self.name} backend"
             )
-        return False
+        kinds = [_kind_of(m) for m in model.modules() if isinstance(m, HELD_LINEARS)]
+        self.linears = {k: kinds.count(k) for k in sorted(set(kinds))} if repacked else {}
+        return repacked
 
     def prepare_layer(self, block: nn.Module, quantization: str = "none") -> None:
         """Nothing: the reference's layouts are the checkpoint's (FP8 is converted whole)."""
 
     def held_bytes(self, model: nn.Module) -> int:
-        return sum(p.nbytes for p in model.parameters() if not p.is_meta)
+        """The parameters' bytes, and the quantized linears' codes and scales."""
+        total = sum(p.nbytes for p in model.parameters() if not p.is_meta)
+        for m in model.modules():
+            if isinstance(m, (Fp8Linear, Int4Linear)):
+                total += sum(b.nbytes for b in m.buffers(recurse=False))
+        return total
 
     # ---- per step --------------------------------------------------------------------
 

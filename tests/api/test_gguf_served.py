@@ -85,3 +85,37 @@ def test_a_4bit_gguf_serves_in_its_own_kinds_by_default(tmp_path: Path) -> None:
         assert "weights auto" in Path(server.log_path).read_text()
     finally:
         server.stop()
+
+
+def test_a_4bit_gguf_on_the_triton_backend_keeps_its_4_bit_groups_in_int4(tmp_path: Path) -> None:
+    """`--attention-backend triton` (its kernels in the interpreter here, a GPU's there):
+    --quantization auto holds the file's 4-bit tensors (Q4_0, Q4_1) int4 on the W4A16
+    kernel and every other one in the serving dtype; the card counts them and their bytes
+    as held, and the completion is the greedy text of the file's model prepared so
+    in-process."""
+    from tests.model.backends import make_backend
+
+    write_llama(tmp_path / "hf", tied=False)
+    write_tokenizer(tmp_path / "hf")
+    path = write_gguf(tmp_path / "hf", tmp_path / "tiny-Q4_0.gguf")
+    ours = load_model(path, torch.float32)
+    backend = make_backend("triton", ours.cfg)
+    assert backend.prepare(ours, "auto")
+    server = start_server(str(tmp_path), "--model", str(path), "--attention-backend", "triton",
+                          "--dtype", "float32")  # fmt: skip
+    try:
+        with httpx.Client(base_url=server.url, timeout=300) as c:
+            memory = c.get("/v1/models/tiny-Q4_0").json()["memory"]
+            linears = memory["attention_backend"]["linears"]
+            assert linears == backend.describe()["linears"]
+            assert set(linears) == {"int4", "torch"}
+            assert memory["quantization"] == "auto"
+            assert memory["weight_bytes"] == backend.held_bytes(ours)
+            body = {"prompt": "the quick brown fox", "max_tokens": 8, "temperature": 0,
+                    "ignore_eos": True}  # fmt: skip
+            r = c.post("/v1/completions", json=body)
+        tokenizer = Tokenizer.from_dir(path)
+        want = list(generate(ours, tokenizer.encode(body["prompt"]), 8, backend=backend))
+        assert r.json()["choices"][0]["text"] == tokenizer.decode(want)
+    finally:
+        server.stop()

@@ -10,18 +10,20 @@ import torch
 import torch.nn.functional as F
 
 from model.backends.cpu.kernels.linear import (
-    GROUP,
     grouped_supported,
-    int4_dequantize,
     int4_pack,
     int4_quantize,
-    int4_quantize_reference,
-    int8g_dequantize,
     int8g_pack,
     int8g_quantize,
-    int8g_quantize_reference,
     swiglu_layout,
     tile_linear,
+)
+from model.grouped import (
+    GROUP,
+    int4_dequantize,
+    int4_quantize_reference,
+    int8g_dequantize,
+    int8g_quantize_reference,
 )
 
 PACKS = {"int4": int4_pack, "int8g": int8g_pack}

@@ -1,5 +1,5 @@
 """Compile every Triton kernel of model/backends/triton/ (kernels.py, pointwise.py,
-fp8_gemv.py, moe.py) for an H100 (sm_90) with Triton's own compiler and ptxas, no GPU needed:
+fp8_gemv.py, int4_linear.py, moe.py) for an H100 (sm_90) with Triton's own compiler and ptxas, no GPU needed:
 the interpreter that the CPU tests run the kernels in accepts code the GPU compiler
 rejects, and this catches it. Each variant is a launch the backend makes (dtype, GQA
 group, head size, the constexpr branches), written the way the launchers call the
@@ -25,6 +25,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from model.backends.triton import fp8_gemv as G
+from model.backends.triton import int4_linear as I
 from model.backends.triton import kernels as K
 from model.backends.triton import moe as M
 from model.backends.triton import pointwise as P
@@ -114,6 +115,24 @@ def _gemv_row(bias: bool) -> tuple:
     return G._fp8_gemv_row_kernel, types, dict(BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=bias), warps
 
 
+def _int4_row(bias: bool) -> tuple:
+    types = dict(x_ptr="*bf16", q_ptr="*u8", d_ptr="*bf16", m_ptr="*bf16",
+                 b_ptr="*bf16", out_ptr="*bf16", N="i32", KG="i32")  # fmt: skip
+    bn, gb, warps = I.ROW_TILE
+    return I._int4_row_kernel, types, dict(BLOCK_N=bn, GB=gb, HAS_BIAS=bias), warps
+
+
+def _int4_dot(prefill: bool, bias: bool) -> tuple:
+    types = dict(x_ptr="*bf16", q_ptr="*u8", d_ptr="*bf16", m_ptr="*bf16",
+                 b_ptr="*bf16", out_ptr="*bf16", M="i32", N="i32", KG="i32")  # fmt: skip
+    if prefill:
+        bm, bn, gb, warps, _ = I.GEMM_TILE
+    else:
+        (bn, gb, warps), bm = I.DOT_TILE, I.DOT_ROWS
+    consts = dict(BLOCK_M=bm, BLOCK_N=bn, GB=gb, HAS_BIAS=bias, UPCAST=False)
+    return I._int4_dot_kernel, types, consts, warps
+
+
 def _experts_in(bm: int, gpt_oss: bool) -> tuple:
     types = dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", pairs_ptr="*i32",
                  tile_experts_ptr="*i32", h_ptr="*bf16", P="i32", d="i32", F="i32")  # fmt: skip
@@ -159,6 +178,10 @@ VARIANTS = {
     "fp8_gemv bf16 bias": _gemv(True),
     "fp8_gemv_row bf16": _gemv_row(False),
     "fp8_gemv_row bf16 bias": _gemv_row(True),
+    "int4_row bf16": _int4_row(False),
+    "int4_row bf16 bias": _int4_row(True),
+    "int4_dot bf16 decode": _int4_dot(False, False),
+    "int4_dot bf16 prefill bias": _int4_dot(True, True),
     "experts_in bf16 decode": _experts_in(16, False),
     "experts_in bf16 prefill": _experts_in(64, False),
     "experts_in bf16 gpt-oss": _experts_in(16, True),

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from model.backends.fp8 import Fp8Linear
+from model.backends.int4 import Int4Linear
 from model.backends.reference import (
     TorchBackend,
     beyond_window,
@@ -97,12 +98,13 @@ class TritonBackend(TorchBackend):
     def __init__(self, device: torch.device, reason: str = "") -> None:
         super().__init__(device, reason)
         # imported here: TRITON_INTERPRET must be set (select_backend does) beforehand
-        from model.backends.triton import fp8_gemv, moe, pointwise
+        from model.backends.triton import fp8_gemv, int4_linear, moe, pointwise
         from model.backends.triton import kernels as triton_kernels
 
         self.kernels = triton_kernels
         self.pointwise = pointwise
         self.fp8_gemv = fp8_gemv
+        self.int4_linear = int4_linear
         self.moe = moe
         self.buffers = StepBuffers(self.device)
 
@@ -110,16 +112,19 @@ class TritonBackend(TorchBackend):
         return super().describe() | {"interpreter": self.kernels.INTERPRET}
 
     def prepare(self, model: nn.Module, quantization: str = "none") -> bool:
-        """The reference's weights (FP8 where asked), and this backend's kernels given to
-        the modules that take one: SwiGLU's silu(gate) * up, a mixture's routed experts
-        (model/backends/triton/moe.py), and on CUDA the FP8 linears' activation quantizer
-        (pointwise.py) and their kernel for decode batches (fp8_gemv.py)."""
+        """The reference's weights (FP8 or int4 where asked), and this backend's kernels
+        given to the modules that take one: SwiGLU's silu(gate) * up, a mixture's routed
+        experts (model/backends/triton/moe.py), the int4 linears' W4A16 kernel
+        (int4_linear.py), and on CUDA the FP8 linears' activation quantizer (pointwise.py)
+        and their kernel for decode batches (fp8_gemv.py)."""
         repacked = super().prepare(model, quantization)
         for module in model.modules():
             if isinstance(module, MoE) and isinstance(module.experts, Experts):
                 module.experts = self.moe.TritonExperts(module.experts)
             elif isinstance(module, SwiGLU):
                 module.gate_mul = self.pointwise.silu_mul
+            elif isinstance(module, Int4Linear):
+                module.kernel = self.int4_linear.int4_linear
             elif isinstance(module, Fp8Linear) and self.device.type == "cuda":
                 module.quantize_act = self.pointwise.quantize_rows_fp8
                 module.gemv, module.gemv_rows = self.fp8_gemv.fp8_gemv, self.fp8_gemv.ROWS

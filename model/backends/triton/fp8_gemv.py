@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from model.backends.triton.kernels import INTERPRET, _rounded
+from model.backends.triton.kernels import INTERPRET, _rounded, _store_row
 
 ROWS = 16  # the most activation rows the kernels take (one tensor-core tile of rows)
 # tiles (outputs a program, reduction step, warps[, stages]): the sweep's choice over
@@ -53,9 +53,7 @@ def _fp8_gemv_row_kernel(
         )
         acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
     acc = acc * tl.load(s_ptr + n, mask=n_ok, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + n, _rounded(acc, out_ptr.dtype.element_ty), mask=n_ok)
+    _store_row(acc, b_ptr, out_ptr, n, n_ok, HAS_BIAS)
 
 
 @triton.jit

@@ -123,6 +123,15 @@ def _rounded(f, dtype: tl.constexpr):
 
 
 @triton.jit
+def _store_row(acc, b_ptr, out_ptr, n, n_ok, HAS_BIAS: tl.constexpr):
+    """A linear's outputs n of one row: acc (fp32) plus the bias where HAS_BIAS, rounded
+    to the output's dtype."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + n, _rounded(acc, out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
 def _add_rms_norm_kernel(
     x_ptr,  # (T, D), x + delta written back in place
     delta_ptr,  # (T, D), read when HAS_DELTA

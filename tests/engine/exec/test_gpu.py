@@ -41,6 +41,15 @@ def cuda_engine(model, **settings) -> LLMEngine:
     return LLMEngine.build(model, tokenizer(), Settings(**defaults).engine)
 
 
+def cuda_kernels(module: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[str]]:
+    """module(x), and the names of the CUDA kernels it launched."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out = module(x)
+        torch.cuda.synchronize()
+    cuda = torch.autograd.DeviceType.CUDA
+    return out, [e.name for e in prof.events() if e.device_type == cuda]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", [(8, 2, 64, 16), (12, 4, 80, 32), (32, 8, 128, 16)], ids=str)
 def test_triton_attention_matches_reference_on_cuda(shape, dtype) -> None:
@@ -404,11 +413,44 @@ def test_fp8_decode_rows_take_the_weight_only_kernel(rows: int) -> None:
     fp8.gemv, fp8.gemv_rows = fp8_gemv.fp8_gemv, fp8_gemv.ROWS
     x = torch.randn(rows, 4096, generator=gen).to("cuda", torch.bfloat16)
     want = F.linear(x.float(), dequantize(fp8.weight, fp8.scale), fp8.bias.float())
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        got = fp8(x)
-        torch.cuda.synchronize()
-    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    got, kernels = cuda_kernels(fp8, x)
     assert len(kernels) == 1 and "fp8_gemv" in kernels[0], kernels
     torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=1e-3)
     more = torch.randn(17, 4096, generator=gen).to("cuda", torch.bfloat16)
     assert fp8(more).shape == (17, 6160)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 300])
+def test_int4_linears_on_cuda_are_the_dequantized_linear_in_one_launch(rows: int) -> None:
+    """An Int4Linear given the triton backend's W4A16 kernel on the GPU: one launch at
+    every row count (the one-row sums, a decode batch's and a prefill's tensor-core
+    tiles), F.linear of the dequantized weight up to bf16's rounding of the sums."""
+    import torch.nn.functional as F
+
+    from model.backends.int4 import Int4Linear
+    from model.backends.triton import int4_linear
+
+    gen = torch.Generator().manual_seed(rows)
+    weight = (torch.randn(6160, 4096, generator=gen) * 0.05).to("cuda", torch.bfloat16)
+    linear = Int4Linear(weight, torch.randn(6160, generator=gen).to("cuda", torch.bfloat16))
+    linear.kernel = int4_linear.int4_linear
+    x = torch.randn(rows, 4096, generator=gen).to("cuda", torch.bfloat16)
+    want = F.linear(x.float(), linear.dequantized(), linear.bias.float())
+    got, kernels = cuda_kernels(linear, x)
+    assert len(kernels) == 1 and "int4" in kernels[0], kernels
+    torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=1e-3)
+
+
+def test_int4_weights_on_cuda_replay_graphs_with_eagers_tokens() -> None:
+    """--quantization int4 on the GPU: the triton backend's int4 linears captured in the
+    decode graphs give the eager engine's greedy tokens."""
+    model = small_model(d_model=128, n_heads=4, d_ff=256).to("cuda", torch.bfloat16)
+    engine = cuda_engine(model, quantization="int4")
+    assert engine.backend.describe()["linears"].keys() == {"int4"}
+    assert engine.runner.graphs is not None
+    eager_model = small_model(d_model=128, n_heads=4, d_ff=256).to("cuda", torch.bfloat16)
+    eager = cuda_engine(eager_model, quantization="int4", enforce_eager=True)
+    requests = mixed_requests(8)
+    got = {rid: tokens_of(o) for rid, o in run_all(engine, requests).items()}
+    want = {rid: tokens_of(o) for rid, o in run_all(eager, requests).items()}
+    assert got == want
