@@ -270,18 +270,30 @@ def read_bytes(
     quantization: str = "none",
     rows: int = 1,
     held_bytes: int | None = None,
+    head_copy: bool = False,
 ) -> float:
     """The weight bytes a decode step of `rows` tokens reads: every weight once, but of
-    each mixture only the experts its rows run (experts_touched). held_bytes: what the
-    loaded model holds, where the config cannot say (--quantization auto keeps each
-    tensor of a checkpoint in its own kind); its experts are taken at its mean bytes per
-    weight."""
+    each mixture only the experts its rows run (experts_touched), and of the embedding
+    table only a row a token where the head is a tensor of its own (untied, or a tied
+    table's copy: weight_bytes' under int8 and int4). held_bytes: what the loaded model
+    holds, where the config cannot say (--quantization auto keeps each tensor of a
+    checkpoint in its own kind); its experts are taken at its mean bytes per weight;
+    head_copy: they hold a tied table's copy as the head beside the table."""
     if held_bytes is not None:
         ratio = held_bytes / weight_bytes(cfg, dtype)
-        return held_bytes - ratio * idle_expert_bytes(cfg, dtype, "none", rows)
-    return weight_bytes(cfg, dtype, quantization) - idle_expert_bytes(
-        cfg, dtype, quantization, rows
-    )
+        idle = ratio * idle_expert_bytes(cfg, dtype, "none", rows)
+        return held_bytes - idle - unread_table_bytes(cfg, dtype, head_copy)
+    idle = idle_expert_bytes(cfg, dtype, quantization, rows)
+    copied = quantization in ("int8", "int4")
+    return weight_bytes(cfg, dtype, quantization) - idle - unread_table_bytes(cfg, dtype, copied)
+
+
+def unread_table_bytes(cfg: ModelConfig, dtype: str, head_copy: bool) -> int:
+    """The embedding table's bytes (in `dtype`, as the lookup keeps it) a decode step
+    leaves unread: all but a row a token where the head is a tensor of its own (untied,
+    or `head_copy`: a tied table's copy), none where the head is the table."""
+    own_head = head_copy or not cfg.tie_embeddings
+    return cfg.vocab_size * cfg.d_model * dtype_bytes(dtype) if own_head else 0
 
 
 def idle_expert_bytes(cfg: ModelConfig, dtype: str, quantization: str, rows: int) -> float:
@@ -387,6 +399,7 @@ def plan(
     block_size: int = 16,
     quantization: str = "none",
     held_bytes: int | None = None,
+    head_copy: bool = False,
 ) -> dict[str, object]:
     """What fits in `memory_bytes` (of each device, with the model split over
     `tensor_parallel_size` of them) next to the weights, and the physical floors. A
@@ -394,7 +407,8 @@ def plan(
     windowed layers' blocks of the window alone), and also as global KV would
     (`sequences_of_seq_len_global_kv`). held_bytes: the whole model's weight bytes where
     the config cannot give them (--quantization auto: stored_weight_bytes), a rank's
-    share taken at its mean bytes a weight."""
+    share taken at its mean bytes a weight; head_copy: they hold a tied table's copy
+    (read_bytes)."""
     world = tensor_parallel_size
     local = rank_config(cfg, world) if world > 1 else cfg
     report = audit(cfg, dtype, quantization=quantization, held_bytes=held_bytes).as_dict()
@@ -416,7 +430,9 @@ def plan(
         "sequences_of_seq_len": tokens // seq_len,
         "fits": weights < memory_bytes and tokens >= seq_len,
         # what one sequence's decode step reads of them (of a mixture: its experts)
-        "decode_read_bytes_per_device": read_bytes(local, dtype, quantization, held_bytes=share),
+        "decode_read_bytes_per_device": read_bytes(
+            local, dtype, quantization, held_bytes=share, head_copy=head_copy
+        ),
     }
     if local.windowed_layers:
         per_seq = window_sequence_bytes(local, dtype, seq_len, block_size)
@@ -427,7 +443,7 @@ def plan(
             "fits": weights < memory_bytes and kv_room >= per_seq,
         }
     report |= collective_bytes(cfg, dtype, world)
-    return report | floors(local, dtype, bandwidth, matmul_flops, quantization, share)
+    return report | floors(local, dtype, bandwidth, matmul_flops, quantization, share, head_copy)
 
 
 def floors(
@@ -437,14 +453,15 @@ def floors(
     matmul_flops: float | None,
     quantization: str = "none",
     held_bytes: int | None = None,
+    head_copy: bool = False,
 ) -> dict[str, float]:
     """The physical limits on a machine: one sequence's decode reads every weight once a
-    step (of a mixture: its token's experts, read_bytes), prefill does 2 x parameters
-    FLOPs per token (of a mixture: the active ones)."""
+    step (of a mixture: its token's experts; of the embedding table a row: read_bytes),
+    prefill does 2 x parameters FLOPs per token (of a mixture: the active ones)."""
     out: dict[str, float] = {}
     if bandwidth:
         out["bandwidth_gb_s"] = bandwidth / 1e9
-        read = read_bytes(cfg, dtype, quantization, held_bytes=held_bytes)
+        read = read_bytes(cfg, dtype, quantization, held_bytes=held_bytes, head_copy=head_copy)
         out["decode_floor_ms_per_token"] = 1000 * read / bandwidth
     if matmul_flops:
         out["matmul_tflops"] = matmul_flops / 1e12

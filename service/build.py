@@ -81,13 +81,13 @@ def build(
     held = _held_as(settings.quantization, engine)
     report = _report(settings, engine, dtype, device, world, held)
     _log_ready(settings, engine, report, tp)
-    cfg, name = loaded.model.cfg, dtype_name(dtype)
+    cfg, name, head_copy = loaded.model.cfg, dtype_name(dtype), loaded.model.lm_head is not None
     quantization, held_bytes = held
 
     def measure_floors() -> dict[str, Any]:  # small buffers: ~0.5 s
         bandwidth = memory_bandwidth(device, mib=256)
         flops = matmul_throughput(dtype, device, n=1024)
-        return floors(cfg, name, bandwidth, flops, quantization, held_bytes)
+        return floors(cfg, name, bandwidth, flops, quantization, held_bytes, head_copy)
 
     def device_memory() -> tuple[int, int] | None:
         if device.type != "cuda":

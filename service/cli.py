@@ -104,7 +104,7 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     dtype = pick_dtype(args.dtype, device, args.quantization)
     loaded = load(args.model, dtype, device)
     cfg = loaded.model.cfg
-    quantization, held = _plan_held(args, cfg, device, dtype)
+    quantization, held, _ = _plan_held(args, cfg, device, dtype)
     report = audit(cfg, dtype_name(dtype), quantization=quantization, held_bytes=held)
     print(json.dumps({"model": loaded.model_id, **report.as_dict()}, indent=2))
     return 0
@@ -144,7 +144,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     machine = None if args.no_measure else Machine.measure(dtype, device)
     world = args.tensor_parallel_size
-    quantization, held_bytes = _plan_held(args, cfg, device, dtype)
+    quantization, held_bytes, head_copy = _plan_held(args, cfg, device, dtype)
     report = plan(
         cfg,
         dtype_name(dtype),
@@ -155,6 +155,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         world,
         quantization=quantization,
         held_bytes=held_bytes,
+        head_copy=head_copy,
     )
     report = {"model": cfg.name, "device": str(device), **report}
     if args.json:
@@ -165,11 +166,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan_held(args: argparse.Namespace, cfg, device, dtype) -> tuple[str, int | None]:  # type: ignore[no-untyped-def]
-    """--quantization as `kvserve serve` would hold the weights, and their bytes where the
-    config cannot give them: auto keeps a checkpoint's integer tensors in their own kinds
-    on the cpu backend in bf16 (read from the files' headers), and is none elsewhere or
-    for a float checkpoint (service/build.py's _held_as, before the load)."""
+def _plan_held(args: argparse.Namespace, cfg, device, dtype) -> tuple[str, int | None, bool]:  # type: ignore[no-untyped-def]
+    """--quantization as `kvserve serve` would hold the weights, their bytes where the
+    config cannot give them, and whether those hold a tied table's copy as the head: auto
+    keeps a checkpoint's integer tensors in their own kinds on the cpu backend in bf16
+    (read from the files' headers; a tied table stored as integers copied in its kind),
+    and is none elsewhere or for a float checkpoint (service/build.py's _held_as, before
+    the load)."""
     import torch
 
     from model.audit import stored_weight_bytes
@@ -177,13 +180,14 @@ def _plan_held(args: argparse.Namespace, cfg, device, dtype) -> tuple[str, int |
     from model.weights import stored_kinds
 
     if args.quantization != "auto":
-        return args.quantization, None
+        return args.quantization, None, False
     if not args.model or device.type != "cpu" or dtype != torch.bfloat16:
-        return "none", None
+        return "none", None, False
     stored = stored_kinds(args.model)
     if not stored:
-        return "none", None
-    return "auto", stored_weight_bytes(cfg, dtype_name(dtype), stored)
+        return "none", None, False
+    copied = cfg.tie_embeddings and "embed.weight" in stored
+    return "auto", stored_weight_bytes(cfg, dtype_name(dtype), stored), copied
 
 
 def _plan_lines(

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 import torch
 
 from model.audit import audit
@@ -75,6 +76,10 @@ def test_a_4bit_gguf_serves_in_its_own_kinds_by_default(tmp_path: Path) -> None:
             assert linears == backend.describe()["linears"]
             assert set(linears) == {"int4", "int8g", "bf16"}
             assert memory["weight_bytes"] == held < audit(ours.cfg, "bfloat16").weight_bytes
+            floors = memory["floors"]  # a step reads the head, and of the lookup table a row
+            read = floors["decode_floor_ms_per_token"] * floors["bandwidth_gb_s"] * 1e6
+            table = ours.cfg.vocab_size * ours.cfg.d_model * 2
+            assert read == pytest.approx(held - table, rel=1e-6)
             body = {"prompt": "the quick brown fox", "max_tokens": 8, "temperature": 0,
                     "ignore_eos": True}  # fmt: skip
             r = c.post("/v1/completions", json=body)

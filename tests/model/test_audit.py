@@ -274,9 +274,10 @@ def test_a_mixtures_reads_grow_with_the_experts_a_batch_touches() -> None:
     assert experts_touched(MOE, 1) == pytest.approx(2)
     assert experts_touched(MOE, 4) == pytest.approx(8 * (1 - 0.75**4))
     held = weight_bytes(MOE, "bfloat16")
-    assert read_bytes(MOE, "bfloat16") == pytest.approx(held - 2 * 6 * 2 * 3 * 64 * 64)
+    table = 97 * 64 * 2  # untied: a step reads a row of the lookup table
+    assert read_bytes(MOE, "bfloat16") == pytest.approx(held - 2 * 6 * 2 * 3 * 64 * 64 - table)
     assert read_bytes(MOE, "bfloat16", rows=4) > read_bytes(MOE, "bfloat16")
-    assert read_bytes(MOE, "bfloat16", rows=1000) == pytest.approx(held)
+    assert read_bytes(MOE, "bfloat16", rows=1000) == pytest.approx(held - table)
     r = plan(MOE, "bfloat16", 1 << 30, 64, bandwidth=1e9, matmul_flops=1e12)
     assert r["decode_read_bytes_per_device"] == pytest.approx(read_bytes(MOE, "bfloat16"))
     assert r["decode_floor_ms_per_token"] == pytest.approx(1000 * read_bytes(MOE, "bfloat16") / 1e9)
@@ -308,3 +309,22 @@ def test_a_mixtures_int8_bytes_are_its_packed_modules() -> None:
     plain = sum(m.weight.numel() for m in linears)  # fp8: every nn.Linear, no expert
     fp8 = 2 * params - plain + 4 * sum(m.out_features for m in linears)
     assert weight_bytes(MOE, "bfloat16", "fp8") == fp8
+
+
+def test_a_step_reads_the_head_once_and_a_row_of_the_lookup_table() -> None:
+    """The embedding table is read as the head where it is the head (tied, in bf16 or
+    fp8), else a row a token: untied, or tied with a quantized copy as the head (int8 and
+    int4, or held bytes that include a copy)."""
+    from model.audit import quantized_bytes, read_bytes, weight_bytes
+
+    tied = MOE.replace(experts=None, tie_embeddings=True)
+    table = 97 * 64 * 2
+    assert read_bytes(tied, "bfloat16") == weight_bytes(tied, "bfloat16")
+    assert read_bytes(tied, "bfloat16", "fp8") == weight_bytes(tied, "bfloat16", "fp8")
+    int4 = read_bytes(tied, "bfloat16", "int4")
+    assert int4 == weight_bytes(tied, "bfloat16", "int4") - table
+    held = weight_bytes(tied, "bfloat16") + quantized_bytes(97 * 64, 97, "int4")  # and a copy
+    assert read_bytes(tied, "bfloat16", "auto", held_bytes=held, head_copy=True) == held - table
+    assert read_bytes(tied, "bfloat16", "auto", held_bytes=held) == held
+    untied = tied.replace(tie_embeddings=False)
+    assert read_bytes(untied, "bfloat16") == weight_bytes(untied, "bfloat16") - table
