@@ -41,6 +41,8 @@ _EXPERT = re.compile(
 # groups of 32 with a scale (and a minimum) that kvserve's int4 holds exactly
 _FLOATS = frozenset({"F32", "F16", "BF16", "F64"})
 _INT4_EXACT = frozenset({"Q4_0", "Q4_1", "Q4_K"})
+# tokenizer.ggml.token_type's kinds (gguf.TokenType, llama.cpp's llama_token_type)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED = 1, 2, 3, 4
 # GGUF tensors dequantized at once: a layer's expert stacks are read expert by expert,
 # gate, up and down in turn
 _KEPT = 3

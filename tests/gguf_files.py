@@ -38,15 +38,24 @@ def default_types(name: str) -> str:
 
 
 def write_gguf(
-    hf_dir: Path, out: Path, types: Callable[[str], str] = default_types, template: str = ""
+    hf_dir: Path,
+    out: Path,
+    types: Callable[[str], str] = default_types,
+    template: str = "",
+    sentencepiece: Path | None = None,
 ) -> Path:
+    """The GGUF file of the checkpoint in hf_dir; its tokenizer the folder's tokenizer.json,
+    or with `sentencepiece` that tokenizer.model's vocabulary."""
     import gguf
 
     config = json.loads((hf_dir / "config.json").read_text())
     arch = ARCHS[config["architectures"][0]]
     w = gguf.GGUFWriter(str(out), arch)
     _hyper_parameters(w, config)
-    _tokenizer(w, hf_dir, config["vocab_size"], template)
+    if sentencepiece is not None:
+        _sentencepiece_tokenizer(w, sentencepiece, config["vocab_size"])
+    else:
+        _tokenizer(w, hf_dir, config["vocab_size"], template)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config["num_hidden_layers"])
     if (freqs := _rope_freqs(config)) is not None:
         w.add_tensor("rope_freqs.weight", freqs)
@@ -133,6 +142,34 @@ def _tokenizer(w, hf_dir: Path, vocab_size: int, template: str) -> None:
     w.add_add_bos_token(False)
     if template:
         w.add_chat_template(template)
+
+
+def _sentencepiece_tokenizer(w, model_file: Path, vocab_size: int) -> None:
+    """A tokenizer.model's pieces, scores and types as llama.cpp's converter writes them
+    (_set_vocab_sentencepiece: [PADn] pieces of type UNUSED up to the model's vocabulary;
+    its types in its order of checks, so a user-defined piece is NORMAL); a model that
+    puts no space before the text says so (add_space_prefix false, as Gemma's converter
+    writes; llama.cpp assumes one where the file does not say)."""
+    from sentencepiece import SentencePieceProcessor
+
+    sp = SentencePieceProcessor(model_file=str(model_file))
+    tokens = [f"[PAD{i}]" for i in range(vocab_size)]
+    scores, kinds = [-10000.0] * vocab_size, [5] * vocab_size
+    for i in range(sp.vocab_size()):
+        tokens[i], scores[i] = sp.id_to_piece(i), sp.get_score(i)
+        checks = [(sp.is_unknown, 2), (sp.is_control, 3), (sp.is_unused, 5), (sp.is_byte, 6)]
+        kinds[i] = next((kind for check, kind in checks if check(i)), 1)
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(kinds)
+    if not sp.encode("a", out_type=str)[0].startswith("\u2581"):  # no space put before
+        w.add_add_space_prefix(False)
+    w.add_bos_token_id(sp.bos_id())
+    w.add_eos_token_id(sp.eos_id())
+    w.add_unk_token_id(sp.unk_id())
+    w.add_add_bos_token(True)
 
 
 def _tensors(hf_dir: Path, config: dict, arch: str) -> dict[str, torch.Tensor]:
