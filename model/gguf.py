@@ -32,7 +32,14 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
+# Gemma's architectures, whose norm weights llama.cpp's converter stores as 1 + w (the
+# norms scale by 1 + w; the checkpoint holds w), each with the layer count of its 27B
+# shape (llama.cpp's LLM_TYPE_27B), whose queries llama.cpp scales by hidden / heads, not
+# head_dim (Gemma's query_pre_attn_scalar, which the file does not hold)
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # one expert's projection in a Hugging Face checkpoint; llama.cpp stacks the experts'
 _EXPERT = re.compile(
     r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight$"
@@ -151,7 +158,37 @@ class GgufFile:
             config["sliding_window"] = int(window)
         if "rope_freqs.weight" in self.tensors:
             config["rope_scaling"] = self._llama3_rope(config)
+        if self.arch in _GEMMA_27B_LAYERS:
+            config |= self._gemma_config(a, config)
         return config | self._experts_config(a)
+
+    def _gemma_config(self, a: str, config: dict[str, Any]) -> dict[str, Any]:
+        """Gemma 2's and 3's fields as llama.cpp reads them: from the file the soft-caps,
+        Gemma 3's local RoPE base, linear RoPE scaling and a windowed-layer pattern where
+        it has one; in llama.cpp's code Gemma 2's window of 4096 where none is stored,
+        the query scale (query_pre_attn_scalar: hidden / heads for the 27B shapes, else
+        head_dim) and one global layer in 2 (Gemma 2) or 6 (Gemma 3)."""
+        layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+        big = layers == _GEMMA_27B_LAYERS[self.arch]
+        out: dict[str, Any] = {
+            "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": config["hidden_size"] // heads if big else config["head_dim"],
+            "attn_logit_softcapping": self.field(a + "attn_logit_softcapping"),
+            "final_logit_softcapping": self.field(a + "final_logit_softcapping"),
+        }
+        if self.arch == "gemma2":
+            out["sliding_window"] = config.get("sliding_window", 4096)
+        else:
+            out["rope_local_base_freq"] = float(self.field(a + "rope.freq_base_swa", 10000.0))
+            if self.field(a + "rope.scaling.type") == "linear":
+                factor = float(self.field(a + "rope.scaling.factor"))
+                out["rope_scaling"] = {"rope_type": "linear", "factor": factor}
+        pattern = self.field(a + "attention.sliding_window_pattern")
+        if isinstance(pattern, list):  # a flag a layer: windowed or not
+            out["layer_types"] = ["sliding_attention" if w else "full_attention" for w in pattern]
+        elif pattern is not None:
+            out["sliding_window_pattern"] = int(pattern)
+        return out
 
     def _llama3_rope(self, config: dict[str, Any]) -> dict[str, Any] | None:
         """Llama 3.1's rope_scaling from the rope_freqs tensor llama.cpp's converter
@@ -271,6 +308,8 @@ class GgufFile:
         dims = tuple(int(n) for n in reversed(t.shape.tolist()))
         values = np.array(values, dtype=np.float32).reshape(dims)  # a copy torch may own
         tensor = self._unpermuted(source, torch.from_numpy(values))
+        if self.arch in _GEMMA_27B_LAYERS and source.endswith("norm.weight"):
+            tensor -= 1  # the checkpoint's w, which the loader makes 1 + w again
         if len(self._kept) == _KEPT:
             del self._kept[next(iter(self._kept))]
         self._kept[source] = tensor

@@ -266,20 +266,23 @@ def write_gemma3_multimodal(path: Path, seed: int = 0) -> object:
     return model
 
 
-def write_gemma2(path: Path, seed: int = 0) -> object:
+def write_gemma2(path: Path, seed: int = 0, **config: object) -> object:
     """Gemma 2 of 4 layers, windows of 8 in every other, scores and logits soft-capped at
     caps the random weights reach (so the tanh bends them), norms away from 0."""
     model = _hf_model(
         "Gemma2",
         seed,
-        num_hidden_layers=4,
-        head_dim=16,
-        query_pre_attn_scalar=16,
-        sliding_window=8,
-        attn_logit_softcapping=0.5,
-        final_logit_softcapping=0.3,
-        pad_token_id=0,
-        tie_word_embeddings=True,
+        **{
+            "num_hidden_layers": 4,
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+            "sliding_window": 8,
+            "attn_logit_softcapping": 0.5,
+            "final_logit_softcapping": 0.3,
+            "pad_token_id": 0,
+            "tie_word_embeddings": True,
+            **config,
+        },
     )
     with torch.no_grad():
         for name, param in model.named_parameters():

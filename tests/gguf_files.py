@@ -22,7 +22,10 @@ ARCHS = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3moe",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
 }
+GEMMAS = ("gemma2", "gemma3")  # norms stored as 1 + w; no RoPE base for Gemma 2
 
 
 def default_types(name: str) -> str:
@@ -51,7 +54,9 @@ def write_gguf(
     config = json.loads((hf_dir / "config.json").read_text())
     arch = ARCHS[config["architectures"][0]]
     w = gguf.GGUFWriter(str(out), arch)
-    _hyper_parameters(w, config)
+    _hyper_parameters(w, config, arch)
+    if arch in GEMMAS:
+        _gemma(w, config, arch)
     if sentencepiece is not None:
         _sentencepiece_tokenizer(w, sentencepiece, config["vocab_size"])
     else:
@@ -75,7 +80,7 @@ def write_gguf(
     return out
 
 
-def _hyper_parameters(w, config: dict) -> None:
+def _hyper_parameters(w, config: dict, arch: str) -> None:
     heads = config["num_attention_heads"]
     w.add_block_count(config["num_hidden_layers"])
     w.add_context_length(config["max_position_embeddings"])
@@ -86,8 +91,8 @@ def _hyper_parameters(w, config: dict) -> None:
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    theta = config.get("rope_theta") or config.get("rope_parameters", {}).get("rope_theta")
-    w.add_rope_freq_base(float(theta))
+    if arch != "gemma2":  # Gemma 2's converter writes none: llama.cpp takes 10000
+        w.add_rope_freq_base(float(_rope(config, "full_attention")))
     w.add_layer_norm_rms_eps(config["rms_norm_eps"])
     w.add_vocab_size(config["vocab_size"])
     experts = config.get("num_experts") or config.get("num_local_experts")
@@ -96,6 +101,28 @@ def _hyper_parameters(w, config: dict) -> None:
         w.add_expert_used_count(config["num_experts_per_tok"])
         if "moe_intermediate_size" in config:
             w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+
+
+def _rope(config: dict, layers: str) -> float | None:
+    """The RoPE base of a layer type (`full_attention`, `sliding_attention`), from a 4.x
+    or 5.x config of transformers."""
+    params = config.get("rope_parameters") or {}
+    if layers in params:
+        return params[layers]["rope_theta"]
+    if layers == "sliding_attention":
+        return config.get("rope_local_base_freq")
+    return config.get("rope_theta") or params.get("rope_theta")
+
+
+def _gemma(w, config: dict, arch: str) -> None:
+    """Gemma 2's and 3's fields as the converter writes them: the soft-caps it has, the
+    window, Gemma 3's local RoPE base."""
+    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if config.get(cap):
+            getattr(w, f"add_{cap}")(float(config[cap]))
+    w.add_sliding_window(config["sliding_window"])
+    if arch == "gemma3":
+        w.add_rope_freq_base_swa(float(_rope(config, "sliding_attention")))
 
 
 def _rope_freqs(config: dict) -> np.ndarray | None:
@@ -185,6 +212,8 @@ def _tensors(hf_dir: Path, config: dict, arch: str) -> dict[str, torch.Tensor]:
             stack = ".".join(parts[: at + 1] + parts[at + 2 :])
             stacks.setdefault(stack, {})[int(parts[at + 1])] = value
             continue
+        if arch in GEMMAS and name.endswith("norm.weight"):
+            value = value + 1  # the converter's norm shift: Gemma's norms scale by 1 + w
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config["num_attention_heads"]
             if name.endswith("k_proj.weight"):

@@ -17,6 +17,8 @@ from model.gguf import open_gguf
 from model.tokenizer import Tokenizer, TokenizerError
 from model.weights import CheckpointError, load_config, load_model, stored_kinds
 from tests.factories import (
+    write_gemma2,
+    write_gemma3,
     write_llama,
     write_mixtral,
     write_qwen2,
@@ -33,6 +35,9 @@ FAMILIES = {
     "qwen3": write_qwen3,  # q/k norms, head_dim 16 of hidden 64 / 8 heads
     "qwen3_moe": lambda p: write_qwen3_moe(p, mlp_only_layers=[]),  # stacked experts
     "mixtral": write_mixtral,  # a Llama with experts
+    # norms stored as 1 + w, soft-caps, windows; no RoPE base in the file (llama.cpp's 10000)
+    "gemma2": lambda p: write_gemma2(p, rope_theta=10000.0),
+    "gemma3": write_gemma3,  # q/k norms, a local RoPE base, one global layer in six
 }
 
 
