@@ -34,6 +34,7 @@ ARCHITECTURES = {
     "qwen3moe": "Qwen3MoeForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 # Gemma's architectures, whose norm weights llama.cpp's converter stores as 1 + w (the
 # norms scale by 1 + w; the checkpoint holds w), each with the layer count of its 27B
@@ -160,7 +161,32 @@ class GgufFile:
             config["rope_scaling"] = self._llama3_rope(config)
         if self.arch in _GEMMA_27B_LAYERS:
             config |= self._gemma_config(a, config)
+        if self.arch == "phi3":
+            config |= self._phi3_config(a, config)
         return config | self._experts_config(a)
+
+    def _phi3_config(self, a: str, config: dict[str, Any]) -> dict[str, Any]:
+        """Phi-3's and Phi-4-mini's fields: the rotated share of each head (its RoPE
+        dimensions), no window where the file says 0 (Phi-4's), and LongRoPE from the
+        factor tensors the converter writes beside the weights."""
+        out: dict[str, Any] = {"sliding_window": config.get("sliding_window") or None}
+        dims = int(self.field(a + "rope.dimension_count", config["head_dim"]))
+        out["partial_rotary_factor"] = dims / config["head_dim"]
+        if "rope_factors_long.weight" in self.tensors:
+            original = int(self.field(a + "rope.scaling.original_context_length"))
+            out["original_max_position_embeddings"] = original
+            out["rope_scaling"] = {
+                "rope_type": "longrope",
+                "long_factor": self._factors("rope_factors_long.weight"),
+                "short_factor": self._factors("rope_factors_short.weight"),
+                "original_max_position_embeddings": original,
+                "attention_factor": float(self.field(a + "rope.scaling.attn_factor", 1.0)),
+            }
+        return out
+
+    def _factors(self, source: str) -> list[float]:
+        t = self.tensors[source]
+        return np.asarray(_gguf().quants.dequantize(t.data, t.tensor_type)).ravel().tolist()
 
     def _gemma_config(self, a: str, config: dict[str, Any]) -> dict[str, Any]:
         """Gemma 2's and 3's fields as llama.cpp reads them: from the file the soft-caps,

@@ -8,6 +8,7 @@ in the type `types` picks (norms and other vectors stay F32)."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,6 +25,7 @@ ARCHS = {
     "Qwen3MoeForCausalLM": "qwen3moe",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
 }
 GEMMAS = ("gemma2", "gemma3")  # norms stored as 1 + w; no RoPE base for Gemma 2
 
@@ -57,6 +59,8 @@ def write_gguf(
     _hyper_parameters(w, config, arch)
     if arch in GEMMAS:
         _gemma(w, config, arch)
+    if arch == "phi3":
+        _phi3(w, config)
     if sentencepiece is not None:
         _sentencepiece_tokenizer(w, sentencepiece, config["vocab_size"])
     else:
@@ -114,6 +118,26 @@ def _rope(config: dict, layers: str) -> float | None:
     return config.get("rope_theta") or params.get("rope_theta")
 
 
+def _phi3(w, config: dict) -> None:
+    """Phi-3's fields as the converter writes them: the rotated dimensions of a head, a
+    window of 0 for none, LongRoPE's factors as tensors with its attention factor."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    heads = config["num_attention_heads"]
+    w.add_rope_dimension_count(
+        int(rope.get("partial_rotary_factor", 1.0) * config["hidden_size"]) // heads
+    )
+    w.add_sliding_window(config.get("sliding_window") or 0)
+    if rope.get("rope_type") == "longrope":
+        original = rope["original_max_position_embeddings"]
+        scale = config["max_position_embeddings"] / original
+        w.add_rope_scaling_orig_ctx_len(original)
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+        for kind in ("long", "short"):
+            w.add_tensor(
+                f"rope_factors_{kind}.weight", np.asarray(rope[f"{kind}_factor"], np.float32)
+            )
+
+
 def _gemma(w, config: dict, arch: str) -> None:
     """Gemma 2's and 3's fields as the converter writes them: the soft-caps it has, the
     window, Gemma 3's local RoPE base."""
@@ -128,8 +152,6 @@ def _gemma(w, config: dict, arch: str) -> None:
 def _rope_freqs(config: dict) -> np.ndarray | None:
     """Llama 3.1's scaling as the converter stores it: each frequency's divisor, in
     float32 as it computes them (LlamaModel.generate_extra_tensors)."""
-    import math
-
     rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
     if rope.get("rope_type") != "llama3":
         return None

@@ -21,6 +21,7 @@ from tests.factories import (
     write_gemma3,
     write_llama,
     write_mixtral,
+    write_phi3,
     write_qwen2,
     write_qwen3,
     write_qwen3_moe,
@@ -38,6 +39,7 @@ FAMILIES = {
     # norms stored as 1 + w, soft-caps, windows; no RoPE base in the file (llama.cpp's 10000)
     "gemma2": lambda p: write_gemma2(p, rope_theta=10000.0),
     "gemma3": write_gemma3,  # q/k norms, a local RoPE base, one global layer in six
+    "phi3": write_phi3,  # q|k|v and gate|up fused, partial rotary, LongRoPE's factor tensors
 }
 
 
@@ -92,7 +94,8 @@ def test_logits_are_transformers_on_the_gguf_packages_dequantization(
         == json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"][0]
     )
     as_the_file_holds(hf, path)
-    tokens = torch.randint(3, hf.config.vocab_size, (48,))
+    n = 160 if family == "phi3" else 48  # Phi-3's past its pretraining length: long factors
+    tokens = torch.randint(3, hf.config.vocab_size, (n,))
     ref = hf(tokens[None]).logits[0]
     assert (ref - ours(tokens)).abs().max().item() <= 1e-4
     quantized = hf(tokens[None]).logits[0]
