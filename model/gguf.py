@@ -35,7 +35,15 @@ ARCHITECTURES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
 }
+# architectures llama.cpp's converter writes through its LlamaModel, which permutes q's
+# and k's rows for its rotation
+_PERMUTED = frozenset({"llama", "granite", "smollm3"})
 # Gemma's architectures, whose norm weights llama.cpp's converter stores as 1 + w (the
 # norms scale by 1 + w; the checkpoint holds w), each with the layer count of its 27B
 # shape (llama.cpp's LLM_TYPE_27B), whose queries llama.cpp scales by hidden / heads, not
@@ -163,7 +171,20 @@ class GgufFile:
             config |= self._gemma_config(a, config)
         if self.arch == "phi3":
             config |= self._phi3_config(a, config)
+        config |= self._llama_kin_config(a)
         return config | self._experts_config(a)
+
+    def _llama_kin_config(self, a: str) -> dict[str, Any]:
+        """Granite's four scalings (stored as `*_scale`), SmolLM3's layers without RoPE
+        (every fourth, in llama.cpp's code: the file does not say)."""
+        if self.arch == "smollm3":
+            return {"no_rope_layer_interval": 4}
+        if self.arch != "granite":
+            return {}
+        scales = {"attention_multiplier": "attention.scale", "embedding_multiplier":
+                  "embedding_scale", "residual_multiplier": "residual_scale",
+                  "logits_scaling": "logit_scale"}  # fmt: skip
+        return {k: float(v) for k, f in scales.items() if (v := self.field(a + f)) is not None}
 
     def _phi3_config(self, a: str, config: dict[str, Any]) -> dict[str, Any]:
         """Phi-3's and Phi-4-mini's fields: the rotated share of each head (its RoPE
@@ -255,6 +276,9 @@ class GgufFile:
             "moe_intermediate_size": int(self.field(a + "expert_feed_forward_length", 0)),
             # llama.cpp renormalizes Qwen3-MoE's top k (its config's norm_topk_prob)
             "norm_topk_prob": self.arch == "qwen3moe",
+            "shared_expert_intermediate_size": int(
+                self.field(a + "expert_shared_feed_forward_length", 0)
+            ),
         }
         if self.arch == "llama":  # Mixtral: a Llama with experts
             return fields | {
@@ -344,7 +368,7 @@ class GgufFile:
     def _unpermuted(self, source: str, w: torch.Tensor) -> torch.Tensor:
         """Undo llama.cpp's converter's permutation of a Llama q or k projection: per
         head it interleaves the two rotary halves (llama.cpp rotates adjacent pairs)."""
-        if self.arch != "llama" or not source.endswith(("attn_q.weight", "attn_k.weight")):
+        if self.arch not in _PERMUTED or not source.endswith(("attn_q.weight", "attn_k.weight")):
             return w
         a = f"{self.arch}."
         heads = int(self.field(a + "attention.head_count"))

@@ -139,11 +139,10 @@ def write_mistral(
     return model
 
 
-def write_smollm3(path: Path, seed: int = 0) -> object:
+def write_smollm3(path: Path, seed: int = 0, **config: object) -> object:
     """SmolLM3 with no RoPE in every second layer (of 3: layer 1)."""
-    model = _hf_model(
-        "SmolLM3", seed, no_rope_layer_interval=2, pad_token_id=0, tie_word_embeddings=True
-    )
+    fields = dict(no_rope_layer_interval=2, pad_token_id=0, tie_word_embeddings=True)
+    model = _hf_model("SmolLM3", seed, **{**fields, **config})
     model.save_pretrained(path)
     return model
 

@@ -26,7 +26,17 @@ ARCHS = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Phi3ForCausalLM": "phi3",
+    "Olmo2ForCausalLM": "olmo2",
+    "OlmoeForCausalLM": "olmoe",
+    "GraniteForCausalLM": "granite",
+    "Qwen2MoeForCausalLM": "qwen2moe",
+    "SmolLM3ForCausalLM": "smollm3",
 }
+PERMUTED = ("llama", "granite", "smollm3")  # written through the converter's LlamaModel
+# Granite's scalings and the metadata the converter writes them as
+GRANITE_SCALES = {"attention_multiplier": "attention_scale", "embedding_multiplier":
+                  "embedding_scale", "residual_multiplier": "residual_scale",
+                  "logits_scaling": "logit_scale"}  # fmt: skip
 GEMMAS = ("gemma2", "gemma3")  # norms stored as 1 + w; no RoPE base for Gemma 2
 
 
@@ -61,6 +71,8 @@ def write_gguf(
         _gemma(w, config, arch)
     if arch == "phi3":
         _phi3(w, config)
+    for field, writes in GRANITE_SCALES.items() if arch == "granite" else ():
+        getattr(w, f"add_{writes}")(float(config[field]))
     if sentencepiece is not None:
         _sentencepiece_tokenizer(w, sentencepiece, config["vocab_size"])
     else:
@@ -73,6 +85,8 @@ def write_gguf(
         assert gg is not None, name
         data = value.float().numpy()
         kind = gguf.GGMLQuantizationType[types(gg) if data.ndim > 1 else "F32"]
+        if data.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0]:  # rows not whole blocks
+            kind = gguf.GGMLQuantizationType.F16  # llama-quantize falls back likewise
         if kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
             w.add_tensor(gg, data.astype(np.float16 if kind.name == "F16" else np.float32))
         else:
@@ -105,6 +119,8 @@ def _hyper_parameters(w, config: dict, arch: str) -> None:
         w.add_expert_used_count(config["num_experts_per_tok"])
         if "moe_intermediate_size" in config:
             w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        if config.get("shared_expert_intermediate_size"):
+            w.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
 
 
 def _rope(config: dict, layers: str) -> float | None:
@@ -223,7 +239,7 @@ def _sentencepiece_tokenizer(w, model_file: Path, vocab_size: int) -> None:
 
 def _tensors(hf_dir: Path, config: dict, arch: str) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors under the names llama.cpp's table maps: q/k permuted for
-    a Llama, each layer's experts stacked (E, out, in) under `...experts.<proj>.weight`."""
+    a Llama and its kin (PERMUTED), each layer's experts stacked (E, out, in) under `...experts.<proj>.weight`."""
     tensors = load_file(str(hf_dir / "model.safetensors"))
     out: dict[str, torch.Tensor] = {}
     stacks: dict[str, dict[int, torch.Tensor]] = {}
@@ -236,7 +252,7 @@ def _tensors(hf_dir: Path, config: dict, arch: str) -> dict[str, torch.Tensor]:
             continue
         if arch in GEMMAS and name.endswith("norm.weight"):
             value = value + 1  # the converter's norm shift: Gemma's norms scale by 1 + w
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config["num_attention_heads"]
             if name.endswith("k_proj.weight"):
                 heads = config["num_key_value_heads"]

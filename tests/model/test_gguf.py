@@ -19,12 +19,17 @@ from model.weights import CheckpointError, load_config, load_model, stored_kinds
 from tests.factories import (
     write_gemma2,
     write_gemma3,
+    write_granite,
     write_llama,
     write_mixtral,
+    write_olmo2,
+    write_olmoe,
     write_phi3,
     write_qwen2,
+    write_qwen2_moe,
     write_qwen3,
     write_qwen3_moe,
+    write_smollm3,
     write_tokenizer,
 )
 from tests.gguf_files import default_types, write_gguf
@@ -40,6 +45,12 @@ FAMILIES = {
     "gemma2": lambda p: write_gemma2(p, rope_theta=10000.0),
     "gemma3": write_gemma3,  # q/k norms, a local RoPE base, one global layer in six
     "phi3": write_phi3,  # q|k|v and gate|up fused, partial rotary, LongRoPE's factor tensors
+    "olmo2": write_olmo2,  # norms after the sublayers, q/k norms over the projections
+    "olmoe": write_olmoe,  # its experts stacked, top 3 not renormalized
+    "granite": write_granite,  # q/k permuted; four scalings stored as *_scale
+    "qwen2_moe": write_qwen2_moe,  # a shared expert behind its gate
+    # q/k permuted; no RoPE in every fourth layer, which the file does not say
+    "smollm3": lambda p: write_smollm3(p, no_rope_layer_interval=4, num_hidden_layers=4),
 }
 
 
