@@ -58,7 +58,9 @@ def quantization_conflict(quantization: str, backend: str, dtype: str, device: s
                 f"quantization fp8 computes in bfloat16, not {dtype} (use --dtype bfloat16 or auto)"
             )
         return None
-    if quantization == "int4" and (backend in ("torch", "triton") or device != "cpu"):
+    if quantization == "int4" and (
+        backend in ("torch", "triton") or (backend != "cpu" and device != "cpu")
+    ):
         return None  # the torch and Triton backends' int4; device auto: checked once resolved
     if backend in ("torch", "triton"):
         return (

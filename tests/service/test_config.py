@@ -126,6 +126,24 @@ def test_int8_weights_with_settings_that_cannot_run_them_stop_at_the_settings() 
         assert settings_from_argv(["--quantization", "int8", *flags]).quantization == "int8"
 
 
+def test_int4_runs_on_the_cpu_backend_in_bf16_and_on_the_torch_and_triton_backends() -> None:
+    """int4 on the cpu backend computes in bf16 (a float32 or float16 dtype there is a
+    settings error); the torch and Triton backends (a GPU's W4A16 kernel) take it in any
+    dtype and on CUDA."""
+    for flags in (
+        ["--attention-backend", "triton", "--dtype", "float32"],
+        ["--attention-backend", "torch", "--dtype", "float16"],
+        ["--device", "cuda"],
+        ["--device", "cpu"],
+        [],
+    ):
+        assert settings_from_argv(["--quantization", "int4", *flags]).quantization == "int4"
+    for flags in (["--device", "cpu", "--dtype", "float32"], ["--attention-backend", "cpu",
+                  "--dtype", "float16"]):  # fmt: skip
+        with pytest.raises(ValueError, match="computes with bfloat16 activations"):
+            settings_from_argv(["--quantization", "int4", *flags])
+
+
 def test_a_setting_that_does_not_parse_stops_the_cli_before_torch_loads() -> None:
     """`kvserve serve` with a bad flag or KVSERVE_* variable, and `--help`, answer without
     importing torch (seconds of start-up) first."""
