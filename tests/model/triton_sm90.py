@@ -128,7 +128,7 @@ def _int4_dot(prefill: bool, bias: bool) -> tuple:
     if prefill:
         bm, bn, gb, warps, _ = I.GEMM_TILE
     else:
-        (bn, gb, warps), bm = I.DOT_TILE, I.DOT_ROWS
+        (bn, gb, warps), bm = I.DOT_TILE, I.ROWS
     consts = dict(BLOCK_M=bm, BLOCK_N=bn, GB=gb, HAS_BIAS=bias, UPCAST=False)
     return I._int4_dot_kernel, types, consts, warps
 

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from model.backends.triton.kernels import INTERPRET, _rounded, _store_row
+from model.backends.triton.kernels import INTERPRET, _store_row, _store_rows
 
 ROWS = 16  # the most activation rows the kernels take (one tensor-core tile of rows)
 # tiles (outputs a program, reduction step, warps[, stages]): the sweep's choice over
@@ -93,10 +93,7 @@ def _fp8_gemv_kernel(
         else:
             acc += tl.dot(x, tl.trans(w.to(x.dtype)))
     acc = acc * tl.load(s_ptr + n, mask=n_ok, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    out = _rounded(acc, out_ptr.dtype.element_ty)
-    tl.store(out_ptr + m[:, None] * N + n[None, :], out, mask=m_ok[:, None] & n_ok[None, :])
+    _store_rows(acc, b_ptr, out_ptr, m, m_ok, n, n_ok, N, HAS_BIAS)
 
 
 def fp8_gemv(

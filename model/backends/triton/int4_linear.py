@@ -5,8 +5,8 @@ read once and widened in registers; nothing is dequantized in memory.
 - one row (a single decode): per group, the sums of code * x and of x on the CUDA cores,
   then step * sum(code * x) + minimum * sum(x), so a weight costs an unpack and an fma;
 - more rows (a decode batch, a prefill chunk): each program widens a tile of weights to
-  the activations' dtype and multiplies it on the tensor cores, in tiles of DOT_ROWS rows
-  up to ROWS rows and of GEMM_TILE's beyond.
+  the activations' dtype and multiplies it on the tensor cores, in one tile of ROWS rows
+  up to ROWS rows and in GEMM_TILE's beyond.
 
 Codes are stored two to a byte, k = 2j in byte j's low nibble and 2j + 1 in its high one,
 so a group's 32 codes are 16 contiguous bytes (one 128-bit load). In the interpreter (no
@@ -20,11 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-from model.backends.triton.kernels import INTERPRET, _rounded, _store_row
+from model.backends.triton.kernels import INTERPRET, _store_row, _store_rows
 from model.grouped import GROUP
 
-ROWS = 16  # up to this many activation rows: one row tile of DOT_ROWS
-DOT_ROWS = 16
+ROWS = 16  # up to this many activation rows: one tile of rows (DOT_TILE)
 # (outputs a program, groups a reduction step, warps): one row; more rows up to ROWS
 ROW_TILE = (16, 8, 4)
 DOT_TILE = (32, 8, 4)
@@ -117,14 +116,7 @@ def _int4_dot_kernel(
             acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(w.to(x.dtype)))
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    out = _rounded(acc, out_ptr.dtype.element_ty)
-    tl.store(
-        out_ptr + m_row[:, None].to(tl.int64) * N + n[None, :],
-        out,
-        mask=m_ok[:, None] & n_ok[None, :],
-    )
+    _store_rows(acc, b_ptr, out_ptr, m_row, m_ok, n, n_ok, N, HAS_BIAS)
 
 
 def int4_linear(
@@ -155,7 +147,7 @@ def int4_linear(
         )  # fmt: skip
         return out
     if rows <= ROWS:
-        (bn, gb, warps), bm, stages = DOT_TILE, DOT_ROWS, 2
+        (bn, gb, warps), bm, stages = DOT_TILE, ROWS, 2
     else:
         bm, bn, gb, warps, stages = GEMM_TILE
     _int4_dot_kernel[(triton.cdiv(rows, bm), triton.cdiv(n, bn))](

@@ -132,6 +132,17 @@ def _store_row(acc, b_ptr, out_ptr, n, n_ok, HAS_BIAS: tl.constexpr):
 
 
 @triton.jit
+def _store_rows(acc, b_ptr, out_ptr, m, m_ok, n, n_ok, N, HAS_BIAS: tl.constexpr):
+    """A linear's outputs (rows m, outputs n) of an (M, N) output: acc (fp32) plus the
+    bias where HAS_BIAS, rounded to the output's dtype."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out = _rounded(acc, out_ptr.dtype.element_ty)
+    at = out_ptr + m[:, None].to(tl.int64) * N + n[None, :]
+    tl.store(at, out, mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
 def _add_rms_norm_kernel(
     x_ptr,  # (T, D), x + delta written back in place
     delta_ptr,  # (T, D), read when HAS_DELTA
