@@ -13,48 +13,82 @@ backends without them (torch, Triton) run on the weight's own device.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 
 GROUP = 32  # k a group's scales cover (linear_vec.c's GROUP)
 
-# each group's range cut by these shares at its low and high ends, the cut with the least
-# squared error taken (the plain min..max range is the first)
-INT4_CUTS = ((0.0, 0.0), (0.0, 0.05), (0.05, 0.0), (0.05, 0.05), (0.0, 0.1), (0.1, 0.0),
-             (0.1, 0.1), (0.05, 0.1), (0.1, 0.05))  # fmt: skip
-# and, for a group of 16 distinct values or fewer, its uncut range in these fewer steps: a
+# int4's search: each group's codes for these many step counts over its range, (14 + 0.1 i)
+# steps for i = 0.., each fitted a step and minimum by least squares (llama.cpp's K-quant
+# search, make_qkx2_quants, with every weight counted alike: -1 + 0.1 i steps about 15)
+INT4_SEARCH = 21
+# and, for a group of 16 distinct values or fewer, its range in these fewer steps: a
 # 4-bit checkpoint's group (AWQ, GPTQ, GGUF) is then held on its own levels
 INT4_STEPS = tuple(range(1, 15))
 
 
-def _int4_cuts(lo: torch.Tensor, hi: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Each (m, d) of INT4_CUTS for groups ranging lo..hi, rounded to bf16."""
-    width = hi - lo
-    for low_cut, high_cut in INT4_CUTS:
-        m = (lo + low_cut * width).to(torch.bfloat16)
-        yield m, ((hi - high_cut * width - m.float()) / 15).to(torch.bfloat16)
+def _scalar(x: float) -> torch.Tensor:
+    """A float32 constant, rounded from the double C's cast rounds too."""
+    return torch.tensor(x, dtype=torch.float32)
 
 
-def _int4_steps(lo: torch.Tensor, hi: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Each (m, d) of INT4_STEPS for groups ranging lo..hi, rounded to bf16."""
-    m = lo.to(torch.bfloat16)
-    for steps in INT4_STEPS:
-        yield m, ((hi - m.float()) / steps).to(torch.bfloat16)
+def _error(
+    groups: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, mn: torch.Tensor
+) -> torch.Tensor:
+    """Each group's sum in k order of (s * codes + mn - w) squared."""
+    e = s[..., None] * codes + mn[..., None] - groups
+    return _sum_in_order(e * e)
 
 
-def _nearest(
-    groups: torch.Tensor, grids: Iterator[tuple[torch.Tensor, torch.Tensor]]
-) -> list[torch.Tensor]:
-    """[squared error, q, d, m] of groups (..., 32) rounded to nearest on the grid (m, d)
-    of `grids` that puts them nearest."""
-    best: list[torch.Tensor] = []
-    for m, d in grids:
-        step = torch.where(d.float() > 0, d.float(), 1.0)
-        q = torch.round((groups - m.float()[..., None]) / step[..., None]).clamp(0, 15)
-        err = _sum_in_order((q * d.float()[..., None] + m.float()[..., None] - groups).square())
-        best = _keep_better(best, [err, q, d, m]) if best else [err, q, d, m]
-    return best
+def _codes(groups: torch.Tensor, iscale: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
+    return torch.round(iscale[..., None] * (groups - mn[..., None])).clamp(0, 15)
+
+
+def _least_squares(
+    groups: torch.Tensor, codes: torch.Tensor, sum_x: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(fits, step, minimum) of the least-squares line through (codes, w): the minimum at
+    most 0 (refitted as a step alone where the line puts it above); fits is false where
+    the codes are all one value."""
+    sl, sl2, sxl = _sum_in_order(codes), _sum_in_order(codes * codes), _sum_in_order(codes * groups)
+    det = _scalar(GROUP) * sl2 - sl * sl
+    fits = det > 0
+    safe = torch.where(fits, det, 1.0)
+    s, m = (_scalar(GROUP) * sxl - sum_x * sl) / safe, (sl2 * sum_x - sl * sxl) / safe
+    above = m > 0
+    s = torch.where(above, sxl / torch.where(sl2 > 0, sl2, 1.0), s)
+    return fits, s, torch.where(above, 0.0, m)
+
+
+def _int4_search(
+    groups: torch.Tensor, mn: torch.Tensor, hi: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group's (step, minimum) in float32: the codes of 15 steps over mn..hi, then of
+    each of INT4_SEARCH step counts, fitted by least squares (_least_squares), the fit of
+    least squared error kept (the first of ties); a group of one value: step 0 at it."""
+    span = hi - mn
+    flat = span == 0
+    span = torch.where(flat, 1.0, span)
+    sum_x = _sum_in_order(groups)
+    iscale = _scalar(15.0) / span
+    best_s, best_m = _scalar(1.0) / iscale, mn
+    best = _error(groups, _codes(groups, iscale, mn), best_s, best_m)
+    for c in range(INT4_SEARCH):
+        codes = _codes(groups, _scalar(-1 + 0.1 * c + 15) / span, mn)
+        fits, s, m = _least_squares(groups, codes, sum_x)
+        err = _error(groups, codes, s, m)
+        better = fits & (err < best)
+        best_s, best_m = torch.where(better, s, best_s), torch.where(better, m, best_m)
+        best = torch.where(better, err, best)
+    return torch.where(flat, 0.0, best_s), best_m
+
+
+def _on_grid(
+    groups: torch.Tensor, d: torch.Tensor, m: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(squared error, codes) of groups rounded to nearest on the bf16 grid (m, d)."""
+    step = torch.where(d.float() > 0, d.float(), 1.0)
+    q = torch.round((groups - m.float()[..., None]) / step[..., None]).clamp(0, 15)
+    return _error(groups, q, d.float(), m.float()), q
 
 
 def _keep_better(best: list[torch.Tensor], trial: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -77,21 +111,29 @@ def int4_quantize_reference(
     weight: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(N, K) -> q (N, K) uint8 in 0..15, d and m (N, K/32) bf16, each group of 32 k
-    w ~ d * q + m, rounded to nearest on the nearest of its candidate grids (INT4_CUTS;
-    INT4_STEPS too for a group of 16 distinct values or fewer), the first of the least
-    squared error."""
+    w ~ d * q + m, fitted as llama.cpp fits a K-quant's groups, every weight counted
+    alike: the minimum at most 0, the step and minimum searched by least squares
+    (_int4_search), then rounded to bf16 and the codes to nearest on them; a group of 16
+    distinct values or fewer also tries its range in INT4_STEPS steps, kept where its
+    squared error is less."""
     w = weight.detach().float()
     n, k = w.shape
     groups = w.reshape(n, k // GROUP, GROUP)
     lo, hi = groups.amin(dim=2) + 0.0, groups.amax(dim=2) + 0.0  # -0 to +0
-    err, q, d, m = _nearest(groups, _int4_cuts(lo, hi))
+    s, mn = _int4_search(groups, torch.where(lo < 0, lo, 0.0), hi)
+    d, m = s.to(torch.bfloat16), mn.to(torch.bfloat16)
+    best = [*_on_grid(groups, d, m), d, m]
     few = (groups.sort(dim=2).values.diff(dim=2) > 0).sum(dim=2) < 16
     if few.any():
-        e, q2, d2, m2 = _nearest(groups[few], _int4_steps(lo[few], hi[few]))
-        better = e < err[few]
-        q[few] = torch.where(better[:, None], q2, q[few])
-        d[few] = torch.where(better, d2, d[few])
-        m[few] = torch.where(better, m2, m[few])
+        g = groups[few]
+        kept = [t[few] for t in best]
+        mc = lo[few].to(torch.bfloat16)
+        for steps in INT4_STEPS:
+            dc = ((hi[few] - mc.float()) / steps).to(torch.bfloat16)
+            kept = _keep_better(kept, [*_on_grid(g, dc, mc), dc, mc])
+        for t, part in zip(best, kept, strict=True):
+            t[few] = part
+    _, q, d, m = best
     return q.reshape(n, k).to(torch.uint8), d, m
 
 

@@ -71,11 +71,11 @@ void linear_int8(const uint16_t *x, const uint16_t *w, const float *bias, uint16
 void linear_int4(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
                  uint16_t *scratch, int m, int n, int k, int nthreads);
 /* int4_quantize: float32 weights, `groups` groups of 32 k one after another, rounded to
- * 4 bits as linear.py's int4_quantize describes (cuts: ncuts (low, high) pairs; the
- * uncut range in 1..nsteps steps for a group of 16 distinct values or fewer): q a byte
- * a weight (0..15), d and m a bf16 each a group. */
-void int4_quantize(const float *w, uint8_t *q, uint16_t *d, uint16_t *m, const float *cuts,
-                   int ncuts, int nsteps, int groups, int nthreads);
+ * 4 bits as model/grouped.py's int4_quantize_reference describes (nsearch: the searched
+ * step counts; the range in 1..nsteps steps for a group of 16 distinct values or fewer):
+ * q a byte a weight (0..15), d and m a bf16 each a group. */
+void int4_quantize(const float *w, uint8_t *q, uint16_t *d, uint16_t *m, int nsearch,
+                   int nsteps, int groups, int nthreads);
 /* linear_int8g: w is int8g_pack's blob (int8 weights with a float16 scale each 32 k). */
 void linear_int8g(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
                   uint16_t *scratch, int m, int n, int k, int nthreads);

@@ -14,7 +14,7 @@ from model.backends.cpu.isa import cpu_isa, isa_flags
 from model.backends.cpu.kernels.build import BASE_FLAGS, bind, build, data_ptr, vector_level
 from model.grouped import (
     GROUP,
-    INT4_CUTS,
+    INT4_SEARCH,
     INT4_STEPS,
     INT8G_DIVISORS,
     int4_quantize_reference,
@@ -135,10 +135,8 @@ def int4_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     q = torch.empty((n, k), dtype=torch.uint8)
     d = torch.empty((n, k // GROUP), dtype=torch.bfloat16)
     m = torch.empty_like(d)
-    cuts = torch.tensor(INT4_CUTS, dtype=torch.float32)
-    lib.int4_quantize(w.data_ptr(), q.data_ptr(), d.data_ptr(), m.data_ptr(), cuts.data_ptr(),
-                      len(INT4_CUTS), len(INT4_STEPS), n * k // GROUP,
-                      torch.get_num_threads())  # fmt: skip
+    lib.int4_quantize(w.data_ptr(), q.data_ptr(), d.data_ptr(), m.data_ptr(), INT4_SEARCH,
+                      len(INT4_STEPS), n * k // GROUP, torch.get_num_threads())  # fmt: skip
     return q, d, m
 
 

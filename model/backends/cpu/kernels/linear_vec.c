@@ -1081,23 +1081,85 @@ void linear_int8g(const uint16_t *x, const uint16_t *w, const float *bias, uint1
     linear_grouped(8, x, (const uint8_t *)w, bias, out, scratch, m, n, k, nthreads);
 }
 
-/* ---- int4 weights' rounding at load (linear.py's int4_quantize: the same arithmetic) ---- */
+/* ---- int4 weights' rounding at load (model/grouped.py's int4_quantize_reference: the same
+ * arithmetic, every sum in k order, no contraction) ---- */
 
-/* A group's weights g rounded on the grid (mf, df): q, and the squared error summed in
- * k order (no contraction: the torch reference's sums). */
-static float int4_try(const float *g, float mf, float df, uint8_t *q) {
-    const float step = df > 0.f ? df : 1.f;
-    float sq[GROUP];
-    for (int i = 0; i < GROUP; ++i) {  /* vectorized */
-        float v = nearbyintf((g[i] - mf) / step);
-        v = v < 0.f ? 0.f : (v > 15.f ? 15.f : v);
-        q[i] = (uint8_t)v;
-        const float e = (v * df + mf) - g[i];
-        sq[i] = e * e;
-    }
+/* A group's squared error: (s * L + mn - g) squared, summed. */
+static float int4_err(const float *g, const float *L, float s, float mn) {
     float err = 0.f;
-    for (int i = 0; i < GROUP; ++i) err += sq[i];
+    for (int i = 0; i < GROUP; ++i) {
+        const float e = (s * L[i] + mn) - g[i];
+        err += e * e;
+    }
     return err;
+}
+
+/* Codes L of g on `iscale` steps a unit above mn, clamped to 0..15. */
+static void int4_codes(const float *g, float iscale, float mn, float *L) {
+    for (int i = 0; i < GROUP; ++i) {
+        const float v = nearbyintf(iscale * (g[i] - mn));
+        L[i] = v < 0.f ? 0.f : (v > 15.f ? 15.f : v);
+    }
+}
+
+/* The least-squares line through (L, g) into (s, m), the minimum at most 0 (the
+ * reference's _least_squares); 0 where the codes are all one value. */
+static int int4_fit(const float *g, const float *L, float sum_x, float *s, float *m) {
+    float sl = 0.f, sl2 = 0.f, sxl = 0.f;
+    for (int i = 0; i < GROUP; ++i) sl += L[i];
+    for (int i = 0; i < GROUP; ++i) sl2 += L[i] * L[i];
+    for (int i = 0; i < GROUP; ++i) sxl += L[i] * g[i];
+    const float det = (float)GROUP * sl2 - sl * sl;
+    if (!(det > 0.f)) return 0;
+    *s = ((float)GROUP * sxl - sum_x * sl) / det;
+    *m = (sl2 * sum_x - sl * sxl) / det;
+    if (*m > 0.f) {
+        *s = sxl / sl2;
+        *m = 0.f;
+    }
+    return 1;
+}
+
+/* The least-squares search: (step, minimum) in float32 (the reference's _int4_search). */
+static void int4_search(const float *g, float mn, float hi, int nsearch, float *s_out,
+                        float *m_out) {
+    const float range = hi - mn;
+    if (range == 0.f) {
+        *s_out = 0.f;
+        *m_out = mn;
+        return;
+    }
+    float sum_x = 0.f, L[GROUP];
+    for (int i = 0; i < GROUP; ++i) sum_x += g[i];
+    const float iscale = 15.f / range;
+    int4_codes(g, iscale, mn, L);
+    float best_s = 1.f / iscale, best_m = mn;
+    float best = int4_err(g, L, best_s, best_m);
+    for (int c = 0; c < nsearch; ++c) {
+        int4_codes(g, (float)((-1.0 + 0.1 * c) + 15.0) / range, mn, L);
+        float s, m;
+        if (!int4_fit(g, L, sum_x, &s, &m)) continue;
+        const float err = int4_err(g, L, s, m);
+        if (err < best) {
+            best = err;
+            best_s = s;
+            best_m = m;
+        }
+    }
+    *s_out = best_s;
+    *m_out = best_m;
+}
+
+/* g's codes on the bf16 grid (mc, dc) into q, and their squared error. */
+static float int4_try(const float *g, uint16_t mc, uint16_t dc, uint8_t *q) {
+    const float mf = bf16_to_f32(mc), df = bf16_to_f32(dc), step = df > 0.f ? df : 1.f;
+    float L[GROUP];
+    for (int i = 0; i < GROUP; ++i) {
+        const float v = nearbyintf((g[i] - mf) / step);
+        L[i] = v < 0.f ? 0.f : (v > 15.f ? 15.f : v);
+        q[i] = (uint8_t)L[i];
+    }
+    return int4_err(g, L, df, mf);
 }
 
 /* Whether a group of GROUP holds 16 distinct values or fewer (stops at the 17th). */
@@ -1114,9 +1176,10 @@ static int int4_few_levels(const float *g) {
     return 1;
 }
 
-/* One group: every candidate grid tried in order, the first with the least error kept. */
-static void int4_group(const float *g, const float *cuts, int ncuts, int nsteps, uint8_t *q,
-                       uint16_t *d, uint16_t *m) {
+/* One group: the searched fit, then for a group of few levels its range in 1..nsteps
+ * steps, the first of the least squared error kept. */
+static void int4_group(const float *g, int nsearch, int nsteps, uint8_t *q, uint16_t *d,
+                       uint16_t *m) {
     float lo = g[0], hi = g[0];
     for (int i = 1; i < GROUP; ++i) {
         lo = g[i] < lo ? g[i] : lo;
@@ -1124,21 +1187,18 @@ static void int4_group(const float *g, const float *cuts, int ncuts, int nsteps,
     }
     lo += 0.f;  /* -0 to +0: which zero a min or max keeps is the implementation's */
     hi += 0.f;
-    const float width = hi - lo;
-    const int candidates = ncuts + (int4_few_levels(g) ? nsteps : 0);
-    float best = 0.f;
+    float s, mn;
+    int4_search(g, lo < 0.f ? lo : 0.f, hi, nsearch, &s, &mn);
+    *d = f32_to_bf16(s);
+    *m = f32_to_bf16(mn);
+    float best = int4_try(g, *m, *d, q);
+    if (!int4_few_levels(g)) return;
     uint8_t trial[GROUP];
-    for (int c = 0; c < candidates; ++c) {
-        uint16_t mc, dc;
-        if (c < ncuts) {
-            mc = f32_to_bf16(lo + cuts[2 * c] * width);
-            dc = f32_to_bf16((hi - cuts[2 * c + 1] * width - bf16_to_f32(mc)) / 15.f);
-        } else {
-            mc = f32_to_bf16(lo);
-            dc = f32_to_bf16((hi - bf16_to_f32(mc)) / (float)(c - ncuts + 1));
-        }
-        const float err = int4_try(g, bf16_to_f32(mc), bf16_to_f32(dc), trial);
-        if (c == 0 || err < best) {
+    const uint16_t mc = f32_to_bf16(lo);
+    for (int steps = 1; steps <= nsteps; ++steps) {
+        const uint16_t dc = f32_to_bf16((hi - bf16_to_f32(mc)) / (float)steps);
+        const float err = int4_try(g, mc, dc, trial);
+        if (err < best) {
             best = err;
             memcpy(q, trial, GROUP);
             *d = dc;
@@ -1147,12 +1207,11 @@ static void int4_group(const float *g, const float *cuts, int ncuts, int nsteps,
     }
 }
 
-void int4_quantize(const float *w, uint8_t *q, uint16_t *d, uint16_t *m, const float *cuts,
-                   int ncuts, int nsteps, int groups, int nthreads) {
+void int4_quantize(const float *w, uint8_t *q, uint16_t *d, uint16_t *m, int nsearch,
+                   int nsteps, int groups, int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1)
     for (int g = 0; g < groups; ++g)
-        int4_group(w + (long)g * GROUP, cuts, ncuts, nsteps, q + (long)g * GROUP,
-                   d + g, m + g);
+        int4_group(w + (long)g * GROUP, nsearch, nsteps, q + (long)g * GROUP, d + g, m + g);
 }
 
 /* ---- int8g weights' rounding at load (linear.py's int8g_quantize: the same arithmetic) ---- */
