@@ -40,6 +40,7 @@ ARCHITECTURES = {
     "granite": "GraniteForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
 }
 # architectures llama.cpp's converter writes through its LlamaModel, which permutes q's
 # and k's rows for its rotation
@@ -49,9 +50,10 @@ _PERMUTED = frozenset({"llama", "granite", "smollm3"})
 # shape (llama.cpp's LLM_TYPE_27B), whose queries llama.cpp scales by hidden / heads, not
 # head_dim (Gemma's query_pre_attn_scalar, which the file does not hold)
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
-# one expert's projection in a Hugging Face checkpoint; llama.cpp stacks the experts'
+# one expert's projection (or its bias) in a Hugging Face checkpoint; llama.cpp stacks
+# the experts'
 _EXPERT = re.compile(
-    r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight$"
+    r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.(weight|bias)$"
 )
 # GGUF's float types; every other type is integer blocks, and of those these are 4-bit
 # groups of 32 with a scale (and a minimum) that kvserve's int4 holds exactly
@@ -59,6 +61,8 @@ _FLOATS = frozenset({"F32", "F16", "BF16", "F64"})
 _INT4_EXACT = frozenset({"Q4_0", "Q4_1", "Q4_K"})
 # tokenizer.ggml.token_type's kinds (gguf.TokenType, llama.cpp's llama_token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED = 1, 2, 3, 4
+# a harmony model's (gpt-oss's) turn ends
+_HARMONY_ENDS = frozenset({"<|return|>", "<|call|>"})
 # GGUF tensors dequantized at once: a layer's expert stacks are read expert by expert,
 # gate, up and down in turn
 _KEPT = 3
@@ -121,10 +125,9 @@ class GgufFile:
         self.arch = str(self.field("general.architecture", ""))
         self.tensors = {t.name: t for t in self.reader.tensors}
         blocks = int(self.field(f"{self.arch}.block_count", 0))
-        try:
-            arch = g.MODEL_ARCH[self.arch.upper()]
-        except KeyError:
-            raise ValueError(self._unsupported()) from None
+        arch = next((a for a, n in g.MODEL_ARCH_NAMES.items() if n == self.arch), None)
+        if arch is None:
+            raise ValueError(self._unsupported())
         self._names = g.get_tensor_name_map(arch, blocks)
         self._kept: dict[str, torch.Tensor] = {}
 
@@ -167,6 +170,8 @@ class GgufFile:
             config["sliding_window"] = int(window)
         if "rope_freqs.weight" in self.tensors:
             config["rope_scaling"] = self._llama3_rope(config)
+        if self.field(a + "rope.scaling.type") == "yarn":
+            config["rope_scaling"] = self._yarn(a)
         if self.arch in _GEMMA_27B_LAYERS:
             config |= self._gemma_config(a, config)
         if self.arch == "phi3":
@@ -204,6 +209,24 @@ class GgufFile:
                 "attention_factor": float(self.field(a + "rope.scaling.attn_factor", 1.0)),
             }
         return out
+
+    def _yarn(self, a: str) -> dict[str, Any]:
+        """YaRN's fields as the converter writes them. gpt-oss's checkpoint blends the
+        frequencies over the exact band (its config's `truncate: false`, which the file
+        does not hold; llama.cpp rounds the band out to whole dimensions)."""
+        scaling: dict[str, Any] = {
+            "rope_type": "yarn",
+            "factor": float(self.field(a + "rope.scaling.factor")),
+            "original_max_position_embeddings": int(
+                self.field(a + "rope.scaling.original_context_length")
+            ),
+            "truncate": self.arch != "gpt-oss",
+        }
+        for key, field in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow"),
+                           ("attention_factor", "yarn_attn_factor")):  # fmt: skip
+            if (value := self.field(a + "rope.scaling." + field)) is not None:
+                scaling[key] = float(value)
+        return scaling
 
     def _factors(self, source: str) -> list[float]:
         t = self.tensors[source]
@@ -280,6 +303,10 @@ class GgufFile:
                 self.field(a + "expert_shared_feed_forward_length", 0)
             ),
         }
+        if self.arch == "gpt-oss":  # every layer's FFN its experts, biased
+            return {"num_experts_per_tok": fields["num_experts_per_tok"],
+                    "num_local_experts": experts, "attention_bias": True,
+                    "intermediate_size": fields["moe_intermediate_size"]}  # fmt: skip
         if self.arch == "llama":  # Mixtral: a Llama with experts
             return fields | {
                 "architectures": ["MixtralForCausalLM"],
@@ -290,8 +317,16 @@ class GgufFile:
         return fields | {"num_experts": experts}
 
     def eos_ids(self) -> tuple[int, ...]:
-        eos = self.field("tokenizer.ggml.eos_token_id")
-        return (int(eos),) if eos is not None else ()
+        """The tokens generation ends at: the file's eos (and end-of-turn, end-of-message
+        where it names them); a gpt-oss file's harmony ends, <|return|> and <|call|>, by
+        their text as llama.cpp's loader finds them (the checkpoint's generation_config
+        lists both; the file holds one eos)."""
+        keys = ("eos_token_id", "eot_token_id", "eom_token_id")
+        ids = [int(v) for k in keys if (v := self.field("tokenizer.ggml." + k)) is not None]
+        if self.arch == "gpt-oss":
+            tokens = self.field("tokenizer.ggml.tokens", [])
+            ids += [i for i, t in enumerate(tokens) if t in _HARMONY_ENDS]
+        return tuple(dict.fromkeys(ids))
 
     # ---- the tensors, by Hugging Face names ---------------------------------------
 
@@ -301,12 +336,15 @@ class GgufFile:
         return name if self.source(name) is not None else None
 
     def source(self, name: str) -> tuple[str, int | None] | None:
-        """(GGUF tensor name, expert index in it or None) of a Hugging Face name."""
+        """(GGUF tensor name, expert index in it or None) of a Hugging Face name; a
+        parameter stored without a suffix (gpt-oss's sinks) is the file's `.weight`."""
         expert = None
         if m := _EXPERT.match(name):
             expert = int(m.group(2))
-            name = f"{m.group(1)}.{m.group(3)}.weight"
+            name = f"{m.group(1)}.{m.group(3)}.{m.group(4)}"
         found = self._names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if found is not None and found not in self.tensors:
+            found += ".weight"
         return (found, expert) if found in self.tensors else None
 
     def shape(self, name: str) -> tuple[int, ...]:

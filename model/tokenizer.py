@@ -34,6 +34,14 @@ LLAMA3_PATTERN = (
 )
 # Qwen2's and Qwen3's: Llama 3's with digits one at a time
 QWEN2_PATTERN = LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
+# o200k's (GPT-4o's and gpt-oss's): a word's capitals kept with its lower case letters
+_UPPER, _LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+O200K_PATTERN = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTION}"
+    rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTION}"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 class TokenizerError(ValueError):
@@ -393,6 +401,7 @@ GGUF_PRE_TOKENIZERS = {
     "smaug-bpe": LLAMA3_PATTERN,
     "qwen2": QWEN2_PATTERN,
     "gpt-2": GPT2_PATTERN,
+    "gpt-4o": O200K_PATTERN,  # gpt-oss's files
 }
 
 

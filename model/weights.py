@@ -198,6 +198,22 @@ GPT_OSS = NameTable(  # each expert's weights stored (in, out), its gate and up 
     interleaved=frozenset({"layers.{i}.ffn.experts.w_in", "layers.{i}.ffn.experts.b_in"}),
 )
 
+
+def _gpt_oss_gguf_names() -> dict[str, tuple[str, ...]]:
+    """gpt-oss as llama.cpp's converter stores it: each expert stack split into gate, up
+    and down (E, out, in), each with its own stack of biases."""
+    expert = "model.layers.{i}.mlp.experts.{e}."
+    return _gpt_oss_names() | {
+        "layers.{i}.ffn.experts.w_in": (expert + "gate_proj.weight", expert + "up_proj.weight"),
+        "layers.{i}.ffn.experts.b_in": (expert + "gate_proj.bias", expert + "up_proj.bias"),
+        "layers.{i}.ffn.experts.w_out": (expert + "down_proj.weight",),
+        "layers.{i}.ffn.experts.b_out": (expert + "down_proj.bias",),
+    }
+
+
+# families a GGUF file stores under other names than their Hugging Face checkpoints
+GGUF_NAME_TABLES = {"GptOssForCausalLM": NameTable(names=_gpt_oss_gguf_names())}
+
 NAME_TABLES: dict[str, NameTable] = {
     "LlamaForCausalLM": LLAMA,
     "Qwen2ForCausalLM": LLAMA,
@@ -638,7 +654,8 @@ def _checkpoint(
         f = _open_gguf(root)
         cfg = _gguf_config(f)
         try:
-            yield cfg, f, NAME_TABLES[cfg.architecture], "GGUF metadata"
+            table = GGUF_NAME_TABLES.get(cfg.architecture) or NAME_TABLES[cfg.architecture]
+            yield cfg, f, table, "GGUF metadata"
         except ValueError as exc:
             if isinstance(exc, CheckpointError):
                 raise

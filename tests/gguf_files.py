@@ -2,8 +2,9 @@
 (convert_hf_to_gguf.py) writes them, with the `gguf` package's writer, name table and
 quantizers: the `{arch}.*` hyper-parameters, the tokenizer.json as tokenizer.ggml.* (the
 vocabulary padded to the model's with [PADn] tokens), q and k rows of a Llama permuted
-for llama.cpp's rotation, each layer's experts stacked into one tensor, and each tensor
-in the type `types` picks (norms and other vectors stay F32)."""
+for llama.cpp's rotation, each layer's experts stacked into one tensor (gpt-oss's split
+into gate and up), and each tensor in the type `types` picks (norms, biases and other
+vectors stay F32)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ ARCHS = {
     "GraniteForCausalLM": "granite",
     "Qwen2MoeForCausalLM": "qwen2moe",
     "SmolLM3ForCausalLM": "smollm3",
+    "GptOssForCausalLM": "gpt-oss",
 }
 PERMUTED = ("llama", "granite", "smollm3")  # written through the converter's LlamaModel
 # Granite's scalings and the metadata the converter writes them as
@@ -38,6 +40,12 @@ GRANITE_SCALES = {"attention_multiplier": "attention_scale", "embedding_multipli
                   "embedding_scale", "residual_multiplier": "residual_scale",
                   "logits_scaling": "logit_scale"}  # fmt: skip
 GEMMAS = ("gemma2", "gemma3")  # norms stored as 1 + w; no RoPE base for Gemma 2
+
+
+def gpt_oss_types(name: str) -> str:
+    """gpt-oss's experts in MXFP4 (as its released files hold them), the rest as
+    default_types."""
+    return "MXFP4" if "_exps." in name else default_types(name)
 
 
 def default_types(name: str) -> str:
@@ -58,9 +66,11 @@ def write_gguf(
     types: Callable[[str], str] = default_types,
     template: str = "",
     sentencepiece: Path | None = None,
+    pre: str = "gpt-2",
 ) -> Path:
-    """The GGUF file of the checkpoint in hf_dir; its tokenizer the folder's tokenizer.json,
-    or with `sentencepiece` that tokenizer.model's vocabulary."""
+    """The GGUF file of the checkpoint in hf_dir; its tokenizer the folder's tokenizer.json
+    (its pre-tokenizer named `pre`), or with `sentencepiece` that tokenizer.model's
+    vocabulary."""
     import gguf
 
     config = json.loads((hf_dir / "config.json").read_text())
@@ -76,15 +86,17 @@ def write_gguf(
     if sentencepiece is not None:
         _sentencepiece_tokenizer(w, sentencepiece, config["vocab_size"])
     else:
-        _tokenizer(w, hf_dir, config["vocab_size"], template)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config["num_hidden_layers"])
+        _tokenizer(w, hf_dir, config["vocab_size"], template, pre)
+    arch_id = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
+    names = gguf.get_tensor_name_map(arch_id, config["num_hidden_layers"])
     if (freqs := _rope_freqs(config)) is not None:
         w.add_tensor("rope_freqs.weight", freqs)
     for name, value in _tensors(hf_dir, config, arch).items():
         gg = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gg is not None, name
         data = value.float().numpy()
-        kind = gguf.GGMLQuantizationType[types(gg) if data.ndim > 1 else "F32"]
+        vector = data.ndim == 1 or gg.endswith(".bias")  # llama-quantize keeps them
+        kind = gguf.GGMLQuantizationType["F32" if vector else types(gg)]
         if data.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0]:  # rows not whole blocks
             kind = gguf.GGMLQuantizationType.F16  # llama-quantize falls back likewise
         if kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
@@ -121,6 +133,25 @@ def _hyper_parameters(w, config: dict, arch: str) -> None:
             w.add_expert_feed_forward_length(config["moe_intermediate_size"])
         if config.get("shared_expert_intermediate_size"):
             w.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+    if arch == "gpt-oss":
+        w.add_sliding_window(config["sliding_window"])
+        w.add_expert_feed_forward_length(config["intermediate_size"])
+    _yarn(w, config)
+
+
+def _yarn(w, config: dict) -> None:
+    """YaRN's fields as the converter writes them (TextModel.set_gguf_parameters)."""
+    import gguf
+
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if rope.get("rope_type") != "yarn":
+        return
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(rope["factor"])
+    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    for key in ("beta_fast", "beta_slow"):
+        if key in rope:
+            getattr(w, f"add_rope_scaling_yarn_{key}")(rope[key])
 
 
 def _rope(config: dict, layers: str) -> float | None:
@@ -189,7 +220,7 @@ def _rope_freqs(config: dict) -> np.ndarray | None:
     return np.asarray(out, dtype=np.float32)
 
 
-def _tokenizer(w, hf_dir: Path, vocab_size: int, template: str) -> None:
+def _tokenizer(w, hf_dir: Path, vocab_size: int, template: str, pre: str) -> None:
     data = json.loads((hf_dir / "tokenizer.json").read_text())
     added = {t["id"]: t["content"] for t in data.get("added_tokens", [])}
     by_id = {i: t for t, i in data["model"]["vocab"].items()} | added
@@ -197,15 +228,22 @@ def _tokenizer(w, hf_dir: Path, vocab_size: int, template: str) -> None:
     types = [3 if i in added else 1 if i in by_id else 5 for i in range(vocab_size)]
     merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)
     ids = {t: i for i, t in added.items()}
-    w.add_bos_token_id(ids["<|bos|>"])
-    w.add_eos_token_id(ids["<|eos|>"])
+    own = hf_dir / "tokenizer_config.json"  # its bos, eos and template where it has one
+    config = (
+        json.loads(own.read_text())
+        if own.exists()
+        else {"bos_token": "<|bos|>", "eos_token": "<|eos|>"}
+    )
+    if config.get("bos_token"):
+        w.add_bos_token_id(ids[config["bos_token"]])
+    w.add_eos_token_id(ids[config["eos_token"]])
     w.add_add_bos_token(False)
-    if template:
+    if template := template or config.get("chat_template", ""):
         w.add_chat_template(template)
 
 
@@ -260,6 +298,33 @@ def _tensors(hf_dir: Path, config: dict, arch: str) -> dict[str, torch.Tensor]:
         out[name] = value
     for stack, experts in stacks.items():
         out[stack] = torch.stack([experts[e] for e in sorted(experts)])
+    return _gpt_oss_split(out) if arch == "gpt-oss" else out
+
+
+def _gpt_oss_split(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """gpt-oss's tensors as GptOssModel.modify_tensors writes them: the experts' (in, out)
+    stacks turned (out, in), gate and up (alternate outputs) split apart with their
+    biases, the sinks named as a weight."""
+    out: dict[str, torch.Tensor] = {}
+    for name, value in tensors.items():
+        stem = name.rpartition(".")[0]
+        if name.endswith("gate_up_proj"):
+            value = value.transpose(-1, -2)
+            out[stem + ".gate_proj.weight"], out[stem + ".up_proj.weight"] = (
+                value[:, ::2],
+                value[:, 1::2],
+            )
+        elif name.endswith("gate_up_proj_bias"):
+            out[stem + ".gate_proj.bias"], out[stem + ".up_proj.bias"] = (
+                value[:, ::2],
+                value[:, 1::2],
+            )
+        elif name.endswith("down_proj"):
+            out[stem + ".down_proj.weight"] = value.transpose(-1, -2)
+        elif name.endswith("down_proj_bias"):
+            out[stem + ".down_proj.bias"] = value
+        else:
+            out[name + ".weight" if name.endswith("sinks") else name] = value
     return out
 
 

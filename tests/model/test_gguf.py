@@ -19,6 +19,7 @@ from model.weights import CheckpointError, load_config, load_model, stored_kinds
 from tests.factories import (
     write_gemma2,
     write_gemma3,
+    write_gpt_oss,
     write_granite,
     write_llama,
     write_mixtral,
@@ -32,7 +33,7 @@ from tests.factories import (
     write_smollm3,
     write_tokenizer,
 )
-from tests.gguf_files import default_types, write_gguf
+from tests.gguf_files import default_types, gpt_oss_types, write_gguf
 from tests.model.backends import BACKENDS, make_backend
 
 FAMILIES = {
@@ -51,7 +52,14 @@ FAMILIES = {
     "qwen2_moe": write_qwen2_moe,  # a shared expert behind its gate
     # q/k permuted; no RoPE in every fourth layer, which the file does not say
     "smollm3": lambda p: write_smollm3(p, no_rope_layer_interval=4, num_hidden_layers=4),
+    # sinks, biases, YaRN, windows; experts in MXFP4, split into gate and up stacks
+    "gpt_oss": write_gpt_oss,
 }
+
+
+def types_of(family: str):
+    """The block types a family's file holds (gpt-oss's experts in MXFP4)."""
+    return gpt_oss_types if family == "gpt_oss" else default_types
 
 
 def checkpoint(family: str, tmp_path: Path) -> tuple[object, Path]:
@@ -59,24 +67,29 @@ def checkpoint(family: str, tmp_path: Path) -> tuple[object, Path]:
     hf = FAMILIES[family](tmp_path / "hf")
     write_tokenizer(tmp_path / "hf")
     (tmp_path / "gguf").mkdir()
-    return hf, write_gguf(tmp_path / "hf", tmp_path / "gguf" / "model.gguf")
+    return hf, write_gguf(tmp_path / "hf", tmp_path / "gguf" / "model.gguf", types_of(family))
 
 
 def as_the_file_holds(hf, path: Path) -> None:
     """hf's weights replaced by what the file holds, dequantized by the gguf package: each
     tensor quantized to its type in the file and back (per row, so in the checkpoint's
-    layout: the file's permuted and stacked rows are the same rows)."""
+    layout: the file's permuted and stacked rows are the same rows; gpt-oss's experts,
+    stored (in, out), turned to the file's (out, in) for it)."""
     import gguf
 
     f = open_gguf(path)
     with torch.no_grad():
         for name, p in hf.named_parameters():
             source = f.source(name) or _expert_source(f, name)
-            if source is None:  # a tied head
+            if source is None:  # a tied head, or a bias the file holds in F32
                 continue
             kind = f.tensors[source[0]].tensor_type
-            w = p.detach().float().numpy()
-            p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w, kind), kind)))
+            turned = f.arch == "gpt-oss" and name.endswith(("gate_up_proj", "down_proj"))
+            w = p.detach().float().transpose(-1, -2) if turned else p.detach().float()
+            back = torch.from_numpy(
+                gguf.quants.dequantize(gguf.quants.quantize(w.numpy(), kind), kind)
+            )
+            p.copy_(back.transpose(-1, -2) if turned else back)
 
 
 def _expert_source(f, name: str) -> tuple[str, int | None] | None:
@@ -203,6 +216,29 @@ def test_auto_keeps_each_tensor_in_the_kind_that_holds_it(tmp_path: Path) -> Non
     assert 0 < error["auto"] < error["int4"] / 2, error
 
 
+@torch.no_grad()
+def test_mxfp4_experts_are_held_exactly_in_int8g(tmp_path: Path) -> None:
+    """gpt-oss's MXFP4 experts under --quantization auto on the cpu backend: int8g, whose
+    float16 step a group and int8 codes hold each block's power-of-two scale and 4-bit
+    float values exactly (every expert's gate, up and down, every layer)."""
+    from model.backends.cpu.kernels.linear import int8g_quantize
+    from model.grouped import int8g_dequantize
+
+    _, path = checkpoint("gpt_oss", tmp_path)
+    assert {k for _, k in stored_kinds(path).values()} >= {"int8"}
+    model = load_model(path, torch.bfloat16)
+    stacks = [(b.ffn.experts.w_in, b.ffn.experts.w_out) for b in model.layers]
+    prepare_model(model, "auto")
+    for block in model.layers:
+        assert {(f.w_in.quant, f.w_out.quant) for f in block.ffn.experts.ffns} == {
+            ("int8g", "int8g")
+        }
+    for stack in (w for pair in stacks for w in pair):
+        assert stack.shape[0] == 8 and stack[0].abs().sum() > 0
+        for expert in stack.float():
+            assert torch.equal(int8g_dequantize(*int8g_quantize(expert)), expert)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
 def test_the_plan_counts_what_auto_holds(
     family: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -249,6 +285,35 @@ def test_the_tokenizer_is_the_checkpoints(tmp_path: Path) -> None:
     assert (ours.bos_id, ours.eos_ids) == (0, (1,))
     assert load_config(path).eos_token_ids == (1,)
     assert load_config(path).name == "model"
+
+
+def test_gpt_4o_pre_tokenizer_is_o200ks_split(tmp_path: Path) -> None:
+    """A byte-level BPE behind o200k's split (gpt-oss's tokenizer.json), written with the
+    pre-tokenizer name llama.cpp's converter gives it ("gpt-4o"), encodes as the
+    `tokenizers` library runs the tokenizer.json, on text where o200k's split is not
+    GPT-2's (capitals inside words, contractions, digits in threes, slashes)."""
+    from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from model.tokenizer import O200K_PATTERN
+
+    write_gpt_oss(tmp_path / "hf", vocab_size=400)
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(O200K_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])  # fmt: skip
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|bos|>", "<|eos|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    corpus = "HelloWorld it's JSONParser don't 1234567 and/or\n\n  CamelCase I'LL"
+    hf.train_from_iterator([corpus] * 50, trainer)
+    hf.save(str(tmp_path / "hf" / "tokenizer.json"))
+    (tmp_path / "gguf").mkdir()
+    path = write_gguf(tmp_path / "hf", tmp_path / "gguf" / "model.gguf", pre="gpt-4o")
+    ours = Tokenizer.from_dir(path)
+    for text in (corpus, "XMLHttpRequest's 98765 a/b/c\r\n\tWe'RE", " ünïcödé ÀB"):
+        assert ours.encode(text) == hf.encode(text).ids, text
 
 
 def test_each_tensor_is_read_in_the_type_it_is_stored(tmp_path: Path) -> None:
