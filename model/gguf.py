@@ -347,6 +347,10 @@ class GgufFile:
             found += ".weight"
         return (found, expert) if found in self.tensors else None
 
+    def where(self, name: str) -> Path:
+        """The file that holds tensor `name` (for errors): this one."""
+        return self.path
+
     def shape(self, name: str) -> tuple[int, ...]:
         source, expert = self.source(name) or (None, None)
         assert source is not None, name

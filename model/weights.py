@@ -388,8 +388,12 @@ class _Reader:
         packed = self.packing is not None and self.packing.marker(name) in self.files
         return self.packing.kind if packed else None
 
+    def where(self, name: str) -> Path:
+        """The file that holds tensor `name` (for errors)."""
+        return self.files[self._stored(name) or name]
+
     def _handle(self, name: str) -> Any:
-        path = self.files[self._stored(name) or name]
+        path = self.where(name)
         if path not in self.handles:
             self.handles[path] = self.stack.enter_context(_open(path))
         return self.handles[path]
@@ -602,7 +606,7 @@ def _fill(
         if (stored[::-1] if transpose else stored) != p.full:
             want = p.full[::-1] if transpose else p.full
             raise CheckpointError(
-                f"{reader.files[p.source]}: tensor {p.source!r} has shape {stored}, expected "
+                f"{reader.where(p.source)}: tensor {p.source!r} has shape {stored}, expected "
                 f"{want} from {hint}"
             )
         rows, cols = (p.cols, p.rows) if transpose else (p.rows, p.cols)

@@ -349,6 +349,14 @@ def test_a_file_kvserve_cannot_serve_is_refused_naming_it(tmp_path: Path) -> Non
     other.write_bytes(data.replace(b"llama", b"xllam", 1))
     with pytest.raises(CheckpointError, match="architecture 'xllam' is not served"):
         load_model(other)
+    hf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    hf["intermediate_size"] *= 2  # metadata that disagrees with the tensors' shapes
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(hf))
+    wrong = write_gguf(tmp_path / "hf", tmp_path / "wrong.gguf")
+    with pytest.raises(
+        CheckpointError, match=r"wrong.gguf: tensor .*gate_proj.* has shape .* expected"
+    ):
+        load_model(wrong)
     bad_pre = tmp_path / "pre.gguf"
     bad_pre.write_bytes(data.replace(b"gpt-2", b"gpt-9", 1))
     with pytest.raises(TokenizerError, match="pre-tokenizer 'gpt-9'"):
