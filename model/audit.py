@@ -177,15 +177,15 @@ INT8_ROW_BYTES = 8  # an int8 linear's per output row: its float32 scale, the in
 def layer_linears(cfg: ModelConfig, experts: bool = True) -> tuple[int, int]:
     """(weights, output rows) of every decoder layer's linear matrices together: what
     --quantization int8 and fp8 hold in one byte a weight, with a scale a row. A
-    mixture's router and shared expert are linears; its routed experts count where
-    `experts` (int8 packs them; fp8 keeps them in the model's dtype)."""
+    mixture's shared expert is among them, its router not (held in the model's dtype:
+    model.moe.linear_quantization); its routed experts count where `experts` (int8
+    packs them; fp8 keeps them in the model's dtype)."""
     qkv, out, ffn_in, down = layer_linear_shapes(cfg)
     shapes = [(qkv, cfg.n_layers), (out, cfg.n_layers)]
     sparse = len(cfg.sparse_layers)
     shapes += [(ffn_in, cfg.n_layers - sparse), (down, cfg.n_layers - sparse)]
     if (e := cfg.experts) is not None:
         d = cfg.d_model
-        shapes.append(((d, e.n_experts), sparse))  # the router
         if e.shared_d_ff:
             shapes += [((d, 2 * e.shared_d_ff), sparse), ((e.shared_d_ff, d), sparse)]
             shapes.append(((d, 1), sparse))

@@ -37,6 +37,18 @@ def route(logits: Tensor, top_k: int, normalize: bool) -> tuple[Tensor, Tensor]:
     return weights.to(logits.dtype), ids
 
 
+def linear_quantization(parent: nn.Module, name: str, quantization: str) -> str:
+    """What linear `name` of module `parent` is held as under `quantization`: a
+    mixture's router in the serving dtype ('none') under a quantization that rounds
+    weights again (int4, int8, fp8), since its few thousand weights a layer choose every
+    token's experts and a rounding there swaps whole expert outputs (llama.cpp's
+    quantizer keeps it in F32, vLLM's quantized mixtures leave it unquantized); under
+    'auto' a checkpoint's own integer router as stored. Any other linear: `quantization`."""
+    if isinstance(parent, MoE) and name == "router" and quantization != "auto":
+        return "none"
+    return quantization
+
+
 class GroupedExperts(nn.Module):
     """Runs each chosen expert once over the tokens routed to it; `run` is one expert's
     SwiGLU over its tokens, by whatever weights a subclass holds."""

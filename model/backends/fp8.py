@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.fp8 import E4M3, E4M3_MAX, dequantize, quantize
+from model.moe import linear_quantization
 
 
 def quantize_rows(rows: Tensor) -> tuple[Tensor, Tensor]:
@@ -67,12 +68,16 @@ class Fp8Linear(nn.Module):
 
 
 def to_fp8(model: nn.Module) -> int:
-    """Every linear of the decoder layers -> an Fp8Linear, in place; how many."""
+    """Every linear of the decoder layers (a mixture's router as
+    model.moe.linear_quantization says) -> an Fp8Linear, in place; how many."""
     n = 0
     for layer in model.layers:
         for parent in list(layer.modules()):
             for name, child in list(parent.named_children()):
-                if isinstance(child, nn.Linear):
+                if (
+                    isinstance(child, nn.Linear)
+                    and linear_quantization(parent, name, "fp8") == "fp8"
+                ):
                     setattr(parent, name, Fp8Linear(child))
                     n += 1
     return n

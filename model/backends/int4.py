@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from model.grouped import GROUP, int4_dequantize, int4_quantize_reference
 from model.int_weights import stored_kind
+from model.moe import linear_quantization
 
 # kernel(x rows (M, K), codes, steps, minimums, bias) -> (M, N) in x's dtype
 Int4Kernel = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor | None], Tensor]
@@ -61,13 +62,14 @@ def takes_int4(weight: Tensor, quantization: str) -> bool:
 
 
 def to_int4(model: nn.Module, quantization: str) -> int:
-    """Every nn.Linear of a Transformer (model/transformer.py) whose weight takes_int4 ->
-    an Int4Linear, in place, and a tied head an Int4Linear copy of the embedding table
+    """Every nn.Linear of a Transformer (model/transformer.py) whose weight takes_int4 (a
+    mixture's router as model.moe.linear_quantization says) -> an Int4Linear, in place, and a tied head an Int4Linear copy of the embedding table
     where the table takes it; how many."""
     n = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and takes_int4(child.weight, quantization):
+            held = linear_quantization(parent, name, quantization)
+            if type(child) is nn.Linear and takes_int4(child.weight, held):
                 setattr(parent, name, Int4Linear(child.weight, child.bias))
                 n += 1
     table = model.embed.weight

@@ -286,15 +286,18 @@ def test_a_mixtures_reads_grow_with_the_experts_a_batch_touches() -> None:
 
 def test_a_mixtures_int8_bytes_are_its_packed_modules() -> None:
     """--quantization int8 packs the experts too (one byte a weight, a scale a row);
-    fp8 leaves them in the model's dtype."""
+    fp8 leaves them in the model's dtype; both leave the routers in it."""
     from torch import nn
 
     from model.audit import weight_bytes
     from model.moe import Experts as ExpertWeights
+    from model.moe import MoE
 
     with torch.device("meta"):
         model = Transformer(MOE)
-    linears = [m for layer in model.layers for m in layer.modules() if isinstance(m, nn.Linear)]
+    routers = {id(m.router) for m in model.modules() if isinstance(m, MoE)}
+    linears = [m for layer in model.layers for m in layer.modules()
+               if isinstance(m, nn.Linear) and id(m) not in routers]  # fmt: skip
     stacks = [m for m in model.modules() if isinstance(m, ExpertWeights)]
     weights = sum(m.weight.numel() for m in linears) + sum(
         s.w_in.numel() + s.w_out.numel() for s in stacks
@@ -306,7 +309,7 @@ def test_a_mixtures_int8_bytes_are_its_packed_modules() -> None:
     head = MOE.vocab_size * MOE.d_model
     int8 = 2 * (params - weights - head) + weights + 8 * rows + head + 8 * MOE.vocab_size
     assert weight_bytes(MOE, "bfloat16", "int8") == int8
-    plain = sum(m.weight.numel() for m in linears)  # fp8: every nn.Linear, no expert
+    plain = sum(m.weight.numel() for m in linears)  # fp8: every other nn.Linear, no expert
     fp8 = 2 * params - plain + 4 * sum(m.out_features for m in linears)
     assert weight_bytes(MOE, "bfloat16", "fp8") == fp8
 

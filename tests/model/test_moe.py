@@ -115,3 +115,45 @@ def test_gpt_oss_experts_with_biases_and_the_clamped_gate_run_the_loop() -> None
     assert (got - want).abs().max().item() <= 0.03 * want.abs().max().item()
     h = torch.nn.functional.linear(x * 4, ref.w_in[0], ref.b_in[0]).float()
     assert h.max() > 7.0  # the clamp bites
+
+
+@torch.no_grad()
+def test_a_routers_weights_are_not_rounded_again() -> None:
+    """--quantization int4 and int8 on the cpu backend, int4 on the torch backend and fp8
+    hold every linear of a mixture quantized but its router, which stays in the model's
+    dtype (model.moe.linear_quantization); `auto` keeps a checkpoint's integer router
+    as stored."""
+    from torch import nn
+
+    from model.backends.cpu import prepare_model
+    from model.backends.fp8 import to_fp8
+    from model.backends.int4 import Int4Linear, to_int4
+    from model.moe import MoE
+    from tests.factories import small_model
+
+    spec = ExpertSpec(n_experts=4, top_k=2, d_ff=64)
+
+    def model(dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+        m = small_model(vocab=96, d_model=64, n_heads=4, d_ff=96, experts=spec)
+        return m.to(dtype)
+
+    def mixtures(m: nn.Module) -> list[MoE]:
+        return [b.ffn for b in m.layers if isinstance(b.ffn, MoE)]
+
+    for quantization in ("int4", "int8"):
+        m = model()
+        prepare_model(m, quantization)
+        for moe in mixtures(m):
+            assert moe.router.quant == "bf16" and moe.experts.kinds == (quantization,) * 2
+            assert moe.experts.ffns[0].w_out.quant == quantization
+    m = model(torch.float32)
+    to_int4(m, "int4")
+    assert all(type(moe.router) is nn.Linear for moe in mixtures(m))
+    assert isinstance(m.layers[0].attn.wo, Int4Linear)
+    m = model(torch.float32)
+    assert to_fp8(m) > 0 and all(type(moe.router) is nn.Linear for moe in mixtures(m))
+    m = model()
+    for moe in mixtures(m):
+        mark_stored_kind(moe.router.weight, "int4")
+    prepare_model(m, "auto")
+    assert {moe.router.quant for moe in mixtures(m)} == {"int4"}

@@ -51,7 +51,7 @@ from model.backends.cpu.kernels.linear import (
 from model.backends.cpu.pages import HugeArena
 from model.int_weights import KEEPS, mark_stored_kind, stored_kind
 from model.layers import GeGLU, SwiGLU
-from model.moe import Experts, GroupedExperts, MoE, gated
+from model.moe import Experts, GroupedExperts, MoE, gated, linear_quantization
 
 
 class PackedLinear(nn.Module):
@@ -306,7 +306,8 @@ def swap_linears(module: nn.Module, quantization: str = "none") -> None:
                 module, name, PackedGeGLU(w_in, pack_linear(child.w_out, quantization=quantization))
             )
         elif type(child) is nn.Linear:
-            setattr(module, name, pack_linear(child, quantization=quantization))
+            held = linear_quantization(module, name, quantization)
+            setattr(module, name, pack_linear(child, quantization=held))
         else:
             swap_linears(child, quantization)
 
