@@ -210,9 +210,10 @@ def quantized_bytes(weights: int, rows: int, quantization: str) -> int:
 
 def weight_bytes(cfg: ModelConfig, dtype: str, quantization: str = "none") -> int:
     """The weights' bytes as the server holds them: every parameter in `dtype`, or with
-    --quantization the decoder layers' linears as quantized_bytes holds them (int8 and
-    int4 on the cpu backend also its LM head: a tied one as a quantized copy of the
-    embedding table, which the lookup keeps in `dtype`; and a mixture's experts)."""
+    --quantization the decoder layers' linears as quantized_bytes holds them (int8 on
+    the cpu backend and int4 on every backend also its LM head: a tied one as a quantized
+    copy of the embedding table, which the lookup keeps in `dtype`; and a mixture's
+    experts)."""
     total = count_params(cfg).total * dtype_bytes(dtype)
     if quantization == "none":
         return total

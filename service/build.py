@@ -137,8 +137,8 @@ def _held_as(quantization: str, engine: LLMEngine) -> tuple[str, int | None]:
     """--quantization as the engine holds the weights, and their bytes where the config
     cannot give them: auto stays auto where a linear kept a checkpoint's integer kind
     (their bytes as loaded), else is none (a float checkpoint, or a backend or dtype
-    that computes the checkpoint's values as loaded); int4's bytes as loaded too (a
-    mixture's experts are int4 on the cpu backend, in the model's dtype elsewhere)."""
+    that computes the checkpoint's values as loaded); int4's bytes as loaded too (its
+    routers stay in the model's dtype)."""
     if quantization == "int4":
         return quantization, engine.backend.held_bytes(engine.model)
     if quantization != "auto":

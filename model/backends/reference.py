@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from model.backends.base import flag_non_finite
 from model.backends.fp8 import Fp8Linear, to_fp8
-from model.backends.int4 import Int4Linear, to_int4
+from model.backends.int4 import Int4Linear, Int4Stack, to_int4
 from model.config import ModelConfig
 from model.layers import RMSNorm, apply_rope
 from model.metadata import AttentionMetadata
@@ -107,10 +107,11 @@ class TorchBackend:
         """Nothing: the reference's layouts are the checkpoint's (FP8 is converted whole)."""
 
     def held_bytes(self, model: nn.Module) -> int:
-        """The parameters' bytes, and the quantized linears' codes and scales."""
+        """The parameters' bytes, and the quantized linears' and expert stacks' codes and
+        scales."""
         total = sum(p.nbytes for p in model.parameters() if not p.is_meta)
         for m in model.modules():
-            if isinstance(m, (Fp8Linear, Int4Linear)):
+            if isinstance(m, (Fp8Linear, Int4Linear, Int4Stack)):
                 total += sum(b.nbytes for b in m.buffers(recurse=False))
         return total
 

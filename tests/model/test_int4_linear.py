@@ -9,12 +9,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.backends.int4 import Int4Linear, takes_int4, to_int4
+from model.audit import weight_bytes
+from model.backends.int4 import Int4Experts, Int4Linear, Int4Stack, takes_int4, to_int4
 from model.backends.reference import TorchBackend
+from model.config import Experts as ExpertSpec
 from model.generate import generate
 from model.grouped import GROUP, int4_dequantize
 from model.int_weights import mark_stored_kind
 from model.kv_cache import PagedKVCache
+from model.moe import Experts, MoE
 from tests.factories import small_model
 from tests.model.backends import make_backend
 
@@ -89,24 +92,40 @@ def _logits(model, backend, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]
     return first, model(torch.tensor([7]), meta, cache)
 
 
+SHAPES = {
+    "dense": dict(vocab=96, d_model=64, n_heads=4, n_kv_heads=2, d_ff=96, tie_embeddings=True),
+    "experts": dict(
+        vocab=96,
+        d_model=64,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=96,
+        experts=ExpertSpec(n_experts=4, top_k=2, d_ff=64),
+    ),
+}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
 @torch.no_grad()
-def test_a_model_in_int4_gives_the_references_logits_on_triton() -> None:
-    """The same int4 model (a tied head) on the Triton backend, its int4 linears on
-    int4_linear (a prefill's rows and a decode's one), and on the torch reference's
-    dequantized F.linear: the same logits in float32, and the tokens model/generate.py
-    gives on each."""
+def test_a_model_in_int4_gives_the_references_logits_on_triton(shape: str) -> None:
+    """The same int4 model (a tied head; a mixture) on the Triton backend, its int4
+    linears on int4_linear (a prefill's rows and a decode's one) and its int4 experts in
+    the experts' kernels, and on the torch reference's dequantized F.linear and experts:
+    the same logits in float32, and the tokens model/generate.py gives on each."""
     torch.manual_seed(0)
-    model = small_model(vocab=96, d_model=64, n_heads=4, n_kv_heads=2, d_ff=96, tie_embeddings=True)
+    model = small_model(**SHAPES[shape])
     triton = make_backend("triton", model.cfg)
     reference = TorchBackend("cpu")
     ids = [5, 17, 33, 2, 90, 41, 8, 64, 12, 3, 77, 30, 19, 55, 1, 6, 22, 49, 71, 10]
-    triton_model = small_model(
-        vocab=96, d_model=64, n_heads=4, n_kv_heads=2, d_ff=96, tie_embeddings=True
-    )
+    triton_model = small_model(**SHAPES[shape])
     triton_model.load_state_dict(model.state_dict())
     assert reference.prepare(model, "int4") and triton.prepare(triton_model, "int4")
+    for moe in (m for m in triton_model.modules() if isinstance(m, MoE)):
+        assert isinstance(moe.experts, triton.moe.TritonExperts)
+        assert isinstance(moe.experts.w_in, Int4Stack) and isinstance(moe.experts.w_out, Int4Stack)
     assert reference.describe()["linears"] == triton.describe()["linears"]
-    assert set(triton.describe()["linears"]) == {"int4"}
+    routers = {"torch"} if shape == "experts" else set()  # a mixture's router not rounded
+    assert set(triton.describe()["linears"]) == {"int4"} | routers
     kernels = {m.kernel for m in triton_model.modules() if isinstance(m, Int4Linear)}
     assert kernels == {triton.int4_linear.int4_linear}
     for want, got in zip(_logits(model, reference, ids), _logits(triton_model, triton, ids)):
@@ -118,14 +137,36 @@ def test_a_model_in_int4_gives_the_references_logits_on_triton() -> None:
     assert tokens[0] == tokens[1]
 
 
-def test_held_bytes_count_the_codes_and_scales() -> None:
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_held_bytes_count_the_codes_and_scales(shape: str) -> None:
     """The torch backend's held_bytes, under int4: 5/8 of a byte a quantized weight (its
-    codes, bf16 step and minimum each 32), every other parameter as it is."""
-    model = small_model(
-        vocab=96, d_model=64, n_heads=4, n_kv_heads=2, d_ff=96, tie_embeddings=False
-    )
+    codes, bf16 step and minimum each 32: the linears, a mixture's expert stacks, not its
+    routers), every other parameter as it is."""
+    model = small_model(**(SHAPES[shape] | dict(tie_embeddings=False)))
     backend = TorchBackend("cpu")
-    weights = sum(m.weight.numel() for m in model.modules() if type(m) is nn.Linear)
+    routers = {id(m.router) for m in model.modules() if isinstance(m, MoE)}
+    weights = sum(m.weight.numel() for m in model.modules()
+                  if type(m) is nn.Linear and id(m) not in routers)  # fmt: skip
+    weights += sum(s.numel() for m in model.modules() if isinstance(m, Experts)
+                   for s in (m.w_in, m.w_out))  # fmt: skip
     before = backend.held_bytes(model)
     assert backend.prepare(model, "int4")
     assert backend.held_bytes(model) == before - 4 * weights + weights * 5 // 8
+    # the audit's count (kvserve plan, /v1/models) is what the GPU's backends hold
+    assert backend.held_bytes(model) == weight_bytes(model.cfg, "float32", "int4")
+
+
+def test_auto_holds_a_checkpoints_4_bit_expert_stacks_in_int4() -> None:
+    """Under auto a stack the checkpoint stores in 4-bit groups is int4 (a GGUF's Q4_K
+    gate | up), the other kept as loaded (its Q6_K down); the reference's experts run on
+    the dequantized codes, which equal the checkpoint's 4-bit values."""
+    model = small_model(**SHAPES["experts"])
+    moe = next(m for m in model.modules() if isinstance(m, MoE))
+    with torch.no_grad():  # 4-bit values: 16 levels a group of 32
+        levels = torch.randint(0, 16, moe.experts.w_in.shape).float()
+        moe.experts.w_in.copy_((levels - 8) / 128)
+    w_in, w_out = moe.experts.w_in.detach().clone(), moe.experts.w_out
+    mark_stored_kind(moe.experts.w_in, "int4")
+    assert to_int4(model, "auto") == 1
+    assert isinstance(moe.experts, Int4Experts) and moe.experts.w_out is w_out
+    assert torch.equal(torch.stack([moe.experts.w_in.expert(e) for e in range(4)]), w_in)

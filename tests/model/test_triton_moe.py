@@ -101,3 +101,38 @@ def test_triton_backend_runs_a_mixture_by_its_kernels() -> None:
     backend.prepare(mixture)
     assert isinstance(mixture.experts, backend.moe.TritonExperts)
     assert mixture.experts.w_in is w_in
+
+
+INT4_CASES = {
+    # (experts, top_k, d, d_ff, bias, clamped): in and out features whole groups of 32
+    "swiglu": (8, 3, 96, 64, False, None),
+    "gpt-oss": (8, 2, 64, 96, True, (1.702, 7.0)),
+}
+
+
+@pytest.mark.parametrize("stacks", [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize("case", list(INT4_CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_stacks_give_the_int4_reference_experts(
+    stacks: tuple[bool, bool], case: str, dtype: torch.dtype
+) -> None:
+    """Either stack or both in int4 (model/backends/int4.py's Int4Experts), the tiles
+    widened from the codes in the kernels: the reference's experts on the dequantized
+    codes at the decode and prefill tiles, float32 within 1e-5, bf16 within its
+    rounding; and not the float stacks' (the codes are what the kernels read)."""
+    from model.backends.int4 import Int4Experts
+
+    moe = triton_moe()
+    n, top_k, d, ff, bias, clamped = INT4_CASES[case]
+    plain = experts(ExpertSpec(n, top_k, ff, bias=bias, clamped=clamped), d, dtype)
+    ref = Int4Experts(plain, *stacks)
+    fused = moe.TritonExperts(ref)
+    for rows in (1, 3, 300):
+        torch.manual_seed(rows)
+        x = torch.randn(rows, d).to(dtype)
+        weights, ids = route((3 * torch.randn(rows, n)).to(dtype), top_k, normalize=True)
+        got, want = fused(x, weights, ids).float(), ref(x, weights, ids).float()
+        tol = 1e-5 if dtype == torch.float32 else 0.02 * want.abs().max().item()
+        assert (got - want).abs().max().item() <= tol, rows
+        if dtype == torch.float32:
+            assert (plain(x, weights, ids) - want).abs().max().item() > 100 * tol

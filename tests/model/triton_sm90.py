@@ -133,20 +133,28 @@ def _int4_dot(prefill: bool, bias: bool) -> tuple:
     return I._int4_dot_kernel, types, consts, warps
 
 
-def _experts_in(bm: int, gpt_oss: bool) -> tuple:
-    types = dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", pairs_ptr="*i32",
+def _stack_types(int4: bool) -> dict[str, str]:
+    """An expert stack's operands: its bf16 weights, or int4 codes, steps and minimums."""
+    if int4:
+        return dict(w_ptr="*u8", ws_ptr="*bf16", wm_ptr="*bf16")
+    return dict(w_ptr="*bf16", ws_ptr="*bf16", wm_ptr="*bf16")
+
+
+def _experts_in(bm: int, gpt_oss: bool, int4: bool = False) -> tuple:
+    types = dict(x_ptr="*bf16", **_stack_types(int4), b_ptr="*bf16", pairs_ptr="*i32",
                  tile_experts_ptr="*i32", h_ptr="*bf16", P="i32", d="i32", F="i32")  # fmt: skip
     consts = dict(TOP_K=4 if gpt_oss else 8, BLOCK_M=bm, BLOCK_N=M.BLOCK_N, BLOCK_K=M.BLOCK_K,
                   HAS_BIAS=gpt_oss, CLAMPED=gpt_oss, ALPHA=1.702 if gpt_oss else 0.0,
-                  LIMIT=7.0 if gpt_oss else 0.0, UPCAST=False)  # fmt: skip
+                  LIMIT=7.0 if gpt_oss else 0.0, UPCAST=False, INT4=int4)  # fmt: skip
     return M._experts_in_kernel, types, consts, M.warps(bm)
 
 
-def _experts_out(bm: int, bias: bool) -> tuple:
-    types = dict(h_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", scale_ptr="*bf16",
+def _experts_out(bm: int, bias: bool, int4: bool = False) -> tuple:
+    types = dict(h_ptr="*bf16", **_stack_types(int4), b_ptr="*bf16", scale_ptr="*bf16",
                  pairs_ptr="*i32", tile_experts_ptr="*i32", out_ptr="*bf16", P="i32",
                  d="i32", F="i32")  # fmt: skip
-    consts = dict(BLOCK_M=bm, BLOCK_N=M.BLOCK_N, BLOCK_K=M.BLOCK_K, HAS_BIAS=bias, UPCAST=False)
+    consts = dict(BLOCK_M=bm, BLOCK_N=M.BLOCK_N, BLOCK_K=M.BLOCK_K, HAS_BIAS=bias, UPCAST=False,
+                  INT4=int4)  # fmt: skip
     return M._experts_out_kernel, types, consts, M.warps(bm)
 
 
@@ -187,6 +195,10 @@ VARIANTS = {
     "experts_in bf16 gpt-oss": _experts_in(16, True),
     "experts_out bf16 decode": _experts_out(16, False),
     "experts_out bf16 prefill bias": _experts_out(64, True),
+    "experts_in int4 decode": _experts_in(16, False, True),
+    "experts_in int4 prefill gpt-oss": _experts_in(64, True, True),
+    "experts_out int4 decode": _experts_out(16, False, True),
+    "experts_out int4 prefill bias": _experts_out(64, True, True),
 }
 
 

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from model.backends.fp8 import Fp8Linear
-from model.backends.int4 import Int4Linear
+from model.backends.int4 import Int4Experts, Int4Linear
 from model.backends.reference import (
     TorchBackend,
     beyond_window,
@@ -114,12 +114,12 @@ class TritonBackend(TorchBackend):
     def prepare(self, model: nn.Module, quantization: str = "none") -> bool:
         """The reference's weights (FP8 or int4 where asked), and this backend's kernels
         given to the modules that take one: SwiGLU's silu(gate) * up, a mixture's routed
-        experts (model/backends/triton/moe.py), the int4 linears' W4A16 kernel
+        experts (model/backends/triton/moe.py; int4 stacks too), the int4 linears' W4A16 kernel
         (int4_linear.py), and on CUDA the FP8 linears' activation quantizer (pointwise.py)
         and their kernel for decode batches (fp8_gemv.py)."""
         repacked = super().prepare(model, quantization)
         for module in model.modules():
-            if isinstance(module, MoE) and isinstance(module.experts, Experts):
+            if isinstance(module, MoE) and isinstance(module.experts, (Experts, Int4Experts)):
                 module.experts = self.moe.TritonExperts(module.experts)
             elif isinstance(module, SwiGLU):
                 module.gate_mul = self.pointwise.silu_mul

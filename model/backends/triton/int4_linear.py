@@ -45,6 +45,17 @@ def _codes(q_ptr, d_ptr, m_ptr, n, n_ok, g, g_ok, KG):
 
 
 @triton.jit
+def _dequantized(q_ptr, d_ptr, m_ptr, n, n_ok, g0, KG, GB: tl.constexpr):
+    """The weights (BLOCK_N, GB * 32) in fp32 of rows n, groups g0 .. g0 + GB - 1, k in
+    order; zeros where masked (a row past n_ok, a group past KG)."""
+    g = g0 + tl.arange(0, GB)
+    byte, d, m = _codes(q_ptr, d_ptr, m_ptr, n, n_ok, g, g < KG, KG)
+    lo = (byte & 0xF).to(tl.float32) * d[:, :, None] + m[:, :, None]
+    hi = (byte >> 4).to(tl.float32) * d[:, :, None] + m[:, :, None]
+    return tl.reshape(tl.interleave(lo, hi), (n.shape[0], GB * 32))
+
+
+@triton.jit
 def _int4_row_kernel(
     x_ptr,  # (K,) one row of activations
     q_ptr,  # (N, K / 2) uint8 codes
@@ -100,18 +111,13 @@ def _int4_dot_kernel(
     K = KG * 32
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for start in range(0, KG, GB):
-        g = start + tl.arange(0, GB)
-        g_ok = g < KG
         k = start * 32 + tl.arange(0, GB * 32)
         x = tl.load(
             x_ptr + m_row[:, None].to(tl.int64) * K + k[None, :],
             mask=m_ok[:, None] & (k < K)[None, :],
             other=0.0,
         )
-        byte, d, m = _codes(q_ptr, d_ptr, m_ptr, n, n_ok, g, g_ok, KG)
-        lo = (byte & 0xF).to(tl.float32) * d[:, :, None] + m[:, :, None]
-        hi = (byte >> 4).to(tl.float32) * d[:, :, None] + m[:, :, None]
-        w = tl.reshape(tl.interleave(lo, hi), (BLOCK_N, GB * 32))  # k in order
+        w = _dequantized(q_ptr, d_ptr, m_ptr, n, n_ok, start, KG, GB)
         if UPCAST:
             acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
         else:

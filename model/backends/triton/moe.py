@@ -13,7 +13,10 @@ step does not fill). Then
   bias added and the pair's router weight applied in the epilogue, one output row per
   pair; the k choices of a token are summed after (in a fixed order, no atomics).
 
-Nothing is read on the host: the layout is built by torch on the device with sizes
+Either stack may be int4 (model/backends/int4.py's Int4Experts: `--quantization int4`, or
+a checkpoint's 4-bit experts under `auto`): its tiles are widened from the codes in
+registers as int4_linear.py's are, nothing dequantized in memory. Nothing is read on the
+host: the layout is built by torch on the device with sizes
 that depend on the step's token count alone (the most tiles any routing can need), so
 a decode step is captured in a CUDA graph like a dense one. In the interpreter (no GPU)
 the operands are widened to fp32 (model/backends/triton/kernels.py says why).
@@ -24,8 +27,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch import Tensor
+from torch import Tensor, nn
 
+from model.backends.int4 import Int4Experts, Int4Stack
+from model.backends.triton.int4_linear import _dequantized
 from model.backends.triton.kernels import INTERPRET, _rounded
 from model.moe import Experts, GroupedExperts
 
@@ -90,9 +95,29 @@ def _activation(acc_g, acc_u, dtype: tl.constexpr, CLAMPED: tl.constexpr, ALPHA,
 
 
 @triton.jit
+def _expert_weights(w_rows, w_ptr, ws_ptr, wm_ptr, e, rows, n, n_ok, start, K,
+                    BLOCK_K: tl.constexpr, INT4: tl.constexpr):  # fmt: skip
+    """Expert e's weights (BLOCK_N, BLOCK_K) at rows n (of its `rows`), k from start, of
+    a stack (E, rows, K): in its own dtype from w_rows (each row's first weight, the
+    loop's invariant), or with INT4 in fp32 from the codes (E, rows, K / 2) at w_ptr and
+    the steps and minimums (E, rows, K / 32) at ws_ptr, wm_ptr; zeros where masked."""
+    if INT4:  # one branch a variant: Triton types an early return's fall-through too
+        KG = K // 32
+        at = e * rows * KG
+        w = _dequantized(w_ptr + at * 16, ws_ptr + at, wm_ptr + at, n, n_ok, start // 32,
+                         KG, BLOCK_K // 32)  # fmt: skip
+    else:
+        k = start + tl.arange(0, BLOCK_K)
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
+    return w
+
+
+@triton.jit
 def _experts_in_kernel(
     x_ptr,  # (T, d) the normed rows
-    w_ptr,  # (E, 2F, d): gate rows, then up rows
+    w_ptr,  # (E, 2F, d): gate rows, then up rows (with INT4: their codes)
+    ws_ptr,  # with INT4: (E, 2F, d / 32) steps
+    wm_ptr,  # with INT4: (E, 2F, d / 32) minimums
     b_ptr,  # (E, 2F), read when HAS_BIAS
     pairs_ptr,  # (tiles * BLOCK_M,) int32 pair ids, P: padding
     tile_experts_ptr,  # (tiles,) int32, -1: an empty tile
@@ -109,6 +134,7 @@ def _experts_in_kernel(
     ALPHA: tl.constexpr,
     LIMIT: tl.constexpr,
     UPCAST: tl.constexpr,
+    INT4: tl.constexpr,
 ):
     tile = tl.program_id(0)
     e = tl.load(tile_experts_ptr + tile).to(tl.int64)
@@ -118,25 +144,25 @@ def _experts_in_kernel(
     token = (pair // TOP_K).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < F
-    w_gate = w_ptr + e * (2 * F) * d + n[:, None].to(tl.int64) * d
+    w_gate = w_ptr + e * (2 * F) * d + n[:, None].to(tl.int64) * d  # unread with INT4
     w_up = w_gate + F * d
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for start in range(0, d, BLOCK_K):
         k = start + tl.arange(0, BLOCK_K)
-        k_ok = k < d
         a = tl.load(x_ptr + token[:, None] * d + k[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-        w_ok = n_ok[:, None] & k_ok[None, :]
-        g = tl.load(w_gate + k[None, :], mask=w_ok, other=0.0)
-        u = tl.load(w_up + k[None, :], mask=w_ok, other=0.0)
+                    mask=row_ok[:, None] & (k < d)[None, :], other=0.0)  # fmt: skip
+        g = _expert_weights(w_gate, w_ptr, ws_ptr, wm_ptr, e, 2 * F, n, n_ok, start, d,
+                            BLOCK_K, INT4)  # fmt: skip
+        u = _expert_weights(w_up, w_ptr, ws_ptr, wm_ptr, e, 2 * F, n + F, n_ok, start, d,
+                            BLOCK_K, INT4)  # fmt: skip
         if UPCAST:
             a = a.to(tl.float32)
             acc_g += tl.dot(a, tl.trans(g.to(tl.float32)), input_precision="ieee")
             acc_u += tl.dot(a, tl.trans(u.to(tl.float32)), input_precision="ieee")
         else:
-            acc_g += tl.dot(a, tl.trans(g))
-            acc_u += tl.dot(a, tl.trans(u))
+            acc_g += tl.dot(a, tl.trans(g.to(a.dtype)))
+            acc_u += tl.dot(a, tl.trans(u.to(a.dtype)))
     dtype = h_ptr.dtype.element_ty
     if HAS_BIAS:
         acc_g += tl.load(b_ptr + e * (2 * F) + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -149,7 +175,9 @@ def _experts_in_kernel(
 @triton.jit
 def _experts_out_kernel(
     h_ptr,  # (P, F)
-    w_ptr,  # (E, d, F)
+    w_ptr,  # (E, d, F) (with INT4: its codes)
+    ws_ptr,  # with INT4: (E, d, F / 32) steps
+    wm_ptr,  # with INT4: (E, d, F / 32) minimums
     b_ptr,  # (E, d), read when HAS_BIAS
     scale_ptr,  # (P,) each pair's router weight
     pairs_ptr,
@@ -163,6 +191,7 @@ def _experts_out_kernel(
     BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     UPCAST: tl.constexpr,
+    INT4: tl.constexpr,
 ):
     tile = tl.program_id(0)
     e = tl.load(tile_experts_ptr + tile).to(tl.int64)
@@ -172,18 +201,18 @@ def _experts_out_kernel(
     rows = pair.to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < d
-    w_rows = w_ptr + e * d * F + n[:, None].to(tl.int64) * F
+    w_rows = w_ptr + e * d * F + n[:, None].to(tl.int64) * F  # unread with INT4
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for start in range(0, F, BLOCK_K):
         k = start + tl.arange(0, BLOCK_K)
-        k_ok = k < F
         a = tl.load(h_ptr + rows[:, None] * F + k[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                    mask=row_ok[:, None] & (k < F)[None, :], other=0.0)  # fmt: skip
+        w = _expert_weights(w_rows, w_ptr, ws_ptr, wm_ptr, e, d, n, n_ok, start, F, BLOCK_K,
+                            INT4)  # fmt: skip
         if UPCAST:
             acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
-            acc += tl.dot(a, tl.trans(w))
+            acc += tl.dot(a, tl.trans(w.to(a.dtype)))
     if HAS_BIAS:
         acc += tl.load(b_ptr + e * d + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     dtype = out_ptr.dtype.element_ty
@@ -193,10 +222,19 @@ def _experts_out_kernel(
     tl.store(out, _rounded(y * weight[:, None], dtype), mask=row_ok[:, None] & n_ok[None, :])
 
 
-class TritonExperts(GroupedExperts):
-    """model/moe.py's Experts (the same parameters, shared) run by the two kernels."""
+def _stack(w: Tensor | nn.Module) -> tuple[Tensor, Tensor, Tensor, bool]:
+    """A stack's kernel operands: (weights or codes, steps, minimums, INT4); a stack in
+    its own dtype passes its weights for the unread steps and minimums."""
+    if isinstance(w, Int4Stack):
+        return w.codes, w.steps, w.minimums, True
+    return w, w, w, False
 
-    def __init__(self, experts: Experts) -> None:
+
+class TritonExperts(GroupedExperts):
+    """model/moe.py's Experts, or model/backends/int4.py's Int4Experts (the same
+    parameters and codes, shared), run by the two kernels."""
+
+    def __init__(self, experts: Experts | Int4Experts) -> None:
         super().__init__()
         self.n_experts, self.d_ff, self.clamped = experts.n_experts, experts.d_ff, experts.clamped
         self.w_in, self.w_out = experts.w_in, experts.w_out
@@ -216,17 +254,20 @@ class TritonExperts(GroupedExperts):
         upcast = INTERPRET or x.dtype == torch.float32
         alpha, limit = self.clamped or (0.0, 0.0)
         tiles = tile_experts.numel()
-        b_in = self.b_in if self.b_in is not None else self.w_in
-        b_out = self.b_out if self.b_out is not None else self.w_out
+        (w_in, s_in, m_in, int4_in), (w_out, s_out, m_out, int4_out) = map(
+            _stack, (self.w_in, self.w_out)
+        )
+        b_in = self.b_in if self.b_in is not None else x
+        b_out = self.b_out if self.b_out is not None else x
         _experts_in_kernel[(tiles, triton.cdiv(f, BLOCK_N))](
-            x, self.w_in, b_in, sorted_pairs, tile_experts, h, pairs, d, f, TOP_K=top_k,
-            BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, HAS_BIAS=self.b_in is not None,
-            CLAMPED=self.clamped is not None, ALPHA=alpha, LIMIT=limit, UPCAST=upcast,
-            num_warps=warps(bm),
+            x, w_in, s_in, m_in, b_in, sorted_pairs, tile_experts, h, pairs, d, f,
+            TOP_K=top_k, BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+            HAS_BIAS=self.b_in is not None, CLAMPED=self.clamped is not None, ALPHA=alpha,
+            LIMIT=limit, UPCAST=upcast, INT4=int4_in, num_warps=warps(bm),
         )  # fmt: skip
         _experts_out_kernel[(tiles, triton.cdiv(d, BLOCK_N))](
-            h, self.w_out, b_out, weights.contiguous(), sorted_pairs, tile_experts, out,
-            pairs, d, f, BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-            HAS_BIAS=self.b_out is not None, UPCAST=upcast, num_warps=warps(bm),
+            h, w_out, s_out, m_out, b_out, weights.contiguous(), sorted_pairs, tile_experts,
+            out, pairs, d, f, BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+            HAS_BIAS=self.b_out is not None, UPCAST=upcast, INT4=int4_out, num_warps=warps(bm),
         )  # fmt: skip
         return out.view(t, top_k, d).sum(dim=1)

@@ -441,15 +441,26 @@ def test_int4_linears_on_cuda_are_the_dequantized_linear_in_one_launch(rows: int
     torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=1e-3)
 
 
-def test_int4_weights_on_cuda_replay_graphs_with_eagers_tokens() -> None:
-    """--quantization int4 on the GPU: the triton backend's int4 linears captured in the
-    decode graphs give the eager engine's greedy tokens."""
-    model = small_model(d_model=128, n_heads=4, d_ff=256).to("cuda", torch.bfloat16)
-    engine = cuda_engine(model, quantization="int4")
-    assert engine.backend.describe()["linears"].keys() == {"int4"}
+@pytest.mark.parametrize("writer", [None, write_qwen3_moe])
+def test_int4_weights_on_cuda_replay_graphs_with_eagers_tokens(writer, tmp_path) -> None:
+    """--quantization int4 on the GPU: the triton backend's int4 linears (and a mixture's
+    int4 experts) captured in the decode graphs give the eager engine's greedy tokens."""
+
+    def model():  # type: ignore[no-untyped-def]
+        if writer is None:
+            return small_model(d_model=128, n_heads=4, d_ff=256).to("cuda", torch.bfloat16)
+        return load_model(tmp_path, torch.bfloat16, device="cuda")
+
+    if writer is not None:
+        writer(tmp_path)
+    from model.backends.int4 import Int4Stack
+
+    engine = cuda_engine(model(), quantization="int4")
+    assert "int4" in engine.backend.describe()["linears"]
+    stacks = [m for m in engine.model.modules() if isinstance(m, Int4Stack)]
+    assert len(stacks) == (0 if writer is None else 2 * len(engine.model.cfg.sparse_layers))
     assert engine.runner.graphs is not None
-    eager_model = small_model(d_model=128, n_heads=4, d_ff=256).to("cuda", torch.bfloat16)
-    eager = cuda_engine(eager_model, quantization="int4", enforce_eager=True)
+    eager = cuda_engine(model(), quantization="int4", enforce_eager=True)
     requests = mixed_requests(8)
     got = {rid: tokens_of(o) for rid, o in run_all(engine, requests).items()}
     want = {rid: tokens_of(o) for rid, o in run_all(eager, requests).items()}
