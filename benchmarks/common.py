@@ -226,9 +226,12 @@ def run_single(engine: LLMEngine, prompt: list[int], out_len: int) -> dict[str, 
 def random_model(
     shape: dict, dtype: torch.dtype, device: torch.device, seed: int = 0
 ) -> Transformer:
-    """A Llama of `shape` (config.json's fields) with random weights made on the device:
-    N(0, 0.02) matrices, unit norms, in `dtype`, with no checkpoint file in between."""
-    cfg = ModelConfig.from_hf_config({"architectures": ["LlamaForCausalLM"], **shape})
+    """A model of `shape` (config.json's fields; a Llama unless its "architecture" names
+    another family) with random weights made on the device: N(0, 0.02) matrices, unit
+    norms, in `dtype`, with no checkpoint file in between."""
+    fields = {k: v for k, v in shape.items() if k != "architecture"}
+    family = shape.get("architecture", "Llama")
+    cfg = ModelConfig.from_hf_config({"architectures": [f"{family}ForCausalLM"], **fields})
     with torch.device("meta"):
         model = Transformer(cfg)
     gen = torch.Generator(device=device).manual_seed(seed)

@@ -2,16 +2,16 @@
 decode step's kernels counted and timed by class (one command, a few minutes on an
 H100/H200).
 
-For each shape (Llama-3.2-1B's and Llama-3.1-8B's, random weights made in device memory:
-benchmarks/common.py random_model) and each weight format (bf16; fp8, `--quantization
+For each shape (Llama-3.2-1B's and Llama-3.1-8B's, and on request 6 of Qwen3-30B-A3B's
+layers; random weights made in device memory: benchmarks/common.py random_model) and each weight format (bf16; fp8, `--quantization
 fp8`: e4m3 linears with per-channel scales, per-token activation scales; int4,
 `--quantization int4`: 4-bit codes with a bf16 step and minimum each 32 in features, bf16
 activations, the W4A16 kernel), one engine with CUDA graphs and async scheduling, as
 `kvserve serve` runs:
 
 - single-stream decode, ms/token (128 prompt tokens, 256 out), against the floor: the
-  bytes a decode step reads (every weight once; an untied embedding only its row) over
-  the device's copy bandwidth measured here;
+  bytes a decode step reads (every weight once, of a mixture's experts the top k; an
+  untied embedding only its row) over the device's copy bandwidth measured here;
 - the decode step's kernels (torch.profiler, 32 steps of that stream): launches and GPU
   µs a step by class (benchmarks/launches.py), and a decoder layer's share: the
   difference between 4-layer and 2-layer models of the same widths, halved;
@@ -36,6 +36,7 @@ from benchmarks.common import (
     LLAMA_31_8B,
     LLAMA_32_1B,
     OUT,
+    QWEN3_30B_A3B_6L,
     SMOKE,
     random_model,
     run_single,
@@ -50,7 +51,9 @@ from service.config import Settings
 from service.engine.core.engine import LLMEngine
 from service.engine.request import SamplingParams
 
-SHAPES = {"llama-3.2-1b": LLAMA_32_1B, "llama-3.1-8b": LLAMA_31_8B}
+SHAPES = {"llama-3.2-1b": LLAMA_32_1B, "llama-3.1-8b": LLAMA_31_8B,
+          "qwen3-30b-a3b-6l": QWEN3_30B_A3B_6L}  # fmt: skip
+DEFAULT_SHAPES = ["llama-3.2-1b", "llama-3.1-8b"]
 WEIGHTS = {"bf16": "none", "fp8": "fp8", "int4": "int4"}  # the row's name -> --quantization
 
 
@@ -62,18 +65,20 @@ def engine(shape: dict, quantization: str, device: torch.device, blocks: int) ->
 
 def bytes_read(model: torch.nn.Module) -> int:
     """What one decode step reads: every weight and scale once (after the backend's
-    prepare: FP8's are e4m3, int4's codes, steps and minimums), a tied embedding once as
-    the head (under int4 its int4 copy, the head), an untied one not at all (its row
-    alone)."""
-    seen, total = set(), 0
+    prepare: FP8's are e4m3, int4's codes, steps and minimums), of a mixture's expert
+    stacks the top k of every expert's, a tied embedding once as the head (under int4
+    its int4 copy, the head), an untied one not at all (its row alone)."""
+    experts = model.cfg.experts
+    seen, total = set(), 0.0
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         if t.data_ptr() in seen or name.startswith("_"):
             continue
         seen.add(t.data_ptr())
         if name == "embed.weight" and model.lm_head is not None:
             continue
-        total += t.numel() * t.element_size()
-    return total
+        share = experts.top_k / experts.n_experts if ".experts." in name else 1
+        total += t.numel() * t.element_size() * share
+    return int(total)
 
 
 def decode_census(eng: LLMEngine, vocab: int, steps: int) -> dict:
@@ -138,7 +143,7 @@ def measure(shape: dict, quantization: str, device: torch.device, args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--smoke", action="store_true", help="a tiny shape, bf16, any device")
-    ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=DEFAULT_SHAPES)
     ap.add_argument("--weights", nargs="+", choices=list(WEIGHTS), default=list(WEIGHTS))
     ap.add_argument("--json", type=Path, default=OUT / "gpu_decode.json")
     args = ap.parse_args()
