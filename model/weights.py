@@ -31,7 +31,7 @@ from torch import nn
 from model import mxfp4
 from model.config import ModelConfig
 from model.fp8 import SCALE_SUFFIXES, checkpoint_block, dequantize
-from model.gguf import GgufFile, is_gguf, open_gguf
+from model.gguf import GgufFile, is_gguf, open_gguf, served_name
 from model.int_weights import Packing, finest_kind, mark_stored_kind, packing_of
 from model.layers import rotary_order
 from model.parallel import Shares, TensorParallel
@@ -324,7 +324,7 @@ def _gguf_config(f: GgufFile) -> ModelConfig:
     except (ValueError, TypeError, KeyError) as exc:
         raise CheckpointError(f"{f.path}: {exc}") from None
     eos = tuple(dict.fromkeys((*f.eos_ids(), *cfg.eos_token_ids)))
-    return cfg.replace(name=f.path.stem, eos_token_ids=eos)
+    return cfg.replace(name=served_name(f.path), eos_token_ids=eos)
 
 
 def _weight_files(root: Path) -> dict[str, Path]:

@@ -67,15 +67,18 @@ def write_gguf(
     template: str = "",
     sentencepiece: Path | None = None,
     pre: str = "gpt-2",
+    split_max_tensors: int = 0,
 ) -> Path:
     """The GGUF file of the checkpoint in hf_dir; its tokenizer the folder's tokenizer.json
     (its pre-tokenizer named `pre`), or with `sentencepiece` that tokenizer.model's
-    vocabulary."""
+    vocabulary. split_max_tensors: split into shards of that many tensors (the gguf
+    package's writer names them OUT-00001-of-0000N.gguf, as llama.cpp's gguf-split does);
+    the first shard's path is returned."""
     import gguf
 
     config = json.loads((hf_dir / "config.json").read_text())
     arch = ARCHS[config["architectures"][0]]
-    w = gguf.GGUFWriter(str(out), arch)
+    w = gguf.GGUFWriter(str(out), arch, split_max_tensors=split_max_tensors)
     _hyper_parameters(w, config, arch)
     if arch in GEMMAS:
         _gemma(w, config, arch)
@@ -107,7 +110,8 @@ def write_gguf(
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return out
+    shards = sorted(out.parent.glob(f"{out.stem}-*-of-*.gguf")) if split_max_tensors else []
+    return shards[0] if shards else out
 
 
 def _hyper_parameters(w, config: dict, arch: str) -> None:

@@ -70,6 +70,22 @@ def test_a_gguf_file_of_a_repo_serves_from_the_cache_offline(tmp_path: Path) -> 
     assert out.returncode != 0 and "no GGUF files ending in Q5_K_M.gguf" in line
 
 
+def test_a_split_gguf_file_of_a_repo_is_named_by_its_quant(tmp_path: Path) -> None:
+    """A repo's split GGUF files, as the large ones are published: NAME-QUANT-00001-of-
+    0000N.gguf beside the others, or in a QUANT folder; `org/repo:QUANT` names the first
+    shard (its shards come with it), served under NAME-QUANT."""
+    cache = tmp_path / "hf"
+    snapshot = write_hub_cache(cache, "org/big-GGUF")
+    (snapshot / "Q4_K_M").mkdir()
+    write_gguf(snapshot, snapshot / "Q4_K_M" / "big-Q4_K_M.gguf", split_max_tensors=8)
+    q6 = write_gguf(snapshot, snapshot / "big-Q6_K.gguf", split_max_tensors=8)
+    env = {"HF_HUB_OFFLINE": "1"}
+    assert_serves_offline(tmp_path, "org/big-GGUF:q4_k_m", cache, "big-Q4_K_M")
+    got = kvserve("download", "org/big-GGUF:Q6_K", "--download-dir", str(cache), env=env)
+    assert got.returncode == 0 and got.stdout.strip() == str(q6)
+    assert q6.name.startswith("big-Q6_K-00001-of-")
+
+
 def test_a_model_not_in_the_cache_fails_in_one_line(tmp_path: Path) -> None:
     cache = tmp_path / "hf"
     cache.mkdir()

@@ -338,6 +338,42 @@ def test_each_tensor_is_read_in_the_type_it_is_stored(tmp_path: Path) -> None:
     assert default_types("blk.0.ffn_down.weight") == "Q5_0"
 
 
+@torch.no_grad()
+def test_a_split_file_is_read_from_its_first_shard(tmp_path: Path) -> None:
+    """A GGUF file split into shards (NAME-00001-of-0000N.gguf, as the gguf package's
+    writer and llama.cpp's gguf-split write them) loads from its first shard: the
+    metadata there, the tensors from every shard, served under NAME; the same logits as
+    the file whole. A later shard, or a missing one, is refused naming the file to use
+    or the one missing."""
+    import shutil
+
+    import gguf
+
+    from model.hub import resolve
+
+    hf, whole = checkpoint("qwen3_moe", tmp_path)
+    split = tmp_path / "split"
+    split.mkdir()
+    first = write_gguf(tmp_path / "hf", split / "qwen.gguf", split_max_tensors=10)
+    files = sorted(split.iterdir())
+    assert first.name == f"qwen-00001-of-{len(files):05d}.gguf" and len(files) >= 3
+    assert len(gguf.GGUFReader(str(first)).tensors) < len(open_gguf(first).tensors)
+    tokens = torch.randint(3, hf.config.vocab_size, (24,))
+    assert torch.equal(load_model(first)(tokens), load_model(whole)(tokens))
+    assert load_config(first).name == "qwen" and resolve(str(first)).model_id == "qwen"
+    assert Tokenizer.from_dir(first).encode("the quick fox") == Tokenizer.from_dir(whole).encode(
+        "the quick fox"
+    )
+    with pytest.raises(CheckpointError, match=f"shard 2 of {len(files)}.*{first.name}"):
+        load_config(files[1])
+    short = tmp_path / "short"  # a copy lacking the last shard
+    short.mkdir()
+    for f in files[:-1]:
+        shutil.copy(f, short / f.name)
+    with pytest.raises(CheckpointError, match=f"missing {files[-1].name}"):
+        load_model(short / first.name)
+
+
 def test_a_file_kvserve_cannot_serve_is_refused_naming_it(tmp_path: Path) -> None:
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"GGUF" + b"\0" * 64)
