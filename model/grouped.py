@@ -21,9 +21,9 @@ GROUP = 32  # k a group's scales cover (linear_vec.c's GROUP)
 # steps for i = 0.., each fitted a step and minimum by least squares (llama.cpp's K-quant
 # search, make_qkx2_quants, with every weight counted alike: -1 + 0.1 i steps about 15)
 INT4_SEARCH = 21
-# and, for a group of 16 distinct values or fewer, its range in these fewer steps: a
-# 4-bit checkpoint's group (AWQ, GPTQ, GGUF) is then held on its own levels
-INT4_STEPS = tuple(range(1, 15))
+# a group of 16 distinct values or fewer (a 4-bit checkpoint's: AWQ, GPTQ, GGUF) is held
+# on its own levels, its range in one of these step counts, not searched
+INT4_STEPS = tuple(range(1, 16))
 
 
 def _scalar(x: float) -> torch.Tensor:
@@ -114,8 +114,8 @@ def int4_quantize_reference(
     w ~ d * q + m, fitted as llama.cpp fits a K-quant's groups, every weight counted
     alike: the minimum at most 0, the step and minimum searched by least squares
     (_int4_search), then rounded to bf16 and the codes to nearest on them; a group of 16
-    distinct values or fewer also tries its range in INT4_STEPS steps, kept where its
-    squared error is less."""
+    distinct values or fewer (a 4-bit checkpoint's) on its own levels instead: its range
+    in INT4_STEPS steps, the first of the least squared error."""
     w = weight.detach().float()
     n, k = w.shape
     groups = w.reshape(n, k // GROUP, GROUP)
@@ -126,11 +126,12 @@ def int4_quantize_reference(
     few = (groups.sort(dim=2).values.diff(dim=2) > 0).sum(dim=2) < 16
     if few.any():
         g = groups[few]
-        kept = [t[few] for t in best]
         mc = lo[few].to(torch.bfloat16)
+        kept: list[torch.Tensor] = []
         for steps in INT4_STEPS:
             dc = ((hi[few] - mc.float()) / steps).to(torch.bfloat16)
-            kept = _keep_better(kept, [*_on_grid(g, dc, mc), dc, mc])
+            trial = [*_on_grid(g, dc, mc), dc, mc]
+            kept = _keep_better(kept, trial) if kept else trial
         for t, part in zip(best, kept, strict=True):
             t[few] = part
     _, q, d, m = best

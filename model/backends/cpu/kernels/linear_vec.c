@@ -1176,8 +1176,28 @@ static int int4_few_levels(const float *g) {
     return 1;
 }
 
-/* One group: the searched fit, then for a group of few levels its range in 1..nsteps
- * steps, the first of the least squared error kept. */
+/* A group of few levels (a 4-bit checkpoint's): its range lo..hi in 1..nsteps steps on
+ * bf16 (m, d), the first of the least squared error. */
+static void int4_levels(const float *g, float lo, float hi, int nsteps, uint8_t *q,
+                        uint16_t *d, uint16_t *m) {
+    uint8_t trial[GROUP];
+    const uint16_t mc = f32_to_bf16(lo);
+    float best = 0.f;
+    for (int steps = 1; steps <= nsteps; ++steps) {
+        const uint16_t dc = f32_to_bf16((hi - bf16_to_f32(mc)) / (float)steps);
+        const float err = int4_try(g, mc, dc, trial);
+        if (steps == 1 || err < best) {
+            best = err;
+            memcpy(q, trial, GROUP);
+            *d = dc;
+            *m = mc;
+        }
+    }
+}
+
+/* One group: a group of 16 distinct values or fewer on its own levels (int4_levels),
+ * any other by the least-squares search, its step and minimum rounded to bf16 and the
+ * codes to nearest on them. */
 static void int4_group(const float *g, int nsearch, int nsteps, uint8_t *q, uint16_t *d,
                        uint16_t *m) {
     float lo = g[0], hi = g[0];
@@ -1187,24 +1207,15 @@ static void int4_group(const float *g, int nsearch, int nsteps, uint8_t *q, uint
     }
     lo += 0.f;  /* -0 to +0: which zero a min or max keeps is the implementation's */
     hi += 0.f;
+    if (int4_few_levels(g)) {
+        int4_levels(g, lo, hi, nsteps, q, d, m);
+        return;
+    }
     float s, mn;
     int4_search(g, lo < 0.f ? lo : 0.f, hi, nsearch, &s, &mn);
     *d = f32_to_bf16(s);
     *m = f32_to_bf16(mn);
-    float best = int4_try(g, *m, *d, q);
-    if (!int4_few_levels(g)) return;
-    uint8_t trial[GROUP];
-    const uint16_t mc = f32_to_bf16(lo);
-    for (int steps = 1; steps <= nsteps; ++steps) {
-        const uint16_t dc = f32_to_bf16((hi - bf16_to_f32(mc)) / (float)steps);
-        const float err = int4_try(g, mc, dc, trial);
-        if (err < best) {
-            best = err;
-            memcpy(q, trial, GROUP);
-            *d = dc;
-            *m = mc;
-        }
-    }
+    int4_try(g, *m, *d, q);
 }
 
 void int4_quantize(const float *w, uint8_t *q, uint16_t *d, uint16_t *m, int nsearch,
