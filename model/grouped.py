@@ -120,22 +120,37 @@ def int4_quantize_reference(
     n, k = w.shape
     groups = w.reshape(n, k // GROUP, GROUP)
     lo, hi = groups.amin(dim=2) + 0.0, groups.amax(dim=2) + 0.0  # -0 to +0
+    few = (groups.sort(dim=2).values.diff(dim=2) > 0).sum(dim=2) < 16
+    q = torch.empty_like(groups)
+    d, m = torch.empty_like(lo, dtype=torch.bfloat16), torch.empty_like(lo, dtype=torch.bfloat16)
+    for part, fit in ((few, _on_levels), (~few, _searched)):  # each group fitted once
+        if part.any():
+            q[part], d[part], m[part] = fit(groups[part], lo[part], hi[part])
+    return q.reshape(n, k).to(torch.uint8), d, m
+
+
+def _searched(
+    groups: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes, d, m) of groups (G, 32) by the least-squares search (_int4_search), d and
+    m rounded to bf16 and the codes to nearest on them."""
     s, mn = _int4_search(groups, torch.where(lo < 0, lo, 0.0), hi)
     d, m = s.to(torch.bfloat16), mn.to(torch.bfloat16)
-    best = [*_on_grid(groups, d, m), d, m]
-    few = (groups.sort(dim=2).values.diff(dim=2) > 0).sum(dim=2) < 16
-    if few.any():
-        g = groups[few]
-        mc = lo[few].to(torch.bfloat16)
-        kept: list[torch.Tensor] = []
-        for steps in INT4_STEPS:
-            dc = ((hi[few] - mc.float()) / steps).to(torch.bfloat16)
-            trial = [*_on_grid(g, dc, mc), dc, mc]
-            kept = _keep_better(kept, trial) if kept else trial
-        for t, part in zip(best, kept, strict=True):
-            t[few] = part
-    _, q, d, m = best
-    return q.reshape(n, k).to(torch.uint8), d, m
+    return _on_grid(groups, d, m)[1], d, m
+
+
+def _on_levels(
+    groups: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes, d, m) of groups (G, 32) of few levels: their range in INT4_STEPS steps on
+    bf16 (m, d), the first of the least squared error."""
+    mc = lo.to(torch.bfloat16)
+    kept: list[torch.Tensor] = []
+    for steps in INT4_STEPS:
+        dc = ((hi - mc.float()) / steps).to(torch.bfloat16)
+        trial = [*_on_grid(groups, dc, mc), dc, mc]
+        kept = _keep_better(kept, trial) if kept else trial
+    return kept[1], kept[2], kept[3]
 
 
 def int4_dequantize(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
