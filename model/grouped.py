@@ -18,8 +18,8 @@ import torch
 GROUP = 32  # k a group's scales cover (linear_vec.c's GROUP)
 
 # int4's search: each group's codes for these many step counts over its range, (14 + 0.1 i)
-# steps for i = 0.., each fitted a step and minimum by least squares (llama.cpp's K-quant
-# search, make_qkx2_quants, with every weight counted alike: -1 + 0.1 i steps about 15)
+# steps for i = 0.., each fitted a step and minimum by weighted least squares (llama.cpp's
+# K-quant search without an importance matrix, make_qkx2_quants: -1 + 0.1 i steps about 15)
 INT4_SEARCH = 21
 # a group of 16 distinct values or fewer (a 4-bit checkpoint's: AWQ, GPTQ, GGUF) is held
 # on its own levels, its range in one of these step counts, not searched
@@ -32,11 +32,13 @@ def _scalar(x: float) -> torch.Tensor:
 
 
 def _error(
-    groups: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, mn: torch.Tensor
-) -> torch.Tensor:
-    """Each group's sum in k order of (s * codes + mn - w) squared."""
+    groups: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, mn: torch.Tensor,
+    weights: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Each group's sum in k order of (s * codes + mn - w) squared, each times its weight
+    where `weights` are given."""
     e = s[..., None] * codes + mn[..., None] - groups
-    return _sum_in_order(e * e)
+    return _sum_in_order(e * e if weights is None else weights * (e * e))
 
 
 def _codes(groups: torch.Tensor, iscale: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
@@ -44,38 +46,42 @@ def _codes(groups: torch.Tensor, iscale: torch.Tensor, mn: torch.Tensor) -> torc
 
 
 def _least_squares(
-    groups: torch.Tensor, codes: torch.Tensor, sum_x: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(fits, step, minimum) of the least-squares line through (codes, w): the minimum at
-    most 0 (refitted as a step alone where the line puts it above); fits is false where
-    the codes are all one value."""
-    sl, sl2, sxl = _sum_in_order(codes), _sum_in_order(codes * codes), _sum_in_order(codes * groups)
-    det = _scalar(GROUP) * sl2 - sl * sl
+    groups: torch.Tensor, weights: torch.Tensor, codes: torch.Tensor,
+    sums: tuple[torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(fits, step, minimum) of the weighted least-squares line through (codes, w): the
+    minimum at most 0 (refitted as a step alone where the line puts it above); fits is
+    false where the codes are all one value. sums: the weights' and the weighted w's."""
+    sum_w, sum_x = sums
+    wl = weights * codes
+    sl, sl2, sxl = _sum_in_order(wl), _sum_in_order(wl * codes), _sum_in_order(wl * groups)
+    det = sum_w * sl2 - sl * sl
     fits = det > 0
     safe = torch.where(fits, det, 1.0)
-    s, m = (_scalar(GROUP) * sxl - sum_x * sl) / safe, (sl2 * sum_x - sl * sxl) / safe
+    s, m = (sum_w * sxl - sum_x * sl) / safe, (sl2 * sum_x - sl * sxl) / safe
     above = m > 0
     s = torch.where(above, sxl / torch.where(sl2 > 0, sl2, 1.0), s)
     return fits, s, torch.where(above, 0.0, m)
 
 
 def _int4_search(
-    groups: torch.Tensor, mn: torch.Tensor, hi: torch.Tensor
+    groups: torch.Tensor, weights: torch.Tensor, mn: torch.Tensor, hi: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each group's (step, minimum) in float32: the codes of 15 steps over mn..hi, then of
-    each of INT4_SEARCH step counts, fitted by least squares (_least_squares), the fit of
-    least squared error kept (the first of ties); a group of one value: step 0 at it."""
+    each of INT4_SEARCH step counts, fitted by weighted least squares (_least_squares),
+    the fit of least weighted squared error kept (the first of ties); a group of one
+    value: step 0 at it."""
     span = hi - mn
     flat = span == 0
     span = torch.where(flat, 1.0, span)
-    sum_x = _sum_in_order(groups)
+    sums = _sum_in_order(weights), _sum_in_order(weights * groups)
     iscale = _scalar(15.0) / span
     best_s, best_m = _scalar(1.0) / iscale, mn
-    best = _error(groups, _codes(groups, iscale, mn), best_s, best_m)
+    best = _error(groups, _codes(groups, iscale, mn), best_s, best_m, weights)
     for c in range(INT4_SEARCH):
         codes = _codes(groups, _scalar(-1 + 0.1 * c + 15) / span, mn)
-        fits, s, m = _least_squares(groups, codes, sum_x)
-        err = _error(groups, codes, s, m)
+        fits, s, m = _least_squares(groups, weights, codes, sums)
+        err = _error(groups, codes, s, m, weights)
         better = fits & (err < best)
         best_s, best_m = torch.where(better, s, best_s), torch.where(better, m, best_m)
         best = torch.where(better, err, best)
@@ -111,9 +117,11 @@ def int4_quantize_reference(
     weight: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(N, K) -> q (N, K) uint8 in 0..15, d and m (N, K/32) bf16, each group of 32 k
-    w ~ d * q + m, fitted as llama.cpp fits a K-quant's groups, every weight counted
-    alike: the minimum at most 0, the step and minimum searched by least squares
-    (_int4_search), then rounded to bf16 and the codes to nearest on them; a group of 16
+    w ~ d * q + m, fitted as llama.cpp fits a K-quant's groups without an importance
+    matrix: each weight counted by its group's root mean square plus its own magnitude
+    (the large weights, which make the large logits, rounded closer), the minimum at most
+    0, the step and minimum searched by weighted least squares (_int4_search), then
+    rounded to bf16 and the codes to nearest on them; a group of 16
     distinct values or fewer (a 4-bit checkpoint's) on its own levels instead: its range
     in INT4_STEPS steps, the first of the least squared error."""
     w = weight.detach().float()
@@ -132,9 +140,11 @@ def int4_quantize_reference(
 def _searched(
     groups: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(codes, d, m) of groups (G, 32) by the least-squares search (_int4_search), d and
-    m rounded to bf16 and the codes to nearest on them."""
-    s, mn = _int4_search(groups, torch.where(lo < 0, lo, 0.0), hi)
+    """(codes, d, m) of groups (G, 32) by the weighted least-squares search
+    (_int4_search), d and m rounded to bf16 and the codes to nearest on them."""
+    rms = torch.sqrt(_sum_in_order(groups * groups) / _scalar(GROUP))
+    weights = rms[..., None] + groups.abs()
+    s, mn = _int4_search(groups, weights, torch.where(lo < 0, lo, 0.0), hi)
     d, m = s.to(torch.bfloat16), mn.to(torch.bfloat16)
     return _on_grid(groups, d, m)[1], d, m
 

@@ -1084,12 +1084,13 @@ void linear_int8g(const uint16_t *x, const uint16_t *w, const float *bias, uint1
 /* ---- int4 weights' rounding at load (model/grouped.py's int4_quantize_reference: the same
  * arithmetic, every sum in k order, no contraction) ---- */
 
-/* A group's squared error: (s * L + mn - g) squared, summed. */
-static float int4_err(const float *g, const float *L, float s, float mn) {
+/* A group's squared error: (s * L + mn - g) squared, each times its weight wt[i] where
+ * wt is given, summed. */
+static float int4_err(const float *g, const float *wt, const float *L, float s, float mn) {
     float err = 0.f;
     for (int i = 0; i < GROUP; ++i) {
         const float e = (s * L[i] + mn) - g[i];
-        err += e * e;
+        err += wt ? wt[i] * (e * e) : e * e;
     }
     return err;
 }
@@ -1102,17 +1103,19 @@ static void int4_codes(const float *g, float iscale, float mn, float *L) {
     }
 }
 
-/* The least-squares line through (L, g) into (s, m), the minimum at most 0 (the
- * reference's _least_squares); 0 where the codes are all one value. */
-static int int4_fit(const float *g, const float *L, float sum_x, float *s, float *m) {
+/* The weighted least-squares line through (L, g) into (s, m), the minimum at most 0 (the
+ * reference's _least_squares); 0 where the codes are all one value. sums: the weights'
+ * and the weighted g's. */
+static int int4_fit(const float *g, const float *wt, const float *L, const float *sums,
+                    float *s, float *m) {
     float sl = 0.f, sl2 = 0.f, sxl = 0.f;
-    for (int i = 0; i < GROUP; ++i) sl += L[i];
-    for (int i = 0; i < GROUP; ++i) sl2 += L[i] * L[i];
-    for (int i = 0; i < GROUP; ++i) sxl += L[i] * g[i];
-    const float det = (float)GROUP * sl2 - sl * sl;
+    for (int i = 0; i < GROUP; ++i) sl += wt[i] * L[i];
+    for (int i = 0; i < GROUP; ++i) sl2 += (wt[i] * L[i]) * L[i];
+    for (int i = 0; i < GROUP; ++i) sxl += (wt[i] * L[i]) * g[i];
+    const float det = sums[0] * sl2 - sl * sl;
     if (!(det > 0.f)) return 0;
-    *s = ((float)GROUP * sxl - sum_x * sl) / det;
-    *m = (sl2 * sum_x - sl * sxl) / det;
+    *s = (sums[0] * sxl - sums[1] * sl) / det;
+    *m = (sl2 * sums[1] - sl * sxl) / det;
     if (*m > 0.f) {
         *s = sxl / sl2;
         *m = 0.f;
@@ -1120,26 +1123,28 @@ static int int4_fit(const float *g, const float *L, float sum_x, float *s, float
     return 1;
 }
 
-/* The least-squares search: (step, minimum) in float32 (the reference's _int4_search). */
-static void int4_search(const float *g, float mn, float hi, int nsearch, float *s_out,
-                        float *m_out) {
+/* The weighted least-squares search: (step, minimum) in float32 (the reference's
+ * _int4_search). */
+static void int4_search(const float *g, const float *wt, float mn, float hi, int nsearch,
+                        float *s_out, float *m_out) {
     const float range = hi - mn;
     if (range == 0.f) {
         *s_out = 0.f;
         *m_out = mn;
         return;
     }
-    float sum_x = 0.f, L[GROUP];
-    for (int i = 0; i < GROUP; ++i) sum_x += g[i];
+    float sums[2] = {0.f, 0.f}, L[GROUP];
+    for (int i = 0; i < GROUP; ++i) sums[0] += wt[i];
+    for (int i = 0; i < GROUP; ++i) sums[1] += wt[i] * g[i];
     const float iscale = 15.f / range;
     int4_codes(g, iscale, mn, L);
     float best_s = 1.f / iscale, best_m = mn;
-    float best = int4_err(g, L, best_s, best_m);
+    float best = int4_err(g, wt, L, best_s, best_m);
     for (int c = 0; c < nsearch; ++c) {
         int4_codes(g, (float)((-1.0 + 0.1 * c) + 15.0) / range, mn, L);
         float s, m;
-        if (!int4_fit(g, L, sum_x, &s, &m)) continue;
-        const float err = int4_err(g, L, s, m);
+        if (!int4_fit(g, wt, L, sums, &s, &m)) continue;
+        const float err = int4_err(g, wt, L, s, m);
         if (err < best) {
             best = err;
             best_s = s;
@@ -1159,7 +1164,7 @@ static float int4_try(const float *g, uint16_t mc, uint16_t dc, uint8_t *q) {
         L[i] = v < 0.f ? 0.f : (v > 15.f ? 15.f : v);
         q[i] = (uint8_t)L[i];
     }
-    return int4_err(g, L, df, mf);
+    return int4_err(g, NULL, L, df, mf);
 }
 
 /* Whether a group of GROUP holds 16 distinct values or fewer (stops at the 17th). */
@@ -1196,7 +1201,8 @@ static void int4_levels(const float *g, float lo, float hi, int nsteps, uint8_t 
 }
 
 /* One group: a group of 16 distinct values or fewer on its own levels (int4_levels),
- * any other by the least-squares search, its step and minimum rounded to bf16 and the
+ * any other by the weighted least-squares search (each weight counted by the group's
+ * root mean square plus its own magnitude), its step and minimum rounded to bf16 and the
  * codes to nearest on them. */
 static void int4_group(const float *g, int nsearch, int nsteps, uint8_t *q, uint16_t *d,
                        uint16_t *m) {
@@ -1211,8 +1217,11 @@ static void int4_group(const float *g, int nsearch, int nsteps, uint8_t *q, uint
         int4_levels(g, lo, hi, nsteps, q, d, m);
         return;
     }
-    float s, mn;
-    int4_search(g, lo < 0.f ? lo : 0.f, hi, nsearch, &s, &mn);
+    float sq = 0.f, wt[GROUP], s, mn;
+    for (int i = 0; i < GROUP; ++i) sq += g[i] * g[i];
+    const float rms = sqrtf(sq / (float)GROUP);
+    for (int i = 0; i < GROUP; ++i) wt[i] = rms + fabsf(g[i]);
+    int4_search(g, wt, lo < 0.f ? lo : 0.f, hi, nsearch, &s, &mn);
     *d = f32_to_bf16(s);
     *m = f32_to_bf16(mn);
     int4_try(g, *m, *d, q);
