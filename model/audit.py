@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from model.config import ModelConfig
 from model.grouped import GROUP
+from model.int4_mix import EIGHT_BIT, more_bits
 from model.int_weights import KEEPS
 
 DTYPE_BYTES = {
@@ -195,6 +196,26 @@ def layer_linears(cfg: ModelConfig, experts: bool = True) -> tuple[int, int]:
     return weights, sum(o * n for (_, o), n in shapes)
 
 
+def eight_bit_linears(cfg: ModelConfig) -> tuple[int, int]:
+    """(weights, output rows) of the decoder layers' linears --quantization int4 holds
+    in 8 bits on the cpu backend (model/int4_mix.py): in the layers that take more bits,
+    the (q | k | v) and down projections, a mixture's routed and shared experts' down."""
+    qkv, _, _, (d_ff, d) = layer_linear_shapes(cfg)
+    weights = rows = 0
+    for i in range(cfg.n_layers):
+        if not more_bits(i, cfg.n_layers):
+            continue
+        weights, rows = weights + qkv[0] * qkv[1], rows + qkv[1]
+        if cfg.sparse(i):
+            assert cfg.experts is not None
+            n, shared = cfg.experts.n_experts, cfg.experts.shared_d_ff
+            weights, rows = weights + n * cfg.experts.d_ff * d + shared * d, rows + n * d
+            rows += d if shared else 0
+        else:
+            weights, rows = weights + d_ff * d, rows + d
+    return weights, rows
+
+
 def quantized_bytes(weights: int, rows: int, quantization: str) -> int:
     """The bytes `weights` linear weights of `rows` output rows take as --quantization
     holds them: int8 and fp8 a byte a weight, with INT8_ROW_BYTES or SCALE_BYTES a row;
@@ -208,12 +229,15 @@ def quantized_bytes(weights: int, rows: int, quantization: str) -> int:
     return weights + rows * (INT8_ROW_BYTES if quantization == "int8" else SCALE_BYTES)
 
 
-def weight_bytes(cfg: ModelConfig, dtype: str, quantization: str = "none") -> int:
+def weight_bytes(
+    cfg: ModelConfig, dtype: str, quantization: str = "none", eight_bit: bool = True
+) -> int:
     """The weights' bytes as the server holds them: every parameter in `dtype`, or with
     --quantization the decoder layers' linears as quantized_bytes holds them (int8 on
     the cpu backend and int4 on every backend also its LM head: a tied one as a quantized
     copy of the embedding table, which the lookup keeps in `dtype`; and a mixture's
-    experts)."""
+    experts). eight_bit: int4's head and eight_bit_linears are int8g (the cpu backend),
+    not int4 (torch, Triton)."""
     total = count_params(cfg).total * dtype_bytes(dtype)
     if quantization == "none":
         return total
@@ -221,11 +245,16 @@ def weight_bytes(cfg: ModelConfig, dtype: str, quantization: str = "none") -> in
         raise ValueError(f"quantization must be none, int8, int4 or fp8, got {quantization!r}")
     cpu = quantization != "fp8"
     weights, rows = layer_linears(cfg, experts=cpu)
-    total -= weights * dtype_bytes(dtype) - quantized_bytes(weights, rows, quantization)
+    total -= weights * dtype_bytes(dtype)
+    mixed = quantization == "int4" and eight_bit
+    more, more_rows = eight_bit_linears(cfg) if mixed else (0, 0)
+    total += quantized_bytes(weights - more, rows - more_rows, quantization)
+    total += quantized_bytes(more, more_rows, EIGHT_BIT)
     if cpu:
         head = cfg.vocab_size * cfg.d_model
         kept = head * dtype_bytes(dtype) if not cfg.tie_embeddings else 0
-        total += quantized_bytes(head, cfg.vocab_size, quantization) - kept
+        held = EIGHT_BIT if mixed else quantization
+        total += quantized_bytes(head, cfg.vocab_size, held) - kept
     return total
 
 
@@ -299,15 +328,24 @@ def unread_table_bytes(cfg: ModelConfig, dtype: str, head_copy: bool) -> int:
 
 def idle_expert_bytes(cfg: ModelConfig, dtype: str, quantization: str, rows: int) -> float:
     """The bytes of the experts a step of `rows` tokens leaves unread, expected, as held
-    (quantized_bytes with --quantization int8 or int4); 0 for a dense model."""
-    if cfg.experts is None:
+    (quantized_bytes with --quantization int8, or int4 with its down projections in
+    int8g where eight_bit_linears has them); 0 for a dense model."""
+    e = cfg.experts
+    if e is None:
         return 0.0
     _, expert, _ = expert_params(cfg)
-    per_expert = expert * dtype_bytes(dtype)
-    if quantization in ("int8", "int4"):
-        per_expert = quantized_bytes(expert, 2 * cfg.experts.d_ff + cfg.d_model, quantization)
-    idle = cfg.experts.n_experts - experts_touched(cfg, rows)
-    return idle * per_expert * len(cfg.sparse_layers)
+    gate_up, down = 2 * e.d_ff * cfg.d_model, e.d_ff * cfg.d_model
+    held = 0
+    for i in cfg.sparse_layers:
+        if quantization == "int8":
+            held += quantized_bytes(expert, 2 * e.d_ff + cfg.d_model, quantization)
+        elif quantization == "int4":
+            kind = EIGHT_BIT if more_bits(i, cfg.n_layers) else quantization
+            held += quantized_bytes(gate_up, 2 * e.d_ff, quantization)
+            held += quantized_bytes(down, cfg.d_model, kind)
+        else:
+            held += expert * dtype_bytes(dtype)
+    return (e.n_experts - experts_touched(cfg, rows)) * held
 
 
 @dataclass(frozen=True, slots=True)

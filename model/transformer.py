@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from model import int4_mix
 from model.attention import Attention
 from model.backends.base import Backend, FusedLayers
 from model.backends.reference import REFERENCE
@@ -119,7 +120,15 @@ class Transformer(nn.Module):
         self.lm_head: nn.Module | None = None
         if not cfg.tie_embeddings:
             self.lm_head = nn.Linear(cfg.d_model, vocab, bias=False)
+        self._mark_int4_mix()
         self.rebuild_tables(self.embed.weight.device)
+
+    def _mark_int4_mix(self) -> None:
+        """The weights --quantization int4 holds in 8 bits (model/int4_mix.py): the head
+        (a tied one: the table it is copied from) and the layers that take more bits."""
+        int4_mix.mark(self.lm_head if self.lm_head is not None else self.embed)
+        for i, block in enumerate(self.layers):
+            int4_mix.mark_layer(block, i, self.cfg.n_layers)
 
     def rebuild_tables(self, device: torch.device) -> None:
         """(Re)compute the fixed position tables on `device` (they are not weights)."""

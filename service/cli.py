@@ -172,13 +172,17 @@ def _plan_held(args: argparse.Namespace, cfg, device, dtype) -> tuple[str, int |
     keeps a checkpoint's integer tensors in their own kinds on the cpu backend in bf16
     (read from the files' headers; a tied table stored as integers copied in its kind),
     and is none elsewhere or for a float checkpoint (service/build.py's _held_as, before
-    the load)."""
+    the load); int4 off the CPU has no 8-bit groups: every linear in int4 (the torch and
+    Triton backends), the head a copy."""
     import torch
 
-    from model.audit import stored_weight_bytes
+    from model.audit import stored_weight_bytes, weight_bytes
     from model.backends.device import dtype_name
     from model.weights import stored_kinds
 
+    if args.quantization == "int4" and device.type != "cpu":
+        held = weight_bytes(cfg, dtype_name(dtype), "int4", eight_bit=False)
+        return "int4", held, cfg.tie_embeddings
     if args.quantization != "auto":
         return args.quantization, None, False
     if not args.model or device.type != "cpu" or dtype != torch.bfloat16:

@@ -11,12 +11,13 @@ The layouts, by what the weight allows (bf16 on the CPU):
 - quantization='int8': int8 weights with a float32 scale per output feature
   (linear_vec.c), where the in features are a multiple of 4; quantization='int4': 4-bit
   weights in groups of 32 in features, each group with a bf16 scale and minimum
-  (linear_vec.c), where the in features are a multiple of 32; quantization='auto': each
-  weight a checkpoint stores as integers in the kind that keeps its values
-  (model.int_weights.stored_kind): its 4-bit groups in int4, its 5 to 8-bit types in
-  int8g (int8 with a float16 scale each 32 in features: GGUF Q8_0's and Q5_0's blocks
-  as they are), int8 where neither takes the shape; the float ones in bf16, so a layer
-  may hold several kinds.
+  (linear_vec.c), where the in features are a multiple of 32, but the head and the
+  layers' weights llama.cpp's Q4_K_M gives more bits in int8g (8-bit groups, below;
+  model/int4_mix.py); quantization='auto': each weight a checkpoint stores as integers
+  in the kind that keeps its values (model.int_weights.stored_kind): its 4-bit groups
+  in int4, its 5 to 8-bit types in int8g (int8 with a float16 scale each 32 in
+  features: GGUF Q8_0's and Q5_0's blocks as they are), int8 where neither takes the
+  shape; the float ones in bf16, so a layer may hold several kinds.
 - oneDNN's prepacked layout where the CPU lets oneDNN pack bf16 (isa.onednn_packs_bf16);
   else the nn.Linear stays.
 
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from model import int4_mix
 from model.backends.cpu.isa import onednn_packs_bf16
 from model.backends.cpu.kernels.experts import ExpertKernels, experts_library, route
 from model.backends.cpu.kernels.fused import fused_library, geglu
@@ -97,7 +99,7 @@ def pack_linear(
     w = linear.weight.detach()
     pad = -w.shape[0] % TILE_N
     padded = F.pad(w, (0, 0, 0, pad)) if pad else w
-    quant = _quant(quantization, padded, stored_kind(linear.weight))
+    quant = _quant(int4_mix.held(linear, quantization), padded, stored_kind(linear.weight))
     if quant != "bf16" or tile_linear_supported(padded):
         out = PackedLinear(linear)
         b = linear.bias.detach().float() if linear.bias is not None else None
@@ -195,7 +197,7 @@ class PackedExperts(GroupedExperts):
                 _linear(experts.w_in[e], experts.b_in[e] if biases else None, kept[0]),
                 _linear(experts.w_out[e], experts.b_out[e] if biases else None, kept[1]),
                 experts.clamped,
-                quantization,
+                (quantization, int4_mix.held(experts, quantization, "w_out")),
             )
             for e in range(experts.n_experts)
         )
@@ -233,10 +235,14 @@ class PackedExperts(GroupedExperts):
 
 
 def _expert_ffn(
-    w_in: nn.Linear, w_out: nn.Linear, clamped: tuple[float, float] | None, quantization: str
+    w_in: nn.Linear,
+    w_out: nn.Linear,
+    clamped: tuple[float, float] | None,
+    quantizations: tuple[str, str],
 ) -> nn.Module:
-    gate_up = pack_linear(w_in, swiglu=clamped is None, quantization=quantization)
-    down = pack_linear(w_out, quantization=quantization)
+    """An expert's SwiGLU over packed linears; quantizations: (gate | up)'s and down's."""
+    gate_up = pack_linear(w_in, swiglu=clamped is None, quantization=quantizations[0])
+    down = pack_linear(w_out, quantization=quantizations[1])
     if isinstance(gate_up, PackedLinear) and gate_up.gated:
         return GatedSwiGLU(gate_up, down)
     return SplitSwiGLU(gate_up, down, clamped)
@@ -275,7 +281,8 @@ def pack_model(model: nn.Module, quantization: str = "none") -> bool:
         # The lookup keeps the plain table; the head gets a packed copy (vocab x d more
         # bytes, less in int8) in the linears' layout.
         head = _linear(model.embed.weight, kind=stored_kind(model.embed.weight))
-        if isinstance(packed := pack_linear(head, quantization=quantization), PackedLinear):
+        held = int4_mix.held(model.embed, quantization)
+        if isinstance(packed := pack_linear(head, quantization=held), PackedLinear):
             model.lm_head = packed
     swap_linears(model, quantization)
     _gather(model)

@@ -1,0 +1,63 @@
+"""--quantization int4's mix on the cpu backend (model/int4_mix.py): int4 for most
+linears, int8g for the head and, in llama.cpp's more-bits layers, the (q | k | v) and
+down projections; the audit counts what the packed model holds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model.audit import idle_expert_bytes, weight_bytes
+from model.backends.cpu import prepare_model
+from model.backends.cpu.packed import PackedExperts, held_bytes
+from model.config import Experts
+from model.int4_mix import more_bits
+from tests.factories import tiny_model
+
+# every output width a whole 64-row block: the packed model holds no padding rows
+DENSE = dict(vocab_size=128, d_model=64, n_layers=8, n_heads=4, n_kv_heads=2, d_ff=96)
+MOE = DENSE | dict(tie_embeddings=False, experts=Experts(n_experts=64, top_k=4, d_ff=32))
+
+
+def test_more_bits_layers_are_llama_cpps_use_more_bits() -> None:
+    """The first and last eighth of 32 layers and every third between (llama.cpp's
+    use_more_bits, which gives Q4_K_M's V and down projections Q6_K); of 8 layers the
+    first, the last and 3 and 6."""
+    between = {6, 9, 12, 15, 18, 21, 24, 27}
+    assert {i for i in range(32) if more_bits(i, 32)} == {0, 1, 2, 3, 28, 29, 30, 31} | between
+    assert [i for i in range(8) if more_bits(i, 8)] == [0, 3, 6, 7]
+
+
+def _downs(block: torch.nn.Module) -> set[str]:
+    ffn = block.ffn
+    if isinstance(getattr(ffn, "experts", None), PackedExperts):
+        return {f.w_out.quant for f in ffn.experts.ffns}
+    return {ffn.w_out.quant}
+
+
+@pytest.mark.parametrize("fields", [DENSE, MOE], ids=["dense-tied", "moe-untied"])
+def test_the_mix_is_packed_and_counted(fields: dict) -> None:
+    """Each layer's kinds: (q | k | v) and down int8g in the more-bits layers, int4
+    elsewhere, the attention output and (gate | up) int4 everywhere, the head (a tied
+    one's copy) int8g, a router in bf16; the packed model's bytes are the audit's, and a
+    mixture's idle experts' bytes are its packed experts'."""
+    model = tiny_model(**fields).to(torch.bfloat16)
+    cfg = model.cfg
+    assert prepare_model(model, "int4")
+    for i, block in enumerate(model.layers):
+        more = "int8g" if more_bits(i, cfg.n_layers) else "int4"
+        assert (block.attn.wqkv.quant, block.attn.wo.quant) == (more, "int4")
+        assert _downs(block) == {more}
+    assert model.lm_head.quant == "int8g"
+    assert held_bytes(model) == weight_bytes(cfg, "bfloat16", "int4")
+    if cfg.experts is None:
+        return
+    per_expert = sum(
+        f.w_in._tiles.nbytes + f.w_out._tiles.nbytes
+        for block in model.layers
+        for f in block.ffn.experts.ffns[:1]
+    )
+    touched = 64 * (1 - (1 - 4 / 64) ** 3)
+    assert idle_expert_bytes(cfg, "bfloat16", "int4", 3) == pytest.approx(
+        (64 - touched) * per_expert
+    )
