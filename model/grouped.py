@@ -153,13 +153,26 @@ def _on_levels(
     groups: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(codes, d, m) of groups (G, 32) of few levels: their range in INT4_STEPS steps on
-    bf16 (m, d), the first of the least squared error."""
+    bf16 (m, d), the first of the least squared error; then the step's bf16 neighbours
+    and the step itself, each with the minimum that centres the kept codes on the group
+    (rounded to bf16), tried in that order: a file's step and minimum (for Q4_K a
+    float16 scale times a 6-bit one) rounded to bf16 leave the codes off-centre, and a
+    minimum that takes the offset back lowers that error."""
     mc = lo.to(torch.bfloat16)
     kept: list[torch.Tensor] = []
     for steps in INT4_STEPS:
         dc = ((hi - mc.float()) / steps).to(torch.bfloat16)
         trial = [*_on_grid(groups, dc, mc), dc, mc]
         kept = _keep_better(kept, trial) if kept else trial
+    codes, d = kept[1], kept[2]
+    positive = d.float() > 0
+    bits = d.view(torch.int16)
+    for step in ((bits - 1).view(torch.bfloat16), (bits + 1).view(torch.bfloat16), d):
+        m = _sum_in_order(groups - step.float()[..., None] * codes) / _scalar(GROUP)
+        m = m.to(torch.bfloat16)
+        trial = [*_on_grid(groups, step, m), step, m]
+        trial[0] = torch.where(positive, trial[0], torch.inf)
+        kept = _keep_better(kept, trial)
     return kept[1], kept[2], kept[3]
 
 

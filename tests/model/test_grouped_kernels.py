@@ -117,6 +117,31 @@ def test_a_4bit_checkpoints_grid_is_kept() -> None:
     assert ((hi - lo) / scale[:, ::GROUP] < 14.5).any()  # groups of under 16 levels
 
 
+def test_a_k_quants_groups_are_recentred_on_bf16_scales() -> None:
+    """Q4_K's groups (w = d * sc * q - dmin * mc: float16 d and dmin times 6-bit sc and
+    mc, codes 0..15) held in int4's bf16 step and minimum: no group farther (summed
+    squares) than its own range on 15 steps rounded to bf16, and all of them under half
+    as far, the minimum re-centred on the kept codes taking back the rounding's offset."""
+    g = torch.Generator().manual_seed(2)
+    rows, groups = 64, 8
+    d = (torch.rand(rows, 1, generator=g) * 1e-3 + 1e-4).half().float()
+    dmin = (torch.rand(rows, 1, generator=g) * 1e-3 + 1e-4).half().float()
+    sc = torch.randint(1, 64, (rows, groups), generator=g).float()
+    mc = torch.randint(0, 64, (rows, groups), generator=g).float()
+    u = torch.randint(0, 16, (rows, groups, GROUP), generator=g).float()
+    u[..., 0], u[..., 1] = 0, 15  # each group spans its 15 steps
+    step, low = (d * sc)[..., None], (dmin * mc)[..., None]
+    w = (step * u - low).reshape(rows, groups * GROUP)
+    q, dq, mq = int4_quantize(w)
+    ours = (int4_dequantize(q, dq, mq) - w).reshape(rows, groups, GROUP).square().sum(2)
+    m0 = (-low).to(torch.bfloat16).float()
+    d0 = step.to(torch.bfloat16).float()
+    u0 = torch.round((w.reshape(rows, groups, GROUP) - m0) / d0).clamp(0, 15)
+    plain = (u0 * d0 + m0 - w.reshape(rows, groups, GROUP)).square().sum(2)
+    assert (ours <= plain).all()
+    assert ours.sum() < 0.5 * plain.sum()
+
+
 def test_int8g_keeps_each_groups_nearest_step() -> None:
     """Each group's weights come back no farther (summed squares) than the plain step
     max|w| / 127 puts them, that within half a step; 17/16 bytes a weight."""

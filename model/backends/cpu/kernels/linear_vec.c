@@ -1182,7 +1182,9 @@ static int int4_few_levels(const float *g) {
 }
 
 /* A group of few levels (a 4-bit checkpoint's): its range lo..hi in 1..nsteps steps on
- * bf16 (m, d), the first of the least squared error. */
+ * bf16 (m, d), the first of the least squared error; then the step's bf16 neighbours
+ * and the step itself, each with the minimum that centres the kept codes on g (rounded
+ * to bf16), tried in that order (the reference's _on_levels). */
 static void int4_levels(const float *g, float lo, float hi, int nsteps, uint8_t *q,
                         uint16_t *d, uint16_t *m) {
     uint8_t trial[GROUP];
@@ -1196,6 +1198,23 @@ static void int4_levels(const float *g, float lo, float hi, int nsteps, uint8_t 
             memcpy(q, trial, GROUP);
             *d = dc;
             *m = mc;
+        }
+    }
+    if (!(bf16_to_f32(*d) > 0.f)) return;
+    uint8_t kept[GROUP];
+    memcpy(kept, q, GROUP);
+    const uint16_t steps[3] = {(uint16_t)(*d - 1), (uint16_t)(*d + 1), *d};
+    for (int c = 0; c < 3; ++c) {
+        const float df = bf16_to_f32(steps[c]);
+        float sum = 0.f;
+        for (int i = 0; i < GROUP; ++i) sum += g[i] - df * (float)kept[i];
+        const uint16_t mc2 = f32_to_bf16(sum / (float)GROUP);
+        const float err = int4_try(g, mc2, steps[c], trial);
+        if (err < best) {
+            best = err;
+            memcpy(q, trial, GROUP);
+            *d = steps[c];
+            *m = mc2;
         }
     }
 }
