@@ -240,17 +240,14 @@ def weight_bytes(model_dir: Path) -> dict[str, float]:
 def file_read_bytes(checkpoint: Path) -> float:
     """What a decode step reads of a 4-bit file (a GGUF, an AWQ folder) as kvserve's
     --quantization auto holds it: its integer tensors in their kinds, the rest in bf16
-    (model.weights.stored_kinds, model/audit.py's stored_weight_bytes and read_bytes: a
+    (model.weights.stored_kinds, model/audit.py's stored_held and read_bytes: a
     tied table stored as integers is held twice, the bf16 lookup table and the head's
     copy in its kind, and a step reads the head and a row of the table)."""
-    from model.audit import stored_weight_bytes
+    from model.audit import stored_held
     from model.weights import stored_kinds
 
     cfg = load_config(checkpoint)
-    stored = stored_kinds(checkpoint)
-    held = stored_weight_bytes(cfg, "bfloat16", stored)
-    copied = cfg.tie_embeddings and "embed.weight" in stored
-    return read_bytes(cfg, "bfloat16", held_bytes=held, head_copy=copied)
+    return read_bytes(cfg, "bfloat16", held=stored_held(cfg, "bfloat16", stored_kinds(checkpoint)))
 
 
 def measure(systems: list[str], args: argparse.Namespace, slots: int) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -277,6 +278,26 @@ def stored_weight_bytes(
     return total
 
 
+def stored_held(
+    cfg: ModelConfig, dtype: str, stored: dict[str, tuple[tuple[int, ...], str]]
+) -> Held:
+    """What --quantization auto holds of a checkpoint on the cpu backend (`stored`:
+    model.weights.stored_kinds): stored_weight_bytes, its routed experts' part, and a
+    tied table stored as integers copied as the head."""
+    experts = 0
+    if (e := cfg.experts) is not None:
+        stacks = {"w_in": 2 * e.d_ff * cfg.d_model, "w_out": e.d_ff * cfg.d_model}
+        for i, (part, weights) in itertools.product(cfg.sparse_layers, stacks.items()):
+            name, numel = f"layers.{i}.ffn.experts.{part}", e.n_experts * weights
+            if name not in stored:
+                experts += numel * dtype_bytes(dtype)
+                continue
+            shape, kind = stored[name]
+            experts += quantized_bytes(numel, numel // shape[-1], held_kind(kind, shape[-1]))
+    copied = cfg.tie_embeddings and "embed.weight" in stored
+    return Held(stored_weight_bytes(cfg, dtype, stored), experts, copied)
+
+
 def held_kind(stored: str, in_features: int) -> str:
     """The kernel kind --quantization auto packs a weight of stored kind `stored` as
     (model.int_weights.KEEPS): its first, a grouped kind (int4, int8g), where groups of
@@ -294,25 +315,51 @@ def experts_touched(cfg: ModelConfig, rows: int) -> float:
     return e.n_experts * (1 - (1 - e.top_k / e.n_experts) ** rows)
 
 
+@dataclass(frozen=True, slots=True)
+class Held:
+    """A model's weight bytes as held where the config cannot give them (--quantization
+    auto keeps each tensor of a checkpoint in its own kind): all of them, its routed
+    experts' (0 for a dense model), and whether a tied table's copy is the head beside
+    the table."""
+
+    total: int
+    experts: int = 0
+    head_copy: bool = False
+
+    def share(self, local: ModelConfig, cfg: ModelConfig, dtype: str) -> Held:
+        """A tensor-parallel rank's share (`local`'s shapes of `cfg`), each part taken at
+        its mean bytes a weight."""
+        part = weight_bytes(local, dtype) / weight_bytes(cfg, dtype)
+        routed = routed_expert_bytes(cfg, dtype)
+        experts = self.experts * routed_expert_bytes(local, dtype) // routed if routed else 0
+        return Held(int(self.total * part), experts, self.head_copy)
+
+
+def routed_expert_bytes(cfg: ModelConfig, dtype: str) -> int:
+    """Every routed expert's weights in `dtype` (0 for a dense model)."""
+    if cfg.experts is None:
+        return 0
+    n = cfg.experts.n_experts * len(cfg.sparse_layers)
+    return n * expert_params(cfg)[1] * dtype_bytes(dtype)
+
+
 def read_bytes(
     cfg: ModelConfig,
     dtype: str,
     quantization: str = "none",
     rows: int = 1,
-    held_bytes: int | None = None,
-    head_copy: bool = False,
+    held: Held | None = None,
 ) -> float:
     """The weight bytes a decode step of `rows` tokens reads: every weight once, but of
     each mixture only the experts its rows run (experts_touched), and of the embedding
     table only a row a token where the head is a tensor of its own (untied, or a tied
-    table's copy: weight_bytes' under int8 and int4). held_bytes: what the loaded model
-    holds, where the config cannot say (--quantization auto keeps each tensor of a
-    checkpoint in its own kind); its experts are taken at its mean bytes per weight;
-    head_copy: they hold a tied table's copy as the head beside the table."""
-    if held_bytes is not None:
-        ratio = held_bytes / weight_bytes(cfg, dtype)
-        idle = ratio * idle_expert_bytes(cfg, dtype, "none", rows)
-        return held_bytes - idle - unread_table_bytes(cfg, dtype, head_copy)
+    table's copy: weight_bytes' under int8 and int4). held: what the loaded model holds,
+    where the config cannot say; its idle experts taken at its experts' mean bytes a
+    weight."""
+    if held is not None:
+        routed = routed_expert_bytes(cfg, dtype)
+        idle = held.experts / routed * idle_expert_bytes(cfg, dtype, "none", rows) if routed else 0
+        return held.total - idle - unread_table_bytes(cfg, dtype, held.head_copy)
     idle = idle_expert_bytes(cfg, dtype, quantization, rows)
     copied = quantization in ("int8", "int4")
     return weight_bytes(cfg, dtype, quantization) - idle - unread_table_bytes(cfg, dtype, copied)
@@ -437,24 +484,21 @@ def plan(
     tensor_parallel_size: int = 1,
     block_size: int = 16,
     quantization: str = "none",
-    held_bytes: int | None = None,
-    head_copy: bool = False,
+    held: Held | None = None,
 ) -> dict[str, object]:
     """What fits in `memory_bytes` (of each device, with the model split over
     `tensor_parallel_size` of them) next to the weights, and the physical floors. A
     model with windowed layers counts each sequence's KV as the server holds it (the
     windowed layers' blocks of the window alone), and also as global KV would
-    (`sequences_of_seq_len_global_kv`). held_bytes: the whole model's weight bytes where
-    the config cannot give them (--quantization auto: stored_weight_bytes), a rank's
-    share taken at its mean bytes a weight; head_copy: they hold a tied table's copy
-    (read_bytes)."""
+    (`sequences_of_seq_len_global_kv`). held: the whole model's weight bytes where the
+    config cannot give them (--quantization auto: stored_weight_bytes), a rank's share
+    taken at their mean bytes a weight (Held.share)."""
     world = tensor_parallel_size
     local = rank_config(cfg, world) if world > 1 else cfg
-    report = audit(cfg, dtype, quantization=quantization, held_bytes=held_bytes).as_dict()
-    share = None
-    if held_bytes is not None:
-        share = held_bytes * weight_bytes(local, dtype) // weight_bytes(cfg, dtype)
-    weights = share if share is not None else weight_bytes(local, dtype, quantization)
+    total = held.total if held is not None else None
+    report = audit(cfg, dtype, quantization=quantization, held_bytes=total).as_dict()
+    share = held.share(local, cfg, dtype) if held is not None else None
+    weights = share.total if share is not None else weight_bytes(local, dtype, quantization)
     per_token = kv_bytes_per_token(local, dtype)
     kv_room = max(0, memory_bytes - weights)
     tokens = kv_room // per_token
@@ -469,9 +513,7 @@ def plan(
         "sequences_of_seq_len": tokens // seq_len,
         "fits": weights < memory_bytes and tokens >= seq_len,
         # what one sequence's decode step reads of them (of a mixture: its experts)
-        "decode_read_bytes_per_device": read_bytes(
-            local, dtype, quantization, held_bytes=share, head_copy=head_copy
-        ),
+        "decode_read_bytes_per_device": read_bytes(local, dtype, quantization, held=share),
     }
     if local.windowed_layers:
         per_seq = window_sequence_bytes(local, dtype, seq_len, block_size)
@@ -482,7 +524,7 @@ def plan(
             "fits": weights < memory_bytes and kv_room >= per_seq,
         }
     report |= collective_bytes(cfg, dtype, world)
-    return report | floors(local, dtype, bandwidth, matmul_flops, quantization, share, head_copy)
+    return report | floors(local, dtype, bandwidth, matmul_flops, quantization, share)
 
 
 def floors(
@@ -491,8 +533,7 @@ def floors(
     bandwidth: float | None,
     matmul_flops: float | None,
     quantization: str = "none",
-    held_bytes: int | None = None,
-    head_copy: bool = False,
+    held: Held | None = None,
 ) -> dict[str, float]:
     """The physical limits on a machine: one sequence's decode reads every weight once a
     step (of a mixture: its token's experts; of the embedding table a row: read_bytes),
@@ -500,7 +541,7 @@ def floors(
     out: dict[str, float] = {}
     if bandwidth:
         out["bandwidth_gb_s"] = bandwidth / 1e9
-        read = read_bytes(cfg, dtype, quantization, held_bytes=held_bytes, head_copy=head_copy)
+        read = read_bytes(cfg, dtype, quantization, held=held)
         out["decode_floor_ms_per_token"] = 1000 * read / bandwidth
     if matmul_flops:
         out["matmul_tflops"] = matmul_flops / 1e12

@@ -17,12 +17,13 @@ from typing import Any
 
 import torch
 
-from model.audit import audit, floors
+from model.audit import Held, audit, floors
 from model.backends import Backend
 from model.backends.device import dtype_name, pick_device, pick_dtype
 from model.backends.machine import matmul_throughput, memory_bandwidth
 from model.hub import ModelNotFound, ModelSource, resolve
 from model.loader import LoadedModel, load
+from model.moe import MoE
 from model.parallel import TensorParallel, join, unsplittable
 from model.tokenizer import Tokenizer
 from model.transformer import Transformer
@@ -81,13 +82,13 @@ def build(
     held = _held_as(settings.quantization, engine)
     report = _report(settings, engine, dtype, device, world, held)
     _log_ready(settings, engine, report, tp)
-    cfg, name, head_copy = loaded.model.cfg, dtype_name(dtype), loaded.model.lm_head is not None
-    quantization, held_bytes = held
+    cfg, name = loaded.model.cfg, dtype_name(dtype)
+    quantization, held_weights = held
 
     def measure_floors() -> dict[str, Any]:  # small buffers: ~0.5 s
         bandwidth = memory_bandwidth(device, mib=256)
         flops = matmul_throughput(dtype, device, n=1024)
-        return floors(cfg, name, bandwidth, flops, quantization, held_bytes, head_copy)
+        return floors(cfg, name, bandwidth, flops, quantization, held_weights)
 
     def device_memory() -> tuple[int, int] | None:
         if device.type != "cuda":
@@ -133,20 +134,20 @@ def _load_prepared(
     return load(source.path, dtype, device, tp, prepare), backend
 
 
-def _held_as(quantization: str, engine: LLMEngine) -> tuple[str, int | None]:
-    """--quantization as the engine holds the weights, and their bytes where the config
-    cannot give them: auto stays auto where a linear kept a checkpoint's integer kind
-    (their bytes as loaded), else is none (a float checkpoint, or a backend or dtype
-    that computes the checkpoint's values as loaded); int4's bytes as loaded too (its
-    routers stay in the model's dtype)."""
-    if quantization == "int4":
-        return quantization, engine.backend.held_bytes(engine.model)
-    if quantization != "auto":
+def _held_as(quantization: str, engine: LLMEngine) -> tuple[str, Held | None]:
+    """--quantization as the engine holds the weights, and what they take where the
+    config cannot give it (model.audit.Held: as loaded): auto stays auto where a linear
+    kept a checkpoint's integer kind, else is none (a float checkpoint, or a backend or
+    dtype that computes the checkpoint's values as loaded); int4's as loaded too (its
+    routers stay in the model's dtype, its mix is the backend's)."""
+    if quantization not in ("int4", "auto"):
         return quantization, None
     kinds = engine.backend.describe().get("linears", {})
-    if not any(kind in ("int8", "int8g", "int4") for kind in kinds):
+    if quantization == "auto" and not any(k in ("int8", "int8g", "int4") for k in kinds):
         return "none", None
-    return "auto", engine.backend.held_bytes(engine.model)
+    model, measure = engine.model, engine.backend.held_bytes
+    experts = sum(measure(m.experts) for m in model.modules() if isinstance(m, MoE))
+    return quantization, Held(measure(model), experts, model.lm_head is not None)
 
 
 def _report(
@@ -155,15 +156,15 @@ def _report(
     dtype: torch.dtype,
     device: torch.device,
     world: int,
-    held: tuple[str, int | None],
+    held: tuple[str, Held | None],
 ) -> dict[str, Any]:
     """model/audit.py's report of the model and how this engine was built (/v1/models,
     the start-up line, the admission's KV figures); held: _held_as's."""
     cfg = engine.model.cfg
-    quantization, held_bytes = held
+    quantization, held_weights = held
     report = audit(
-        cfg, dtype_name(dtype), kv_pool_bytes=engine.kv_cache.nbytes,
-        quantization=quantization, held_bytes=held_bytes,
+        cfg, dtype_name(dtype), kv_pool_bytes=engine.kv_cache.nbytes, quantization=quantization,
+        held_bytes=held_weights.total if held_weights is not None else None,
     ).as_dict()  # fmt: skip
     return report | {
         "architecture": cfg.architecture,

@@ -13,8 +13,12 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from service.config import QUANTIZATIONS, Settings, add_arguments, load_settings
+
+if TYPE_CHECKING:
+    from model.audit import Held
 
 
 def _with_torch(command: Callable[..., int]) -> Callable[..., int]:
@@ -104,8 +108,9 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     dtype = pick_dtype(args.dtype, device, args.quantization)
     loaded = load(args.model, dtype, device)
     cfg = loaded.model.cfg
-    quantization, held, _ = _plan_held(args, cfg, device, dtype)
-    report = audit(cfg, dtype_name(dtype), quantization=quantization, held_bytes=held)
+    quantization, held = _plan_held(args, cfg, device, dtype)
+    total = held.total if held is not None else None
+    report = audit(cfg, dtype_name(dtype), quantization=quantization, held_bytes=total)
     print(json.dumps({"model": loaded.model_id, **report.as_dict()}, indent=2))
     return 0
 
@@ -144,7 +149,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     machine = None if args.no_measure else Machine.measure(dtype, device)
     world = args.tensor_parallel_size
-    quantization, held_bytes, head_copy = _plan_held(args, cfg, device, dtype)
+    quantization, held = _plan_held(args, cfg, device, dtype)
     report = plan(
         cfg,
         dtype_name(dtype),
@@ -154,44 +159,45 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         machine.matmul_flops if machine else None,
         world,
         quantization=quantization,
-        held_bytes=held_bytes,
-        head_copy=head_copy,
+        held=held,
     )
     report = {"model": cfg.name, "device": str(device), **report}
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    held = dtype_name(dtype) + (f", linears {quantization}" if quantization != "none" else "")
-    print("\n".join(_plan_lines(report, cfg.name, held, memory, world, machine is not None)))
+    kinds = dtype_name(dtype) + (f", linears {quantization}" if quantization != "none" else "")
+    print("\n".join(_plan_lines(report, cfg.name, kinds, memory, world, machine is not None)))
     return 0
 
 
-def _plan_held(args: argparse.Namespace, cfg, device, dtype) -> tuple[str, int | None, bool]:  # type: ignore[no-untyped-def]
-    """--quantization as `kvserve serve` would hold the weights, their bytes where the
-    config cannot give them, and whether those hold a tied table's copy as the head: auto
-    keeps a checkpoint's integer tensors in their own kinds on the cpu backend in bf16
-    (read from the files' headers; a tied table stored as integers copied in its kind),
-    and is none elsewhere or for a float checkpoint (service/build.py's _held_as, before
-    the load); int4 off the CPU has no 8-bit groups: every linear in int4 (the torch and
-    Triton backends), the head a copy."""
+def _plan_held(args: argparse.Namespace, cfg, device, dtype) -> tuple[str, Held | None]:  # type: ignore[no-untyped-def]
+    """--quantization as `kvserve serve` would hold the weights, and what they take where
+    the config cannot give it (model.audit.Held): auto keeps a checkpoint's integer
+    tensors in their own kinds on the cpu backend in bf16 (read from the files' headers;
+    a tied table stored as integers copied in its kind), and is none elsewhere or for a
+    float checkpoint (service/build.py's _held_as, before the load); int4 off the CPU
+    has no 8-bit groups: every linear in int4 (the torch and Triton backends), the head
+    a copy."""
     import torch
 
-    from model.audit import stored_weight_bytes, weight_bytes
+    from model.audit import Held, quantized_bytes, routed_expert_bytes, stored_held, weight_bytes
     from model.backends.device import dtype_name
     from model.weights import stored_kinds
 
+    name = dtype_name(dtype)
     if args.quantization == "int4" and device.type != "cpu":
-        held = weight_bytes(cfg, dtype_name(dtype), "int4", eight_bit=False)
-        return "int4", held, cfg.tie_embeddings
+        experts = routed_expert_bytes(cfg, name) // dtype.itemsize  # their weights
+        total = weight_bytes(cfg, name, "int4", eight_bit=False)
+        # int4's bytes have no per-row part: no rows given
+        return "int4", Held(total, quantized_bytes(experts, 0, "int4"), cfg.tie_embeddings)
     if args.quantization != "auto":
-        return args.quantization, None, False
+        return args.quantization, None
     if not args.model or device.type != "cpu" or dtype != torch.bfloat16:
-        return "none", None, False
+        return "none", None
     stored = stored_kinds(args.model)
     if not stored:
-        return "none", None, False
-    copied = cfg.tie_embeddings and "embed.weight" in stored
-    return "auto", stored_weight_bytes(cfg, dtype_name(dtype), stored), copied
+        return "none", None
+    return "auto", stored_held(cfg, name, stored)
 
 
 def _plan_lines(

@@ -318,7 +318,7 @@ def test_a_step_reads_the_head_once_and_a_row_of_the_lookup_table() -> None:
     """The embedding table is read as the head where it is the head (tied, in bf16 or
     fp8), else a row a token: untied, or tied with a quantized copy as the head (int8 and
     int4, or held bytes that include a copy)."""
-    from model.audit import quantized_bytes, read_bytes, weight_bytes
+    from model.audit import Held, quantized_bytes, read_bytes, weight_bytes
 
     tied = MOE.replace(experts=None, tie_embeddings=True)
     table = 97 * 64 * 2
@@ -327,7 +327,7 @@ def test_a_step_reads_the_head_once_and_a_row_of_the_lookup_table() -> None:
     int4 = read_bytes(tied, "bfloat16", "int4")
     assert int4 == weight_bytes(tied, "bfloat16", "int4") - table
     held = weight_bytes(tied, "bfloat16") + quantized_bytes(97 * 64, 97, "int4")  # and a copy
-    assert read_bytes(tied, "bfloat16", "auto", held_bytes=held, head_copy=True) == held - table
-    assert read_bytes(tied, "bfloat16", "auto", held_bytes=held) == held
+    assert read_bytes(tied, "bfloat16", "auto", held=Held(held, head_copy=True)) == held - table
+    assert read_bytes(tied, "bfloat16", "auto", held=Held(held)) == held
     untied = tied.replace(tie_embeddings=False)
     assert read_bytes(untied, "bfloat16") == weight_bytes(untied, "bfloat16") - table

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.audit import idle_expert_bytes, weight_bytes
+from model.audit import Held, idle_expert_bytes, read_bytes, weight_bytes
 from model.backends.cpu import prepare_model
 from model.backends.cpu.packed import PackedExperts, held_bytes
 from model.config import Experts
@@ -39,8 +39,9 @@ def _downs(block: torch.nn.Module) -> set[str]:
 def test_the_mix_is_packed_and_counted(fields: dict) -> None:
     """Each layer's kinds: (q | k | v) and down int8g in the more-bits layers, int4
     elsewhere, the attention output and (gate | up) int4 everywhere, the head (a tied
-    one's copy) int8g, a router in bf16; the packed model's bytes are the audit's, and a
-    mixture's idle experts' bytes are its packed experts'."""
+    one's copy) int8g, a router in bf16; the packed model's bytes are the audit's, a
+    mixture's idle experts' bytes are its packed experts', and a step's reads from the
+    bytes the server measures (model.audit.Held) are the config's."""
     model = tiny_model(**fields).to(torch.bfloat16)
     cfg = model.cfg
     assert prepare_model(model, "int4")
@@ -60,4 +61,9 @@ def test_the_mix_is_packed_and_counted(fields: dict) -> None:
     touched = 64 * (1 - (1 - 4 / 64) ** 3)
     assert idle_expert_bytes(cfg, "bfloat16", "int4", 3) == pytest.approx(
         (64 - touched) * per_expert
+    )
+    experts = sum(held_bytes(block.ffn.experts) for block in model.layers)
+    held = Held(held_bytes(model), experts, head_copy=True)  # as the server measures it
+    assert read_bytes(cfg, "bfloat16", held=held) == pytest.approx(
+        read_bytes(cfg, "bfloat16", "int4")
     )
