@@ -214,7 +214,8 @@ def bf16_matmul_rate() -> float:
 def weight_bytes(model_dir: Path) -> dict[str, float]:
     """Bytes a decode step reads per token: every weight once (a tied head reads the
     embedding matrix), in bf16, and with int8 linears (1 byte + 8 bytes per output row);
-    of a mixture of experts, only the experts one token runs (model/audit.py)."""
+    with --quantization int4 as model/audit.py counts its mix; of a mixture of experts,
+    only the experts one token runs (model/audit.py)."""
     from safetensors import safe_open
 
     params, rows = 0, 0
@@ -233,7 +234,7 @@ def weight_bytes(model_dir: Path) -> dict[str, float]:
         "active_params": count_params(cfg).active,
         "bf16": 2 * params - idle_expert_bytes(cfg, "bfloat16", "none", 1),
         "int8": params + 8 * rows - idle_expert_bytes(cfg, "bfloat16", "int8", 1),
-        "int4": params * 5 / 8 - idle_expert_bytes(cfg, "bfloat16", "int4", 1),
+        "int4": read_bytes(cfg, "bfloat16", "int4"),  # its mix of int4 and int8g
     }
 
 
