@@ -212,11 +212,13 @@ def test_bad_tools_are_400s(served) -> None:
 @given(cuts=st.lists(st.integers(min_value=0), max_size=40))
 def test_any_split_of_a_streams_bytes_gives_the_same_calls(raw_stream, cuts: list[int]) -> None:
     """The SSE bytes of a streamed response cut at arbitrary points (as a network may
-    deliver them) and read back as events give the calls of the whole response, whose
-    arguments came in fragments as they were written."""
+    deliver them) and read back as events give the calls of the whole response (how many
+    deltas carry them depends on the reader's pace: one that falls behind gets the steps
+    since its last read in one, service/engine/process/streams.py; test_tool_split.py
+    checks the fragments of any chunking)."""
     raw, want = raw_stream
     points = sorted({c % (len(raw) + 1) for c in cuts} | {0, len(raw)})
-    buffer, calls, pieces = b"", {}, 0
+    buffer, calls = b"", {}
     for a, b in itertools.pairwise(points):
         buffer += raw[a:b]
         while b"\n\n" in buffer:
@@ -226,12 +228,10 @@ def test_any_split_of_a_streams_bytes_gives_the_same_calls(raw_stream, cuts: lis
                 continue
             for choice in json.loads(data)["choices"]:
                 for call in choice["delta"].get("tool_calls") or []:
-                    pieces += 1
                     name, arguments = calls.get(call["index"], (None, ""))
                     name = call["function"].get("name", name)
                     calls[call["index"]] = (name, arguments + call["function"]["arguments"])
     calls = [(n, json.loads(a)) for _, (n, a) in sorted(calls.items())]
-    assert pieces > 2 * len(calls)  # a header and fragments
     assert buffer == b"" and calls == want
 
 
