@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from model.config import ModelConfig
 from model.grouped import GROUP
-from model.int4_mix import EIGHT_BIT, more_bits
+from model.int4_mix import EIGHT_BIT, layer_parts
 from model.int_weights import KEEPS
 
 DTYPE_BYTES = {
@@ -199,22 +199,11 @@ def layer_linears(cfg: ModelConfig, experts: bool = True) -> tuple[int, int]:
 
 def eight_bit_linears(cfg: ModelConfig) -> tuple[int, int]:
     """(weights, output rows) of the decoder layers' linears --quantization int4 holds
-    in 8 bits on the cpu backend (model/int4_mix.py): in the layers that take more bits,
-    the (q | k | v) and down projections, a mixture's routed and shared experts' down."""
-    qkv, _, _, (d_ff, d) = layer_linear_shapes(cfg)
-    weights = rows = 0
-    for i in range(cfg.n_layers):
-        if not more_bits(i, cfg.n_layers):
-            continue
-        weights, rows = weights + qkv[0] * qkv[1], rows + qkv[1]
-        if cfg.sparse(i):
-            assert cfg.experts is not None
-            n, shared = cfg.experts.n_experts, cfg.experts.shared_d_ff
-            weights, rows = weights + n * cfg.experts.d_ff * d + shared * d, rows + n * d
-            rows += d if shared else 0
-        else:
-            weights, rows = weights + d_ff * d, rows + d
-    return weights, rows
+    in 8 bits on the cpu backend (model/int4_mix.py: the parts of each layer that take
+    more bits or whose rows are not whole K-quant blocks)."""
+    parts = [p for i in range(cfg.n_layers) for p in layer_parts(cfg, i) if p.eight_bit]
+    weights = sum(p.in_features * p.out_features * p.count for p in parts)
+    return weights, sum(p.out_features * p.count for p in parts)
 
 
 def quantized_bytes(weights: int, rows: int, quantization: str) -> int:
@@ -375,21 +364,21 @@ def unread_table_bytes(cfg: ModelConfig, dtype: str, head_copy: bool) -> int:
 
 def idle_expert_bytes(cfg: ModelConfig, dtype: str, quantization: str, rows: int) -> float:
     """The bytes of the experts a step of `rows` tokens leaves unread, expected, as held
-    (quantized_bytes with --quantization int8, or int4 with its down projections in
-    int8g where eight_bit_linears has them); 0 for a dense model."""
+    (quantized_bytes with --quantization int8, or int4 with the stacks int4_mix holds
+    in 8 bits in int8g); 0 for a dense model."""
     e = cfg.experts
     if e is None:
         return 0.0
     _, expert, _ = expert_params(cfg)
-    gate_up, down = 2 * e.d_ff * cfg.d_model, e.d_ff * cfg.d_model
     held = 0
     for i in cfg.sparse_layers:
         if quantization == "int8":
             held += quantized_bytes(expert, 2 * e.d_ff + cfg.d_model, quantization)
         elif quantization == "int4":
-            kind = EIGHT_BIT if more_bits(i, cfg.n_layers) else quantization
-            held += quantized_bytes(gate_up, 2 * e.d_ff, quantization)
-            held += quantized_bytes(down, cfg.d_model, kind)
+            for p in layer_parts(cfg, i):
+                if p.path == "ffn.experts":
+                    kind = EIGHT_BIT if p.eight_bit else quantization
+                    held += quantized_bytes(p.in_features * p.out_features, p.out_features, kind)
         else:
             held += expert * dtype_bytes(dtype)
     return (e.n_experts - experts_touched(cfg, rows)) * held

@@ -4,12 +4,16 @@ tensors that take more bits, in kvserve's kinds.
 Q4_K_M (llama.cpp's llama_tensor_get_type) holds most linears in 4-bit Q4_K and gives
 6-bit Q6_K to the LM head and, in its `use_more_bits` layers (the first and last eighth
 of the stack and every third layer between), to the attention's V projection and the
-FFN's down projection. On the cpu backend `--quantization int4` does the same with its
-kinds, int4 and int8g (8-bit groups, the kernels' kind above 4 bits): the head, and in
-those layers the whole (q | k | v) projection (the fused weight takes one kind) and the
-down projection (a mixture's routed experts' and its shared expert's too). A mixture's
-router stays in the model's dtype (model.moe.linear_quantization). The torch and
-Triton backends have no 8-bit grouped kernel: they hold these in int4 like the rest.
+FFN's down projection. A tensor whose rows are not whole K-quant blocks (K_BLOCK input
+features) cannot be Q4_K or Q6_K: llama.cpp takes Q5_0 and Q8_0 for it. On the cpu
+backend `--quantization int4` does the same with its kinds, int4 and int8g (8-bit
+groups, the kernels' kind above 4 bits): int8g for the head, in those layers the whole
+(q | k | v) projection (the fused weight takes one kind) and the down projection (a
+mixture's routed experts' and its shared expert's too), and every linear whose input
+features are not whole K-quant blocks (a small model's: SmolLM's 576, Qwen2.5-0.5B's
+896). A mixture's router stays in the model's dtype (model.moe.linear_quantization).
+The torch and Triton backends have no 8-bit grouped kernel: they hold these in int4
+like the rest.
 
 The choice is marked on the modules when a Transformer is built (they outlive the load,
 which replaces their parameters): `held` reads it.
@@ -17,9 +21,14 @@ which replaces their parameters): `held` reads it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch import nn
 
+from model.config import ModelConfig
+
 EIGHT_BIT = "int8g"
+K_BLOCK = 256  # the weights in a row of one of llama.cpp's K-quant super-blocks
 _MARK = "_int4_more_bits"  # a module attribute: the names of its parameters marked
 
 
@@ -35,19 +44,62 @@ def mark(module: nn.Module, name: str = "weight") -> None:
     setattr(module, _MARK, getattr(module, _MARK, frozenset()) | {name})
 
 
-def mark_layer(block: nn.Module, index: int, n_layers: int) -> None:
-    """A decoder layer's (q | k | v) and down projections, where layer `index` of
-    `n_layers` takes more bits; `block` has model/transformer.py's Block's parts."""
-    if not more_bits(index, n_layers):
-        return
-    mark(block.attn.wqkv)
-    ffn = block.ffn
-    if hasattr(ffn, "experts"):  # a mixture: its routed experts' stack, its shared expert
-        mark(ffn.experts, "w_out")
-        if ffn.shared is not None:
-            mark(ffn.shared.w_out)
-    else:
-        mark(ffn.w_out)
+@dataclass(frozen=True, slots=True)
+class Part:
+    """One of a decoder layer's quantized weights: parameter `name` of the module at
+    `path` under the layer, `count` matrices (a mixture's routed experts) of
+    (in_features, out_features); `more`: Q4_K_M gives it more bits in this layer."""
+
+    path: str
+    name: str
+    in_features: int
+    out_features: int
+    count: int = 1
+    more: bool = False
+
+    @property
+    def eight_bit(self) -> bool:
+        """int4 holds it in 8 bits: it takes more bits, or its rows are not whole
+        K-quant blocks."""
+        return self.more or self.in_features % K_BLOCK != 0
+
+
+def layer_parts(cfg: ModelConfig, index: int) -> list[Part]:
+    """Layer `index`'s linears as --quantization int4 takes them, at `cfg`'s (the whole
+    model's, not a tensor-parallel rank's) widths: (q | k | v), the attention output,
+    and the FFN's (gate | up) and down, or a mixture's routed experts' stacks, its
+    shared expert's and the shared expert's gate (its router stays unquantized)."""
+    d, dh, more = cfg.d_model, cfg.head_dim, more_bits(index, cfg.n_layers)
+    parts = [
+        Part("attn.wqkv", "weight", d, (cfg.n_heads + 2 * cfg.kv_heads) * dh, more=more),
+        Part("attn.wo", "weight", cfg.n_heads * dh, d),
+    ]
+    if not cfg.sparse(index):
+        ffn_in = (2 if cfg.gated else 1) * cfg.d_ff
+        parts.append(Part("ffn.w_in", "weight", d, ffn_in))
+        parts.append(Part("ffn.w_out", "weight", cfg.d_ff, d, more=more))
+        return parts
+    e = cfg.experts
+    assert e is not None
+    parts += [
+        Part("ffn.experts", "w_in", d, 2 * e.d_ff, e.n_experts),
+        Part("ffn.experts", "w_out", e.d_ff, d, e.n_experts, more),
+    ]
+    if e.shared_d_ff:
+        parts += [
+            Part("ffn.shared.w_in", "weight", d, 2 * e.shared_d_ff),
+            Part("ffn.shared.w_out", "weight", e.shared_d_ff, d, more=more),
+            Part("ffn.shared_gate", "weight", d, 1),
+        ]
+    return parts
+
+
+def mark_layer(block: nn.Module, index: int, cfg: ModelConfig) -> None:
+    """Mark layer `index`'s parts that int4 holds in 8 bits; `block` has
+    model/transformer.py's Block's parts."""
+    for part in layer_parts(cfg, index):
+        if part.eight_bit:
+            mark(block.get_submodule(part.path), part.name)
 
 
 def held(module: nn.Module, quantization: str, name: str = "weight") -> str:

@@ -125,10 +125,10 @@ class Transformer(nn.Module):
 
     def _mark_int4_mix(self) -> None:
         """The weights --quantization int4 holds in 8 bits (model/int4_mix.py): the head
-        (a tied one: the table it is copied from) and the layers that take more bits."""
+        (a tied one: the table it is copied from) and each layer's parts that take 8 bits."""
         int4_mix.mark(self.lm_head if self.lm_head is not None else self.embed)
         for i, block in enumerate(self.layers):
-            int4_mix.mark_layer(block, i, self.cfg.n_layers)
+            int4_mix.mark_layer(block, i, self.cfg)
 
     def rebuild_tables(self, device: torch.device) -> None:
         """(Re)compute the fixed position tables on `device` (they are not weights)."""

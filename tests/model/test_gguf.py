@@ -197,8 +197,13 @@ def test_auto_keeps_each_tensor_in_the_kind_that_holds_it(tmp_path: Path) -> Non
     blocks of 32 are int8g's groups), the tied head as its Q8_0 embedding table, int8g
     (tests/model/test_stack.py runs such mixed layers as the one decoder call); its
     logits nearer the file's values in bf16 (none) than int4 gives, which rounds the
-    Q5_0 down projections of layers 0 and 1 to 4 bits."""
-    _, path = checkpoint("qwen3_moe", tmp_path)
+    Q5_0 down projections of layers 0 and 1 to 4 bits (the model 256 wide: rows of
+    whole K-quant blocks, which int4 holds in 4 bits)."""
+    hf = tmp_path / "hf"
+    write_qwen3_moe(hf, mlp_only_layers=[], hidden_size=256, head_dim=64, moe_intermediate_size=256)
+    write_tokenizer(hf)
+    (tmp_path / "gguf").mkdir()
+    path = write_gguf(hf, tmp_path / "gguf" / "model.gguf", default_types)
     models = {}
     for quantization in ("none", "auto", "int4"):
         models[quantization] = model = load_model(path, torch.bfloat16)

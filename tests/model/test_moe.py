@@ -131,10 +131,10 @@ def test_a_routers_weights_are_not_rounded_again() -> None:
     from model.moe import MoE
     from tests.factories import small_model
 
-    spec = ExpertSpec(n_experts=4, top_k=2, d_ff=64)
+    spec = ExpertSpec(n_experts=4, top_k=2, d_ff=256)  # rows of whole K-quant blocks
 
     def model(dtype: torch.dtype = torch.bfloat16) -> nn.Module:
-        m = small_model(vocab=96, d_model=64, n_heads=4, d_ff=96, experts=spec)
+        m = small_model(vocab=96, d_model=256, n_heads=4, d_ff=96, experts=spec)
         return m.to(dtype)
 
     def mixtures(m: nn.Module) -> list[MoE]:

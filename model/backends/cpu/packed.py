@@ -197,7 +197,7 @@ class PackedExperts(GroupedExperts):
                 _linear(experts.w_in[e], experts.b_in[e] if biases else None, kept[0]),
                 _linear(experts.w_out[e], experts.b_out[e] if biases else None, kept[1]),
                 experts.clamped,
-                (quantization, int4_mix.held(experts, quantization, "w_out")),
+                tuple(int4_mix.held(experts, quantization, w) for w in ("w_in", "w_out")),
             )
             for e in range(experts.n_experts)
         )

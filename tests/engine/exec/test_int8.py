@@ -16,8 +16,9 @@ from tests.engine.core.test_engine import mixed_requests
 from tests.engine.helpers import run_all, tokens_of
 from tests.factories import make_engine, small_model, write_llama, write_tokenizer
 
-# linears in whole 64-feature blocks, so every one of them is int8
-SHAPE = dict(vocab=320, d_model=192, n_heads=6, n_kv_heads=2, d_ff=128)
+# linears in whole 64-feature blocks, so every one of them is int8, and of whole 256-feature
+# K-quant blocks, so int4 holds them in 4 bits but where its mix takes 8 (model/int4_mix.py)
+SHAPE = dict(vocab=320, d_model=256, n_heads=4, n_kv_heads=2, d_ff=256)
 
 
 QUANTIZED = ["int8", "int4"]
@@ -56,7 +57,8 @@ CLOSE = {"int8": (0.9, 0.05), "int4": (0.75, 0.15)}
 @pytest.mark.parametrize("quantization", QUANTIZED)
 @torch.no_grad()
 def test_quantized_logits_stay_close_to_bf16(quantization: str, tmp_path: Path) -> None:
-    write_llama(tmp_path, tied=False, intermediate_size=128)
+    # 256 wide (q | k | v and (gate | up) in 4 bits under int4), 8 heads of 8 features
+    write_llama(tmp_path, tied=False, hidden_size=256, head_dim=8, intermediate_size=128)
     write_tokenizer(tmp_path)
     models, engines = {}, {}
     for q in ("none", quantization):
@@ -64,7 +66,7 @@ def test_quantized_logits_stay_close_to_bf16(quantization: str, tmp_path: Path) 
         settings = Settings(num_kv_blocks=64, attention_backend="cpu", quantization=q)
         engines[q] = LLMEngine.build(loaded.model, loaded.tokenizer, settings.engine)
         models[q] = engines[q].model
-    assert models[quantization].layers[0].attn.wo.quant == quantization
+    assert models[quantization].layers[0].ffn.w_in.quant == quantization
     qkv = models[quantization].layers[0].attn.wqkv  # 96 rows: padded to two 64-feature blocks
     assert qkv.kernel == quantization and qkv.pad == 32
     card = engines[quantization].backend.describe()
