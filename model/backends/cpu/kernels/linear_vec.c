@@ -937,12 +937,16 @@ static inline vi dot_s8(vi acc, vi w, vi x) { return dot4(acc, x, w); }
 
 /* MR rows of xq against one block's vectors j0 .. j0 + NSV, int4 (BITS 4) or int8g
  * (BITS 8): acc (MR, NB) float32. xs and sx: (MR, K/GROUP) each group's sum of xq and
- * scale. */
+ * scale. pf: the next block's pf_len bytes, pulled into L2 over the first slice's k
+ * steps (as the int8 kernel's passes do: PREFETCH_NEXT), or NULL. */
 static inline __attribute__((always_inline)) void grouped_slice(
     const int BITS, const int MR, const int NSV, const int8_t *xq, const int32_t *xs,
-    const float *sx, int k, const uint8_t *wq, const uint16_t *scales, int j0, float *acc) {
+    const float *sx, int k, const uint8_t *wq, const uint16_t *scales, int j0, float *acc,
+    const char *pf, long pf_len) {
     const vi low = vi_set1_8(0x0F);
     const int groups = k / GROUP;
+    const long pf_rate = PF_RATE(pf_len, k / 8);
+    long pf_done = 0;
     vf c[GROUPED_MR][NV];
     for (int r = 0; r < MR; ++r)
         for (int j = 0; j < NSV; ++j) c[r][j] = vf_zero();
@@ -954,6 +958,7 @@ static inline __attribute__((always_inline)) void grouped_slice(
             if (j0 == 0) {  /* the block's bytes PREFETCH ahead (an octet: BITS * NB) */
                 prefetch_step(wq + (long)o * NB * BITS);
                 if (BITS == 8) prefetch_step(wq + (long)o * NB * BITS + 4 * NB);
+                if (pf) PREFETCH_NEXT(pf, pf_rate, pf_done, o + 1);
             }
             vi lo[NV], hi[NV];
             for (int j = 0; j < NSV; ++j) {
@@ -1004,24 +1009,25 @@ static inline long grouped_weight_bytes(const int BITS, int k) { return (long)k 
 
 static inline __attribute__((always_inline)) void grouped_tile(
     const int BITS, const int MR, const int8_t *xq, const int32_t *xs, const float *sx, int k,
-    const uint8_t *block, float *acc) {
+    const uint8_t *block, float *acc, const char *pf, long pf_len) {
     const uint16_t *scales = (const uint16_t *)(block + grouped_weight_bytes(BITS, k));
     const int sv = MR == 1 ? GROUPED_ROW_SV : GROUPED_SV;
     for (int j0 = 0; j0 < NV; j0 += sv)
-        grouped_slice(BITS, MR, sv, xq, xs, sx, k, block, scales, j0, acc);
+        grouped_slice(BITS, MR, sv, xq, xs, sx, k, block, scales, j0, acc, pf, pf_len);
 }
 
-/* Rows r .. r + rows of x against one block, into acc (rows, NB). */
+/* Rows r .. r + rows of x against one block, into acc (rows, NB); pf, pf_len: the block
+ * to pull into L2 meanwhile (grouped_slice). */
 static inline __attribute__((always_inline)) void grouped_rows(
     const int BITS, int rows, const int8_t *xq, const int32_t *xs, const float *sx, int k,
-    const uint8_t *block, float *acc) {
+    const uint8_t *block, float *acc, const char *pf, long pf_len) {
     switch (rows) {
 #if GROUPED_MR == 4
-        case 4: grouped_tile(BITS, 4, xq, xs, sx, k, block, acc); break;
-        case 3: grouped_tile(BITS, 3, xq, xs, sx, k, block, acc); break;
+        case 4: grouped_tile(BITS, 4, xq, xs, sx, k, block, acc, pf, pf_len); break;
+        case 3: grouped_tile(BITS, 3, xq, xs, sx, k, block, acc, pf, pf_len); break;
 #endif
-        case 2: grouped_tile(BITS, 2, xq, xs, sx, k, block, acc); break;
-        default: grouped_tile(BITS, 1, xq, xs, sx, k, block, acc); break;
+        case 2: grouped_tile(BITS, 2, xq, xs, sx, k, block, acc, pf, pf_len); break;
+        default: grouped_tile(BITS, 1, xq, xs, sx, k, block, acc, pf, pf_len); break;
     }
 }
 
@@ -1058,11 +1064,15 @@ static inline __attribute__((always_inline)) void linear_grouped(
         for (int b = u * unit; b < (u + 1) * unit; ++b) {
             const uint8_t *block = w + b * block_bytes;
             const target t = block_target(out, scratch, n, b);
+            /* the next block into L2 during the first pass over this one (the thread's
+             * next, but at the end of its share of the units) */
+            const char *next = b + 1 < n / NB ? (const char *)(block + block_bytes) : NULL;
             for (int r = 0; r < m; r += GROUPED_MR) {
                 const int rows = m - r < GROUPED_MR ? m - r : GROUPED_MR;
                 float acc[GROUPED_MR * NB] __attribute__((aligned(64)));
                 grouped_rows(BITS, rows, xq + (long)r * k, xs + (long)r * groups,
-                             sx + (long)r * groups, k, block, acc);
+                             sx + (long)r * groups, k, block, acc, r == 0 ? next : NULL,
+                             block_bytes);
                 for (int i = 0; i < rows; ++i)
                     store_cols(NB, acc + i * NB, bias ? bias + b * NB : 0,
                                t.dst + (long)(r + i) * t.stride,
