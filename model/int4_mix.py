@@ -29,7 +29,7 @@ from model.config import ModelConfig
 
 EIGHT_BIT = "int8g"
 K_BLOCK = 256  # the weights in a row of one of llama.cpp's K-quant super-blocks
-_MARK = "_int4_more_bits"  # a module attribute: the names of its parameters marked
+_MARK = "_int4_eight_bit"  # a module attribute: the names of its parameters marked
 
 
 def more_bits(index: int, n_layers: int) -> bool:
