@@ -1,10 +1,12 @@
-"""Grouped integer weights, the formats kvserve's int4 and int8g kernels read: a linear's
+"""Grouped integer weights, the formats kvserve's int4, int5 and int8g kernels read: a linear's
 weight (N, K) in groups of GROUP consecutive in features, each group with its own scales.
 - int4: codes q in 0..15 and a bf16 step d and minimum m a group, w ~ d * q + m (5/8 of
   a byte a weight): `--quantization int4`, and a checkpoint's 4-bit groups (GGUF Q4_0,
   Q4_K, AWQ, GPTQ) kept on their own levels.
+- int5: codes q in 0..31 and a float16 step d and minimum m a group, w ~ d * q + m (3/4
+  of a byte): a checkpoint's 5-bit groups (GGUF Q5_0, Q5_1, Q5_K) on their own levels.
 - int8g: codes q in -127..127 and a float16 step d a group, w ~ d * q (17/16 of a byte):
-  a checkpoint's 5- to 8-bit types (GGUF Q8_0's and Q5_0's blocks as they are).
+  a checkpoint's 6- to 8-bit types (GGUF Q8_0's blocks as they are, Q6_K).
 
 How a float weight is rounded to them, in torch: the readable arithmetic the C
 quantizers (model/backends/cpu/kernels/linear_vec.c) match bit for bit, and what the
@@ -89,11 +91,11 @@ def _int4_search(
 
 
 def _on_grid(
-    groups: torch.Tensor, d: torch.Tensor, m: torch.Tensor
+    groups: torch.Tensor, d: torch.Tensor, m: torch.Tensor, top: int = 15
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(squared error, codes) of groups rounded to nearest on the bf16 grid (m, d)."""
+    """(squared error, codes 0..top) of groups rounded to nearest on the grid (m, d)."""
     step = torch.where(d.float() > 0, d.float(), 1.0)
-    q = torch.round((groups - m.float()[..., None]) / step[..., None]).clamp(0, 15)
+    q = torch.round((groups - m.float()[..., None]) / step[..., None]).clamp(0, top)
     return _error(groups, q, d.float(), m.float()), q
 
 
@@ -174,6 +176,63 @@ def _on_levels(
         trial[0] = torch.where(positive, trial[0], torch.inf)
         kept = _keep_better(kept, trial)
     return kept[1], kept[2], kept[3]
+
+
+def int5_quantize_reference(
+    weight: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(N, K) -> q (N, K) uint8 in 0..31, d and m (N, K/32) float16, each group of 32 k
+    w ~ d * q + m, held on its own levels (_int5_levels: a 5-bit file's group, Q5_0's,
+    Q5_1's or Q5_K's, comes back on its own grid), then re-centred (_int5_recentred)."""
+    w = weight.detach().float()
+    n, k = w.shape
+    groups = w.reshape(-1, GROUP)
+    q, d, m = _int5_recentred(groups, _int5_levels(groups))
+    return q.reshape(n, k).to(torch.uint8), d.reshape(n, k // GROUP), m.reshape(n, k // GROUP)
+
+
+def _int5_levels(groups: torch.Tensor) -> list[torch.Tensor]:
+    """[squared error, codes, d, m] of groups (G, 32): the range lo..hi in as many steps
+    as the smallest gap between distinct values makes (at most 31), the minimum lo or the
+    fewest steps under it that float16 holds exactly where the codes leave room (a
+    file's minimum where its code 0 is unused: Q5_0's -16 d), the codes to nearest on
+    that float16 grid; or one or two steps fewer from lo where that does better (values
+    rounded to bf16 on load leave gaps a little under the file's step)."""
+    ordered = groups.sort(dim=1).values
+    lo, hi = ordered[:, 0] + 0.0, ordered[:, -1] + 0.0
+    gaps = ordered.diff(dim=1)
+    gap = torch.where(gaps > 0, gaps, torch.inf).amin(dim=1)
+    span = hi - lo
+    steps = torch.where(gap.isinf(), 1.0, torch.round(span / gap).clamp(1, 31))
+    d = (span / steps).to(torch.float16)
+    below = torch.arange(32, dtype=torch.float32)
+    under = lo[:, None] - below * d.float()[:, None]
+    exact = (under.to(torch.float16).float() == under) & (steps[:, None] + below <= 31)
+    first = torch.where(exact.any(dim=1), exact.float().argmax(dim=1), 0)
+    m = under.gather(1, first[:, None])[:, 0].to(torch.float16)
+    best = [*_on_grid(groups, d, m, 31), d, m]
+    for fewer in (1, 2):
+        fd, fm = (span / (steps - fewer).clamp(min=1)).to(torch.float16), lo.to(torch.float16)
+        best = _keep_better(best, [*_on_grid(groups, fd, fm, 31), fd, fm])
+    return best
+
+
+def _int5_recentred(
+    groups: torch.Tensor, best: list[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes, d, m): `best`'s, or its step's float16 neighbours' or the step's own with
+    the minimum that centres the kept codes (rounded to float16), where the squared
+    error is less (int4's _on_levels does the same in bf16)."""
+    d = best[2]
+    positive = d.float() > 0
+    bits = d.view(torch.int16)
+    for step in ((bits - 1).view(torch.float16), (bits + 1).view(torch.float16), d):
+        centre = _sum_in_order(groups - step.float()[:, None] * best[1]) / _scalar(GROUP)
+        centre = centre.to(torch.float16)
+        trial = [*_on_grid(groups, step, centre, 31), step, centre]
+        trial[0] = torch.where(positive, trial[0], torch.inf)
+        best = _keep_better(best, trial)
+    return best[1], best[2], best[3]
 
 
 def int4_dequantize(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from model.backends.cpu.kernels.linear import (
     grouped_supported,
     int4_pack,
     int4_quantize,
+    int5_pack,
     int8g_pack,
     int8g_quantize,
     swiglu_layout,
@@ -22,11 +23,12 @@ from model.grouped import (
     GROUP,
     int4_dequantize,
     int4_quantize_reference,
+    int5_quantize_reference,
     int8g_dequantize,
     int8g_quantize_reference,
 )
 
-PACKS = {"int4": int4_pack, "int8g": int8g_pack}
+PACKS = {"int4": int4_pack, "int5": int5_pack, "int8g": int8g_pack}
 
 
 def weights(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,6 +45,8 @@ def grouped_reference(
     + bias, one bf16 rounding."""
     if kind == "int4":
         q, d, m = int4_quantize(w)
+    elif kind == "int5":
+        q, d, m = int5_quantize_reference(w)
     else:
         q, d = int8g_quantize(w)
     groups = w.shape[1] // GROUP
@@ -56,7 +60,7 @@ def grouped_reference(
         cols = slice(g * GROUP, (g + 1) * GROUP)
         sums = (xq[:, g].double() @ q[:, cols].double().T).float()  # exact
         t = d[:, g].float()[None, :] * sums
-        if kind == "int4":
+        if kind != "int8g":
             t = t + m[:, g].float()[None, :] * xq[:, g].sum(dim=1, keepdim=True)
         acc = acc + sx[:, g : g + 1] * t
     return (acc + bias if bias is not None else acc).to(torch.bfloat16)
@@ -187,7 +191,7 @@ def test_a_gguf_blocks_grid_is_kept_exactly() -> None:
         assert torch.equal(int8g_dequantize(q, d), w)
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8g"])
+@pytest.mark.parametrize("kind", ["int4", "int5", "int8g"])
 @pytest.mark.parametrize("rows", [1, 2, 5, 16])
 def test_grouped_kernels_give_the_references_bits_at_every_level(
     isa: str, rows: int, kind: str
@@ -202,7 +206,7 @@ def test_grouped_kernels_give_the_references_bits_at_every_level(
     assert torch.equal(run(x[-1:], w, bias, kind), run(x, w, bias, kind)[-1:])
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8g"])
+@pytest.mark.parametrize("kind", ["int4", "int5", "int8g"])
 def test_grouped_swiglu_is_the_unfused_ops(isa: str, kind: str) -> None:
     """The (gate | up) weight in swiglu_layout: silu(gate) * up from one call, as the
     separate projections give them (the epilogue is the int8 kernel's)."""
@@ -212,3 +216,20 @@ def test_grouped_swiglu_is_the_unfused_ops(isa: str, kind: str) -> None:
     gate, up = run(x, w[:128], None, kind).float(), run(x, w[128:], None, kind).float()
     want = (F.silu(gate).to(torch.bfloat16).float() * up).to(torch.bfloat16).float()
     assert (fused - want).abs().max().item() <= 0.02 * want.abs().max().item()
+
+
+def test_a_5bit_files_groups_are_kept_exactly() -> None:
+    """GGUF's 5-bit groups, Q5_0's (float16 d, w = d * (q - 16)) and Q5_1's (float16 d
+    and m, w = d * q + m), come back as they are: int5's step and minimum are float16."""
+    g = torch.Generator().manual_seed(5)
+    codes = torch.randint(0, 32, (64, 256), generator=g).float()
+    d = (torch.rand(64, 8, generator=g) * 0.01 + 1e-3).to(torch.float16).float()
+    m = (-torch.rand(64, 8, generator=g) * 0.1).to(torch.float16).float()
+    for w in (
+        (codes.reshape(64, 8, 32) - 16) * d[..., None],  # Q5_0
+        codes.reshape(64, 8, 32) * d[..., None] + m[..., None],  # Q5_1
+    ):
+        w = w.reshape(64, 256)
+        q, qd, qm = int5_quantize_reference(w)
+        back = q.reshape(64, 8, 32).float() * qd.float()[..., None] + qm.float()[..., None]
+        assert torch.equal(back.reshape(64, 256), w)

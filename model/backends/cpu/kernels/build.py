@@ -62,6 +62,7 @@ PROTOTYPES: dict[str, tuple[type | None, list[type]]] = {
     "linear_bf16_vec": (None, [_P, _P, _P, _P, _P, _I, _I, _I, _I]),
     "linear_int8": (None, [_P, _P, _P, _P, _P, _I, _I, _I, _I]),
     "linear_int4": (None, [_P, _P, _P, _P, _P, _I, _I, _I, _I]),
+    "linear_int5": (None, [_P, _P, _P, _P, _P, _I, _I, _I, _I]),
     "linear_int8g": (None, [_P, _P, _P, _P, _P, _I, _I, _I, _I]),
     "int8g_quantize": (None, [_P, _P, _P, _I, _I, _I]),
     "int4_quantize": (None, [_P, _P, _P, _P, _I, _I, _I, _I]),

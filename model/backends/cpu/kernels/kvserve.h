@@ -70,6 +70,10 @@ void linear_int8(const uint16_t *x, const uint16_t *w, const float *bias, uint16
  * scale and minimum: model/backends/cpu/kernels/linear.py). */
 void linear_int4(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
                  uint16_t *scratch, int m, int n, int k, int nthreads);
+/* linear_int5: w is int5_pack's blob (5-bit weights in groups of 32 k, each with a float16
+ * step and minimum); otherwise as linear_int4. */
+void linear_int5(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
+                 uint16_t *scratch, int m, int n, int k, int nthreads);
 /* int4_quantize: float32 weights, `groups` groups of 32 k one after another, rounded to
  * 4 bits as model/grouped.py's int4_quantize_reference describes (nsearch: the searched
  * step counts; the range in 1..nsteps steps for a group of 16 distinct values or fewer):
@@ -133,8 +137,8 @@ typedef void (*route_fn)(const uint16_t *logits, int rows, int stride, int exper
 typedef void (*experts_fn)(const experts_args *a);
 
 /* One layer's weights in the kernels' layouts; biases are float32 or NULL. Each linear
- * comes with the kernel of its own layout (bf16, int8, int8g or int4: a checkpoint's 4-bit
- * and 8-bit tensors may share a layer). */
+ * comes with the kernel of its own layout (bf16, int8, int8g, int4 or int5: a checkpoint's
+ * 4-, 5- and 8-bit tensors may share a layer). */
 typedef struct {
     const uint16_t *attn_norm;
     const uint16_t *wqkv;

@@ -1,5 +1,5 @@
 """The linear layers' kernels: bf16 on the AMX tile unit (model/backends/cpu/kernels/linear_bf16.c),
-bf16, int8, int8g and int4 in vector code (linear_vec.c, whose amx build also takes int8 to
+bf16, int8, int8g, int4 and int5 in vector code (linear_vec.c, whose amx build also takes int8 to
 the tile unit), and the weight layouts they read."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from model.grouped import (
     INT4_STEPS,
     INT8G_DIVISORS,
     int4_quantize_reference,
+    int5_quantize_reference,
     int8g_quantize_reference,
 )
 
@@ -49,7 +50,7 @@ def _vector(isa: str) -> ctypes.CDLL | None:
     lib = build("linear_vec.c", (*VECTOR_FLAGS, *isa_flags(isa)), isa)
     if lib is None:
         return None
-    kernels = ("linear_bf16_vec", "linear_int8", "linear_int8g", "linear_int4")
+    kernels = ("linear_bf16_vec", "linear_int8", "linear_int8g", "linear_int4", "linear_int5")
     bind(lib, *kernels, "int4_quantize", "int8g_quantize", "linear_vec_init")
     if not lib.linear_vec_init():  # the amx build, where the OS refuses the tile state
         log.info("no AMX tiles here: int8 linears run in vector code")
@@ -59,7 +60,7 @@ def _vector(isa: str) -> ctypes.CDLL | None:
 
 def linear_kernel(kind: str) -> ctypes._CFuncPtr | None:
     """The C function for 'bf16' (tile_layout weights), 'int8' (int8_pack blobs), 'int8g'
-    (int8g_pack's) or 'int4' (int4_pack's) linears at this CPU's level (linear_isa): bf16
+    (int8g_pack's), 'int4' (int4_pack's) or 'int5' (int5_pack's) linears at this CPU's level (linear_isa): bf16
     at amx in linear_bf16.c (the tiles, and for one or two rows vector code with the
     tiles' sums), everything else in linear_vec.c's build for the level; None where it
     is not built."""
@@ -69,7 +70,8 @@ def linear_kernel(kind: str) -> ctypes._CFuncPtr | None:
     lib = _vector(isa)
     if lib is None:
         return None
-    integer = {"int8": lib.linear_int8, "int8g": lib.linear_int8g, "int4": lib.linear_int4}
+    integer = {"int8": lib.linear_int8, "int8g": lib.linear_int8g, "int4": lib.linear_int4,
+               "int5": lib.linear_int5}  # fmt: skip
     return integer.get(kind, lib.linear_bf16_vec)
 
 
@@ -88,7 +90,7 @@ def linear_isa(kind: str) -> str:
     otherwise."""
     if cpu_isa() != "amx":
         return vector_level()
-    tiles = _vector("amx") if kind in ("int8", "int8g", "int4") else _tiles()
+    tiles = _vector("amx") if kind in ("int8", "int8g", "int4", "int5") else _tiles()
     return "amx" if tiles is not None else vector_level()
 
 
@@ -114,7 +116,7 @@ def int8_supported(weight: torch.Tensor) -> bool:
 
 
 def grouped_supported(weight: torch.Tensor, kind: str) -> bool:
-    """Whether `weight` packs for the grouped kernel `kind` ('int4', 'int8g') here."""
+    """Whether `weight` packs for the grouped kernel `kind` ('int4', 'int5', 'int8g') here."""
     n, k = weight.shape
     return (
         weight.device.type == "cpu"
@@ -153,6 +155,26 @@ def int4_pack(weight: torch.Tensor) -> torch.Tensor:
     scales = scales.permute(0, 2, 3, 1).contiguous()  # (nb, groups, 2, 64)
     per_block = [nibbles.reshape(nb, -1), scales.view(torch.uint8).reshape(nb, -1)]
     return torch.cat(per_block, dim=1).flatten()
+
+
+def int5_pack(weight: torch.Tensor) -> torch.Tensor:
+    """(N, K) -> the uint8 blob linear_int5 reads, block after block of 64 features: per
+    octet of k, int4_pack's (64, 4) bytes of the codes' low nibbles, then two planes of
+    32 bytes: bit p of the first is the fifth bit of the code in byte p's low nibble, of
+    the second of its high nibble; then (K/32, 2, 64) float16, each group's d then m."""
+    q, d, m = int5_quantize_reference(weight)
+    n, k = q.shape
+    nb = n // TILE_N
+    octets = q.reshape(nb, TILE_N, k // 8, 2, 4).permute(0, 2, 1, 4, 3)  # (nb, o, f, i, half)
+    nibbles = ((octets[..., 0] & 15) | ((octets[..., 1] & 15) << 4)).reshape(nb, k // 8, -1)
+    fifth = (octets >> 4).reshape(nb, k // 8, 4 * TILE_N, 2)  # (nb, o, byte, half)
+    powers = 1 << torch.arange(8, dtype=torch.uint8)
+    planes = [(fifth[..., h].reshape(nb, k // 8, -1, 8) * powers).sum(-1).to(torch.uint8)
+              for h in (0, 1)]  # fmt: skip
+    octet_bytes = torch.cat([nibbles, *planes], dim=2).reshape(nb, -1)
+    scales = torch.stack([d, m], dim=2).reshape(nb, TILE_N, k // GROUP, 2)
+    scales = scales.permute(0, 2, 3, 1).contiguous()  # (nb, groups, 2, 64)
+    return torch.cat([octet_bytes, scales.view(torch.uint8).reshape(nb, -1)], dim=1).flatten()
 
 
 def int8g_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -861,19 +861,24 @@ void linear_int8(const uint16_t *x, const uint16_t *w, const float *bias, uint16
     });
 }
 
-/* ---- grouped weights: int4 and int8g --------------------------------------------------- */
+/* ---- grouped weights: int4, int5 and int8g --------------------------------------------- */
 
 /* Weights with a scale each GROUP k of an output feature, for checkpoints stored that way
- * and --quantization int4 (model/backends/cpu/kernels/linear.py's int4_pack, int8g_pack):
+ * and --quantization int4 (model/backends/cpu/kernels/linear.py's int4_pack, int5_pack,
+ * int8g_pack):
  *   int4   w = d * q + m, q in 0..15, the group's d and m in bf16. A block of NB features
  *          is (K/8, NB, 4) bytes: a feature's 4 bytes at octet o hold k = 8o + i in byte
  *          i's low nibble and k = 8o + 4 + i in its high one, so one vector of bytes
  *          unpacks to two k quads; then (K/GROUP, 2, NB) bf16, each group's d then m.
- *   int8g  w = d * q, q int8, the group's d in float16 (GGUF's Q8_0 and Q5_0 blocks held
- *          as they are). A block is (K/4, NB, 4) int8, then (K/GROUP, NB) float16.
+ *   int5   w = d * q + m, q in 0..31, d and m in float16 (GGUF's Q5_0, Q5_1, Q5_K). Each
+ *          octet is int4's NB * 4 bytes of the codes' low four bits, then two planes of
+ *          NB / 2 bytes: bit p of the first is the fifth bit of the code in byte p's
+ *          low nibble, of the second of its high one; then (K/GROUP, 2, NB) float16.
+ *   int8g  w = d * q, q int8, the group's d in float16 (GGUF's Q8_0 blocks held as they
+ *          are). A block is (K/4, NB, 4) int8, then (K/GROUP, NB) float16.
  * A call quantizes each group of GROUP values of x's rows to int8 (symmetric, its own
  * scale sx, no offset) and sums each group's quantized x (xs); per group the exact int32
- * sum s of q * xq becomes sx * (d * s + m * xs) (int4) or sx * (d * s) (int8g) in
+ * sum s of q * xq becomes sx * (d * s + m * xs) (int4, int5) or sx * (d * s) (int8g) in
  * float32 (multiplies and adds, no fused multiply-add), added group after group: the
  * same operations in the same order at every level and row count, the same bits. The
  * tile unit does not take these: the amx build runs the VNNI code (a group's sums through
@@ -911,6 +916,26 @@ void linear_int8(const uint16_t *x, const uint16_t *w, const float *bias, uint16
 #define vf_load_f16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #endif
 
+/* int5's codes: a vector of int4's nibbles (a, 0..15) with each byte's fifth bit (16)
+ * from `plane`, one bit a byte in the vector's byte order (VL * 4 bits) */
+static inline vi with_high_bits(vi a, const uint8_t *plane) {
+#if VL == 16
+    uint64_t bits;
+    memcpy(&bits, plane, 8);
+    return _mm512_mask_add_epi8(a, (__mmask64)bits, a, _mm512_set1_epi8(16));
+#else
+    uint32_t bits;
+    memcpy(&bits, plane, 4);
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32((int)bits),
+        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                         2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    return _mm256_or_si256(a, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+#endif
+}
+
 /* acc + the 4 products of each lane's 4 unsigned weights (0..15) and x's 4 int8 */
 static inline vi dot_u4(vi acc, vi w, vi x) {
 #if VL == 16 && defined(__AVX512VNNI__)
@@ -935,8 +960,8 @@ static inline vi dot_s8(vi acc, vi w, vi x) { return _mm512_dpbusd_epi32(acc, w,
 static inline vi dot_s8(vi acc, vi w, vi x) { return dot4(acc, x, w); }
 #endif
 
-/* MR rows of xq against one block's vectors j0 .. j0 + NSV, int4 (BITS 4) or int8g
- * (BITS 8): acc (MR, NB) float32. xs and sx: (MR, K/GROUP) each group's sum of xq and
+/* MR rows of xq against one block's vectors j0 .. j0 + NSV, int4 (BITS 4), int5 (BITS 5)
+ * or int8g (BITS 8): acc (MR, NB) float32. xs and sx: (MR, K/GROUP) each group's sum of xq and
  * scale. pf: the next block's pf_len bytes, pulled into L2 over the first slice's k
  * steps (as the int8 kernel's passes do: PREFETCH_NEXT), or NULL. */
 static inline __attribute__((always_inline)) void grouped_slice(
@@ -958,6 +983,9 @@ static inline __attribute__((always_inline)) void grouped_slice(
             if (j0 == 0) {  /* the block's bytes PREFETCH ahead (an octet: BITS * NB) */
                 prefetch_step(wq + (long)o * NB * BITS);
                 if (BITS == 8) prefetch_step(wq + (long)o * NB * BITS + 4 * NB);
+                if (BITS == 5)
+                    _mm_prefetch((const char *)wq + (long)o * NB * BITS + 4 * NB + PREFETCH,
+                                 _MM_HINT_T0);
                 if (pf) PREFETCH_NEXT(pf, pf_rate, pf_done, o + 1);
             }
             vi lo[NV], hi[NV];
@@ -966,6 +994,12 @@ static inline __attribute__((always_inline)) void grouped_slice(
                     const vi v = vi_load(wq + ((long)o * NB + (j0 + j) * VL) * 4);
                     lo[j] = vi_and(v, low);
                     hi[j] = vi_and(vi_srl16(v, 4), low);
+                } else if (BITS == 5) {  /* int4's nibbles, then the two bit planes */
+                    const uint8_t *octet = wq + (long)o * NB * 5;
+                    const vi v = vi_load(octet + (j0 + j) * VL * 4);
+                    const uint8_t *planes = octet + 4 * NB + (j0 + j) * VL / 2;
+                    lo[j] = with_high_bits(vi_and(v, low), planes);
+                    hi[j] = with_high_bits(vi_and(vi_srl16(v, 4), low), planes + NB / 2);
                 } else {
                     lo[j] = s8_operand(vi_load(wq + ((long)2 * o * NB + (j0 + j) * VL) * 4));
                     hi[j] = s8_operand(vi_load(wq + ((long)(2 * o + 1) * NB + (j0 + j) * VL) * 4));
@@ -977,19 +1011,19 @@ static inline __attribute__((always_inline)) void grouped_slice(
                 memcpy(&q1, xq + (long)r * k + 8 * o + 4, 4);
                 const vi x0 = vi_set1(q0), x1 = vi_set1(q1);
                 for (int j = 0; j < NSV; ++j)
-                    s[r][j] = BITS == 4 ? dot_u4(dot_u4(s[r][j], lo[j], x0), hi[j], x1)
+                    s[r][j] = BITS != 8 ? dot_u4(dot_u4(s[r][j], lo[j], x0), hi[j], x1)
                                         : dot_s8(dot_s8(s[r][j], lo[j], x0), hi[j], x1);
             }
         }
         for (int j = 0; j < NSV; ++j) {
             const long at = (j0 + j) * VL;
-            const vf d = BITS == 4 ? vf_load_bf16(scales + (long)g * 2 * NB + at)
-                                   : vf_load_f16(scales + (long)g * NB + at);
-            const vf mn = BITS == 4 ? vf_load_bf16(scales + (long)g * 2 * NB + NB + at) : d;
+            const uint16_t *dm = scales + (long)g * (BITS == 8 ? 1 : 2) * NB + at;
+            const vf d = BITS == 4 ? vf_load_bf16(dm) : vf_load_f16(dm);
+            const vf mn = BITS == 4 ? vf_load_bf16(dm + NB) : BITS == 5 ? vf_load_f16(dm + NB) : d;
             for (int r = 0; r < MR; ++r) {
                 const vf sg = vf_set1(sx[r * groups + g]);
                 vf t;
-                if (BITS == 4) {
+                if (BITS != 8) {
                     const vf xsum = vf_set1((float)xs[r * groups + g]);
                     t = vf_add(vf_mul(d, vf_from_int(s[r][j])), vf_mul(mn, xsum));
                 } else {
@@ -1049,7 +1083,7 @@ static inline __attribute__((always_inline)) void linear_grouped(
     const int BITS, const uint16_t *x, const uint8_t *w, const float *bias, uint16_t *out,
     uint16_t *scratch, int m, int n, int k, int nthreads) {
     const int groups = k / GROUP;
-    const long block_bytes = grouped_weight_bytes(BITS, k) + (long)groups * NB * 2 * (BITS == 4 ? 2 : 1);
+    const long block_bytes = grouped_weight_bytes(BITS, k) + (long)groups * NB * 2 * (BITS == 8 ? 1 : 2);
     static __thread void *xq_buf, *sx_buf, *xs_buf;
     static __thread size_t xq_cap, sx_cap, xs_cap;
     int8_t *const xq = kept_buffer(&xq_buf, &xq_cap, (size_t)m * k + 64);
@@ -1084,6 +1118,11 @@ static inline __attribute__((always_inline)) void linear_grouped(
 void linear_int4(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
                  uint16_t *scratch, int m, int n, int k, int nthreads) {
     linear_grouped(4, x, (const uint8_t *)w, bias, out, scratch, m, n, k, nthreads);
+}
+
+void linear_int5(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
+                 uint16_t *scratch, int m, int n, int k, int nthreads) {
+    linear_grouped(5, x, (const uint8_t *)w, bias, out, scratch, m, n, k, nthreads);
 }
 
 void linear_int8g(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
