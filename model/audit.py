@@ -210,10 +210,13 @@ def quantized_bytes(weights: int, rows: int, quantization: str) -> int:
     """The bytes `weights` linear weights of `rows` output rows take as --quantization
     holds them: int8 and fp8 a byte a weight, with INT8_ROW_BYTES or SCALE_BYTES a row;
     int4 half a byte a weight and a bf16 scale and minimum each group of GROUP (5/8
-    of a byte); int8g (--quantization auto's) a byte a weight and a float16 scale a
-    group (17/16 of a byte)."""
+    of a byte); int5 (a file's 5-bit groups) 5/8 of a byte and a float16 step and
+    minimum a group (3/4 of a byte); int8g (--quantization auto's) a byte a weight and a
+    float16 scale a group (17/16 of a byte)."""
     if quantization == "int4":
         return weights // 2 + weights // GROUP * 4
+    if quantization == "int5":
+        return weights * 5 // 8 + weights // GROUP * 4
     if quantization == "int8g":
         return weights + weights // GROUP * 2
     return weights + rows * (INT8_ROW_BYTES if quantization == "int8" else SCALE_BYTES)

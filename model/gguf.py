@@ -59,6 +59,7 @@ _EXPERT = re.compile(
 # groups of 32 with a scale (and a minimum) that kvserve's int4 holds exactly
 _FLOATS = frozenset({"F32", "F16", "BF16", "F64"})
 _INT4_EXACT = frozenset({"Q4_0", "Q4_1", "Q4_K"})
+_INT5_EXACT = frozenset({"Q5_0", "Q5_1", "Q5_K"})
 # tokenizer.ggml.token_type's kinds (gguf.TokenType, llama.cpp's llama_token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED = 1, 2, 3, 4
 # a harmony model's (gpt-oss's) turn ends
@@ -74,7 +75,9 @@ def kept_as(tensor_type: str) -> str | None:
     """The integer kind that keeps a tensor of GGUF type `tensor_type` (GgufFile.stored_kind)."""
     if tensor_type in _FLOATS:
         return None
-    return "int4" if tensor_type in _INT4_EXACT else "int8"
+    if tensor_type in _INT4_EXACT:
+        return "int4"
+    return "int5" if tensor_type in _INT5_EXACT else "int8"
 
 
 def is_gguf(path: str | Path) -> bool:

@@ -230,14 +230,22 @@ def _group(group: Any, what: str) -> int:
 # A weight a checkpoint stores as integers carries the integer kind that keeps its values
 # (the load marks the parameter; the cpu backend's --quantization auto packs it so):
 # 'int4' where 4-bit groups of 32 with a scale and a minimum hold them (AWQ, GPTQ,
-# compressed-tensors 4-bit; GGUF Q4_0, Q4_1, Q4_K), 'int8' for every other integer type.
+# compressed-tensors 4-bit; GGUF Q4_0, Q4_1, Q4_K), 'int5' where 5-bit ones do (GGUF
+# Q5_0, Q5_1, Q5_K), 'int8' for every other integer type.
 # A float weight carries none. A parameter fused from several tensors takes the finest
 # kind among them (a float part: none).
 STORED_KIND = "stored_kind"
 # the cpu backend's kernel kinds that keep a stored kind's values, the closest first (the
-# first a weight's shape takes is packed): int4, int8g (int8 with a float16 scale each 32
-# in features: GGUF Q8_0's and Q5_0's blocks as they are), int8 (a scale a row)
-KEEPS = {"int4": ("int4", "int8g", "int8"), "int8": ("int8g", "int8")}
+# first a weight's shape takes is packed): int4, int5 (float16 step and minimum each 32),
+# int8g (int8 with a float16 scale each 32 in features: GGUF Q8_0's blocks as they are),
+# int8 (a scale a row)
+KEEPS = {
+    "int4": ("int4", "int8g", "int8"),
+    "int5": ("int5", "int8g", "int8"),
+    "int8": ("int8g", "int8"),
+}
+# the stored kinds from coarsest to finest: a fused parameter keeps the finest of its parts'
+_FINER = ("int4", "int5", "int8")
 
 
 def stored_kind(weight: Tensor) -> str | None:
@@ -254,4 +262,4 @@ def finest_kind(kinds: list[str | None]) -> str | None:
     """The kind a parameter fused from tensors of `kinds` keeps."""
     if not kinds or None in kinds:
         return None
-    return "int8" if "int8" in kinds else "int4"
+    return max(kinds, key=_FINER.index)

@@ -55,7 +55,7 @@ def test_a_gguf_file_serves_its_own_tokenizer_template_and_weights(tmp_path: Pat
 
 def test_a_4bit_gguf_serves_in_its_own_kinds_by_default(tmp_path: Path) -> None:
     """Default flags on the CPU: bf16, and --quantization auto keeps the file's Q4_0 and
-    Q4_1 tensors int4, Q5_0 and Q8_0 int8g, the F16 head bf16; the card, the start-up line
+    Q4_1 tensors int4, Q5_0 int5, the F16 head bf16 (its Q8_0 table is the lookup's); the card, the start-up line
     and kvserve_model_info say so, the memory audit counts the bytes as held (less than
     the weights in bf16), and the completion is the greedy text of the file's model
     packed so in-process."""
@@ -74,7 +74,7 @@ def test_a_4bit_gguf_serves_in_its_own_kinds_by_default(tmp_path: Path) -> None:
             linears = memory["attention_backend"]["linears"]
             assert (memory["quantization"], memory["dtype"]) == ("auto", "bfloat16")
             assert linears == backend.describe()["linears"]
-            assert set(linears) == {"int4", "int8g", "bf16"}
+            assert set(linears) == {"int4", "int5", "bf16"}
             assert memory["weight_bytes"] == held < audit(ours.cfg, "bfloat16").weight_bytes
             floors = memory["floors"]  # a step reads the head, and of the lookup table a row
             read = floors["decode_floor_ms_per_token"] * floors["bandwidth_gb_s"] * 1e6

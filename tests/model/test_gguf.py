@@ -193,8 +193,8 @@ def test_greedy_tokens_are_the_same_on_every_backend(name: str, tmp_path: Path) 
 @torch.no_grad()
 def test_auto_keeps_each_tensor_in_the_kind_that_holds_it(tmp_path: Path) -> None:
     """--quantization auto (the server's default) on a GGUF in bf16 on the cpu backend:
-    Q4_0 and Q4_1 tensors packed int4 (their groups of 32 are int4's), Q5_0 int8g (its
-    blocks of 32 are int8g's groups), the tied head as its Q8_0 embedding table, int8g
+    Q4_0 and Q4_1 tensors packed int4 (their groups of 32 are int4's), Q5_0 int5 (its
+    blocks of 32 are int5's groups), the tied head as its Q8_0 embedding table, int8g
     (tests/model/test_stack.py runs such mixed layers as the one decoder call); its
     logits nearer the file's values in bf16 (none) than int4 gives, which rounds the
     Q5_0 down projections of layers 0 and 1 to 4 bits (the model 256 wide: rows of
@@ -213,7 +213,7 @@ def test_auto_keeps_each_tensor_in_the_kind_that_holds_it(tmp_path: Path) -> Non
         assert (block.attn.wqkv.quant, block.attn.wo.quant) == ("int4", "int4")  # Q4_0
         assert block.ffn.router.quant == "int4"  # Q4_1
         experts = {(f.w_in.quant, f.w_out.quant) for f in block.ffn.experts.ffns}
-        assert experts == {("int4", "int8g")}  # Q4_1 (gate | up), Q5_0 down
+        assert experts == {("int4", "int5")}  # Q4_1 (gate | up), Q5_0 down
     assert auto.cfg.tie_embeddings and auto.lm_head.quant == "int8g"  # a copy of Q8_0's table
     int4 = models["int4"]  # layer 2 of 3 takes more bits (model/int4_mix.py)
     downs = [{f.w_out.quant for f in b.ffn.experts.ffns} for b in int4.layers]
@@ -255,7 +255,7 @@ def test_the_plan_counts_what_auto_holds(
 ) -> None:
     """`kvserve plan` on a GGUF (--quantization auto, from the file's headers: no tensor
     read), and `kvserve audit`, name the parameters auto packs as integers and count
-    their bytes within 3% of what the loaded, packed model holds (the plan leaves out
+    their bytes within 4% of what the loaded, packed model holds (the plan leaves out
     the packed layouts' padding to whole 64-row blocks: a few percent of this tiny
     shape, noise on a real one; bf16 in place of a 4-bit kind would be 2x)."""
     from service.cli import main
@@ -265,12 +265,12 @@ def test_the_plan_counts_what_auto_holds(
     prepare_model(model, "auto")
     held = held_bytes(model)
     stored = stored_kinds(path)
-    assert stored and {kind for _, kind in stored.values()} == {"int4", "int8"}
+    assert stored and {kind for _, kind in stored.values()} == {"int4", "int5", "int8"}
     args = ["plan", "--model", str(path), "--no-measure", "--device", "cpu", "--json"]
     assert main([*args, "--dtype", "bfloat16", "--memory-gib", "1"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["quantization"] == "auto"
-    assert abs(report["weight_bytes"] - held) <= 0.03 * held, (report["weight_bytes"], held)
+    assert abs(report["weight_bytes"] - held) <= 0.04 * held, (report["weight_bytes"], held)
     assert report["weight_bytes"] < audit(model.cfg, "bfloat16").weight_bytes
     if family == "llama":  # a step reads the head, and of the lookup table a row
         cfg = model.cfg

@@ -15,9 +15,10 @@ The layouts, by what the weight allows (bf16 on the CPU):
   layers' weights llama.cpp's Q4_K_M gives more bits in int8g (8-bit groups, below;
   model/int4_mix.py); quantization='auto': each weight a checkpoint stores as integers
   in the kind that keeps its values (model.int_weights.stored_kind): its 4-bit groups
-  in int4, its 5 to 8-bit types in int8g (int8 with a float16 scale each 32 in
-  features: GGUF Q8_0's and Q5_0's blocks as they are), int8 where neither takes the
-  shape; the float ones in bf16, so a layer may hold several kinds.
+  in int4, its 5-bit ones in int5 (a float16 step and minimum each 32 in features:
+  GGUF Q5_0's, Q5_1's and Q5_K's), its 6 to 8-bit types in int8g (int8 with a float16
+  scale each 32 in features: GGUF Q8_0's blocks as they are), int8 where none takes
+  the shape; the float ones in bf16, so a layer may hold several kinds.
 - oneDNN's prepacked layout where the CPU lets oneDNN pack bf16 (isa.onednn_packs_bf16);
   else the nn.Linear stays.
 
@@ -42,6 +43,7 @@ from model.backends.cpu.kernels.linear import (
     TILE_N,
     grouped_supported,
     int4_pack,
+    int5_pack,
     int8_pack,
     int8_supported,
     int8g_pack,
@@ -121,11 +123,18 @@ def pack_linear(
 # what pack_model's `quantization` takes (the module's docstring)
 PACK_QUANTIZATIONS = ("none", "auto", "int8", "int4")
 # each kernel kind's packing, and whether a weight takes it
-PACKS = {"bf16": tile_layout, "int8": int8_pack, "int8g": int8g_pack, "int4": int4_pack}
+PACKS = {
+    "bf16": tile_layout,
+    "int8": int8_pack,
+    "int8g": int8g_pack,
+    "int4": int4_pack,
+    "int5": int5_pack,
+}
 SUPPORTED = {
     "int8": int8_supported,
     "int8g": lambda w: grouped_supported(w, "int8g"),
     "int4": lambda w: grouped_supported(w, "int4"),
+    "int5": lambda w: grouped_supported(w, "int5"),
 }
 
 
