@@ -292,7 +292,7 @@ def stored_held(
 
 def held_kind(stored: str, in_features: int) -> str:
     """The kernel kind --quantization auto packs a weight of stored kind `stored` as
-    (model.int_weights.KEEPS): its first, a grouped kind (int4, int8g), where groups of
+    (model.int_weights.KEEPS): its first, a grouped kind (int4, int5, int8g), where groups of
     GROUP divide the in features, else int8."""
     return KEEPS[stored][0] if in_features % GROUP == 0 else "int8"
 

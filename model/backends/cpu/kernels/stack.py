@@ -34,7 +34,7 @@ def stack_kernels(
     attention has this shape, at this CPU's level (whole_qk_norm: OLMo 2's q/k norms over
     every head at once; geglu: Gemma's GeGLU after the (gate | up) linear; experts: a
     mixture of experts' routing and experts, experts.c); None unless all of them, and the
-    linear kernel of each of `kinds` ('bf16', 'int8', 'int8g', 'int4': the layers' linears hold
+    linear kernel of each of `kinds` ('bf16', 'int8', 'int8g', 'int4', 'int5': the layers' linears hold
     them), are built here. The linears' kernels go in each layer's arguments
     (linear.linear_address)."""
     attention, fused = attention_library(d_head, block_size, group), fused_library()
