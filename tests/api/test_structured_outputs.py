@@ -46,8 +46,10 @@ def test_chat_response_format_json_schema(client: openai.OpenAI, name: str) -> N
 
 
 def test_streamed_deltas_concatenate_to_the_valid_document(client: openai.OpenAI) -> None:
-    """Seeded: the same deltas every run. Text the grammar forces arrives with the token
-    before it (jump-forward); the name, city and zip code are sampled."""
+    """Seeded: the same document every run, in several deltas (how many depends on the
+    reader's pace: a lagging reader gets steps coalesced). Text the grammar forces
+    arrives with the token before it (jump-forward); the name, city and zip code are
+    sampled."""
     stream = client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": "Stream JSON."}],
@@ -62,7 +64,7 @@ def test_streamed_deltas_concatenate_to_the_valid_document(client: openai.OpenAI
         if chunk.choices:
             parts.append(chunk.choices[0].delta.content or "")
             finish = chunk.choices[0].finish_reason or finish
-    assert len([p for p in parts if p]) > 5 and finish == "stop"
+    assert len([p for p in parts if p]) > 1 and finish == "stop"
     jsonschema.validate(json.loads("".join(parts)), SCHEMAS["nested_object"][0])
 
 
