@@ -197,13 +197,17 @@ def layer_linears(cfg: ModelConfig, experts: bool = True) -> tuple[int, int]:
     return weights, sum(o * n for (_, o), n in shapes)
 
 
-def eight_bit_linears(cfg: ModelConfig) -> tuple[int, int]:
-    """(weights, output rows) of the decoder layers' linears --quantization int4 holds
-    in 8 bits on the cpu backend (model/int4_mix.py: the parts of each layer that take
-    more bits or whose rows are not whole K-quant blocks)."""
-    parts = [p for i in range(cfg.n_layers) for p in layer_parts(cfg, i) if p.eight_bit]
-    weights = sum(p.in_features * p.out_features * p.count for p in parts)
-    return weights, sum(p.out_features * p.count for p in parts)
+def mixed_linears(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Each kind --quantization int4 holds the decoder layers' linears in on the cpu
+    backend (model/int4_mix.py: int4, int5, int8g): (weights, output rows) of them."""
+    out: dict[str, tuple[int, int]] = {}
+    for p in (p for i in range(cfg.n_layers) for p in layer_parts(cfg, i)):
+        weights, rows = out.get(p.kind, (0, 0))
+        out[p.kind] = (
+            weights + p.in_features * p.out_features * p.count,
+            rows + p.out_features * p.count,
+        )
+    return out
 
 
 def quantized_bytes(weights: int, rows: int, quantization: str) -> int:
@@ -229,8 +233,8 @@ def weight_bytes(
     --quantization the decoder layers' linears as quantized_bytes holds them (int8 on
     the cpu backend and int4 on every backend also its LM head: a tied one as a quantized
     copy of the embedding table, which the lookup keeps in `dtype`; and a mixture's
-    experts). eight_bit: int4's head and eight_bit_linears are int8g (the cpu backend),
-    not int4 (torch, Triton)."""
+    experts). eight_bit: int4's head in int8g and the layers in mixed_linears' kinds (the
+    cpu backend), not all int4 (torch, Triton)."""
     total = count_params(cfg).total * dtype_bytes(dtype)
     if quantization == "none":
         return total
@@ -240,9 +244,8 @@ def weight_bytes(
     weights, rows = layer_linears(cfg, experts=cpu)
     total -= weights * dtype_bytes(dtype)
     mixed = quantization == "int4" and eight_bit
-    more, more_rows = eight_bit_linears(cfg) if mixed else (0, 0)
-    total += quantized_bytes(weights - more, rows - more_rows, quantization)
-    total += quantized_bytes(more, more_rows, EIGHT_BIT)
+    kinds = mixed_linears(cfg) if mixed else {quantization: (weights, rows)}
+    total += sum(quantized_bytes(w, r, kind) for kind, (w, r) in kinds.items())
     if cpu:
         head = cfg.vocab_size * cfg.d_model
         kept = head * dtype_bytes(dtype) if not cfg.tie_embeddings else 0
@@ -367,8 +370,8 @@ def unread_table_bytes(cfg: ModelConfig, dtype: str, head_copy: bool) -> int:
 
 def idle_expert_bytes(cfg: ModelConfig, dtype: str, quantization: str, rows: int) -> float:
     """The bytes of the experts a step of `rows` tokens leaves unread, expected, as held
-    (quantized_bytes with --quantization int8, or int4 with the stacks int4_mix holds
-    in 8 bits in int8g); 0 for a dense model."""
+    (quantized_bytes with --quantization int8, or int4 with each stack in the kind
+    int4_mix gives it); 0 for a dense model."""
     e = cfg.experts
     if e is None:
         return 0.0
@@ -380,8 +383,7 @@ def idle_expert_bytes(cfg: ModelConfig, dtype: str, quantization: str, rows: int
         elif quantization == "int4":
             for p in layer_parts(cfg, i):
                 if p.path == "ffn.experts":
-                    kind = EIGHT_BIT if p.eight_bit else quantization
-                    held += quantized_bytes(p.in_features * p.out_features, p.out_features, kind)
+                    held += quantized_bytes(p.in_features * p.out_features, p.out_features, p.kind)
         else:
             held += expert * dtype_bytes(dtype)
     return (e.n_experts - experts_touched(cfg, rows)) * held

@@ -1,7 +1,7 @@
 """--quantization int4's mix on the cpu backend (model/int4_mix.py): int4 for most
-linears, int8g for the head, in llama.cpp's more-bits layers the (q | k | v) and down
-projections, and every linear whose rows are not whole 256-feature K-quant blocks; the
-audit counts what the packed model holds."""
+linears, int8g for the head and in llama.cpp's more-bits layers the (q | k | v) and down
+projections, int5 for the other linears whose rows are not whole 256-feature K-quant
+blocks; the audit counts what the packed model holds."""
 
 from __future__ import annotations
 
@@ -46,18 +46,18 @@ def test_the_mix_is_packed_and_counted(fields: dict) -> None:
     """Each layer's kinds: (q | k | v) and down int8g in the more-bits layers, int4
     elsewhere, the attention output and (gate | up) int4 everywhere, the head (a tied
     one's copy) int8g, a router in bf16; where the model is 64 wide, every linear but
-    down int8g in every layer (llama.cpp's Q5_0 where Q4_K's blocks do not fit); the
+    down int5 where it is not int8g (llama.cpp's Q5_0 where Q4_K's blocks do not fit); the
     packed model's bytes are the audit's, a mixture's idle experts' bytes are its
     packed experts', and a step's reads from the bytes the server measures
     (model.audit.Held) are the config's."""
     model = tiny_model(**fields).to(torch.bfloat16)
     cfg = model.cfg
     assert prepare_model(model, "int4")
-    narrow = "int8g" if cfg.d_model % 256 else "int4"
+    narrow = "int5" if cfg.d_model % 256 else "int4"
     for i, block in enumerate(model.layers):
         more = "int8g" if more_bits(i, cfg.n_layers) else "int4"
-        wide_more = "int8g" if narrow == "int8g" else more
-        assert _kinds(block) == (wide_more, narrow, {narrow}, {more})
+        qkv = more if more == "int8g" else narrow
+        assert _kinds(block) == (qkv, narrow, {narrow}, {more})
     assert model.lm_head.quant == "int8g"
     assert held_bytes(model) == weight_bytes(cfg, "bfloat16", "int4")
     if cfg.experts is None:
