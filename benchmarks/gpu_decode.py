@@ -5,7 +5,7 @@ H100/H200).
 For each shape (Llama-3.2-1B's and Llama-3.1-8B's, and on request 6 of Qwen3-30B-A3B's
 layers; random weights made in device memory: benchmarks/common.py random_model) and each weight format (bf16; fp8, `--quantization
 fp8`: e4m3 linears with per-channel scales, per-token activation scales; int4,
-`--quantization int4`: 4-bit codes with a bf16 step and minimum each 32 in features, bf16
+`--quantization int4`: 4-bit codes with a float16 step and minimum each 32 in features, bf16
 activations, the W4A16 kernel), one engine with CUDA graphs and async scheduling, as
 `kvserve serve` runs:
 

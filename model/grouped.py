@@ -1,12 +1,15 @@
 """Grouped integer weights, the formats kvserve's int4, int5 and int8g kernels read: a linear's
 weight (N, K) in groups of GROUP consecutive in features, each group with its own scales.
-- int4: codes q in 0..15 and a bf16 step d and minimum m a group, w ~ d * q + m (5/8 of
+- int4: codes q in 0..15 and a float16 step d and minimum m a group, w ~ d * q + m (5/8 of
   a byte a weight): `--quantization int4`, and a checkpoint's 4-bit groups (GGUF Q4_0,
   Q4_K, AWQ, GPTQ) kept on their own levels.
 - int5: codes q in 0..31 and a float16 step d and minimum m a group, w ~ d * q + m (3/4
   of a byte): a checkpoint's 5-bit groups (GGUF Q5_0, Q5_1, Q5_K) on their own levels.
 - int8g: codes q in -127..127 and a float16 step d a group, w ~ d * q (17/16 of a byte):
   a checkpoint's 6- to 8-bit types (GGUF Q8_0's blocks as they are, Q6_K).
+Scales are float16, three bits finer than bf16 (a Q4_K step, a float16 times a 6-bit
+scale, comes within 2^-12 of itself, not 2^-9); a step under float16's normal range
+(6.1e-5: a group spanning under 1e-3) is held to 6e-8, a fixed quantum, not a share.
 
 How a float weight is rounded to them, in torch: the readable arithmetic the C
 quantizers (model/backends/cpu/kernels/linear_vec.c) match bit for bit, and what the
@@ -118,12 +121,12 @@ def _sum_in_order(x: torch.Tensor) -> torch.Tensor:
 def int4_quantize_reference(
     weight: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(N, K) -> q (N, K) uint8 in 0..15, d and m (N, K/32) bf16, each group of 32 k
+    """(N, K) -> q (N, K) uint8 in 0..15, d and m (N, K/32) float16, each group of 32 k
     w ~ d * q + m, fitted as llama.cpp fits a K-quant's groups without an importance
     matrix: each weight counted by its group's root mean square plus its own magnitude
     (the large weights, which make the large logits, rounded closer), the minimum at most
     0, the step and minimum searched by weighted least squares (_int4_search), then
-    rounded to bf16 and the codes to nearest on them; a group of 16
+    rounded to float16 and the codes to nearest on them; a group of 16
     distinct values or fewer (a 4-bit checkpoint's) on its own levels instead: its range
     in INT4_STEPS steps, the first of the least squared error."""
     w = weight.detach().float()
@@ -132,7 +135,7 @@ def int4_quantize_reference(
     lo, hi = groups.amin(dim=2) + 0.0, groups.amax(dim=2) + 0.0  # -0 to +0
     few = (groups.sort(dim=2).values.diff(dim=2) > 0).sum(dim=2) < 16
     q = torch.empty_like(groups)
-    d, m = torch.empty_like(lo, dtype=torch.bfloat16), torch.empty_like(lo, dtype=torch.bfloat16)
+    d, m = torch.empty_like(lo, dtype=torch.float16), torch.empty_like(lo, dtype=torch.float16)
     for part, fit in ((few, _on_levels), (~few, _searched)):  # each group fitted once
         if part.any():
             q[part], d[part], m[part] = fit(groups[part], lo[part], hi[part])
@@ -143,11 +146,13 @@ def _searched(
     groups: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(codes, d, m) of groups (G, 32) by the weighted least-squares search
-    (_int4_search), d and m rounded to bf16 and the codes to nearest on them."""
-    rms = torch.sqrt(_sum_in_order(groups * groups) / _scalar(GROUP))
+    (_int4_search), d and m rounded to float16 and the codes to nearest on them."""
+    # C's sqrtf rounds correctly; torch's float32 sqrt can be an ulp off: the root in
+    # float64, rounded once to float32, is the correctly rounded one
+    rms = torch.sqrt((_sum_in_order(groups * groups) / _scalar(GROUP)).double()).float()
     weights = rms[..., None] + groups.abs()
     s, mn = _int4_search(groups, weights, torch.where(lo < 0, lo, 0.0), hi)
-    d, m = s.to(torch.bfloat16), mn.to(torch.bfloat16)
+    d, m = s.to(torch.float16), mn.to(torch.float16)
     return _on_grid(groups, d, m)[1], d, m
 
 
@@ -155,27 +160,35 @@ def _on_levels(
     groups: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(codes, d, m) of groups (G, 32) of few levels: their range in INT4_STEPS steps on
-    bf16 (m, d), the first of the least squared error; then the step's bf16 neighbours
-    and the step itself, each with the minimum that centres the kept codes on the group
-    (rounded to bf16), tried in that order: a file's step and minimum (for Q4_K a
-    float16 scale times a 6-bit one) rounded to bf16 leave the codes off-centre, and a
-    minimum that takes the offset back lowers that error."""
-    mc = lo.to(torch.bfloat16)
+    float16 (m, d), the first of the least squared error, then re-centred (_recentred)."""
+    mc = lo.to(torch.float16)
     kept: list[torch.Tensor] = []
     for steps in INT4_STEPS:
-        dc = ((hi - mc.float()) / steps).to(torch.bfloat16)
+        dc = ((hi - mc.float()) / steps).to(torch.float16)
         trial = [*_on_grid(groups, dc, mc), dc, mc]
         kept = _keep_better(kept, trial) if kept else trial
-    codes, d = kept[1], kept[2]
+    return _recentred(groups, kept, 15)
+
+
+def _recentred(
+    groups: torch.Tensor, best: list[torch.Tensor], top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes 0..top, d, m) of groups (G, 32) from `best` ([squared error, codes, d, m]):
+    its step's float16 neighbours and the step itself, each with the minimum that centres
+    best's codes on the group (rounded to float16), tried in that order, each kept where
+    its squared error is less. A file's step and minimum (Q4_K's: a float16 scale times
+    a 6-bit one) rounded to float16, or its values rounded to bf16 on load, leave the
+    codes off-centre; a minimum that takes the offset back lowers that error."""
+    codes, d = best[1], best[2]
     positive = d.float() > 0
     bits = d.view(torch.int16)
-    for step in ((bits - 1).view(torch.bfloat16), (bits + 1).view(torch.bfloat16), d):
-        m = _sum_in_order(groups - step.float()[..., None] * codes) / _scalar(GROUP)
-        m = m.to(torch.bfloat16)
-        trial = [*_on_grid(groups, step, m), step, m]
+    for step in ((bits - 1).view(torch.float16), (bits + 1).view(torch.float16), d):
+        centre = _sum_in_order(groups - step.float()[..., None] * codes) / _scalar(GROUP)
+        centre = centre.to(torch.float16)
+        trial = [*_on_grid(groups, step, centre, top), step, centre]
         trial[0] = torch.where(positive, trial[0], torch.inf)
-        kept = _keep_better(kept, trial)
-    return kept[1], kept[2], kept[3]
+        best = _keep_better(best, trial)
+    return best[1], best[2], best[3]
 
 
 def int5_quantize_reference(
@@ -183,11 +196,11 @@ def int5_quantize_reference(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(N, K) -> q (N, K) uint8 in 0..31, d and m (N, K/32) float16, each group of 32 k
     w ~ d * q + m, held on its own levels (_int5_levels: a 5-bit file's group, Q5_0's,
-    Q5_1's or Q5_K's, comes back on its own grid), then re-centred (_int5_recentred)."""
+    Q5_1's or Q5_K's, comes back on its own grid), then re-centred (_recentred)."""
     w = weight.detach().float()
     n, k = w.shape
     groups = w.reshape(-1, GROUP)
-    q, d, m = _int5_recentred(groups, _int5_levels(groups))
+    q, d, m = _recentred(groups, _int5_levels(groups), 31)
     return q.reshape(n, k).to(torch.uint8), d.reshape(n, k // GROUP), m.reshape(n, k // GROUP)
 
 
@@ -214,25 +227,28 @@ def _int5_levels(groups: torch.Tensor) -> list[torch.Tensor]:
     for fewer in (1, 2):
         fd, fm = (span / (steps - fewer).clamp(min=1)).to(torch.float16), lo.to(torch.float16)
         best = _keep_better(best, [*_on_grid(groups, fd, fm, 31), fd, fm])
+    return _int5_rescued(groups, best, lo, span)
+
+
+def _int5_rescued(
+    groups: torch.Tensor, best: list[torch.Tensor], lo: torch.Tensor, span: torch.Tensor
+) -> list[torch.Tensor]:
+    """`best` ([squared error, codes, d, m] of groups (G, 32)), where a group lies farther
+    from its grid than values rounded to bf16 could (squared error over d^2 / 16: the
+    smallest gap misjudged the step, as an MXFP4 block's 4-bit floats, -6..6 in halves
+    with gaps of 2 and 3 halves, make it) the range from lo in each of 1..31 steps, the
+    nearest kept (the fewest steps of ties)."""
+    off = best[0] * 16 > best[2].float().square()
+    if not off.any():
+        return best
+    part = [b[off] for b in best]
+    fm = lo[off].to(torch.float16)
+    for steps in range(1, 32):
+        fd = (span[off] / steps).to(torch.float16)
+        part = _keep_better(part, [*_on_grid(groups[off], fd, fm, 31), fd, fm])
+    for whole, kept in zip(best, part, strict=True):
+        whole[off] = kept
     return best
-
-
-def _int5_recentred(
-    groups: torch.Tensor, best: list[torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(codes, d, m): `best`'s, or its step's float16 neighbours' or the step's own with
-    the minimum that centres the kept codes (rounded to float16), where the squared
-    error is less (int4's _on_levels does the same in bf16)."""
-    d = best[2]
-    positive = d.float() > 0
-    bits = d.view(torch.int16)
-    for step in ((bits - 1).view(torch.float16), (bits + 1).view(torch.float16), d):
-        centre = _sum_in_order(groups - step.float()[:, None] * best[1]) / _scalar(GROUP)
-        centre = centre.to(torch.float16)
-        trial = [*_on_grid(groups, step, centre, 31), step, centre]
-        trial[0] = torch.where(positive, trial[0], torch.inf)
-        best = _keep_better(best, trial)
-    return best[1], best[2], best[3]
 
 
 def int4_dequantize(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:

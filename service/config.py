@@ -151,7 +151,7 @@ class Settings:
             "checkpoints, none; none: every weight in the serving dtype; "
             "int8: linear weights in int8 with a scale per output feature, "
             "computed at load (the cpu backend; bf16 activations and KV cache); int4: "
-            "linear weights in 4 bits, a bf16 scale and minimum each 32 in features, "
+            "linear weights in 4 bits, a float16 scale and minimum each 32 in features, "
             "computed at load (the cpu backend, bf16 activations and KV cache, the head "
             "and the weights llama.cpp's Q4_K_M gives more bits in int8g; a GPU's "
             "Triton W4A16 kernel, activations in the serving dtype); fp8: the "

@@ -1,7 +1,7 @@
 """int4 weights for the torch and Triton backends: `--quantization int4`, and under
 `auto` the linears a checkpoint stores in 4-bit groups (GGUF Q4_0 and Q4_K, AWQ, GPTQ,
 compressed-tensors W4A16). Each linear holds model/grouped.py's int4 codes, two to a
-byte, with a bf16 step and minimum each 32 in features: 5/8 of a byte a weight. The
+byte, with a float16 step and minimum each 32 in features: 5/8 of a byte a weight. The
 rounding is the cpu backend's (the same codes and scales from the same weights), so a
 checkpoint's 4-bit groups keep their own levels; the LM head is quantized too (a tied one
 as an int4 copy of the embedding table, which the lookup keeps), as on the cpu backend,
@@ -31,7 +31,7 @@ Int4Kernel = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor | None], Tensor]
 
 def quantized(weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(out, in) -> codes (out, in / 2) uint8, two a byte (k = 2j in byte j's low nibble),
-    and bf16 steps and minimums (out, in / 32): model/grouped.py's rounding."""
+    and float16 steps and minimums (out, in / 32): model/grouped.py's rounding."""
     q, d, m = int4_quantize_reference(weight.detach())
     return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous(), d, m
 
@@ -50,7 +50,7 @@ class Int4Linear(nn.Module):
         self.out_features, self.in_features = weight.shape
         codes, steps, minimums = quantized(weight)
         self.register_buffer("codes", codes)
-        self.register_buffer("steps", steps)  # (out, in / 32) bf16
+        self.register_buffer("steps", steps)  # (out, in / 32) float16
         self.register_buffer("minimums", minimums)
         self.bias = bias
 

@@ -249,6 +249,30 @@ def test_mxfp4_experts_are_held_exactly_in_int8g(tmp_path: Path) -> None:
             assert torch.equal(int8g_dequantize(*int8g_quantize(expert)), expert)
 
 
+@torch.no_grad()
+def test_mxfp4_experts_are_held_exactly_in_int5_under_int4(tmp_path: Path) -> None:
+    """gpt-oss's MXFP4 experts under --quantization int4 on the cpu backend, rows not
+    whole K-quant blocks: int5 (the down projections of the layers Q4_K_M gives more
+    bits int8g), whose float16 step and minimum a group and 5-bit codes hold each block's
+    4-bit float values (-6..6 in halves, times its power-of-two scale) exactly."""
+    from model.grouped import int4_dequantize, int5_quantize_reference
+    from model.int4_mix import more_bits
+
+    _, path = checkpoint("gpt_oss", tmp_path)
+    model = load_model(path, torch.bfloat16)
+    assert model.cfg.d_model % 256 and model.cfg.experts.d_ff % 256  # not whole K-blocks
+    stacks = [(b.ffn.experts.w_in, b.ffn.experts.w_out) for b in model.layers]
+    prepare_model(model, "int4")
+    n = model.cfg.n_layers
+    for i, block in enumerate(model.layers):
+        down = "int8g" if more_bits(i, n) else "int5"
+        assert {(f.w_in.quant, f.w_out.quant) for f in block.ffn.experts.ffns} == {("int5", down)}
+    for stack in (w for pair in stacks for w in pair):
+        assert stack.shape[0] == 8 and stack[0].abs().sum() > 0
+        for expert in stack.float():
+            assert torch.equal(int4_dequantize(*int5_quantize_reference(expert)), expert)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
 def test_the_plan_counts_what_auto_holds(
     family: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -74,17 +74,17 @@ def test_quantize_fits_each_group_by_weighted_least_squares() -> None:
     """Each weight counts its group's root mean square plus its own magnitude: the groups'
     weighted squared error comes out a sixth below the plain range's (min..max, the
     minimum capped at 0, in 15 steps) and no group more than 2% above it (the search's
-    fit is in float32, then rounded to bf16); the minimum is at most 0."""
+    fit is in float32, then rounded to float16); the minimum is at most 0."""
     w, _ = weights(128, 96)
     q, d, m = int4_quantize(w)
-    assert q.max() <= 15 and d.dtype == torch.bfloat16 and m.dtype == torch.bfloat16
+    assert q.max() <= 15 and d.dtype == torch.float16 and m.dtype == torch.float16
     assert (m.float() <= 0).all()
     groups = w.reshape(128, -1, GROUP)
     wt = groups.square().mean(dim=2, keepdim=True).sqrt() + groups.abs()
     ours = (wt * (int4_dequantize(q, d, m).reshape(groups.shape) - groups).square()).sum(2)
     lo, hi = groups.amin(dim=2), groups.amax(dim=2)
-    m0 = torch.where(lo < 0, lo, 0.0).to(torch.bfloat16).float()
-    d0 = ((hi - m0) / 15).to(torch.bfloat16).float()
+    m0 = torch.where(lo < 0, lo, 0.0).to(torch.float16).float()
+    d0 = ((hi - m0) / 15).to(torch.float16).float()
     q0 = torch.round((groups - m0[..., None]) / d0[..., None]).clamp(0, 15)
     plain = (wt * (q0 * d0[..., None] + m0[..., None] - groups).square()).sum(dim=2)
     assert ours.sum() < 0.85 * plain.sum()
@@ -121,10 +121,10 @@ def test_a_4bit_checkpoints_grid_is_kept() -> None:
     assert ((hi - lo) / scale[:, ::GROUP] < 14.5).any()  # groups of under 16 levels
 
 
-def test_a_k_quants_groups_are_recentred_on_bf16_scales() -> None:
+def test_a_k_quants_groups_are_recentred_on_float16_scales() -> None:
     """Q4_K's groups (w = d * sc * q - dmin * mc: float16 d and dmin times 6-bit sc and
-    mc, codes 0..15) held in int4's bf16 step and minimum: no group farther (summed
-    squares) than its own range on 15 steps rounded to bf16, and all of them under half
+    mc, codes 0..15) held in int4's float16 step and minimum: no group farther (summed
+    squares) than its own range on 15 steps rounded to float16, and all of them under half
     as far, the minimum re-centred on the kept codes taking back the rounding's offset."""
     g = torch.Generator().manual_seed(2)
     rows, groups = 64, 8
@@ -138,8 +138,8 @@ def test_a_k_quants_groups_are_recentred_on_bf16_scales() -> None:
     w = (step * u - low).reshape(rows, groups * GROUP)
     q, dq, mq = int4_quantize(w)
     ours = (int4_dequantize(q, dq, mq) - w).reshape(rows, groups, GROUP).square().sum(2)
-    m0 = (-low).to(torch.bfloat16).float()
-    d0 = step.to(torch.bfloat16).float()
+    m0 = (-low).to(torch.float16).float()
+    d0 = step.to(torch.float16).float()
     u0 = torch.round((w.reshape(rows, groups, GROUP) - m0) / d0).clamp(0, 15)
     plain = (u0 * d0 + m0 - w.reshape(rows, groups, GROUP)).square().sum(2)
     assert (ours <= plain).all()

@@ -140,7 +140,7 @@ def test_a_model_in_int4_gives_the_references_logits_on_triton(shape: str) -> No
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_held_bytes_count_the_codes_and_scales(shape: str) -> None:
     """The torch backend's held_bytes, under int4: 5/8 of a byte a quantized weight (its
-    codes, bf16 step and minimum each 32: the linears, a mixture's expert stacks, not its
+    codes, float16 step and minimum each 32: the linears, a mixture's expert stacks, not its
     routers), every other parameter as it is."""
     model = small_model(**(SHAPES[shape] | dict(tie_embeddings=False)))
     backend = TorchBackend("cpu")

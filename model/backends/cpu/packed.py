@@ -10,7 +10,7 @@ The layouts, by what the weight allows (bf16 on the CPU):
   block, and the output is cut back.
 - quantization='int8': int8 weights with a float32 scale per output feature
   (linear_vec.c), where the in features are a multiple of 4; quantization='int4': 4-bit
-  weights in groups of 32 in features, each group with a bf16 scale and minimum
+  weights in groups of 32 in features, each group with a float16 scale and minimum
   (linear_vec.c), where the in features are a multiple of 32, but the head and the
   layers' weights llama.cpp's Q4_K_M gives more bits in int8g (8-bit groups, below;
   model/int4_mix.py); quantization='auto': each weight a checkpoint stores as integers

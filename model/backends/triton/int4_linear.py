@@ -59,8 +59,8 @@ def _dequantized(q_ptr, d_ptr, m_ptr, n, n_ok, g0, KG, GB: tl.constexpr):
 def _int4_row_kernel(
     x_ptr,  # (K,) one row of activations
     q_ptr,  # (N, K / 2) uint8 codes
-    d_ptr,  # (N, K / 32) bf16 steps
-    m_ptr,  # (N, K / 32) bf16 minimums
+    d_ptr,  # (N, K / 32) float16 steps
+    m_ptr,  # (N, K / 32) float16 minimums
     b_ptr,  # (N,) bias, read when HAS_BIAS
     out_ptr,  # (N,)
     N,
@@ -91,8 +91,8 @@ def _int4_row_kernel(
 def _int4_dot_kernel(
     x_ptr,  # (M, K) activations
     q_ptr,  # (N, K / 2) uint8 codes
-    d_ptr,  # (N, K / 32) bf16 steps
-    m_ptr,  # (N, K / 32) bf16 minimums
+    d_ptr,  # (N, K / 32) float16 steps
+    m_ptr,  # (N, K / 32) float16 minimums
     b_ptr,  # (N,) bias, read when HAS_BIAS
     out_ptr,  # (M, N)
     M,

@@ -77,7 +77,7 @@ void linear_int5(const uint16_t *x, const uint16_t *w, const float *bias, uint16
 /* int4_quantize: float32 weights, `groups` groups of 32 k one after another, rounded to
  * 4 bits as model/grouped.py's int4_quantize_reference describes (nsearch: the searched
  * step counts; the range in 1..nsteps steps for a group of 16 distinct values or fewer):
- * q a byte a weight (0..15), d and m a bf16 each a group. */
+ * q a byte a weight (0..15), d and m a float16 each a group. */
 void int4_quantize(const float *w, uint8_t *q, uint16_t *d, uint16_t *m, int nsearch,
                    int nsteps, int groups, int nthreads);
 /* linear_int8g: w is int8g_pack's blob (int8 weights with a float16 scale each 32 k). */

@@ -135,7 +135,7 @@ def int4_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     w = weight.detach().float().contiguous()
     n, k = w.shape
     q = torch.empty((n, k), dtype=torch.uint8)
-    d = torch.empty((n, k // GROUP), dtype=torch.bfloat16)
+    d = torch.empty((n, k // GROUP), dtype=torch.float16)
     m = torch.empty_like(d)
     lib.int4_quantize(w.data_ptr(), q.data_ptr(), d.data_ptr(), m.data_ptr(), INT4_SEARCH,
                       len(INT4_STEPS), n * k // GROUP, torch.get_num_threads())  # fmt: skip
@@ -145,16 +145,11 @@ def int4_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
 def int4_pack(weight: torch.Tensor) -> torch.Tensor:
     """(N, K) -> the uint8 blob linear_int4 reads, block after block of 64 features:
     (K/8, 64, 4) bytes (byte i of a feature's octet o: k = 8o + i in the low nibble,
-    8o + 4 + i in the high one), then (K/32, 2, 64) bf16, each group's d then m."""
+    8o + 4 + i in the high one), then (K/32, 2, 64) float16, each group's d then m."""
     q, d, m = int4_quantize(weight)
-    n, k = q.shape
-    nb = n // TILE_N
-    octets = q.reshape(nb, TILE_N, k // 8, 2, 4).permute(0, 2, 1, 4, 3)  # (nb, o, f, i, half)
+    octets, nb = _octets(q)
     nibbles = (octets[..., 0] | (octets[..., 1] << 4)).contiguous()  # (nb, o, 64, 4)
-    scales = torch.stack([d, m], dim=2).reshape(nb, TILE_N, k // GROUP, 2)
-    scales = scales.permute(0, 2, 3, 1).contiguous()  # (nb, groups, 2, 64)
-    per_block = [nibbles.reshape(nb, -1), scales.view(torch.uint8).reshape(nb, -1)]
-    return torch.cat(per_block, dim=1).flatten()
+    return torch.cat([nibbles.reshape(nb, -1), _block_scales(d, m, nb)], dim=1).flatten()
 
 
 def int5_pack(weight: torch.Tensor) -> torch.Tensor:
@@ -163,18 +158,31 @@ def int5_pack(weight: torch.Tensor) -> torch.Tensor:
     32 bytes: bit p of the first is the fifth bit of the code in byte p's low nibble, of
     the second of its high nibble; then (K/32, 2, 64) float16, each group's d then m."""
     q, d, m = int5_quantize_reference(weight)
-    n, k = q.shape
-    nb = n // TILE_N
-    octets = q.reshape(nb, TILE_N, k // 8, 2, 4).permute(0, 2, 1, 4, 3)  # (nb, o, f, i, half)
-    nibbles = ((octets[..., 0] & 15) | ((octets[..., 1] & 15) << 4)).reshape(nb, k // 8, -1)
-    fifth = (octets >> 4).reshape(nb, k // 8, 4 * TILE_N, 2)  # (nb, o, byte, half)
+    octets, nb = _octets(q)
+    o = octets.shape[1]
+    nibbles = ((octets[..., 0] & 15) | ((octets[..., 1] & 15) << 4)).reshape(nb, o, -1)
+    fifth = (octets >> 4).reshape(nb, o, 4 * TILE_N, 2)  # (nb, o, byte, half)
     powers = 1 << torch.arange(8, dtype=torch.uint8)
-    planes = [(fifth[..., h].reshape(nb, k // 8, -1, 8) * powers).sum(-1).to(torch.uint8)
+    planes = [(fifth[..., h].reshape(nb, o, -1, 8) * powers).sum(-1).to(torch.uint8)
               for h in (0, 1)]  # fmt: skip
     octet_bytes = torch.cat([nibbles, *planes], dim=2).reshape(nb, -1)
-    scales = torch.stack([d, m], dim=2).reshape(nb, TILE_N, k // GROUP, 2)
-    scales = scales.permute(0, 2, 3, 1).contiguous()  # (nb, groups, 2, 64)
-    return torch.cat([octet_bytes, scales.view(torch.uint8).reshape(nb, -1)], dim=1).flatten()
+    return torch.cat([octet_bytes, _block_scales(d, m, nb)], dim=1).flatten()
+
+
+def _octets(q: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Codes (N, K) as int4_pack and int5_pack lay them out, (N/64, K/8, 64, 4, 2): per
+    block and octet of k, each feature's byte i holding k = 8o + i and 8o + 4 + i; and
+    the number of blocks."""
+    n, k = q.shape
+    nb = n // TILE_N
+    return q.reshape(nb, TILE_N, k // 8, 2, 4).permute(0, 2, 1, 4, 3), nb
+
+
+def _block_scales(d: torch.Tensor, m: torch.Tensor, nb: int) -> torch.Tensor:
+    """Steps and minimums (N, K/32) as the blocks' bytes: (nb, K/32 * 2 * 64 * 2), each
+    group's 64 steps then its 64 minimums."""
+    scales = torch.stack([d, m], dim=2).reshape(nb, TILE_N, d.shape[1], 2)
+    return scales.permute(0, 2, 3, 1).contiguous().view(torch.uint8).reshape(nb, -1)
 
 
 def int8g_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

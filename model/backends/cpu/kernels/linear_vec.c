@@ -866,10 +866,10 @@ void linear_int8(const uint16_t *x, const uint16_t *w, const float *bias, uint16
 /* Weights with a scale each GROUP k of an output feature, for checkpoints stored that way
  * and --quantization int4 (model/backends/cpu/kernels/linear.py's int4_pack, int5_pack,
  * int8g_pack):
- *   int4   w = d * q + m, q in 0..15, the group's d and m in bf16. A block of NB features
+ *   int4   w = d * q + m, q in 0..15, the group's d and m in float16. A block of NB features
  *          is (K/8, NB, 4) bytes: a feature's 4 bytes at octet o hold k = 8o + i in byte
  *          i's low nibble and k = 8o + 4 + i in its high one, so one vector of bytes
- *          unpacks to two k quads; then (K/GROUP, 2, NB) bf16, each group's d then m.
+ *          unpacks to two k quads; then (K/GROUP, 2, NB) float16, each group's d then m.
  *   int5   w = d * q + m, q in 0..31, d and m in float16 (GGUF's Q5_0, Q5_1, Q5_K). Each
  *          octet is int4's NB * 4 bytes of the codes' low four bits, then two planes of
  *          NB / 2 bytes: bit p of the first is the fifth bit of the code in byte p's
@@ -896,8 +896,6 @@ void linear_int8(const uint16_t *x, const uint16_t *w, const float *bias, uint16
 #define vf_from_int(a) _mm512_cvtepi32_ps(a)
 #define vf_mul(a, b) _mm512_mul_ps(a, b)
 #define vf_add(a, b) _mm512_add_ps(a, b)
-#define vf_load_bf16(p) \
-    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #define vf_load_f16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
 #else
 #define GROUPED_MR 2
@@ -911,8 +909,6 @@ void linear_int8(const uint16_t *x, const uint16_t *w, const float *bias, uint16
 #define vf_from_int(a) _mm256_cvtepi32_ps(a)
 #define vf_mul(a, b) _mm256_mul_ps(a, b)
 #define vf_add(a, b) _mm256_add_ps(a, b)
-#define vf_load_bf16(p) \
-    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #define vf_load_f16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #endif
 
@@ -1018,8 +1014,8 @@ static inline __attribute__((always_inline)) void grouped_slice(
         for (int j = 0; j < NSV; ++j) {
             const long at = (j0 + j) * VL;
             const uint16_t *dm = scales + (long)g * (BITS == 8 ? 1 : 2) * NB + at;
-            const vf d = BITS == 4 ? vf_load_bf16(dm) : vf_load_f16(dm);
-            const vf mn = BITS == 4 ? vf_load_bf16(dm + NB) : BITS == 5 ? vf_load_f16(dm + NB) : d;
+            const vf d = vf_load_f16(dm);
+            const vf mn = BITS == 8 ? d : vf_load_f16(dm + NB);
             for (int r = 0; r < MR; ++r) {
                 const vf sg = vf_set1(sx[r * groups + g]);
                 vf t;
@@ -1130,6 +1126,9 @@ void linear_int8g(const uint16_t *x, const uint16_t *w, const float *bias, uint1
     linear_grouped(8, x, (const uint8_t *)w, bias, out, scratch, m, n, k, nthreads);
 }
 
+static inline uint16_t f32_to_f16(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
+static inline float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
+
 /* ---- int4 weights' rounding at load (model/grouped.py's int4_quantize_reference: the same
  * arithmetic, every sum in k order, no contraction) ---- */
 
@@ -1204,9 +1203,9 @@ static void int4_search(const float *g, const float *wt, float mn, float hi, int
     *m_out = best_m;
 }
 
-/* g's codes on the bf16 grid (mc, dc) into q, and their squared error. */
+/* g's codes on the float16 grid (mc, dc) into q, and their squared error. */
 static float int4_try(const float *g, uint16_t mc, uint16_t dc, uint8_t *q) {
-    const float mf = bf16_to_f32(mc), df = bf16_to_f32(dc), step = df > 0.f ? df : 1.f;
+    const float mf = f16_to_f32(mc), df = f16_to_f32(dc), step = df > 0.f ? df : 1.f;
     float L[GROUP];
     for (int i = 0; i < GROUP; ++i) {
         const float v = nearbyintf((g[i] - mf) / step);
@@ -1231,16 +1230,16 @@ static int int4_few_levels(const float *g) {
 }
 
 /* A group of few levels (a 4-bit checkpoint's): its range lo..hi in 1..nsteps steps on
- * bf16 (m, d), the first of the least squared error; then the step's bf16 neighbours
- * and the step itself, each with the minimum that centres the kept codes on g (rounded
- * to bf16), tried in that order (the reference's _on_levels). */
+ * float16 (m, d), the first of the least squared error; then the step's float16
+ * neighbours and the step itself, each with the minimum that centres the kept codes on
+ * g (rounded to float16), tried in that order (the reference's _on_levels). */
 static void int4_levels(const float *g, float lo, float hi, int nsteps, uint8_t *q,
                         uint16_t *d, uint16_t *m) {
     uint8_t trial[GROUP];
-    const uint16_t mc = f32_to_bf16(lo);
+    const uint16_t mc = f32_to_f16(lo);
     float best = 0.f;
     for (int steps = 1; steps <= nsteps; ++steps) {
-        const uint16_t dc = f32_to_bf16((hi - bf16_to_f32(mc)) / (float)steps);
+        const uint16_t dc = f32_to_f16((hi - f16_to_f32(mc)) / (float)steps);
         const float err = int4_try(g, mc, dc, trial);
         if (steps == 1 || err < best) {
             best = err;
@@ -1249,15 +1248,15 @@ static void int4_levels(const float *g, float lo, float hi, int nsteps, uint8_t 
             *m = mc;
         }
     }
-    if (!(bf16_to_f32(*d) > 0.f)) return;
+    if (!(f16_to_f32(*d) > 0.f)) return;
     uint8_t kept[GROUP];
     memcpy(kept, q, GROUP);
     const uint16_t steps[3] = {(uint16_t)(*d - 1), (uint16_t)(*d + 1), *d};
     for (int c = 0; c < 3; ++c) {
-        const float df = bf16_to_f32(steps[c]);
+        const float df = f16_to_f32(steps[c]);
         float sum = 0.f;
         for (int i = 0; i < GROUP; ++i) sum += g[i] - df * (float)kept[i];
-        const uint16_t mc2 = f32_to_bf16(sum / (float)GROUP);
+        const uint16_t mc2 = f32_to_f16(sum / (float)GROUP);
         const float err = int4_try(g, mc2, steps[c], trial);
         if (err < best) {
             best = err;
@@ -1270,8 +1269,8 @@ static void int4_levels(const float *g, float lo, float hi, int nsteps, uint8_t 
 
 /* One group: a group of 16 distinct values or fewer on its own levels (int4_levels),
  * any other by the weighted least-squares search (each weight counted by the group's
- * root mean square plus its own magnitude), its step and minimum rounded to bf16 and the
- * codes to nearest on them. */
+ * root mean square plus its own magnitude), its step and minimum rounded to float16 and
+ * the codes to nearest on them. */
 static void int4_group(const float *g, int nsearch, int nsteps, uint8_t *q, uint16_t *d,
                        uint16_t *m) {
     float lo = g[0], hi = g[0];
@@ -1290,8 +1289,8 @@ static void int4_group(const float *g, int nsearch, int nsteps, uint8_t *q, uint
     const float rms = sqrtf(sq / (float)GROUP);
     for (int i = 0; i < GROUP; ++i) wt[i] = rms + fabsf(g[i]);
     int4_search(g, wt, lo < 0.f ? lo : 0.f, hi, nsearch, &s, &mn);
-    *d = f32_to_bf16(s);
-    *m = f32_to_bf16(mn);
+    *d = f32_to_f16(s);
+    *m = f32_to_f16(mn);
     int4_try(g, *m, *d, q);
 }
 
@@ -1303,9 +1302,6 @@ void int4_quantize(const float *w, uint8_t *q, uint16_t *d, uint16_t *m, int nse
 }
 
 /* ---- int8g weights' rounding at load (linear.py's int8g_quantize: the same arithmetic) ---- */
-
-static inline uint16_t f32_to_f16(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
-static inline float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
 
 /* A group's weights g rounded on the symmetric grid of step dh (float16): q, and the
  * squared error summed in k order. */
