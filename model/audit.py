@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from model.config import ModelConfig
 from model.grouped import GROUP
-from model.int4_mix import EIGHT_BIT, layer_parts
+from model.int4_mix import EIGHT_BIT, Part, layer_parts
 from model.int_weights import KEEPS
 
 DTYPE_BYTES = {
@@ -177,43 +177,36 @@ INT8_ROW_BYTES = 8  # an int8 linear's per output row: its float32 scale, the in
 
 
 def layer_linears(cfg: ModelConfig, experts: bool = True) -> tuple[int, int]:
-    """(weights, output rows) of every decoder layer's linear matrices together: what
-    --quantization int8 and fp8 hold in one byte a weight, with a scale a row. A
-    mixture's shared expert is among them, its router not (held in the model's dtype:
-    model.moe.linear_quantization); its routed experts count where `experts` (int8
-    packs them; fp8 keeps them in the model's dtype)."""
-    qkv, out, ffn_in, down = layer_linear_shapes(cfg)
-    shapes = [(qkv, cfg.n_layers), (out, cfg.n_layers)]
-    sparse = len(cfg.sparse_layers)
-    shapes += [(ffn_in, cfg.n_layers - sparse), (down, cfg.n_layers - sparse)]
-    if (e := cfg.experts) is not None:
-        d = cfg.d_model
-        if e.shared_d_ff:
-            shapes += [((d, 2 * e.shared_d_ff), sparse), ((e.shared_d_ff, d), sparse)]
-            shapes.append(((d, 1), sparse))
-        if experts:
-            shapes += [((d, 2 * e.d_ff), sparse * e.n_experts), ((e.d_ff, d), sparse * e.n_experts)]
-    weights = sum(i * o * n for (i, o), n in shapes)
-    return weights, sum(o * n for (_, o), n in shapes)
+    """(weights, output rows) of every decoder layer's linear matrices together
+    (model/int4_mix.py's layer_parts): what --quantization int8 and fp8 hold in one byte
+    a weight, with a scale a row. A mixture's shared expert is among them, its router
+    not (held in the model's dtype: model.moe.linear_quantization); its routed experts
+    count where `experts` (int8 packs them; fp8 keeps them in the model's dtype)."""
+    parts = [p for p in _parts(cfg) if experts or p.path != "ffn.experts"]
+    return _sizes(parts)
 
 
 def mixed_linears(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """Each kind --quantization int4 holds the decoder layers' linears in on the cpu
     backend (model/int4_mix.py: int4, int5, int8g): (weights, output rows) of them."""
-    out: dict[str, tuple[int, int]] = {}
-    for p in (p for i in range(cfg.n_layers) for p in layer_parts(cfg, i)):
-        weights, rows = out.get(p.kind, (0, 0))
-        out[p.kind] = (
-            weights + p.in_features * p.out_features * p.count,
-            rows + p.out_features * p.count,
-        )
-    return out
+    parts = _parts(cfg)
+    return {kind: _sizes([p for p in parts if p.kind == kind]) for kind in {p.kind for p in parts}}
+
+
+def _parts(cfg: ModelConfig) -> list[Part]:
+    return [p for i in range(cfg.n_layers) for p in layer_parts(cfg, i)]
+
+
+def _sizes(parts: list[Part]) -> tuple[int, int]:
+    """(weights, output rows) of `parts` together."""
+    weights = sum(p.in_features * p.out_features * p.count for p in parts)
+    return weights, sum(p.out_features * p.count for p in parts)
 
 
 def quantized_bytes(weights: int, rows: int, quantization: str) -> int:
     """The bytes `weights` linear weights of `rows` output rows take as --quantization
     holds them: int8 and fp8 a byte a weight, with INT8_ROW_BYTES or SCALE_BYTES a row;
-    int4 half a byte a weight and a bf16 scale and minimum each group of GROUP (5/8
+    int4 half a byte a weight and a float16 scale and minimum each group of GROUP (5/8
     of a byte); int5 (a file's 5-bit groups) 5/8 of a byte and a float16 step and
     minimum a group (3/4 of a byte); int8g (--quantization auto's) a byte a weight and a
     float16 scale a group (17/16 of a byte)."""
@@ -226,15 +219,13 @@ def quantized_bytes(weights: int, rows: int, quantization: str) -> int:
     return weights + rows * (INT8_ROW_BYTES if quantization == "int8" else SCALE_BYTES)
 
 
-def weight_bytes(
-    cfg: ModelConfig, dtype: str, quantization: str = "none", eight_bit: bool = True
-) -> int:
+def weight_bytes(cfg: ModelConfig, dtype: str, quantization: str = "none", mix: bool = True) -> int:
     """The weights' bytes as the server holds them: every parameter in `dtype`, or with
     --quantization the decoder layers' linears as quantized_bytes holds them (int8 on
     the cpu backend and int4 on every backend also its LM head: a tied one as a quantized
     copy of the embedding table, which the lookup keeps in `dtype`; and a mixture's
-    experts). eight_bit: int4's head in int8g and the layers in mixed_linears' kinds (the
-    cpu backend), not all int4 (torch, Triton)."""
+    experts). mix: int4 as the cpu backend holds it, the head in int8g and the layers in
+    mixed_linears' kinds, not all in int4 (torch, Triton)."""
     total = count_params(cfg).total * dtype_bytes(dtype)
     if quantization == "none":
         return total
@@ -243,7 +234,7 @@ def weight_bytes(
     cpu = quantization != "fp8"
     weights, rows = layer_linears(cfg, experts=cpu)
     total -= weights * dtype_bytes(dtype)
-    mixed = quantization == "int4" and eight_bit
+    mixed = quantization == "int4" and mix
     kinds = mixed_linears(cfg) if mixed else {quantization: (weights, rows)}
     total += sum(quantized_bytes(w, r, kind) for kind, (w, r) in kinds.items())
     if cpu:

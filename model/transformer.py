@@ -124,8 +124,9 @@ class Transformer(nn.Module):
         self.rebuild_tables(self.embed.weight.device)
 
     def _mark_int4_mix(self) -> None:
-        """The weights --quantization int4 holds in 8 bits (model/int4_mix.py): the head
-        (a tied one: the table it is copied from) and each layer's parts that take 8 bits."""
+        """The weights --quantization int4 holds in a kind other than int4
+        (model/int4_mix.py): the head in int8g (a tied one: the table it is copied from)
+        and each layer's parts that take int5 or int8g."""
         int4_mix.mark(self.lm_head if self.lm_head is not None else self.embed)
         for i, block in enumerate(self.layers):
             int4_mix.mark_layer(block, i, self.cfg)

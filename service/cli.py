@@ -187,7 +187,7 @@ def _plan_held(args: argparse.Namespace, cfg, device, dtype) -> tuple[str, Held 
     name = dtype_name(dtype)
     if args.quantization == "int4" and device.type != "cpu":
         experts = routed_expert_bytes(cfg, name) // dtype.itemsize  # their weights
-        total = weight_bytes(cfg, name, "int4", eight_bit=False)
+        total = weight_bytes(cfg, name, "int4", mix=False)
         # int4's bytes have no per-row part: no rows given
         return "int4", Held(total, quantized_bytes(experts, 0, "int4"), cfg.tie_embeddings)
     if args.quantization != "auto":

@@ -153,7 +153,7 @@ def test_held_bytes_count_the_codes_and_scales(shape: str) -> None:
     assert backend.prepare(model, "int4")
     assert backend.held_bytes(model) == before - 4 * weights + weights * 5 // 8
     # the audit's count (kvserve plan, /v1/models) is what the GPU's backends hold
-    assert backend.held_bytes(model) == weight_bytes(model.cfg, "float32", "int4", eight_bit=False)
+    assert backend.held_bytes(model) == weight_bytes(model.cfg, "float32", "int4", mix=False)
 
 
 def test_auto_holds_a_checkpoints_4_bit_expert_stacks_in_int4() -> None:

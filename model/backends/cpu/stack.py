@@ -1,10 +1,10 @@
 """The decoder layers as one C call (kernels/stack.c), for the case the CPU path is built
 around: a pre-norm RoPE/RMSNorm/SwiGLU model in bf16 whose linears all took kvserve's
-kernel layouts (bf16, int8 or int4, each linear its own), over a bf16 paged cache, at every instruction-set
-level; its layers' FFNs may be mixtures of experts routed and run by kernels/experts.c
-(not Qwen2-MoE's shared expert). Same kernels, same order, same bits as the modules; it drops the per-layer Python
-between them and holds no GIL while the layers run. The model calls it through
-model.backends.base.FusedLayers.
+kernel layouts (bf16, int8, int8g, int4 or int5, each linear its own), over a bf16
+paged cache, at every instruction-set level; its layers' FFNs may be mixtures of experts
+routed and run by kernels/experts.c (not Qwen2-MoE's shared expert). Same kernels, same
+order, same bits as the modules; it drops the per-layer Python between them and holds
+no GIL while the layers run. The model calls it through model.backends.base.FusedLayers.
 """
 
 from __future__ import annotations
