@@ -8,8 +8,9 @@ weight (N, K) in groups of GROUP consecutive in features, each group with its ow
 - int8g: codes q in -127..127 and a float16 step d a group, w ~ d * q (17/16 of a byte):
   a checkpoint's 6- to 8-bit types (GGUF Q8_0's blocks as they are, Q6_K).
 Scales are float16, three bits finer than bf16 (a Q4_K step, a float16 times a 6-bit
-scale, comes within 2^-12 of itself, not 2^-9); a step under float16's normal range
-(6.1e-5: a group spanning under 1e-3) is held to 6e-8, a fixed quantum, not a share.
+scale, comes within 2^-11 of itself, not 2^-8); a step under float16's normal range
+(6.1e-5: a group spanning under 1e-3) is held to a multiple of 6e-8, a fixed quantum,
+not a share.
 
 How a float weight is rounded to them, in torch: the readable arithmetic the C
 quantizers (model/backends/cpu/kernels/linear_vec.c) match bit for bit, and what the
@@ -233,11 +234,11 @@ def _int5_levels(groups: torch.Tensor) -> list[torch.Tensor]:
 def _int5_rescued(
     groups: torch.Tensor, best: list[torch.Tensor], lo: torch.Tensor, span: torch.Tensor
 ) -> list[torch.Tensor]:
-    """`best` ([squared error, codes, d, m] of groups (G, 32)), where a group lies farther
-    from its grid than values rounded to bf16 could (squared error over d^2 / 16: the
-    smallest gap misjudged the step, as an MXFP4 block's 4-bit floats, -6..6 in halves
-    with gaps of 2 and 3 halves, make it) the range from lo in each of 1..31 steps, the
-    nearest kept (the fewest steps of ties)."""
+    """`best` ([squared error, codes, d, m] of groups (G, 32)) with each group that lies
+    farther from its grid than values rounded to bf16 could (its squared error over
+    d^2 / 16: the smallest gap misjudged the step, as in an MXFP4 block, whose 4-bit
+    floats are -6..6 in halves, 2 and 3 halves apart) refitted: its range from lo in each
+    of 1..31 steps, the nearest kept (of ties the fewest steps)."""
     off = best[0] * 16 > best[2].float().square()
     if not off.any():
         return best

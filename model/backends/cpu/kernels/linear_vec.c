@@ -1126,6 +1126,7 @@ void linear_int8g(const uint16_t *x, const uint16_t *w, const float *bias, uint1
     linear_grouped(8, x, (const uint8_t *)w, bias, out, scratch, m, n, k, nthreads);
 }
 
+/* float16 to and from float32, rounding to nearest even as torch's .to(torch.float16) does */
 static inline uint16_t f32_to_f16(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
 static inline float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
 
