@@ -134,7 +134,9 @@ def test_a_stream_left_before_its_end_aborts() -> None:
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_slow_caller_gets_every_token_in_fewer_deltas_than_steps(transport: str) -> None:
     """Over a real core: a caller that sleeps between deltas reads the same tokens as one
-    that keeps up, in fewer deltas."""
+    that keeps up, in fewer deltas than the 24 steps made them (each step's tokens wait
+    for it together). Whether the one that keeps up gets a delta a step depends on the
+    machine's load, so only the slow one's count is checked."""
     engine = client(transport)
 
     async def read(rid: str, params: SamplingParams, pause: float) -> tuple[list[int], int]:
@@ -146,12 +148,12 @@ def test_a_slow_caller_gets_every_token_in_fewer_deltas_than_steps(transport: st
         return tokens, count
 
     try:
-        fast, fast_count = asyncio.run(read("fast", greedy(24), 0.0))
-        slow, slow_count = asyncio.run(read("slow", greedy(24), 0.05))
+        fast, _ = asyncio.run(read("fast", greedy(24), 0.0))
+        slow, slow_count = asyncio.run(read("slow", greedy(24), 0.2))
     finally:
         engine.shutdown()
     assert slow == fast and len(fast) == 24
-    assert slow_count < fast_count
+    assert slow_count < len(slow)
 
 
 def test_a_steps_outputs_go_to_the_request_each_answers() -> None:
