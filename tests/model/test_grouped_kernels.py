@@ -14,6 +14,7 @@ from model.backends.cpu.kernels.linear import (
     int4_pack,
     int4_quantize,
     int5_pack,
+    int5_quantize,
     int8g_pack,
     int8g_quantize,
     swiglu_layout,
@@ -102,6 +103,25 @@ def test_the_c_rounding_is_the_references_at_every_level(isa: str) -> None:
     grid = ((torch.randint(0, 16, (64, 256), generator=g) - 8) * 0.013).to(torch.bfloat16)
     for weight in (w, w.to(torch.bfloat16), grid):
         got, want = int4_quantize(weight), int4_quantize_reference(weight)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_the_c_int5_rounding_is_the_references_at_every_level(isa: str) -> None:
+    """linear_vec.c's int5_quantize gives the torch reference's q, d and m bit for bit:
+    weights of several scales (zero groups among them), Q5_0-like grids rounded to bf16,
+    and MXFP4-like blocks (4-bit floats times a power of two: the step scan's groups)."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(128, 256, generator=g) * torch.logspace(-4, 1, 128)[:, None]
+    w[5, :64] = 0
+    scale = (torch.rand(64, 8, 1, generator=g) * 0.02 + 0.001).half().float()
+    q5 = (torch.randint(0, 32, (64, 8, GROUP), generator=g) - 16) * scale
+    e2m1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6])
+    fp4 = e2m1[torch.randint(0, 16, (64, 256), generator=g)] * 2.0 ** torch.randint(
+        -9, -3, (64, 8), generator=g
+    ).repeat_interleave(GROUP, dim=1)
+    for weight in (w, w.to(torch.bfloat16), q5.reshape(64, 256).to(torch.bfloat16), fp4):
+        got, want = int5_quantize(weight), int5_quantize_reference(weight)
         for a, b in zip(got, want, strict=True):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 

@@ -66,6 +66,7 @@ PROTOTYPES: dict[str, tuple[type | None, list[type]]] = {
     "linear_int8g": (None, [_P, _P, _P, _P, _P, _I, _I, _I, _I]),
     "int8g_quantize": (None, [_P, _P, _P, _I, _I, _I]),
     "int4_quantize": (None, [_P, _P, _P, _P, _I, _I, _I, _I]),
+    "int5_quantize": (None, [_P, _P, _P, _P, _I, _I]),
     "linear_vec_init": (_I, []),
     "stack_forward": (None, [_P]),
     "experts_forward": (None, [_P]),

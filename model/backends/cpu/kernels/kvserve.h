@@ -83,6 +83,11 @@ void int4_quantize(const float *w, uint8_t *q, uint16_t *d, uint16_t *m, int nse
 /* linear_int8g: w is int8g_pack's blob (int8 weights with a float16 scale each 32 k). */
 void linear_int8g(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
                   uint16_t *scratch, int m, int n, int k, int nthreads);
+/* int5_quantize: float32 weights, `groups` groups of 32 k one after another, rounded to
+ * 5 bits as model/grouped.py's int5_quantize_reference describes: q a byte a weight
+ * (0..31), d and m a float16 each a group. */
+void int5_quantize(const float *w, uint8_t *q, uint16_t *d, uint16_t *m, int groups,
+                   int nthreads);
 /* int8g_quantize: float32 weights, `groups` groups of 32 k one after another, rounded to
  * int8 as linear.py's int8g_quantize describes (steps: max|w| / 127 and the smallest
  * nonzero |w| over 1..divisors, then the least-squares one): q an int8 a weight, d a

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -51,7 +52,7 @@ def _vector(isa: str) -> ctypes.CDLL | None:
     if lib is None:
         return None
     kernels = ("linear_bf16_vec", "linear_int8", "linear_int8g", "linear_int4", "linear_int5")
-    bind(lib, *kernels, "int4_quantize", "int8g_quantize", "linear_vec_init")
+    bind(lib, *kernels, "int4_quantize", "int5_quantize", "int8g_quantize", "linear_vec_init")
     if not lib.linear_vec_init():  # the amx build, where the OS refuses the tile state
         log.info("no AMX tiles here: int8 linears run in vector code")
         return None
@@ -129,16 +130,28 @@ def grouped_supported(weight: torch.Tensor, kind: str) -> bool:
 def int4_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """model.grouped's int4_quantize_reference in C (linear_vec.c's int4_quantize, threads
     over the groups, the same bits) where it is built, else that reference."""
-    lib = _vector(linear_isa("int4"))
+    return _stepped(weight, "int4", int4_quantize_reference, INT4_SEARCH, len(INT4_STEPS))
+
+
+def _stepped(
+    weight: torch.Tensor,
+    kind: str,
+    reference: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    *params: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """linear_vec.c's `{kind}_quantize` (int4's or int5's) of `weight` (N, K): codes (N, K)
+    uint8 and float16 steps and minimums (N, K/32), its `params` before the group count;
+    `reference` where the C is not built."""
+    lib = _vector(linear_isa(kind))
     if lib is None:
-        return int4_quantize_reference(weight)
+        return reference(weight)
     w = weight.detach().float().contiguous()
     n, k = w.shape
     q = torch.empty((n, k), dtype=torch.uint8)
     d = torch.empty((n, k // GROUP), dtype=torch.float16)
     m = torch.empty_like(d)
-    lib.int4_quantize(w.data_ptr(), q.data_ptr(), d.data_ptr(), m.data_ptr(), INT4_SEARCH,
-                      len(INT4_STEPS), n * k // GROUP, torch.get_num_threads())  # fmt: skip
+    getattr(lib, f"{kind}_quantize")(w.data_ptr(), q.data_ptr(), d.data_ptr(), m.data_ptr(),
+                                     *params, n * k // GROUP, torch.get_num_threads())  # fmt: skip
     return q, d, m
 
 
@@ -152,12 +165,18 @@ def int4_pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.cat([nibbles.reshape(nb, -1), _block_scales(d, m, nb)], dim=1).flatten()
 
 
+def int5_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """model.grouped's int5_quantize_reference in C (linear_vec.c's int5_quantize, threads
+    over the groups, the same bits) where it is built, else that reference."""
+    return _stepped(weight, "int5", int5_quantize_reference)
+
+
 def int5_pack(weight: torch.Tensor) -> torch.Tensor:
     """(N, K) -> the uint8 blob linear_int5 reads, block after block of 64 features: per
     octet of k, int4_pack's (64, 4) bytes of the codes' low nibbles, then two planes of
     32 bytes: bit p of the first is the fifth bit of the code in byte p's low nibble, of
     the second of its high nibble; then (K/32, 2, 64) float16, each group's d then m."""
-    q, d, m = int5_quantize_reference(weight)
+    q, d, m = int5_quantize(weight)
     octets, nb = _octets(q)
     o = octets.shape[1]
     nibbles = ((octets[..., 0] & 15) | ((octets[..., 1] & 15) << 4)).reshape(nb, o, -1)

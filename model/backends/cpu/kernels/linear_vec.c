@@ -1302,6 +1302,140 @@ void int4_quantize(const float *w, uint8_t *q, uint16_t *d, uint16_t *m, int nse
         int4_group(w + (long)g * GROUP, nsearch, nsteps, q + (long)g * GROUP, d + g, m + g);
 }
 
+/* ---- int5 weights' rounding at load (model/grouped.py's int5_quantize_reference: the same
+ * arithmetic, every sum in k order, no contraction) ---- */
+
+/* g's codes 0..31 on the float16 grid (m, d) into q, and their squared error. */
+static float int5_try(const float *g, uint16_t dh, uint16_t mh, uint8_t *q) {
+    const float df = f16_to_f32(dh), mf = f16_to_f32(mh), step = df > 0.f ? df : 1.f;
+    float err = 0.f;
+    for (int i = 0; i < GROUP; ++i) {
+        float v = nearbyintf((g[i] - mf) / step);
+        v = v < 0.f ? 0.f : (v > 31.f ? 31.f : v);
+        q[i] = (uint8_t)v;
+        const float e = (df * v + mf) - g[i];
+        err += e * e;
+    }
+    return err;
+}
+
+/* A group's fit so far: codes, float16 step and minimum, squared error. */
+typedef struct {
+    uint8_t q[GROUP];
+    uint16_t d, m;
+    float err;
+} int5_fit;
+
+/* (d, m) kept in `best` where its squared error is less (the first of ties stays). */
+static void int5_keep(const float *g, uint16_t d, uint16_t m, int5_fit *best) {
+    uint8_t trial[GROUP];
+    const float err = int5_try(g, d, m, trial);
+    if (err < best->err) {
+        memcpy(best->q, trial, GROUP);
+        best->d = d;
+        best->m = m;
+        best->err = err;
+    }
+}
+
+/* The range lo..hi in as many steps as the smallest gap between distinct values makes,
+ * the minimum lo or the fewest steps under it that float16 holds exactly (the
+ * reference's _int5_levels, before its tries of fewer steps). */
+static void int5_gap_fit(const float *g, float lo, float span, float steps, int5_fit *best) {
+    const uint16_t d = f32_to_f16(span / steps);
+    float under = lo;
+    for (int below = 0; below < 32; ++below) {
+        const float u = lo - (float)below * f16_to_f32(d);
+        if (f16_to_f32(f32_to_f16(u)) == u && steps + (float)below <= 31.f) {
+            under = u;
+            break;
+        }
+    }
+    const uint16_t m = f32_to_f16(under);
+    best->d = d;
+    best->m = m;
+    best->err = int5_try(g, d, m, best->q);
+}
+
+/* The least positive difference of any two of g's values (INFINITY where all are one):
+ * the smallest gap between its distinct values sorted, since rounding is monotonic (no
+ * farther pair's difference rounds below a nearer one's), without the sort. */
+static float least_gap(const float *g) {
+    float out[VL];
+#if VL == 16
+    __m512 least = _mm512_set1_ps(INFINITY);
+    for (int i = 0; i < GROUP; ++i)
+        for (int j = 0; j < GROUP; j += VL) {
+            const __m512 diff = _mm512_sub_ps(_mm512_loadu_ps(g + j), _mm512_set1_ps(g[i]));
+            const __mmask16 above = _mm512_cmp_ps_mask(diff, _mm512_setzero_ps(), _CMP_GT_OQ);
+            least = _mm512_mask_min_ps(least, above, least, diff);
+        }
+    _mm512_storeu_ps(out, least);
+#else
+    const __m256 inf = _mm256_set1_ps(INFINITY);
+    __m256 least = inf;
+    for (int i = 0; i < GROUP; ++i)
+        for (int j = 0; j < GROUP; j += VL) {
+            const __m256 diff = _mm256_sub_ps(_mm256_loadu_ps(g + j), _mm256_set1_ps(g[i]));
+            const __m256 above = _mm256_cmp_ps(diff, _mm256_setzero_ps(), _CMP_GT_OQ);
+            least = _mm256_min_ps(least, _mm256_blendv_ps(inf, diff, above));
+        }
+    _mm256_storeu_ps(out, least);
+#endif
+    float gap = out[0];
+    for (int i = 1; i < VL; ++i) gap = out[i] < gap ? out[i] : gap;
+    return gap;
+}
+
+/* One group (the reference's _int5_levels, _int5_rescued and _recentred). */
+static void int5_group(const float *g, uint8_t *q, uint16_t *d, uint16_t *m) {
+    float lo = g[0], hi = g[0];
+    for (int i = 1; i < GROUP; ++i) {
+        lo = g[i] < lo ? g[i] : lo;
+        hi = g[i] > hi ? g[i] : hi;
+    }
+    lo += 0.f;  /* -0 to +0 */
+    hi += 0.f;
+    const float span = hi - lo;
+    /* the smallest gap between distinct values: the least positive difference of any
+     * two (rounding is monotonic, so no farther pair's rounds below a nearer one's) */
+    const float gap = least_gap(g);
+    const float count = gap != INFINITY ? nearbyintf(span / gap) : 1.f;
+    const float steps = count < 1.f ? 1.f : (count > 31.f ? 31.f : count);
+    int5_fit best;
+    int5_gap_fit(g, lo, span, steps, &best);
+    for (int fewer = 1; fewer <= 2; ++fewer) {
+        const float n = steps - (float)fewer;
+        int5_keep(g, f32_to_f16(span / (n < 1.f ? 1.f : n)), f32_to_f16(lo), &best);
+    }
+    const float df = f16_to_f32(best.d);
+    /* farther off than bf16 rounding, where a grid of 31 steps or fewer can fit: every
+     * step count */
+    if (best.err * 16.f > df * df && count <= 31.f)
+        for (int n = 1; n <= 31; ++n) int5_keep(g, f32_to_f16(span / (float)n), f32_to_f16(lo), &best);
+    if (f16_to_f32(best.d) > 0.f) {  /* re-centred on the kept codes */
+        uint8_t kept[GROUP];
+        memcpy(kept, best.q, GROUP);
+        const uint16_t around[3] = {(uint16_t)(best.d - 1), (uint16_t)(best.d + 1), best.d};
+        for (int c = 0; c < 3; ++c) {
+            const float step = f16_to_f32(around[c]);
+            float sum = 0.f;
+            for (int i = 0; i < GROUP; ++i) sum += g[i] - step * (float)kept[i];
+            int5_keep(g, around[c], f32_to_f16(sum / (float)GROUP), &best);
+        }
+    }
+    memcpy(q, best.q, GROUP);
+    *d = best.d;
+    *m = best.m;
+}
+
+void int5_quantize(const float *w, uint8_t *q, uint16_t *d, uint16_t *m, int groups,
+                   int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1)
+    for (int g = 0; g < groups; ++g)
+        int5_group(w + (long)g * GROUP, q + (long)g * GROUP, d + g, m + g);
+}
+
 /* ---- int8g weights' rounding at load (linear.py's int8g_quantize: the same arithmetic) ---- */
 
 /* A group's weights g rounded on the symmetric grid of step dh (float16): q, and the
