@@ -217,8 +217,7 @@ def _int5_levels(groups: torch.Tensor) -> list[torch.Tensor]:
     gaps = ordered.diff(dim=1)
     gap = torch.where(gaps > 0, gaps, torch.inf).amin(dim=1)
     span = hi - lo
-    count = torch.where(gap.isinf(), 1.0, torch.round(span / gap))
-    steps = count.clamp(1, 31)
+    steps = torch.where(gap.isinf(), 1.0, torch.round(span / gap).clamp(1, 31))
     d = (span / steps).to(torch.float16)
     below = torch.arange(32, dtype=torch.float32)
     under = lo[:, None] - below * d.float()[:, None]
@@ -229,24 +228,19 @@ def _int5_levels(groups: torch.Tensor) -> list[torch.Tensor]:
     for fewer in (1, 2):
         fd, fm = (span / (steps - fewer).clamp(min=1)).to(torch.float16), lo.to(torch.float16)
         best = _keep_better(best, [*_on_grid(groups, fd, fm, 31), fd, fm])
-    return _int5_rescued(groups, best, lo, span, count <= 31)
+    return _int5_rescued(groups, best, lo, span)
 
 
 def _int5_rescued(
-    groups: torch.Tensor,
-    best: list[torch.Tensor],
-    lo: torch.Tensor,
-    span: torch.Tensor,
-    few: torch.Tensor,
+    groups: torch.Tensor, best: list[torch.Tensor], lo: torch.Tensor, span: torch.Tensor
 ) -> list[torch.Tensor]:
     """`best` ([squared error, codes, d, m] of groups (G, 32)) with each group that lies
     farther from its grid than values rounded to bf16 could (its squared error over
     d^2 / 16: the smallest gap misjudged the step, as in an MXFP4 block, whose 4-bit
     floats are -6..6 in halves, 2 and 3 halves apart) refitted: its range from lo in each
-    of 1..31 steps, the nearest kept (of ties the fewest steps). Only where `few`: its
-    smallest gap makes 31 steps or fewer (a grid of 31 steps has no gap under its step,
-    so where the gap makes more, as in a float checkpoint's group, no grid fits)."""
-    off = (best[0] * 16 > best[2].float().square()) & few
+    of 1..31 steps, the nearest kept (of ties the fewest steps). A float checkpoint's
+    group (int4's fallback rows) takes it too: the scan lowers its squared error."""
+    off = best[0] * 16 > best[2].float().square()
     if not off.any():
         return best
     part = [b[off] for b in best]

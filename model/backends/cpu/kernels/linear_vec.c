@@ -1400,8 +1400,8 @@ static void int5_group(const float *g, uint8_t *q, uint16_t *d, uint16_t *m) {
     /* the smallest gap between distinct values: the least positive difference of any
      * two (rounding is monotonic, so no farther pair's rounds below a nearer one's) */
     const float gap = least_gap(g);
-    const float count = gap != INFINITY ? nearbyintf(span / gap) : 1.f;
-    const float steps = count < 1.f ? 1.f : (count > 31.f ? 31.f : count);
+    float steps = gap != INFINITY ? nearbyintf(span / gap) : 1.f;
+    steps = steps < 1.f ? 1.f : (steps > 31.f ? 31.f : steps);
     int5_fit best;
     int5_gap_fit(g, lo, span, steps, &best);
     for (int fewer = 1; fewer <= 2; ++fewer) {
@@ -1409,9 +1409,7 @@ static void int5_group(const float *g, uint8_t *q, uint16_t *d, uint16_t *m) {
         int5_keep(g, f32_to_f16(span / (n < 1.f ? 1.f : n)), f32_to_f16(lo), &best);
     }
     const float df = f16_to_f32(best.d);
-    /* farther off than bf16 rounding, where a grid of 31 steps or fewer can fit: every
-     * step count */
-    if (best.err * 16.f > df * df && count <= 31.f)
+    if (best.err * 16.f > df * df)  /* farther off than bf16 rounding: every step count */
         for (int n = 1; n <= 31; ++n) int5_keep(g, f32_to_f16(span / (float)n), f32_to_f16(lo), &best);
     if (f16_to_f32(best.d) > 0.f) {  /* re-centred on the kept codes */
         uint8_t kept[GROUP];
