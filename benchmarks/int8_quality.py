@@ -23,8 +23,10 @@ too: its llama-perplexity saves the bf16 GGUF's next-token distributions over --
 chunks of --ctx tokens of the text, then gives the mean KL and same-top share of each
 --files GGUF against them (--kl-divergence); the peer checkpoint's runs here read those
 chunks' tokens and score the positions llama-perplexity scores (the second half of each
-chunk), so both engines' numbers are over the same next-token distributions. Those rows
-go to docs/results.md.
+chunk), so both engines' numbers are over the same next-token distributions; and those
+runs are scored by llama.cpp's measure too (llama_measure: its bf16 log-probs stored in
+16 bits, cut at -16, the same-top share on the stored ones), so both engines' numbers
+are the same arithmetic. Those rows go to docs/results.md.
 
 With --files NAME=PATH (a GGUF file or an AWQ/GPTQ folder of the peer checkpoint), each
 file is loaded as it is (none: its weights dequantized to bf16), as the server holds it by
@@ -143,6 +145,26 @@ def llama_kl(
     return out, llama_chunks(base, bos)
 
 
+def llama_measure(ref: torch.Tensor, got: torch.Tensor) -> tuple[list[float], list[bool]]:
+    """Each position's KL and same top as llama-perplexity's --kl-divergence computes them
+    from logits (P, V) (tools/perplexity/perplexity.cpp): the reference's log-probs kept
+    as 16-bit steps over its top 16 nats (log_softmax: below max - 16 one floor value),
+    the KL summed over the tokens whose kept log-prob is above -16, the top the first
+    of the kept log-probs' largest."""
+    ref, got = ref.float(), got.float()
+    top = ref.amax(-1, keepdim=True)
+    low = torch.maximum(ref.amin(-1, keepdim=True), top - 16)
+    lse = torch.exp(ref - top).double().sum(-1, keepdim=True).log().float()
+    floor, scale = low - top - lse, (top - low) / 65535
+    steps = torch.where(ref > low, torch.round((ref - low) * (1 / scale)), 0.0)
+    base = torch.where(scale > 0, scale * steps + floor, floor)
+    logq = got - got.amax(-1, keepdim=True)
+    logq = logq - torch.exp(logq).double().sum(-1, keepdim=True).log().float()
+    terms = torch.where(base > -16, torch.exp(base) * (base - logq), 0.0)
+    kl = terms.double().sum(-1).tolist()
+    return kl, (base.argmax(-1) == got.argmax(-1)).tolist()
+
+
 def engine(path: Path, quantization: str, backend: str) -> LLMEngine:
     loaded = load(path, torch.bfloat16, torch.device("cpu"))
     if quantization == "fp8":  # the server takes fp8 on CUDA alone: converted here
@@ -193,7 +215,7 @@ def compare(
     scored = slice(None)  # every position's next-token distribution
     if chunks is not None:  # llama-perplexity's tokens and positions
         prompts, scored = chunks[0], slice(chunks[1], -1)
-    diffs, agree, scale, kl = [], [], [], []
+    diffs, agree, scale, kl, llama_kl, llama_top = [], [], [], [], [], []
     for p in prompts:
         ids = torch.tensor(p)
         a, b = bf16.model(ids).float()[scored], quant.model(ids).float()[scored]
@@ -202,6 +224,10 @@ def compare(
         scale.append(a.std().item())
         logp, logq = torch.log_softmax(a, -1), torch.log_softmax(b, -1)
         kl.append((logp.exp() * (logp - logq)).sum(-1).mean().item())
+        if chunks is not None:
+            position_kl, same = llama_measure(a, b)
+            llama_kl += position_kl
+            llama_top += same
     d = torch.cat([x.flatten() for x in diffs])
     ref, got = greedy(bf16, prompts, args.output_len), greedy(quant, prompts, args.output_len)
     same = [
@@ -212,7 +238,11 @@ def compare(
     for r, g in zip(ref, got, strict=True):
         n = next((i for i, (x, y) in enumerate(zip(r, g, strict=True)) if x != y), len(r))
         prefix.append(n)
-    return {
+    measured = {}
+    if chunks is not None:  # every position counted alike, as llama-perplexity counts them
+        measured = {"llama_kl_mean": statistics.fmean(llama_kl),
+                    "llama_top1_agreement": statistics.fmean(llama_top)}  # fmt: skip
+    return measured | {
         "quantized_linears": quantized_linears(quant.model),
         "logit_max_abs_err": d.max().item(),
         "logit_mean_abs_err": d.mean().item(),
@@ -315,9 +345,13 @@ def headline(results: dict, llama: dict) -> dict[str, str]:
             rows[f"kvserve {label}: mean KL, top-1"] = (
                 f"{r['kl_mean']:.5f}, {r['top1_agreement']:.1%}"
             )
+            if "llama_kl_mean" in r:
+                rows[f"kvserve {label}: llama.cpp's measure"] = (
+                    f"{r['llama_kl_mean']:.6f}, {r['llama_top1_agreement']:.2%}"
+                )
     for name, r in llama.items():
         rows[f"llama.cpp {name} file: mean KL, top-1"] = (
-            f"{r['kl_mean']:.5f}, {r['top1_agreement']:.1%}"
+            f"{r['kl_mean']:.6f}, {r['top1_agreement']:.2%}"
         )
     return rows
 
