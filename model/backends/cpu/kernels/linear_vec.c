@@ -1130,16 +1130,83 @@ void linear_int8g(const uint16_t *x, const uint16_t *w, const float *bias, uint1
 static inline uint16_t f32_to_f16(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
 static inline float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
 
+/* ---- a group on a float16 grid (m, d), codes 0..top: int4's levels and int5 (the
+ * reference's _on_grid, _keep_better and _recentred) ---- */
+
+/* g's codes 0..top on the float16 grid (m, d) into q, and their squared error summed in
+ * k order. */
+static float grid_try(const float *g, uint16_t dh, uint16_t mh, float top, uint8_t *q) {
+    const float df = f16_to_f32(dh), mf = f16_to_f32(mh), step = df > 0.f ? df : 1.f;
+    float err = 0.f;
+    for (int i = 0; i < GROUP; ++i) {
+        float v = nearbyintf((g[i] - mf) / step);
+        v = v < 0.f ? 0.f : (v > top ? top : v);
+        q[i] = (uint8_t)v;
+        const float e = (df * v + mf) - g[i];
+        err += e * e;
+    }
+    return err;
+}
+
+/* A group's fit so far: codes, float16 step and minimum, squared error. */
+typedef struct {
+    uint8_t q[GROUP];
+    uint16_t d, m;
+    float err;
+} grid_fit;
+
+/* (d, m) as `fit`, whatever its error. */
+static void grid_set(const float *g, uint16_t d, uint16_t m, float top, grid_fit *fit) {
+    fit->d = d;
+    fit->m = m;
+    fit->err = grid_try(g, d, m, top, fit->q);
+}
+
+/* (d, m) kept in `best` where its squared error is less (the first of ties stays). */
+static void grid_keep(const float *g, uint16_t d, uint16_t m, float top, grid_fit *best) {
+    grid_fit trial;
+    grid_set(g, d, m, top, &trial);
+    if (trial.err < best->err) *best = trial;
+}
+
+/* `best` re-centred: its step's float16 neighbours and the step itself, each with the
+ * minimum that centres best's codes on g (rounded to float16), tried in that order; none
+ * where the step is 0. */
+static void grid_recentre(const float *g, float top, grid_fit *best) {
+    if (!(f16_to_f32(best->d) > 0.f)) return;
+    uint8_t kept[GROUP];
+    memcpy(kept, best->q, GROUP);
+    const uint16_t around[3] = {(uint16_t)(best->d - 1), (uint16_t)(best->d + 1), best->d};
+    for (int c = 0; c < 3; ++c) {
+        const float step = f16_to_f32(around[c]);
+        float sum = 0.f;
+        for (int i = 0; i < GROUP; ++i) sum += g[i] - step * (float)kept[i];
+        grid_keep(g, around[c], f32_to_f16(sum / (float)GROUP), top, best);
+    }
+}
+
+/* A group's least and greatest values, -0 as +0 (which zero a min or max keeps is the
+ * implementation's). */
+static void group_range(const float *g, float *lo, float *hi) {
+    float a = g[0], b = g[0];
+    for (int i = 1; i < GROUP; ++i) {
+        a = g[i] < a ? g[i] : a;
+        b = g[i] > b ? g[i] : b;
+    }
+    *lo = a + 0.f;
+    *hi = b + 0.f;
+}
+
 /* ---- int4 weights' rounding at load (model/grouped.py's int4_quantize_reference: the same
  * arithmetic, every sum in k order, no contraction) ---- */
 
-/* A group's squared error: (s * L + mn - g) squared, each times its weight wt[i] where
- * wt is given, summed. */
+/* A group's weighted squared error: (s * L + mn - g) squared, each times its weight
+ * wt[i], summed. */
 static float int4_err(const float *g, const float *wt, const float *L, float s, float mn) {
     float err = 0.f;
     for (int i = 0; i < GROUP; ++i) {
         const float e = (s * L[i] + mn) - g[i];
-        err += wt ? wt[i] * (e * e) : e * e;
+        err += wt[i] * (e * e);
     }
     return err;
 }
@@ -1204,17 +1271,6 @@ static void int4_search(const float *g, const float *wt, float mn, float hi, int
     *m_out = best_m;
 }
 
-/* g's codes on the float16 grid (mc, dc) into q, and their squared error. */
-static float int4_try(const float *g, uint16_t mc, uint16_t dc, uint8_t *q) {
-    const float mf = f16_to_f32(mc), df = f16_to_f32(dc), step = df > 0.f ? df : 1.f;
-    float L[GROUP];
-    for (int i = 0; i < GROUP; ++i) {
-        const float v = nearbyintf((g[i] - mf) / step);
-        L[i] = v < 0.f ? 0.f : (v > 15.f ? 15.f : v);
-        q[i] = (uint8_t)L[i];
-    }
-    return int4_err(g, NULL, L, df, mf);
-}
 
 /* Whether a group of GROUP holds 16 distinct values or fewer (stops at the 17th). */
 static int int4_few_levels(const float *g) {
@@ -1236,36 +1292,19 @@ static int int4_few_levels(const float *g) {
  * g (rounded to float16), tried in that order (the reference's _on_levels). */
 static void int4_levels(const float *g, float lo, float hi, int nsteps, uint8_t *q,
                         uint16_t *d, uint16_t *m) {
-    uint8_t trial[GROUP];
     const uint16_t mc = f32_to_f16(lo);
-    float best = 0.f;
+    grid_fit best;
     for (int steps = 1; steps <= nsteps; ++steps) {
         const uint16_t dc = f32_to_f16((hi - f16_to_f32(mc)) / (float)steps);
-        const float err = int4_try(g, mc, dc, trial);
-        if (steps == 1 || err < best) {
-            best = err;
-            memcpy(q, trial, GROUP);
-            *d = dc;
-            *m = mc;
-        }
+        if (steps == 1)
+            grid_set(g, dc, mc, 15.f, &best);
+        else
+            grid_keep(g, dc, mc, 15.f, &best);
     }
-    if (!(f16_to_f32(*d) > 0.f)) return;
-    uint8_t kept[GROUP];
-    memcpy(kept, q, GROUP);
-    const uint16_t steps[3] = {(uint16_t)(*d - 1), (uint16_t)(*d + 1), *d};
-    for (int c = 0; c < 3; ++c) {
-        const float df = f16_to_f32(steps[c]);
-        float sum = 0.f;
-        for (int i = 0; i < GROUP; ++i) sum += g[i] - df * (float)kept[i];
-        const uint16_t mc2 = f32_to_f16(sum / (float)GROUP);
-        const float err = int4_try(g, mc2, steps[c], trial);
-        if (err < best) {
-            best = err;
-            memcpy(q, trial, GROUP);
-            *d = steps[c];
-            *m = mc2;
-        }
-    }
+    grid_recentre(g, 15.f, &best);
+    memcpy(q, best.q, GROUP);
+    *d = best.d;
+    *m = best.m;
 }
 
 /* One group: a group of 16 distinct values or fewer on its own levels (int4_levels),
@@ -1274,13 +1313,8 @@ static void int4_levels(const float *g, float lo, float hi, int nsteps, uint8_t 
  * the codes to nearest on them. */
 static void int4_group(const float *g, int nsearch, int nsteps, uint8_t *q, uint16_t *d,
                        uint16_t *m) {
-    float lo = g[0], hi = g[0];
-    for (int i = 1; i < GROUP; ++i) {
-        lo = g[i] < lo ? g[i] : lo;
-        hi = g[i] > hi ? g[i] : hi;
-    }
-    lo += 0.f;  /* -0 to +0: which zero a min or max keeps is the implementation's */
-    hi += 0.f;
+    float lo, hi;
+    group_range(g, &lo, &hi);
     if (int4_few_levels(g)) {
         int4_levels(g, lo, hi, nsteps, q, d, m);
         return;
@@ -1292,7 +1326,7 @@ static void int4_group(const float *g, int nsearch, int nsteps, uint8_t *q, uint
     int4_search(g, wt, lo < 0.f ? lo : 0.f, hi, nsearch, &s, &mn);
     *d = f32_to_f16(s);
     *m = f32_to_f16(mn);
-    int4_try(g, *m, *d, q);
+    grid_try(g, *d, *m, 15.f, q);
 }
 
 void int4_quantize(const float *w, uint8_t *q, uint16_t *d, uint16_t *m, int nsearch,
@@ -1305,43 +1339,10 @@ void int4_quantize(const float *w, uint8_t *q, uint16_t *d, uint16_t *m, int nse
 /* ---- int5 weights' rounding at load (model/grouped.py's int5_quantize_reference: the same
  * arithmetic, every sum in k order, no contraction) ---- */
 
-/* g's codes 0..31 on the float16 grid (m, d) into q, and their squared error. */
-static float int5_try(const float *g, uint16_t dh, uint16_t mh, uint8_t *q) {
-    const float df = f16_to_f32(dh), mf = f16_to_f32(mh), step = df > 0.f ? df : 1.f;
-    float err = 0.f;
-    for (int i = 0; i < GROUP; ++i) {
-        float v = nearbyintf((g[i] - mf) / step);
-        v = v < 0.f ? 0.f : (v > 31.f ? 31.f : v);
-        q[i] = (uint8_t)v;
-        const float e = (df * v + mf) - g[i];
-        err += e * e;
-    }
-    return err;
-}
-
-/* A group's fit so far: codes, float16 step and minimum, squared error. */
-typedef struct {
-    uint8_t q[GROUP];
-    uint16_t d, m;
-    float err;
-} int5_fit;
-
-/* (d, m) kept in `best` where its squared error is less (the first of ties stays). */
-static void int5_keep(const float *g, uint16_t d, uint16_t m, int5_fit *best) {
-    uint8_t trial[GROUP];
-    const float err = int5_try(g, d, m, trial);
-    if (err < best->err) {
-        memcpy(best->q, trial, GROUP);
-        best->d = d;
-        best->m = m;
-        best->err = err;
-    }
-}
-
 /* The range lo..hi in as many steps as the smallest gap between distinct values makes,
  * the minimum lo or the fewest steps under it that float16 holds exactly (the
  * reference's _int5_levels, before its tries of fewer steps). */
-static void int5_gap_fit(const float *g, float lo, float span, float steps, int5_fit *best) {
+static void int5_gap_fit(const float *g, float lo, float span, float steps, grid_fit *best) {
     const uint16_t d = f32_to_f16(span / steps);
     float under = lo;
     for (int below = 0; below < 32; ++below) {
@@ -1351,10 +1352,7 @@ static void int5_gap_fit(const float *g, float lo, float span, float steps, int5
             break;
         }
     }
-    const uint16_t m = f32_to_f16(under);
-    best->d = d;
-    best->m = m;
-    best->err = int5_try(g, d, m, best->q);
+    grid_set(g, d, f32_to_f16(under), 31.f, best);
 }
 
 /* The least positive difference of any two of g's values (INFINITY where all are one):
@@ -1389,39 +1387,22 @@ static float least_gap(const float *g) {
 
 /* One group (the reference's _int5_levels, _int5_rescued and _recentred). */
 static void int5_group(const float *g, uint8_t *q, uint16_t *d, uint16_t *m) {
-    float lo = g[0], hi = g[0];
-    for (int i = 1; i < GROUP; ++i) {
-        lo = g[i] < lo ? g[i] : lo;
-        hi = g[i] > hi ? g[i] : hi;
-    }
-    lo += 0.f;  /* -0 to +0 */
-    hi += 0.f;
-    const float span = hi - lo;
-    /* the smallest gap between distinct values: the least positive difference of any
-     * two (rounding is monotonic, so no farther pair's rounds below a nearer one's) */
-    const float gap = least_gap(g);
+    float lo, hi;
+    group_range(g, &lo, &hi);
+    const float span = hi - lo, gap = least_gap(g);
     float steps = gap != INFINITY ? nearbyintf(span / gap) : 1.f;
     steps = steps < 1.f ? 1.f : (steps > 31.f ? 31.f : steps);
-    int5_fit best;
+    const uint16_t mc = f32_to_f16(lo);
+    grid_fit best;
     int5_gap_fit(g, lo, span, steps, &best);
     for (int fewer = 1; fewer <= 2; ++fewer) {
         const float n = steps - (float)fewer;
-        int5_keep(g, f32_to_f16(span / (n < 1.f ? 1.f : n)), f32_to_f16(lo), &best);
+        grid_keep(g, f32_to_f16(span / (n < 1.f ? 1.f : n)), mc, 31.f, &best);
     }
     const float df = f16_to_f32(best.d);
     if (best.err * 16.f > df * df)  /* farther off than bf16 rounding: every step count */
-        for (int n = 1; n <= 31; ++n) int5_keep(g, f32_to_f16(span / (float)n), f32_to_f16(lo), &best);
-    if (f16_to_f32(best.d) > 0.f) {  /* re-centred on the kept codes */
-        uint8_t kept[GROUP];
-        memcpy(kept, best.q, GROUP);
-        const uint16_t around[3] = {(uint16_t)(best.d - 1), (uint16_t)(best.d + 1), best.d};
-        for (int c = 0; c < 3; ++c) {
-            const float step = f16_to_f32(around[c]);
-            float sum = 0.f;
-            for (int i = 0; i < GROUP; ++i) sum += g[i] - step * (float)kept[i];
-            int5_keep(g, around[c], f32_to_f16(sum / (float)GROUP), &best);
-        }
-    }
+        for (int n = 1; n <= 31; ++n) grid_keep(g, f32_to_f16(span / (float)n), mc, 31.f, &best);
+    grid_recentre(g, 31.f, &best);
     memcpy(q, best.q, GROUP);
     *d = best.d;
     *m = best.m;
