@@ -18,7 +18,8 @@ activations, the W4A16 kernel), one engine with CUDA graphs and async scheduling
 - prefill tokens/s of 8 fresh prompts of 2047 tokens against the bf16 roofline (measured
   bf16 matmul FLOP/s over 2 x the non-embedding parameters).
 
-Prints a table and writes JSON. `--smoke` runs the code on a tiny shape, bf16 only, on
+Prints a table, writes JSON and, on CUDA, records the rows in docs/results.md after each
+one. `--smoke` runs the code on a tiny shape, bf16 only, on
 any device (how it is checked without a GPU; no kernel census there).
 
     PYTHONPATH=. python benchmarks/gpu_decode.py --shapes llama-3.2-1b llama-3.1-8b
@@ -44,6 +45,7 @@ from benchmarks.common import (
 )
 from benchmarks.gpu_bench import copy_bandwidth, prefill
 from benchmarks.launches import census
+from benchmarks.results import record
 from model.audit import count_params
 from model.backends.machine import matmul_throughput
 from model.tokenizer import Tokenizer
@@ -162,6 +164,8 @@ def main() -> None:
             write_json(args.json, {"device": gpu, "torch": torch.__version__,
                                    "copy_bandwidth": args.bandwidth, "bf16_flops": args.flops,
                                    "results": results})  # fmt: skip
+            if device.type == "cuda":
+                record(f"gpu_decode ({', '.join(shapes)})", headline(results, against_bf16(results)))  # fmt: skip
     print(f"\ndevice: {gpu}, torch {torch.__version__}, copy {args.bandwidth / 1e12:.2f} TB/s")
     print(f"{'model':22s} {'floor ms':>9s} {'decode ms':>10s} {'x floor':>8s} "
           f"{'prefill t/s':>12s} {'x roof':>7s} {'kernels/step':>13s} {'GPU us/step':>12s}")  # fmt: skip
@@ -178,11 +182,33 @@ def main() -> None:
                               for k, n in layer["launches"].items() if n)  # fmt: skip
             print(f"{name}: a layer's launches: {parts}")
             print(f"{name}: a step's other kernels: {r['step']['other_kernels']}")
-    for name in shapes:
-        for w in ("fp8", "int4"):
-            if f"{name} {w}" in results and f"{name} bf16" in results:
-                ratio = results[f"{name} {w}"]["decode_ms_per_token"] / results[f"{name} bf16"]["decode_ms_per_token"]  # fmt: skip
-                print(f"{name}: {w} decode / bf16 decode = {ratio:.2f}")
+    for name, w, ratio in against_bf16(results):
+        print(f"{name}: {w} decode / bf16 decode = {ratio:.2f}")
+
+
+def against_bf16(results: dict[str, dict]) -> list[tuple[str, str, float]]:
+    """(shape, format, its decode step over bf16's) for each shape measured both ways."""
+    out = []
+    for key, r in results.items():
+        name, w = key.rsplit(" ", 1)
+        if w != "bf16" and f"{name} bf16" in results:
+            out.append((name, w, r["decode_ms_per_token"] / results[f"{name} bf16"]["decode_ms_per_token"]))  # fmt: skip
+    return out
+
+
+def headline(results: dict[str, dict], ratios: list[tuple[str, str, float]]) -> dict[str, str]:
+    rows = {}
+    for key, r in results.items():
+        rows[f"{key}: one stream's decode (CUDA graphs)"] = (
+            f"{r['decode_ms_per_token']:.3f} ms a token, {r['decode_vs_floor']:.2f}x the "
+            f"floor ({r['floor_ms_per_token']:.3f} ms)"
+        )
+        rows[f"{key}: prefill of 8 fresh prompts"] = (
+            f"{r['prefill_tok_s']:.0f} tok/s, {r['prefill_vs_roofline']:.2f} of the bf16 roofline"
+        )
+    for name, w, ratio in ratios:
+        rows[f"{name}: {w} decode against bf16's"] = f"{ratio:.2f}x"
+    return rows
 
 
 if __name__ == "__main__":

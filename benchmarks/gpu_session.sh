@@ -12,13 +12,16 @@
 #   bash benchmarks/gpu_session.sh run [SECONDS] [STEP...]   on the GPU host, in the
 #       checkout with .gpu carried: installs the wheels of projects the image lacks into a
 #       folder of their own, runs the steps named, in this order (default: tests bench):
-#       tests = `pytest -m gpu`, decode = gpu_decode.py (bf16 and FP8 decode against
-#       the floor, a step's kernels by class; the 1B and 8B shapes), bench =
-#       gpu_bench.py, families = family_throughput.py on CUDA (each family against
-#       Llama's, graphs on), profile = gpu_profile.py (where a step's time goes), and writes the
-#       logs and JSON to $OUT (default benchmarks/out/gpu; eight files for all four
-#       steps' default shapes, as many as a lent device
-#       machine brings back). SECONDS (default 540) bounds the whole run;
+#       tests = `pytest -m gpu`, http = serve_vs_offline.py (HTTP against offline at 64
+#       and 256 streams and one stream alone, for --engine-process off and on and 2 and 4
+#       fronts), decode = gpu_decode.py (bf16, FP8 and int4 decode against the floor, a
+#       step's kernels by class; the 1B and 8B shapes), bench = gpu_bench.py, families =
+#       family_throughput.py on CUDA (each family against Llama's, graphs on), profile =
+#       gpu_profile.py (where a step's time goes), and writes the logs and JSON to $OUT
+#       (default benchmarks/out/gpu) with docs/results.json as the benchmarks left it
+#       (their rows recorded there: copy it back over the checkout's), and after each step
+#       all of them in one $BUNDLE tarball where BUNDLE is set (a lent device machine
+#       brings back 8 files). SECONDS (default 540) bounds the whole run;
 #       KVSERVE_GPU_SHAPES (space-separated) picks gpu_bench's shapes;
 #       KVSERVE_GPU_TESTS, a pytest -k expression, some of the tests.
 #
@@ -55,6 +58,11 @@ out=${OUT:-benchmarks/out/gpu}
 mkdir -p "$out"
 left() { echo $((budget - (SECONDS - start))); }
 log() { echo "[gpu_session $((SECONDS - start))s] $*" | tee -a "$out/session.log"; }
+# the results table's store and everything written so far, as one file (after each step)
+bundle() {
+    cp docs/results.json "$out/results.json"
+    [ -n "${BUNDLE:-}" ] && tar czf "$BUNDLE" -C "$out" .
+}
 
 py=python3
 site=$(mktemp -d)     # the carried wheels, installed
@@ -99,6 +107,29 @@ if [[ $steps == *" tests "* ]]; then
         ${KVSERVE_GPU_TESTS:+-k "$KVSERVE_GPU_TESTS"} \
         -p no:cacheprovider > "$out/gpu_tests.log" 2>&1
     log "tests: exit $? ($(tail -1 "$out/gpu_tests.log"))"
+    bundle
+fi
+
+if [[ $steps == *" http "* ]]; then
+    # shellcheck disable=SC2206  # KVSERVE_GPU_SHAPES: a subset, space-separated
+    if [ "$cuda" = 1 ]; then http_shapes=(${KVSERVE_GPU_SHAPES:-smollm2-135m llama-3.2-1b}); else http_shapes=(tiny); fi
+    for shape in "${http_shapes[@]}"; do
+        limit=$(left)
+        if [ "$limit" -lt 60 ]; then log "no time left for http $shape"; break; fi
+        log "serve_vs_offline $shape, up to $limit s"
+        if [ "$cuda" = 1 ]; then
+            args=(--concurrency 64 256 --pairs 2 --serve-args "--engine-process off"
+                "--engine-process on" "--api-server-count 2" "--api-server-count 4")
+        else
+            args=(--concurrency 8 --pairs 1 --output-len 16 --no-record
+                --serve-args "--engine-process off" "--api-server-count 2")
+        fi
+        timeout "$limit" $py benchmarks/serve_vs_offline.py --shape "$shape" "${args[@]}" \
+            --json "$out/http-$shape.json" > "$out/http-$shape.log" 2>&1
+        log "serve_vs_offline $shape: exit $?"
+        grep -A12 "^server flags" "$out/http-$shape.log" | tee -a "$out/session.log"
+        bundle
+    done
 fi
 
 if [[ $steps == *" decode "* ]]; then
@@ -108,6 +139,7 @@ if [[ $steps == *" decode "* ]]; then
         > "$out/gpu_decode.log" 2>&1
     log "gpu_decode: exit $?"
     tail -12 "$out/gpu_decode.log" | tee -a "$out/session.log"
+    bundle
 fi
 
 # shellcheck disable=SC2206  # KVSERVE_GPU_SHAPES: a subset, space-separated
@@ -123,6 +155,7 @@ for shape in "${bench_shapes[@]}"; do
         --json "$out/gpu_bench-$shape.json" > "$out/gpu_bench-$shape.log" 2>&1
     log "gpu_bench $shape: exit $?"
     tail -4 "$out/gpu_bench-$shape.log" | tee -a "$out/session.log"
+    bundle
 done
 if [[ $steps == *" families "* ]]; then
     log "family_throughput, up to $(left) s"
@@ -133,6 +166,7 @@ if [[ $steps == *" families "* ]]; then
         --json "$out/family_throughput.json" > "$out/family_throughput.log" 2>&1
     log "family_throughput: exit $?"
     tail -12 "$out/family_throughput.log" | tee -a "$out/session.log"
+    bundle
 fi
 if [[ $steps == *" profile "* ]]; then
     log "gpu_profile, up to $(left) s"
@@ -141,6 +175,8 @@ if [[ $steps == *" profile "* ]]; then
         --tables "$out/gpu_profile_tables.txt" > "$out/gpu_profile.log" 2>&1
     log "gpu_profile: exit $?"
     tail -4 "$out/gpu_profile.log" | tee -a "$out/session.log"
+    bundle
 fi
 rm -rf "$scratch" "$site"
 log "done"
+bundle
