@@ -45,8 +45,9 @@ def test_the_codes_are_the_cpu_backends_int4() -> None:
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 def test_the_triton_kernel_is_the_dequantized_linear(dtype, rows, bias) -> None:
     """One row (the CUDA-core sums), a decode batch and a prefill's rows (tensor-core
-    tiles): x times the codes widened, as F.linear of the dequantized weight; K over
-    two of the kernels' reduction steps with a ragged last one, N not a whole tile."""
+    tiles): x times the codes widened, as F.linear of the dequantized weight (the tiles'
+    rounded once to x's dtype, the tensor cores' operands); K over two of the kernels'
+    reduction steps with a ragged last one, N not a whole tile."""
     from model.backends.triton import int4_linear as kernels
 
     k = GROUP * (2 * kernels.ROW_TILE[1] + 3)
@@ -54,7 +55,8 @@ def test_the_triton_kernel_is_the_dequantized_linear(dtype, rows, bias) -> None:
     weight = Int4Linear(torch.randn(n, k) * 0.05, torch.randn(n).to(dtype) if bias else None)
     x = torch.randn(rows, k).to(dtype)
     got = kernels.int4_linear(x, weight.codes, weight.steps, weight.minimums, weight.bias)
-    want = F.linear(x.float(), weight.dequantized(), weight.bias.float() if bias else None)
+    w = weight.dequantized() if rows == 1 else weight.dequantized().to(dtype).float()
+    want = F.linear(x.float(), w, weight.bias.float() if bias else None)
     assert got.shape == (rows, n) and got.dtype == dtype
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -6,11 +6,14 @@ read once and widened in registers; nothing is dequantized in memory.
   then step * sum(code * x) + minimum * sum(x), so a weight costs an unpack and an fma;
 - more rows (a decode batch, a prefill chunk): each program widens a tile of weights to
   the activations' dtype and multiplies it on the tensor cores, in one tile of ROWS rows
-  up to ROWS rows and in GEMM_TILE's beyond.
+  up to ROWS rows and in GEMM_TILE's beyond. A weight is then rounded once to that dtype
+  (bf16: within 2^-9 of step * code + minimum), as a bf16 checkpoint's weights are; the
+  products are exact and summed in fp32.
 
 Codes are stored two to a byte, k = 2j in byte j's low nibble and 2j + 1 in its high one,
 so a group's 32 codes are 16 contiguous bytes (one 128-bit load). In the interpreter (no
-GPU) the operands of a dot are widened to fp32 first: its bf16 dot is wrong there
+GPU) the operands of a dot are widened to fp32 first, the weights rounded to the
+activations' dtype on the way, as on the GPU: its bf16 dot is wrong there
 (model/backends/triton/kernels.py). The tiles are first choices, not a GPU sweep's.
 """
 
@@ -20,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from model.backends.triton.kernels import INTERPRET, _store_row, _store_rows
+from model.backends.triton.kernels import INTERPRET, _rounded, _store_row, _store_rows
 from model.grouped import GROUP
 
 ROWS = 16  # up to this many activation rows: one tile of rows (DOT_TILE)
@@ -118,7 +121,8 @@ def _int4_dot_kernel(
             other=0.0,
         )
         w = _dequantized(q_ptr, d_ptr, m_ptr, n, n_ok, start, KG, GB)
-        if UPCAST:
+        if UPCAST:  # the tensor cores' operands, in fp32: the weights in x's dtype
+            w = _rounded(w, x.dtype).to(tl.float32)
             acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(w.to(x.dtype)))

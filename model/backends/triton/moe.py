@@ -19,7 +19,8 @@ registers as int4_linear.py's are, nothing dequantized in memory. Nothing is rea
 host: the layout is built by torch on the device with sizes
 that depend on the step's token count alone (the most tiles any routing can need), so
 a decode step is captured in a CUDA graph like a dense one. In the interpreter (no GPU)
-the operands are widened to fp32 (model/backends/triton/kernels.py says why).
+the operands are widened to fp32, the weights rounded to the activations' dtype first as
+the tensor cores take them (model/backends/triton/kernels.py says why).
 """
 
 from __future__ import annotations
@@ -156,10 +157,12 @@ def _experts_in_kernel(
                             BLOCK_K, INT4)  # fmt: skip
         u = _expert_weights(w_up, w_ptr, ws_ptr, wm_ptr, e, 2 * F, n + F, n_ok, start, d,
                             BLOCK_K, INT4)  # fmt: skip
-        if UPCAST:
+        if UPCAST:  # the tensor cores' operands, in fp32: the weights in a's dtype
+            g = _rounded(g.to(tl.float32), a.dtype).to(tl.float32)
+            u = _rounded(u.to(tl.float32), a.dtype).to(tl.float32)
             a = a.to(tl.float32)
-            acc_g += tl.dot(a, tl.trans(g.to(tl.float32)), input_precision="ieee")
-            acc_u += tl.dot(a, tl.trans(u.to(tl.float32)), input_precision="ieee")
+            acc_g += tl.dot(a, tl.trans(g), input_precision="ieee")
+            acc_u += tl.dot(a, tl.trans(u), input_precision="ieee")
         else:
             acc_g += tl.dot(a, tl.trans(g.to(a.dtype)))
             acc_u += tl.dot(a, tl.trans(u.to(a.dtype)))
@@ -209,8 +212,9 @@ def _experts_out_kernel(
                     mask=row_ok[:, None] & (k < F)[None, :], other=0.0)  # fmt: skip
         w = _expert_weights(w_rows, w_ptr, ws_ptr, wm_ptr, e, d, n, n_ok, start, F, BLOCK_K,
                             INT4)  # fmt: skip
-        if UPCAST:
-            acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        if UPCAST:  # the tensor cores' operands, in fp32: the weights in a's dtype
+            w = _rounded(w.to(tl.float32), a.dtype).to(tl.float32)
+            acc += tl.dot(a.to(tl.float32), tl.trans(w), input_precision="ieee")
         else:
             acc += tl.dot(a, tl.trans(w.to(a.dtype)))
     if HAS_BIAS:

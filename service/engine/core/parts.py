@@ -67,11 +67,15 @@ def engine_backend(
 def _backend(
     load: LoadConfig, block_size: int, device: torch.device, dtype: torch.dtype, cfg: ModelConfig
 ) -> Backend:
-    """The attention backend asked for. int8 and int4 weights run on the cpu backend's
-    kernels alone, so with them `auto` means cpu: where it cannot run, the reason is the
-    error (not torch's refusal of the weights after it was picked instead)."""
+    """The attention backend asked for. int8 weights run on the cpu backend's kernels
+    alone, and int4's on the CPU (a GPU's backends have their own int4 kernels), so with
+    them `auto` means cpu: where it cannot run, the reason is the error (not torch's
+    refusal of the weights after it was picked instead)."""
     name = load.attention_backend
-    if load.quantization not in ("int8", "int4") or name != "auto":
+    cpu_kernels = load.quantization == "int8" or (
+        load.quantization == "int4" and device.type == "cpu"
+    )
+    if not cpu_kernels or name != "auto":
         return select_backend(name, device, dtype, cfg, block_size)
     try:
         return select_backend("cpu", device, dtype, cfg, block_size)

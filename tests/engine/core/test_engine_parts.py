@@ -5,10 +5,13 @@ blocks it frees) is checked on its own."""
 import dataclasses
 from collections.abc import Iterator
 
+import pytest
+import torch
+
 from service.config import Settings
 from service.engine.batch import SchedulerOutput
 from service.engine.core.engine import LLMEngine
-from service.engine.core.parts import assemble
+from service.engine.core.parts import assemble, engine_backend
 from service.engine.exec.runner import Launched
 from service.engine.sample.sampler import SampleResult
 from tests.engine.helpers import greedy, run_all, tokens_of
@@ -63,3 +66,20 @@ def test_a_stop_token_from_the_script_finishes_the_request() -> None:
     out = run_all(engine, {"b": ([1, 2, 3], greedy(8, stop_token_ids=[6]))})["b"]
     assert tokens_of(out) == [5, 6] and out[-1].finish_reason == "stop"
     assert engine.stats.finished["stop"] == 1 and engine.blocks.num_used == 0
+
+
+def test_int4_weights_on_a_gpu_take_its_backends_and_int8_the_cpu_kernels() -> None:
+    """`--quantization int4` with the attention backend `auto` on a CUDA device goes to a
+    GPU backend (Triton's W4A16 kernel there; torch's where Triton is missing, as here),
+    never to the cpu backend, which refuses the device; int8's only kernels are the CPU's,
+    so on a GPU their refusal is the error."""
+    cfg = small_model().cfg
+    cuda = torch.device("cuda")
+    backend = engine_backend(Settings(quantization="int4").engine, cuda, torch.bfloat16, cfg)
+    assert backend.name != "cpu"
+    with pytest.raises(ValueError, match="quantization int8: attention_backend cpu"):
+        engine_backend(Settings(quantization="int8").engine, cuda, torch.bfloat16, cfg)
+    cpu = engine_backend(
+        Settings(quantization="int4").engine, torch.device("cpu"), torch.bfloat16, cfg
+    )
+    assert cpu.name == "cpu"

@@ -424,7 +424,8 @@ def test_fp8_decode_rows_take_the_weight_only_kernel(rows: int) -> None:
 def test_int4_linears_on_cuda_are_the_dequantized_linear_in_one_launch(rows: int) -> None:
     """An Int4Linear given the triton backend's W4A16 kernel on the GPU: one launch at
     every row count (the one-row sums, a decode batch's and a prefill's tensor-core
-    tiles), F.linear of the dequantized weight up to bf16's rounding of the sums."""
+    tiles, which take the weights rounded to bf16), F.linear of the dequantized weight
+    up to bf16's rounding of the sums."""
     import torch.nn.functional as F
 
     from model.backends.int4 import Int4Linear
@@ -435,7 +436,8 @@ def test_int4_linears_on_cuda_are_the_dequantized_linear_in_one_launch(rows: int
     linear = Int4Linear(weight, torch.randn(6160, generator=gen).to("cuda", torch.bfloat16))
     linear.kernel = int4_linear.int4_linear
     x = torch.randn(rows, 4096, generator=gen).to("cuda", torch.bfloat16)
-    want = F.linear(x.float(), linear.dequantized(), linear.bias.float())
+    w = linear.dequantized() if rows == 1 else linear.dequantized().bfloat16().float()
+    want = F.linear(x.float(), w, linear.bias.float())
     got, kernels = cuda_kernels(linear, x)
     assert len(kernels) == 1 and "int4" in kernels[0], kernels
     torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=1e-3)
