@@ -218,12 +218,21 @@ def _log_ready(
 
 
 def engine_link(settings: Settings, attach: Attach | None = None) -> Link:
-    """How the fronts reach the engine core (`--engine-process`): a process of its own
-    when on, and always for one of several fronts (attach); else a thread of this
-    process ("auto" is off: docs/operations.md says why)."""
-    if settings.engine_process == "on" or attach is not None:
+    """How the fronts reach the engine core: a process of its own (engine_apart), and
+    always for one of several fronts (attach); else a thread of this process."""
+    if engine_apart(settings) or attach is not None:
         return InProcess(functools.partial(engine_process, settings), attach)
     return InThread(functools.partial(_serve_in_thread, settings))
+
+
+def engine_apart(settings: Settings) -> bool:
+    """`--engine-process`: on, off, or auto, which is on where the model runs on CUDA (the
+    engine's host work and the fronts' text then run side by side, not in turn) and off
+    on the CPU (whose cores the forward takes). docs/operations.md has both measurements."""
+    if settings.engine_process != "auto":
+        return settings.engine_process == "on"
+    device = settings.device
+    return device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
 
 
 def engine_process(

@@ -293,7 +293,7 @@ class Settings:
         metadata={
             "help": "run the engine core (schedule, forward, sample) in its own process, "
             "the HTTP server in this one: on, off (one process, the engine in a thread), "
-            "auto (off: see docs/operations.md for the measurement behind it)"
+            "auto (on with CUDA, off on the CPU: docs/operations.md has the measurements)"
         },
     )
     api_server_count: int = field(

@@ -2,6 +2,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from service.config import (
     CPU_MIXED_PREFILL_TOKENS,
@@ -94,6 +95,19 @@ def test_engine_process_mode() -> None:
     # the engine process is rank 0 of tensor parallelism
     tp = settings_from_argv(["--engine-process", "on", "--tensor-parallel-size", "2"])
     assert tp.engine_process == "on"
+
+
+def test_auto_runs_the_engine_apart_with_cuda_and_in_a_thread_on_the_cpu() -> None:
+    """`auto`'s choice, made on the settings before any device is touched: its own
+    process for a CUDA device (named, or `auto` where CUDA is available), a thread on the
+    CPU; on and off as said."""
+    from service.build import engine_apart
+
+    assert engine_apart(settings_from_argv(["--device", "cuda:1"]))
+    assert not engine_apart(settings_from_argv(["--device", "cpu"]))
+    assert engine_apart(Settings()) == torch.cuda.is_available()
+    assert not engine_apart(settings_from_argv(["--device", "cuda", "--engine-process", "off"]))
+    assert engine_apart(settings_from_argv(["--device", "cpu", "--engine-process", "on"]))
 
 
 def test_api_server_count() -> None:
