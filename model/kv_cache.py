@@ -71,6 +71,7 @@ class PagedKVCache:
         self._layers = [pools[pool][j] for pool, j in self._where]
         self._block_nbytes = self.data[:, :, 0].numel() * self.data.element_size()
         self.host: Tensor | None = None  # the host tier's blocks (add_host_pool)
+        self._host_written: torch.cuda.Event | None = None  # after the last copies out
         self._window_nbytes = 0
         if self.window_data is not None:
             self._window_nbytes = self.window_data[:, :, 0].numel() * self.data.element_size()
@@ -95,30 +96,65 @@ class PagedKVCache:
             self.window_data.index_fill_(2, window_blocks, 0)
 
     def add_host_pool(self, slots: int) -> None:
-        """Host memory for `slots` blocks of `data` (pinned where the pool is on CUDA):
-        the prefix cache's host tier (service/engine/kv/host_tier.py)."""
+        """Host memory for `slots` blocks of `data`, each slot's bytes contiguous: the
+        prefix cache's host tier (service/engine/kv/host_tier.py). Pinned where the pool is
+        on CUDA, so that its copies are DMA queued on the stream, the host going on."""
         pin = self.data.device.type == "cuda"
-        shape = (2, self.data.shape[1], slots, self.data.shape[3])
+        shape = (slots, 2, self.data.shape[1], self.data.shape[3])
         self.host = torch.empty(shape, dtype=self.data.dtype, pin_memory=pin)
 
     def copy_blocks(self, pairs: list[tuple[int, int]], out: bool) -> None:
         """Copy blocks of `data` (every layer's K and V) to host slots, pairs (block,
-        slot) (out), or host slots into blocks, pairs (slot, block): the same bytes."""
+        slot) (out), or host slots into blocks, pairs (slot, block): the same bytes. The
+        blocks are gathered (or scattered) on the device, and each run of consecutive
+        slots is one copy; on CUDA all of it is queued on the current stream."""
         if not pairs:
             return
         assert self.host is not None, "no host pool"
-        first, second = (torch.tensor(side, dtype=torch.long) for side in zip(*pairs, strict=True))
+        first, second = (list(side) for side in zip(*pairs, strict=True))
         if out:
-            moved = self.data.index_select(2, first.to(self.data.device)).cpu()
-            self.host.index_copy_(2, second, moved)
+            moved = self.data.index_select(2, self._indices(first)).permute(2, 0, 1, 3)
+            self._slots_copy(second, moved.contiguous(), out=True)
+            if self.data.device.type == "cuda":
+                self._host_written = torch.cuda.Event()
+                self._host_written.record()
         else:
-            moved = self.host.index_select(2, first).to(self.data.device)
-            self.data.index_copy_(2, second.to(self.data.device), moved)
+            staged = self.host.new_empty(
+                (len(first), *self.host.shape[1:]), device=self.data.device
+            )
+            self._slots_copy(first, staged, out=False)
+            self.data.index_copy_(2, self._indices(second), staged.permute(1, 2, 0, 3))
+
+    def _slots_copy(self, slots: list[int], staged: Tensor, out: bool) -> None:
+        """staged[i] (on the device) to host slot slots[i] (out), or back: one copy a run."""
+        assert self.host is not None
+        at = 0
+        while at < len(slots):
+            n = 1
+            while at + n < len(slots) and slots[at + n] == slots[at] + n:
+                n += 1
+            host = self.host[slots[at] : slots[at] + n]
+            if out:
+                host.copy_(staged[at : at + n], non_blocking=True)
+            else:
+                staged[at : at + n].copy_(host, non_blocking=True)
+            at += n
+
+    def _indices(self, ids: list[int]) -> Tensor:
+        """Block ids on the pool's device; from pinned memory on CUDA, so that the copy
+        does not wait for the stream's work before it."""
+        index = torch.tensor(ids, dtype=torch.long)
+        if self.data.device.type != "cuda":
+            return index
+        return index.pin_memory().to(self.data.device, non_blocking=True)
 
     def host_block(self, slot: int) -> Tensor:
-        """A copy of one host slot's bytes, (2, layers, 1, elements)."""
+        """A copy of one host slot's bytes, (2, layers, 1, elements), once the copies out
+        queued before have landed."""
         assert self.host is not None, "no host pool"
-        return self.host[:, :, slot : slot + 1].clone()
+        if self._host_written is not None:
+            self._host_written.synchronize()
+        return self.host[slot].unsqueeze(2).clone()
 
     def device_block(self, block: int) -> Tensor:
         """A host copy of one block's bytes of `data`, as host_block gives a slot's."""

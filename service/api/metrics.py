@@ -400,8 +400,9 @@ def _host_tier(m: list[str], snap: EngineSnapshot) -> Iterator[Metric]:
          "tier instead of recomputed.", snap.kv_host_restored_blocks),
         ("kvserve_kv_host_dropped_blocks", "Cached blocks the host tier evicted.",
          snap.kv_host_dropped_blocks),
-        ("kvserve_kv_host_copy_seconds", "Time spent copying blocks out to and in from the "
-         "host tier.", snap.kv_host_copy_seconds),
+        ("kvserve_kv_host_copy_seconds", "Host time spent on the copies of blocks out to and "
+         "in from the host tier (on CUDA, queuing them on the step's stream).",
+         snap.kv_host_copy_seconds),
         ("kvserve_kv_disk_written_blocks", "Blocks written to the disk tier.",
          snap.kv_disk_written_blocks),
         ("kvserve_kv_disk_read_blocks", "Prefix-cache hits read back from the disk tier.",

@@ -181,3 +181,22 @@ def test_each_backend_gathers_what_it_stored(name: str, dtype) -> None:
     _, k, v = backend.rope_store(qkv.clone(), None, h, kv, dh, cache.layer(0), meta)
     keys, values = backend.gather(cache.layer(0), meta)  # (1, KV, n, dh)
     assert torch.equal(keys[0].transpose(0, 1), k) and torch.equal(values[0].transpose(0, 1), v)
+
+
+def test_host_slots_take_blocks_in_runs_and_give_the_same_bytes_back() -> None:
+    """The host tier's pool (add_host_pool): blocks copied out to slots that run
+    consecutively and slots that do not, read back by host_block and copied into other
+    blocks, are the same bytes, every layer's K and V."""
+    model = tiny_model()
+    cache, _ = paged_cache("torch", model, 12, 4)
+    cache.data.normal_()
+    cache.add_host_pool(8)
+    out = [(3, 5), (7, 6), (1, 7), (9, 0), (2, 2)]  # slots 5-7 in one run, 0, 2
+    cache.copy_blocks(out, out=True)
+    for block, slot in out:
+        assert torch.equal(cache.host_block(slot), cache.data[:, :, block : block + 1])
+    before = cache.data.clone()
+    into = [(5, 0), (6, 4), (7, 8), (0, 10), (2, 11)]
+    cache.copy_blocks(into, out=False)
+    for (block, _), (_, target) in zip(out, into, strict=True):
+        assert torch.equal(cache.data[:, :, target], before[:, :, block])
