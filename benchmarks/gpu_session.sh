@@ -15,7 +15,8 @@
 #       tests = `pytest -m gpu`, http = serve_vs_offline.py (HTTP against offline at 64
 #       and 256 streams and one stream alone, for --engine-process off and on and 2 and 4
 #       fronts), decode = gpu_decode.py (bf16, FP8 and int4 decode against the floor, a
-#       step's kernels by class; the 1B and 8B shapes), bench = gpu_bench.py, families =
+#       step's kernels by class; the 1B and 8B shapes), tiers = multiturn.py (the prefix
+#       cache's host and disk tiers against none), bench = gpu_bench.py, families =
 #       family_throughput.py on CUDA (each family against Llama's, graphs on), profile =
 #       gpu_profile.py (where a step's time goes), and writes the logs and JSON to $OUT
 #       (default benchmarks/out/gpu) with docs/results.json as the benchmarks left it
@@ -157,6 +158,16 @@ for shape in "${bench_shapes[@]}"; do
     tail -4 "$out/gpu_bench-$shape.log" | tee -a "$out/session.log"
     bundle
 done
+if [[ $steps == *" tiers "* ]]; then
+    log "multiturn, up to $(left) s"
+    if [ "$cuda" = 1 ]; then args=(); else
+        args=(--users 2 --turns 2 --think 0.1 --no-reuse-rounds 1 --no-record); fi
+    timeout "$(left)" $py benchmarks/multiturn.py "${args[@]}" --json "$out/multiturn.json" \
+        > "$out/multiturn.log" 2>&1
+    log "multiturn: exit $?"
+    tail -16 "$out/multiturn.log" | tee -a "$out/session.log"
+    bundle
+fi
 if [[ $steps == *" families "* ]]; then
     log "family_throughput, up to $(left) s"
     # on a CPU host (the script's own check) two short requests of one family
