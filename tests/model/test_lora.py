@@ -1,0 +1,116 @@
+"""PEFT LoRA adapters read onto kvserve's fused linears (model/lora.py): adapters written by
+`peft` itself on a transformers checkpoint give peft's own logits (adapter applied, not
+merged) within 1e-4 in float32, each row of a mixed batch takes its own adapter's delta,
+and what kvserve cannot serve is refused naming it."""
+
+import json
+
+import peft
+import pytest
+import torch
+
+from model.lora import AdapterError, LoraBank, lora_delta, read_adapter
+from model.weights import load_model
+from tests.factories import write_llama, write_qwen2
+
+CASES = {
+    "every projection, rank 8": dict(
+        r=8,
+        lora_alpha=16,
+        target_modules=[
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ],
+    ),
+    "q and v, rsLoRA": dict(
+        r=4, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "v_proj"]
+    ),
+    "k, up and down, per-module rank and alpha": dict(
+        r=6,
+        lora_alpha=12,
+        target_modules=["k_proj", "up_proj", "down_proj"],
+        rank_pattern={"down_proj": 2},
+        alpha_pattern={"k_proj": 3},
+    ),
+}
+
+
+def write_adapter(hf_model, path, seed: int, **config) -> object:
+    """A peft LoRA adapter of `hf_model` with random A and B (peft's default B is zero:
+    no delta to check), saved at `path`; returns the peft model."""
+    torch.manual_seed(seed)
+    lora = peft.LoraConfig(init_lora_weights=False, **config)
+    model = peft.get_peft_model(hf_model, lora).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.normal_(0, 0.1)
+    model.save_pretrained(path)
+    return model
+
+
+def with_adapter(model, bank: LoraBank, slots: torch.Tensor) -> list:
+    """Forward hooks adding each adapted linear's delta for `slots` to its output."""
+
+    def hook(key):  # type: ignore[no-untyped-def]
+        return lambda module, inputs, out: out + bank.delta(key, inputs[0], slots)
+
+    return [model.get_submodule(key).register_forward_hook(hook(key)) for key in bank.a]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("writer", [write_llama, write_qwen2], ids=["llama", "qwen2"])
+@torch.no_grad()
+def test_an_adapter_peft_wrote_gives_peft_models_logits(case, writer, tmp_path) -> None:
+    base = tmp_path / "base"
+    hf = writer(base, tied=False) if writer is write_llama else writer(base)
+    ids = torch.randint(0, 200, (1, 24))
+    want = write_adapter(hf, tmp_path / "adapter", 1, **CASES[case])(ids).logits[0]
+    model = load_model(base, dtype=torch.float32)
+    adapter = read_adapter(tmp_path / "adapter", model.cfg, "a", max_rank=8)
+    bank = LoraBank(model.cfg, 2, 8, "cpu", torch.float32)
+    bank.load(adapter, 1)
+    hooks = with_adapter(model, bank, torch.full((24,), 1))
+    got = model(ids[0]).float()
+    for h in hooks:
+        h.remove()
+    assert (got - want).abs().max().item() < 1e-4
+    assert (model(ids[0]).float() - want).abs().max().item() > 1e-2  # the adapter mattered
+
+
+def test_each_row_takes_its_own_adapters_delta() -> None:
+    """A batch of rows of two adapters and the base model: each row's delta is its own
+    adapter's B @ A @ x alone, zero for the base model's rows."""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(3, 5, 16, generator=gen)
+    b = torch.randn(3, 12, 5, generator=gen)
+    x = torch.randn(6, 16, generator=gen)
+    slots = torch.tensor([-1, 0, 2, 0, -1, 1])
+    got = lora_delta(x, a, b, slots)
+    for row, slot in enumerate(slots.tolist()):
+        want = torch.zeros(12) if slot < 0 else b[slot] @ (a[slot] @ x[row])
+        torch.testing.assert_close(got[row], want, rtol=1e-5, atol=1e-5)
+
+
+def test_what_kvserve_cannot_serve_is_refused_naming_it(tmp_path) -> None:
+    base = tmp_path / "base"
+    hf = write_llama(base, tied=False)
+    cfg = load_model(base, dtype=torch.float32).cfg
+    write_adapter(hf, tmp_path / "head", 0, r=4, target_modules=["q_proj", "lm_head"])
+    with pytest.raises(AdapterError, match="lm_head"):
+        read_adapter(tmp_path / "head", cfg, "h", max_rank=8)
+    hf = write_llama(tmp_path / "base2", tied=False)
+    write_adapter(hf, tmp_path / "wide", 0, r=16, target_modules=["q_proj"])
+    with pytest.raises(AdapterError, match="rank 16 is over --max-lora-rank 8"):
+        read_adapter(tmp_path / "wide", cfg, "w", max_rank=8)
+    config = tmp_path / "wide" / "adapter_config.json"
+    config.write_text(json.dumps(json.loads(config.read_text()) | {"use_dora": True}))
+    with pytest.raises(AdapterError, match="DoRA"):
+        read_adapter(tmp_path / "wide", cfg, "w", max_rank=32)
+    with pytest.raises(AdapterError, match="no adapter_config.json"):
+        read_adapter(tmp_path, cfg, "none", max_rank=8)
