@@ -27,10 +27,11 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
+from model.audit import layer_linear_shapes
 from model.config import ModelConfig
 from model.weights import FUSED_ROWS, NAME_TABLES
 
-# our linears an adapter may adapt, in a decoder layer
+# our linears an adapter may adapt, in a decoder layer (audit.layer_linear_shapes' order)
 LINEARS = ("attn.wqkv", "attn.wo", "ffn.w_in", "ffn.w_out")
 PREFIX = "base_model.model."  # peft's name for the model it wraps
 
@@ -95,12 +96,11 @@ def _tensors(root: Path) -> dict[str, Tensor]:
 def _linears(cfg: ModelConfig) -> list[tuple[int, str]]:
     """(layer, linear) of every linear an adapter may adapt (a mixture's layers have no
     dense FFN: their experts are not adapted)."""
-    sparse = set(cfg.sparse_layers) if cfg.experts is not None else set()
     return [
         (i, linear)
         for i in range(cfg.n_layers)
         for linear in LINEARS
-        if not (linear.startswith("ffn.") and i in sparse)
+        if not (linear.startswith("ffn.") and cfg.sparse(i))
     ]
 
 
@@ -218,13 +218,7 @@ class LoraBank:
 
 def _shape(cfg: ModelConfig, linear: str) -> tuple[int, int]:
     """(in, out) features of our linear."""
-    q, kv = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-    return {
-        "attn.wqkv": (cfg.d_model, q + 2 * kv),
-        "attn.wo": (q, cfg.d_model),
-        "ffn.w_in": (cfg.d_model, (2 if cfg.gated else 1) * cfg.d_ff),
-        "ffn.w_out": (cfg.d_ff, cfg.d_model),
-    }[linear]
+    return dict(zip(LINEARS, layer_linear_shapes(cfg), strict=True))[linear]
 
 
 def lora_delta(x: Tensor, a: Tensor, b: Tensor, slots: Tensor) -> Tensor:
