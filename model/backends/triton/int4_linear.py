@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from model.backends.triton.kernels import INTERPRET, _rounded, _store_row, _store_rows
+from model.backends.triton.kernels import INTERPRET, _operand, _store_row, _store_rows
 from model.grouped import GROUP
 
 ROWS = 16  # up to this many activation rows: one tile of rows (DOT_TILE)
@@ -122,7 +122,7 @@ def _int4_dot_kernel(
         )
         w = _dequantized(q_ptr, d_ptr, m_ptr, n, n_ok, start, KG, GB)
         if UPCAST:  # the tensor cores' operands, in fp32: the weights in x's dtype
-            w = _rounded(w, x.dtype).to(tl.float32)
+            w = _operand(w, x.dtype)
             acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(w.to(x.dtype)))

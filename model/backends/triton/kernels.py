@@ -123,6 +123,13 @@ def _rounded(f, dtype: tl.constexpr):
 
 
 @triton.jit
+def _operand(f, dtype: tl.constexpr):
+    """A tensor-core operand as the interpreter's fp32 dot takes it: f rounded to `dtype`
+    (to nearest even, as the GPU's dot reads it in that dtype), widened back to fp32."""
+    return _rounded(f.to(tl.float32), dtype).to(tl.float32)
+
+
+@triton.jit
 def _store_row(acc, b_ptr, out_ptr, n, n_ok, HAS_BIAS: tl.constexpr):
     """A linear's outputs n of one row: acc (fp32) plus the bias where HAS_BIAS, rounded
     to the output's dtype."""

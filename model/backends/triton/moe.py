@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from model.backends.int4 import Int4Experts, Int4Stack
 from model.backends.triton.int4_linear import _dequantized
-from model.backends.triton.kernels import INTERPRET, _rounded
+from model.backends.triton.kernels import INTERPRET, _operand, _rounded
 from model.moe import Experts, GroupedExperts
 
 # columns and reduction step of a tile
@@ -158,8 +158,7 @@ def _experts_in_kernel(
         u = _expert_weights(w_up, w_ptr, ws_ptr, wm_ptr, e, 2 * F, n + F, n_ok, start, d,
                             BLOCK_K, INT4)  # fmt: skip
         if UPCAST:  # the tensor cores' operands, in fp32: the weights in a's dtype
-            g = _rounded(g.to(tl.float32), a.dtype).to(tl.float32)
-            u = _rounded(u.to(tl.float32), a.dtype).to(tl.float32)
+            g, u = _operand(g, a.dtype), _operand(u, a.dtype)
             a = a.to(tl.float32)
             acc_g += tl.dot(a, tl.trans(g), input_precision="ieee")
             acc_u += tl.dot(a, tl.trans(u), input_precision="ieee")
@@ -213,7 +212,7 @@ def _experts_out_kernel(
         w = _expert_weights(w_rows, w_ptr, ws_ptr, wm_ptr, e, d, n, n_ok, start, F, BLOCK_K,
                             INT4)  # fmt: skip
         if UPCAST:  # the tensor cores' operands, in fp32: the weights in a's dtype
-            w = _rounded(w.to(tl.float32), a.dtype).to(tl.float32)
+            w = _operand(w, a.dtype)
             acc += tl.dot(a.to(tl.float32), tl.trans(w), input_precision="ieee")
         else:
             acc += tl.dot(a, tl.trans(w.to(a.dtype)))
