@@ -15,6 +15,7 @@ from model.layers import RMSNorm
 from model.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
+    from model.adapters import LayerAdapters
     from model.parallel import TensorParallel
 
     # a rank's TensorParallel and TensorParallel.qk_widths
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
 class Attention(nn.Module):
     """Multi-head attention with grouped K/V heads (MHA, GQA, MQA), fused QKV projection.
     The backend (model/backends) rotates, stores and attends."""
+
+    lora: LayerAdapters | None = None  # its layer's LoRA deltas (model/adapters.py's attach)
 
     def __init__(
         self, cfg: ModelConfig, window: int | None = None, split_norms: SplitNorms | None = None
@@ -64,6 +67,8 @@ class Attention(nn.Module):
         if self.window is not None and meta.window is not None:  # the windowed layers' pool
             meta = meta.window
         qkv = self.wqkv(x)  # (T, (H + 2KV) * dh)
+        if self.lora is not None:
+            qkv = self.lora.add("attn.wqkv", x, qkv)
         if self.split_norms is not None:
             qkv = self._norm_split(qkv)
         elif self.qk_norm != "none":  # each head's (Qwen3) or all heads at once (OLMo 2)
@@ -73,6 +78,8 @@ class Attention(nn.Module):
         out = backend.attend(
             q, k, v, cache, meta, self.scale, alibi_slopes, self.window, self.softcap, self.sinks
         )
+        if self.lora is not None:
+            return self.lora.add("attn.wo", out, self.wo(out))
         return self.wo(out)  # out: (T, H * dh)
 
     def _norm_split(self, qkv: Tensor) -> Tensor:

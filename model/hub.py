@@ -27,6 +27,10 @@ ALLOW = [
 ]
 
 
+# a PEFT LoRA adapter's (model/lora.py)
+ADAPTER_FILES = ["adapter_config.json", "adapter_model.safetensors"]
+
+
 class ModelNotFound(ValueError):
     """The model cannot be had: the one-line reason is the message."""
 
@@ -54,6 +58,17 @@ def resolve(
         raise ModelNotFound(f"model directory not found: {model}")
     path = download(model, revision, download_dir)
     return ModelSource(path, served_name(path) if path.is_file() else model)
+
+
+def adapter_folder(adapter: str, download_dir: str | None = None) -> Path:
+    """A LoRA adapter's folder: a local one as it is, else a Hub repo id's snapshot of
+    the adapter's files."""
+    local = Path(adapter).expanduser()
+    if local.is_dir():
+        return local
+    if adapter.startswith((".", "/", "~")):
+        raise ModelNotFound(f"adapter directory not found: {adapter}")
+    return _snapshot(adapter, None, download_dir, ADAPTER_FILES)
 
 
 def download(model: str, revision: str | None = None, cache_dir: str | None = None) -> Path:

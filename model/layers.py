@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.config import LinearRope, LongRope, ModelConfig, RopeScaling, Yarn
+
+if TYPE_CHECKING:
+    from model.adapters import LayerAdapters
 
 
 class RMSNorm(nn.Module):
@@ -57,16 +61,23 @@ class GatedFFN(nn.Module):
     # act(gate) * up from w_in's output in one kernel, where a backend's prepare() gives
     # one (the triton backend's silu_mul for SwiGLU); None: torch's ops
     gate_mul: Callable[[Tensor], Tensor] | None = None
+    lora: LayerAdapters | None = None  # its layer's LoRA deltas (model/adapters.py's attach)
 
     def act(self, gate: Tensor) -> Tensor:
         raise NotImplementedError
 
     def forward(self, x: Tensor) -> Tensor:
         both = self.w_in(x)
+        if self.lora is not None:
+            both = self.lora.add("ffn.w_in", x, both)
         if self.gate_mul is not None:
-            return self.w_out(self.gate_mul(both))
-        gate, up = both.split(self.d_ff, dim=-1)  # (T, d_ff) each
-        return self.w_out(self.act(gate) * up)
+            h = self.gate_mul(both)
+        else:
+            gate, up = both.split(self.d_ff, dim=-1)  # (T, d_ff) each
+            h = self.act(gate) * up
+        if self.lora is not None:
+            return self.lora.add("ffn.w_out", h, self.w_out(h))
+        return self.w_out(h)
 
 
 class SwiGLU(GatedFFN):
@@ -93,6 +104,8 @@ _ACTIVATIONS = {
 class MLP(nn.Module):
     """Classic two-layer MLP with GELU or ReLU."""
 
+    lora: LayerAdapters | None = None  # its layer's LoRA deltas (model/adapters.py's attach)
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.act = _ACTIVATIONS[cfg.ffn]
@@ -100,7 +113,10 @@ class MLP(nn.Module):
         self.w_out = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w_out(self.act(self.w_in(x)))
+        if self.lora is None:
+            return self.w_out(self.act(self.w_in(x)))
+        h = self.act(self.lora.add("ffn.w_in", x, self.w_in(x)))
+        return self.lora.add("ffn.w_out", h, self.w_out(h))
 
 
 def make_ffn(cfg: ModelConfig) -> nn.Module:

@@ -1,4 +1,4 @@
-"""PEFT LoRA adapters on kvserve's linears, and their deltas for each row of a batch.
+"""PEFT LoRA adapter folders read onto kvserve's linears (model/adapters.py serves them).
 
 An adapter folder as `peft` writes it (adapter_config.json, adapter_model.safetensors)
 adapts some of a decoder layer's projections: q, k, v, o, gate, up, down. kvserve fuses
@@ -7,19 +7,15 @@ checkpoint tensors make each), so an adapter becomes, for each of our linears it
 one low-rank pair: A (R, in) stacking the adapted projections' A matrices, and B (out, R)
 placing each projection's B (its scaling folded in) at that projection's rows, zero
 elsewhere. The delta of a row x is then B @ (A @ x) for any mix of adapted projections.
-
-A bank holds several adapters at once, each in a slot of padded stacks; the delta of a
-flattened batch takes each row's slot (-1: the base model, no delta). `lora_delta` is the
-torch reference of that gathered product (Punica's BGMV: a gather of each row's pair,
-then two thin products).
+What kvserve cannot serve is refused naming it (AdapterError).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,25 +23,15 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
-from model.audit import layer_linear_shapes
+from model.adapters import LoraAdapter, adapted_linears, linear_shape
 from model.config import ModelConfig
 from model.weights import FUSED_ROWS, NAME_TABLES
 
-# our linears an adapter may adapt, in a decoder layer (audit.layer_linear_shapes' order)
-LINEARS = ("attn.wqkv", "attn.wo", "ffn.w_in", "ffn.w_out")
 PREFIX = "base_model.model."  # peft's name for the model it wraps
 
 
 class AdapterError(ValueError):
     """An adapter kvserve cannot serve on this model, with the reason."""
-
-
-@dataclass(frozen=True, slots=True)
-class LoraAdapter:
-    name: str
-    rank: int  # the largest of its projections' ranks
-    # our linear's name ("layers.3.attn.wqkv") -> (A (R, in), B (out, R), scaling in B)
-    linears: dict[str, tuple[Tensor, Tensor]]
 
 
 def read_adapter(path: str | Path, cfg: ModelConfig, name: str, max_rank: int) -> LoraAdapter:
@@ -57,13 +43,20 @@ def read_adapter(path: str | Path, cfg: ModelConfig, name: str, max_rank: int) -
     used: set[str] = set()
     linears: dict[str, tuple[Tensor, Tensor]] = {}
     rank = 0
-    for i, linear in _linears(cfg):
-        pair = _pair(_parts(cfg, i, linear), _shape(cfg, linear)[1], tensors, config, used)
+    for i, linear in adapted_linears(cfg):
+        pair = _pair(_parts(cfg, i, linear), linear_shape(cfg, linear)[1], tensors, config, used)
         if pair is not None:
             linears[f"layers.{i}.{linear}"] = pair[0]
             rank = max(rank, pair[1])
     _check(root, tensors, used, linears, rank, max_rank, cfg)
-    return LoraAdapter(name, rank, linears)
+    return LoraAdapter(name, rank, linears, _digest(root))
+
+
+def _digest(root: Path) -> str:
+    sha = hashlib.sha256()
+    for file in ("adapter_config.json", "adapter_model.safetensors"):
+        sha.update((root / file).read_bytes())
+    return sha.hexdigest()
 
 
 def _config(root: Path) -> dict[str, Any]:
@@ -91,17 +84,6 @@ def _tensors(root: Path) -> dict[str, Tensor]:
     if not file.is_file():
         raise AdapterError(f"{root}: no adapter_model.safetensors")
     return {k: v.float() for k, v in load_file(str(file)).items()}
-
-
-def _linears(cfg: ModelConfig) -> list[tuple[int, str]]:
-    """(layer, linear) of every linear an adapter may adapt (a mixture's layers have no
-    dense FFN: their experts are not adapted)."""
-    return [
-        (i, linear)
-        for i in range(cfg.n_layers)
-        for linear in LINEARS
-        if not (linear.startswith("ffn.") and cfg.sparse(i))
-    ]
 
 
 def _parts(cfg: ModelConfig, layer: int, linear: str) -> list[tuple[str, slice]]:
@@ -184,48 +166,3 @@ def _check(
     reordered = cfg.rotary < cfg.head_dim  # q/k rows in kvserve's order (_reorder_rotary)
     if reordered and any(name.endswith("attn.wqkv") for name in linears):
         raise AdapterError(f"{root}: q/k/v adapters on a partially rotated model are not served")
-
-
-class LoraBank:
-    """Adapters in `slots` slots, each linear's pairs in padded stacks (S, R, in) and
-    (S, out, R), R the widest pair an adapter of --max-lora-rank can have there."""
-
-    def __init__(self, cfg: ModelConfig, slots: int, max_rank: int, device, dtype) -> None:
-        self.a: dict[str, Tensor] = {}
-        self.b: dict[str, Tensor] = {}
-        self.names: list[str | None] = [None] * slots
-        for i, linear in _linears(cfg):
-            n_in, n_out = _shape(cfg, linear)
-            width = len(_parts(cfg, i, linear)) * max_rank
-            key = f"layers.{i}.{linear}"
-            self.a[key] = torch.zeros(slots, width, n_in, device=device, dtype=dtype)
-            self.b[key] = torch.zeros(slots, n_out, width, device=device, dtype=dtype)
-
-    def load(self, adapter: LoraAdapter, slot: int) -> None:
-        """`adapter` into `slot`, every linear it leaves alone zero there."""
-        for key, a in self.a.items():
-            a[slot].zero_()
-            self.b[key][slot].zero_()
-            if key in adapter.linears:
-                pa, pb = adapter.linears[key]
-                a[slot, : pa.shape[0]] = pa
-                self.b[key][slot, :, : pb.shape[1]] = pb
-        self.names[slot] = adapter.name
-
-    def delta(self, linear: str, x: Tensor, slots: Tensor) -> Tensor:
-        return lora_delta(x, self.a[linear], self.b[linear], slots)
-
-
-def _shape(cfg: ModelConfig, linear: str) -> tuple[int, int]:
-    """(in, out) features of our linear."""
-    return dict(zip(LINEARS, layer_linear_shapes(cfg), strict=True))[linear]
-
-
-def lora_delta(x: Tensor, a: Tensor, b: Tensor, slots: Tensor) -> Tensor:
-    """Each row's delta, B[slot] @ (A[slot] @ x) (a row of slot -1: zero), for x (T, in),
-    stacks a (S, R, in) and b (S, out, R), slots (T,): the gathered product, in float32,
-    returned in x's dtype."""
-    take = slots.clamp(min=0)
-    low = torch.einsum("tri,ti->tr", a[take].float(), x.float())
-    out = torch.einsum("tor,tr->to", b[take].float(), low)
-    return (out * (slots >= 0).unsqueeze(1)).to(x.dtype)

@@ -6,6 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from model import int4_mix
+from model.adapters import Adapters
 from model.attention import Attention
 from model.backends.base import Backend, FusedLayers
 from model.backends.reference import REFERENCE
@@ -114,6 +115,8 @@ class Transformer(nn.Module):
         )
         self.nope = frozenset(cfg.nope_layers)  # layers that take no rotation (SmolLM3)
         self.fused_layers: FusedLayers | None = None
+        # LoRA adapters (model/adapters.py's attach): the layers add each row's delta
+        self.adapters: Adapters | None = None
         if cfg.norm_placement != "post":  # a final norm before the head
             self.norm = make_norm(cfg)
         # None: the head is the embedding table (until a backend packs a copy of it)

@@ -116,10 +116,14 @@ async def run(
     concurrency: int | None,
     rate: float | None,
     max_seconds: float,
-    model: str | None,
+    model: str | list[str] | None,
     api_key: str | None,
     seed: int,
 ) -> dict[str, Any]:
+    """model: the one every request names, or several: the closed loop's client i
+    names model[i % len(model)], the open loop's request j model[j % len(model)]
+    (LoRA adapters, benchmarks/lora.py)."""
+    models = model if isinstance(model, list) else [model]
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=max(concurrency or 0, 256))
     transport, errors, transport_name = client_transport(limits)
@@ -134,19 +138,21 @@ async def run(
         ):  # closed loop: `concurrency` clients, each sends its next request when done
             queue = list(reversed(requests))
 
-            async def worker() -> None:
+            async def worker(name: str | None) -> None:
                 while queue and time.perf_counter() < deadline:
                     prompt, n = queue.pop()
-                    results.append(await one(client, prompt, n, model, errors))
+                    results.append(await one(client, prompt, n, name, errors))
 
-            await asyncio.gather(*(worker() for _ in range(concurrency or 1)))
+            clients = range(concurrency or 1)
+            await asyncio.gather(*(worker(models[i % len(models)]) for i in clients))
         else:  # open loop: Poisson arrivals at `rate` requests/s
             rng = random.Random(seed + 1)
             tasks = []
-            for prompt, n in requests:
+            for j, (prompt, n) in enumerate(requests):
                 if time.perf_counter() >= deadline:
                     break
-                tasks.append(asyncio.ensure_future(one(client, prompt, n, model, errors)))
+                name = models[j % len(models)]
+                tasks.append(asyncio.ensure_future(one(client, prompt, n, name, errors)))
                 await asyncio.sleep(rng.expovariate(rate))
             results = list(await asyncio.gather(*tasks))
         duration = time.perf_counter() - start
@@ -160,13 +166,15 @@ async def run(
     }
 
 
-async def single_stream(url: str, prompt: list[int], max_tokens: int) -> dict[str, float]:
+async def single_stream(
+    url: str, prompt: list[int], max_tokens: int, model: str | None = None
+) -> dict[str, float]:
     """One streamed request alone: decode tok/s = (chunks - 1) / (last chunk - first
     chunk), TTFT, and the number of chunks; SystemExit if it fails. Through the same
     transport as `run` (the client's CPU per token is taken from the server measured)."""
     transport, errors, _ = client_transport(httpx.Limits(max_connections=4))
     async with httpx.AsyncClient(base_url=url, timeout=600, transport=transport) as client:
-        r = await one(client, prompt, max_tokens, None, errors)
+        r = await one(client, prompt, max_tokens, model, errors)
     if not r.ok or not r.itl:
         raise SystemExit(f"request failed: {r.error}")
     return {"decode_tok_s": len(r.itl) / sum(r.itl), "ttft_s": r.ttft, "chunks": len(r.itl) + 1}

@@ -98,6 +98,8 @@ POSITIVE = (
     "responses_store_ttl",
     "kv_disk_gib",
     "kv_cache_gib",
+    "max_loras",
+    "max_lora_rank",
 )
 NON_NEGATIVE = ("mixed_prefill_tokens", "max_queue", "speculative_min_speedup", "kv_host_gib")
 CHOICES = {
@@ -356,6 +358,19 @@ class Settings:
             "times the tokens/s of steps without (else only a probe now and then); 0: always"
         },
     )
+    lora_modules: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "LoRA adapters served beside the model, comma-separated name=path "
+            "(a PEFT adapter folder); a request's model field names one"
+        },
+    )
+    max_loras: int = field(
+        default=4, metadata={"help": "LoRA adapters on the device at once (in slots)"}
+    )
+    max_lora_rank: int = field(
+        default=16, metadata={"help": "the largest LoRA rank an adapter may have"}
+    )
     disable_jump_forward: bool = field(
         default=False,
         metadata={
@@ -394,6 +409,7 @@ class Settings:
             raise ValueError(why)
         self._check_processes()
         self._check_speculation()
+        self._check_lora()
         if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
             raise ValueError(
                 "kv_events_replay_endpoint replays kv_events_endpoint's events: set both"
@@ -450,6 +466,18 @@ class Settings:
                 "--tensor-parallel-size > 1 use --speculative-method ngram"
             )
 
+    def _check_lora(self) -> None:
+        names = [entry.partition("=")[0] for entry in self.lora_modules]
+        for entry, name in zip(self.lora_modules, names, strict=True):
+            if not name or not entry.partition("=")[2]:
+                raise ValueError(f"lora_modules: {entry!r} is not name=path")
+        if len(set(names)) < len(names):
+            raise ValueError("lora_modules: two adapters have one name")
+        if self.lora_modules and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "lora_modules: LoRA adapters are served on one rank (--tensor-parallel-size 1)"
+            )
+
     @property
     def engine(self) -> EngineConfig:
         """What the engine reads of these settings, by section."""
@@ -459,6 +487,7 @@ class Settings:
             _section(self, SchedulerConfig),
             _section(self, ParallelConfig),
             _section(self, SpeculativeConfig),
+            _section(self, LoraConfig),
         )
 
     def replace(self, **changes: Any) -> Settings:
@@ -569,6 +598,18 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class LoraConfig:
+    lora_modules: tuple[str, ...]
+    max_loras: int
+    max_lora_rank: int
+
+    @property
+    def modules(self) -> dict[str, str]:
+        """name -> path of each adapter served from the start."""
+        return dict(entry.split("=", 1) for entry in self.lora_modules)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     """The sections the engine reads (the rest of Settings is the server's)."""
 
@@ -577,6 +618,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     parallel: ParallelConfig
     speculative: SpeculativeConfig
+    lora: LoraConfig
 
     def async_steps(self, device_type: str) -> bool:
         """Whether the engine queues a step before reading the last one's tokens."""
@@ -594,7 +636,9 @@ class EngineConfig:
         )
 
 
-SECTIONS = (LoadConfig, CacheConfig, SchedulerConfig, ParallelConfig, SpeculativeConfig)
+SECTIONS = (
+    LoadConfig, CacheConfig, SchedulerConfig, ParallelConfig, SpeculativeConfig, LoraConfig,
+)  # fmt: skip
 # the server's own settings: the HTTP side, the fronts, the API's stores and formats
 SERVER_SETTINGS = (
     "host", "port", "engine_process", "api_server_count", "responses_store_size",

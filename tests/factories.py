@@ -93,6 +93,22 @@ def write_llama(path: Path, *, tied: bool, seed: int = 0, **extra: object) -> ob
     return model
 
 
+def write_adapter(hf_model: Any, path: Path, seed: int, **config: object) -> Any:
+    """A peft LoRA adapter of `hf_model` with random A and B (peft's default B is zero:
+    no delta to check), saved at `path`; returns the peft model."""
+    import peft
+
+    torch.manual_seed(seed)
+    lora = peft.LoraConfig(init_lora_weights=False, **config)
+    model = peft.get_peft_model(hf_model, lora).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.normal_(0, 0.1)
+    model.save_pretrained(path)
+    return model
+
+
 def write_qwen2(path: Path, seed: int = 0) -> object:
     import transformers as tf
 

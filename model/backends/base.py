@@ -11,6 +11,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from model.adapters import Adapters
 from model.config import ModelConfig
 from model.metadata import AttentionMetadata
 
@@ -34,6 +35,11 @@ class FusedLayers(Protocol):
 
     def takes(self, kv_cache: Any, meta: AttentionMetadata) -> bool:
         """Whether forward() runs this step (its cache and metadata)."""
+        ...
+
+    def adapt(self, adapters: Adapters) -> None:
+        """From now on add the LoRA deltas of the rows `adapters.rows` names, as the
+        layers' modules do (model/adapters.py)."""
         ...
 
     def forward(

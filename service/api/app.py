@@ -224,15 +224,17 @@ def _health(state: ServingState) -> tuple[bool, dict[str, Any]]:
     return ok, body
 
 
-def _model_card(state: ServingState, detail: bool) -> dict[str, Any]:
+def _model_card(state: ServingState, detail: bool, adapter: str | None = None) -> dict[str, Any]:
+    """The model's card, or a LoRA adapter's (its parent the model, as vLLM lists them)."""
     card: dict[str, Any] = {
-        "id": state.model_id,
+        "id": adapter or state.model_id,
         "object": "model",
         "created": int(state.started),
         "owned_by": "kvserve",
         "max_model_len": state.max_model_len,
+        "parent": state.model_id if adapter else None,
     }
-    if detail:  # the family and its variations, then the memory audit
+    if detail and adapter is None:  # the family and its variations, then the memory audit
         memory = dict(state.audit)
         card["architecture"] = memory.pop("architecture")
         card["features"] = memory.pop("features")
@@ -242,13 +244,17 @@ def _model_card(state: ServingState, detail: bool) -> dict[str, Any]:
 
 @routes.get("/v1/models")
 async def models(request: Request) -> JSONResponse:
-    return JSONResponse({"object": "list", "data": [_model_card(_serving(request), False)]})
+    state = _serving(request)
+    cards = [_model_card(state, False), *(_model_card(state, False, a) for a in state.adapters)]
+    return JSONResponse({"object": "list", "data": cards})
 
 
 @routes.get("/v1/models/{model_id:path}")
 async def model(model_id: str, request: Request) -> JSONResponse:
     state = _serving(request)
-    state.check_model(model_id)
+    adapter = state.check_model(model_id)
+    if adapter is not None:
+        return JSONResponse(_model_card(state, True, adapter))
     card = _model_card(state, True)
     if state.floors is None:  # measured on the engine thread, once
         state.floors = await state.measure_floors()

@@ -98,7 +98,8 @@ async def prepare(state: ServingState, req: ChatCompletionRequest) -> ChatRun:
         req.max_completion_tokens or req.max_tokens or max(1, state.max_model_len - len(prompt))
     )
     top = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, max_tokens, top, req.prompt_logprobs)
+    lora = state.check_model(req.model)
+    params = sampling_params(req, max_tokens, top, req.prompt_logprobs, lora)
     if budget is not None:
         params = replace(params, thinking_budget=budget, think_ids=markers, thinking_open=thinking)
     params = _with_tools(params, tools)
@@ -141,7 +142,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
             "id": rid,
             "object": "chat.completion.chunk",
             "created": created,
-            "model": state.model_id,
+            "model": state.served_name(req.model),
         }
         readers = [run.reader() for _ in range(req.n)]
         body = _stream(state, req, run.request, head, include_usage, admission.release, readers)
@@ -172,7 +173,7 @@ def _body(
         "id": rid,
         "object": "chat.completion",
         "created": created,
-        "model": state.model_id,
+        "model": state.served_name(req.model),
         "choices": [
             {
                 "index": i,

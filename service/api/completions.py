@@ -77,7 +77,7 @@ def _logprobs(state: ServingState, lps: list[TokenLogprobs], offset: int) -> dic
 @router.post("/v1/completions")
 async def completions(req: CompletionRequest, request: Request) -> Response:
     state: ServingState = request.app.state.serving
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
     if req.suffix is not None:
         raise APIError(400, "suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -91,13 +91,18 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
     include_usage = check_stream_options(req)
     prompts = await asyncio.to_thread(_prompts, state, req)
     max_tokens = 16 if req.max_tokens is None else max(req.max_tokens, 1)  # 0: one, dropped
-    params = sampling_params(req, max_tokens, req.logprobs, _scored(req))
+    params = sampling_params(req, max_tokens, req.logprobs, _scored(req), lora)
     checked = [await validate_prompt(state, ids, params) for ids in prompts]
     _check_scored_size(req, prompts)
     demand = sum(len(ids) + params.max_tokens for ids in prompts) * req.n
     admission = state.admit(len(prompts) * req.n, demand)
     rid, created = new_id("cmpl"), int(time.time())
-    head = {"id": rid, "object": "text_completion", "created": created, "model": state.model_id}
+    head = {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": state.served_name(lora),
+    }
     if req.stream:
         body = _stream(state, req, checked, head, include_usage, admission.release)
         return StreamingResponse(

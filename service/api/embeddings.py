@@ -56,7 +56,7 @@ def _encoded(values: list[float], encoding: str) -> list[float] | str:
 @router.post("/v1/embeddings")
 async def embeddings(req: EmbeddingRequest, request: Request) -> Response:
     state: ServingState = request.app.state.serving
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
     size = int(state.audit.get("hidden_size", 0))
     if req.dimensions is not None and req.dimensions != size:
         raise APIError(
@@ -66,7 +66,7 @@ async def embeddings(req: EmbeddingRequest, request: Request) -> Response:
             param="dimensions",
         )
     inputs = await asyncio.to_thread(_inputs, state, req)
-    params = SamplingParams(max_tokens=1, pooling=state.settings.pooling)
+    params = SamplingParams(max_tokens=1, pooling=state.settings.pooling, lora=lora)
     checked = [await validate_prompt(state, ids, params) for ids in inputs]
     admission = state.admit(len(inputs), sum(len(ids) + 1 for ids in inputs))
     rid = new_id("embd")
@@ -85,7 +85,7 @@ async def embeddings(req: EmbeddingRequest, request: Request) -> Response:
     body = {
         "object": "list",
         "data": data,
-        "model": state.model_id,
+        "model": state.served_name(lora),
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }
     return JSONResponse(body)

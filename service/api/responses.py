@@ -359,7 +359,7 @@ async def responses(req: ResponsesRequest, request: Request) -> Response:
     output = _output(reader.message(choice.text))
     spent = usage(len(prompt), len(choice.token_ids), choice.cached)
     finish = reader.finish_reason(choice.finish_reason)
-    done = _response(req, rid, created, state.model_id, output, spent, finish)
+    done = _response(req, rid, created, state.served_name(req.model), output, spent, finish)
     _remember(state, asked, output, done)
     return JSONResponse(done)
 
@@ -421,7 +421,7 @@ async def _events(
     """The chat generation's deltas, read into thinking, text and tool calls, as the
     Responses API's events; an error after the 200 as an `error` event."""
     out, reader = _EventStream(), run.reader()
-    req, model = asked.req, state.model_id
+    req, model = asked.req, state.served_name(asked.req.model)
     shell = _response(req, asked.rid, asked.created, model, [], None, None)
     shell["status"] = "in_progress"
     yield out.event("response.created", response=shell)

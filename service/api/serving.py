@@ -33,8 +33,13 @@ def new_id(prefix: str) -> str:
 
 
 def sampling_params(
-    req: SamplingFields, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    req: SamplingFields,
+    max_tokens: int,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+    lora: str | None = None,
 ) -> SamplingParams:
+    """lora: the adapter the request's model names (ServingState.check_model)."""
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     bias = []
     for key, value in (req.logit_bias or {}).items():
@@ -64,6 +69,7 @@ def sampling_params(
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=req.skip_special_tokens,
             cache_salt=req.cache_salt,
+            lora=lora,
             constraint=constraint_of(req),
         )
     except ParamError as exc:

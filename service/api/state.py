@@ -86,14 +86,29 @@ class ServingState:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_id:
-            raise APIError(
-                404,
-                f"The model '{name}' does not exist; this server serves '{self.model_id}'",
-                param="model",
-                code="model_not_found",
-            )
+    @functools.cached_property
+    def adapters(self) -> dict[str, str]:
+        """The LoRA adapters served beside the model (--lora-modules): name -> path."""
+        return self.settings.engine.lora.modules
+
+    def check_model(self, name: str | None) -> str | None:
+        """What a request's `model` runs: None for the server's model (also when not
+        given), or the name of a LoRA adapter; else a 404."""
+        if name is None or name == self.model_id:
+            return None
+        if name in self.adapters:
+            return name
+        served = ", ".join(f"'{n}'" for n in (self.model_id, *self.adapters))
+        raise APIError(
+            404,
+            f"The model '{name}' does not exist; this server serves {served}",
+            param="model",
+            code="model_not_found",
+        )
+
+    def served_name(self, name: str | None) -> str:
+        """The `model` a response names: the adapter asked for, else the server's model."""
+        return name if name is not None and name in self.adapters else self.model_id
 
     def admit(self, n_seqs: int, kv_tokens: int = 0) -> Admission:
         """Take n sequences (needing up to kv_tokens of KV cache) in, or answer 503

@@ -46,3 +46,5 @@ class Step:
     # each sequence's prompt length (LongRoPE turns a prompt past the model's pretraining
     # length by its long factors throughout: Transformer.rope_rows); None: not given
     prompt_lens: list[int] | None = None
+    # each sequence's LoRA adapter slot (-1: the base model); None: no sequence has one
+    lora_slots: list[int] | None = None

@@ -85,6 +85,7 @@ class SamplingParams:
     pooling: str | None = None
     skip_special_tokens: bool = True
     cache_salt: str | None = None  # requests share cached prefix blocks only under one salt
+    lora: str | None = None  # the LoRA adapter it runs under (its name); None: the base model
     constraint: Constraint | None = None  # structured output
 
     def __post_init__(self) -> None:
@@ -226,6 +227,10 @@ class Request:
     # embedding once the prompt is computed
     pool_sum: Any = None
     embedding: list[float] | None = None
+    # its LoRA adapter's bank slot while it runs (-1: none held), and the adapter's
+    # files' digest, which its prefix-cache keys start from ("": the base model)
+    lora_slot: int = -1
+    lora_key: str = ""
 
     @property
     def computes_prompt(self) -> bool:

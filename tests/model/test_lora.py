@@ -1,17 +1,18 @@
 """PEFT LoRA adapters read onto kvserve's fused linears (model/lora.py): adapters written by
 `peft` itself on a transformers checkpoint give peft's own logits (adapter applied, not
-merged) within 1e-4 in float32, each row of a mixed batch takes its own adapter's delta,
+merged) within 1e-4 in float32 through the model's own layers (model/adapters.py's
+attach), each row of a mixed batch takes its own adapter's delta,
 and what kvserve cannot serve is refused naming it."""
 
 import json
 
-import peft
 import pytest
 import torch
 
-from model.lora import AdapterError, LoraBank, lora_delta, read_adapter
+from model.adapters import Adapters, LoraBank, attach, lora_delta
+from model.lora import AdapterError, read_adapter
 from model.weights import load_model
-from tests.factories import write_llama, write_qwen2
+from tests.factories import write_adapter, write_llama, write_qwen2
 
 CASES = {
     "every projection, rank 8": dict(
@@ -40,29 +41,6 @@ CASES = {
 }
 
 
-def write_adapter(hf_model, path, seed: int, **config) -> object:
-    """A peft LoRA adapter of `hf_model` with random A and B (peft's default B is zero:
-    no delta to check), saved at `path`; returns the peft model."""
-    torch.manual_seed(seed)
-    lora = peft.LoraConfig(init_lora_weights=False, **config)
-    model = peft.get_peft_model(hf_model, lora).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.normal_(0, 0.1)
-    model.save_pretrained(path)
-    return model
-
-
-def with_adapter(model, bank: LoraBank, slots: torch.Tensor) -> list:
-    """Forward hooks adding each adapted linear's delta for `slots` to its output."""
-
-    def hook(key):  # type: ignore[no-untyped-def]
-        return lambda module, inputs, out: out + bank.delta(key, inputs[0], slots)
-
-    return [model.get_submodule(key).register_forward_hook(hook(key)) for key in bank.a]
-
-
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("writer", [write_llama, write_qwen2], ids=["llama", "qwen2"])
 @torch.no_grad()
@@ -75,11 +53,12 @@ def test_an_adapter_peft_wrote_gives_peft_models_logits(case, writer, tmp_path) 
     adapter = read_adapter(tmp_path / "adapter", model.cfg, "a", max_rank=8)
     bank = LoraBank(model.cfg, 2, 8, "cpu", torch.float32)
     bank.load(adapter, 1)
-    hooks = with_adapter(model, bank, torch.full((24,), 1))
+    adapters = Adapters(bank)
+    attach(model, adapters)
+    adapters.rows = torch.full((24,), 1)
     got = model(ids[0]).float()
-    for h in hooks:
-        h.remove()
     assert (got - want).abs().max().item() < 1e-4
+    adapters.rows = None
     assert (model(ids[0]).float() - want).abs().max().item() > 1e-2  # the adapter mattered
 
 

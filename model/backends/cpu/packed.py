@@ -31,6 +31,8 @@ the last thing done to a model.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -56,6 +58,9 @@ from model.backends.cpu.pages import HugeArena
 from model.int_weights import KEEPS, mark_stored_kind, stored_kind
 from model.layers import GeGLU, SwiGLU
 from model.moe import Experts, GroupedExperts, MoE, gated, linear_quantization
+
+if TYPE_CHECKING:
+    from model.adapters import LayerAdapters
 
 
 class PackedLinear(nn.Module):
@@ -88,6 +93,14 @@ class PackedLinear(nn.Module):
             out = tile_linear(x, self._tiles, self._bias32, self.gated, shape, self.quant)
             return out[..., :n].contiguous() if self.pad else out
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+
+    def ungated(self, x: Tensor) -> Tensor:
+        """A gated (gate | up) linear's output before the gate, (..., 2F) in that order
+        (a LoRA delta is added there, model/adapters.py)."""
+        shape = (self.out_features, self.in_features) if self.quant != "bf16" else None
+        out = tile_linear(x, self._tiles, self._bias32, False, shape, self.quant)
+        blocks = out.unflatten(-1, (-1, 2, TILE_N)).transpose(-3, -2)  # swiglu_layout's
+        return blocks.flatten(-3)
 
 
 def pack_linear(
@@ -149,26 +162,38 @@ def _quant(quantization: str, weight: Tensor, stored: str | None = None) -> str:
 
 
 class GatedSwiGLU(nn.Module):
-    """A SwiGLU whose (gate | up) kernel gives silu(gate) * up itself."""
+    """A SwiGLU whose (gate | up) kernel gives silu(gate) * up itself; a step with LoRA
+    rows adds their deltas to gate and up before the gate, as SwiGLU does."""
+
+    lora: LayerAdapters | None = None  # its layer's LoRA deltas (model/adapters.py's attach)
 
     def __init__(self, w_in: PackedLinear, w_out: nn.Module) -> None:
         super().__init__()
         self.w_in, self.w_out = w_in, w_out
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w_out(self.w_in(x))
+        if self.lora is None or not self.lora.active:
+            return self.w_out(self.w_in(x))
+        gate, up = self.lora.add("ffn.w_in", x, self.w_in.ungated(x)).chunk(2, dim=-1)
+        h = F.silu(gate) * up
+        return self.lora.add("ffn.w_out", h, self.w_out(h))
 
 
 class PackedGeGLU(nn.Module):
     """Gemma's GeGLU over packed linears: gelu_tanh(gate) * up in one C pass (fused.c's
     geglu), the pass the decoder stack makes too."""
 
+    lora: LayerAdapters | None = None  # its layer's LoRA deltas (model/adapters.py's attach)
+
     def __init__(self, w_in: nn.Module, w_out: nn.Module) -> None:
         super().__init__()
         self.w_in, self.w_out = w_in, w_out
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w_out(geglu(self.w_in(x)))
+        if self.lora is None:
+            return self.w_out(geglu(self.w_in(x)))
+        h = geglu(self.lora.add("ffn.w_in", x, self.w_in(x)))
+        return self.lora.add("ffn.w_out", h, self.w_out(h))
 
 
 class SplitSwiGLU(nn.Module):

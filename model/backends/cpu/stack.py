@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from model.adapters import LINEARS, Adapters
 from model.backends.cpu.kernels.attention import step_window
 from model.backends.cpu.kernels.build import data_ptr
 from model.backends.cpu.kernels.experts import route as c_route
@@ -75,6 +76,10 @@ class _Layer(ctypes.Structure):
                 "expert_out_linear",
             )
         ],
+        # LoRA: the bank's A and B stacks of each linear of adapters.LINEARS, and widths
+        ("lora_a", _P * 4),
+        ("lora_b", _P * 4),
+        ("lora_width", _I * 4),
     ]
 
 
@@ -114,6 +119,8 @@ class _Args(ctypes.Structure):
         *[(name, _P) for name in (*_STEP, *_WINDOW)],
         ("win_max_blocks", _I),
         *[(name, _P) for name in _BUFFERS],
+        ("lora_rows", _P),
+        ("lora_low", _P),
         *[(name, _P) for name in (*_MIXTURE, *_GROUPING)],
     ]
 
@@ -134,6 +141,7 @@ class DecoderStack:
         self._kernels: dict[str, int] | None = None
         self._rows: tuple[int, dict[str, Tensor], _Args] | None = None  # see _buffers()
         self._mixtures = [(i, b.ffn) for i, b in enumerate(layers) if isinstance(b.ffn, MoE)]
+        self.adapters: Adapters | None = None  # LoRA (adapt())
 
     @classmethod
     def build(
@@ -179,6 +187,10 @@ class DecoderStack:
     def kinds(self) -> frozenset[str]:
         """Which linear kernels the layers' weights are packed for."""
         return frozenset(k for block in self.layers for k in _kinds(block) if k is not None)
+
+    def adapt(self, adapters: Adapters) -> None:
+        self.adapters = adapters
+        self._cache = None  # the layers' arguments are made again, with the bank's stacks
 
     def takes(self, kv_cache: PagedKVCache | None, meta: AttentionMetadata) -> bool:
         if kv_cache is None or kv_cache.backend.name != "cpu" or meta.slot_blocks is None:
@@ -230,8 +242,21 @@ class DecoderStack:
                 int(self.cfg.window(i) is not None),
                 *_mixture_args(ffn),
                 *_kernels(block),
+                *self._lora_args(i),
             )
         return out
+
+    def _lora_args(self, layer: int) -> tuple[ctypes.Array, ctypes.Array, ctypes.Array]:
+        """A layer's LoRA stacks (adapters.LINEARS' order, NULL where none) and widths."""
+        a, b, width = (_P * 4)(), (_P * 4)(), (_I * 4)()
+        if self.adapters is not None:
+            bank = self.adapters.bank
+            for j, linear in enumerate(LINEARS):
+                key = f"layers.{layer}.{linear}"
+                if key in bank.a:
+                    a[j], b[j] = bank.a[key].data_ptr(), bank.b[key].data_ptr()
+                    width[j] = bank.a[key].shape[1]
+        return a, b, width
 
     def forward(
         self,
@@ -264,6 +289,8 @@ class DecoderStack:
         args.nthreads = torch.get_num_threads()
         for i, moe in self._mixtures:  # counters may be set (count_experts) at any time
             self._weights[i].expert_load = data_ptr(moe.load)
+        rows = self.adapters.rows if self.adapters is not None else None
+        args.lora_rows = data_ptr(rows)
         stack_forward(args)
         return buffers["h"]
 
@@ -307,9 +334,12 @@ class DecoderStack:
             "gate": cfg.d_ff,
             "delta": cfg.d_model,
         }
-        if cfg.ffn == "geglu":
+        if cfg.ffn == "geglu" or self.adapters is not None:  # SwiGLU's, before its gate
             widths["gate_up"] = 2 * cfg.d_ff
         buffers = {k: torch.empty((t, n), dtype=torch.bfloat16) for k, n in widths.items()}
+        if self.adapters is not None:
+            widest = max(a.shape[1] for a in self.adapters.bank.a.values())
+            buffers["lora_low"] = torch.empty((t, widest), dtype=torch.float32)
         mixture = self.mixtures[0] if self.mixtures else None
         expert_dims = dict.fromkeys(_EXPERT_DIMS, 0)
         if mixture is not None:

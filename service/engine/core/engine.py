@@ -38,6 +38,7 @@ class LLMEngine:
         self.blocks, self.scheduler, self.runner = parts.blocks, parts.scheduler, parts.runner
         self.eos_ids, self.grammars = parts.eos_ids, parts.grammars
         self.speculator = parts.speculator
+        self.adapters = parts.adapters
         # async scheduling (parts.py decides): the step in flight, whose tokens are read
         # after the next step is queued (unless a request in PostProcessor.read_each_step
         # needs each step's tokens before the next is scheduled)
@@ -101,6 +102,7 @@ class LLMEngine:
         """Queue a checked request; n > 1 adds n sequences `{id}.{i}` whose siblings wait
         for the first one's prompt and then reuse its blocks through the prefix cache."""
         prompt_ids, params = checked.prompt_ids, checked.params
+        lora_key = self._adapter_key(params.lora)
         ids = sequence_ids(request_id, params.n)
         parent = request_id if params.n > 1 else None
         if any(i in self.requests for i in ids):
@@ -113,6 +115,7 @@ class LLMEngine:
             if params.seed is not None and i:
                 p = dataclasses.replace(params, seed=params.seed + i)
             request = Request(rid, list(prompt_ids), p, now, i, parent, wait_for=first)
+            request.lora_key = lora_key
             if p.constraint is not None:
                 request.guide = self.grammars.guide(p.constraint)
             first = first or request
@@ -121,6 +124,14 @@ class LLMEngine:
                 self.post.read_each_step.add(rid)
             self.scheduler.add(request)
         return ids
+
+    def _adapter_key(self, name: str | None) -> str:
+        """The prefix-cache key of a request's adapter ("" for the base model)."""
+        if name is None:
+            return ""
+        if self.adapters is None or name not in self.adapters.known:
+            raise ParamError("model", f"no LoRA adapter {name!r} is served")
+        return self.adapters.key(name)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         request = self.requests.get(request_id)

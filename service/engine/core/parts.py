@@ -12,13 +12,17 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from model.adapters import Adapters, LoraBank, attach
 from model.backends import Backend, select_backend
 from model.config import ModelConfig
+from model.hub import adapter_folder
 from model.kv_cache import PagedKVCache
+from model.lora import read_adapter
 from model.moe import count_experts
 from model.tokenizer import Tokenizer
 from model.transformer import Transformer
-from service.config import EngineConfig, GiB, LoadConfig
+from service.config import EngineConfig, GiB, LoadConfig, LoraConfig
+from service.engine.core.adapter_slots import AdapterSlots
 from service.engine.core.scheduler import Scheduler
 from service.engine.exec.cuda_graphs import decode_graphs
 from service.engine.exec.draft import DraftModel, blocks_per_proposal
@@ -53,6 +57,7 @@ class EngineParts:
     # a mixture's tokens routed to each expert, (layer, counter) in layer order, where
     # --expert-metrics counts them (model/moe.py's count_experts)
     expert_load: tuple[tuple[int, Tensor], ...] = ()
+    adapters: AdapterSlots | None = None  # the LoRA adapters served (--lora-modules)
 
 
 def engine_backend(
@@ -129,11 +134,13 @@ def assemble(
     )
     ranks = Ranks(model.tp, model.device) if model.tp is not None else None
     kv_cache, blocks, disk = _kv(model, config, max_num_seqs, draft, backend, ranks)
+    adapters = _adapters(model, config.lora, config.load.download_dir)
     scheduler = Scheduler(
         blocks,
         max_num_seqs,
         config.scheduler.max_num_batched_tokens,
         config.scheduler.mixed_prefill_cap(device),
+        adapters,
     )
     eos_ids = frozenset(tokenizer.eos_ids) | frozenset(model.cfg.eos_token_ids)
     drafter = (
@@ -142,7 +149,7 @@ def assemble(
     grammars = Grammars(tokenizer, model.cfg.vocab_size, sorted(eos_ids))
     runner = _runner(
         model, config, kv_cache, backend, ranks, grammars, drafter, max_num_seqs,
-        max_model_len, disk,
+        max_model_len, disk, adapters,
     )  # fmt: skip
     speculator = Speculator(config.speculative, max_model_len, drafter)
     # counted from before the first step (the CPU's decoder stack takes the counters'
@@ -150,22 +157,26 @@ def assemble(
     load = count_experts(model, model.device) if config.load.expert_metrics else []
     counted = tuple(zip(model.cfg.sparse_layers, load, strict=True)) if load else ()
     return EngineParts(
-        model,
-        tokenizer,
-        max_num_seqs,
-        max_model_len,
-        backend,
-        ranks,
-        kv_cache,
-        blocks,
-        scheduler,
-        eos_ids,
-        grammars,
-        runner,
-        speculator,
+        model, tokenizer, max_num_seqs, max_model_len, backend, ranks, kv_cache, blocks,
+        scheduler, eos_ids, grammars, runner, speculator,
         config.async_steps(device) and ranks is None and speculator.method == "none",
-        counted,
-    )
+        counted, adapters,
+    )  # fmt: skip
+
+
+def _adapters(
+    model: Transformer, config: LoraConfig, download_dir: str | None
+) -> AdapterSlots | None:
+    """The adapters of --lora-modules read (each refused by name where it cannot be
+    served), and a bank of --max-loras slots on the model's device."""
+    if not config.modules:
+        return None
+    cfg, rank = model.cfg, config.max_lora_rank
+    known = {
+        name: read_adapter(adapter_folder(path, download_dir), cfg, name, rank)
+        for name, path in config.modules.items()
+    }
+    return AdapterSlots(known, LoraBank(cfg, config.max_loras, rank, model.device, model.dtype))
 
 
 def _kv(
@@ -228,7 +239,10 @@ def _runner(
     max_num_seqs: int,
     max_model_len: int,
     disk: DiskTier | None,
+    adapters: AdapterSlots | None,
 ) -> ModelRunner:
+    """The runner (its backend prepares the model's layers), then the LoRA bank put on
+    the layers as prepared: those the backend swapped in add the deltas too."""
     device = model.device.type
     # not captured across ranks: a graph would replay its collectives unchecked; nor a
     # mixture of experts whose tokens are counted (--expert-metrics): the rows padding a
@@ -240,7 +254,7 @@ def _runner(
         and not (model.cfg.experts is not None and config.load.expert_metrics)
         and device == "cuda"
     )
-    return ModelRunner(
+    runner = ModelRunner(
         model,
         kv_cache,
         decode_graphs(model, kv_cache, max_num_seqs, max_model_len) if graphs else None,
@@ -250,6 +264,9 @@ def _runner(
         drafter.mirror if drafter else None,
         disk,
     )
+    if adapters is not None:
+        attach(model, Adapters(adapters.bank))
+    return runner
 
 
 def _kv_events(config: EngineConfig, model: Transformer) -> Quiet:

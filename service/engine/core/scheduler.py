@@ -6,6 +6,8 @@ computes at most `mixed_prefill_tokens` prompt tokens besides them (when set), s
 streams wait one short step for a new prompt, not one step of the whole token budget.
 When blocks run out the newest running request is preempted: its blocks are freed and it
 re-queues at the front, to be recomputed from its prompt plus what it has generated.
+A request under a LoRA adapter holds the adapter's slot while it runs (adapter_slots.py);
+one whose adapter finds no slot waits, and the requests behind it go first.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 from collections import deque
 
 from service.engine.batch import ScheduledSeq, SchedulerOutput
+from service.engine.core.adapter_slots import AdapterSlots
 from service.engine.kv.blocks import BlockManager
 from service.engine.kv.prefix_keys import Hits
 from service.engine.request import Request, Status
@@ -31,6 +34,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         mixed_prefill_tokens: int | None = None,
+        adapters: AdapterSlots | None = None,
     ) -> None:
         if max_num_seqs <= 0 or max_num_batched_tokens <= 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be > 0")
@@ -40,6 +44,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.mixed_prefill_tokens = mixed_prefill_tokens
+        self.adapters = adapters
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last is the newest
         self.scored_cost = 1  # this step's (schedule: SCORED_TOKEN_COST beside decodes)
@@ -117,6 +122,7 @@ class Scheduler:
 
     def preempt(self, request: Request) -> None:
         self.blocks.free_request(request)
+        self._release_adapter(request)
         request.num_computed = 0
         request.pool_sum = None  # a mean pooled so far: its rows are computed again
         request.num_preemptions += 1
@@ -140,6 +146,8 @@ class Scheduler:
             n = min(request.num_tokens - cached, budget // cost)
             if n == 0 or not self.blocks.can_allocate(hits, cached + n, self._watermark()):
                 break
+            if self.adapters is not None and not self.adapters.acquire(request):
+                continue
             self.blocks.allocate(request, hits, cached + n)
             self.waiting.remove(request)
             request.num_computed = cached
@@ -171,6 +179,11 @@ class Scheduler:
             self.waiting.remove(request)
         self.blocks.free_request(request)
         self.blocks.forget(request)
+        self._release_adapter(request)
+
+    def _release_adapter(self, request: Request) -> None:
+        if self.adapters is not None:
+            self.adapters.release(request)
 
 
 def _seq(

@@ -177,6 +177,7 @@ class ModelRunner:
             r for _, first, targets in scored for r in range(first, first + len(targets))
         ]
         windowed = self.kv_cache.window_data is not None
+        slots = [s.request.lora_slot for s in batch.seqs]
         step = Step(
             tokens,
             [s.request.block_table for s in batch.seqs],
@@ -185,6 +186,7 @@ class ModelRunner:
             logit_rows,
             [s.request.window_table for s in batch.seqs] if windowed else None,
             [s.request.num_prompt for s in batch.seqs],
+            slots if any(slot >= 0 for slot in slots) else None,
         )
         return StepInputs(step, scored, pooled, sampled, gens, fill, unread)
 
@@ -277,7 +279,25 @@ class ModelRunner:
         """The logits (S, V) of the step's sampled rows (None: it samples none). fill:
         the rows of step.tokens that are PENDING and, for each, its row in the ids (the
         previous step's samples, on the device) that holds it. pooled: embedding
-        requests' rows (prompt_outputs.pool_rows), whose final hidden states they pool."""
+        requests' rows (prompt_outputs.pool_rows), whose final hidden states they pool.
+        A step with LoRA rows gives the model each row's adapter slot for its run."""
+        adapters = self.model.adapters
+        if step.lora_slots is None or adapters is None:
+            return self._forward(step, fill, pooled)
+        slots = torch.tensor(step.lora_slots, dtype=torch.long)
+        rows = slots.repeat_interleave(torch.tensor(step.num_new))
+        adapters.rows = rows.to(self.device, non_blocking=True)
+        try:
+            return self._forward(step, fill, pooled)
+        finally:
+            adapters.rows = None
+
+    def _forward(
+        self,
+        step: Step,
+        fill: tuple[list[tuple[int, int]], torch.Tensor] | None,
+        pooled: list[Pooled] | None,
+    ) -> torch.Tensor | None:
         meta = self.backend.metadata(
             step.block_tables,
             step.starts,
@@ -299,7 +319,8 @@ class ModelRunner:
             return None
         # every sequence decodes one token (drafts sample at every row too: not a graph's)
         decodes = len(step.logit_rows) == len(step.tokens) == len(step.num_new)
-        if decodes and self.graphs is not None and self.graphs.bucket(len(step.tokens)):
+        graphed = self.graphs is not None and step.lora_slots is None  # graphs hold no deltas
+        if decodes and graphed and self.graphs.bucket(len(step.tokens)):
             return self.graphs.run(tokens, meta)  # (S, V)
         # decodes: every row is a logit row, in order, so no rows to pick
         rows = None if decodes else self._to_device(step.logit_rows)

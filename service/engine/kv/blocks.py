@@ -1,8 +1,8 @@
 """The KV block pool: free list, reference counts and the prefix cache. Plain Python.
 
 A full block is keyed by SHA-256 chained over every token before it, from a root that
-names the model and the request's cache_salt: equal prefixes under the same salt give
-equal keys, and nobody can construct a prompt whose key equals another user's. A hit is
+names the model, the request's cache_salt and its LoRA adapter: equal prefixes under
+the same salt and adapter give equal keys, and nobody can construct a prompt whose key equals another user's. A hit is
 trusted only after a check that does not depend on the hash at all: the cached block
 holds exactly the request's tokens for that block, and was computed on top of exactly
 the block the request matched one level up (entries carry a never-reused id, so a parent
@@ -139,7 +139,7 @@ class BlockManager:
             yield hashes[i], hashes[i - 1] if i else root, self._tokens(request, i)
 
     def _root(self, request: Request) -> bytes:
-        return root_digest(self.namespace, request.params.cache_salt)
+        return root_digest(self.namespace, request.params.cache_salt, request.lora_key)
 
     def _tokens(self, request: Request, i: int) -> tuple[int, ...]:
         return tuple(request.tokens(i * self.block_size, (i + 1) * self.block_size))

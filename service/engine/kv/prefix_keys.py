@@ -1,6 +1,6 @@
 """The prefix cache's keys and a prompt's hits: a full block is keyed by SHA-256 chained
 over every token before it, from a root that names the model and the request's
-cache_salt (service/engine/kv/blocks.py checks every hit besides)."""
+cache_salt and LoRA adapter (service/engine/kv/blocks.py checks every hit besides)."""
 
 from __future__ import annotations
 
@@ -32,10 +32,11 @@ def block_digest(parent: bytes, tokens: Sequence[int]) -> bytes:
     return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
 
 
-def root_digest(namespace: str, salt: str | None) -> bytes:
-    """The parent key of a request's first block: what else changes the KV (the model)
-    and who may share it (the cache_salt)."""
-    return hashlib.sha256(f"kvserve\0{namespace}\0{salt or ''}".encode()).digest()
+def root_digest(namespace: str, salt: str | None, adapter: str = "") -> bytes:
+    """The parent key of a request's first block: what else changes the KV (the model,
+    and the LoRA adapter's digest: "" for the base model) and who may share it (the
+    cache_salt)."""
+    return hashlib.sha256(f"kvserve\0{namespace}\0{salt or ''}\0{adapter}".encode()).digest()
 
 
 def chain_hashes(

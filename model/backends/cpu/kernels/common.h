@@ -42,6 +42,27 @@ static inline float exp_poly(float x) {
 /* The linear kernels' (linear_bf16.c, linear_vec.c) weight block: 64 output features. */
 #define LINEAR_NB 64
 
+static inline float bf16_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* round to nearest even, as torch rounds a float to bf16 (no NaN reaches here) */
+static inline uint16_t float_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+/* Where column j of a SwiGLU's (gate | up) output, 2 * ff wide, sits in swiglu_layout's
+ * order: 64-feature blocks alternating gate, up. */
+static inline long swiglu_column(int j, int ff) {
+    const int up = j >= ff, f = up ? j - ff : j;
+    return (long)(2 * (f / LINEAR_NB) + up) * LINEAR_NB + f % LINEAR_NB;
+}
+
 /* Where a linear's block b's results go: plain, columns b * 64 of out (row stride n);
  * SwiGLU (w's blocks alternate gate, up), gate block 2i into scratch and up block 2i + 1,
  * reading it, into columns i * 64 of out (both row stride n / 2). */

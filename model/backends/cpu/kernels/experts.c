@@ -15,21 +15,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "common.h"
 #include "kvserve.h"
-
-static inline float bf16_float(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-/* round to nearest even, as torch rounds a float to bf16 (no NaN reaches here) */
-static inline uint16_t float_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
-}
 
 void experts_route(const uint16_t *logits, int rows, int stride, int experts, int top_k,
                    int normalize, int64_t *ids, uint16_t *weights) {

@@ -169,6 +169,11 @@ typedef struct {
     int64_t *expert_load; /* the tokens routed to each expert, added to (NULL: not counted) */
     linear_fn qkv_linear, o_linear, in_linear, out_linear, router_linear;
     linear_fn expert_in_linear, expert_out_linear;
+    /* LoRA (model/adapters.py): the bank's stacks of each linear an adapter may adapt,
+     * q|k|v, o, (gate|)up, down: A (slots, width, in) and B (slots, out, width), bf16,
+     * B's rows in the linear's own order (gate | up, not swiglu_layout); NULL: none */
+    const uint16_t *lora_a[4], *lora_b[4];
+    int lora_width[4];
 } layer_args;
 
 typedef struct {
@@ -201,7 +206,12 @@ typedef struct {
     /* (rows, width) buffers: x the residual stream (the embeddings on entry), h the normed
      * input of each sublayer and on return the final norm's output */
     uint16_t *x, *h, *qkv, *attn, *o, *act, *gate, *delta;
-    uint16_t *gate_up; /* (rows, 2 * ff): GeGLU's linear output (NULL for SwiGLU) */
+    uint16_t *gate_up; /* (rows, 2 * ff): GeGLU's linear output, or with LoRA rows SwiGLU's
+                        * before its gate (NULL: neither) */
+    /* LoRA: each row's bank slot (-1: the base model), NULL when no row takes an adapter
+     * this call; lora_low (rows, the widest width) float32 */
+    const int64_t *lora_rows;
+    float *lora_low;
     /* a mixture's: router logits (rows, router_rows), the choices (rows, top_k), and
      * experts_args' buffers */
     uint16_t *logits, *choice_weights, *xs, *e_act, *e_gate, *ys;

@@ -15,37 +15,98 @@
  * The kernels live in their own libraries (the attention one is built per head size), so
  * they come in as function pointers. Each keeps its own OpenMP parallel regions. Built and
  * loaded by model/backends/cpu/kernels/stack.py; model/backends/cpu/stack.py fills in the arguments.
+ *
+ * A call whose rows take LoRA adapters (model/adapters.py) adds each adapted row's delta
+ * to its linears' outputs as the modules do: to q|k|v before the norms and RoPE, to
+ * (gate | up) before the gate (the SwiGLU linear then stores both, and the gate is
+ * applied here), to o and down.
  */
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
+#include "common.h"
 #include "kvserve.h"
 
 /* x[i] = bf16(x[i] * m), rounded to nearest even as torch rounds a bf16 tensor times a
- * float (no NaN reaches here) */
+ * float */
 static void scale_bf16(uint16_t *x, long n, float m) {
-    for (long i = 0; i < n; ++i) {
-        uint32_t bits = (uint32_t)x[i] << 16;
-        float f;
-        memcpy(&f, &bits, 4);
-        f *= m;
-        memcpy(&bits, &f, 4);
-        x[i] = (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
-    }
+    for (long i = 0; i < n; ++i) x[i] = float_bf16(bf16_float(x[i]) * m);
 }
 
 /* x[i] = bf16(x[i] + y[i]), rounded to nearest even as torch adds two bf16 tensors */
 static void add_bf16(uint16_t *x, const uint16_t *y, long n) {
-    for (long i = 0; i < n; ++i) {
-        uint32_t a = (uint32_t)x[i] << 16, b = (uint32_t)y[i] << 16, bits;
-        float f, g;
-        memcpy(&f, &a, 4);
-        memcpy(&g, &b, 4);
-        f += g;
-        memcpy(&bits, &f, 4);
-        x[i] = (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+    for (long i = 0; i < n; ++i) x[i] = float_bf16(bf16_float(x[i]) + bf16_float(y[i]));
+}
+
+/* LoRA: y (rows, n) += each adapted row's B[slot] @ (A[slot] @ x) for x (rows, k), of the
+ * layer's linear `which` (layer_args' lora_ order): the delta in float32 rounded to bf16,
+ * then added as torch adds two bf16 tensors (model/adapters.py's Adapters.add); gated: y
+ * is a SwiGLU's (gate | up) in swiglu_layout's order. Rows of slot -1 are left alone. */
+static void lora_add(const stack_args *a, const layer_args *w, int which, const uint16_t *x,
+                     uint16_t *y, int n, int k, int gated, int nt) {
+    const uint16_t *A = w->lora_a[which], *B = w->lora_b[which];
+    if (!a->lora_rows || !A) return;
+    const int T = a->rows, W = w->lora_width[which];
+    const int64_t *slots = a->lora_rows;
+    float *low = a->lora_low;
+#pragma omp parallel for collapse(2) schedule(static) num_threads(nt)
+    for (int t = 0; t < T; ++t)
+        for (int r = 0; r < W; ++r) {
+            if (slots[t] < 0) continue;
+            const uint16_t *ar = A + (slots[t] * W + r) * (long)k, *xr = x + (long)t * k;
+            float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+            for (int i = 0; i < k; ++i) sum += bf16_float(ar[i]) * bf16_float(xr[i]);
+            low[(long)t * W + r] = sum;
+        }
+#pragma omp parallel for collapse(2) schedule(static) num_threads(nt)
+    for (int t = 0; t < T; ++t)
+        for (int o = 0; o < n; ++o) {
+            if (slots[t] < 0) continue;
+            const uint16_t *br = B + (slots[t] * n + o) * (long)W;
+            const float *lr = low + (long)t * W;
+            float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+            for (int r = 0; r < W; ++r) sum += bf16_float(br[r]) * lr[r];
+            const long at = (long)t * n + (gated ? swiglu_column(o, n / 2) : o);
+            y[at] = float_bf16(bf16_float(y[at]) + bf16_float(float_bf16(sum)));
+        }
+}
+
+/* act (rows, ff) = silu(gate) * up from a (gate | up) output in swiglu_layout's order,
+ * rounded as torch's bf16 ops round: silu's result, then the product */
+static void swiglu_gate(const uint16_t *gate_up, uint16_t *act, int T, int ff, int nt) {
+#pragma omp parallel for schedule(static) num_threads(nt)
+    for (int t = 0; t < T; ++t) {
+        const uint16_t *row = gate_up + (long)t * 2 * ff;
+        for (int f = 0; f < ff; ++f) {
+            const float g = bf16_float(row[swiglu_column(f, ff)]);
+            const float up = bf16_float(row[swiglu_column(f + ff, ff)]);
+            act[(long)t * ff + f] = float_bf16(bf16_float(float_bf16(g / (1.f + expf(-g)))) * up);
+        }
     }
+}
+
+/* A dense FFN over the normed rows `in` into delta: GeGLU after a plain (gate | up)
+ * linear, or SwiGLU whose linear applies the gate itself; with LoRA rows the linears'
+ * deltas are added, SwiGLU's to (gate | up) before its gate. */
+static void dense_ffn(const stack_args *a, const layer_args *w, const uint16_t *in, int T,
+                      int nt) {
+    const int ff = a->ff, adapted = a->lora_rows && w->lora_a[2];
+    if (a->geglu || adapted) {
+        w->in_linear(in, w->w_in, w->b_in, a->gate_up, NULL, T, 2 * ff, a->d, nt);
+        lora_add(a, w, 2, in, a->gate_up, 2 * ff, a->d, !a->geglu, nt);
+        if (a->geglu)
+            a->geglu(a->gate_up, a->act, T, ff, nt);
+        else
+            swiglu_gate(a->gate_up, a->act, T, ff, nt);
+    } else {
+        w->in_linear(in, w->w_in, w->b_in, a->act, a->gate, T, 2 * ff, a->d, nt);
+    }
+    w->out_linear(a->act, w->w_out, w->b_out, a->delta, NULL, T, a->d, ff, nt);
+    lora_add(a, w, 3, a->act, a->delta, a->d, ff, 0, nt);
 }
 
 /* a layer's mixture of experts over the normed rows h: route each row, run the experts
@@ -97,6 +158,7 @@ void stack_forward(const stack_args *a) {
             in = a->h;
         }
         w->qkv_linear(in, w->wqkv, w->bqkv, a->qkv, NULL, T, nqkv, d, nt);
+        lora_add(a, w, 0, in, a->qkv, nqkv, d, 0, nt);
         if (w->q_norm) a->qk_norm(a->qkv, w->q_norm, w->k_norm, T, H, KV, D, a->eps, nt);
         /* a windowed layer: its own RoPE base, pool and attention rows, where it has them */
         const int own = w->windowed;
@@ -114,11 +176,11 @@ void stack_forward(const stack_args *a) {
             a->attend(a->qkv, w->k_cache, w->v_cache, a->tables, a->row_seq, a->lens, NULL,
                       a->attn, T, nqkv, KV, a->max_blocks, a->scale, a->softcap, NULL, nt);
         w->o_linear(a->attn, w->wo, w->bo, a->o, NULL, T, d, H * D, nt);
+        lora_add(a, w, 1, a->attn, a->o, d, H * D, 0, nt);
         if (a->output_norms) {
             a->norm(a->o, NULL, w->attn_norm, a->h, T, d, a->eps, nt);
             add_bf16(a->x, a->h, n);
-            w->in_linear(a->x, w->w_in, w->b_in, a->act, a->gate, T, 2 * a->ff, d, nt);
-            w->out_linear(a->act, w->w_out, w->b_out, a->delta, NULL, T, d, a->ff, nt);
+            dense_ffn(a, w, a->x, T, nt);
             a->norm(a->delta, NULL, w->ffn_norm, a->h, T, d, a->eps, nt);
             add_bf16(a->x, a->h, n);
             continue;
@@ -126,17 +188,10 @@ void stack_forward(const stack_args *a) {
         if (a->residual != 1.0f) scale_bf16(a->o, n, a->residual);
         if (w->post_attn_norm) a->norm(a->o, NULL, w->post_attn_norm, a->o, T, d, a->eps, nt);
         a->norm(a->x, a->o, w->ffn_norm, a->h, T, d, a->eps, nt);
-        if (w->router) {
+        if (w->router)
             mixture(a, w, T, nt);
-        } else {
-            if (a->geglu) {
-                w->in_linear(a->h, w->w_in, w->b_in, a->gate_up, NULL, T, 2 * a->ff, d, nt);
-                a->geglu(a->gate_up, a->act, T, a->ff, nt);
-            } else {
-                w->in_linear(a->h, w->w_in, w->b_in, a->act, a->gate, T, 2 * a->ff, d, nt);
-            }
-            w->out_linear(a->act, w->w_out, w->b_out, a->delta, NULL, T, d, a->ff, nt);
-        }
+        else
+            dense_ffn(a, w, a->h, T, nt);
         if (w->post_ffn_norm) a->norm(a->delta, NULL, w->post_ffn_norm, a->delta, T, d, a->eps, nt);
         if (a->residual != 1.0f) scale_bf16(a->delta, n, a->residual);
     }

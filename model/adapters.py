@@ -1,0 +1,148 @@
+"""LoRA adapters on a running model: a bank of adapters in slots, each row's delta, and
+the model's layers adding them.
+
+An adapter (model/lora.py reads PEFT's folders) is, for each of our linears it adapts,
+one low-rank pair: A (R, in) and B (out, R), its scaling folded into B. A bank holds
+several adapters at once, each in a slot of padded stacks; the delta of a flattened
+batch takes each row's slot (-1: the base model, no delta). `lora_delta` is the torch
+reference of that gathered product (Punica's BGMV: a gather of each row's pair, then two
+thin products).
+
+`Adapters` puts a bank on a model (`attach`): each decoder layer's attention and dense
+FFN add their linears' deltas for the rows of the step being run (`Adapters.rows`, set
+by the engine's runner; None while no row takes an adapter, when the layers run as
+without one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from model.audit import layer_linear_shapes
+from model.config import ModelConfig
+
+# our linears an adapter may adapt, in a decoder layer (audit.layer_linear_shapes' order)
+LINEARS = ("attn.wqkv", "attn.wo", "ffn.w_in", "ffn.w_out")
+
+
+@dataclass(frozen=True, slots=True)
+class LoraAdapter:
+    name: str
+    rank: int  # the largest of its projections' ranks
+    # our linear's name ("layers.3.attn.wqkv") -> (A (R, in), B (out, R), scaling in B)
+    linears: dict[str, tuple[Tensor, Tensor]]
+    # its files' SHA-256: what the prefix cache keys its K/V by (not the name, which a
+    # reload may give other weights)
+    digest: str = ""
+
+
+def adapted_linears(cfg: ModelConfig) -> list[tuple[int, str]]:
+    """(layer, linear) of every linear an adapter may adapt (a mixture's layers have no
+    dense FFN: their experts are not adapted)."""
+    return [
+        (i, linear)
+        for i in range(cfg.n_layers)
+        for linear in LINEARS
+        if not (linear.startswith("ffn.") and cfg.sparse(i))
+    ]
+
+
+def linear_shape(cfg: ModelConfig, linear: str) -> tuple[int, int]:
+    """(in, out) features of our linear."""
+    return dict(zip(LINEARS, layer_linear_shapes(cfg), strict=True))[linear]
+
+
+def _projections(cfg: ModelConfig, linear: str) -> int:
+    """How many checkpoint projections our linear fuses, each with its own rank: q, k
+    and v; gate and up."""
+    return {"attn.wqkv": 3, "ffn.w_in": 2 if cfg.gated else 1}.get(linear, 1)
+
+
+class LoraBank:
+    """Adapters in `slots` slots, each linear's pairs in padded stacks (S, R, in) and
+    (S, out, R), R the widest pair an adapter of --max-lora-rank can have there."""
+
+    def __init__(self, cfg: ModelConfig, slots: int, max_rank: int, device, dtype) -> None:
+        self.a: dict[str, Tensor] = {}
+        self.b: dict[str, Tensor] = {}
+        self.names: list[str | None] = [None] * slots
+        for i, linear in adapted_linears(cfg):
+            n_in, n_out = linear_shape(cfg, linear)
+            width = _projections(cfg, linear) * max_rank
+            key = f"layers.{i}.{linear}"
+            self.a[key] = torch.zeros(slots, width, n_in, device=device, dtype=dtype)
+            self.b[key] = torch.zeros(slots, n_out, width, device=device, dtype=dtype)
+
+    def load(self, adapter: LoraAdapter, slot: int) -> None:
+        """`adapter` into `slot`, every linear it leaves alone zero there."""
+        for key, a in self.a.items():
+            a[slot].zero_()
+            self.b[key][slot].zero_()
+            if key in adapter.linears:
+                pa, pb = adapter.linears[key]
+                a[slot, : pa.shape[0]] = pa
+                self.b[key][slot, :, : pb.shape[1]] = pb
+        self.names[slot] = adapter.name
+
+    def delta(self, linear: str, x: Tensor, slots: Tensor) -> Tensor:
+        return lora_delta(x, self.a[linear], self.b[linear], slots)
+
+
+def lora_delta(x: Tensor, a: Tensor, b: Tensor, slots: Tensor) -> Tensor:
+    """Each row's delta, B[slot] @ (A[slot] @ x) (a row of slot -1: zero), for x (T, in),
+    stacks a (S, R, in) and b (S, out, R), slots (T,): the gathered product, in float32,
+    returned in x's dtype."""
+    take = slots.clamp(min=0)
+    low = torch.einsum("tri,ti->tr", a[take].float(), x.float())
+    out = torch.einsum("tor,tr->to", b[take].float(), low)
+    return (out * (slots >= 0).unsqueeze(1)).to(x.dtype)
+
+
+class Adapters:
+    """A model's bank and the slot each row of the step being run takes: rows (T,) on
+    the model's device, or None (no row takes an adapter: the layers add nothing)."""
+
+    def __init__(self, bank: LoraBank) -> None:
+        self.bank = bank
+        self.rows: Tensor | None = None
+
+    def add(self, linear: str, x: Tensor, y: Tensor) -> Tensor:
+        """y, the output of `linear` ("layers.3.attn.wqkv") for input x, with each row's
+        delta added."""
+        if self.rows is None or linear not in self.bank.a:
+            return y
+        flat = x.reshape(-1, x.shape[-1])
+        return y + self.bank.delta(linear, flat, self.rows).view(y.shape)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerAdapters:
+    """What one decoder layer's modules call (their `lora`): Adapters.add by the
+    linear's name within the layer ("attn.wqkv")."""
+
+    adapters: Adapters
+    layer: int
+
+    @property
+    def active(self) -> bool:
+        return self.adapters.rows is not None
+
+    def add(self, linear: str, x: Tensor, y: Tensor) -> Tensor:
+        return self.adapters.add(f"layers.{self.layer}.{linear}", x, y)
+
+
+def attach(model: nn.Module, adapters: Adapters) -> None:
+    """Put `adapters` on a Transformer whose backend has prepared its layers: each
+    layer's attention and dense FFN add their deltas (a mixture's experts are not
+    adapted), and so does the backend's one call for the layers where it has one."""
+    model.adapters = adapters
+    if model.fused_layers is not None:
+        model.fused_layers.adapt(adapters)
+    for i, block in enumerate(model.layers):
+        site = LayerAdapters(adapters, i)
+        block.attn.lora = site
+        if not model.cfg.sparse(i):
+            block.ffn.lora = site
