@@ -35,6 +35,7 @@ from service import bench
 from service.bench_cli import wait_healthy
 from service.bench_report import cpu_model
 from service.launch import free_port
+from tests.factories import write_adapter
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "out"
@@ -64,24 +65,13 @@ def main() -> None:
 def write_adapters(model: Path, n: int, rank: int) -> dict[str, Path]:
     """n rank-`rank` adapters of every projection of `model`, random A and B (peft's
     default B is zero: no delta), written once under benchmarks/out/lora/."""
-    import peft
     import transformers as tf
 
     folders = {f"a{i}": OUT / "lora" / f"{model.name}-r{rank}-{i}" for i in range(n)}
     for i, folder in enumerate(folders.values()):
-        if (folder / "adapter_model.safetensors").is_file():
-            continue
-        torch.manual_seed(i)
-        hf = tf.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-        config = peft.LoraConfig(
-            r=rank, lora_alpha=2 * rank, target_modules=PROJECTIONS, init_lora_weights=False
-        )
-        wrapped = peft.get_peft_model(hf, config)
-        with torch.no_grad():
-            for name, param in wrapped.named_parameters():
-                if "lora_" in name:
-                    param.normal_(0, 0.02)
-        wrapped.save_pretrained(folder)
+        if not (folder / "adapter_model.safetensors").is_file():
+            hf = tf.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+            write_adapter(hf, folder, i, r=rank, lora_alpha=2 * rank, target_modules=PROJECTIONS)
     return folders
 
 

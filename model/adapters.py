@@ -26,6 +26,7 @@ from model.config import ModelConfig
 
 # our linears an adapter may adapt, in a decoder layer (audit.layer_linear_shapes' order)
 LINEARS = ("attn.wqkv", "attn.wo", "ffn.w_in", "ffn.w_out")
+BLOCK = 64  # output features of a block of B's stacks (LoraBank)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,43 +63,53 @@ def _projections(cfg: ModelConfig, linear: str) -> int:
 
 
 class LoraBank:
-    """Adapters in `slots` slots, each linear's pairs in padded stacks (S, R, in) and
-    (S, out, R), R the widest pair an adapter of --max-lora-rank can have there."""
+    """Adapters in `slots` slots, each linear's pairs in padded stacks: A (S, R, in) and
+    B transposed in blocks of BLOCK output features, bt (S, out / BLOCK, R, BLOCK) (what
+    a block of features reads of every rank, contiguous: the CPU's kernel streams it),
+    R the widest pair an adapter of --max-lora-rank can have there."""
 
     def __init__(self, cfg: ModelConfig, slots: int, max_rank: int, device, dtype) -> None:
         self.a: dict[str, Tensor] = {}
-        self.b: dict[str, Tensor] = {}
+        self.bt: dict[str, Tensor] = {}
+        self.outs: dict[str, int] = {}  # each linear's output features
         self.names: list[str | None] = [None] * slots
         for i, linear in adapted_linears(cfg):
             n_in, n_out = linear_shape(cfg, linear)
             width = _projections(cfg, linear) * max_rank
             key = f"layers.{i}.{linear}"
             self.a[key] = torch.zeros(slots, width, n_in, device=device, dtype=dtype)
-            self.b[key] = torch.zeros(slots, n_out, width, device=device, dtype=dtype)
+            blocks, self.outs[key] = -(-n_out // BLOCK), n_out
+            self.bt[key] = torch.zeros(slots, blocks, width, BLOCK, device=device, dtype=dtype)
 
     def load(self, adapter: LoraAdapter, slot: int) -> None:
         """`adapter` into `slot`, every linear it leaves alone zero there."""
         for key, a in self.a.items():
             a[slot].zero_()
-            self.b[key][slot].zero_()
+            self.bt[key][slot].zero_()
             if key in adapter.linears:
                 pa, pb = adapter.linears[key]
                 a[slot, : pa.shape[0]] = pa
-                self.b[key][slot, :, : pb.shape[1]] = pb
+                self.bt[key][slot, :, : pb.shape[1]] = blocked(pb.t())
         self.names[slot] = adapter.name
 
     def delta(self, linear: str, x: Tensor, slots: Tensor) -> Tensor:
-        return lora_delta(x, self.a[linear], self.b[linear], slots)
+        return lora_delta(x, self.a[linear], self.bt[linear], slots, self.outs[linear])
 
 
-def lora_delta(x: Tensor, a: Tensor, b: Tensor, slots: Tensor) -> Tensor:
+def blocked(bt: Tensor) -> Tensor:
+    """B transposed (R, out) in LoraBank's blocks, (out / BLOCK, R, BLOCK), zero-padded."""
+    padded = torch.nn.functional.pad(bt, (0, -bt.shape[1] % BLOCK))
+    return padded.unflatten(1, (-1, BLOCK)).transpose(0, 1)
+
+
+def lora_delta(x: Tensor, a: Tensor, bt: Tensor, slots: Tensor, out: int) -> Tensor:
     """Each row's delta, B[slot] @ (A[slot] @ x) (a row of slot -1: zero), for x (T, in),
-    stacks a (S, R, in) and b (S, out, R), slots (T,): the gathered product, in float32,
-    returned in x's dtype."""
+    stacks a (S, R, in) and bt (S, out / BLOCK, R, BLOCK) (LoraBank's), slots (T,), `out`
+    features: the gathered product, in float32, returned in x's dtype."""
     take = slots.clamp(min=0)
     low = torch.einsum("tri,ti->tr", a[take].float(), x.float())
-    out = torch.einsum("tor,tr->to", b[take].float(), low)
-    return (out * (slots >= 0).unsqueeze(1)).to(x.dtype)
+    delta = torch.einsum("tbrc,tr->tbc", bt[take].float(), low).flatten(1)[:, :out]
+    return (delta * (slots >= 0).unsqueeze(1)).to(x.dtype)
 
 
 class Adapters:

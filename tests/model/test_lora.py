@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from model.adapters import Adapters, LoraBank, attach, lora_delta
+from model.adapters import Adapters, LoraBank, attach, blocked, lora_delta
 from model.lora import AdapterError, read_adapter
 from model.weights import load_model
 from tests.factories import write_adapter, write_llama, write_qwen2
@@ -70,7 +70,7 @@ def test_each_row_takes_its_own_adapters_delta() -> None:
     b = torch.randn(3, 12, 5, generator=gen)
     x = torch.randn(6, 16, generator=gen)
     slots = torch.tensor([-1, 0, 2, 0, -1, 1])
-    got = lora_delta(x, a, b, slots)
+    got = lora_delta(x, a, torch.stack([blocked(m.t()) for m in b]), slots, 12)
     for row, slot in enumerate(slots.tolist()):
         want = torch.zeros(12) if slot < 0 else b[slot] @ (a[slot] @ x[row])
         torch.testing.assert_close(got[row], want, rtol=1e-5, atol=1e-5)

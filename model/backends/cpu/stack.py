@@ -23,6 +23,7 @@ from model.backends.cpu.kernels.experts import route as c_route
 from model.backends.cpu.kernels.linear import linear_address
 from model.backends.cpu.kernels.stack import stack_forward, stack_kernels
 from model.backends.cpu.packed import GatedSwiGLU, PackedExperts, PackedGeGLU, PackedLinear
+from model.backends.cpu.pages import HugeArena
 from model.config import ModelConfig
 from model.layers import RMSNorm
 from model.metadata import AttentionMetadata
@@ -120,7 +121,10 @@ class _Args(ctypes.Structure):
         ("win_max_blocks", _I),
         *[(name, _P) for name in _BUFFERS],
         ("lora_rows", _P),
+        ("lora_slots", _I),
         ("lora_low", _P),
+        ("lora_order", _P),
+        ("lora_starts", _P),
         *[(name, _P) for name in (*_MIXTURE, *_GROUPING)],
     ]
 
@@ -189,6 +193,14 @@ class DecoderStack:
         return frozenset(k for block in self.layers for k in _kinds(block) if k is not None)
 
     def adapt(self, adapters: Adapters) -> None:
+        """Take the bank's stacks into huge pages (a step streams them: pages.py) and
+        the layers' arguments with them."""
+        bank = adapters.bank
+        stacks = [*bank.a.values(), *bank.bt.values()]
+        arena = HugeArena(HugeArena.size_of(stacks))
+        for table in (bank.a, bank.bt):
+            for key, stack in table.items():
+                table[key] = arena.take(stack)
         self.adapters = adapters
         self._cache = None  # the layers' arguments are made again, with the bank's stacks
 
@@ -254,7 +266,7 @@ class DecoderStack:
             for j, linear in enumerate(LINEARS):
                 key = f"layers.{layer}.{linear}"
                 if key in bank.a:
-                    a[j], b[j] = bank.a[key].data_ptr(), bank.b[key].data_ptr()
+                    a[j], b[j] = bank.a[key].data_ptr(), bank.bt[key].data_ptr()
                     width[j] = bank.a[key].shape[1]
         return a, b, width
 
@@ -293,6 +305,18 @@ class DecoderStack:
         args.lora_rows = data_ptr(rows)
         stack_forward(args)
         return buffers["h"]
+
+    def _lora_buffers(self, t: int) -> dict[str, Tensor]:
+        """stack.c's LoRA work buffers for a call of t rows (none without adapters)."""
+        if self.adapters is None:
+            return {}
+        bank = self.adapters.bank
+        widest = max(a.shape[1] for a in bank.a.values())
+        return {
+            "lora_low": torch.empty((t, widest), dtype=torch.float32),
+            "lora_order": torch.empty(t, dtype=torch.int32),
+            "lora_starts": torch.empty(len(bank.names) + 1, dtype=torch.int32),
+        }
 
     def _windowed(
         self, meta: AttentionMetadata, local: tuple[Tensor, Tensor] | None
@@ -337,9 +361,8 @@ class DecoderStack:
         if cfg.ffn == "geglu" or self.adapters is not None:  # SwiGLU's, before its gate
             widths["gate_up"] = 2 * cfg.d_ff
         buffers = {k: torch.empty((t, n), dtype=torch.bfloat16) for k, n in widths.items()}
-        if self.adapters is not None:
-            widest = max(a.shape[1] for a in self.adapters.bank.a.values())
-            buffers["lora_low"] = torch.empty((t, widest), dtype=torch.float32)
+        lora = self._lora_buffers(t)
+        buffers |= lora
         mixture = self.mixtures[0] if self.mixtures else None
         expert_dims = dict.fromkeys(_EXPERT_DIMS, 0)
         if mixture is not None:
@@ -356,6 +379,7 @@ class DecoderStack:
             residual=cfg.residual_multiplier,
             output_norms=int(cfg.norm_placement == "output"),
             w=self._weights,
+            lora_slots=len(self.adapters.bank.names) if self.adapters is not None else 0,
             final_norm=self.final_norm.weight.data_ptr(),
             **{k: v.data_ptr() for k, v in buffers.items()},
         )  # a buffer not made (gate_up for SwiGLU) stays NULL

@@ -170,8 +170,9 @@ typedef struct {
     linear_fn qkv_linear, o_linear, in_linear, out_linear, router_linear;
     linear_fn expert_in_linear, expert_out_linear;
     /* LoRA (model/adapters.py): the bank's stacks of each linear an adapter may adapt,
-     * q|k|v, o, (gate|)up, down: A (slots, width, in) and B (slots, out, width), bf16,
-     * B's rows in the linear's own order (gate | up, not swiglu_layout); NULL: none */
+     * q|k|v, o, (gate|)up, down: A (slots, width, in) and B transposed (slots, width,
+     * out), bf16, B's columns in the linear's own order (gate | up, not swiglu_layout);
+     * NULL: none */
     const uint16_t *lora_a[4], *lora_b[4];
     int lora_width[4];
 } layer_args;
@@ -209,9 +210,12 @@ typedef struct {
     uint16_t *gate_up; /* (rows, 2 * ff): GeGLU's linear output, or with LoRA rows SwiGLU's
                         * before its gate (NULL: neither) */
     /* LoRA: each row's bank slot (-1: the base model), NULL when no row takes an adapter
-     * this call; lora_low (rows, the widest width) float32 */
+     * this call; the bank's slots; lora_low (rows, the widest width) float32; the rows
+     * grouped by slot (stack.c's lora_group): lora_order (rows), lora_starts (slots + 1) */
     const int64_t *lora_rows;
+    int lora_slots;
     float *lora_low;
+    int32_t *lora_order, *lora_starts;
     /* a mixture's: router logits (rows, router_rows), the choices (rows, top_k), and
      * experts_args' buffers */
     uint16_t *logits, *choice_weights, *xs, *e_act, *e_gate, *ys;

@@ -40,53 +40,171 @@ static void add_bf16(uint16_t *x, const uint16_t *y, long n) {
     for (long i = 0; i < n; ++i) x[i] = float_bf16(bf16_float(x[i]) + bf16_float(y[i]));
 }
 
-/* LoRA: y (rows, n) += each adapted row's B[slot] @ (A[slot] @ x) for x (rows, k), of the
- * layer's linear `which` (layer_args' lora_ order): the delta in float32 rounded to bf16,
- * then added as torch adds two bf16 tensors (model/adapters.py's Adapters.add); gated: y
- * is a SwiGLU's (gate | up) in swiglu_layout's order. Rows of slot -1 are left alone. */
-static void lora_add(const stack_args *a, const layer_args *w, int which, const uint16_t *x,
-                     uint16_t *y, int n, int k, int gated, int nt) {
-    const uint16_t *A = w->lora_a[which], *B = w->lora_b[which];
-    if (!a->lora_rows || !A) return;
-    const int T = a->rows, W = w->lora_width[which];
-    const int64_t *slots = a->lora_rows;
-    float *low = a->lora_low;
-#pragma omp parallel for collapse(2) schedule(static) num_threads(nt)
-    for (int t = 0; t < T; ++t)
-        for (int r = 0; r < W; ++r) {
-            if (slots[t] < 0) continue;
-            const uint16_t *ar = A + (slots[t] * W + r) * (long)k, *xr = x + (long)t * k;
-            float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-            for (int i = 0; i < k; ++i) sum += bf16_float(ar[i]) * bf16_float(xr[i]);
-            low[(long)t * W + r] = sum;
+/* LoRA's rows grouped by adapter (counting sort on the slot): lora_order holds the
+ * adapted rows, slot by slot, lora_starts[s] where slot s's begin (slots + 1 entries).
+ * Made once a call: every layer's linears take the same groups. */
+static void lora_group(const stack_args *a) {
+    int32_t *starts = a->lora_starts, *order = a->lora_order;
+    const int S = a->lora_slots;
+    memset(starts, 0, sizeof(int32_t) * (S + 1));
+    for (int t = 0; t < a->rows; ++t)
+        if (a->lora_rows[t] >= 0) starts[a->lora_rows[t] + 1]++;
+    for (int s = 0; s < S; ++s) starts[s + 1] += starts[s];
+    int32_t fill[S];
+    memcpy(fill, starts, sizeof fill);
+    for (int t = 0; t < a->rows; ++t)
+        if (a->lora_rows[t] >= 0) order[fill[a->lora_rows[t]]++] = t;
+}
+
+/* LoRA's work items: LORA_ROWS rows of one adapter, and in the second product LORA_COLS
+ * of their output features (long stretches of memory: the hardware's prefetch keeps up);
+ * the first product sums LORA_RANKS ranks at once; B's stacks are in blocks of
+ * LORA_BLOCK features (model/adapters.py's BLOCK) */
+#define LORA_ROWS 32
+#define LORA_COLS 1024
+#define LORA_RANKS 4
+#define LORA_BLOCK 64
+
+/* The rows i0..i1 of lora_order that work item `c` of slot s takes (none: i0 >= i1). */
+static inline void lora_rows_of(const stack_args *a, int s, int c, int *i0, int *i1) {
+    const int end = a->lora_starts[s + 1];
+    *i0 = a->lora_starts[s] + c * LORA_ROWS;
+    *i1 = *i0 + LORA_ROWS < end ? *i0 + LORA_ROWS : end;
+}
+
+/* low[i][r] for ranks r0..r0+LORA_RANKS (those below W) of rows i and i + 1 (i alone
+ * where i + 1 is the item's end): the dot products of A's rows with x's, their partial
+ * sums in 16 lanes, LORA_RANKS x 2 independent chains held in registers */
+static void lora_dots(const stack_args *a, const uint16_t *A, int W, const uint16_t *x, int k,
+                      int s, int r0, int i, int two) {
+    const int ranks = W - r0 < LORA_RANKS ? W - r0 : LORA_RANKS;
+    const uint16_t *x0 = x + (long)a->lora_order[i] * k;
+    const uint16_t *x1 = two ? x + (long)a->lora_order[i + 1] * k : x0;
+    float sums[LORA_RANKS][2][16] = {{{0}}};
+    for (int j0 = 0; j0 + 16 <= k; j0 += 16)
+        for (int q = 0; q < LORA_RANKS; ++q) {
+            const uint16_t *ar = A + ((long)s * W + r0 + (q < ranks ? q : 0)) * k + j0;
+#pragma omp simd
+            for (int j = 0; j < 16; ++j) {
+                const float av = bf16_float(ar[j]);
+                sums[q][0][j] += av * bf16_float(x0[j0 + j]);
+                sums[q][1][j] += av * bf16_float(x1[j0 + j]);
+            }
         }
-#pragma omp parallel for collapse(2) schedule(static) num_threads(nt)
-    for (int t = 0; t < T; ++t)
-        for (int o = 0; o < n; ++o) {
-            if (slots[t] < 0) continue;
-            const uint16_t *br = B + (slots[t] * n + o) * (long)W;
-            const float *lr = low + (long)t * W;
+    for (int q = 0; q < ranks; ++q)
+        for (int h = 0; h <= two; ++h) {
+            const uint16_t *ar = A + ((long)s * W + r0 + q) * k, *xr = h ? x1 : x0;
             float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-            for (int r = 0; r < W; ++r) sum += bf16_float(br[r]) * lr[r];
-            const long at = (long)t * n + (gated ? swiglu_column(o, n / 2) : o);
-            y[at] = float_bf16(bf16_float(y[at]) + bf16_float(float_bf16(sum)));
+            for (int j = 0; j < 16; ++j) sum += sums[q][h][j];
+            for (int j = k - k % 16; j < k; ++j) sum += bf16_float(ar[j]) * bf16_float(xr[j]);
+            a->lora_low[(long)(i + h) * W + r0 + q] = sum;
         }
 }
 
-/* act (rows, ff) = silu(gate) * up from a (gate | up) output in swiglu_layout's order,
- * rounded as torch's bf16 ops round: silu's result, then the product */
-static void swiglu_gate(const uint16_t *gate_up, uint16_t *act, int T, int ff, int nt) {
-#pragma omp parallel for schedule(static) num_threads(nt)
-    for (int t = 0; t < T; ++t) {
-        const uint16_t *row = gate_up + (long)t * 2 * ff;
-        for (int f = 0; f < ff; ++f) {
-            const float g = bf16_float(row[swiglu_column(f, ff)]);
-            const float up = bf16_float(row[swiglu_column(f + ff, ff)]);
-            act[(long)t * ff + f] = float_bf16(bf16_float(float_bf16(g / (1.f + expf(-g)))) * up);
+/* low (rows of lora_order, W) = x A[slot]^T, by (slot, rows) work items, each streaming
+ * its adapter's A whole: each adapter's A read once a call. The work of a parallel
+ * region (lora_add's), which waits for it all at the end. */
+static void lora_low(const stack_args *a, const uint16_t *A, int W, const uint16_t *x, int k,
+                     int chunks) {
+    const int S = a->lora_slots;
+#pragma omp for collapse(2) schedule(dynamic)
+    for (int s = 0; s < S; ++s)
+        for (int c = 0; c < chunks; ++c) {
+            int i0, i1;
+            lora_rows_of(a, s, c, &i0, &i1);
+            for (int r = 0; r < W && i0 < i1; r += LORA_RANKS)
+                for (int i = i0; i < i1; i += 2) lora_dots(a, A, W, x, k, s, r, i, i + 1 < i1);
+        }
+}
+
+/* y[j] = bf16(y[j] + bf16(sum[j])): a delta rounded to bf16 and added, as torch adds two
+ * bf16 tensors */
+static inline void lora_store(uint16_t *y, const float *sum, int width) {
+#pragma omp simd
+    for (int j = 0; j < width; ++j) y[j] = float_bf16(bf16_float(y[j]) + bf16_float(float_bf16(sum[j])));
+}
+
+/* y's rows i and i + 1 of lora_order (i alone where i + 1 is `end`) += their deltas at
+ * one block of B's features (o.. o + width, at `at` in y's rows: gated, a SwiGLU's gate
+ * or up block): low B^T, the block's sums of both rows held in registers over the ranks */
+static void lora_block(const stack_args *a, const uint16_t *block, int W, uint16_t *y, int n,
+                       long at, int width, int i, int end) {
+    const float *l0 = a->lora_low + (long)i * W, *l1 = i + 1 < end ? l0 + W : l0;
+    float v0[LORA_BLOCK] = {0}, v1[LORA_BLOCK] = {0};
+    for (int r = 0; r < W; ++r) {
+        const uint16_t *br = block + (long)r * LORA_BLOCK;
+        const float a0 = l0[r], a1 = l1[r];
+#pragma omp simd
+        for (int j = 0; j < LORA_BLOCK; ++j) {
+            const float bv = bf16_float(br[j]);
+            v0[j] += a0 * bv;
+            v1[j] += a1 * bv;
         }
     }
+    lora_store(y + (long)a->lora_order[i] * n + at, v0, width);
+    if (i + 1 < end) lora_store(y + (long)a->lora_order[i + 1] * n + at, v1, width);
+}
+
+/* y += low B^T for the adapted rows, by (slot, rows, LORA_COLS features) work items, each
+ * streaming its stretch of B (LoraBank's blocks: every rank's LORA_BLOCK features
+ * together). The work of a parallel region (lora_add's). */
+static void lora_deltas(const stack_args *a, const uint16_t *Bt, int W, uint16_t *y, int n,
+                        int gated, int chunks) {
+    const int nb = (n + LORA_BLOCK - 1) / LORA_BLOCK, per = LORA_COLS / LORA_BLOCK;
+    const int S = a->lora_slots, items = (nb + per - 1) / per;
+#pragma omp for collapse(3) schedule(dynamic)
+    for (int s = 0; s < S; ++s)
+        for (int c = 0; c < chunks; ++c)
+            for (int q = 0; q < items; ++q) {
+                int i0, i1;
+                lora_rows_of(a, s, c, &i0, &i1);
+                for (int b = q * per; b < (q + 1) * per && b < nb; ++b) {
+                    const uint16_t *block = Bt + ((long)s * nb + b) * W * LORA_BLOCK;
+                    const int o = b * LORA_BLOCK, width = n - o < LORA_BLOCK ? n - o : LORA_BLOCK;
+                    /* a SwiGLU's block of gate or up features is one of its blocks */
+                    const long at = gated ? swiglu_column(o, n / 2) : o;
+                    for (int i = i0; i < i1; i += 2) lora_block(a, block, W, y, n, at, width, i, i1);
+                }
+            }
+}
+
+/* LoRA: y (rows, n) += each adapted row's (A[slot] @ x) @ B[slot]^T for x (rows, k), of
+ * the layer's linear `which` (layer_args' lora_ order): the delta in float32 rounded to
+ * bf16, then added as torch adds two bf16 tensors (model/adapters.py's Adapters.add);
+ * gated: y is a SwiGLU's (gate | up) in swiglu_layout's order. Rows of slot -1 are left
+ * alone. Work goes by adapter, in long stretches of memory, so each adapter's A and B
+ * are streamed once a call: low = x A^T (lora_low), then low B^T (lora_deltas), in one
+ * parallel region. */
+static void lora_add(const stack_args *a, const layer_args *w, int which, const uint16_t *x,
+                     uint16_t *y, int n, int k, int gated, int nt) {
+    const uint16_t *A = w->lora_a[which], *Bt = w->lora_b[which];
+    if (!a->lora_rows || !A) return;
+    const int W = w->lora_width[which], chunks = (a->rows + LORA_ROWS - 1) / LORA_ROWS;
+#pragma omp parallel num_threads(nt)
+    {
+        lora_low(a, A, W, x, k, chunks);
+        lora_deltas(a, Bt, W, y, n, gated, chunks);
+    }
+}
+
+/* act (rows, ff) = silu(gate) * up from a (gate | up) output in swiglu_layout's order
+ * (64-feature blocks alternating gate, up), rounded as torch's bf16 ops round: silu's
+ * result, then the product; exp by common.h's polynomial, as the fused kernels' */
+static void swiglu_gate(const uint16_t *gate_up, uint16_t *act, int T, int ff, int nt) {
+    const int blocks = ff / LINEAR_NB;
+#pragma omp parallel for collapse(2) schedule(static) num_threads(nt)
+    for (int t = 0; t < T; ++t)
+        for (int b = 0; b < blocks; ++b) {
+            const uint16_t *g = gate_up + (long)t * 2 * ff + 2L * b * LINEAR_NB;
+            const uint16_t *u = g + LINEAR_NB;
+            uint16_t *out = act + (long)t * ff + (long)b * LINEAR_NB;
+#pragma omp simd
+            for (int j = 0; j < LINEAR_NB; ++j) {
+                const float x = bf16_float(g[j]);
+                const float silu = bf16_float(float_bf16(x / (1.f + exp_poly(-x))));
+                out[j] = float_bf16(silu * bf16_float(u[j]));
+            }
+        }
 }
 
 /* A dense FFN over the normed rows `in` into delta: GeGLU after a plain (gate | up)
@@ -147,6 +265,7 @@ void stack_forward(const stack_args *a) {
     const int T = a->rows, d = a->d, H = a->heads, KV = a->kv, D = a->head_dim;
     const int nqkv = (H + 2 * KV) * D, nt = a->nthreads;
     const long n = (long)T * d;
+    if (a->lora_rows) lora_group(a);
     for (int l = 0; l < a->layers; ++l) {
         const layer_args *w = a->w + l;
         /* pre-norm: each sublayer reads the normed residual stream (the last layer's
