@@ -13,6 +13,10 @@ one turn of each:
                   all naming the base model, or client i naming adapter i % --adapters
                   (output tok/s = generated tokens / wall time)
 
+Then two more waves over the adapters: one as above, one while another adapter is loaded
+and unloaded every second (/v1/load_lora_adapter, an admin key): the streams' worst
+inter-token gap in each.
+
 Prints the CPU, a table of the medians and the adapters' share of the base model's, and
 writes JSON (--out); records the row in docs/results.md.
 
@@ -22,12 +26,15 @@ writes JSON (--out); records the row in docs/results.md.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import secrets
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import torch
 
 from benchmarks.results import record
@@ -39,6 +46,7 @@ from tests.factories import write_adapter
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "out"
+ADMIN = secrets.token_hex(16)  # the server's admin key, for the loads
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -57,9 +65,10 @@ def main() -> None:
     ap.add_argument("--out", default=str(OUT / "lora.json"))
     args = ap.parse_args()
     model = Path(args.model).resolve()
-    names = write_adapters(model, args.adapters, args.rank)
-    results = measure(args, model, names)
-    report(args, results)
+    folders = write_adapters(model, args.adapters + 1, args.rank)
+    churned = folders.pop(f"a{args.adapters}")  # the one loaded and unloaded
+    results, churn = measure(args, model, folders, churned)
+    report(args, results, churn)
 
 
 def write_adapters(model: Path, n: int, rank: int) -> dict[str, Path]:
@@ -75,7 +84,10 @@ def write_adapters(model: Path, n: int, rank: int) -> dict[str, Path]:
     return folders
 
 
-def measure(args: argparse.Namespace, model: Path, adapters: dict[str, Path]) -> dict:
+def measure(
+    args: argparse.Namespace, model: Path, adapters: dict[str, Path], churned: Path
+) -> tuple[dict, dict]:
+    """The rounds' results by side, and the calm and churning waves'."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     modules = ",".join(f"{name}={path}" for name, path in adapters.items())
@@ -83,12 +95,13 @@ def measure(args: argparse.Namespace, model: Path, adapters: dict[str, Path]) ->
         sys.executable, "-m", "service.cli", "serve", "--model", str(model), "--port",
         str(port), "--dtype", "bfloat16", "--lora-modules", modules, "--max-loras",
         str(len(adapters)), "--max-lora-rank", str(args.rank), "--max-num-seqs",
-        str(args.concurrency), *args.serve_args.split(),
+        str(args.concurrency), "--admin-api-keys", ADMIN, *args.serve_args.split(),
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_healthy(proc, url, 600, "kvserve")
-        return rounds(args, url, model.name, list(adapters))
+        results = rounds(args, url, model.name, list(adapters))
+        return results, churn_waves(args, url, list(adapters), churned)
     finally:
         proc.terminate()
         proc.wait()
@@ -122,7 +135,48 @@ def rounds(args: argparse.Namespace, url: str, base: str, names: list[str]) -> d
     return results
 
 
-def report(args: argparse.Namespace, results: dict) -> None:
+def churn_waves(args: argparse.Namespace, url: str, names: list[str], churned: Path) -> dict:
+    """The worst inter-token gap of a wave over the adapters, and of one while another
+    adapter is loaded and unloaded every second."""
+    n = args.concurrency
+    reqs = bench.workload("fixed", 8 * n, args.prompt_len, args.output_len, 100256, 1)
+    out = {}
+    with bench.event_loop() as loop:
+        calm = loop.run(bench.run(url, reqs[: 4 * n], n, None, 600, names, None, 0))
+        churning = loop.run(_churning(url, reqs[4 * n :], n, names, churned))
+    for name, run in (("calm", calm), ("churn", churning)):
+        if run["errors"]:
+            raise SystemExit(f"{name}: {run['error_examples']}")
+        out[name] = {"itl_max_ms": run["itl_ms"]["max"], "output_tok_s": run["output_tok_s"]}
+    out["churn"]["cycles"] = churning["cycles"]
+    return out
+
+
+async def _churning(url: str, wave: list, n: int, names: list[str], folder: Path) -> dict:
+    stop = asyncio.Event()
+    cycles = asyncio.create_task(_load_unload(url, folder, stop))
+    run = await bench.run(url, wave, n, None, 600, names, None, 0)
+    stop.set()
+    return run | {"cycles": await cycles}
+
+
+async def _load_unload(url: str, folder: Path, stop: asyncio.Event) -> int:
+    """Load and unload the adapter at `folder`, half a second each, until `stop`."""
+    cycles = 0
+    headers = {"Authorization": f"Bearer {ADMIN}"}
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=60) as client:
+        while not stop.is_set():
+            body = {"lora_name": "churn", "lora_path": str(folder)}
+            (await client.post("/v1/load_lora_adapter", json=body)).raise_for_status()
+            await asyncio.sleep(0.5)
+            body = {"lora_name": "churn"}
+            (await client.post("/v1/unload_lora_adapter", json=body)).raise_for_status()
+            await asyncio.sleep(0.5)
+            cycles += 1
+    return cycles
+
+
+def report(args: argparse.Namespace, results: dict, churn: dict) -> None:
     median = {s: {k: statistics.median(v) for k, v in r.items()} for s, r in results.items()}
     share = {k: median["adapters"][k] / median["base"][k] for k in ("single", "concurrent")}
     print(f"CPU: {cpu_model()}")
@@ -131,10 +185,15 @@ def report(args: argparse.Namespace, results: dict) -> None:
     for side, m in median.items():
         print(f"{side:10s} {m['single']:13.1f} {m['concurrent']:18.1f}")
     print(f"{'share':10s} {share['single']:13.2f} {share['concurrent']:18.2f}")
+    calm, churning = churn["calm"]["itl_max_ms"], churn["churn"]["itl_max_ms"]
+    print(
+        f"worst inter-token gap over the adapters: {calm:.1f} ms; with an adapter loaded "
+        f"and unloaded every second ({churn['churn']['cycles']} times): {churning:.1f} ms"
+    )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "rounds": results, "median": median,
-                               "share": share, "cpu": cpu_model()}, indent=2))  # fmt: skip
+                               "share": share, "churn": churn, "cpu": cpu_model()}, indent=2))  # fmt: skip
     print(f"wrote {out}")
     m, c = median, args.concurrency
     record(
@@ -147,6 +206,9 @@ def report(args: argparse.Namespace, results: dict) -> None:
             f"{c} streams over the adapters / base": (
                 f"{m['adapters']['concurrent']:.1f} / {m['base']['concurrent']:.1f} tok/s "
                 f"({share['concurrent']:.2f}x)"
+            ),
+            "worst inter-token gap, calm / an adapter loaded and unloaded each second": (
+                f"{calm:.1f} / {churning:.1f} ms"
             ),
         },
     )

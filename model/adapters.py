@@ -16,6 +16,7 @@ without one).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -71,14 +72,13 @@ class LoraBank:
     def __init__(self, cfg: ModelConfig, slots: int, max_rank: int, device, dtype) -> None:
         self.a: dict[str, Tensor] = {}
         self.bt: dict[str, Tensor] = {}
-        self.outs: dict[str, int] = {}  # each linear's output features
-        self.names: list[str | None] = [None] * slots
+        self.slots = slots
         for i, linear in adapted_linears(cfg):
             n_in, n_out = linear_shape(cfg, linear)
             width = _projections(cfg, linear) * max_rank
             key = f"layers.{i}.{linear}"
             self.a[key] = torch.zeros(slots, width, n_in, device=device, dtype=dtype)
-            blocks, self.outs[key] = -(-n_out // BLOCK), n_out
+            blocks = -(-n_out // BLOCK)
             self.bt[key] = torch.zeros(slots, blocks, width, BLOCK, device=device, dtype=dtype)
 
     def load(self, adapter: LoraAdapter, slot: int) -> None:
@@ -90,16 +90,21 @@ class LoraBank:
                 pa, pb = adapter.linears[key]
                 a[slot, : pa.shape[0]] = pa
                 self.bt[key][slot, :, : pb.shape[1]] = blocked(pb.t())
-        self.names[slot] = adapter.name
-
-    def delta(self, linear: str, x: Tensor, slots: Tensor) -> Tensor:
-        return lora_delta(x, self.a[linear], self.bt[linear], slots, self.outs[linear])
 
 
 def blocked(bt: Tensor) -> Tensor:
     """B transposed (R, out) in LoraBank's blocks, (out / BLOCK, R, BLOCK), zero-padded."""
     padded = torch.nn.functional.pad(bt, (0, -bt.shape[1] % BLOCK))
     return padded.unflatten(1, (-1, BLOCK)).transpose(0, 1)
+
+
+# y with each row's delta added: (x (T, in), a, bt, slots (T,), y (T, out)) -> y
+AddDelta = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+def add_delta(x: Tensor, a: Tensor, bt: Tensor, slots: Tensor, y: Tensor) -> Tensor:
+    """The torch reference's AddDelta: y + each row's delta, rounded to y's dtype first."""
+    return y + lora_delta(x, a, bt, slots, y.shape[-1])
 
 
 def lora_delta(x: Tensor, a: Tensor, bt: Tensor, slots: Tensor, out: int) -> Tensor:
@@ -113,20 +118,31 @@ def lora_delta(x: Tensor, a: Tensor, bt: Tensor, slots: Tensor, out: int) -> Ten
 
 
 class Adapters:
-    """A model's bank and the slot each row of the step being run takes: rows (T,) on
-    the model's device, or None (no row takes an adapter: the layers add nothing)."""
+    """A model's adapters: those it serves, in host memory (`known`), the bank some of
+    them sit in on the device, and the slot each row of the step being run takes: rows
+    (T,) on the model's device, or None (no row takes an adapter: the layers add
+    nothing). Under tensor parallelism each rank holds its share of every adapter."""
 
     def __init__(self, bank: LoraBank) -> None:
         self.bank = bank
+        self.known: dict[str, LoraAdapter] = {}
         self.rows: Tensor | None = None
+        # how y gets its rows' deltas: the backend's (attach), the torch reference's
+        # before
+        self.kernel: AddDelta = add_delta
+
+    def fill(self, name: str, slot: int) -> None:
+        """The adapter `name` into the bank's `slot`."""
+        self.bank.load(self.known[name], slot)
 
     def add(self, linear: str, x: Tensor, y: Tensor) -> Tensor:
         """y, the output of `linear` ("layers.3.attn.wqkv") for input x, with each row's
         delta added."""
         if self.rows is None or linear not in self.bank.a:
             return y
-        flat = x.reshape(-1, x.shape[-1])
-        return y + self.bank.delta(linear, flat, self.rows).view(y.shape)
+        bank = self.bank
+        flat, out = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
+        return self.kernel(flat, bank.a[linear], bank.bt[linear], self.rows, out).view(y.shape)
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,11 +161,13 @@ class LayerAdapters:
         return self.adapters.add(f"layers.{self.layer}.{linear}", x, y)
 
 
-def attach(model: nn.Module, adapters: Adapters) -> None:
+def attach(model: nn.Module, adapters: Adapters, kernel: AddDelta | None = None) -> None:
     """Put `adapters` on a Transformer whose backend has prepared its layers: each
     layer's attention and dense FFN add their deltas (a mixture's experts are not
-    adapted), and so does the backend's one call for the layers where it has one."""
+    adapted) by `kernel` (the backend's lora_add; None: the torch reference's), and so
+    does the backend's one call for the layers where it has one."""
     model.adapters = adapters
+    adapters.kernel = kernel or add_delta
     if model.fused_layers is not None:
         model.fused_layers.adapt(adapters)
     for i, block in enumerate(model.layers):

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from model.adapters import LoraAdapter, adapted_linears, linear_shape
 from model.config import ModelConfig
+from model.parallel import Shares
 from model.weights import FUSED_ROWS, NAME_TABLES
 
 PREFIX = "base_model.model."  # peft's name for the model it wraps
@@ -166,3 +167,24 @@ def _check(
     reordered = cfg.rotary < cfg.head_dim  # q/k rows in kvserve's order (_reorder_rotary)
     if reordered and any(name.endswith("attn.wqkv") for name in linears):
         raise AdapterError(f"{root}: q/k/v adapters on a partially rotated model are not served")
+
+
+def rank_share(
+    linears: dict[str, tuple[Tensor, Tensor]], cfg: ModelConfig, shares: Shares
+) -> dict[str, tuple[Tensor, Tensor]]:
+    """One tensor-parallel rank's share of an adapter's pairs (model/parallel.py): of a
+    column-parallel linear (q|k|v, gate|up) B's rows the rank's outputs, of a
+    row-parallel one (o, down) A's columns the rank's inputs, whose partial deltas the
+    layer's all-reduce sums with its output's."""
+    out = {}
+    for key, (a, b) in linears.items():
+        linear = key.split(".", 2)[2]  # layers.3.attn.wqkv -> attn.wqkv
+        if shares.split(f"{linear}.weight") == "row":
+            columns = shares.columns(linear)
+            out[key] = (a[:, columns.start : columns.stop], b)
+            continue
+        sizes = FUSED_ROWS[linear](cfg)
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        rows = [range(o + r.start, o + r.stop) for o, r in zip(starts, shares.segments(linear), strict=True)]  # fmt: skip
+        out[key] = (a, b[[i for r in rows for i in r]])
+    return out

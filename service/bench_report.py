@@ -33,7 +33,7 @@ class Result:
 
 def _stats(values: list[float]) -> dict[str, float | None]:
     if not values:
-        return {"mean": None, "p50": None, "p90": None, "p99": None}
+        return {"mean": None, "p50": None, "p90": None, "p99": None, "max": None}
     ordered = sorted(values)
 
     def pct(p: float) -> float:
@@ -44,6 +44,7 @@ def _stats(values: list[float]) -> dict[str, float | None]:
         "p50": pct(50),
         "p90": pct(90),
         "p99": pct(99),
+        "max": 1000 * ordered[-1],
     }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -358,6 +359,12 @@ class Settings:
             "times the tokens/s of steps without (else only a probe now and then); 0: always"
         },
     )
+    enable_lora: bool = field(
+        default=False,
+        metadata={
+            "help": "a bank for LoRA adapters loaded at run time (--lora-modules sets it up too)"
+        },
+    )
     lora_modules: tuple[str, ...] = field(
         default=(),
         metadata={
@@ -385,6 +392,20 @@ class Settings:
     api_keys: tuple[str, ...] = field(
         default=(), metadata={"help": "comma-separated bearer keys (none: open)"}
     )
+    admin_api_keys: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "comma-separated bearer keys that may also load and unload LoRA "
+            "adapters at run time (/v1/load_lora_adapter; off without one)"
+        },
+    )
+    api_key_models: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "limit API keys to models, comma-separated KEY=NAME|NAME (the served "
+            "model's id, LoRA adapters' names); a key not listed may use every model"
+        },
+    )
     metrics_auth: bool = field(
         default=False,
         metadata={"help": "/metrics asks for an API key too (it is open by default)"},
@@ -410,6 +431,7 @@ class Settings:
         self._check_processes()
         self._check_speculation()
         self._check_lora()
+        self._check_keys()
         if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
             raise ValueError(
                 "kv_events_replay_endpoint replays kv_events_endpoint's events: set both"
@@ -466,6 +488,25 @@ class Settings:
                 "--tensor-parallel-size > 1 use --speculative-method ngram"
             )
 
+    def _check_keys(self) -> None:
+        """Each key limit names a key the server takes, and models (the keys are not
+        repeated in the message)."""
+        for entry in self.api_key_models:
+            key, _, models = entry.partition("=")
+            if not key or not models:
+                raise ValueError("api_key_models: an entry is not KEY=NAME|NAME")
+            if key not in self.api_keys:
+                raise ValueError("api_key_models: a key limited is not one of --api-keys")
+
+    @property
+    def key_models(self) -> dict[str, frozenset[str]]:
+        """Each limited key's SHA-256 (what a request's owner is) -> the models it may use."""
+        out = {}
+        for entry in self.api_key_models:
+            key, _, models = entry.partition("=")
+            out[hashlib.sha256(key.encode()).hexdigest()] = frozenset(models.split("|"))
+        return out
+
     def _check_lora(self) -> None:
         names = [entry.partition("=")[0] for entry in self.lora_modules]
         for entry, name in zip(self.lora_modules, names, strict=True):
@@ -473,9 +514,10 @@ class Settings:
                 raise ValueError(f"lora_modules: {entry!r} is not name=path")
         if len(set(names)) < len(names):
             raise ValueError("lora_modules: two adapters have one name")
-        if self.lora_modules and self.tensor_parallel_size > 1:
+        if self.enable_lora and self.tensor_parallel_size > 1:
             raise ValueError(
-                "lora_modules: LoRA adapters are served on one rank (--tensor-parallel-size 1)"
+                "enable_lora: LoRA adapters load at run time on one rank; with "
+                "--tensor-parallel-size > 1 give them with --lora-modules"
             )
 
     @property
@@ -599,6 +641,7 @@ class SpeculativeConfig:
 
 @dataclass(frozen=True, slots=True)
 class LoraConfig:
+    enable_lora: bool
     lora_modules: tuple[str, ...]
     max_loras: int
     max_lora_rank: int
@@ -607,6 +650,11 @@ class LoraConfig:
     def modules(self) -> dict[str, str]:
         """name -> path of each adapter served from the start."""
         return dict(entry.split("=", 1) for entry in self.lora_modules)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the engine keeps a bank of adapters."""
+        return self.enable_lora or bool(self.lora_modules)
 
 
 @dataclass(frozen=True, slots=True)
@@ -643,8 +691,8 @@ SECTIONS = (
 SERVER_SETTINGS = (
     "host", "port", "engine_process", "api_server_count", "responses_store_size",
     "responses_store_mib", "responses_store_ttl", "pooling", "tool_call_format",
-    "max_queue", "max_body_bytes", "api_keys", "metrics_auth", "cors_origins", "log_level",
-    "shutdown_timeout", "stuck_after",
+    "max_queue", "max_body_bytes", "api_keys", "admin_api_keys", "api_key_models",
+    "metrics_auth", "cors_origins", "log_level", "shutdown_timeout", "stuck_after",
 )  # fmt: skip
 
 

@@ -13,6 +13,10 @@ MAX_MESSAGES = 1024  # messages in one chat request
 MAX_TEMPLATE_KWARGS = 32  # chat_template_kwargs entries
 MAX_TOOLS = 128  # tools in one chat request (their schemas: MAX_CONSTRAINT_CHARS in all)
 MAX_CACHE_SALT_CHARS = 256
+# a LoRA adapter's name (in /v1/models, metric labels, every request that names it) and
+# the path a run-time load reads
+MAX_ADAPTER_NAME_CHARS = 128
+MAX_ADAPTER_PATH_CHARS = 4096
 MAX_CHOICES = 256  # strings in guided_choice / structured_outputs.choice
 MAX_CONSTRAINT_CHARS = 100_000  # a JSON Schema, regex or grammar, as text: compiled per request
 # entries of prompt-token logprobs in one response (prompt tokens x (alternatives + 1),

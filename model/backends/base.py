@@ -112,6 +112,11 @@ class Backend(Protocol):
         PagedKVCache.window_data), its `window` the same rows over those tables."""
         ...
 
+    def lora_add(self, x: Tensor, a: Tensor, bt: Tensor, slots: Tensor, y: Tensor) -> Tensor:
+        """y (T, out) with each row's LoRA delta added (model/adapters.py's AddDelta: x
+        (T, in), the bank's stacks a and bt, each row's slot, -1 for none)."""
+        ...
+
     def greedy(self, logits: Tensor) -> list[int]:
         """(B, V) logits -> each row's first argmax, or NON_FINITE."""
         ...

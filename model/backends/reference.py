@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from model.adapters import add_delta
 from model.backends.base import flag_non_finite
 from model.backends.fp8 import Fp8Linear, to_fp8
 from model.backends.int4 import Int4Linear, Int4Stack, to_int4
@@ -136,6 +137,9 @@ class TorchBackend:
                 window_tables, cached_lens, query_lens, block_size, device, pad_block=window_pad
             )
         return meta
+
+    def lora_add(self, x: Tensor, a: Tensor, bt: Tensor, slots: Tensor, y: Tensor) -> Tensor:
+        return add_delta(x, a, bt, slots, y)
 
     def greedy(self, logits: Tensor) -> list[int]:
         """(B, V) logits -> each row's first argmax, or NON_FINITE (-1) for a row whose

@@ -17,10 +17,10 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service.api import chat, completions, embeddings, responses
+from service.api import adapters, chat, completions, embeddings, responses
 from service.api.chat_template import ChatTemplate
 from service.api.metrics import Metrics
-from service.api.middleware import BodyLimit, Gate, count_rejection
+from service.api.middleware import BodyLimit, Gate, count_rejection, owner_of
 from service.api.protocol import APIError, DetokenizeRequest, TokenizeRequest
 from service.api.serving import GenerationFailed, encode_messages
 from service.api.state import ServingState
@@ -114,6 +114,7 @@ def create_app(
     app.include_router(chat.router)
     app.include_router(embeddings.router)
     app.include_router(responses.router)
+    app.include_router(adapters.router)
     app.include_router(routes)
     return app
 
@@ -244,15 +245,16 @@ def _model_card(state: ServingState, detail: bool, adapter: str | None = None) -
 
 @routes.get("/v1/models")
 async def models(request: Request) -> JSONResponse:
-    state = _serving(request)
-    cards = [_model_card(state, False), *(_model_card(state, False, a) for a in state.adapters)]
+    state = _serving(request)  # the models the request's API key may use
+    names = state.models_for(owner_of(request))
+    cards = [_model_card(state, False, state.adapter_of(name)) for name in names]
     return JSONResponse({"object": "list", "data": cards})
 
 
 @routes.get("/v1/models/{model_id:path}")
 async def model(model_id: str, request: Request) -> JSONResponse:
     state = _serving(request)
-    adapter = state.check_model(model_id)
+    adapter = state.check_model(model_id, owner_of(request))
     if adapter is not None:
         return JSONResponse(_model_card(state, True, adapter))
     card = _model_card(state, True)
@@ -265,7 +267,7 @@ async def model(model_id: str, request: Request) -> JSONResponse:
 @routes.post("/tokenize")
 async def tokenize(req: TokenizeRequest, request: Request) -> JSONResponse:
     state = _serving(request)
-    state.check_model(req.model)
+    state.check_model(req.model, owner_of(request))
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "give exactly one of prompt or messages", param="prompt")
     if req.prompt is not None:  # off the event loop, as the generation routes do
@@ -283,7 +285,7 @@ async def tokenize(req: TokenizeRequest, request: Request) -> JSONResponse:
 @routes.post("/detokenize")
 async def detokenize(req: DetokenizeRequest, request: Request) -> JSONResponse:
     state = _serving(request)
-    state.check_model(req.model)
+    state.check_model(req.model, owner_of(request))
     bad = next((t for t in req.tokens if not state.tokenizer.valid_id(t)), None)
     if bad is not None:
         raise APIError(400, f"token id {bad} is not in the vocabulary", param="tokens")

@@ -15,6 +15,7 @@ from starlette.background import BackgroundTask
 from service.api.chat_output import ChoiceReader, MessageReader
 from service.api.chat_template import TEMPLATE_VARIABLES
 from service.api.harmony import HarmonyReader
+from service.api.middleware import owner_of
 from service.api.prompt_logprobs import check_size, vllm_prompt_logprobs
 from service.api.protocol import APIError, ChatCompletionRequest
 from service.api.reasoning import grammar_start, opens_thinking
@@ -98,7 +99,7 @@ async def prepare(state: ServingState, req: ChatCompletionRequest) -> ChatRun:
         req.max_completion_tokens or req.max_tokens or max(1, state.max_model_len - len(prompt))
     )
     top = (req.top_logprobs or 0) if req.logprobs else None
-    lora = state.check_model(req.model)
+    lora = state.adapter_of(req.model)  # checked by the route
     params = sampling_params(req, max_tokens, top, req.prompt_logprobs, lora)
     if budget is not None:
         params = replace(params, thinking_budget=budget, think_ids=markers, thinking_open=thinking)
@@ -131,7 +132,7 @@ def _with_tools(params: SamplingParams, tools: Tools | None) -> SamplingParams:
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
     state: ServingState = request.app.state.serving
-    state.check_model(req.model)
+    state.check_model(req.model, owner_of(request))
     include_usage = check_stream_options(req)
     run = await prepare(state, req)
     prompt, params = run.request.prompt_ids, run.request.params

@@ -13,6 +13,7 @@ from fastapi.responses import Response, StreamingResponse
 from msgspec.structs import replace
 from starlette.background import BackgroundTask
 
+from service.api.middleware import owner_of
 from service.api.prompt_logprobs import check_size, echo_logprobs, vllm_prompt_logprobs
 from service.api.protocol import APIError, CompletionRequest
 from service.api.serving import (
@@ -77,7 +78,7 @@ def _logprobs(state: ServingState, lps: list[TokenLogprobs], offset: int) -> dic
 @router.post("/v1/completions")
 async def completions(req: CompletionRequest, request: Request) -> Response:
     state: ServingState = request.app.state.serving
-    lora = state.check_model(req.model)
+    lora = state.check_model(req.model, owner_of(request))
     if req.suffix is not None:
         raise APIError(400, "suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:

@@ -12,6 +12,7 @@ import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from service.api.middleware import owner_of
 from service.api.protocol import APIError, EmbeddingRequest
 from service.api.serving import (
     ClientDisconnected,
@@ -56,7 +57,7 @@ def _encoded(values: list[float], encoding: str) -> list[float] | str:
 @router.post("/v1/embeddings")
 async def embeddings(req: EmbeddingRequest, request: Request) -> Response:
     state: ServingState = request.app.state.serving
-    lora = state.check_model(req.model)
+    lora = state.check_model(req.model, owner_of(request))
     size = int(state.audit.get("hidden_size", 0))
     if req.dimensions is not None and req.dimensions != size:
         raise APIError(

@@ -11,6 +11,7 @@ Renaming a metric is a breaking change.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -25,6 +26,7 @@ from service.engine.output import RequestOutput
 REJECT_REASONS = {
     400: "invalid_request",
     401: "unauthorized",
+    403: "forbidden",
     404: "not_found",
     413: "too_large",
     429: "queue_full",
@@ -267,6 +269,7 @@ class _EngineCollector(Collector):
         yield from _host_tier(m, snap)  # zeros without one, as the speculation's
         yield from _kv_events(m, snap)
         yield from _experts(m, snap)
+        yield from _lora(m, snap)
         memory = self.device_memory()
         if memory is not None:
             yield from _per_model(GaugeMetricFamily, m, (
@@ -426,6 +429,36 @@ def _experts(m: list[str], snap: EngineSnapshot) -> Iterator[Metric]:
         for expert, n in enumerate(counts):
             tokens.add_metric([m[0], str(layer), str(expert)], n)
     yield tokens
+
+
+def _lora(m: list[str], snap: EngineSnapshot) -> Iterator[Metric]:
+    """LoRA adapters, where the engine keeps a bank of them: the adapters of the running
+    and the waiting requests, with the labels vLLM's lora_requests_info has (what routing
+    gateways read for adapter affinity; the value is the time, as vLLM's), the requests
+    each adapter has taken, and the adapters put into the bank's slots."""
+    if not snap.max_loras:
+        return
+    info = GaugeMetricFamily(
+        "kvserve_lora_requests_info",
+        "The LoRA adapters of the running and the waiting requests (value: the time).",
+        labels=["model", "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+    )
+    running, waiting = ",".join(snap.lora_running), ",".join(snap.lora_waiting)
+    info.add_metric([m[0], str(snap.max_loras), running, waiting], time.time())
+    yield info
+    requests = CounterMetricFamily(
+        "kvserve_lora_requests", "Requests each LoRA adapter has taken.",
+        labels=["model", "adapter"],
+    )  # fmt: skip
+    for name, n in snap.lora_requests:
+        requests.add_metric([m[0], name], n)
+    yield requests
+    yield from _per_model(CounterMetricFamily, m, (
+        ("kvserve_lora_loads", "LoRA adapters put into a slot of the device's bank.",
+         snap.lora_loads),
+        ("kvserve_lora_evictions", "... in place of another adapter (--max-loras were in "
+         "use).", snap.lora_evictions),
+    ))  # fmt: skip
 
 
 def _kv_events(m: list[str], snap: EngineSnapshot) -> Iterator[Metric]:

@@ -152,15 +152,28 @@ def _authorize(settings: Settings, header: str) -> str:
     the server takes no keys: one owner for all)."""
     if not settings.api_keys:
         return ""
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token:
+    token = _bearer(header)
+    if not token:
         raise APIError(
             401, "Missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
         )
-    matches = [hmac.compare_digest(token.encode(), key.encode()) for key in settings.api_keys]
-    if not any(matches):
+    if not holds_key(header, (*settings.api_keys, *settings.admin_api_keys)):
         raise APIError(401, "Incorrect API key provided", code="invalid_api_key")
     return hashlib.sha256(token.encode()).hexdigest()
+
+
+def _bearer(header: str) -> str:
+    """The token of an 'Authorization: Bearer <token>' header ("" for none)."""
+    scheme, _, token = header.partition(" ")
+    return token if scheme.lower() == "bearer" else ""
+
+
+def holds_key(header: str, keys: tuple[str, ...]) -> bool:
+    """Whether an Authorization header carries one of `keys` (compared in constant time,
+    every key compared)."""
+    token = _bearer(header).encode()
+    matches = [hmac.compare_digest(token, key.encode()) for key in keys]
+    return bool(token) and any(matches)
 
 
 def owner_of(request: Any) -> str:

@@ -7,6 +7,8 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.limits import (
+    MAX_ADAPTER_NAME_CHARS,
+    MAX_ADAPTER_PATH_CHARS,
     MAX_CACHE_SALT_CHARS,
     MAX_CHOICES,
     MAX_LOGIT_BIAS,
@@ -29,6 +31,7 @@ class APIError(Exception):
     TYPES: ClassVar[dict[int, str]] = {
         400: "invalid_request_error",
         401: "authentication_error",
+        403: "permission_error",
         404: "not_found_error",
         405: "invalid_request_error",
         413: "invalid_request_error",
@@ -163,6 +166,28 @@ class EmbeddingRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None
+
+
+# a LoRA adapter's name: what a request's model gives, a metric label, a path-free word
+AdapterName = Annotated[
+    str, Field(min_length=1, max_length=MAX_ADAPTER_NAME_CHARS, pattern=r"^[A-Za-z0-9._:-]+$")
+]
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    """vLLM's /v1/load_lora_adapter body."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: AdapterName
+    lora_path: str = Field(min_length=1, max_length=MAX_ADAPTER_PATH_CHARS)
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    """vLLM's /v1/unload_lora_adapter body."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: AdapterName
+    lora_int_id: int | None = None  # vLLM's; names are what kvserve goes by
 
 
 class TokenizeRequest(BaseModel):

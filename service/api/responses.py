@@ -334,8 +334,8 @@ def _remember(
 @router.post("/v1/responses")
 async def responses(req: ResponsesRequest, request: Request) -> Response:
     state: ServingState = request.app.state.serving
-    state.check_model(req.model)
     owner = owner_of(request)
+    state.check_model(req.model, owner)
     chat, messages = _chat_request(state, req, owner)
     run = await prepare(state, chat)
     prompt, params = run.request.prompt_ids, run.request.params

@@ -86,29 +86,50 @@ class ServingState:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
-    @functools.cached_property
-    def adapters(self) -> dict[str, str]:
-        """The LoRA adapters served beside the model (--lora-modules): name -> path."""
-        return self.settings.engine.lora.modules
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        """The LoRA adapters served beside the model (--lora-modules, and loaded since)."""
+        return self.engine.adapters
 
-    def check_model(self, name: str | None) -> str | None:
+    @functools.cached_property
+    def key_models(self) -> dict[str, frozenset[str]]:
+        """The models each limited API key may use, by its owner (--api-key-models)."""
+        return self.settings.key_models
+
+    def models_for(self, owner: str) -> tuple[str, ...]:
+        """The model's id and the adapters' names that `owner`'s key may use."""
+        names = (self.model_id, *self.adapters)
+        allowed = self.key_models.get(owner)
+        return names if allowed is None else tuple(n for n in names if n in allowed)
+
+    def check_model(self, name: str | None, owner: str) -> str | None:
         """What a request's `model` runs: None for the server's model (also when not
-        given), or the name of a LoRA adapter; else a 404."""
-        if name is None or name == self.model_id:
-            return None
-        if name in self.adapters:
-            return name
-        served = ", ".join(f"'{n}'" for n in (self.model_id, *self.adapters))
-        raise APIError(
-            404,
-            f"The model '{name}' does not exist; this server serves {served}",
-            param="model",
-            code="model_not_found",
-        )
+        given), or the name of a LoRA adapter; a 404 for any other name, or for one the
+        request's API key (its owner) may not use."""
+        wanted, served = name or self.model_id, self.models_for(owner)
+        if wanted not in served:
+            listed = ", ".join(f"'{n}'" for n in served) or "none"
+            why = (
+                f"this server serves {listed}"
+                if owner not in self.key_models
+                else f"this API key may use {listed}"
+            )
+            raise APIError(
+                404,
+                f"The model '{wanted}' does not exist or is not yours to use: {why}",
+                param="model",
+                code="model_not_found",
+            )
+        return self.adapter_of(wanted)
+
+    def adapter_of(self, name: str | None) -> str | None:
+        """The LoRA adapter a checked `model` names (None: the server's model)."""
+        return None if name is None or name == self.model_id else name
 
     def served_name(self, name: str | None) -> str:
-        """The `model` a response names: the adapter asked for, else the server's model."""
-        return name if name is not None and name in self.adapters else self.model_id
+        """The `model` a response names: the adapter a checked `model` names, else the
+        server's model."""
+        return self.adapter_of(name) or self.model_id
 
     def admit(self, n_seqs: int, kv_tokens: int = 0) -> Admission:
         """Take n sequences (needing up to kv_tokens of KV cache) in, or answer 503

@@ -7,6 +7,7 @@ text each gets alone, and a model that is neither is a 404 naming what is served
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import torch
@@ -84,5 +85,70 @@ def test_adapters_are_listed_selected_by_model_and_give_peft_models_text(
             client.completions.create(model="other", prompt="x", max_tokens=1)
         error = info.value.body
         assert error["code"] == "model_not_found" and "'base', 'sql', 'style'" in error["message"]
+        loads = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "x",
+                           "lora_path": str(tmp_path / "sql")}, timeout=30)  # fmt: skip
+        assert loads.status_code == 403 and "--admin-api-keys" in loads.text
+    finally:
+        server.stop()
+
+
+def test_adapters_load_and_unload_at_run_time_with_an_admin_key(tmp_path: Path) -> None:
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter: an admin key loads a
+    peft adapter, which then serves peft's text; a plain key may not (403), a bad path
+    or a second load is a 400 naming why, an unknown name a 404; a key limited to the
+    adapter lists and uses it alone; /metrics counts its requests with the labels vLLM's
+    lora_requests_info has; unloaded, it is a 404."""
+    base = tmp_path / "base"
+    write_llama(base, tied=False)
+    write_tokenizer(base)
+    tokenizer = Tokenizer.from_dir(base)
+    hf = tf.LlamaForCausalLM.from_pretrained(base).eval()
+    seed, config = ADAPTERS["sql"]
+    want = tokenizer.decode(_greedy(write_adapter(hf, tmp_path / "sql", seed, **config),
+                                    tokenizer.encode(PROMPTS[0])))  # fmt: skip
+    server = start_server(str(tmp_path), "--model", str(base), "--dtype", "float32",
+                          "--enable-lora", "--max-lora-rank", "8", "--api-keys", "user,limited",
+                          "--admin-api-keys", "root", "--api-key-models", "limited=sql")  # fmt: skip
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+
+            def change(route: str, key: str, **body: str) -> httpx.Response:
+                headers = {"Authorization": f"Bearer {key}"}
+                return http.post(f"/v1/{route}_lora_adapter", json=body, headers=headers)
+
+            sql = str(tmp_path / "sql")
+            assert change("load", "user", lora_name="sql", lora_path=sql).status_code == 403
+            r = change("load", "root", lora_name="sql", lora_path=sql)
+            assert (
+                r.status_code == 200 and r.text == "Success: LoRA adapter 'sql' added successfully."
+            )
+            r = change("load", "root", lora_name="sql", lora_path=sql)
+            assert r.status_code == 400 and "is loaded already" in r.json()["error"]["message"]
+            r = change("load", "root", lora_name="x", lora_path=str(tmp_path / "none"))
+            assert r.status_code == 400 and "adapter directory not found" in r.text
+            r = change("load", "root", lora_name="x", lora_path=str(base))
+            assert r.status_code == 400 and "no adapter_config.json" in r.text
+            r = change("load", "root", lora_name="../x", lora_path=sql)
+            assert r.status_code == 400  # a name is a word: it goes into labels and lists
+            user, limited = (
+                openai.OpenAI(base_url=server.url + "/v1", api_key=k, max_retries=0)
+                for k in ("user", "limited")
+            )
+            assert [m.id for m in user.models.list().data] == ["base", "sql"]
+            assert [m.id for m in limited.models.list().data] == ["sql"]
+            with pytest.raises(openai.NotFoundError):
+                limited.completions.create(model="base", prompt="x", max_tokens=1)
+            r = limited.completions.create(
+                model="sql", prompt=PROMPTS[0], max_tokens=NEW, temperature=0,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            assert r.choices[0].text == want
+            metrics = http.get("/metrics").text
+            assert 'kvserve_lora_requests_total{adapter="sql",model="base"} 1.0' in metrics
+            assert 'kvserve_lora_requests_info{max_lora="4"' in metrics
+            assert change("unload", "root", lora_name="sql").status_code == 200
+            assert change("unload", "root", lora_name="sql").status_code == 404
+            with pytest.raises(openai.NotFoundError):
+                user.completions.create(model="sql", prompt="x", max_tokens=1)
     finally:
         server.stop()

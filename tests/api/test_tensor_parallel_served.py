@@ -8,13 +8,15 @@ import signal
 import socket
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 
+from model.tokenizer import Tokenizer
 from tests.engine.exec.tp_ranks import WRITERS
-from tests.factories import Server, start_server, write_tokenizer
+from tests.factories import Server, start_server, write_adapter, write_tokenizer
 
 pytestmark = pytest.mark.slow
 BODY = {"prompt": [(7 * i + 3) % 290 for i in range(40)], "max_tokens": 20, "temperature": 0,
@@ -159,3 +161,40 @@ def test_a_failed_rank_fails_the_server_fast(fault: str, ckpt: Path, tmp_path: P
     assert took < (5 if fault == "killed" else 12)  # --rank-timeout 3, then the exit
     with pytest.raises(ProcessLookupError):  # no rank outlives its server
         os.kill(rank1, 0)
+
+
+def test_two_ranks_serve_lora_adapters_as_peft_does(tmp_path: Path) -> None:
+    """LoRA adapters split over two ranks (each its share of B's rows of q|k|v and
+    gate|up, of A's columns of o and down): requests of two adapters and the base model
+    together get the peft library's greedy text (float32)."""
+    import transformers as tf
+
+    from tests.api.test_lora_served import ADAPTERS, _greedy
+
+    ckpt = checkpoint("llama_kv_split", tmp_path / "llama")
+    tokenizer = Tokenizer.from_dir(ckpt)
+    prompt = BODY["prompt"][:20]
+    want = {}
+    for name, (seed, config) in ADAPTERS.items():
+        hf = tf.LlamaForCausalLM.from_pretrained(ckpt).eval()
+        peft_model = write_adapter(hf, tmp_path / name, seed, **config)
+        want[name] = tokenizer.decode(_greedy(peft_model, prompt))
+        with peft_model.disable_adapter():
+            want["llama"] = tokenizer.decode(_greedy(peft_model, prompt))
+    modules = ",".join(f"{n}={tmp_path / n}" for n in ADAPTERS)
+    server = serve(ckpt, tmp_path, "--tensor-parallel-size", "2", "--lora-modules", modules,
+                   "--max-lora-rank", "8")  # fmt: skip
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as c:
+
+            def text(model: str) -> str:
+                body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+                r = c.post("/v1/completions", json=body | {"model": model})
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["text"]
+
+            with ThreadPoolExecutor(3) as pool:
+                got = dict(zip(want, pool.map(text, want), strict=True))
+    finally:
+        assert server.stop() == 0
+    assert got == want and len(set(want.values())) == 3

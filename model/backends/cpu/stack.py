@@ -315,7 +315,7 @@ class DecoderStack:
         return {
             "lora_low": torch.empty((t, widest), dtype=torch.float32),
             "lora_order": torch.empty(t, dtype=torch.int32),
-            "lora_starts": torch.empty(len(bank.names) + 1, dtype=torch.int32),
+            "lora_starts": torch.empty(bank.slots + 1, dtype=torch.int32),
         }
 
     def _windowed(
@@ -379,7 +379,7 @@ class DecoderStack:
             residual=cfg.residual_multiplier,
             output_norms=int(cfg.norm_placement == "output"),
             w=self._weights,
-            lora_slots=len(self.adapters.bank.names) if self.adapters is not None else 0,
+            lora_slots=self.adapters.bank.slots if self.adapters is not None else 0,
             final_norm=self.final_norm.weight.data_ptr(),
             **{k: v.data_ptr() for k, v in buffers.items()},
         )  # a buffer not made (gate_up for SwiGLU) stays NULL

@@ -98,7 +98,7 @@ class TritonBackend(TorchBackend):
     def __init__(self, device: torch.device, reason: str = "") -> None:
         super().__init__(device, reason)
         # imported here: TRITON_INTERPRET must be set (select_backend does) beforehand
-        from model.backends.triton import fp8_gemv, int4_linear, moe, pointwise
+        from model.backends.triton import fp8_gemv, int4_linear, lora, moe, pointwise
         from model.backends.triton import kernels as triton_kernels
 
         self.kernels = triton_kernels
@@ -106,6 +106,7 @@ class TritonBackend(TorchBackend):
         self.fp8_gemv = fp8_gemv
         self.int4_linear = int4_linear
         self.moe = moe
+        self.lora = lora
         self.buffers = StepBuffers(self.device)
 
     def describe(self) -> dict[str, Any]:
@@ -129,6 +130,9 @@ class TritonBackend(TorchBackend):
                 module.quantize_act = self.pointwise.quantize_rows_fp8
                 module.gemv, module.gemv_rows = self.fp8_gemv.fp8_gemv, self.fp8_gemv.ROWS
         return repacked
+
+    def lora_add(self, x: Tensor, a: Tensor, bt: Tensor, slots: Tensor, y: Tensor) -> Tensor:
+        return self.lora.lora_add(x, a, bt, slots, y)
 
     def check_cache(self, cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> None:
         why = unsupported(cfg, block_size, dtype)

@@ -102,7 +102,8 @@ class LLMEngine:
         """Queue a checked request; n > 1 adds n sequences `{id}.{i}` whose siblings wait
         for the first one's prompt and then reuse its blocks through the prefix cache."""
         prompt_ids, params = checked.prompt_ids, checked.params
-        lora_key = self._adapter_key(params.lora)
+        if params.lora is not None and self.adapters is None:
+            raise ParamError("model", f"no LoRA adapter {params.lora!r} is served")
         ids = sequence_ids(request_id, params.n)
         parent = request_id if params.n > 1 else None
         if any(i in self.requests for i in ids):
@@ -115,7 +116,8 @@ class LLMEngine:
             if params.seed is not None and i:
                 p = dataclasses.replace(params, seed=params.seed + i)
             request = Request(rid, list(prompt_ids), p, now, i, parent, wait_for=first)
-            request.lora_key = lora_key
+            if self.adapters is not None:
+                self.adapters.enter(request)
             if p.constraint is not None:
                 request.guide = self.grammars.guide(p.constraint)
             first = first or request
@@ -124,14 +126,6 @@ class LLMEngine:
                 self.post.read_each_step.add(rid)
             self.scheduler.add(request)
         return ids
-
-    def _adapter_key(self, name: str | None) -> str:
-        """The prefix-cache key of a request's adapter ("" for the base model)."""
-        if name is None:
-            return ""
-        if self.adapters is None or name not in self.adapters.known:
-            raise ParamError("model", f"no LoRA adapter {name!r} is served")
-        return self.adapters.key(name)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         request = self.requests.get(request_id)
@@ -181,6 +175,8 @@ class LLMEngine:
             kv_events_malformed=events.malformed,
             expert_tokens=self.expert_load.sample(),
         )
+        if self.adapters is not None:
+            snap = dataclasses.replace(snap, **self.adapters.gauges(sched.running, sched.waiting))
         tier = blocks.tier
         if tier is None:
             return snap
@@ -268,6 +264,9 @@ class LLMEngine:
         """The speculator's drafts, then the scheduler's batch, counted."""
         self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
+        if self.adapters is not None:  # the LoRA slots this batch fills
+            for fill in self.adapters.take_due():
+                self.runner.apply(fill)
         tier = self.blocks.tier
         if tier is not None and (copies := tier.drain()):  # before the step's forward
             t0 = self.clock()

@@ -15,9 +15,7 @@ from torch import Tensor
 from model.adapters import Adapters, LoraBank, attach
 from model.backends import Backend, select_backend
 from model.config import ModelConfig
-from model.hub import adapter_folder
 from model.kv_cache import PagedKVCache
-from model.lora import read_adapter
 from model.moe import count_experts
 from model.tokenizer import Tokenizer
 from model.transformer import Transformer
@@ -133,8 +131,9 @@ def assemble(
         config.load, config.cache.block_size, model.device, model.dtype, model.local_cfg
     )
     ranks = Ranks(model.tp, model.device) if model.tp is not None else None
-    kv_cache, blocks, disk = _kv(model, config, max_num_seqs, draft, backend, ranks)
+    # the LoRA bank before the KV pool, whose CUDA budget counts what is allocated
     adapters = _adapters(model, config.lora, config.load.download_dir)
+    kv_cache, blocks, disk = _kv(model, config, max_num_seqs, draft, backend, ranks)
     scheduler = Scheduler(
         blocks,
         max_num_seqs,
@@ -169,14 +168,14 @@ def _adapters(
 ) -> AdapterSlots | None:
     """The adapters of --lora-modules read (each refused by name where it cannot be
     served), and a bank of --max-loras slots on the model's device."""
-    if not config.modules:
+    if not config.enabled:
         return None
-    cfg, rank = model.cfg, config.max_lora_rank
-    known = {
-        name: read_adapter(adapter_folder(path, download_dir), cfg, name, rank)
-        for name, path in config.modules.items()
-    }
-    return AdapterSlots(known, LoraBank(cfg, config.max_loras, rank, model.device, model.dtype))
+    rank = config.max_lora_rank
+    bank = LoraBank(model.local_cfg, config.max_loras, rank, model.device, model.dtype)
+    adapters = AdapterSlots(Adapters(bank), model.cfg, rank, download_dir, model.shares)
+    for name, path in config.modules.items():
+        adapters.add(adapters.read(name, path))
+    return adapters
 
 
 def _kv(
@@ -265,7 +264,7 @@ def _runner(
         disk,
     )
     if adapters is not None:
-        attach(model, Adapters(adapters.bank))
+        attach(model, adapters.adapters, backend.lora_add)
     return runner
 
 

@@ -122,7 +122,8 @@ class Scheduler:
 
     def preempt(self, request: Request) -> None:
         self.blocks.free_request(request)
-        self._release_adapter(request)
+        if self.adapters is not None:
+            self.adapters.release(request)
         request.num_computed = 0
         request.pool_sum = None  # a mean pooled so far: its rows are computed again
         request.num_preemptions += 1
@@ -179,11 +180,8 @@ class Scheduler:
             self.waiting.remove(request)
         self.blocks.free_request(request)
         self.blocks.forget(request)
-        self._release_adapter(request)
-
-    def _release_adapter(self, request: Request) -> None:
         if self.adapters is not None:
-            self.adapters.release(request)
+            self.adapters.leave(request)
 
 
 def _seq(

@@ -123,6 +123,16 @@ class EngineSnapshot:
     # a mixture of experts' (layer, tokens routed to each expert), where --expert-metrics
     # counts them (ExpertLoad's latest reading)
     expert_tokens: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    # LoRA adapters (service/engine/core/adapter_slots.py): those served, the adapters of
+    # the running and the waiting requests, the requests each has taken, the bank's
+    # slots and the adapters put into them (evictions: in place of another)
+    lora_adapters: tuple[str, ...] = ()
+    lora_running: tuple[str, ...] = ()
+    lora_waiting: tuple[str, ...] = ()
+    lora_requests: tuple[tuple[str, int], ...] = ()
+    max_loras: int = 0
+    lora_loads: int = 0
+    lora_evictions: int = 0
 
     @property
     def kv_usage(self) -> float:

@@ -14,6 +14,10 @@ long as the context may be, so that a sliding window is always applied in the ke
 short rows would otherwise replay them as global ones. Soft-capped scores and logits are
 constants of the kernels and of the head.
 
+A model serving LoRA adapters (model/adapters.py) is captured with its deltas, each row's
+bank slot read from a static buffer too (-1 for the base model's rows and the padding):
+its steps of adapters and of the base model replay the same graphs.
+
 Built only for a backend whose forward never reads a device value on the host (triton).
 With capture=False (the CPU tests) a bucket's "graph" is the same function called
 eagerly on the same static buffers, so the padding and bucketing logic is tested without
@@ -65,6 +69,10 @@ class DecodeGraphs:
             null = kv_cache.window_null_block
             self.window_slots = torch.full((n,), -1, dtype=torch.int32, device=dev)
             self.window_tables = torch.full((n, width), null, dtype=torch.int32, device=dev)
+        # each row's LoRA slot, where the model serves adapters
+        self.lora_rows = None
+        if model.adapters is not None:
+            self.lora_rows = torch.full((n,), -1, dtype=torch.long, device=dev)
         self._runs: dict[int, Callable[[], Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         for size in reversed(self.buckets):  # largest first: the others reuse its pool
@@ -89,7 +97,14 @@ class DecodeGraphs:
         return meta
 
     def _forward(self, size: int) -> Tensor:
-        return self.model(self.tokens[:size], self._meta(size), self.kv_cache)  # (size, V)
+        adapters = self.model.adapters
+        if adapters is not None:  # the deltas read each row's slot from the buffer
+            adapters.rows = self.lora_rows[:size]
+        try:
+            return self.model(self.tokens[:size], self._meta(size), self.kv_cache)  # (size, V)
+        finally:
+            if adapters is not None:
+                adapters.rows = None
 
     def _eager(self, size: int) -> Callable[[], Tensor]:
         return lambda: self._forward(size)
@@ -112,8 +127,9 @@ class DecodeGraphs:
         """The smallest bucket that holds n decodes, or None (run eagerly)."""
         return next((b for b in self.buckets if b >= n), None)
 
-    def run(self, tokens: Tensor, meta: AttentionMetadata) -> Tensor:
-        """n decodes (tokens (n,), the backend's metadata for them) -> logits (n, V)."""
+    def run(self, tokens: Tensor, meta: AttentionMetadata, lora: Tensor | None = None) -> Tensor:
+        """n decodes (tokens (n,), the backend's metadata for them, each row's LoRA slot
+        where any has one) -> logits (n, V)."""
         n = tokens.shape[0]
         size = self.bucket(n)
         if size is None or meta.max_query_len != 1:
@@ -128,8 +144,15 @@ class DecodeGraphs:
             window = meta.window
             self.window_slots[:n].copy_(window.slot_mapping, non_blocking=True)
             self.window_tables[:n, :width].copy_(window.block_tables, non_blocking=True)
-        if size > n:  # padding rows: no context, no store
+        if self.lora_rows is not None:
+            if lora is not None:
+                self.lora_rows[:n].copy_(lora, non_blocking=True)
+            else:
+                self.lora_rows[:n].fill_(-1)
+        if size > n:  # padding rows: no context, no store, no adapter
             self.slots[n:size].fill_(-1)
+            if self.lora_rows is not None:
+                self.lora_rows[n:size].fill_(-1)
             self.seq_lens[n:size].fill_(0)
             if self.window_slots is not None:
                 self.window_slots[n:size].fill_(-1)

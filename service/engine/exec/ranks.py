@@ -38,8 +38,17 @@ class Clear:
     window_blocks: list[int]
 
 
+@dataclass(frozen=True, slots=True)
+class SlotFill:
+    """Put the LoRA adapter `name` into the bank's `slot` (every rank, its own share of
+    the adapter: model/adapters.py's Adapters.fill)."""
+
+    name: str
+    slot: int
+
+
 _HEARTBEAT, _STOP = "heartbeat", "stop"
-Message = Step | Clear | str
+Message = Step | Clear | SlotFill | str
 
 
 class Ranks:

@@ -13,7 +13,7 @@ from model.transformer import Transformer
 from service.engine.batch import SchedulerOutput, Step
 from service.engine.exec.cuda_graphs import DecodeGraphs
 from service.engine.exec.prompt_outputs import Pooled, Scored, pool, prompt_work, score_prompts
-from service.engine.exec.ranks import Clear, RankError, Ranks
+from service.engine.exec.ranks import Clear, RankError, Ranks, SlotFill
 from service.engine.kv.disk_tier import DiskTier
 from service.engine.kv.host_tier import Copies, run_copies
 from service.engine.request import PENDING, Request
@@ -106,17 +106,21 @@ class ModelRunner:
         pool[row].manual_seed(seed_for(seed, request.num_generated + row))
         return pool[row]
 
-    def apply(self, message: Clear | Copies) -> None:
-        """Work on the KV pool outside a forward, on every rank: zero blocks whose K/V
-        must not be reused (Clear), or the host tier's copies a step owes (before it)."""
+    def apply(self, message: Clear | Copies | SlotFill) -> None:
+        """Work outside a forward, on every rank: zero blocks whose K/V must not be
+        reused (Clear), the host tier's copies a step owes (before it), or a LoRA
+        adapter put into a slot of the bank (SlotFill)."""
         if self.ranks is not None:
             self.ranks.send(message)
         self._apply(message)
 
-    def _apply(self, message: Clear | Copies) -> None:
+    def _apply(self, message: Clear | Copies | SlotFill) -> None:
         if isinstance(message, Clear):
             blocks, window = self._to_device(message.blocks), self._to_device(message.window_blocks)
             self.kv_cache.clear(blocks, window)
+        elif isinstance(message, SlotFill):
+            assert self.model.adapters is not None, "a LoRA slot filled on a model without"
+            self.model.adapters.fill(message.name, message.slot)
         else:
             run_copies(message, self.kv_cache, self.disk)
 
@@ -319,9 +323,9 @@ class ModelRunner:
             return None
         # every sequence decodes one token (drafts sample at every row too: not a graph's)
         decodes = len(step.logit_rows) == len(step.tokens) == len(step.num_new)
-        graphed = self.graphs is not None and step.lora_slots is None  # graphs hold no deltas
-        if decodes and graphed and self.graphs.bucket(len(step.tokens)):
-            return self.graphs.run(tokens, meta)  # (S, V)
+        if decodes and self.graphs is not None and self.graphs.bucket(len(step.tokens)):
+            adapters = self.model.adapters
+            return self.graphs.run(tokens, meta, adapters.rows if adapters else None)  # (S, V)
         # decodes: every row is a logit row, in order, so no rows to pick
         rows = None if decodes else self._to_device(step.logit_rows)
         return self.model(tokens, meta, self.kv_cache, rows)
@@ -357,7 +361,7 @@ class ModelRunner:
         while not Ranks.is_stop(message := self.ranks.receive()):
             if isinstance(message, Step):
                 self.forward(message)
-            elif isinstance(message, Clear | Copies):
+            elif isinstance(message, Clear | Copies | SlotFill):
                 self._apply(message)
         self.ranks.leave()
 

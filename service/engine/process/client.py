@@ -18,6 +18,7 @@ import asyncio
 import logging
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +68,9 @@ class EngineClient:
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()  # the streams, the floors waiting, _closed
         self._floors: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        # LoRA adapter loads and unloads waiting for the core's answer, by ticket
+        self._changes: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self.adapters: tuple[str, ...] = ()  # the LoRA adapters the engine serves
         self._memory: tuple[int, int] | None = None
         self._closed = False
         self._shut = False  # shutdown() was asked for
@@ -82,6 +86,7 @@ class EngineClient:
         ready = self._wait_ready(timeout)
         self.limits = ready.limits
         self._snapshot = ready.snapshot
+        self.adapters = ready.snapshot.lora_adapters
         self.tokenizer, self.grammars = self._front_tables(ready)
         return ready
 
@@ -175,6 +180,21 @@ class EngineClient:
         self.link.send(wire.Floors(self.front))
         return await future
 
+    async def change_adapter(self, name: str, path: str | None = None) -> None:
+        """Load the LoRA adapter at `path` as `name` (None: unload `name`) in the engine;
+        AdapterChangeError says why it could not be."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[wire.AdapterChanged] = loop.create_future()
+        ticket = uuid.uuid4().hex
+        with self._lock:
+            if self._closed:
+                raise EngineDeadError(f"engine is not running: {self.error!r}")
+            self._changes[ticket] = (loop, future)
+        self.link.send(wire.AdapterChange(ticket, name, path, self.front))
+        answer = await future
+        if answer.error is not None:
+            raise AdapterChangeError(answer.error, answer.missing)
+
     # ---- requests --------------------------------------------------------------------
 
     def generate(self, request_id: str, request: Checked) -> AsyncIterator[list[RequestOutput]]:
@@ -214,6 +234,12 @@ class EngineClient:
             self._step(message)
         elif isinstance(message, wire.FloorsResult):
             self._settle_floors(message)
+        elif isinstance(message, wire.AdapterChanged):
+            self.adapters = message.adapters
+            with self._lock:
+                waiting = self._changes.pop(message.ticket, None)
+            if waiting is not None:
+                settle(*waiting, message, None)
         elif isinstance(message, wire.Ready):
             self._first = self._first or message
             self._ready.set()
@@ -229,6 +255,7 @@ class EngineClient:
 
     def _step(self, step: wire.Step) -> None:
         self._snapshot, self.busy, self._memory = step.snapshot, step.busy, step.device_memory
+        self.adapters = step.snapshot.lora_adapters
         self.last_progress = time.monotonic()
         if self.observer is not None and step.events:
             self._replay(self.observer, step.events)
@@ -276,10 +303,21 @@ class EngineClient:
             self._closed = True
             streams, self._streams = list(self._streams.values()), {}
             waiting, self._floors = self._floors, []
+            waiting += list(self._changes.values())
+            self._changes = {}
         for stream in streams:
             deliver(stream.loop, stream.queue, error)
         for loop, future in waiting:
             settle(loop, future, None, error)
+
+
+class AdapterChangeError(Exception):
+    """A LoRA adapter load or unload the engine refused, and why (missing: no adapter of
+    that name was loaded)."""
+
+    def __init__(self, why: str, missing: bool = False) -> None:
+        super().__init__(why)
+        self.missing = missing
 
 
 @dataclass(frozen=True, slots=True)

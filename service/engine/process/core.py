@@ -130,6 +130,8 @@ class Core:
         # requests whose grammar's start matcher is being built off the step (llguidance
         # releases the GIL), added once it is: a large grammar never stalls a step
         self.preparing: dict[str, tuple[Future, wire.Add]] = {}
+        # LoRA adapters being read off the step (their files), added once they are
+        self.reading: dict[str, tuple[Future, wire.AdapterChange]] = {}
         self.sent: EngineSnapshot | None = None  # the snapshot the fronts have last
 
     def serve(self, served: Served) -> int:
@@ -162,10 +164,12 @@ class Core:
         engine = self.engine
         while True:
             busy = engine.has_unfinished()
-            wait = 0 if busy else GRAMMAR_POLL_MS if self.preparing else IDLE_POLL_MS
+            pending = self.preparing or self.reading
+            wait = 0 if busy else GRAMMAR_POLL_MS if pending else IDLE_POLL_MS
             if self.side.wait(wait) and self._drain():
                 return  # shut down
             self._add_prepared()
+            self._add_read()
             if self.side.orphaned():
                 log.error("the process that started the engine is gone: the engine exits")
                 return
@@ -191,6 +195,8 @@ class Core:
                     self.outputs.append(out)
             elif isinstance(message, wire.Floors):
                 self._floors(message.front)
+            elif isinstance(message, wire.AdapterChange):
+                self._change_adapter(message)
             elif isinstance(message, wire.FrontGone):
                 self._front_gone(message.front)
             else:
@@ -222,6 +228,47 @@ class Core:
         """Add the requests whose grammar is ready (or failed: the add says why)."""
         for rid in [r for r, (future, _) in self.preparing.items() if future.done()]:
             self._add(self.preparing.pop(rid)[1])
+
+    def _change_adapter(self, change: wire.AdapterChange) -> None:
+        """Unload now (its requests finish first), or read the adapter's files off the
+        step and add it when they are read (_add_read)."""
+        adapters = self.engine.adapters
+        if adapters is None or self.engine.ranks is not None:
+            why = (
+                "LoRA adapters are not served (start with --enable-lora or --lora-modules)"
+                if adapters is None
+                else "LoRA adapters load at run time on one rank (--tensor-parallel-size 1)"
+            )
+            served = adapters.served if adapters is not None else ()
+            self.side.send(change.front, wire.AdapterChanged(change.ticket, served, why))
+        elif change.path is None:
+            try:
+                adapters.remove(change.name)
+                self._adapter_changed(change)
+            except KeyError as exc:
+                self._adapter_changed(change, exc.args[0], missing=True)
+        else:
+            future = SETUP_POOL.submit(adapters.read, change.name, change.path)
+            self.reading[change.ticket] = (future, change)
+
+    def _add_read(self) -> None:
+        """Add the adapters whose files are read (or answer why they cannot be)."""
+        for ticket in [t for t, (future, _) in self.reading.items() if future.done()]:
+            future, change = self.reading.pop(ticket)
+            try:
+                self.engine.adapters.add(future.result())
+            except ValueError as exc:  # what cannot be served, named
+                self._adapter_changed(change, str(exc))
+            except Exception as exc:  # the adapter fails alone; the loop goes on
+                self._adapter_changed(change, _why(exc))
+            else:
+                self._adapter_changed(change)
+
+    def _adapter_changed(
+        self, change: wire.AdapterChange, error: str | None = None, missing: bool = False
+    ) -> None:
+        served = self.engine.adapters.served
+        self.side.send(change.front, wire.AdapterChanged(change.ticket, served, error, missing))
 
     def _abort(self, request_id: str) -> None:
         if self.preparing.pop(request_id, None) is not None:  # never added: nothing to send

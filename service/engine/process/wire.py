@@ -42,6 +42,16 @@ class Floors(msgspec.Struct, tag=True, array_like=True):
     front: int = 0  # who asked: the result goes there
 
 
+class AdapterChange(msgspec.Struct, tag=True, array_like=True):
+    """Load the LoRA adapter at `path` as `name` (path None: unload `name`); the answer,
+    AdapterChanged under the same ticket, goes to `front`."""
+
+    ticket: str
+    name: str
+    path: str | None = None
+    front: int = 0
+
+
 class FrontGone(msgspec.Struct, tag=True, array_like=True):
     """A front process died (from the supervisor, service/fronts.py): its requests are
     aborted, what was queued for it dropped, and a Ready waits for its replacement."""
@@ -53,7 +63,7 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
     """Finish: the engine ends what is in flight with an error and exits."""
 
 
-ToEngine = Add | Abort | Stopped | Floors | FrontGone | Shutdown
+ToEngine = Add | Abort | Stopped | Floors | AdapterChange | FrontGone | Shutdown
 
 # ---- engine -> front -------------------------------------------------------------------
 
@@ -122,7 +132,17 @@ class Failed(msgspec.Struct, tag=True, array_like=True):
     error: str
 
 
-FromEngine = Ready | Step | FloorsResult | Failed
+class AdapterChanged(msgspec.Struct, tag=True, array_like=True):
+    """What an AdapterChange did: the adapters served after it, or why it failed
+    (missing: there was no such adapter to unload)."""
+
+    ticket: str
+    adapters: tuple[str, ...]
+    error: str | None = None
+    missing: bool = False
+
+
+FromEngine = Ready | Step | FloorsResult | AdapterChanged | Failed
 
 encode = msgspec.msgpack.Encoder().encode
 decode_to_engine = msgspec.msgpack.Decoder(ToEngine).decode

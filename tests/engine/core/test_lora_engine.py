@@ -15,6 +15,7 @@ from model.backends.cpu.packed import GatedSwiGLU
 from model.loader import load
 from service.config import Settings
 from service.engine.core.engine import LLMEngine
+from service.engine.exec.cuda_graphs import DecodeGraphs
 from service.engine.request import ParamError
 from tests.engine.helpers import greedy, run_all, tokens_of
 from tests.factories import write_adapter, write_llama, write_tokenizer
@@ -32,9 +33,14 @@ STACKED = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, interm
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list]]:
-    """A Llama checkpoint, two adapters peft wrote on it, and each adapter's (and the
-    base model's, under None) greedy tokens for every prompt from peft's model."""
     root = tmp_path_factory.mktemp("lora")
+    return root, write_with_adapters(root)
+
+
+def write_with_adapters(root: Path) -> dict[str | None, list]:
+    """A Llama checkpoint at root/base, ADAPTERS as peft writes them beside it, and each
+    adapter's (and the base model's, under None) greedy tokens for every prompt from
+    peft's model."""
     write_llama(root / "base", tied=False)
     write_tokenizer(root / "base")
     want: dict[str | None, list] = {}
@@ -44,7 +50,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
         want[name] = [_generate(peft_model, p) for p in PROMPTS]
         with peft_model.disable_adapter():
             want[None] = [_generate(peft_model, p) for p in PROMPTS]
-    return root, want
+    return want
 
 
 @torch.no_grad()
@@ -60,13 +66,14 @@ def _engine(root: Path, backend: str, max_loras: int = 4) -> LLMEngine:
     loaded = load(root / "base", torch.float32, torch.device("cpu"))
     modules = tuple(f"{n}={root / n}" for n in ADAPTERS)
     settings = Settings(
-        num_kv_blocks=128, block_size=4, attention_backend=backend, lora_modules=modules,
+        num_kv_blocks=128, block_size=16 if backend == "triton" else 4,  # Triton's smallest
+        attention_backend=backend, lora_modules=modules,
         max_loras=max_loras, max_lora_rank=8, max_num_batched_tokens=64,
     )  # fmt: skip
     return LLMEngine.build(loaded.model, loaded.tokenizer, settings.engine)
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])  # triton: the interpreter
 def test_requests_of_several_adapters_batched_give_peft_models_greedy_tokens(
     checkpoint, backend: str
 ) -> None:
@@ -138,7 +145,7 @@ def test_the_cpu_kernels_gated_ffn_takes_the_delta_before_its_gate(tmp_path: Pat
     engine = LLMEngine.build(loaded.model, loaded.tokenizer, settings.engine)
     model = engine.model
     assert isinstance(model.layers[0].ffn, GatedSwiGLU)
-    engine.adapters.bank.load(engine.adapters.known["every"], 0)
+    engine.adapters.adapters.fill("every", 0)
     ids = torch.tensor(PROMPTS[1])
     model.adapters.rows = torch.zeros(len(ids), dtype=torch.long)
     got = model(ids).float()
@@ -187,3 +194,49 @@ def test_the_cpu_decoder_stack_adds_the_deltas_the_modules_do(tmp_path: Path) ->
     assert all(
         tokens[True][f"{i}-{n}"] != tokens[True][f"{i}-None"] for i in range(4) for n in ADAPTERS
     )
+
+
+def test_an_adapter_unloaded_with_requests_in_flight_finishes_them_first(checkpoint) -> None:
+    """Unloaded while a request runs under it: the request ends with peft's tokens, a new
+    request naming it is refused, and once its last request is gone the adapter is out
+    of host memory and of its slot; loaded again, it serves again."""
+    root, want = checkpoint
+    engine = _engine(root, "torch")
+    slots = engine.adapters
+    engine.add_request("r", PROMPTS[0], greedy(NEW, lora="qv"))
+    outputs = engine.step()  # its prompt, and its slot taken
+    slots.remove("qv")
+    assert slots.served == ("every",) and "qv" in slots.known
+    with pytest.raises(ParamError, match="no LoRA adapter 'qv'"):
+        engine.add_request("late", PROMPTS[1], greedy(NEW, lora="qv"))
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert [t for o in outputs for t in o.token_ids] == want["qv"][0]
+    assert "qv" not in slots.known and "qv" not in slots.names
+    with pytest.raises(KeyError, match="no LoRA adapter 'qv' is loaded"):
+        slots.remove("qv")
+    slots.add(slots.read("qv", str(root / "qv")))
+    got = run_all(engine, {"again": (PROMPTS[0], greedy(NEW, lora="qv"))})
+    assert tokens_of(got["again"]) == want["qv"][0]
+    with pytest.raises(ValueError, match="'qv' is loaded already"):
+        slots.add(slots.read("qv", str(root / "qv")))
+
+
+def test_decode_graphs_carry_each_rows_adapter(checkpoint) -> None:
+    """On the Triton backend (the interpreter) decode steps of adapters and of the base
+    model go through the CUDA graphs' static buffers (replayed eagerly here), each row's
+    slot with them: peft's tokens still."""
+    root, want = checkpoint
+    engine = _engine(root, "triton")
+    graphs = DecodeGraphs(engine.model, engine.kv_cache, 8, 256, capture=False)
+    sizes: list[int] = []
+    run = graphs.run
+    graphs.run = lambda tokens, meta, *lora: (
+        sizes.append(tokens.shape[0]) or run(tokens, meta, *lora)
+    )
+    engine.runner.graphs = graphs
+    requests = {f"{i}-{name}": (PROMPTS[i], greedy(NEW, lora=name)) for i in range(2)
+                for name in (None, *ADAPTERS)}  # fmt: skip
+    got = {rid: tokens_of(o) for rid, o in run_all(engine, requests).items()}
+    assert got == {rid: want[p.lora][int(rid[0])] for rid, (_, p) in requests.items()}
+    assert sum(sizes) >= 6 * (NEW - 2)  # most decodes went through the graphs

@@ -100,7 +100,9 @@ def test_engine_replays_decode_graphs_and_runs_other_steps_eagerly(async_schedul
     graphs = DecodeGraphs(MODEL, engine.kv_cache, 16, 512, capture=False)
     sizes: list[int] = []
     run = graphs.run
-    graphs.run = lambda tokens, meta: sizes.append(tokens.shape[0]) or run(tokens, meta)
+    graphs.run = lambda tokens, meta, *lora: (
+        sizes.append(tokens.shape[0]) or run(tokens, meta, *lora)
+    )
     engine.runner.graphs = graphs
     got = {rid: tokens_of(o) for rid, o in run_all(engine, requests).items()}
     assert got == want
@@ -136,7 +138,9 @@ def test_decode_graphs_keep_windows_soft_caps_and_experts(family: str, tmp_path)
     assert (graphs.window_tables is not None) == bool(engine.kv_cache.window_blocks)
     sizes: list[int] = []
     run = graphs.run
-    graphs.run = lambda tokens, meta: sizes.append(tokens.shape[0]) or run(tokens, meta)
+    graphs.run = lambda tokens, meta, *lora: (
+        sizes.append(tokens.shape[0]) or run(tokens, meta, *lora)
+    )
     engine.runner.graphs = graphs
     got = {rid: tokens_of(o) for rid, o in run_all(engine, requests).items()}
     assert got == want and sum(sizes) >= 2 * 6  # most decodes went through the graphs

@@ -467,3 +467,20 @@ def test_int4_weights_on_cuda_replay_graphs_with_eagers_tokens(writer, tmp_path)
     got = {rid: tokens_of(o) for rid, o in run_all(engine, requests).items()}
     want = {rid: tokens_of(o) for rid, o in run_all(eager, requests).items()}
     assert got == want
+
+
+def test_lora_adapters_on_cuda_give_peft_tokens_through_the_graphs(tmp_path: Path) -> None:
+    """LoRA adapters on CUDA: the Triton shrink and expand kernels inside the decode
+    graphs, requests of two adapters and of the base model together (float32), give the
+    peft library's greedy tokens as the CPU computes them."""
+    from tests.engine.core.test_lora_engine import ADAPTERS, NEW, PROMPTS, write_with_adapters
+
+    want = write_with_adapters(tmp_path)
+    model = load_model(tmp_path / "base", torch.float32).to("cuda")
+    modules = tuple(f"{n}={tmp_path / n}" for n in ADAPTERS)
+    engine = cuda_engine(model, lora_modules=modules, max_lora_rank=8, max_num_seqs=16)
+    assert engine.runner.graphs is not None and engine.runner.graphs.lora_rows is not None
+    requests = {f"{i}-{name}": (p, greedy(NEW, lora=name)) for i, p in enumerate(PROMPTS)
+                for name in (None, *ADAPTERS)}  # fmt: skip
+    got = {rid: tokens_of(o) for rid, o in run_all(engine, requests).items()}
+    assert got == {rid: want[p.lora][int(rid[0])] for rid, (_, p) in requests.items()}
