@@ -13,9 +13,9 @@ one turn of each:
                   all naming the base model, or client i naming adapter i % --adapters
                   (output tok/s = generated tokens / wall time)
 
-Then two more waves over the adapters: one as above, one while another adapter is loaded
-and unloaded every second (/v1/load_lora_adapter, an admin key): the streams' worst
-inter-token gap in each.
+Then three more waves: the base model's, one over the adapters, and one over them while
+another adapter is loaded and unloaded every second (/v1/load_lora_adapter, an admin
+key): the streams' worst inter-token gap in each.
 
 Prints the CPU, a table of the medians and the adapters' share of the base model's, and
 writes JSON (--out); records the row in docs/results.md.
@@ -87,7 +87,7 @@ def write_adapters(model: Path, n: int, rank: int) -> dict[str, Path]:
 def measure(
     args: argparse.Namespace, model: Path, adapters: dict[str, Path], churned: Path
 ) -> tuple[dict, dict]:
-    """The rounds' results by side, and the calm and churning waves'."""
+    """The rounds' results by side, and the base, calm and churning waves'."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     modules = ",".join(f"{name}={path}" for name, path in adapters.items())
@@ -101,7 +101,7 @@ def measure(
     try:
         wait_healthy(proc, url, 600, "kvserve")
         results = rounds(args, url, model.name, list(adapters))
-        return results, churn_waves(args, url, list(adapters), churned)
+        return results, churn_waves(args, url, model.name, list(adapters), churned)
     finally:
         proc.terminate()
         proc.wait()
@@ -135,16 +135,19 @@ def rounds(args: argparse.Namespace, url: str, base: str, names: list[str]) -> d
     return results
 
 
-def churn_waves(args: argparse.Namespace, url: str, names: list[str], churned: Path) -> dict:
-    """The worst inter-token gap of a wave over the adapters, and of one while another
-    adapter is loaded and unloaded every second."""
+def churn_waves(
+    args: argparse.Namespace, url: str, base: str, names: list[str], churned: Path
+) -> dict:
+    """The worst inter-token gap of a wave of the base model, of one over the adapters,
+    and of one while another adapter is loaded and unloaded every second."""
     n = args.concurrency
-    reqs = bench.workload("fixed", 8 * n, args.prompt_len, args.output_len, 100256, 1)
+    reqs = bench.workload("fixed", 12 * n, args.prompt_len, args.output_len, 100256, 1)
     out = {}
     with bench.event_loop() as loop:
-        calm = loop.run(bench.run(url, reqs[: 4 * n], n, None, 600, names, None, 0))
-        churning = loop.run(_churning(url, reqs[4 * n :], n, names, churned))
-    for name, run in (("calm", calm), ("churn", churning)):
+        plain = loop.run(bench.run(url, reqs[: 4 * n], n, None, 600, base, None, 0))
+        calm = loop.run(bench.run(url, reqs[4 * n : 8 * n], n, None, 600, names, None, 0))
+        churning = loop.run(_churning(url, reqs[8 * n :], n, names, churned))
+    for name, run in (("base", plain), ("calm", calm), ("churn", churning)):
         if run["errors"]:
             raise SystemExit(f"{name}: {run['error_examples']}")
         out[name] = {"itl_max_ms": run["itl_ms"]["max"], "output_tok_s": run["output_tok_s"]}
@@ -185,11 +188,11 @@ def report(args: argparse.Namespace, results: dict, churn: dict) -> None:
     for side, m in median.items():
         print(f"{side:10s} {m['single']:13.1f} {m['concurrent']:18.1f}")
     print(f"{'share':10s} {share['single']:13.2f} {share['concurrent']:18.2f}")
-    calm, churning = churn["calm"]["itl_max_ms"], churn["churn"]["itl_max_ms"]
-    print(
-        f"worst inter-token gap over the adapters: {calm:.1f} ms; with an adapter loaded "
-        f"and unloaded every second ({churn['churn']['cycles']} times): {churning:.1f} ms"
-    )
+    plain, calm = churn["base"]["itl_max_ms"], churn["calm"]["itl_max_ms"]
+    churning = churn["churn"]["itl_max_ms"]
+    print(f"worst inter-token gap: base {plain:.1f} ms, over the adapters {calm:.1f} ms, with "
+          f"an adapter loaded and unloaded every second ({churn['churn']['cycles']} times) "
+          f"{churning:.1f} ms")  # fmt: skip
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "rounds": results, "median": median,
@@ -207,9 +210,8 @@ def report(args: argparse.Namespace, results: dict, churn: dict) -> None:
                 f"{m['adapters']['concurrent']:.1f} / {m['base']['concurrent']:.1f} tok/s "
                 f"({share['concurrent']:.2f}x)"
             ),
-            "worst inter-token gap, calm / an adapter loaded and unloaded each second": (
-                f"{calm:.1f} / {churning:.1f} ms"
-            ),
+            "worst inter-token gap, base / adapters / an adapter loaded and unloaded each "
+            "second": f"{plain:.1f} / {calm:.1f} / {churning:.1f} ms",
         },
     )
 

@@ -62,6 +62,7 @@ static void lora_group(const stack_args *a) {
  * LORA_BLOCK features (model/adapters.py's BLOCK) */
 #define LORA_ROWS 32
 #define LORA_COLS 1024
+#define LORA_ITEMS 4 /* work items a thread gets at least (for the dynamic schedule) */
 #define LORA_RANKS 4
 #define LORA_BLOCK 64
 
@@ -101,20 +102,23 @@ static void lora_dots(const stack_args *a, const uint16_t *A, int W, const uint1
         }
 }
 
-/* low (rows of lora_order, W) = x A[slot]^T, by (slot, rows) work items, each streaming
- * its adapter's A whole: each adapter's A read once a call. The work of a parallel
- * region (lora_add's), which waits for it all at the end. */
+/* low (rows of lora_order, W) = x A[slot]^T, by (slot, rows, ranks) work items, each
+ * streaming its stretch of A (`split` of them an adapter's A): each adapter's A read
+ * once a call. The work of a parallel region (lora_add's), which waits for it all at
+ * the end. */
 static void lora_low(const stack_args *a, const uint16_t *A, int W, const uint16_t *x, int k,
-                     int chunks) {
-    const int S = a->lora_slots;
-#pragma omp for collapse(2) schedule(dynamic)
+                     int chunks, int split) {
+    const int S = a->lora_slots, step = (W / split + LORA_RANKS - 1) / LORA_RANKS * LORA_RANKS;
+#pragma omp for collapse(3) schedule(dynamic)
     for (int s = 0; s < S; ++s)
-        for (int c = 0; c < chunks; ++c) {
-            int i0, i1;
-            lora_rows_of(a, s, c, &i0, &i1);
-            for (int r = 0; r < W && i0 < i1; r += LORA_RANKS)
-                for (int i = i0; i < i1; i += 2) lora_dots(a, A, W, x, k, s, r, i, i + 1 < i1);
-        }
+        for (int c = 0; c < chunks; ++c)
+            for (int q = 0; q < split; ++q) {
+                int i0, i1;
+                lora_rows_of(a, s, c, &i0, &i1);
+                const int r1 = (q + 1) * step < W ? (q + 1) * step : W;
+                for (int r = q * step; r < r1 && i0 < i1; r += LORA_RANKS)
+                    for (int i = i0; i < i1; i += 2) lora_dots(a, A, W, x, k, s, r, i, i + 1 < i1);
+            }
 }
 
 /* y[j] = bf16(y[j] + bf16(sum[j])): a delta rounded to bf16 and added, as torch adds two
@@ -145,12 +149,15 @@ static void lora_block(const stack_args *a, const uint16_t *block, int W, uint16
     if (i + 1 < end) lora_store(y + (long)a->lora_order[i + 1] * n + at, v1, width);
 }
 
-/* y += low B^T for the adapted rows, by (slot, rows, LORA_COLS features) work items, each
- * streaming its stretch of B (LoraBank's blocks: every rank's LORA_BLOCK features
- * together). The work of a parallel region (lora_add's). */
+/* y += low B^T for the adapted rows, by (slot, rows, features) work items (`split` of
+ * them the features, at most LORA_COLS an item), each streaming its stretch of B
+ * (LoraBank's blocks: every rank's LORA_BLOCK features together). The work of a parallel
+ * region (lora_add's). */
 static void lora_deltas(const stack_args *a, const uint16_t *Bt, int W, uint16_t *y, int n,
-                        int gated, int chunks) {
-    const int nb = (n + LORA_BLOCK - 1) / LORA_BLOCK, per = LORA_COLS / LORA_BLOCK;
+                        int gated, int chunks, int split) {
+    const int nb = (n + LORA_BLOCK - 1) / LORA_BLOCK;
+    const int per = (nb + split - 1) / split < LORA_COLS / LORA_BLOCK ? (nb + split - 1) / split
+                                                                     : LORA_COLS / LORA_BLOCK;
     const int S = a->lora_slots, items = (nb + per - 1) / per;
 #pragma omp for collapse(3) schedule(dynamic)
     for (int s = 0; s < S; ++s)
@@ -180,10 +187,17 @@ static void lora_add(const stack_args *a, const layer_args *w, int which, const 
     const uint16_t *A = w->lora_a[which], *Bt = w->lora_b[which];
     if (!a->lora_rows || !A) return;
     const int W = w->lora_width[which], chunks = (a->rows + LORA_ROWS - 1) / LORA_ROWS;
+    /* items of rows with work, and into how many each product splits them: enough for
+     * every thread (one adapter's row alone: all of them on its A and B) */
+    int groups = 0;
+    for (int s = 0; s < a->lora_slots; ++s)
+        groups += (a->lora_starts[s + 1] - a->lora_starts[s] + LORA_ROWS - 1) / LORA_ROWS;
+    const int split = groups ? (LORA_ITEMS * nt + groups - 1) / groups : 1;
+    const int ranks = (W + LORA_RANKS - 1) / LORA_RANKS;
 #pragma omp parallel num_threads(nt)
     {
-        lora_low(a, A, W, x, k, chunks);
-        lora_deltas(a, Bt, W, y, n, gated, chunks);
+        lora_low(a, A, W, x, k, chunks, split < ranks ? split : ranks);
+        lora_deltas(a, Bt, W, y, n, gated, chunks, split);
     }
 }
 
