@@ -81,6 +81,11 @@ class LoraBank:
             blocks = -(-n_out // BLOCK)
             self.bt[key] = torch.zeros(slots, blocks, width, BLOCK, device=device, dtype=dtype)
 
+    @property
+    def nbytes(self) -> int:
+        """What the stacks take on the device (every slot, at the widest rank)."""
+        return sum(t.nbytes for stacks in (self.a, self.bt) for t in stacks.values())
+
     def load(self, adapter: LoraAdapter, slot: int) -> None:
         """`adapter` into `slot`, every linear it leaves alone zero there."""
         for key, a in self.a.items():
@@ -127,9 +132,7 @@ class Adapters:
         self.bank = bank
         self.known: dict[str, LoraAdapter] = {}
         self.rows: Tensor | None = None
-        # how y gets its rows' deltas: the backend's (attach), the torch reference's
-        # before
-        self.kernel: AddDelta = add_delta
+        self.kernel: AddDelta = add_delta  # how y gets its rows' deltas (attach sets it)
 
     def fill(self, name: str, slot: int) -> None:
         """The adapter `name` into the bank's `slot`."""

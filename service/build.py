@@ -189,7 +189,18 @@ def _report(
         ),
         "speculative_method": settings.speculative_method,
         "num_speculative_tokens": settings.num_speculative_tokens,
+        "lora": _lora(engine, settings, world),
     }
+
+
+def _lora(engine: LLMEngine, settings: Settings, world: int) -> dict[str, int] | None:
+    """The LoRA bank's slots, rank and bytes on the device (every rank's share), where
+    the engine serves adapters."""
+    if engine.adapters is None:
+        return None
+    bank = engine.adapters.adapters.bank
+    return {"max_loras": bank.slots, "max_lora_rank": settings.max_lora_rank,
+            "bank_bytes": bank.nbytes * world}  # fmt: skip
 
 
 def _log_ready(

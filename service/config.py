@@ -6,9 +6,12 @@ import argparse
 import dataclasses
 import hashlib
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+from service.limits import ADAPTER_NAME, MAX_ADAPTER_NAME_CHARS
 
 GiB = 1 << 30
 # On the CPU a 2048-token prefill step costs about 16 steps of 32 decodes, so 128 prompt
@@ -512,6 +515,11 @@ class Settings:
         for entry, name in zip(self.lora_modules, names, strict=True):
             if not name or not entry.partition("=")[2]:
                 raise ValueError(f"lora_modules: {entry!r} is not name=path")
+            if len(name) > MAX_ADAPTER_NAME_CHARS or not re.match(ADAPTER_NAME, name):
+                raise ValueError(
+                    f"lora_modules: {name!r}: a name is letters, digits and ._:- (at most "
+                    f"{MAX_ADAPTER_NAME_CHARS})"
+                )
         if len(set(names)) < len(names):
             raise ValueError("lora_modules: two adapters have one name")
         if self.enable_lora and self.tensor_parallel_size > 1:

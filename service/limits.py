@@ -17,6 +17,7 @@ MAX_CACHE_SALT_CHARS = 256
 # the path a run-time load reads
 MAX_ADAPTER_NAME_CHARS = 128
 MAX_ADAPTER_PATH_CHARS = 4096
+ADAPTER_NAME = r"^[A-Za-z0-9._:-]+$"  # a word: no spaces, commas or quotes in a label
 MAX_CHOICES = 256  # strings in guided_choice / structured_outputs.choice
 MAX_CONSTRAINT_CHARS = 100_000  # a JSON Schema, regex or grammar, as text: compiled per request
 # entries of prompt-token logprobs in one response (prompt tokens x (alternatives + 1),

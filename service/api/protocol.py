@@ -7,6 +7,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.limits import (
+    ADAPTER_NAME,
     MAX_ADAPTER_NAME_CHARS,
     MAX_ADAPTER_PATH_CHARS,
     MAX_CACHE_SALT_CHARS,
@@ -170,7 +171,7 @@ class EmbeddingRequest(BaseModel):
 
 # a LoRA adapter's name: what a request's model gives, a metric label, a path-free word
 AdapterName = Annotated[
-    str, Field(min_length=1, max_length=MAX_ADAPTER_NAME_CHARS, pattern=r"^[A-Za-z0-9._:-]+$")
+    str, Field(min_length=1, max_length=MAX_ADAPTER_NAME_CHARS, pattern=ADAPTER_NAME)
 ]
 
 

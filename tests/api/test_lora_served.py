@@ -60,6 +60,8 @@ def test_adapters_are_listed_selected_by_model_and_give_peft_models_text(
         listed = {m.id: m.model_extra.get("parent") for m in client.models.list().data}
         assert listed == {"base": None, "sql": "base", "style": "base"}
         assert client.models.retrieve("sql").model_extra["parent"] == "base"
+        lora = client.models.retrieve("base").model_extra["memory"]["lora"]
+        assert lora["max_loras"] == 4 and lora["max_lora_rank"] == 8 and lora["bank_bytes"] > 0
 
         def complete(job: tuple[str, int]) -> tuple[str, str]:
             model, i = job

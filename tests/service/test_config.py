@@ -1,3 +1,4 @@
+import hashlib
 import os
 from pathlib import Path
 
@@ -256,3 +257,24 @@ def test_every_setting_is_in_one_section() -> None:
     assert sorted(names) == sorted(f.name for f in fields(Settings))
     config = settings_from_argv(["--block-size", "32", "--num-speculative-tokens", "3"]).engine
     assert config.cache.block_size == 32 and config.speculative.num_speculative_tokens == 3
+
+
+def test_lora_settings_and_key_limits_are_checked_at_start() -> None:
+    s = Settings(lora_modules=("sql=/a", "chat=org/chat-lora"), api_keys=("k1", "k2"),
+                 api_key_models=("k2=sql|chat",))  # fmt: skip
+    assert s.engine.lora.modules == {"sql": "/a", "chat": "org/chat-lora"}
+    assert s.engine.lora.enabled and not Settings().engine.lora.enabled
+    assert s.key_models == {hashlib.sha256(b"k2").hexdigest(): frozenset({"sql", "chat"})}
+    for modules, why in (
+        (("sql",), "is not name=path"),
+        (("sql=/a", "sql=/b"), "two adapters have one name"),
+        (("a b=/a",), "a name is letters, digits"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            Settings(lora_modules=modules)
+    with pytest.raises(ValueError, match="enable_lora: LoRA adapters load at run time on one"):
+        Settings(enable_lora=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="a key limited is not one of --api-keys"):
+        Settings(api_keys=("k1",), api_key_models=("k3=sql",))
+    with pytest.raises(ValueError, match="is not KEY=NAME"):
+        Settings(api_keys=("k1",), api_key_models=("k1",))

@@ -24,7 +24,10 @@ PROMPTS = [[(7 * i + 5 * j) % 250 + 3 for i in range(n)] for j, n in enumerate((
 ADAPTERS = {  # name: (seed, peft's LoraConfig)
     "every": (1, dict(r=8, lora_alpha=16, target_modules="all-linear")),
     "qv": (2, dict(r=4, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "v_proj"])),
-}
+    "kud": (3, dict(r=6, lora_alpha=12, target_modules=["k_proj", "up_proj", "down_proj"],
+                    rank_pattern={"down_proj": 2}, alpha_pattern={"k_proj": 3})),
+    "og": (4, dict(r=8, lora_alpha=8, target_modules=["o_proj", "gate_proj"])),
+}  # fmt: skip
 NEW = 8
 # shapes the cpu backend's kernels take whole: its decoder stack runs them (64-feature
 # blocks, 32-wide heads, (gate | up) in 128-row blocks)
@@ -80,16 +83,17 @@ def test_requests_of_several_adapters_batched_give_peft_models_greedy_tokens(
     root, want = checkpoint
     engine = _engine(root, backend)
     names = [None, *ADAPTERS]
+    prompts = PROMPTS[:2] if backend == "triton" else PROMPTS  # the interpreter is slow
     requests = {
         f"{i}-{name}": (prompt, greedy(NEW, lora=name))
-        for i, prompt in enumerate(PROMPTS)
+        for i, prompt in enumerate(prompts)
         for name in names
     }
     got = {rid: tokens_of(outs) for rid, outs in run_all(engine, requests).items()}
-    for i in range(len(PROMPTS)):
+    for i in range(len(prompts)):
         for name in names:
             assert got[f"{i}-{name}"] == want[name][i], (i, name)
-    assert want["every"] != want[None] and want["qv"] != want[None]  # each adapter matters
+    assert all(want[name] != want[None] for name in ADAPTERS)  # each adapter matters
     assert engine.blocks.num_used == 0 and engine.adapters.running() == {}
 
 
@@ -206,7 +210,7 @@ def test_an_adapter_unloaded_with_requests_in_flight_finishes_them_first(checkpo
     engine.add_request("r", PROMPTS[0], greedy(NEW, lora="qv"))
     outputs = engine.step()  # its prompt, and its slot taken
     slots.remove("qv")
-    assert slots.served == ("every",) and "qv" in slots.known
+    assert "qv" not in slots.served and "qv" in slots.known
     with pytest.raises(ParamError, match="no LoRA adapter 'qv'"):
         engine.add_request("late", PROMPTS[1], greedy(NEW, lora="qv"))
     while engine.has_unfinished():
@@ -228,15 +232,15 @@ def test_decode_graphs_carry_each_rows_adapter(checkpoint) -> None:
     slot with them: peft's tokens still."""
     root, want = checkpoint
     engine = _engine(root, "triton")
-    graphs = DecodeGraphs(engine.model, engine.kv_cache, 8, 256, capture=False)
+    graphs = DecodeGraphs(engine.model, engine.kv_cache, 16, 256, capture=False)
     sizes: list[int] = []
     run = graphs.run
     graphs.run = lambda tokens, meta, *lora: (
         sizes.append(tokens.shape[0]) or run(tokens, meta, *lora)
     )
     engine.runner.graphs = graphs
-    requests = {f"{i}-{name}": (PROMPTS[i], greedy(NEW, lora=name)) for i in range(2)
+    requests = {f"{i}-{name}": (PROMPTS[i], greedy(NEW, lora=name)) for i in range(1)
                 for name in (None, *ADAPTERS)}  # fmt: skip
     got = {rid: tokens_of(o) for rid, o in run_all(engine, requests).items()}
     assert got == {rid: want[p.lora][int(rid[0])] for rid, (_, p) in requests.items()}
-    assert sum(sizes) >= 6 * (NEW - 2)  # most decodes went through the graphs
+    assert sum(sizes) >= len(requests) * NEW // 2  # most decodes went through the graphs
