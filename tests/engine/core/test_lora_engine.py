@@ -165,10 +165,15 @@ def test_the_cpu_kernels_gated_ffn_takes_the_delta_before_its_gate(tmp_path: Pat
     assert error < 0.05 * moved
 
 
-def test_the_cpu_decoder_stack_adds_the_deltas_the_modules_do(tmp_path: Path) -> None:
+@pytest.mark.parametrize("threads", [None, 5])  # the machine's, and uneven splits of the work
+def test_the_cpu_decoder_stack_adds_the_deltas_the_modules_do(
+    threads: int | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """bf16 on the cpu backend: the one-call decoder stack (stack.c) runs adapted rows,
     batched with other adapters' and the base model's, to the tokens the layers' modules
-    give them."""
+    give them, however many threads share its work items."""
+    if threads is not None:
+        monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     write_llama(tmp_path / "base", tied=False, **STACKED)
     write_tokenizer(tmp_path / "base")
     for name, (seed, config) in ADAPTERS.items():

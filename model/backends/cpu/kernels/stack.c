@@ -108,7 +108,10 @@ static void lora_dots(const stack_args *a, const uint16_t *A, int W, const uint1
  * the end. */
 static void lora_low(const stack_args *a, const uint16_t *A, int W, const uint16_t *x, int k,
                      int chunks, int split) {
-    const int S = a->lora_slots, step = (W / split + LORA_RANKS - 1) / LORA_RANKS * LORA_RANKS;
+    /* ranks an item takes: W over `split` items, rounded up to whole LORA_RANKS groups
+     * (split items of it cover W) */
+    const int S = a->lora_slots, per = (W + split - 1) / split;
+    const int step = (per + LORA_RANKS - 1) / LORA_RANKS * LORA_RANKS;
 #pragma omp for collapse(3) schedule(dynamic)
     for (int s = 0; s < S; ++s)
         for (int c = 0; c < chunks; ++c)
