@@ -5,6 +5,7 @@ deleted and its block recomputed; another tenant's salt or another model finds n
 
 import stat
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,11 @@ def test_a_corrupt_or_truncated_file_is_recomputed(damage: str, tmp_path: Path) 
         )
     fourth.write_bytes(data if damage == "flip" else data[:-100])
     got = next_turn(engine)
+    # the reader thread checks the blocks it reads ahead, and may still be at the 4th's
+    # when the request is done (the warning logged, the file not yet deleted)
+    deadline = time.monotonic() + 10
+    while disk.stats.corrupt == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert disk.stats.corrupt == 1 and not fourth.exists()  # dropped, and the chain stops
     assert got[0].num_cached_tokens == 12  # the three blocks before it
     plain = make_engine(MODEL, num_kv_blocks=24, disable_prefix_caching=True)
