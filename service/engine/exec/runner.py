@@ -119,7 +119,7 @@ class ModelRunner:
             blocks, window = self._to_device(message.blocks), self._to_device(message.window_blocks)
             self.kv_cache.clear(blocks, window)
         elif isinstance(message, SlotFill):
-            assert self.model.adapters is not None, "a LoRA slot filled on a model without"
+            assert self.model.adapters is not None, "a LoRA slot filled on a model without adapters"
             self.model.adapters.fill(message.name, message.slot)
         else:
             run_copies(message, self.kv_cache, self.disk)
