@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load
 from torch import Tensor
 
 from model.adapters import LoraAdapter, adapted_linears, linear_shape
@@ -39,8 +39,8 @@ def read_adapter(path: str | Path, cfg: ModelConfig, name: str, max_rank: int) -
     """The PEFT adapter at `path` (a folder) for a model of `cfg`, as float32 pairs on our
     linears; AdapterError naming what it asks that kvserve cannot serve."""
     root = Path(path)
-    config = _config(root)
-    tensors = _tensors(root)
+    config, config_bytes = _config(root)
+    tensors, tensor_bytes = _tensors(root)
     used: set[str] = set()
     linears: dict[str, tuple[Tensor, Tensor]] = {}
     rank = 0
@@ -50,21 +50,17 @@ def read_adapter(path: str | Path, cfg: ModelConfig, name: str, max_rank: int) -
             linears[f"layers.{i}.{linear}"] = pair[0]
             rank = max(rank, pair[1])
     _check(root, tensors, used, linears, rank, max_rank, cfg)
-    return LoraAdapter(name, rank, linears, _digest(root))
+    digest = hashlib.sha256(config_bytes + tensor_bytes).hexdigest()  # of the bytes read
+    return LoraAdapter(name, rank, linears, digest)
 
 
-def _digest(root: Path) -> str:
-    sha = hashlib.sha256()
-    for file in ("adapter_config.json", "adapter_model.safetensors"):
-        sha.update((root / file).read_bytes())
-    return sha.hexdigest()
-
-
-def _config(root: Path) -> dict[str, Any]:
+def _config(root: Path) -> tuple[dict[str, Any], bytes]:
+    """The adapter's config checked for what kvserve cannot serve, and its file's bytes."""
     file = root / "adapter_config.json"
     if not file.is_file():
         raise AdapterError(f"{root}: no adapter_config.json (a PEFT adapter folder is needed)")
-    config = json.loads(file.read_text())
+    raw = file.read_bytes()
+    config = json.loads(raw)
     if config.get("peft_type", "LORA") != "LORA":
         raise AdapterError(f"{root}: peft_type {config['peft_type']!r}; only LORA is served")
     refused = {
@@ -77,14 +73,16 @@ def _config(root: Path) -> dict[str, Any]:
             raise AdapterError(f"{root}: {what} are not served, only LoRA's A and B")
     if config.get("bias", "none") != "none":
         raise AdapterError(f"{root}: bias {config['bias']!r}: trained biases are not served")
-    return config
+    return config, raw
 
 
-def _tensors(root: Path) -> dict[str, Tensor]:
+def _tensors(root: Path) -> tuple[dict[str, Tensor], bytes]:
+    """The adapter's tensors in float32, and their file's bytes (read once)."""
     file = root / "adapter_model.safetensors"
     if not file.is_file():
         raise AdapterError(f"{root}: no adapter_model.safetensors")
-    return {k: v.float() for k, v in load_file(str(file)).items()}
+    raw = file.read_bytes()
+    return {k: v.float() for k, v in load(raw).items()}, raw
 
 
 def _parts(cfg: ModelConfig, layer: int, linear: str) -> list[tuple[str, slice]]:
