@@ -67,11 +67,19 @@ class LoraBank:
     """Adapters in `slots` slots, each linear's pairs in padded stacks: A (S, R, in) and
     B transposed in blocks of BLOCK output features, bt (S, out / BLOCK, R, BLOCK) (what
     a block of features reads of every rank, contiguous: the CPU's kernel streams it),
-    R the widest pair an adapter of --max-lora-rank can have there."""
+    R the widest pair an adapter of --max-lora-rank can have there.
+
+    Most of a stack is zero: the ranks past an adapter's own, and in a fused linear each
+    projection's ranks outside its own features' blocks (q's ranks in k's blocks). The
+    ranks that are not, on the host, let the CPU's kernel skip the rest (the sums it
+    leaves out are exact zeros): ranks (S,), the rows of A up to its last nonzero one,
+    and spans (S, out / BLOCK, 2), each block's first and past-last nonzero rank."""
 
     def __init__(self, cfg: ModelConfig, slots: int, max_rank: int, device, dtype) -> None:
         self.a: dict[str, Tensor] = {}
         self.bt: dict[str, Tensor] = {}
+        self.ranks: dict[str, Tensor] = {}
+        self.spans: dict[str, Tensor] = {}
         self.slots = slots
         for i, linear in adapted_linears(cfg):
             n_in, n_out = linear_shape(cfg, linear)
@@ -80,6 +88,8 @@ class LoraBank:
             self.a[key] = torch.zeros(slots, width, n_in, device=device, dtype=dtype)
             blocks = -(-n_out // BLOCK)
             self.bt[key] = torch.zeros(slots, blocks, width, BLOCK, device=device, dtype=dtype)
+            self.ranks[key] = torch.zeros(slots, dtype=torch.int32)
+            self.spans[key] = torch.zeros(slots, blocks, 2, dtype=torch.int32)
 
     @property
     def nbytes(self) -> int:
@@ -95,6 +105,16 @@ class LoraBank:
                 pa, pb = adapter.linears[key]
                 a[slot, : pa.shape[0]] = pa
                 self.bt[key][slot, :, : pb.shape[1]] = blocked(pb.t())
+            self.ranks[key][slot] = _extent(a[slot].ne(0).any(-1))[1]
+            self.spans[key][slot] = _extent(self.bt[key][slot].ne(0).any(-1))
+
+
+def _extent(nonzero: Tensor) -> Tensor:
+    """[first, past-last) of the True entries along nonzero's last dim ([0, 0]: none)."""
+    n = nonzero.shape[-1]
+    first = torch.where(nonzero.any(-1), nonzero.int().argmax(-1), 0)
+    last = torch.where(nonzero.any(-1), n - nonzero.flip(-1).int().argmax(-1), 0)
+    return torch.stack([first, last], -1).to(torch.int32).cpu()
 
 
 def blocked(bt: Tensor) -> Tensor:

@@ -62,6 +62,24 @@ def test_an_adapter_peft_wrote_gives_peft_models_logits(case, writer, tmp_path) 
     assert (model(ids[0]).float() - want).abs().max().item() > 1e-2  # the adapter mattered
 
 
+def test_the_bank_knows_where_each_slots_stacks_are_not_zero(tmp_path) -> None:
+    """ranks: the rows of A up to its last nonzero one; spans: each block of B's first
+    and past-last nonzero rank, so q's ranks are skipped in v's blocks, and k's blocks,
+    which a q-and-v adapter leaves alone, have none (what the CPU's kernel skips)."""
+    # q 4 heads of 32 (two blocks), k and v 2 heads of 32 (a block each)
+    hf = write_llama(
+        tmp_path / "base", tied=False, num_attention_heads=4, num_key_value_heads=2, head_dim=32
+    )
+    write_adapter(hf, tmp_path / "adapter", 1, **CASES["q and v, rsLoRA"])
+    model = load_model(tmp_path / "base", dtype=torch.float32)
+    bank = LoraBank(model.cfg, 2, 8, "cpu", torch.float32)
+    bank.load(read_adapter(tmp_path / "adapter", model.cfg, "a", max_rank=8), 1)
+    key = "layers.0.attn.wqkv"
+    assert bank.ranks[key].tolist() == [0, 8]  # q's 4 ranks, then v's, of a width of 24
+    assert bank.spans[key][1].tolist() == [[0, 4], [0, 4], [0, 0], [4, 8]]
+    assert bank.spans[key][0].eq(0).all() and bank.ranks["layers.0.ffn.w_in"].eq(0).all()
+
+
 def test_each_row_takes_its_own_adapters_delta() -> None:
     """A batch of rows of two adapters and the base model: each row's delta is its own
     adapter's B @ A @ x alone, zero for the base model's rows."""

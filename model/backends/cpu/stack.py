@@ -77,10 +77,13 @@ class _Layer(ctypes.Structure):
                 "expert_out_linear",
             )
         ],
-        # LoRA: the bank's A and B stacks of each linear of adapters.LINEARS, and widths
+        # LoRA: the bank's A and B stacks of each linear of adapters.LINEARS, widths,
+        # and where they are not zero (LoraBank's ranks and spans)
         ("lora_a", _P * 4),
         ("lora_b", _P * 4),
         ("lora_width", _I * 4),
+        ("lora_ranks", _P * 4),
+        ("lora_spans", _P * 4),
     ]
 
 
@@ -258,9 +261,10 @@ class DecoderStack:
             )
         return out
 
-    def _lora_args(self, layer: int) -> tuple[ctypes.Array, ctypes.Array, ctypes.Array]:
-        """A layer's LoRA stacks (adapters.LINEARS' order, NULL where none) and widths."""
-        a, b, width = (_P * 4)(), (_P * 4)(), (_I * 4)()
+    def _lora_args(self, layer: int) -> tuple[ctypes.Array, ...]:
+        """A layer's LoRA stacks (adapters.LINEARS' order, NULL where none), widths,
+        ranks and spans."""
+        a, b, width, ranks, spans = (_P * 4)(), (_P * 4)(), (_I * 4)(), (_P * 4)(), (_P * 4)()
         if self.adapters is not None:
             bank = self.adapters.bank
             for j, linear in enumerate(LINEARS):
@@ -268,7 +272,8 @@ class DecoderStack:
                 if key in bank.a:
                     a[j], b[j] = bank.a[key].data_ptr(), bank.bt[key].data_ptr()
                     width[j] = bank.a[key].shape[1]
-        return a, b, width
+                    ranks[j], spans[j] = bank.ranks[key].data_ptr(), bank.spans[key].data_ptr()
+        return a, b, width, ranks, spans
 
     def forward(
         self,

@@ -169,12 +169,14 @@ typedef struct {
     int64_t *expert_load; /* the tokens routed to each expert, added to (NULL: not counted) */
     linear_fn qkv_linear, o_linear, in_linear, out_linear, router_linear;
     linear_fn expert_in_linear, expert_out_linear;
-    /* LoRA (model/adapters.py): the bank's stacks of each linear an adapter may adapt,
-     * q|k|v, o, (gate|)up, down: A (slots, width, in) and B transposed (slots, width,
-     * out), bf16, B's columns in the linear's own order (gate | up, not swiglu_layout);
-     * NULL: none */
+    /* LoRA (model/adapters.py's LoraBank): the bank's stacks of each linear an adapter
+     * may adapt, q|k|v, o, (gate|)up, down: A (slots, width, in) and B transposed in
+     * blocks of 64 features (slots, out / 64, width, 64), bf16, B's features in the
+     * linear's own order (gate | up, not swiglu_layout); NULL: none. Where they are not
+     * zero: A's rows below ranks (slots), each block's ranks in spans (slots, blocks, 2) */
     const uint16_t *lora_a[4], *lora_b[4];
     int lora_width[4];
+    const int32_t *lora_ranks[4], *lora_spans[4];
 } layer_args;
 
 typedef struct {

@@ -65,6 +65,51 @@ static void lora_group(const stack_args *a) {
 #define LORA_ITEMS 4 /* work items a thread gets at least (for the dynamic schedule) */
 #define LORA_RANKS 4
 #define LORA_BLOCK 64
+#define LORA_CONVERTED 128 /* ranks of a block a prompt's rows read as float32, at most */
+#if defined(__AVX512F__)
+#define LORA_WIDE 4 /* rows a pass takes: LORA_RANKS x LORA_WIDE sums in 16 registers */
+#else
+#define LORA_WIDE 2
+#endif
+
+/* 16 float32 lanes (GCC's vector extension: one AVX-512 register, two AVX2 ones), so the
+ * sums stay in registers, and 16 bf16 values loaded into them (static functions, so
+ * GCC's note that such a return changes the ABI below AVX-512 does not apply) */
+#pragma GCC diagnostic ignored "-Wpsabi"
+typedef float lanes __attribute__((vector_size(64)));
+typedef uint16_t lanes_u16 __attribute__((vector_size(32)));
+typedef uint32_t lanes_u32 __attribute__((vector_size(64)));
+#define LANE_VECS (LORA_BLOCK / 16) /* a block's features in lanes */
+
+static inline lanes lanes_bf16(const uint16_t *p) {
+    lanes_u16 h;
+    memcpy(&h, p, sizeof h);
+    return (lanes)(__builtin_convertvector(h, lanes_u32) << 16);
+}
+
+static inline lanes lanes_f32(const float *p) {
+    lanes v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* v rounded to bf16 (to nearest even, as float_bf16), as the float32 of it */
+static inline lanes lanes_round(const lanes *v) {
+    const lanes_u32 bits = (lanes_u32)*v;
+    return (lanes)((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000u);
+}
+
+/* v's 16 values, already rounded to bf16 (lanes_round), stored as bf16 */
+static inline void lanes_store_bf16(uint16_t *p, const lanes *v) {
+    const lanes_u16 h = __builtin_convertvector((lanes_u32)*v >> 16, lanes_u16);
+    memcpy(p, &h, sizeof h);
+}
+
+static inline float lanes_sum(const lanes *v) {
+    float sum = 0.f;
+    for (int j = 0; j < 16; ++j) sum += (*v)[j];
+    return sum;
+}
 
 /* The rows i0..i1 of lora_order that work item `c` of slot s takes (none: i0 >= i1). */
 static inline void lora_rows_of(const stack_args *a, int s, int c, int *i0, int *i1) {
@@ -73,41 +118,42 @@ static inline void lora_rows_of(const stack_args *a, int s, int c, int *i0, int 
     *i1 = *i0 + LORA_ROWS < end ? *i0 + LORA_ROWS : end;
 }
 
-/* low[i][r] for ranks r0..r0+LORA_RANKS (those below W) of rows i and i + 1 (i alone
- * where i + 1 is the item's end): the dot products of A's rows with x's, their partial
- * sums in 16 lanes, LORA_RANKS x 2 independent chains held in registers */
-static void lora_dots(const stack_args *a, const uint16_t *A, int W, const uint16_t *x, int k,
-                      int s, int r0, int i, int two) {
-    const int ranks = W - r0 < LORA_RANKS ? W - r0 : LORA_RANKS;
-    const uint16_t *x0 = x + (long)a->lora_order[i] * k;
-    const uint16_t *x1 = two ? x + (long)a->lora_order[i + 1] * k : x0;
-    float sums[LORA_RANKS][2][16] = {{{0}}};
-    for (int j0 = 0; j0 + 16 <= k; j0 += 16)
+/* low[i + h][r] for ranks r0..r0+LORA_RANKS (those below used) of `rows` rows from i
+ * (at most `wide`, a constant of each call: LORA_WIDE or 2): the dot products of A's
+ * rows with x's, their partial sums in 16 lanes, LORA_RANKS x wide independent chains
+ * held in registers */
+static inline __attribute__((always_inline)) void lora_dots(
+    const stack_args *a, const uint16_t *A, int W, int used, const uint16_t *x, int k, int s,
+    int r0, int i, int rows, const int wide) {
+    const int ranks = used - r0 < LORA_RANKS ? used - r0 : LORA_RANKS;
+    const uint16_t *xs[LORA_WIDE], *as[LORA_RANKS];
+    for (int h = 0; h < wide; ++h) xs[h] = x + (long)a->lora_order[i + (h < rows ? h : 0)] * k;
+    for (int q = 0; q < LORA_RANKS; ++q) as[q] = A + ((long)s * W + r0 + (q < ranks ? q : 0)) * k;
+    lanes sums[LORA_RANKS][LORA_WIDE] = {};
+    for (int j = 0; j + 16 <= k; j += 16) {
+        lanes xv[LORA_WIDE];
+        for (int h = 0; h < wide; ++h) xv[h] = lanes_bf16(xs[h] + j);
         for (int q = 0; q < LORA_RANKS; ++q) {
-            const uint16_t *ar = A + ((long)s * W + r0 + (q < ranks ? q : 0)) * k + j0;
-#pragma omp simd
-            for (int j = 0; j < 16; ++j) {
-                const float av = bf16_float(ar[j]);
-                sums[q][0][j] += av * bf16_float(x0[j0 + j]);
-                sums[q][1][j] += av * bf16_float(x1[j0 + j]);
-            }
+            if (j % 32 == 0) __builtin_prefetch(as[q] + j + (long)LORA_RANKS * k, 0, 1);
+            const lanes av = lanes_bf16(as[q] + j);
+            for (int h = 0; h < wide; ++h) sums[q][h] += av * xv[h];
         }
+    }
     for (int q = 0; q < ranks; ++q)
-        for (int h = 0; h <= two; ++h) {
-            const uint16_t *ar = A + ((long)s * W + r0 + q) * k, *xr = h ? x1 : x0;
-            float sum = 0.f;
-            for (int j = 0; j < 16; ++j) sum += sums[q][h][j];
-            for (int j = k - k % 16; j < k; ++j) sum += bf16_float(ar[j]) * bf16_float(xr[j]);
+        for (int h = 0; h < rows; ++h) {
+            float sum = lanes_sum(&sums[q][h]);
+            for (int j = k - k % 16; j < k; ++j) sum += bf16_float(as[q][j]) * bf16_float(xs[h][j]);
             a->lora_low[(long)(i + h) * W + r0 + q] = sum;
         }
 }
 
-/* low (rows of lora_order, W) = x A[slot]^T, by (slot, rows, ranks) work items, each
+/* low (rows of lora_order, W) = x A[slot]^T for A's ranks up to `ranks`[slot] (the
+ * rest of A is zero: their low is not written), by (slot, rows, ranks) work items, each
  * streaming its stretch of A (`split` of them an adapter's A): each adapter's A read
  * once a call. The work of a parallel region (lora_add's), which waits for it all at
  * the end. */
-static void lora_low(const stack_args *a, const uint16_t *A, int W, const uint16_t *x, int k,
-                     int chunks, int split) {
+static void lora_low(const stack_args *a, const uint16_t *A, int W, const int32_t *ranks,
+                     const uint16_t *x, int k, int chunks, int split) {
     /* ranks an item takes: W over `split` items, rounded up to whole LORA_RANKS groups
      * (split items of it cover W) */
     const int S = a->lora_slots, per = (W + split - 1) / split;
@@ -118,46 +164,89 @@ static void lora_low(const stack_args *a, const uint16_t *A, int W, const uint16
             for (int q = 0; q < split; ++q) {
                 int i0, i1;
                 lora_rows_of(a, s, c, &i0, &i1);
-                const int r1 = (q + 1) * step < W ? (q + 1) * step : W;
+                const int r1 = (q + 1) * step < ranks[s] ? (q + 1) * step : ranks[s];
                 for (int r = q * step; r < r1 && i0 < i1; r += LORA_RANKS)
-                    for (int i = i0; i < i1; i += 2) lora_dots(a, A, W, x, k, s, r, i, i + 1 < i1);
+                    for (int i = i0; i < i1; i += LORA_WIDE) {
+                        const int rows = i1 - i < LORA_WIDE ? i1 - i : LORA_WIDE;
+                        if (rows > 2)
+                            lora_dots(a, A, W, ranks[s], x, k, s, r, i, rows, LORA_WIDE);
+                        else
+                            lora_dots(a, A, W, ranks[s], x, k, s, r, i, rows, 2);
+                    }
             }
 }
 
-/* y[j] = bf16(y[j] + bf16(sum[j])): a delta rounded to bf16 and added, as torch adds two
- * bf16 tensors */
-static inline void lora_store(uint16_t *y, const float *sum, int width) {
-#pragma omp simd
-    for (int j = 0; j < width; ++j) y[j] = float_bf16(bf16_float(y[j]) + bf16_float(float_bf16(sum[j])));
+/* y[j] = bf16(y[j] + bf16(sum[j])): a block's delta rounded to bf16 and added, as torch
+ * adds two bf16 tensors (a block cut short by the linear's end: one value at a time) */
+static inline void lora_store(uint16_t *y, const lanes *sum, int width) {
+    if (width == LORA_BLOCK) {
+        for (int c = 0; c < LANE_VECS; ++c) {
+            const lanes sum_c = lanes_bf16(y + 16 * c) + lanes_round(&sum[c]);
+            const lanes rounded = lanes_round(&sum_c);
+            lanes_store_bf16(y + 16 * c, &rounded);
+        }
+        return;
+    }
+    for (int j = 0; j < width; ++j)
+        y[j] = float_bf16(bf16_float(y[j]) + bf16_float(float_bf16(sum[j / 16][j % 16])));
 }
 
-/* y's rows i and i + 1 of lora_order (i alone where i + 1 is `end`) += their deltas at
- * one block of B's features (o.. o + width, at `at` in y's rows: gated, a SwiGLU's gate
- * or up block): low B^T, the block's sums of both rows held in registers over the ranks */
-static void lora_block(const stack_args *a, const uint16_t *block, int W, uint16_t *y, int n,
-                       long at, int width, int i, int end) {
-    const float *l0 = a->lora_low + (long)i * W, *l1 = i + 1 < end ? l0 + W : l0;
-    float v0[LORA_BLOCK] = {0}, v1[LORA_BLOCK] = {0};
-    for (int r = 0; r < W; ++r) {
-        const uint16_t *br = block + (long)r * LORA_BLOCK;
-        const float a0 = l0[r], a1 = l1[r];
-#pragma omp simd
-        for (int j = 0; j < LORA_BLOCK; ++j) {
-            const float bv = bf16_float(br[j]);
-            v0[j] += a0 * bv;
-            v1[j] += a1 * bv;
-        }
+/* y's `rows` rows from i of lora_order (at most `wide`, a constant of each call) +=
+ * their deltas at one block of B's features (o.. o + width, at `at` in y's rows: gated, a
+ * SwiGLU's gate or up block): low B^T over the block's ranks r0..r1, each rank's
+ * LORA_BLOCK values of B (float32 from r0 where f32, else bf16), the rows' sums held in
+ * registers */
+static inline __attribute__((always_inline)) void lora_block(
+    const stack_args *a, const void *block, const int f32, int W, int r0, int r1, uint16_t *y,
+    int n, long at, int width, int i, int rows, const int wide) {
+    const float *low[LORA_WIDE];
+    for (int h = 0; h < wide; ++h) low[h] = a->lora_low + (long)(i + (h < rows ? h : 0)) * W;
+    lanes v[LORA_WIDE][LANE_VECS] = {};
+    for (int r = r0; r < r1; ++r) {
+        lanes bv[LANE_VECS];
+        if (!f32) /* the next block's rank r, streamed from memory as this one */
+            for (int c = 0; c < LORA_BLOCK; c += 32)
+                __builtin_prefetch((const uint16_t *)block + (long)(W + r) * LORA_BLOCK + c, 0, 1);
+        for (int c = 0; c < LANE_VECS; ++c)
+            bv[c] = f32 ? lanes_f32((const float *)block + (long)(r - r0) * LORA_BLOCK + 16 * c)
+                        : lanes_bf16((const uint16_t *)block + (long)r * LORA_BLOCK + 16 * c);
+        for (int h = 0; h < wide; ++h)
+            for (int c = 0; c < LANE_VECS; ++c) v[h][c] += low[h][r] * bv[c];
     }
-    lora_store(y + (long)a->lora_order[i] * n + at, v0, width);
-    if (i + 1 < end) lora_store(y + (long)a->lora_order[i + 1] * n + at, v1, width);
+    for (int h = 0; h < rows; ++h) lora_store(y + (long)a->lora_order[i + h] * n + at, v[h], width);
+}
+
+/* The deltas of rows i0..i1 of lora_order at one block of B's features (from `block`,
+ * its ranks r0..r1): a decode's row or two straight from B; an item of more rows (a
+ * prompt's) LORA_WIDE at a time, from a float32 copy of the block made here once (where
+ * the ranks are few enough for it), not converted for every pass */
+static void lora_block_rows(const stack_args *a, const uint16_t *block, int W, int r0, int r1,
+                            uint16_t *y, int n, long at, int width, int i0, int i1) {
+    if (i1 - i0 <= 2) {
+        lora_block(a, block, 0, W, r0, r1, y, n, at, width, i0, i1 - i0, 2);
+        return;
+    }
+    float copy[LORA_CONVERTED * LORA_BLOCK];
+    const int f32 = r1 - r0 <= LORA_CONVERTED;
+    if (f32)
+        for (int j = 0; j < (r1 - r0) * LORA_BLOCK; ++j)
+            copy[j] = bf16_float(block[(long)r0 * LORA_BLOCK + j]);
+    for (int i = i0; i < i1; i += LORA_WIDE) {
+        const int rows = i1 - i < LORA_WIDE ? i1 - i : LORA_WIDE;
+        if (f32)
+            lora_block(a, copy, 1, W, r0, r1, y, n, at, width, i, rows, LORA_WIDE);
+        else
+            lora_block(a, block, 0, W, r0, r1, y, n, at, width, i, rows, LORA_WIDE);
+    }
 }
 
 /* y += low B^T for the adapted rows, by (slot, rows, features) work items (`split` of
  * them the features, at most LORA_COLS an item), each streaming its stretch of B
- * (LoraBank's blocks: every rank's LORA_BLOCK features together). The work of a parallel
- * region (lora_add's). */
-static void lora_deltas(const stack_args *a, const uint16_t *Bt, int W, uint16_t *y, int n,
-                        int gated, int chunks, int split) {
+ * (LoraBank's blocks: every rank's LORA_BLOCK features together) over the block's span
+ * of nonzero ranks (spans, (slots, blocks, 2); within the ranks low has). The work of a
+ * parallel region (lora_add's). */
+static void lora_deltas(const stack_args *a, const uint16_t *Bt, int W, const int32_t *ranks,
+                        const int32_t *spans, uint16_t *y, int n, int gated, int chunks, int split) {
     const int nb = (n + LORA_BLOCK - 1) / LORA_BLOCK;
     const int per = (nb + split - 1) / split < LORA_COLS / LORA_BLOCK ? (nb + split - 1) / split
                                                                      : LORA_COLS / LORA_BLOCK;
@@ -168,12 +257,15 @@ static void lora_deltas(const stack_args *a, const uint16_t *Bt, int W, uint16_t
             for (int q = 0; q < items; ++q) {
                 int i0, i1;
                 lora_rows_of(a, s, c, &i0, &i1);
-                for (int b = q * per; b < (q + 1) * per && b < nb; ++b) {
+                for (int b = q * per; b < (q + 1) * per && b < nb && i0 < i1; ++b) {
                     const uint16_t *block = Bt + ((long)s * nb + b) * W * LORA_BLOCK;
+                    const int32_t *span = spans + ((long)s * nb + b) * 2;
+                    const int r1 = span[1] < ranks[s] ? span[1] : ranks[s];
                     const int o = b * LORA_BLOCK, width = n - o < LORA_BLOCK ? n - o : LORA_BLOCK;
                     /* a SwiGLU's block of gate or up features is one of its blocks */
                     const long at = gated ? swiglu_column(o, n / 2) : o;
-                    for (int i = i0; i < i1; i += 2) lora_block(a, block, W, y, n, at, width, i, i1);
+                    if (span[0] < r1)
+                        lora_block_rows(a, block, W, span[0], r1, y, n, at, width, i0, i1);
                 }
             }
 }
@@ -188,6 +280,7 @@ static void lora_deltas(const stack_args *a, const uint16_t *Bt, int W, uint16_t
 static void lora_add(const stack_args *a, const layer_args *w, int which, const uint16_t *x,
                      uint16_t *y, int n, int k, int gated, int nt) {
     const uint16_t *A = w->lora_a[which], *Bt = w->lora_b[which];
+    const int32_t *ranks = w->lora_ranks[which], *spans = w->lora_spans[which];
     if (!a->lora_rows || !A) return;
     const int W = w->lora_width[which], chunks = (a->rows + LORA_ROWS - 1) / LORA_ROWS;
     /* items of rows with work, and into how many each product splits them: enough for
@@ -196,11 +289,11 @@ static void lora_add(const stack_args *a, const layer_args *w, int which, const 
     for (int s = 0; s < a->lora_slots; ++s)
         groups += (a->lora_starts[s + 1] - a->lora_starts[s] + LORA_ROWS - 1) / LORA_ROWS;
     const int split = groups ? (LORA_ITEMS * nt + groups - 1) / groups : 1;
-    const int ranks = (W + LORA_RANKS - 1) / LORA_RANKS;
+    const int groups_of_ranks = (W + LORA_RANKS - 1) / LORA_RANKS;
 #pragma omp parallel num_threads(nt)
     {
-        lora_low(a, A, W, x, k, chunks, split < ranks ? split : ranks);
-        lora_deltas(a, Bt, W, y, n, gated, chunks, split);
+        lora_low(a, A, W, ranks, x, k, chunks, split < groups_of_ranks ? split : groups_of_ranks);
+        lora_deltas(a, Bt, W, ranks, spans, y, n, gated, chunks, split);
     }
 }
 
