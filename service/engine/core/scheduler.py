@@ -20,11 +20,13 @@ from service.engine.kv.blocks import BlockManager
 from service.engine.kv.prefix_keys import Hits
 from service.engine.request import Request, Status
 
-# A prompt token whose logprobs are asked for (echo, prompt_logprobs) is one row of the
-# vocabulary-wide log-softmax, rank and top-k besides its forward: against the cap of a
-# step that carries decodes it counts as this many plain prompt tokens
-# (docs/decisions.md has the measurement)
+# Against the cap of a step that carries decodes, what a prompt token costs beside a
+# plain one (the costs multiply; docs/decisions.md has the measurements): one whose
+# logprobs are asked for (echo, prompt_logprobs), a row of the vocabulary-wide
+# log-softmax, rank and top-k besides its forward; one under a LoRA adapter, its deltas
+# at every linear
 SCORED_TOKEN_COST = 4
+ADAPTED_TOKEN_COST = 1.25
 
 
 class Scheduler:
@@ -47,7 +49,7 @@ class Scheduler:
         self.adapters = adapters
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last is the newest
-        self.scored_cost = 1  # this step's (schedule: SCORED_TOKEN_COST beside decodes)
+        self.mixed = False  # whether this step carries decodes (its prompt tokens: _cost)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -60,12 +62,11 @@ class Scheduler:
         out = SchedulerOutput()
         budget = prefill = self.max_num_batched_tokens
         cap = self.mixed_prefill_tokens
-        self.scored_cost = 1
-        if cap is not None and any(
+        self.mixed = cap is not None and any(
             r.remaining == 1 and not r.last_is_pending for r in self.running
-        ):
+        )
+        if self.mixed:
             prefill = min(prefill, cap)  # decodes ride in this step: keep it short
-            self.scored_cost = SCORED_TOKEN_COST
         budget, prefill = self._schedule_running(out, budget, prefill)
         if not out.preempted:  # no room was found for running work: admit nothing new
             allowed = min(budget, prefill)
@@ -74,7 +75,9 @@ class Scheduler:
         assert len(out.seqs) <= self.max_num_seqs and len(self.running) <= self.max_num_seqs
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int, prefill: int) -> tuple[int, int]:
+    def _schedule_running(
+        self, out: SchedulerOutput, budget: int, prefill: float
+    ) -> tuple[int, float]:
         """Decodes and mid-prompt chunks; `prefill` caps the chunks (more than one token).
         Returns what is left of both budgets."""
         i = 0
@@ -85,7 +88,7 @@ class Scheduler:
                 continue
             chunk = request.remaining > 1
             cost = self._cost(request) if chunk else 1
-            n = min(request.remaining, budget, prefill // cost if chunk else budget)
+            n = min(request.remaining, budget, int(prefill // cost) if chunk else budget)
             if n == 0:  # no prefill allowance left this step: it continues next step
                 i += 1
                 continue
@@ -130,7 +133,7 @@ class Scheduler:
         request.status = Status.WAITING
         self.waiting.appendleft(request)
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: float) -> float:
         """Waiting requests in order while the budget lasts (n > 1 siblings once the
         first's prompt is in; one whose cached blocks are being read from disk waits,
         and those after it may go first)."""
@@ -144,7 +147,7 @@ class Scheduler:
                 continue
             cached = len(hits) * self.blocks.block_size
             cost = self._cost(request)
-            n = min(request.num_tokens - cached, budget // cost)
+            n = min(request.num_tokens - cached, int(budget // cost))
             if n == 0 or not self.blocks.can_allocate(hits, cached + n, self._watermark()):
                 break
             if self.adapters is not None and not self.adapters.acquire(request):
@@ -162,9 +165,12 @@ class Scheduler:
             budget -= n * cost
         return budget
 
-    def _cost(self, request: Request) -> int:
+    def _cost(self, request: Request) -> float:
         """What a prompt token of `request` counts for against this step's allowance."""
-        return self.scored_cost if request.params.prompt_logprobs is not None else 1
+        if not self.mixed:
+            return 1
+        scored = SCORED_TOKEN_COST if request.params.prompt_logprobs is not None else 1
+        return scored * (ADAPTED_TOKEN_COST if request.params.lora is not None else 1)
 
     def _watermark(self) -> int:
         """Blocks a new prompt must leave free while others run (1% of the pool, at least
