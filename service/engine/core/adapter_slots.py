@@ -15,8 +15,11 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
+
+import torch
 
 from model.adapters import Adapters, LoraAdapter
 from model.config import ModelConfig
@@ -25,6 +28,7 @@ from model.lora import rank_share, read_adapter
 from model.parallel import Shares
 from service.engine.exec.ranks import SlotFill
 from service.engine.request import ParamError, Request
+from service.engine.sample.structured import lower_priority
 
 
 class AdapterSlots:
@@ -51,6 +55,7 @@ class AdapterSlots:
         self.loads = 0  # adapters put into a slot
         self.evictions = 0  # ... in place of another
         self.requests: Counter[str] = Counter()  # requests each adapter has taken
+        self._reader: ThreadPoolExecutor | None = None  # read_later's thread
 
     def read(self, name: str, path: str) -> LoraAdapter:
         """The adapter at `path` (a folder or a Hub repo id), for this model (this rank's
@@ -61,6 +66,18 @@ class AdapterSlots:
         if self.shares is None:
             return adapter
         return replace(adapter, linears=rank_share(adapter.linears, self.cfg, self.shares))
+
+    def read_later(self, name: str, path: str) -> Future[LoraAdapter]:
+        """read() in a thread of its own, below the engine's priority, whose torch ops
+        run on one core: a team of torch's threads there would take cores from the
+        step's OpenMP threads, which then wait for each other (docs/decisions.md)."""
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(1, "kvserve-adapter-read", initializer=_one_core)
+            self._reader.submit(int).result()  # the thread is up, its torch on one core
+            # torch.set_num_threads is that thread's own, but also what threads started
+            # later begin with: this thread's count again for them
+            torch.set_num_threads(torch.get_num_threads())
+        return self._reader.submit(self.read, name, path)
 
     @property
     def served(self) -> tuple[str, ...]:
@@ -164,3 +181,12 @@ class AdapterSlots:
     def running(self) -> dict[str, int]:
         """Each adapter in a slot that running requests use, with their count."""
         return {name: n for name, n in zip(self.names, self.users, strict=True) if name and n}
+
+
+def _one_core() -> None:
+    """A reading thread's start: below the engine's priority, torch's ops on one core
+    (its count taken first: torch sets a thread's own on its first call, from what was
+    set last in any thread)."""
+    lower_priority()
+    torch.get_num_threads()
+    torch.set_num_threads(1)

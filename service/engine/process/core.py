@@ -248,7 +248,7 @@ class Core:
             except KeyError as exc:
                 self._adapter_changed(change, exc.args[0], missing=True)
         else:
-            future = SETUP_POOL.submit(adapters.read, change.name, change.path)
+            future = adapters.read_later(change.name, change.path)
             self.reading[change.ticket] = (future, change)
 
     def _add_read(self) -> None:

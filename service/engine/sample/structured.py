@@ -37,7 +37,8 @@ class ConstraintError(ParamError):
 SETUP_NICE = 10  # the grammar workers' scheduling priority, below the engine's 0
 
 
-def _lower_priority() -> None:
+def lower_priority() -> None:
+    """The calling thread below the engine's priority (SETUP_NICE)."""
     with contextlib.suppress(AttributeError, OSError):  # Linux: per thread
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), SETUP_NICE)
 
@@ -46,7 +47,7 @@ def _lower_priority() -> None:
 # engine's step, in threads below the engine's priority. llguidance releases the GIL, but
 # on a machine with few cores a compile at the engine's priority takes a core from the
 # step's OpenMP threads, and the step waits for it (docs/decisions.md).
-SETUP_POOL = ThreadPoolExecutor(2, "kvserve-grammar", initializer=_lower_priority)
+SETUP_POOL = ThreadPoolExecutor(2, "kvserve-grammar", initializer=lower_priority)
 
 
 # A reasoning model's think block, as its output's text writes it

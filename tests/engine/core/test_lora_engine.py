@@ -4,6 +4,7 @@ merged), whatever it is batched with (other adapters, the base model); more adap
 than slots take turns; a prefix computed under one adapter is never reused under
 another or the base model, and is under the same one."""
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -229,6 +230,23 @@ def test_an_adapter_unloaded_with_requests_in_flight_finishes_them_first(checkpo
     assert tokens_of(got["again"]) == want["qv"][0]
     with pytest.raises(ValueError, match="'qv' is loaded already"):
         slots.add(slots.read("qv", str(root / "qv")))
+
+
+def test_a_load_at_run_time_reads_on_one_core_of_its_own(checkpoint) -> None:
+    """read_later: the adapter read in a thread whose torch ops run on one core, while
+    the engine's thread, and threads started afterwards, keep the engine's count."""
+    root, _ = checkpoint
+    slots = _engine(root, "torch").adapters
+    threads = torch.get_num_threads()
+    adapter = slots.read_later("late", str(root / "qv")).result()
+    assert adapter.name == "late" and adapter.linears.keys() == slots.known["qv"].linears.keys()
+    assert slots._reader.submit(torch.get_num_threads).result() == 1
+    assert torch.get_num_threads() == threads
+    later: list[int] = []
+    started = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    started.start()
+    started.join()
+    assert later == [threads]
 
 
 def test_decode_graphs_carry_each_rows_adapter(checkpoint) -> None:
