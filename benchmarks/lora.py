@@ -15,7 +15,7 @@ one turn of each:
 
 Then three more waves: the base model's, one over the adapters, and one over them while
 another adapter is loaded and unloaded every second (/v1/load_lora_adapter, an admin
-key): the streams' worst inter-token gap in each.
+key): the streams' worst gap between tokens in each.
 
 Prints the CPU, a table of the medians and the adapters' share of the base model's, and
 writes JSON (--out); records the row in docs/results.md.
@@ -139,13 +139,15 @@ def churn_waves(
     args: argparse.Namespace, url: str, base: str, names: list[str], churned: Path
 ) -> dict:
     """The worst inter-token gap of a wave of the base model, of one over the adapters,
-    and of one while another adapter is loaded and unloaded every second."""
+    and of one while another adapter is loaded and unloaded every second: between
+    tokens (bench.run's per_token), not between pieces of text (a character of two
+    tokens comes as one piece, two steps after the last)."""
     n = args.concurrency
     reqs = bench.workload("fixed", 12 * n, args.prompt_len, args.output_len, 100256, 1)
     out = {}
     with bench.event_loop() as loop:
-        plain = loop.run(bench.run(url, reqs[: 4 * n], n, None, 600, base, None, 0))
-        calm = loop.run(bench.run(url, reqs[4 * n : 8 * n], n, None, 600, names, None, 0))
+        plain = loop.run(bench.run(url, reqs[: 4 * n], n, None, 600, base, None, 0, True))
+        calm = loop.run(bench.run(url, reqs[4 * n : 8 * n], n, None, 600, names, None, 0, True))
         churning = loop.run(_churning(url, reqs[8 * n :], n, names, churned))
     for name, run in (("base", plain), ("calm", calm), ("churn", churning)):
         if run["errors"]:
@@ -158,7 +160,7 @@ def churn_waves(
 async def _churning(url: str, wave: list, n: int, names: list[str], folder: Path) -> dict:
     stop = asyncio.Event()
     cycles = asyncio.create_task(_load_unload(url, folder, stop))
-    run = await bench.run(url, wave, n, None, 600, names, None, 0)
+    run = await bench.run(url, wave, n, None, 600, names, None, 0, per_token=True)
     stop.set()
     return run | {"cycles": await cycles}
 
@@ -190,7 +192,7 @@ def report(args: argparse.Namespace, results: dict, churn: dict) -> None:
     print(f"{'share':10s} {share['single']:13.2f} {share['concurrent']:18.2f}")
     plain, calm = churn["base"]["itl_max_ms"], churn["calm"]["itl_max_ms"]
     churning = churn["churn"]["itl_max_ms"]
-    print(f"worst inter-token gap: base {plain:.1f} ms, over the adapters {calm:.1f} ms, with "
+    print(f"worst gap between tokens: base {plain:.1f} ms, over the adapters {calm:.1f} ms, with "
           f"an adapter loaded and unloaded every second ({churn['churn']['cycles']} times) "
           f"{churning:.1f} ms")  # fmt: skip
     out = Path(args.out)
@@ -200,7 +202,8 @@ def report(args: argparse.Namespace, results: dict, churn: dict) -> None:
     print(f"wrote {out}")
     m, c = median, args.concurrency
     record(
-        f"lora ({args.adapters} adapters, rank {args.rank}, every projection)",
+        f"lora ({args.adapters} adapters, rank {args.rank}, every projection"
+        + (f", {args.serve_args})" if args.serve_args else ")"),
         {
             "single-stream decode, adapter / base": (
                 f"{m['adapters']['single']:.1f} / {m['base']['single']:.1f} tok/s "
@@ -210,8 +213,8 @@ def report(args: argparse.Namespace, results: dict, churn: dict) -> None:
                 f"{m['adapters']['concurrent']:.1f} / {m['base']['concurrent']:.1f} tok/s "
                 f"({share['concurrent']:.2f}x)"
             ),
-            "worst inter-token gap, base / adapters / an adapter loaded and unloaded each "
-            "second": f"{plain:.1f} / {calm:.1f} / {churning:.1f} ms",
+            "worst gap between tokens, base / adapters / an adapter loaded and unloaded "
+            "each second": f"{plain:.1f} / {calm:.1f} / {churning:.1f} ms",
         },
     )
 

@@ -65,7 +65,12 @@ async def one(
     max_tokens: int,
     model: str | None,
     errors: tuple[type[BaseException], ...] = (httpx.HTTPError,),
+    per_token: bool = False,
 ) -> Result:
+    """One streamed completion, timed. per_token: each token its own event (its logprob
+    asked for: a token that ends inside a character, whose text the server holds until
+    the character is whole, still sends one), so the gaps are between tokens, not between
+    pieces of text."""
     body: dict[str, Any] = {
         "prompt": prompt,
         "max_tokens": max_tokens,
@@ -76,6 +81,8 @@ async def one(
     }
     if model:
         body["model"] = model
+    if per_token:
+        body["logprobs"] = 0
     result = Result(ok=False, prompt_tokens=len(prompt))
     start = last = time.perf_counter()
     try:
@@ -119,10 +126,11 @@ async def run(
     model: str | list[str] | None,
     api_key: str | None,
     seed: int,
+    per_token: bool = False,
 ) -> dict[str, Any]:
     """model: the one every request names, or several: the closed loop's client i
     names model[i % len(model)], the open loop's request j model[j % len(model)]
-    (LoRA adapters, benchmarks/lora.py)."""
+    (LoRA adapters, benchmarks/lora.py). per_token: as `one`'s."""
     models = model if isinstance(model, list) else [model]
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=max(concurrency or 0, 256))
@@ -141,7 +149,7 @@ async def run(
             async def worker(name: str | None) -> None:
                 while queue and time.perf_counter() < deadline:
                     prompt, n = queue.pop()
-                    results.append(await one(client, prompt, n, name, errors))
+                    results.append(await one(client, prompt, n, name, errors, per_token))
 
             clients = range(concurrency or 1)
             await asyncio.gather(*(worker(models[i % len(models)]) for i in clients))
@@ -152,7 +160,8 @@ async def run(
                 if time.perf_counter() >= deadline:
                     break
                 name = models[j % len(models)]
-                tasks.append(asyncio.ensure_future(one(client, prompt, n, name, errors)))
+                request = one(client, prompt, n, name, errors, per_token)
+                tasks.append(asyncio.ensure_future(request))
                 await asyncio.sleep(rng.expovariate(rate))
             results = list(await asyncio.gather(*tasks))
         duration = time.perf_counter() - start
