@@ -30,6 +30,7 @@ ATTENTION_BACKENDS = ("auto", "cpu", "triton", "torch")
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
 ASYNC_SCHEDULING = ("auto", "on", "off")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 ENGINE_PROCESS = ("auto", "on", "off")
 TOOL_CALL_FORMATS = (
     "auto",
@@ -114,6 +115,7 @@ CHOICES = {
     "speculative_method": SPECULATIVE_METHODS,
     "engine_process": ENGINE_PROCESS,
     "async_scheduling": ASYNC_SCHEDULING,
+    "scheduling_policy": SCHEDULING_POLICIES,
     "log_level": ("debug", "info", "warning", "error"),
 }
 
@@ -285,6 +287,14 @@ class Settings:
             "layer (kvserve_moe_expert_tokens_total, read once a second)"
         },
     )
+    scheduling_policy: str = field(
+        default="fcfs",
+        metadata={
+            "help": "which waiting request goes first and which running one is preempted "
+            "first: fcfs (arrival), priority (each request's priority, lower first, then "
+            "arrival; a waiting request may preempt running ones of a lower priority)"
+        },
+    )
     async_scheduling: str = field(
         default="auto",
         metadata={
@@ -409,6 +419,14 @@ class Settings:
             "model's id, LoRA adapters' names); a key not listed may use every model"
         },
     )
+    api_key_priority: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "a key's requests' priority under --scheduling-policy priority, "
+            "comma-separated KEY=DEFAULT or KEY=DEFAULT:CEILING (the lowest, most urgent, "
+            "a request of the key may ask for); a key not listed: 0, no ceiling"
+        },
+    )
     metrics_auth: bool = field(
         default=False,
         metadata={"help": "/metrics asks for an API key too (it is open by default)"},
@@ -492,14 +510,42 @@ class Settings:
             )
 
     def _check_keys(self) -> None:
-        """Each key limit names a key the server takes, and models (the keys are not
-        repeated in the message)."""
+        """Each key limit names a key the server takes, and models or priorities (the
+        keys are not repeated in the messages)."""
         for entry in self.api_key_models:
             key, _, models = entry.partition("=")
             if not key or not models:
                 raise ValueError("api_key_models: an entry is not KEY=NAME|NAME")
             if key not in self.api_keys:
                 raise ValueError("api_key_models: a key limited is not one of --api-keys")
+        if self.api_key_priority and self.scheduling_policy != "priority":
+            raise ValueError("api_key_priority: set --scheduling-policy priority to use it")
+        for entry in self.api_key_priority:
+            if entry.partition("=")[0] not in self.api_keys:
+                raise ValueError("api_key_priority: a key given is not one of --api-keys")
+        self.key_priority  # noqa: B018 (each entry parses, else ValueError)
+
+    @property
+    def key_priority(self) -> dict[str, tuple[int, int | None]]:
+        """Each listed key's SHA-256 (a request's owner) -> its default priority and its
+        ceiling (None: none)."""
+        out = {}
+        for entry in self.api_key_priority:
+            key, _, value = entry.partition("=")
+            default, _, ceiling = value.partition(":")
+            try:
+                pair = (int(default), int(ceiling) if ceiling else None)
+            except ValueError:
+                raise ValueError(
+                    "api_key_priority: an entry is not KEY=DEFAULT or KEY=DEFAULT:CEILING "
+                    "(integers)"
+                ) from None
+            if pair[1] is not None and pair[0] < pair[1]:
+                raise ValueError(
+                    "api_key_priority: a key's default is below its ceiling (lower is more urgent)"
+                )
+            out[hashlib.sha256(key.encode()).hexdigest()] = pair
+        return out
 
     @property
     def key_models(self) -> dict[str, frozenset[str]]:
@@ -618,6 +664,7 @@ class SchedulerConfig:
     max_model_len: int | None
     async_scheduling: str
     disable_jump_forward: bool
+    scheduling_policy: str
 
     def seqs_per_step(self, device_type: str) -> int:
         """max_num_seqs, or the device's default."""
@@ -700,7 +747,8 @@ SERVER_SETTINGS = (
     "host", "port", "engine_process", "api_server_count", "responses_store_size",
     "responses_store_mib", "responses_store_ttl", "pooling", "tool_call_format",
     "max_queue", "max_body_bytes", "api_keys", "admin_api_keys", "api_key_models",
-    "metrics_auth", "cors_origins", "log_level", "shutdown_timeout", "stuck_after",
+    "api_key_priority", "metrics_auth", "cors_origins", "log_level", "shutdown_timeout",
+    "stuck_after",
 )  # fmt: skip
 
 

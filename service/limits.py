@@ -13,6 +13,7 @@ MAX_MESSAGES = 1024  # messages in one chat request
 MAX_TEMPLATE_KWARGS = 32  # chat_template_kwargs entries
 MAX_TOOLS = 128  # tools in one chat request (their schemas: MAX_CONSTRAINT_CHARS in all)
 MAX_CACHE_SALT_CHARS = 256
+PRIORITY_RANGE = (-(2**31), 2**31 - 1)  # a request's priority (lower goes first)
 # a LoRA adapter's name (in /v1/models, metric labels, every request that names it) and
 # the path a run-time load reads
 MAX_ADAPTER_NAME_CHARS = 128

@@ -133,6 +133,7 @@ def _with_tools(params: SamplingParams, tools: Tools | None) -> SamplingParams:
 async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
     state: ServingState = request.app.state.serving
     state.check_model(req.model, owner_of(request))
+    req.priority = state.priority_of(req.priority, owner_of(request))
     include_usage = check_stream_options(req)
     run = await prepare(state, req)
     prompt, params = run.request.prompt_ids, run.request.params

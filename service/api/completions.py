@@ -79,6 +79,7 @@ def _logprobs(state: ServingState, lps: list[TokenLogprobs], offset: int) -> dic
 async def completions(req: CompletionRequest, request: Request) -> Response:
     state: ServingState = request.app.state.serving
     lora = state.check_model(req.model, owner_of(request))
+    req.priority = state.priority_of(req.priority, owner_of(request))
     if req.suffix is not None:
         raise APIError(400, "suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:

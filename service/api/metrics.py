@@ -270,6 +270,7 @@ class _EngineCollector(Collector):
         yield from _kv_events(m, snap)
         yield from _experts(m, snap)
         yield from _lora(m, snap)
+        yield from _priorities(m, snap)
         memory = self.device_memory()
         if memory is not None:
             yield from _per_model(GaugeMetricFamily, m, (
@@ -459,6 +460,21 @@ def _lora(m: list[str], snap: EngineSnapshot) -> Iterator[Metric]:
         ("kvserve_lora_evictions", "... in place of another adapter (--max-loras were in "
          "use).", snap.lora_evictions),
     ))  # fmt: skip
+
+
+def _priorities(m: list[str], snap: EngineSnapshot) -> Iterator[Metric]:
+    """Under --scheduling-policy priority: the waiting and the running requests of each
+    priority that has any."""
+    if not snap.priorities:
+        return
+    gauge = GaugeMetricFamily(
+        "kvserve_requests_by_priority", "Requests waiting and running, by priority.",
+        labels=["model", "priority", "state"],
+    )  # fmt: skip
+    for priority, waiting, running in snap.priorities:
+        gauge.add_metric([m[0], str(priority), "waiting"], waiting)
+        gauge.add_metric([m[0], str(priority), "running"], running)
+    yield gauge
 
 
 def _kv_events(m: list[str], snap: EngineSnapshot) -> Iterator[Metric]:

@@ -21,6 +21,7 @@ from service.limits import (
     MAX_STOP_TOKEN_IDS,
     MAX_TEMPLATE_KWARGS,
     MAX_TOOLS,
+    PRIORITY_RANGE,
 )
 
 StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
@@ -99,6 +100,9 @@ class SamplingFields(BaseModel):
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # vLLM's: requests share cached prompt blocks only when their salts are equal
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    # vLLM's: where the request queues under --scheduling-policy priority (lower first);
+    # the route sets it to what runs (ServingState.priority_of)
+    priority: int | None = Field(default=None, ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1])
     # structured outputs (service/api/structured.py): OpenAI's, and vLLM's extras
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None

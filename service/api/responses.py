@@ -34,7 +34,7 @@ from service.api.serving import (
 )
 from service.api.sse import usage
 from service.api.state import ServingState
-from service.limits import MAX_MESSAGES, MAX_TOOLS
+from service.limits import MAX_MESSAGES, MAX_TOOLS, PRIORITY_RANGE
 
 router = APIRouter()
 
@@ -69,6 +69,7 @@ class ResponsesRequest(BaseModel):
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
+    priority: int | None = Field(default=None, ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1])
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
     stream: bool = False
@@ -221,7 +222,7 @@ def _chat_request(state: ServingState, req: ResponsesRequest, owner: str) -> tup
         "model": req.model, "messages": messages, "tools": tools, "tool_choice": choice,
         "parallel_tool_calls": req.parallel_tool_calls, "response_format": _format(req),
         "max_tokens": req.max_output_tokens, "temperature": req.temperature,
-        "top_p": req.top_p,
+        "top_p": req.top_p, "priority": state.priority_of(req.priority, owner),
         "reasoning_effort": req.reasoning.effort if req.reasoning else None,
     }  # fmt: skip
     try:

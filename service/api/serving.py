@@ -70,6 +70,7 @@ def sampling_params(
             skip_special_tokens=req.skip_special_tokens,
             cache_salt=req.cache_salt,
             lora=lora,
+            priority=req.priority or 0,
             constraint=constraint_of(req),
         )
     except ParamError as exc:

@@ -122,6 +122,22 @@ class ServingState:
             )
         return self.adapter_of(wanted)
 
+    def priority_of(self, asked: int | None, owner: str) -> int:
+        """A request's priority: what it asks for, else its API key's default (0 where
+        --api-key-priority does not list the key); a 400 naming `priority` for one other
+        than 0 under --scheduling-policy fcfs (vLLM's), or for one more urgent (lower)
+        than the key's ceiling."""
+        default, ceiling = self.settings.key_priority.get(owner, (0, None))
+        if asked is None:
+            return default
+        if asked != 0 and self.settings.scheduling_policy != "priority":
+            raise APIError(400, "priority: this server schedules first come, first served "
+                           "(--scheduling-policy fcfs); leave it out or 0", param="priority")  # fmt: skip
+        if ceiling is not None and asked < ceiling:
+            raise APIError(400, f"priority: this API key may ask for {ceiling} at the most "
+                           f"urgent (lower goes first), not {asked}", param="priority")  # fmt: skip
+        return asked
+
     def adapter_of(self, name: str | None) -> str | None:
         """The LoRA adapter a checked `model` names (None: the server's model)."""
         return None if name is None or name == self.model_id else name

@@ -16,6 +16,7 @@ from service.limits import (
     MAX_STOP,
     MAX_STOP_CHARS,
     MAX_STOP_TOKEN_IDS,
+    PRIORITY_RANGE,
 )
 
 
@@ -86,6 +87,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     cache_salt: str | None = None  # requests share cached prefix blocks only under one salt
     lora: str | None = None  # the LoRA adapter it runs under (its name); None: the base model
+    # where it queues under --scheduling-policy priority: lower goes first, and is
+    # preempted last (vLLM's); 0 under fcfs
+    priority: int = 0
     constraint: Constraint | None = None  # structured output
 
     def __post_init__(self) -> None:
@@ -117,6 +121,8 @@ class SamplingParams:
             "must be at least 1, for a model with think markers",
         )
         _check(self.pooling in (None, *POOLING), "pooling", f"must be one of {list(POOLING)}")
+        low, high = PRIORITY_RANGE
+        _check(low <= self.priority <= high, "priority", f"must be in [{low}, {high}]")
         _check(all(s for s in self.stop), "stop", "stop strings must not be empty")
         _check(len(self.stop) <= MAX_STOP, "stop", f"at most {MAX_STOP} stop strings")
         _check(

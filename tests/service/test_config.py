@@ -259,6 +259,25 @@ def test_every_setting_is_in_one_section() -> None:
     assert config.cache.block_size == 32 and config.speculative.num_speculative_tokens == 3
 
 
+def test_key_priorities_are_checked_at_start() -> None:
+    s = Settings(api_keys=("k1", "k2"), scheduling_policy="priority",
+                 api_key_priority=("k1=10:5", "k2=-1"))  # fmt: skip
+    assert s.engine.scheduler.scheduling_policy == "priority"
+    assert s.key_priority == {
+        hashlib.sha256(b"k1").hexdigest(): (10, 5),
+        hashlib.sha256(b"k2").hexdigest(): (-1, None),
+    }
+    for kwargs, why in (
+        (dict(api_key_priority=("k1=1",)), "set --scheduling-policy priority"),
+        (dict(scheduling_policy="priority", api_key_priority=("k3=1",)), "not one of --api-keys"),
+        (dict(scheduling_policy="priority", api_key_priority=("k1=soon",)), "not KEY=DEFAULT"),
+        (dict(scheduling_policy="priority", api_key_priority=("k1=0:3",)), "below its ceiling"),
+        (dict(scheduling_policy="lifo"), "scheduling_policy must be one of"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            Settings(api_keys=("k1",), **kwargs)
+
+
 def test_lora_settings_and_key_limits_are_checked_at_start() -> None:
     s = Settings(lora_modules=("sql=/a", "chat=org/chat-lora"), api_keys=("k1", "k2"),
                  api_key_models=("k2=sql|chat",))  # fmt: skip

@@ -177,6 +177,8 @@ class LLMEngine:
         )
         if self.adapters is not None:
             snap = dataclasses.replace(snap, **self.adapters.gauges(sched.running, sched.waiting))
+        if sched.priority:
+            snap = dataclasses.replace(snap, priorities=sched.by_priority())
         tier = blocks.tier
         if tier is None:
             return snap

@@ -140,6 +140,7 @@ def assemble(
         config.scheduler.max_num_batched_tokens,
         config.scheduler.mixed_prefill_cap(device),
         adapters,
+        config.scheduler.scheduling_policy,
     )
     eos_ids = frozenset(tokenizer.eos_ids) | frozenset(model.cfg.eos_token_ids)
     drafter = (

@@ -1,18 +1,24 @@
 """Continuous batching under one token budget per step.
 
 Each step: running requests first (decodes, and prefills that are mid-chunk), then prefill
-chunks of waiting requests, FCFS, mixed into the same batch. A step that carries decodes
+chunks of waiting requests, mixed into the same batch. A step that carries decodes
 computes at most `mixed_prefill_tokens` prompt tokens besides them (when set), so running
 streams wait one short step for a new prompt, not one step of the whole token budget.
-When blocks run out the newest running request is preempted: its blocks are freed and it
-re-queues at the front, to be recomputed from its prompt plus what it has generated.
+When blocks run out a running request is preempted: its blocks are freed and it
+re-queues, to be recomputed from its prompt plus what it has generated.
+
+The policy orders both queues. fcfs: waiting requests by arrival (a preempted one at the
+front), the newest running request preempted first. priority: by each request's priority
+(lower first, vLLM's), then arrival; the running request of the lowest priority is
+preempted first, and a waiting request that does not fit preempts running ones of a
+lower priority than its own (an interactive request takes the room of a batch's).
 A request under a LoRA adapter holds the adapter's slot while it runs (adapter_slots.py);
 one whose adapter finds no slot waits, and the requests behind it go first.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 
 from service.engine.batch import ScheduledSeq, SchedulerOutput
 from service.engine.core.adapter_slots import AdapterSlots
@@ -37,6 +43,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         mixed_prefill_tokens: int | None = None,
         adapters: AdapterSlots | None = None,
+        policy: str = "fcfs",
     ) -> None:
         if max_num_seqs <= 0 or max_num_batched_tokens <= 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be > 0")
@@ -47,6 +54,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.mixed_prefill_tokens = mixed_prefill_tokens
         self.adapters = adapters
+        self.priority = policy == "priority"
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last is the newest
         self.mixed = False  # whether this step carries decodes (its prompt tokens: _cost)
@@ -67,8 +75,12 @@ class Scheduler:
         )
         if self.mixed:
             prefill = min(prefill, cap)  # decodes ride in this step: keep it short
+        if self.priority:
+            self.running.sort(key=_rank)  # the lowest priority last: preempted first
+            self._make_room_for_urgent(out)
+        made_room = len(out.preempted)  # preempted for a waiting request: admit it
         budget, prefill = self._schedule_running(out, budget, prefill)
-        if not out.preempted:  # no room was found for running work: admit nothing new
+        if len(out.preempted) == made_room:  # else running work found no room: admit none
             allowed = min(budget, prefill)
             budget -= allowed - self._schedule_waiting(out, allowed)
         assert budget >= 0 and out.num_tokens <= self.max_num_batched_tokens
@@ -133,11 +145,45 @@ class Scheduler:
         request.status = Status.WAITING
         self.waiting.appendleft(request)
 
+    def by_priority(self) -> tuple[tuple[int, int, int], ...]:
+        """(priority, waiting, running) requests of each priority that has any."""
+        waiting = Counter(r.params.priority for r in self.waiting)
+        running = Counter(r.params.priority for r in self.running)
+        return tuple((p, waiting[p], running[p]) for p in sorted(waiting | running))
+
+    def _queue(self) -> list[Request]:
+        """The waiting requests that may start, in the policy's order."""
+        ready = [r for r in self.waiting if r.ready]
+        return sorted(ready, key=_rank) if self.priority else ready
+
+    def _make_room_for_urgent(self, out: SchedulerOutput) -> None:
+        """Preempt running requests of a lower priority than the most urgent waiting one,
+        the lowest first, until that one can start (a sequence free, blocks for its first
+        block of new tokens)."""
+        queue = self._queue()
+        if not queue:
+            return
+        urgent = queue[0]
+        while self.running and self.running[-1].params.priority > urgent.params.priority:
+            if self._can_start(urgent):
+                return
+            victim = self.running.pop()
+            self.preempt(victim)
+            out.preempted.append(victim)
+
+    def _can_start(self, request: Request) -> bool:
+        if len(self.running) >= self.max_num_seqs:
+            return False
+        hits = Hits() if request.computes_prompt else self.blocks.lookup(request)
+        cached = len(hits) * self.blocks.block_size
+        n = min(request.num_tokens - cached, self.blocks.block_size)
+        return self.blocks.can_allocate(hits, cached + n, self._watermark())
+
     def _schedule_waiting(self, out: SchedulerOutput, budget: float) -> float:
-        """Waiting requests in order while the budget lasts (n > 1 siblings once the
-        first's prompt is in; one whose cached blocks are being read from disk waits,
-        and those after it may go first)."""
-        for request in [r for r in self.waiting if r.ready]:
+        """Waiting requests in the policy's order while the budget lasts (n > 1 siblings
+        once the first's prompt is in; one whose cached blocks are being read from disk
+        waits, and those after it may go first)."""
+        for request in self._queue():
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             # prompt logprobs and mean pooling need every prompt token: no cache hits
@@ -197,3 +243,8 @@ def _seq(
     embedding request pools its prompt instead."""
     pools = last and request.params.pooling is not None
     return ScheduledSeq(request, start, n, last and not pools, drafts or [], pools)
+
+
+def _rank(request: Request) -> tuple[int, float]:
+    """The priority policy's order: priority (lower first), then arrival."""
+    return request.params.priority, request.arrival_time

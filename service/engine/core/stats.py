@@ -133,6 +133,8 @@ class EngineSnapshot:
     max_loras: int = 0
     lora_loads: int = 0
     lora_evictions: int = 0
+    # under --scheduling-policy priority: (priority, waiting, running) requests
+    priorities: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def kv_usage(self) -> float:
