@@ -56,7 +56,8 @@ class Scheduler:
         self.adapters = adapters
         self.priority = policy == "priority"
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # admission order: the last is the newest
+        # fcfs: admission order, the last the newest; priority: by _rank, sorted each step
+        self.running: list[Request] = []
         self.mixed = False  # whether this step carries decodes (its prompt tokens: _cost)
 
     def add(self, request: Request) -> None:

@@ -134,7 +134,8 @@ static inline __attribute__((always_inline)) void lora_dots(
         lanes xv[LORA_WIDE];
         for (int h = 0; h < wide; ++h) xv[h] = lanes_bf16(xs[h] + j);
         for (int q = 0; q < LORA_RANKS; ++q) {
-            if (j % 32 == 0) __builtin_prefetch(as[q] + j + (long)LORA_RANKS * k, 0, 1);
+            if (j % 32 == 0) /* the next rank group's A: a stretch too short to be seen */
+                __builtin_prefetch(as[q] + j + (long)LORA_RANKS * k, 0, 1);
             const lanes av = lanes_bf16(as[q] + j);
             for (int h = 0; h < wide; ++h) sums[q][h] += av * xv[h];
         }
@@ -204,7 +205,7 @@ static inline __attribute__((always_inline)) void lora_block(
     lanes v[LORA_WIDE][LANE_VECS] = {};
     for (int r = r0; r < r1; ++r) {
         lanes bv[LANE_VECS];
-        if (!f32) /* the next block's rank r, streamed from memory as this one */
+        if (!f32) /* the next block's rank r: spans of 2 KB apart, too short to be seen */
             for (int c = 0; c < LORA_BLOCK; c += 32)
                 __builtin_prefetch((const uint16_t *)block + (long)(W + r) * LORA_BLOCK + c, 0, 1);
         for (int c = 0; c < LANE_VECS; ++c)
