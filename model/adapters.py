@@ -101,12 +101,15 @@ class LoraBank:
         for key, a in self.a.items():
             a[slot].zero_()
             self.bt[key][slot].zero_()
+            self.ranks[key][slot], self.spans[key][slot] = 0, 0
             if key in adapter.linears:
+                # where they are not zero, from the host's copy (no device work)
                 pa, pb = adapter.linears[key]
+                bt = blocked(pb.t())
                 a[slot, : pa.shape[0]] = pa
-                self.bt[key][slot, :, : pb.shape[1]] = blocked(pb.t())
-            self.ranks[key][slot] = _extent(a[slot].ne(0).any(-1))[1]
-            self.spans[key][slot] = _extent(self.bt[key][slot].ne(0).any(-1))
+                self.bt[key][slot, :, : pb.shape[1]] = bt
+                self.ranks[key][slot] = _extent(pa.ne(0).any(-1))[1]
+                self.spans[key][slot] = _extent(bt.ne(0).any(-1))
 
 
 def _extent(nonzero: Tensor) -> Tensor:
@@ -114,7 +117,7 @@ def _extent(nonzero: Tensor) -> Tensor:
     n = nonzero.shape[-1]
     first = torch.where(nonzero.any(-1), nonzero.int().argmax(-1), 0)
     last = torch.where(nonzero.any(-1), n - nonzero.flip(-1).int().argmax(-1), 0)
-    return torch.stack([first, last], -1).to(torch.int32).cpu()
+    return torch.stack([first, last], -1).to(torch.int32)
 
 
 def blocked(bt: Tensor) -> Tensor:
